@@ -1,0 +1,154 @@
+//! Control-plane handlers: tenants and functions.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use hyper::{Request, Response, StatusCode};
+
+use super::{ApiError, Body, BoxError, json, require_admin, tenant_of};
+use crate::app::{App, name_error, valid_name};
+use crate::db::FunctionRow;
+
+/// Reads a whole body, refusing more than `limit` bytes with a 413.
+async fn read_body<B>(req: Request<B>, limit: usize) -> Result<Bytes, ApiError>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let declared = req
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::too_large(limit));
+    }
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::too_large(limit)),
+        Err(e) => Err(ApiError::bad_request(format!(
+            "reading the request body failed: {e}"
+        ))),
+    }
+}
+
+fn function_json(app: &App, row: &FunctionRow) -> serde_json::Value {
+    let scheme = if app.config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    serde_json::json!({
+        "name": row.name,
+        "digest": format!("sha256:{}", row.digest),
+        "size": row.size,
+        "created": row.created,
+        "url": format!("{scheme}://{}/fn/{}/{}/", app.config.listen, row.tenant, row.name),
+    })
+}
+
+/// `POST /v1/tenants` `{"name"}` (admin) -> 201 `{"name", "api_key"}`.
+pub(super) async fn create_tenant<B>(app: &App, req: Request<B>) -> Result<Response<Body>, ApiError>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    require_admin(app, &req)?;
+    let body = read_body(req, 64 << 10).await?;
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct NewTenant {
+        name: String,
+    }
+    let new: NewTenant = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::bad_request(format!("expected a JSON body {{\"name\": \"...\"}}: {e}"))
+    })?;
+    let key = app.create_tenant(&new.name)?;
+    Ok(json(
+        StatusCode::CREATED,
+        serde_json::json!({"name": new.name, "api_key": key}),
+    ))
+}
+
+/// `PUT /v1/functions/{name}` (tenant key, body = component) -> 201.
+pub(super) async fn deploy<B>(
+    app: &Arc<App>,
+    req: Request<B>,
+    name: &str,
+) -> Result<Response<Body>, ApiError>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let tenant = tenant_of(app, &req)?;
+    if !valid_name(name) {
+        return Err(name_error("function", name));
+    }
+    if let Some(claimed) = req.headers().get("kiln-tenant")
+        && claimed.as_bytes() != tenant.as_bytes()
+    {
+        return Err(ApiError::forbidden(
+            "the API key does not belong to the tenant named in `kiln-tenant`",
+        ));
+    }
+    let bytes = read_body(req, app.config.max_upload_bytes).await?;
+    if bytes.is_empty() {
+        return Err(ApiError::bad_request(
+            "empty upload: send the component's bytes as the request body",
+        ));
+    }
+    // Compiling a component takes a while: keep it off the I/O threads.
+    let (app2, name2) = (app.clone(), name.to_owned());
+    let row = tokio::task::spawn_blocking(move || app2.deploy(&tenant, &name2, &bytes))
+        .await
+        .map_err(|e| ApiError::internal(format!("deploy task failed: {e}")))??;
+    Ok(json(StatusCode::CREATED, function_json(app, &row)))
+}
+
+/// `GET /v1/functions` -> the caller's functions.
+pub(super) fn list_functions<B>(app: &App, req: &Request<B>) -> Result<Response<Body>, ApiError> {
+    let tenant = tenant_of(app, req)?;
+    let rows = app.db.functions(Some(&tenant))?;
+    let list: Vec<_> = rows.iter().map(|r| function_json(app, r)).collect();
+    Ok(json(StatusCode::OK, serde_json::json!({"functions": list})))
+}
+
+fn not_found(name: &str) -> ApiError {
+    ApiError::not_found(format!("no function named `{name}`"))
+}
+
+/// `GET /v1/functions/{name}`.
+pub(super) fn get_function<B>(
+    app: &App,
+    req: &Request<B>,
+    name: &str,
+) -> Result<Response<Body>, ApiError> {
+    let tenant = tenant_of(app, req)?;
+    if !valid_name(name) {
+        return Err(name_error("function", name));
+    }
+    let row = app
+        .db
+        .function(&tenant, name)?
+        .ok_or_else(|| not_found(name))?;
+    Ok(json(StatusCode::OK, function_json(app, &row)))
+}
+
+/// `DELETE /v1/functions/{name}` -> 204.
+pub(super) fn delete_function<B>(
+    app: &App,
+    req: &Request<B>,
+    name: &str,
+) -> Result<Response<Body>, ApiError> {
+    let tenant = tenant_of(app, req)?;
+    if !valid_name(name) {
+        return Err(name_error("function", name));
+    }
+    if !app.delete(&tenant, name)? {
+        return Err(not_found(name));
+    }
+    let mut resp = super::full(StatusCode::NO_CONTENT, "application/json", Bytes::new());
+    resp.headers_mut().remove(hyper::header::CONTENT_TYPE);
+    Ok(resp)
+}

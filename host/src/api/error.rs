@@ -1,0 +1,165 @@
+//! The one place that maps errors to HTTP status codes and JSON bodies.
+
+use hyper::StatusCode;
+use kiln_runtime::{InvokeError, RuntimeError};
+
+use crate::db::DbError;
+
+/// An error answered as `{"error": {"type", "message"}}` with a status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Machine-readable type, e.g. `not_found`.
+    pub kind: &'static str,
+    /// Human-readable explanation that says what to fix.
+    pub message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// 400: the request is malformed.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+    }
+
+    /// 401: missing or wrong credentials.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    }
+
+    /// 403: valid credentials, wrong tenant for this request.
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "forbidden", message)
+    }
+
+    /// 404: no such thing (or not yours: the same answer, so nothing leaks).
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+
+    /// 405: the route exists but not with this method.
+    pub fn method_not_allowed(allowed: &str) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            format!("method not allowed here; use {allowed}"),
+        )
+    }
+
+    /// 409: already exists.
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, "conflict", message)
+    }
+
+    /// 413: the body is over the limit.
+    pub fn too_large(limit: usize) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!("upload exceeds the limit of {limit} bytes (see --max-upload-bytes)"),
+        )
+    }
+
+    /// 500: a bug or failure on our side.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> String {
+        serde_json::json!({"error": {"type": self.kind, "message": self.message}}).to_string()
+    }
+}
+
+impl From<DbError> for ApiError {
+    fn from(e: DbError) -> Self {
+        match e {
+            DbError::TenantExists(_) => Self::conflict(e.to_string()),
+            DbError::Sqlite(_) => {
+                tracing::error!("{e}");
+                Self::internal("the control-plane database failed; see the server log")
+            }
+        }
+    }
+}
+
+impl From<RuntimeError> for ApiError {
+    fn from(e: RuntimeError) -> Self {
+        match e {
+            RuntimeError::Setup(_) => Self::internal(e.to_string()),
+            _ => Self::bad_request(e.to_string()),
+        }
+    }
+}
+
+impl From<&InvokeError> for ApiError {
+    fn from(e: &InvokeError) -> Self {
+        use kiln_runtime::LimitKind;
+        let msg = e.to_string();
+        match e {
+            InvokeError::Limit { kind, .. } => match kind {
+                LimitKind::Memory => Self::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "memory_limit_exceeded",
+                    msg,
+                ),
+                LimitKind::CpuTime => {
+                    Self::new(StatusCode::GATEWAY_TIMEOUT, "cpu_time_limit_exceeded", msg)
+                }
+                LimitKind::WallTime => {
+                    Self::new(StatusCode::GATEWAY_TIMEOUT, "wall_time_limit_exceeded", msg)
+                }
+            },
+            InvokeError::Trap(_) => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "guest_trap", msg),
+            InvokeError::NoResponse | InvokeError::Guest(_) => {
+                Self::new(StatusCode::BAD_GATEWAY, "guest_error", msg)
+            }
+            InvokeError::Overloaded(_) => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", msg)
+            }
+            InvokeError::Internal(_) => Self::internal(msg),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_map_to_the_documented_statuses() {
+        let e = |kind| InvokeError::Limit {
+            kind,
+            detail: String::new(),
+        };
+        use kiln_runtime::LimitKind::*;
+        assert_eq!(
+            ApiError::from(&e(CpuTime)).status,
+            StatusCode::GATEWAY_TIMEOUT
+        );
+        assert_eq!(
+            ApiError::from(&e(WallTime)).status,
+            StatusCode::GATEWAY_TIMEOUT
+        );
+        assert_eq!(
+            ApiError::from(&e(Memory)).status,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    }
+
+    #[test]
+    fn error_body_is_the_documented_json_shape() {
+        let v: serde_json::Value =
+            serde_json::from_str(&ApiError::not_found("no function `x`").body()).unwrap();
+        assert_eq!(v["error"]["type"], "not_found");
+        assert_eq!(v["error"]["message"], "no function `x`");
+    }
+}

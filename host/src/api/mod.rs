@@ -1,0 +1,117 @@
+//! The HTTP API: routing, authentication, and the handlers.
+
+mod control;
+mod error;
+mod invoke;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request, Response, StatusCode, header};
+
+pub use error::ApiError;
+
+use crate::app::App;
+
+/// A boxed error of a body.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// The body of every response.
+pub type Body = UnsyncBoxBody<Bytes, BoxError>;
+
+/// A response with a full body.
+pub(crate) fn full(
+    status: StatusCode,
+    content_type: &str,
+    body: impl Into<Bytes>,
+) -> Response<Body> {
+    let mut resp = Response::new(
+        Full::new(body.into())
+            .map_err(|e| match e {})
+            .boxed_unsync(),
+    );
+    *resp.status_mut() = status;
+    if let Ok(v) = header::HeaderValue::from_str(content_type) {
+        resp.headers_mut().insert(header::CONTENT_TYPE, v);
+    }
+    resp
+}
+
+/// A JSON response.
+pub(crate) fn json(status: StatusCode, value: serde_json::Value) -> Response<Body> {
+    full(status, "application/json", value.to_string())
+}
+
+impl ApiError {
+    /// This error as a response.
+    pub fn into_response(self) -> Response<Body> {
+        full(self.status, "application/json", self.body())
+    }
+}
+
+/// The bearer token of a request, if any.
+fn bearer<B>(req: &Request<B>) -> Option<&str> {
+    let v = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = v.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+/// Requires a tenant API key; returns the tenant it belongs to.
+fn tenant_of<B>(app: &App, req: &Request<B>) -> Result<String, ApiError> {
+    let token = bearer(req).ok_or_else(|| {
+        ApiError::unauthorized("missing API key: send `Authorization: Bearer <tenant API key>`")
+    })?;
+    app.tenant_for_key(token)?
+        .ok_or_else(|| ApiError::unauthorized("invalid API key"))
+}
+
+/// Requires the admin token.
+fn require_admin<B>(app: &App, req: &Request<B>) -> Result<(), ApiError> {
+    match bearer(req) {
+        Some(t) if app.is_admin(t) => Ok(()),
+        Some(_) => Err(ApiError::unauthorized("invalid admin token")),
+        None => Err(ApiError::unauthorized(
+            "missing admin token: send `Authorization: Bearer <admin token>` \
+             (KILN_ADMIN_TOKEN or <data-dir>/admin-token)",
+        )),
+    }
+}
+
+/// Routes one request. Every failure becomes a JSON error response; this
+/// never panics on bad input.
+pub async fn handle<B>(app: Arc<App>, req: Request<B>) -> Response<Body>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let path = req.uri().path().to_owned();
+    let segments: Vec<&str> = path.trim_start_matches('/').splitn(4, '/').collect();
+    let method = req.method().clone();
+    let result = match (segments.as_slice(), &method) {
+        (["fn", ..], _) => return invoke::invoke(app, req).await,
+        (["healthz"], &Method::GET) => {
+            Ok(json(StatusCode::OK, serde_json::json!({"status": "ok"})))
+        }
+        (["metrics"], &Method::GET) => Ok(full(
+            StatusCode::OK,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            app.metrics.encode(),
+        )),
+        (["v1", "tenants"], &Method::POST) => control::create_tenant(&app, req).await,
+        (["v1", "functions"], &Method::GET) => control::list_functions(&app, &req),
+        (["v1", "functions", name], &Method::GET) => control::get_function(&app, &req, name),
+        (["v1", "functions", name], &Method::PUT) => {
+            let name = name.to_string();
+            control::deploy(&app, req, &name).await
+        }
+        (["v1", "functions", name], &Method::DELETE) => control::delete_function(&app, &req, name),
+        (["healthz"] | ["metrics"] | ["v1", "functions"], _) => {
+            Err(ApiError::method_not_allowed("GET"))
+        }
+        (["v1", "tenants"], _) => Err(ApiError::method_not_allowed("POST")),
+        (["v1", "functions", _], _) => Err(ApiError::method_not_allowed("GET, PUT or DELETE")),
+        _ => Err(ApiError::not_found(format!("no route for {method} {path}"))),
+    };
+    result.unwrap_or_else(ApiError::into_response)
+}

@@ -1,0 +1,194 @@
+//! The server's shared state: control plane, component store, runtime, and
+//! the routing table of deployed functions.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock, RwLock};
+
+use kiln_runtime::{Deployment, Runtime};
+use sha2::{Digest, Sha256};
+
+use crate::api::ApiError;
+use crate::auth;
+use crate::config::ServeConfig;
+use crate::db::{Db, FunctionRow};
+use crate::metrics::Metrics;
+
+/// A deployed function as the router sees it. Replaced whole on redeploy,
+/// so in-flight requests finish on the version they started with.
+pub struct Route {
+    /// The control-plane record.
+    pub row: FunctionRow,
+    deployment: OnceLock<Deployment>,
+}
+
+/// Everything a request handler needs.
+pub struct App {
+    pub(crate) db: Db,
+    pub(crate) runtime: Runtime,
+    pub(crate) metrics: Metrics,
+    pub(crate) config: ServeConfig,
+    admin_hash: [u8; 32],
+    components_dir: PathBuf,
+    routes: RwLock<HashMap<(String, String), Arc<Route>>>,
+}
+
+/// Names of tenants and functions: `[a-z0-9-]{1,63}`.
+pub fn valid_name(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+/// The error for a name that breaks the rule.
+pub fn name_error(what: &str, name: &str) -> ApiError {
+    ApiError::bad_request(format!(
+        "invalid {what} name `{}`: names must match [a-z0-9-]{{1,63}}",
+        name.escape_default()
+    ))
+}
+
+impl App {
+    /// Opens the data directory and builds the runtime. Functions are listed
+    /// from the database; each compiles (or loads its cached artifact) on
+    /// first use.
+    pub fn open(config: ServeConfig, admin_token: &str, runtime: Runtime) -> anyhow::Result<Self> {
+        let components_dir = config.data_dir.join("components");
+        std::fs::create_dir_all(&components_dir)?;
+        let db = Db::open(&config.data_dir.join("kiln.db"))?;
+        let routes = db
+            .functions(None)?
+            .into_iter()
+            .map(|row| {
+                let key = (row.tenant.clone(), row.name.clone());
+                let route = Route {
+                    row,
+                    deployment: OnceLock::new(),
+                };
+                (key, Arc::new(route))
+            })
+            .collect();
+        Ok(Self {
+            db,
+            runtime,
+            metrics: Metrics::default(),
+            config,
+            admin_hash: auth::hash(admin_token),
+            components_dir,
+            routes: RwLock::new(routes),
+        })
+    }
+
+    /// Whether `token` is the admin token.
+    pub fn is_admin(&self, token: &str) -> bool {
+        auth::verify(token, &self.admin_hash)
+    }
+
+    /// The tenant owning API key `key`, if it is valid.
+    pub fn tenant_for_key(&self, key: &str) -> Result<Option<String>, ApiError> {
+        let Some(id) = auth::key_id(key) else {
+            return Ok(None);
+        };
+        Ok(match self.db.api_key(id)? {
+            Some((tenant, hash)) if auth::verify(key, &hash) => Some(tenant),
+            _ => None,
+        })
+    }
+
+    /// Creates a tenant; returns its first API key.
+    pub fn create_tenant(&self, name: &str) -> Result<String, ApiError> {
+        if !valid_name(name) {
+            return Err(name_error("tenant", name));
+        }
+        let key = auth::new_key();
+        self.db.create_tenant(name, &key.id, &key.hash)?;
+        Ok(key.key)
+    }
+
+    fn component_path(&self, digest: &str) -> PathBuf {
+        self.components_dir.join(format!("{digest}.wasm"))
+    }
+
+    /// Validates, stores and routes a component; replaces any previous
+    /// version atomically (requests in flight finish on the old one).
+    pub fn deploy(&self, tenant: &str, name: &str, bytes: &[u8]) -> Result<FunctionRow, ApiError> {
+        if !valid_name(name) {
+            return Err(name_error("function", name));
+        }
+        let digest = hex::encode(Sha256::digest(bytes));
+        // Validation first: nothing is stored for a component we reject.
+        let deployment = self.runtime.load(&digest, bytes)?;
+        let path = self.component_path(&digest);
+        if !path.exists() {
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            std::fs::write(&tmp, bytes)
+                .and_then(|()| std::fs::rename(&tmp, &path))
+                .map_err(|e| ApiError::internal(format!("storing the component failed: {e}")))?;
+        }
+        let row = FunctionRow {
+            tenant: tenant.to_owned(),
+            name: name.to_owned(),
+            digest,
+            size: bytes.len() as u64,
+            created: Db::now(),
+        };
+        let previous = self.db.function(tenant, name)?;
+        self.db.upsert_function(&row)?;
+        let route = Route {
+            row: row.clone(),
+            deployment: OnceLock::from(deployment),
+        };
+        self.routes_mut()
+            .insert((tenant.to_owned(), name.to_owned()), Arc::new(route));
+        if let Some(old) = previous.filter(|old| old.digest != row.digest) {
+            self.collect_component(&old.digest);
+        }
+        Ok(row)
+    }
+
+    /// Deletes a function; false if the tenant has no such function.
+    pub fn delete(&self, tenant: &str, name: &str) -> Result<bool, ApiError> {
+        let Some(row) = self.db.function(tenant, name)? else {
+            return Ok(false);
+        };
+        self.db.delete_function(tenant, name)?;
+        self.routes_mut()
+            .remove(&(tenant.to_owned(), name.to_owned()));
+        self.collect_component(&row.digest);
+        Ok(true)
+    }
+
+    /// Removes a stored component no function refers to any more.
+    fn collect_component(&self, digest: &str) {
+        if let Ok(false) = self.db.digest_in_use(digest) {
+            let _ = std::fs::remove_file(self.component_path(digest));
+        }
+    }
+
+    fn routes_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<(String, String), Arc<Route>>> {
+        self.routes.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The route of `tenant`'s function `name`, if deployed.
+    pub fn route(&self, tenant: &str, name: &str) -> Option<Arc<Route>> {
+        let routes = self.routes.read().unwrap_or_else(|p| p.into_inner());
+        routes.get(&(tenant.to_owned(), name.to_owned())).cloned()
+    }
+
+    /// The route's deployment, compiling it (or loading the cached
+    /// artifact) on first use.
+    pub fn deployment(&self, route: &Route) -> Result<Deployment, ApiError> {
+        if let Some(d) = route.deployment.get() {
+            return Ok(d.clone());
+        }
+        let bytes = std::fs::read(self.component_path(&route.row.digest)).map_err(|e| {
+            ApiError::internal(format!(
+                "component {} of function `{}` is missing from the data dir: {e}",
+                route.row.digest, route.row.name
+            ))
+        })?;
+        let d = self.runtime.load(&route.row.digest, &bytes)?;
+        Ok(route.deployment.get_or_init(|| d).clone())
+    }
+}

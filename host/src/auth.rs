@@ -1,0 +1,129 @@
+//! API keys and the admin token: generated at random, stored as SHA-256
+//! hashes, compared in constant time.
+
+use std::path::Path;
+
+use rand::Rng;
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+/// A freshly minted API key: `kiln_<id>_<secret>`. Only its hash is stored.
+#[derive(Debug, Clone)]
+pub struct NewKey {
+    /// The public lookup id.
+    pub id: String,
+    /// The whole key, shown to the tenant once.
+    pub key: String,
+    /// SHA-256 of the whole key.
+    pub hash: [u8; 32],
+}
+
+/// SHA-256 of `s`.
+pub fn hash(s: &str) -> [u8; 32] {
+    Sha256::digest(s.as_bytes()).into()
+}
+
+/// Mints a new API key.
+pub fn new_key() -> NewKey {
+    let mut rng = rand::rng();
+    let id: [u8; 6] = rng.random();
+    let secret: [u8; 24] = rng.random();
+    let id = hex::encode(id);
+    let key = format!("kiln_{id}_{}", hex::encode(secret));
+    NewKey {
+        hash: hash(&key),
+        id,
+        key,
+    }
+}
+
+/// The lookup id of a presented key, if it has the right shape.
+pub fn key_id(key: &str) -> Option<&str> {
+    let rest = key.strip_prefix("kiln_")?;
+    let (id, secret) = rest.split_once('_')?;
+    (id.len() == 12 && secret.len() == 48).then_some(id)
+}
+
+/// Whether `presented` hashes to `stored`, in constant time.
+pub fn verify(presented: &str, stored: &[u8]) -> bool {
+    hash(presented).ct_eq(stored).into()
+}
+
+/// The admin token, and whether it was generated just now (so it should be
+/// shown once).
+#[derive(Debug, Clone)]
+pub struct AdminToken {
+    /// The token.
+    pub token: String,
+    /// True when this start generated it.
+    pub generated: bool,
+}
+
+/// Reads `<data-dir>/admin-token`, or generates it with mode 0600.
+pub fn load_or_create_admin_token(data_dir: &Path) -> std::io::Result<AdminToken> {
+    let path = data_dir.join("admin-token");
+    match std::fs::read_to_string(&path) {
+        Ok(t) if !t.trim().is_empty() => {
+            return Ok(AdminToken {
+                token: t.trim().to_owned(),
+                generated: false,
+            });
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let secret: [u8; 32] = rand::rng().random();
+    let token = format!("kiln_admin_{}", hex::encode(secret));
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(0o600);
+    }
+    use std::io::Write;
+    let mut f = opts.open(&path)?;
+    f.write_all(token.as_bytes())?;
+    f.sync_all()?;
+    Ok(AdminToken {
+        token,
+        generated: true,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minted_key_verifies_and_others_do_not() {
+        let k = new_key();
+        assert_eq!(key_id(&k.key), Some(k.id.as_str()));
+        assert!(verify(&k.key, &k.hash));
+        let mut wrong = k.key.clone();
+        wrong.pop();
+        wrong.push('x');
+        assert!(!verify(&wrong, &k.hash));
+        assert_eq!(key_id("kiln_short_x"), None);
+    }
+
+    #[test]
+    fn admin_token_is_generated_once_with_private_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = load_or_create_admin_token(dir.path()).unwrap();
+        assert!(first.generated);
+        let again = load_or_create_admin_token(dir.path()).unwrap();
+        assert!(!again.generated);
+        assert_eq!(first.token, again.token);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(dir.path().join("admin-token"))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600);
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! The control plane's SQLite database: tenants, API keys (hashes only) and
+//! functions.
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use rusqlite::{Connection, OptionalExtension, params};
+
+/// Errors from the control-plane database.
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    /// A tenant with this name already exists.
+    #[error("tenant `{0}` already exists")]
+    TenantExists(String),
+    /// SQLite failed.
+    #[error("database error: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+}
+
+/// A deployed function's record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FunctionRow {
+    /// Owning tenant.
+    pub tenant: String,
+    /// Function name.
+    pub name: String,
+    /// SHA-256 of the component, hex.
+    pub digest: String,
+    /// Component size in bytes.
+    pub size: u64,
+    /// Unix time (seconds) of the deploy that created this version.
+    pub created: i64,
+}
+
+/// The database handle. SQLite calls are short; one connection behind a
+/// mutex is enough for the control plane.
+pub struct Db {
+    conn: Mutex<Connection>,
+}
+
+const SCHEMA: &str = "
+PRAGMA journal_mode = WAL;
+PRAGMA synchronous = NORMAL;
+PRAGMA foreign_keys = ON;
+CREATE TABLE IF NOT EXISTS tenants (
+    name TEXT PRIMARY KEY,
+    created INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
+    hash BLOB NOT NULL,
+    created INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS functions (
+    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
+    name TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    created INTEGER NOT NULL,
+    PRIMARY KEY (tenant, name)
+);
+";
+
+fn now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+impl Db {
+    /// Opens (creating if needed) the database at `path`.
+    pub fn open(path: &Path) -> Result<Self, DbError> {
+        let conn = Connection::open(path)?;
+        conn.execute_batch(SCHEMA)?;
+        Ok(Self {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        // A panic while holding the lock cannot leave SQLite inconsistent
+        // (statements are atomic), so a poisoned lock is still usable.
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Creates a tenant and its first API key (given as id and hash).
+    pub fn create_tenant(&self, name: &str, key_id: &str, key_hash: &[u8]) -> Result<(), DbError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let inserted = tx.execute(
+            "INSERT OR IGNORE INTO tenants (name, created) VALUES (?1, ?2)",
+            params![name, now()],
+        )?;
+        if inserted == 0 {
+            return Err(DbError::TenantExists(name.to_owned()));
+        }
+        tx.execute(
+            "INSERT INTO api_keys (id, tenant, hash, created) VALUES (?1, ?2, ?3, ?4)",
+            params![key_id, name, key_hash, now()],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// The tenant and stored hash of API key `key_id`.
+    pub fn api_key(&self, key_id: &str) -> Result<Option<(String, Vec<u8>)>, DbError> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT tenant, hash FROM api_keys WHERE id = ?1",
+                params![key_id],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?)
+    }
+
+    /// Creates or atomically replaces a function.
+    pub fn upsert_function(&self, row: &FunctionRow) -> Result<(), DbError> {
+        self.conn().execute(
+            "INSERT INTO functions (tenant, name, digest, size, created)
+             VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT (tenant, name) DO UPDATE SET
+               digest = excluded.digest, size = excluded.size, created = excluded.created",
+            params![
+                row.tenant,
+                row.name,
+                row.digest,
+                row.size as i64,
+                row.created
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// One tenant's function.
+    pub fn function(&self, tenant: &str, name: &str) -> Result<Option<FunctionRow>, DbError> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT tenant, name, digest, size, created FROM functions
+                 WHERE tenant = ?1 AND name = ?2",
+                params![tenant, name],
+                row_to_function,
+            )
+            .optional()?)
+    }
+
+    /// Functions of one tenant, or of all tenants when `tenant` is `None`,
+    /// ordered by tenant and name.
+    pub fn functions(&self, tenant: Option<&str>) -> Result<Vec<FunctionRow>, DbError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(
+            "SELECT tenant, name, digest, size, created FROM functions
+             WHERE ?1 IS NULL OR tenant = ?1 ORDER BY tenant, name",
+        )?;
+        let rows = stmt.query_map(params![tenant], row_to_function)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Deletes a function; false if it did not exist.
+    pub fn delete_function(&self, tenant: &str, name: &str) -> Result<bool, DbError> {
+        let n = self.conn().execute(
+            "DELETE FROM functions WHERE tenant = ?1 AND name = ?2",
+            params![tenant, name],
+        )?;
+        Ok(n > 0)
+    }
+
+    /// Whether any function still refers to `digest`.
+    pub fn digest_in_use(&self, digest: &str) -> Result<bool, DbError> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT 1 FROM functions WHERE digest = ?1 LIMIT 1",
+                params![digest],
+                |_| Ok(()),
+            )
+            .optional()?
+            .is_some())
+    }
+
+    /// The current Unix time in seconds, as stored in `created` columns.
+    pub fn now() -> i64 {
+        now()
+    }
+}
+
+fn row_to_function(r: &rusqlite::Row<'_>) -> rusqlite::Result<FunctionRow> {
+    Ok(FunctionRow {
+        tenant: r.get(0)?,
+        name: r.get(1)?,
+        digest: r.get(2)?,
+        size: r.get::<_, i64>(3)? as u64,
+        created: r.get(4)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn db() -> (tempfile::TempDir, Db) {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("kiln.db")).unwrap();
+        (dir, db)
+    }
+
+    #[test]
+    fn duplicate_tenant_is_rejected() {
+        let (_d, db) = db();
+        db.create_tenant("acme", "k1", b"h").unwrap();
+        assert!(matches!(
+            db.create_tenant("acme", "k2", b"h"),
+            Err(DbError::TenantExists(_))
+        ));
+        assert_eq!(db.api_key("k2").unwrap(), None);
+    }
+
+    #[test]
+    fn redeploy_replaces_the_function_row() {
+        let (_d, db) = db();
+        db.create_tenant("acme", "k1", b"h").unwrap();
+        let mut row = FunctionRow {
+            tenant: "acme".into(),
+            name: "f".into(),
+            digest: "aa".into(),
+            size: 1,
+            created: 1,
+        };
+        db.upsert_function(&row).unwrap();
+        row.digest = "bb".into();
+        db.upsert_function(&row).unwrap();
+        assert_eq!(db.functions(Some("acme")).unwrap(), vec![row]);
+        assert!(!db.digest_in_use("aa").unwrap());
+        assert!(db.delete_function("acme", "f").unwrap());
+        assert!(!db.delete_function("acme", "f").unwrap());
+    }
+}

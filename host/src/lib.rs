@@ -1,0 +1,16 @@
+//! The `kiln` server: HTTP front end, control plane and function routing.
+//!
+//! [`server::Server`] binds a listener over an [`app::App`]; requests go
+//! through [`api::handle`], which authenticates, routes, and runs functions
+//! through `kiln-runtime`.
+
+pub mod api;
+pub mod app;
+pub mod auth;
+pub mod client;
+pub mod config;
+pub mod db;
+pub mod metrics;
+pub mod server;
+/// The model backend of a server that serves none.
+pub use kiln_runtime::NoModels;

@@ -1,0 +1,196 @@
+//! The listener: HTTP/1.1 and HTTP/2 (optionally over TLS), and graceful
+//! shutdown with a bounded drain.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use kiln_runtime::{Inference, Runtime};
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+use crate::app::App;
+use crate::auth;
+use crate::config::ServeConfig;
+
+/// A server that is listening.
+pub struct Server {
+    /// The shared state (for in-process use such as benchmarks).
+    pub app: Arc<App>,
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    /// The address actually bound (useful with port 0).
+    pub local_addr: SocketAddr,
+    /// The admin token in force.
+    pub admin_token: auth::AdminToken,
+}
+
+fn tls_acceptor(cert: &std::path::Path, key: &std::path::Path) -> anyhow::Result<TlsAcceptor> {
+    use rustls_pemfile::Item;
+    let certs = rustls_pemfile::certs(&mut std::io::BufReader::new(
+        std::fs::File::open(cert).with_context(|| format!("opening {}", cert.display()))?,
+    ))
+    .collect::<Result<Vec<_>, _>>()
+    .with_context(|| format!("reading certificates from {}", cert.display()))?;
+    let mut key_reader = std::io::BufReader::new(
+        std::fs::File::open(key).with_context(|| format!("opening {}", key.display()))?,
+    );
+    let key = loop {
+        match rustls_pemfile::read_one(&mut key_reader)? {
+            Some(Item::Pkcs1Key(k)) => break k.into(),
+            Some(Item::Pkcs8Key(k)) => break k.into(),
+            Some(Item::Sec1Key(k)) => break k.into(),
+            Some(_) => continue,
+            None => anyhow::bail!("no private key found in {}", key.display()),
+        }
+    };
+    let mut config = tokio_rustls::rustls::ServerConfig::builder_with_provider(Arc::new(
+        tokio_rustls::rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .context("building the TLS configuration")?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+impl Server {
+    /// Opens the data dir, builds the runtime and binds the listener.
+    /// `admin_token` overrides the one stored in the data dir.
+    pub async fn bind(
+        config: ServeConfig,
+        admin_token: Option<String>,
+        backend: Arc<dyn Inference>,
+    ) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(&config.data_dir)
+            .with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
+        let admin_token = match admin_token {
+            Some(token) => auth::AdminToken {
+                token,
+                generated: false,
+            },
+            None => auth::load_or_create_admin_token(&config.data_dir)
+                .context("reading or creating the admin token")?,
+        };
+        let tls = match &config.tls {
+            Some((cert, key)) => Some(tls_acceptor(cert, key)?),
+            None => None,
+        };
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("binding {}", config.listen))?;
+        let local_addr = listener.local_addr()?;
+        let runtime = Runtime::new(
+            config.limits.clone(),
+            backend,
+            &config.data_dir.join("cache"),
+        )?;
+        let mut config = config;
+        config.listen = local_addr;
+        let app = Arc::new(App::open(config, &admin_token.token, runtime)?);
+        Ok(Self {
+            app,
+            listener,
+            tls,
+            local_addr,
+            admin_token,
+        })
+    }
+
+    /// Serves until `shutdown` resolves, then stops accepting and waits up
+    /// to the drain timeout for connections in flight.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+        let graceful = GracefulShutdown::new();
+        let builder = auto::Builder::new(TokioExecutor::new());
+        tokio::pin!(shutdown);
+        loop {
+            let (stream, peer) = tokio::select! {
+                accepted = self.listener.accept() => match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!("accept failed: {e}");
+                        continue;
+                    }
+                },
+                () = &mut shutdown => break,
+            };
+            let _ = stream.set_nodelay(true);
+            let app = self.app.clone();
+            let service = service_fn(move |req| {
+                let app = app.clone();
+                async move { Ok::<_, std::convert::Infallible>(crate::api::handle(app, req).await) }
+            });
+            match &self.tls {
+                None => {
+                    let conn =
+                        builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                    let conn = graceful.watch(conn.into_owned());
+                    tokio::spawn(async move {
+                        if let Err(e) = conn.await {
+                            tracing::debug!(%peer, "connection error: {e}");
+                        }
+                    });
+                }
+                Some(acceptor) => {
+                    let acceptor = acceptor.clone();
+                    let builder = builder.clone();
+                    let watcher = graceful.watcher();
+                    tokio::spawn(async move {
+                        let stream = match acceptor.accept(stream).await {
+                            Ok(s) => s,
+                            Err(e) => {
+                                tracing::debug!(%peer, "TLS handshake failed: {e}");
+                                return;
+                            }
+                        };
+                        let conn =
+                            builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                        if let Err(e) = watcher.watch(conn.into_owned()).await {
+                            tracing::debug!(%peer, "connection error: {e}");
+                        }
+                    });
+                }
+            }
+        }
+        drop(self.listener);
+        let drain = self.app.config.drain_timeout;
+        tracing::info!("shutting down; draining for up to {drain:?}");
+        if tokio::time::timeout(drain, graceful.shutdown())
+            .await
+            .is_err()
+        {
+            tracing::warn!("drain timeout reached; closing remaining connections");
+        }
+        Ok(())
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

@@ -1,0 +1,182 @@
+//! The wasmtime engine, its linker, and components compiled once per digest.
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use wasmtime::component::{Component, Linker};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+use wasmtime_wasi_http::p2::bindings::ProxyPre;
+
+use crate::ai::{self, Inference};
+use crate::error::RuntimeError;
+use crate::limits::{Limits, TICK};
+use crate::state::State;
+
+/// A validated component, ready to instantiate: its [`ProxyPre`] resolves
+/// every import once, so each request only allocates and initialises.
+#[derive(Clone)]
+pub struct Deployment {
+    /// SHA-256 of the component bytes, hex.
+    pub digest: String,
+    pub(crate) pre: ProxyPre<State>,
+}
+
+impl std::fmt::Debug for Deployment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Deployment")
+            .field("digest", &self.digest)
+            .finish()
+    }
+}
+
+/// The shared engine: configuration, linker, model backend and the on-disk
+/// cache of compiled artifacts.
+pub struct Runtime {
+    pub(crate) engine: Engine,
+    linker: Linker<State>,
+    pub(crate) limits: Limits,
+    pub(crate) backend: Arc<dyn Inference>,
+    cache_dir: PathBuf,
+    engine_key: String,
+    ticker_stop: Arc<AtomicBool>,
+}
+
+impl Runtime {
+    /// Builds the engine with the pooling allocator and copy-on-write memory
+    /// images, starts the epoch ticker, and links WASI, WASI-HTTP and
+    /// `kiln:ai`. Compiled components are cached under `cache_dir`.
+    pub fn new(
+        limits: Limits,
+        backend: Arc<dyn Inference>,
+        cache_dir: &Path,
+    ) -> Result<Self, RuntimeError> {
+        let setup = |e: wasmtime::Error| RuntimeError::Setup(e.to_string());
+        let mut pool = PoolingAllocationConfig::default();
+        let n = limits.max_instances;
+        pool.total_component_instances(n)
+            .total_core_instances(n.saturating_mul(4))
+            .total_memories(n)
+            .total_tables(n.saturating_mul(2))
+            .total_stacks(n)
+            .max_memory_size(limits.memory_bytes)
+            .max_memories_per_component(1);
+        let mut config = Config::new();
+        config
+            .wasm_component_model(true)
+            .epoch_interruption(true)
+            .memory_init_cow(true)
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        let engine = Engine::new(&config).map_err(setup)?;
+
+        let mut linker = Linker::<State>::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(setup)?;
+        wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(setup)?;
+        ai::add_to_linker(&mut linker, State::ai).map_err(setup)?;
+
+        let mut hasher = DefaultHasher::new();
+        engine.precompile_compatibility_hash().hash(&mut hasher);
+        let engine_key = format!("{:016x}", hasher.finish());
+        std::fs::create_dir_all(cache_dir).map_err(|e| {
+            RuntimeError::Setup(format!("creating cache dir {}: {e}", cache_dir.display()))
+        })?;
+
+        let ticker_stop = Arc::new(AtomicBool::new(false));
+        spawn_ticker(engine.clone(), ticker_stop.clone())
+            .map_err(|e| RuntimeError::Setup(format!("starting the epoch thread: {e}")))?;
+        Ok(Self {
+            engine,
+            linker,
+            limits,
+            backend,
+            cache_dir: cache_dir.to_owned(),
+            engine_key,
+            ticker_stop,
+        })
+    }
+
+    /// The limits every request runs under.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Compiles (or loads from the artifact cache) and validates a component:
+    /// it must be a component, import only what Kiln provides, and export
+    /// `wasi:http/incoming-handler`.
+    pub fn load(&self, digest: &str, bytes: &[u8]) -> Result<Deployment, RuntimeError> {
+        let component = self.compile_cached(digest, bytes)?;
+        let pre = self
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| RuntimeError::UnsupportedImport(format!("{e:#}")))?;
+        let pre = ProxyPre::new(pre).map_err(|e| RuntimeError::MissingHandler(format!("{e:#}")))?;
+        Ok(Deployment {
+            digest: digest.to_owned(),
+            pre,
+        })
+    }
+
+    fn compile_cached(&self, digest: &str, bytes: &[u8]) -> Result<Component, RuntimeError> {
+        if !wasmparser_is_component(bytes) {
+            return Err(RuntimeError::InvalidComponent(
+                "the upload is not a WebAssembly component (a core module or other bytes?); \
+                 build with `--target wasm32-wasip2`"
+                    .into(),
+            ));
+        }
+        let path = self
+            .cache_dir
+            .join(format!("{digest}-{}.cwasm", self.engine_key));
+        if path.exists() {
+            // SAFETY: the file was written by `Component::serialize` of an
+            // engine with the same compatibility hash, under our data dir.
+            match unsafe { Component::deserialize_file(&self.engine, &path) } {
+                Ok(c) => return Ok(c),
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), "stale artifact, recompiling: {e}")
+                }
+            }
+        }
+        let component = Component::new(&self.engine, bytes)
+            .map_err(|e| RuntimeError::InvalidComponent(format!("{e:#}")))?;
+        match component.serialize() {
+            Ok(art) => {
+                let tmp = path.with_extension("tmp");
+                if let Err(e) =
+                    std::fs::write(&tmp, art).and_then(|()| std::fs::rename(&tmp, &path))
+                {
+                    tracing::warn!("could not cache compiled artifact: {e}");
+                }
+            }
+            Err(e) => tracing::warn!("could not serialize compiled artifact: {e}"),
+        }
+        Ok(component)
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.ticker_stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Advances the engine's epoch every [`TICK`] until told to stop.
+fn spawn_ticker(engine: Engine, stop: Arc<AtomicBool>) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("kiln-epoch".into())
+        .spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(TICK);
+                engine.increment_epoch();
+            }
+        })
+        .map(drop)
+}
+
+/// Whether `bytes` start with the component-model preamble (as opposed to a
+/// core module or anything else).
+fn wasmparser_is_component(bytes: &[u8]) -> bool {
+    // Magic `\0asm`, then a version field whose layer byte is 1 (component).
+    bytes.len() >= 8 && bytes[..4] == *b"\0asm" && bytes[6..8] == [1, 0]
+}

@@ -1,0 +1,161 @@
+//! One request: a fresh store and instance, the guest's handler, and the
+//! mapping of everything that can go wrong to an [`InvokeError`].
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use wasmtime::Store;
+use wasmtime_wasi_http::WasiHttpView;
+use wasmtime_wasi_http::p2::bindings::http::types::Scheme;
+
+use crate::ai::AiCtx;
+use crate::compile::{Deployment, Runtime};
+use crate::error::{InvokeError, LimitKind};
+use crate::limits::StoreLimits;
+use crate::state::State;
+
+/// The body of a guest's response, streamed as the guest writes it.
+pub type ResponseBody = wasmtime_wasi_http::p2::body::HyperOutgoingBody;
+
+/// Who an invocation runs as. Built by the host from the route; the guest
+/// cannot change it.
+#[derive(Debug, Clone)]
+pub struct Invocation {
+    /// Tenant that owns the function (from the route).
+    pub tenant: String,
+    /// The function's name.
+    pub function: String,
+    /// The request's `x-session-affinity` header, the default session of the
+    /// guest's model calls.
+    pub session: Option<String>,
+}
+
+/// What became of one invocation.
+pub struct InvokeOutcome {
+    /// The guest's response (its body may still be streaming), or why there
+    /// is none.
+    pub result: Result<hyper::Response<ResponseBody>, InvokeError>,
+    /// Time to get an instance, when instantiation finished.
+    pub instantiate: Option<Duration>,
+    /// Time from the start until the response head was ready (or failure).
+    pub elapsed: Duration,
+}
+
+impl Runtime {
+    /// Runs `req` through a fresh instance of `deployment`. The request's URI
+    /// is what the guest sees; the body streams in and the response body
+    /// streams out while the guest runs.
+    pub async fn invoke<B>(
+        &self,
+        deployment: &Deployment,
+        invocation: Invocation,
+        req: hyper::Request<B>,
+    ) -> InvokeOutcome
+    where
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<wasmtime_wasi_http::Error>,
+    {
+        let start = Instant::now();
+        let ai = AiCtx {
+            tenant: invocation.tenant,
+            session: invocation.session,
+            backend: self.backend.clone(),
+        };
+        let mut store = Store::new(&self.engine, State::new(ai, StoreLimits::new(&self.limits)));
+        store.limiter(|s| &mut s.limits);
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(|mut ctx| ctx.data_mut().limits.on_epoch());
+
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let handles = store
+            .data_mut()
+            .http()
+            .new_incoming_request(Scheme::Http, req)
+            .and_then(|req| Ok((req, store.data_mut().http().new_response_outparam(tx)?)));
+        let (req, out) = match handles {
+            Ok(h) => h,
+            Err(e) => {
+                return InvokeOutcome {
+                    result: Err(InvokeError::Internal(format!("{e:#}"))),
+                    instantiate: None,
+                    elapsed: start.elapsed(),
+                };
+            }
+        };
+
+        let pre = deployment.pre.clone();
+        let limits = self.limits.clone();
+        let (inst_tx, mut inst_rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            let run = async {
+                let t = Instant::now();
+                let proxy = pre.instantiate_async(&mut store).await?;
+                let _ = inst_tx.send(t.elapsed());
+                proxy
+                    .wasi_http_incoming_handler()
+                    .call_handle(&mut store, req, out)
+                    .await
+            };
+            let outcome = tokio::time::timeout(limits.wall_time, run).await;
+            match outcome {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(classify(&e, store.data().limits.exceeded, &limits)),
+                Err(_) => Err(limit_error(LimitKind::WallTime, &limits)),
+            }
+        });
+
+        let result = match rx.await {
+            Ok(Ok(resp)) => {
+                // The guest may still be writing the body; report late
+                // failures in the log since the head has gone out.
+                tokio::spawn(async move {
+                    if let Ok(Err(e)) = task.await {
+                        tracing::warn!("guest failed after sending its response head: {e}");
+                    }
+                });
+                Ok(resp)
+            }
+            Ok(Err(code)) => Err(InvokeError::Guest(format!("{code:?}"))),
+            Err(_) => match task.await {
+                Ok(Ok(())) => Err(InvokeError::NoResponse),
+                Ok(Err(e)) => Err(e),
+                Err(e) => Err(InvokeError::Internal(format!("guest task failed: {e}"))),
+            },
+        };
+        InvokeOutcome {
+            result,
+            instantiate: inst_rx.try_recv().ok(),
+            elapsed: start.elapsed(),
+        }
+    }
+}
+
+fn limit_error(kind: LimitKind, limits: &crate::Limits) -> InvokeError {
+    let detail = match kind {
+        LimitKind::CpuTime => format!("limit {} ms of guest CPU", limits.cpu_time.as_millis()),
+        LimitKind::WallTime => format!("limit {} ms of wall time", limits.wall_time.as_millis()),
+        LimitKind::Memory => format!("limit {} MiB of linear memory", limits.memory_bytes >> 20),
+    };
+    InvokeError::Limit { kind, detail }
+}
+
+/// Maps a wasmtime error from instantiation or the handler to what the
+/// caller is told.
+fn classify(
+    e: &wasmtime::Error,
+    exceeded: Option<LimitKind>,
+    limits: &crate::Limits,
+) -> InvokeError {
+    if let Some(kind) = exceeded.or_else(|| e.downcast_ref::<LimitKind>().copied()) {
+        return limit_error(kind, limits);
+    }
+    if let Some(trap) = e.downcast_ref::<wasmtime::Trap>() {
+        return InvokeError::Trap(trap.to_string());
+    }
+    if e.downcast_ref::<wasmtime::PoolConcurrencyLimitError>()
+        .is_some()
+    {
+        return InvokeError::Overloaded(format!("{e}"));
+    }
+    InvokeError::Trap(format!("{e:#}"))
+}

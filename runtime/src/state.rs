@@ -1,0 +1,81 @@
+//! The data of one request's store: WASI, WASI-HTTP, `kiln:ai` and limits.
+
+use wasmtime::component::ResourceTable;
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
+
+use crate::ai::{AiCtx, AiView};
+use crate::limits::StoreLimits;
+
+/// Everything one instance can reach. Built fresh for every request.
+pub(crate) struct State {
+    pub(crate) table: ResourceTable,
+    pub(crate) wasi: WasiCtx,
+    pub(crate) http: WasiHttpCtx,
+    pub(crate) hooks: DenyOutbound,
+    pub(crate) ai: AiCtx,
+    pub(crate) limits: StoreLimits,
+}
+
+impl State {
+    pub(crate) fn new(ai: AiCtx, limits: StoreLimits) -> Self {
+        // No preopened directories, no environment, no arguments; sockets
+        // and name lookups are denied by the builder's defaults.
+        let wasi = WasiCtx::builder().build();
+        Self {
+            table: ResourceTable::new(),
+            wasi,
+            http: WasiHttpCtx::new(),
+            hooks: DenyOutbound,
+            ai,
+            limits,
+        }
+    }
+
+    pub(crate) fn ai(&mut self) -> AiView<'_> {
+        AiView {
+            ctx: &mut self.ai,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl WasiView for State {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl WasiHttpView for State {
+    fn http(&mut self) -> WasiHttpCtxView<'_> {
+        WasiHttpCtxView {
+            ctx: &mut self.http,
+            table: &mut self.table,
+            hooks: &mut self.hooks,
+        }
+    }
+}
+
+/// WASI-HTTP hooks that refuse every outbound request from guests.
+pub(crate) struct DenyOutbound;
+
+impl WasiHttpHooks for DenyOutbound {
+    fn send_request(
+        &mut self,
+        _request: http::Request<wasmtime_wasi_http::WasiBody>,
+        _options: Option<wasmtime_wasi_http::RequestOptions>,
+        _fut: Box<dyn Future<Output = wasmtime_wasi_http::Result<()>> + Send>,
+    ) -> Box<
+        dyn Future<
+                Output = wasmtime_wasi_http::Result<(
+                    http::Response<wasmtime_wasi_http::WasiBody>,
+                    Box<dyn Future<Output = wasmtime_wasi_http::Result<()>> + Send>,
+                )>,
+            > + Send,
+    > {
+        Box::new(async { Err(wasmtime_wasi_http::Error::HttpRequestDenied) })
+    }
+}

@@ -1,0 +1,65 @@
+//! A test guest that misbehaves on request, chosen by path:
+//! `/loop` spins forever, `/grow` allocates without bound, `/trap` hits
+//! `unreachable`, `/sleep` blocks in a host call for a minute, `/fetch` tries
+//! an outbound HTTP request, `/echo`
+//! returns the request body, `/ai` calls a model and reports the error.
+
+use kiln_guest::{Handler, Request, Response, ai};
+
+/// The handler.
+pub struct Misbehave;
+
+impl Handler for Misbehave {
+    fn handle(req: Request) -> Response {
+        match req.path() {
+            "/loop" => {
+                let mut x: u64 = 0;
+                loop {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+            }
+            "/grow" => {
+                // Reserve 16 MiB at a time without touching it: memory grows
+                // fast and the memory limit, not the CPU limit, must stop it.
+                let mut hoard: Vec<Vec<u8>> = Vec::new();
+                loop {
+                    hoard.push(std::hint::black_box(Vec::with_capacity(16 << 20)));
+                }
+            }
+            "/trap" => std::process::abort(),
+            "/sleep" => {
+                std::thread::sleep(std::time::Duration::from_secs(60));
+                Response::text(200, "woke up")
+            }
+            "/fetch" => Response::text(200, fetch()),
+            "/echo" => Response::new(200, req.body()),
+            "/ai" => match ai::Chat::new("no-such-model").user("hi").send() {
+                Ok(c) => Response::text(200, c.text),
+                Err(e) => Response::text(502, format!("{e:?}")),
+            },
+            _ => Response::text(200, "ok"),
+        }
+    }
+}
+
+kiln_guest::export_handler!(Misbehave);
+
+/// Tries an outbound request (to a closed loopback port) and describes the
+/// outcome.
+fn fetch() -> String {
+    use kiln_guest::bindings::wasi::http::{outgoing_handler, types};
+    let req = types::OutgoingRequest::new(types::Fields::new());
+    let _ = req.set_scheme(Some(&types::Scheme::Http));
+    let _ = req.set_authority(Some("127.0.0.1:9"));
+    let _ = req.set_path_with_query(Some("/"));
+    let fut = match outgoing_handler::handle(req, None) {
+        Ok(f) => f,
+        Err(code) => return format!("refused: {code:?}"),
+    };
+    fut.subscribe().block();
+    match fut.get() {
+        Some(Ok(Ok(_))) => "sent".into(),
+        Some(Ok(Err(code))) => format!("refused: {code:?}"),
+        other => format!("unexpected: {other:?}"),
+    }
+}

@@ -1,0 +1,184 @@
+//! Support for Kiln's end-to-end tests: guest components built from the
+//! workspace, and a real server on 127.0.0.1:0.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use kiln_host::config::ServeConfig;
+use kiln_host::server::Server;
+use tokio::sync::oneshot;
+
+/// The workspace root.
+pub fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+/// Builds the example and test guests for `wasm32-wasip2` (once per test
+/// process) and returns the path of `name`'s component.
+///
+/// Uses its own target directory so it never waits on the lock of the
+/// `cargo test` that runs it.
+pub fn guest(name: &str) -> PathBuf {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let dir = BUILT.get_or_init(|| {
+        let target_dir = workspace().join("target").join("guests");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let out = std::process::Command::new(cargo)
+            .current_dir(workspace())
+            .args(["build", "--target", "wasm32-wasip2", "--profile", "guest"])
+            .args(["-p", "hello", "-p", "misbehave", "--target-dir"])
+            .arg(&target_dir)
+            .output()
+            .map_err(|e| format!("running cargo: {e}"))?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        Ok(target_dir.join("wasm32-wasip2").join("guest"))
+    });
+    match dir {
+        Ok(dir) => dir.join(format!("{name}.wasm")),
+        Err(e) => panic!("building the guest components failed:\n{e}"),
+    }
+}
+
+/// A running server with a temporary (or given) data directory.
+pub struct TestServer {
+    /// Base URL, e.g. `http://127.0.0.1:41234`.
+    pub url: String,
+    /// The admin token.
+    pub admin: String,
+    /// An HTTP client.
+    pub http: reqwest::Client,
+    /// The server's shared state.
+    pub app: Arc<kiln_host::app::App>,
+    data_dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+    stop: Option<oneshot::Sender<()>>,
+    join: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+/// The admin token the tests use.
+pub const ADMIN: &str = "test-admin-token";
+
+impl TestServer {
+    /// Starts a server with default settings on a fresh data dir.
+    pub async fn start() -> Self {
+        Self::start_with(|_| {}).await
+    }
+
+    /// Starts a server on a fresh data dir after `tweak` edits the config.
+    pub async fn start_with(tweak: impl FnOnce(&mut ServeConfig)) -> Self {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let mut s = Self::start_in(tmp.path(), tweak).await;
+        s._tmp = Some(tmp);
+        s
+    }
+
+    /// Starts a server on `data_dir`.
+    pub async fn start_in(data_dir: &Path, tweak: impl FnOnce(&mut ServeConfig)) -> Self {
+        let mut config = ServeConfig::new(data_dir);
+        config.listen = "127.0.0.1:0".parse().expect("addr");
+        config.limits.max_instances = 400;
+        tweak(&mut config);
+        let server = Server::bind(config, Some(ADMIN.into()), Arc::new(kiln_host::NoModels))
+            .await
+            .expect("server binds");
+        let url = format!("http://{}", server.local_addr);
+        let app = server.app.clone();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let join = tokio::spawn(server.run(async {
+            let _ = stopped.await;
+        }));
+        Self {
+            url,
+            admin: ADMIN.into(),
+            http: reqwest::Client::new(),
+            app,
+            data_dir: data_dir.to_owned(),
+            _tmp: None,
+            stop: Some(stop),
+            join: Some(join),
+        }
+    }
+
+    /// Stops the server (graceful drain) and starts a new one on the same
+    /// data directory.
+    pub async fn restart(mut self) -> Self {
+        self.stop().await;
+        let mut next = Self::start_in(&self.data_dir, |_| {}).await;
+        next._tmp = self._tmp.take();
+        next
+    }
+
+    /// Stops the server and waits for it to drain.
+    pub async fn stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(join) = self.join.take() {
+            join.await.expect("server task").expect("server ran");
+        }
+    }
+
+    /// Creates a tenant; returns its API key.
+    pub async fn tenant(&self, name: &str) -> String {
+        let resp = self
+            .http
+            .post(format!("{}/v1/tenants", self.url))
+            .bearer_auth(&self.admin)
+            .json(&serde_json::json!({ "name": name }))
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(resp.status(), 201, "creating tenant {name}");
+        let v: serde_json::Value = resp.json().await.expect("json");
+        v["api_key"].as_str().expect("api_key").to_owned()
+    }
+
+    /// Uploads `bytes` as function `name` with `key`; returns the response.
+    pub async fn put(&self, key: &str, name: &str, bytes: Vec<u8>) -> reqwest::Response {
+        self.http
+            .put(format!("{}/v1/functions/{name}", self.url))
+            .bearer_auth(key)
+            .body(bytes)
+            .send()
+            .await
+            .expect("request")
+    }
+
+    /// Deploys guest `guest` as `name`, asserting success.
+    pub async fn deploy(&self, key: &str, name: &str, guest_name: &str) -> serde_json::Value {
+        let bytes = std::fs::read(guest(guest_name)).expect("guest component");
+        let resp = self.put(key, name, bytes).await;
+        let status = resp.status();
+        let body: serde_json::Value = resp.json().await.expect("json");
+        assert_eq!(status, 201, "deploy failed: {body}");
+        body
+    }
+
+    /// GET `/fn/{tenant}/{function}{path}`.
+    pub async fn call(&self, tenant: &str, function: &str, path: &str) -> reqwest::Response {
+        self.http
+            .get(format!("{}/fn/{tenant}/{function}{path}", self.url))
+            .send()
+            .await
+            .expect("request")
+    }
+}
+
+/// The `error.type` of a JSON error response, and its status.
+pub async fn error_of(resp: reqwest::Response) -> (u16, String, String) {
+    let status = resp.status().as_u16();
+    let v: serde_json::Value = resp.json().await.expect("error body is JSON");
+    (
+        status,
+        v["error"]["type"].as_str().unwrap_or_default().to_owned(),
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
+    )
+}

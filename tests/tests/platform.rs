@@ -1,0 +1,364 @@
+//! End-to-end tests of the platform foundation: a real server on
+//! 127.0.0.1:0 running real components built from examples/ and the test
+//! guests.
+
+use kiln_tests::{TestServer, error_of, guest};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deployed_hello_echoes_method_path_and_session() {
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    let deployed = s.deploy(&key, "hello", "hello").await;
+    assert_eq!(deployed["name"], "hello");
+    assert!(deployed["digest"].as_str().unwrap().starts_with("sha256:"));
+    assert!(
+        deployed["url"]
+            .as_str()
+            .unwrap()
+            .ends_with("/fn/acme/hello/")
+    );
+
+    let resp = s
+        .http
+        .post(format!("{}/fn/acme/hello/a/b?x=1", s.url))
+        .header("x-session-affinity", "sess-42")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let text = resp.text().await.unwrap();
+    assert!(text.contains("Hello from Kiln!"), "{text}");
+    assert!(text.contains("method: POST"), "{text}");
+    assert!(text.contains("path: /a/b?x=1"), "{text}");
+    assert!(text.contains("session: sess-42"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_tenant_cannot_list_invoke_redeploy_or_delete() {
+    let s = TestServer::start().await;
+    let a = s.tenant("acme").await;
+    let b = s.tenant("bravo").await;
+    let deployed = s.deploy(&a, "hello", "hello").await;
+
+    // B lists only its own (none).
+    let list: serde_json::Value = s
+        .http
+        .get(format!("{}/v1/functions", s.url))
+        .bearer_auth(&b)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["functions"], serde_json::json!([]));
+
+    // A's function looks exactly like a missing one to B.
+    let get = |key: String, name: &'static str| {
+        let req = s
+            .http
+            .get(format!("{}/v1/functions/{name}", s.url))
+            .bearer_auth(key);
+        async move { error_of(req.send().await.unwrap()).await }
+    };
+    let (st_a, ty_a, msg_a) = get(b.clone(), "hello").await;
+    let (st_m, ty_m, msg_m) = get(b.clone(), "nothing").await;
+    assert_eq!((st_a, ty_a.as_str()), (404, "not_found"));
+    assert_eq!((st_m, ty_m.as_str()), (404, "not_found"));
+    assert_eq!(msg_a.replace("hello", "X"), msg_m.replace("nothing", "X"));
+
+    // B cannot delete it.
+    let del = s
+        .http
+        .delete(format!("{}/v1/functions/hello", s.url))
+        .bearer_auth(&b)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(del).await.0, 404);
+
+    // B cannot invoke it as its own: B's route has no such function.
+    assert_eq!(error_of(s.call("bravo", "hello", "/").await).await.0, 404);
+
+    // B "redeploying" hello creates B's own function; A's is untouched.
+    s.deploy(&b, "hello", "misbehave").await;
+    let mine: serde_json::Value = s
+        .http
+        .get(format!("{}/v1/functions/hello", s.url))
+        .bearer_auth(&a)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(mine["digest"], deployed["digest"]);
+    let text = s.call("acme", "hello", "/").await.text().await.unwrap();
+    assert!(text.contains("Hello from Kiln!"), "{text}");
+    assert_eq!(
+        s.call("bravo", "hello", "/").await.text().await.unwrap(),
+        "ok"
+    );
+
+    // And B's key cannot claim to deploy as A.
+    let resp = s
+        .http
+        .put(format!("{}/v1/functions/x", s.url))
+        .bearer_auth(&b)
+        .header("kiln-tenant", "acme")
+        .body(std::fs::read(guest("hello")).unwrap())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(resp).await.0, 403);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn infinite_loop_is_stopped_by_cpu_limit_while_others_succeed() {
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    s.deploy(&key, "hello", "hello").await;
+
+    let looping = s.call("acme", "bad", "/loop");
+    let others = futures::future::join_all((0..20).map(|_| s.call("acme", "hello", "/")));
+    let (looping, others) = tokio::join!(looping, others);
+    for r in others {
+        assert_eq!(r.status(), 200);
+    }
+    let (status, kind, msg) = error_of(looping).await;
+    assert_eq!(status, 504);
+    assert_eq!(kind, "cpu_time_limit_exceeded");
+    assert!(msg.contains("CPU time limit"), "{msg}");
+    // The server keeps serving.
+    assert_eq!(s.call("acme", "bad", "/").await.status(), 200);
+
+    let metrics = s
+        .http
+        .get(format!("{}/metrics", s.url))
+        .send()
+        .await
+        .unwrap();
+    let text = metrics.text().await.unwrap();
+    assert!(
+        text.contains(r#"kiln_limit_violations_total{kind="cpu_time"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            r#"kiln_function_requests_total{tenant="acme",function="bad",status="504"} 1"#
+        )
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unbounded_memory_growth_is_stopped_by_the_memory_limit() {
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    let (status, kind, msg) = error_of(s.call("acme", "bad", "/grow").await).await;
+    assert_eq!(
+        (status, kind.as_str()),
+        (500, "memory_limit_exceeded"),
+        "{msg}"
+    );
+    assert!(msg.contains("128 MiB"), "{msg}");
+    assert_eq!(s.call("acme", "bad", "/").await.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trap_and_wall_limit_are_reported_and_outbound_http_is_denied() {
+    let s =
+        TestServer::start_with(|c| c.limits.wall_time = std::time::Duration::from_secs(1)).await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+
+    let (status, kind, msg) = error_of(s.call("acme", "bad", "/trap").await).await;
+    assert_eq!((status, kind.as_str()), (500, "guest_trap"));
+    assert!(msg.contains("unreachable"), "{msg}");
+
+    let (status, kind, _) = error_of(s.call("acme", "bad", "/sleep").await).await;
+    assert_eq!((status, kind.as_str()), (504, "wall_time_limit_exceeded"));
+
+    let text = s.call("acme", "bad", "/fetch").await.text().await.unwrap();
+    assert!(text.contains("HttpRequestDenied"), "{text}");
+
+    let text = s.call("acme", "bad", "/ai").await.text().await.unwrap();
+    assert!(
+        text.contains("ModelNotFound") && text.contains("serves no models"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_oversized_uploads_are_rejected() {
+    let s = TestServer::start_with(|c| c.max_upload_bytes = 1 << 20).await;
+    let key = s.tenant("acme").await;
+
+    let not_wasm = s.put(&key, "f", b"hello world".to_vec()).await;
+    let (status, kind, msg) = error_of(not_wasm).await;
+    assert_eq!((status, kind.as_str()), (400, "invalid_request"));
+    assert!(msg.contains("not a WebAssembly component"), "{msg}");
+
+    let core_module = wat::parse_str("(module)").unwrap();
+    let (status, _, msg) = error_of(s.put(&key, "f", core_module).await).await;
+    assert_eq!(status, 400);
+    assert!(msg.contains("wasm32-wasip2"), "{msg}");
+
+    let no_handler = wat::parse_str("(component)").unwrap();
+    let (status, _, msg) = error_of(s.put(&key, "f", no_handler).await).await;
+    assert_eq!(status, 400);
+    assert!(msg.contains("incoming-handler"), "{msg}");
+
+    let foreign = wat::parse_str(
+        r#"(component (import "evil:net/sockets" (instance (export "connect" (func)))))"#,
+    )
+    .unwrap();
+    let (status, _, msg) = error_of(s.put(&key, "f", foreign).await).await;
+    assert_eq!(status, 400);
+    assert!(msg.contains("does not provide"), "{msg}");
+
+    let truncated = std::fs::read(guest("hello")).unwrap()[..4000].to_vec();
+    assert_eq!(error_of(s.put(&key, "f", truncated).await).await.0, 400);
+
+    let (status, kind, _) = error_of(s.put(&key, "f", vec![0u8; 2 << 20]).await).await;
+    assert_eq!((status, kind.as_str()), (413, "payload_too_large"));
+
+    // Nothing was stored.
+    let list: serde_json::Value = s
+        .http
+        .get(format!("{}/v1/functions", s.url))
+        .bearer_auth(&key)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["functions"], serde_json::json!([]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_names_and_credentials_get_clear_errors() {
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+
+    let bad_tenant = s
+        .http
+        .post(format!("{}/v1/tenants", s.url))
+        .bearer_auth(&s.admin)
+        .json(&serde_json::json!({"name": "Not_OK"}))
+        .send()
+        .await
+        .unwrap();
+    let (status, _, msg) = error_of(bad_tenant).await;
+    assert_eq!(status, 400);
+    assert!(msg.contains("[a-z0-9-]{1,63}"), "{msg}");
+
+    let dup = s
+        .http
+        .post(format!("{}/v1/tenants", s.url))
+        .bearer_auth(&s.admin)
+        .json(&serde_json::json!({"name": "acme"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(dup).await.0, 409);
+
+    let not_admin = s
+        .http
+        .post(format!("{}/v1/tenants", s.url))
+        .bearer_auth(&key)
+        .json(&serde_json::json!({"name": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(not_admin).await.0, 401);
+
+    let bytes = std::fs::read(guest("hello")).unwrap();
+    let (status, _, msg) = error_of(s.put(&key, "Bad.Name", bytes.clone()).await).await;
+    assert_eq!(status, 400);
+    assert!(msg.contains("function name"), "{msg}");
+    assert_eq!(
+        error_of(s.put("kiln_000000000000_00", "f", bytes.clone()).await)
+            .await
+            .0,
+        401
+    );
+    let forged = format!("{}0", &key[..key.len() - 1]);
+    assert_eq!(error_of(s.put(&forged, "f", bytes).await).await.0, 401);
+    let anon = s
+        .http
+        .get(format!("{}/v1/functions", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_of(anon).await.0, 401);
+
+    assert_eq!(error_of(s.call("acme", "missing", "/").await).await.0, 404);
+    assert_eq!(error_of(s.call("ACME", "x", "/").await).await.0, 400);
+    let health = s
+        .http
+        .get(format!("{}/healthz", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_keeps_tenants_and_functions() {
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "hello", "hello").await;
+    let s = s.restart().await;
+    let resp = s.call("acme", "hello", "/again").await;
+    assert_eq!(resp.status(), 200);
+    assert!(resp.text().await.unwrap().contains("path: /again"));
+    // The key still works, and redeploy and delete still work.
+    s.deploy(&key, "hello", "misbehave").await;
+    assert_eq!(
+        s.call("acme", "hello", "/").await.text().await.unwrap(),
+        "ok"
+    );
+    let del = s
+        .http
+        .delete(format!("{}/v1/functions/hello", s.url))
+        .bearer_auth(&key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(del.status(), 204);
+    assert_eq!(error_of(s.call("acme", "hello", "/").await).await.0, 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_concurrent_invocations_across_two_tenants_succeed() {
+    let s = TestServer::start().await;
+    let a = s.tenant("acme").await;
+    let b = s.tenant("bravo").await;
+    s.deploy(&a, "hello", "hello").await;
+    s.deploy(&b, "echo", "misbehave").await;
+    let calls = (0..200).map(|i| {
+        let s = &s;
+        async move {
+            if i % 2 == 0 {
+                let r = s.call("acme", "hello", &format!("/{i}")).await;
+                assert_eq!(r.status(), 200);
+                assert!(r.text().await.unwrap().contains(&format!("path: /{i}")));
+            } else {
+                let body = format!("payload {i}");
+                let r = s
+                    .http
+                    .post(format!("{}/fn/bravo/echo/echo", s.url))
+                    .body(body.clone())
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+                assert_eq!(r.text().await.unwrap(), body);
+            }
+        }
+    });
+    futures::future::join_all(calls).await;
+}
