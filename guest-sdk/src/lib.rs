@@ -55,18 +55,24 @@ pub mod __private {
 }
 
 /// Exports a [`Handler`] as the component's `wasi:http/incoming-handler`.
+///
+/// On targets other than wasm32 it expands to nothing, so a guest crate
+/// still builds (and lints) natively.
 #[macro_export]
 macro_rules! export_handler {
     ($handler:ty) => {
-        struct __KilnExport;
-        impl $crate::bindings::exports::wasi::http::incoming_handler::Guest for __KilnExport {
-            fn handle(
-                request: $crate::bindings::wasi::http::types::IncomingRequest,
-                response_out: $crate::bindings::wasi::http::types::ResponseOutparam,
-            ) {
-                $crate::__private::run::<$handler>(request, response_out)
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            struct __KilnExport;
+            impl $crate::bindings::exports::wasi::http::incoming_handler::Guest for __KilnExport {
+                fn handle(
+                    request: $crate::bindings::wasi::http::types::IncomingRequest,
+                    response_out: $crate::bindings::wasi::http::types::ResponseOutparam,
+                ) {
+                    $crate::__private::run::<$handler>(request, response_out)
+                }
             }
-        }
-        $crate::bindings::export!(__KilnExport with_types_in $crate::bindings);
+    $crate::bindings::export!(__KilnExport with_types_in $crate::bindings);
+        };
     };
 }

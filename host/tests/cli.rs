@@ -44,3 +44,74 @@ fn tls_flags_must_come_together() {
     assert!(!ok);
     assert!(text.contains("--tls-key"), "{text}");
 }
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+fn get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+#[test]
+fn serve_prints_the_generated_token_once_and_stops_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let start = || {
+        Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--data-dir",
+            ])
+            .arg(dir.path())
+            .env_remove("KILN_ADMIN_TOKEN")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawning kiln serve")
+    };
+    for round in 0..2 {
+        let child = start();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let health = loop {
+            if let Some(r) = get(port, "/healthz") {
+                break r;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "server did not come up"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "kiln serve exited with {:?}",
+            out.status
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let token = std::fs::read_to_string(dir.path().join("admin-token")).unwrap();
+        // Printed on the first start only.
+        assert_eq!(stderr.contains(token.trim()), round == 0, "{stderr}");
+    }
+}

@@ -285,7 +285,8 @@ async fn bad_names_and_credentials_get_clear_errors() {
             .0,
         401
     );
-    let forged = format!("{}0", &key[..key.len() - 1]);
+    let last = if key.ends_with('0') { '1' } else { '0' };
+    let forged = format!("{}{last}", &key[..key.len() - 1]);
     assert_eq!(error_of(s.put(&forged, "f", bytes).await).await.0, 401);
     let anon = s
         .http
@@ -361,4 +362,63 @@ async fn two_hundred_concurrent_invocations_across_two_tenants_succeed() {
         }
     });
     futures::future::join_all(calls).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_client_creates_tenants_and_deploys() {
+    let s = TestServer::start().await;
+    let admin = kiln_host::client::Client::new(&s.url, &s.admin).unwrap();
+    let created = admin.create_tenant("acme").await.unwrap();
+    let key = created["api_key"].as_str().unwrap().to_owned();
+    let err = admin.create_tenant("acme").await.unwrap_err();
+    assert!(err.to_string().contains("already exists"), "{err}");
+
+    let tenant = kiln_host::client::Client::new(&s.url, &key).unwrap();
+    let bytes = std::fs::read(guest("hello")).unwrap();
+    let out = tenant.deploy("acme", "hello", bytes.clone()).await.unwrap();
+    assert!(out["url"].as_str().unwrap().ends_with("/fn/acme/hello/"));
+    let err = tenant.deploy("other", "hello", bytes).await.unwrap_err();
+    assert!(err.to_string().contains("403"), "{err}");
+    assert_eq!(s.call("acme", "hello", "/").await.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_requests_in_flight_finish() {
+    let mut s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    let url = format!("{}/fn/acme/bad/nap", s.url);
+    let http = s.http.clone();
+    let in_flight = tokio::spawn(async move { http.get(url).send().await });
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    s.stop().await;
+    let resp = in_flight
+        .await
+        .unwrap()
+        .expect("in-flight request completed");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.text().await.unwrap(), "rested");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_serves_https_with_the_given_certificate() {
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert_path, key_path) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+    std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+    let s = TestServer::start_with(|c| c.tls = Some((cert_path, key_path))).await;
+    let port = s.url.rsplit(':').next().unwrap().to_owned();
+    let client = reqwest::Client::builder()
+        .add_root_certificate(reqwest::Certificate::from_pem(cert.cert.pem().as_bytes()).unwrap())
+        .resolve("localhost", format!("127.0.0.1:{port}").parse().unwrap())
+        .build()
+        .unwrap();
+    let resp = client
+        .get(format!("https://localhost:{port}/healthz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.version(), reqwest::Version::HTTP_2);
 }

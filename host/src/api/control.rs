@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Limited};
+use bytes::{Bytes, BytesMut};
+use http_body_util::BodyExt;
 use hyper::{Request, Response, StatusCode};
 
 use super::{ApiError, Body, BoxError, json, require_admin, tenant_of};
@@ -11,26 +11,45 @@ use crate::app::{App, name_error, valid_name};
 use crate::db::FunctionRow;
 
 /// Reads a whole body, refusing more than `limit` bytes with a 413.
+///
+/// An oversized body is still read and discarded up to twice the limit, so
+/// that a client still writing it gets the 413 rather than a broken pipe;
+/// only a body declared larger than that is refused unread.
 async fn read_body<B>(req: Request<B>, limit: usize) -> Result<Bytes, ApiError>
 where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
+    let drain_cap = limit.saturating_mul(2).max(limit + (1 << 20)) as u64;
     let declared = req
         .headers()
         .get(hyper::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
+    if declared.is_some_and(|n| n > drain_cap) {
         return Err(ApiError::too_large(limit));
     }
-    match Limited::new(req.into_body(), limit).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::too_large(limit)),
-        Err(e) => Err(ApiError::bad_request(format!(
-            "reading the request body failed: {e}"
-        ))),
+    let mut body = std::pin::pin!(req.into_body());
+    let mut buf = BytesMut::new();
+    let mut total: u64 = 0;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            ApiError::bad_request(format!("reading the request body failed: {}", e.into()))
+        })?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        total += data.len() as u64;
+        if total <= limit as u64 {
+            buf.extend_from_slice(&data);
+        } else if total > drain_cap {
+            break;
+        }
     }
+    if total > limit as u64 {
+        return Err(ApiError::too_large(limit));
+    }
+    Ok(buf.freeze())
 }
 
 fn function_json(app: &App, row: &FunctionRow) -> serde_json::Value {

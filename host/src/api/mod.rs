@@ -88,6 +88,8 @@ where
     let path = req.uri().path().to_owned();
     let segments: Vec<&str> = path.trim_start_matches('/').splitn(4, '/').collect();
     let method = req.method().clone();
+    let may_leave_body_unread =
+        req.version() <= hyper::Version::HTTP_11 && !req.body().is_end_stream();
     let result = match (segments.as_slice(), &method) {
         (["fn", ..], _) => return invoke::invoke(app, req).await,
         (["healthz"], &Method::GET) => {
@@ -113,5 +115,16 @@ where
         (["v1", "functions", _], _) => Err(ApiError::method_not_allowed("GET, PUT or DELETE")),
         _ => Err(ApiError::not_found(format!("no route for {method} {path}"))),
     };
-    result.unwrap_or_else(ApiError::into_response)
+    result.unwrap_or_else(|e| {
+        let mut resp = e.into_response();
+        if may_leave_body_unread {
+            // An early rejection leaves the upload unread, and hyper will
+            // close the connection: say so, or a client may reuse it.
+            resp.headers_mut().insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
+            );
+        }
+        resp
+    })
 }

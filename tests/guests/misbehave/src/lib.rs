@@ -1,6 +1,7 @@
 //! A test guest that misbehaves on request, chosen by path:
 //! `/loop` spins forever, `/grow` allocates without bound, `/trap` hits
-//! `unreachable`, `/sleep` blocks in a host call for a minute, `/fetch` tries
+//! `unreachable`, `/sleep` blocks in a host call for a minute (`/nap`: half a
+//! second), `/fetch` tries
 //! an outbound HTTP request, `/echo`
 //! returns the request body, `/ai` calls a model and reports the error.
 
@@ -30,6 +31,10 @@ impl Handler for Misbehave {
             "/sleep" => {
                 std::thread::sleep(std::time::Duration::from_secs(60));
                 Response::text(200, "woke up")
+            }
+            "/nap" => {
+                std::thread::sleep(std::time::Duration::from_millis(500));
+                Response::text(200, "rested")
             }
             "/fetch" => Response::text(200, fetch()),
             "/echo" => Response::new(200, req.body()),
