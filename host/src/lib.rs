@@ -10,7 +10,9 @@ pub mod auth;
 pub mod client;
 pub mod config;
 pub mod db;
+pub mod engine;
 pub mod metrics;
+pub mod model;
 pub mod server;
 /// The model backend of a server that serves none.
 pub use kiln_runtime::NoModels;

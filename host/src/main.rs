@@ -24,6 +24,8 @@ struct Cli {
 enum Command {
     /// Run the server.
     Serve(ServeArgs),
+    /// Generate once from a model, without a server.
+    Run(RunArgs),
     /// Manage tenants on a running server (admin token).
     Tenant {
         #[command(subcommand)]
@@ -46,6 +48,115 @@ enum Command {
         #[arg(long, env = "KILN_API_KEY", hide_env_values = true)]
         token: String,
     },
+}
+
+/// `kiln run`: generate once, without a server.
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Model: `smollm2-135m-instruct` (fetched on first use), a .gguf file,
+    /// a Hugging Face directory, or `synthetic:NAME`.
+    #[arg(long, default_value = kiln_host::model::DEFAULT_MODEL)]
+    model: String,
+    /// The prompt.
+    #[arg(long)]
+    prompt: String,
+    /// Treat the prompt as a user message and apply the chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.7)]
+    temperature: f32,
+    /// Nucleus-sampling threshold.
+    #[arg(long, default_value_t = 0.9)]
+    top_p: f32,
+    /// Keep only the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Sampling seed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop before this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// KV page format.
+    #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
+    kv: KvArg,
+    /// KV memory in MiB.
+    #[arg(long, default_value_t = 256)]
+    kv_memory_mib: usize,
+    /// Check KV page tags before each step.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    kv_integrity: OnOff,
+    /// Print one JSON object: text, token_ids, prompt_tokens, completion_tokens.
+    #[arg(long)]
+    json: bool,
+}
+
+/// KV page formats.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum KvArg {
+    Fp8,
+    Bf16,
+}
+
+/// A switch.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum OnOff {
+    On,
+    Off,
+}
+
+fn run(args: RunArgs) -> anyhow::Result<()> {
+    use kiln_host::engine::{Engine, EngineConfig, GenerateParams, TenantId};
+    use kiln_host::model::{self, ChatMessage};
+    let source = model::resolve_model(&args.model, &model::default_cache_dir())?;
+    let loaded = model::load(&args.model, &source)?;
+    let prompt = if args.chat {
+        let msgs = [ChatMessage {
+            role: "user".into(),
+            content: args.prompt.clone(),
+        }];
+        loaded.tokenizer.chat_prompt(&msgs)?
+    } else {
+        args.prompt.clone()
+    };
+    let ids = loaded.tokenizer.encode(&prompt, true)?;
+    let config = EngineConfig {
+        kv_format: match args.kv {
+            KvArg::Fp8 => kiln_kernels::kv::KvFormat::Fp8,
+            KvArg::Bf16 => kiln_kernels::kv::KvFormat::Bf16,
+        },
+        kv_memory: args.kv_memory_mib << 20,
+        integrity: args.kv_integrity == OnOff::On,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(loaded, config);
+    let params = GenerateParams {
+        max_tokens: args.max_tokens,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+        stop: args.stop,
+    };
+    let out = engine
+        .generate(TenantId(0), ids, params)
+        .map_err(anyhow::Error::msg)?;
+    if args.json {
+        let v = serde_json::json!({
+            "text": out.text,
+            "token_ids": out.tokens,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.tokens.len(),
+        });
+        println!("{v}");
+    } else {
+        println!("{}", out.text);
+    }
+    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -137,6 +248,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => serve(args).await,
+        Command::Run(args) => tokio::task::spawn_blocking(move || run(args)).await?,
         Command::Tenant {
             command:
                 TenantCommand::Create {

@@ -1,9 +1,23 @@
 //! Kiln's compute kernels.
 //!
-//! Every kernel has a CPU reference implementation; CUDA versions are
-//! checked against them. This crate knows nothing of tenants or HTTP. The
-//! kernels arrive with the inference engine; for now it only names the
-//! devices Kiln can run on.
+//! Every kernel has a CPU implementation here, which is also the reference
+//! that faster backends are checked against. This crate knows nothing of
+//! tenants, requests or HTTP: it works on slices, weights and KV pages.
+//!
+//! - [`quant`]: GGUF block formats and dequantization.
+//! - [`matmul`]: activations times (possibly quantized) weight matrices.
+//! - [`ops`]: RMSNorm, RoPE, SiLU-and-multiply, embedding, softmax.
+//! - [`fp8`]: FP8 e4m3 encoding with a per-vector scale.
+//! - [`kv`]: paged KV storage (bf16 or fp8) and paged attention.
+//! - [`sample`]: argmax and seeded top-k / top-p sampling.
+
+pub mod fp8;
+pub mod kv;
+pub mod matmul;
+pub mod ops;
+pub mod quant;
+pub mod sample;
+mod simd;
 
 /// A device kernels can run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -20,6 +34,17 @@ impl Device {
             Device::Cpu => "cpu",
         }
     }
+}
+
+/// Errors of kernel setup (shape or format mismatches).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KernelError {
+    /// A tensor's element type is not supported.
+    #[error("unsupported tensor type {0}")]
+    UnsupportedType(String),
+    /// Sizes disagree.
+    #[error("shape mismatch: {0}")]
+    Shape(String),
 }
 
 #[cfg(test)]

@@ -1,0 +1,357 @@
+//! The inference engine: continuous batching over a paged KV cache with
+//! per-page tags checked before every step.
+//!
+//! Plain synchronous code: [`Engine::step`] runs one scheduler step and one
+//! forward pass. Layers: scheduler → KV cache manager → block pool → free
+//! queue; the scheduler's output is the only contract with the model.
+
+pub mod block_pool;
+pub mod integrity;
+pub mod kv_manager;
+mod request;
+pub mod scheduler;
+
+use std::collections::HashMap;
+
+use kiln_kernels::kv::KvFormat;
+use kiln_kernels::sample::sample;
+
+pub use block_pool::TenantId;
+pub use kv_manager::SeqId;
+pub use request::{Finish, GenerateParams};
+
+use crate::model::{BatchSeq, KvCache, Loaded};
+use integrity::{IntegrityCheck, NoCheck, TagCheck};
+use kv_manager::KvCacheManager;
+use request::Request;
+use scheduler::{Scheduler, SchedulerConfig};
+
+/// Tokens per KV page.
+pub const PAGE_SIZE: usize = 16;
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// KV page format.
+    pub kv_format: KvFormat,
+    /// Bytes of KV memory; the pool gets as many pages as fit.
+    pub kv_memory: usize,
+    /// Check page tags before each step.
+    pub integrity: bool,
+    /// Scheduler limits.
+    pub scheduler: SchedulerConfig,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kv_format: KvFormat::Fp8,
+            kv_memory: 256 << 20,
+            integrity: true,
+            scheduler: SchedulerConfig::default(),
+        }
+    }
+}
+
+/// What happened to a request during a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A new token and the text it completes (may be empty); `token` is
+    /// `None` for held-back text flushed when the request ends.
+    Token {
+        /// The request.
+        seq: SeqId,
+        /// The token id.
+        token: Option<u32>,
+        /// New text.
+        text: String,
+    },
+    /// The request ended.
+    Finished {
+        /// The request.
+        seq: SeqId,
+        /// Why.
+        finish: Finish,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Generated tokens.
+        completion_tokens: usize,
+    },
+}
+
+/// The result of [`Engine::generate`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Generation {
+    /// Generated token ids (EOS excluded).
+    pub tokens: Vec<u32>,
+    /// Their text (stop string excluded).
+    pub text: String,
+    /// Why it ended.
+    pub finish: Finish,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+}
+
+/// Engine counters.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Sequences aborted by the page-tag check.
+    pub integrity_aborts: u64,
+    /// Preemptions.
+    pub preemptions: u64,
+    /// Forward steps run.
+    pub steps: u64,
+}
+
+/// One model, its KV pool and its scheduler.
+pub struct Engine {
+    loaded: Loaded,
+    cache: KvCache,
+    kv: KvCacheManager,
+    scheduler: Scheduler,
+    requests: HashMap<SeqId, Request>,
+    checker: Box<dyn IntegrityCheck>,
+    next_id: SeqId,
+    stats: EngineStats,
+}
+
+impl Engine {
+    /// An engine for `loaded` with a pool sized by `config.kv_memory`.
+    pub fn new(loaded: Loaded, config: EngineConfig) -> Self {
+        let page_bytes = KvCache::page_bytes(&loaded.model.config, config.kv_format, PAGE_SIZE);
+        let num_pages = (config.kv_memory / page_bytes).max(1);
+        let cache = KvCache::new(&loaded.model.config, config.kv_format, PAGE_SIZE, num_pages);
+        let checker: Box<dyn IntegrityCheck> = if config.integrity {
+            Box::new(TagCheck)
+        } else {
+            Box::new(NoCheck)
+        };
+        Self {
+            loaded,
+            cache,
+            kv: KvCacheManager::new(num_pages, PAGE_SIZE),
+            scheduler: Scheduler::new(config.scheduler),
+            requests: HashMap::new(),
+            checker,
+            next_id: 1,
+            stats: EngineStats::default(),
+        }
+    }
+
+    /// The model and tokenizer.
+    pub fn loaded(&self) -> &Loaded {
+        &self.loaded
+    }
+
+    /// Free KV pages.
+    pub fn free_pages(&self) -> usize {
+        self.kv.num_free()
+    }
+
+    /// All KV pages.
+    pub fn total_pages(&self) -> usize {
+        self.kv.num_pages()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        !self.scheduler.is_empty()
+    }
+
+    /// Queues a request for `prompt` tokens. Errors if the prompt is empty
+    /// or cannot fit the model's context or the whole KV pool.
+    pub fn add(
+        &mut self,
+        tenant: TenantId,
+        prompt: Vec<u32>,
+        params: GenerateParams,
+    ) -> Result<SeqId, String> {
+        if prompt.is_empty() {
+            return Err("the prompt is empty".into());
+        }
+        let ctx = self.loaded.model.config.context_length;
+        let limit = ctx.min(self.kv.num_pages() * PAGE_SIZE);
+        if prompt.len() + 1 > limit {
+            return Err(format!(
+                "the prompt has {} tokens; this model and KV pool hold at most {}",
+                prompt.len(),
+                limit - 1
+            ));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.scheduler.add(id, tenant, prompt.len());
+        self.requests.insert(id, Request::new(prompt, params));
+        Ok(id)
+    }
+
+    /// Cancels a request; its pages are freed now.
+    pub fn cancel(&mut self, seq: SeqId) -> bool {
+        self.scheduler.remove(seq);
+        self.kv.free(seq);
+        self.requests.remove(&seq).is_some()
+    }
+
+    /// Test-only: corrupts `victim`'s mapping with one of `donor`'s pages.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn inject_page_fault(&mut self, victim: SeqId, donor: SeqId) -> bool {
+        self.kv.corrupt_mapping(victim, donor, 0)
+    }
+
+    /// Runs `prompt` alone to the end (for `kiln run` and tests): the
+    /// generated token ids, text and why it ended.
+    pub fn generate(
+        &mut self,
+        tenant: TenantId,
+        prompt: Vec<u32>,
+        params: GenerateParams,
+    ) -> Result<Generation, String> {
+        let id = self.add(tenant, prompt, params)?;
+        let mut out = Generation {
+            tokens: Vec::new(),
+            text: String::new(),
+            finish: Finish::Length,
+            prompt_tokens: 0,
+        };
+        loop {
+            for e in self.step()? {
+                match e {
+                    Event::Token { seq, token, text } if seq == id => {
+                        out.tokens.extend(token);
+                        out.text.push_str(&text);
+                    }
+                    Event::Finished {
+                        seq,
+                        finish,
+                        prompt_tokens,
+                        ..
+                    } if seq == id => {
+                        out.finish = finish;
+                        out.prompt_tokens = prompt_tokens;
+                        return Ok(out);
+                    }
+                    _ => {}
+                }
+            }
+            if !self.has_work() {
+                return Err("the request vanished without finishing".into());
+            }
+        }
+    }
+
+    fn finish(&mut self, seq: SeqId, finish: Finish, events: &mut Vec<Event>) {
+        self.scheduler.remove(seq);
+        self.kv.free(seq);
+        if let Some(r) = self.requests.remove(&seq) {
+            events.push(Event::Finished {
+                seq,
+                finish,
+                prompt_tokens: r.prompt_len,
+                completion_tokens: r.generated().len(),
+            });
+        }
+    }
+
+    /// Runs one step: schedule, check page tags, forward, sample.
+    pub fn step(&mut self) -> Result<Vec<Event>, String> {
+        let mut events = Vec::new();
+        let plan = self.scheduler.schedule(&mut self.kv);
+        self.stats.preemptions += plan.preempted.len() as u64;
+        if plan.scheduled.is_empty() {
+            return Ok(events);
+        }
+        let ids: Vec<SeqId> = plan.scheduled.iter().map(|s| s.seq).collect();
+        let ok = self.kv.check(&ids, self.checker.as_ref());
+        let mut run = Vec::with_capacity(ids.len());
+        for (sch, ok) in plan.scheduled.iter().zip(ok) {
+            if ok {
+                run.push(sch.clone());
+            } else {
+                self.stats.integrity_aborts += 1;
+                tracing::warn!(
+                    seq = sch.seq,
+                    "KV page integrity check failed; aborting the sequence"
+                );
+                self.finish(
+                    sch.seq,
+                    Finish::Aborted("kv page integrity check failed".into()),
+                    &mut events,
+                );
+            }
+        }
+        let batch: Vec<BatchSeq<'_>> = run
+            .iter()
+            .map(|s| {
+                let r = &self.requests[&s.seq];
+                let pages = &self
+                    .kv
+                    .table(s.seq)
+                    .map(|t| t.pages.as_slice())
+                    .unwrap_or(&[]);
+                BatchSeq {
+                    tokens: &r.tokens[s.start..s.start + s.count],
+                    start: s.start,
+                    pages,
+                    logits: s.sample,
+                }
+            })
+            .collect();
+        let logits = self
+            .loaded
+            .model
+            .forward(&mut self.cache, &batch)
+            .map_err(|e| e.to_string())?;
+        self.stats.steps += 1;
+        let ctx = self
+            .loaded
+            .model
+            .config
+            .context_length
+            .min(self.kv.num_pages() * PAGE_SIZE);
+        let mut logits = logits.into_iter();
+        for s in run.iter().filter(|s| s.sample) {
+            let Some(l) = logits.next() else { break };
+            let Some(r) = self.requests.get_mut(&s.seq) else {
+                continue;
+            };
+            let token = sample(&l, r.sampling(), &mut r.rng);
+            let eos = self.loaded.tokenizer.is_eos(token);
+            let mut finish = None;
+            if eos {
+                finish = Some(Finish::Stop);
+            } else {
+                r.tokens.push(token);
+                self.scheduler.append_token(s.seq);
+                let text = self.loaded.tokenizer.decode(r.generated());
+                if r.update_text(text) {
+                    finish = Some(Finish::Stop);
+                } else if r.generated().len() >= r.params.max_tokens || r.tokens.len() >= ctx {
+                    finish = Some(Finish::Length);
+                }
+            }
+            let text = r.take_delta(finish.is_some());
+            if !eos {
+                events.push(Event::Token {
+                    seq: s.seq,
+                    token: Some(token),
+                    text,
+                });
+            } else if !text.is_empty() {
+                events.push(Event::Token {
+                    seq: s.seq,
+                    token: None,
+                    text,
+                });
+            }
+            if let Some(f) = finish {
+                self.finish(s.seq, f, &mut events);
+            }
+        }
+        Ok(events)
+    }
+}

@@ -1,0 +1,387 @@
+//! Building a [`Model`] from GGUF, a safetensors directory, or a synthetic
+//! spec.
+
+use std::path::Path;
+
+use kiln_kernels::matmul::Weight;
+use kiln_kernels::ops::{Llama3Scaling, Rope, RopeStyle};
+use kiln_kernels::quant::{DType, quantize};
+use rand::{Rng, SeedableRng};
+
+use super::gguf::Gguf;
+use super::llama::{Layer, Model};
+use super::{Arch, Loaded, ModelConfig, ModelError, Tokenizer};
+
+/// Loads `source`: a `.gguf` file, a Hugging Face directory (config.json,
+/// *.safetensors, tokenizer.json) or `synthetic:NAME`.
+pub fn load(name: &str, source: &str) -> Result<Loaded, ModelError> {
+    let (model, tokenizer) = if let Some(spec) = source.strip_prefix("synthetic:") {
+        synthetic(spec)?
+    } else {
+        let path = Path::new(source);
+        if path.is_dir() {
+            safetensors_dir(path)?
+        } else {
+            gguf(path)?
+        }
+    };
+    Ok(Loaded {
+        name: name.to_owned(),
+        model,
+        tokenizer,
+    })
+}
+
+fn kernel(e: kiln_kernels::KernelError) -> ModelError {
+    ModelError::Format(e.to_string())
+}
+
+fn build(
+    config: ModelConfig,
+    mut get: impl FnMut(&str) -> Result<Option<Weight>, ModelError>,
+    names: &Names,
+) -> Result<Model, ModelError> {
+    let mut need =
+        |n: String| get(&n)?.ok_or_else(|| ModelError::Format(format!("tensor {n} is missing")));
+    let vector = |w: Weight| {
+        let mut v = vec![0.0; w.cols() * w.rows()];
+        for r in 0..w.rows() {
+            w.row(r, &mut v[r * w.cols()..(r + 1) * w.cols()]);
+        }
+        v
+    };
+    let embed = need(names.embed.into())?;
+    let norm = vector(need(names.norm.into())?);
+    let mut layers = Vec::with_capacity(config.layers);
+    for i in 0..config.layers {
+        let t = |suffix: &str| (names.layer)(i, suffix);
+        let bias = if config.arch == Arch::Qwen2 {
+            Some([
+                vector(need(t("q_bias"))?),
+                vector(need(t("k_bias"))?),
+                vector(need(t("v_bias"))?),
+            ])
+        } else {
+            None
+        };
+        layers.push(Layer {
+            attn_norm: vector(need(t("attn_norm"))?),
+            wq: need(t("q"))?,
+            wk: need(t("k"))?,
+            wv: need(t("v"))?,
+            wo: need(t("o"))?,
+            bias,
+            ffn_norm: vector(need(t("ffn_norm"))?),
+            w_gate: need(t("gate"))?,
+            w_up: need(t("up"))?,
+            w_down: need(t("down"))?,
+        });
+    }
+    let output = get(names.output)?;
+    let rope = Rope::new(
+        config.head_dim,
+        config.rope_theta,
+        config.rope_scaling,
+        config.rope_style,
+    );
+    Ok(Model {
+        config,
+        embed,
+        layers,
+        norm,
+        output,
+        rope,
+    })
+}
+
+/// Tensor naming of a format.
+struct Names {
+    embed: &'static str,
+    norm: &'static str,
+    output: &'static str,
+    layer: fn(usize, &str) -> String,
+}
+
+fn gguf_layer(i: usize, s: &str) -> String {
+    let n = match s {
+        "attn_norm" => "attn_norm.weight",
+        "q" => "attn_q.weight",
+        "k" => "attn_k.weight",
+        "v" => "attn_v.weight",
+        "o" => "attn_output.weight",
+        "q_bias" => "attn_q.bias",
+        "k_bias" => "attn_k.bias",
+        "v_bias" => "attn_v.bias",
+        "ffn_norm" => "ffn_norm.weight",
+        "gate" => "ffn_gate.weight",
+        "up" => "ffn_up.weight",
+        _ => "ffn_down.weight",
+    };
+    format!("blk.{i}.{n}")
+}
+
+fn hf_layer(i: usize, s: &str) -> String {
+    let n = match s {
+        "attn_norm" => "input_layernorm.weight",
+        "q" => "self_attn.q_proj.weight",
+        "k" => "self_attn.k_proj.weight",
+        "v" => "self_attn.v_proj.weight",
+        "o" => "self_attn.o_proj.weight",
+        "q_bias" => "self_attn.q_proj.bias",
+        "k_bias" => "self_attn.k_proj.bias",
+        "v_bias" => "self_attn.v_proj.bias",
+        "ffn_norm" => "post_attention_layernorm.weight",
+        "gate" => "mlp.gate_proj.weight",
+        "up" => "mlp.up_proj.weight",
+        _ => "mlp.down_proj.weight",
+    };
+    format!("model.layers.{i}.{n}")
+}
+
+const GGUF_NAMES: Names = Names {
+    embed: "token_embd.weight",
+    norm: "output_norm.weight",
+    output: "output.weight",
+    layer: gguf_layer,
+};
+const HF_NAMES: Names = Names {
+    embed: "model.embed_tokens.weight",
+    norm: "model.norm.weight",
+    output: "lm_head.weight",
+    layer: hf_layer,
+};
+
+fn gguf(path: &Path) -> Result<(Model, Tokenizer), ModelError> {
+    let g = Gguf::open(path)?;
+    let arch_name = g.str("general.architecture").unwrap_or("?").to_owned();
+    let arch = match arch_name.as_str() {
+        "llama" => Arch::Llama,
+        "qwen2" => Arch::Qwen2,
+        other => {
+            return Err(ModelError::Unsupported(format!(
+                "architecture `{other}`; Kiln runs llama-family models (llama, qwen2)"
+            )));
+        }
+    };
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let int = |k: &str| {
+        g.int(&key(k))
+            .map(|v| v as usize)
+            .ok_or_else(|| ModelError::Format(format!("metadata {} is missing", key(k))))
+    };
+    let hidden = int("embedding_length")?;
+    let heads = int("attention.head_count")?;
+    let embed_dims = g
+        .tensors
+        .get("token_embd.weight")
+        .map(|t| t.dims.clone())
+        .unwrap_or_default();
+    let config = ModelConfig {
+        arch,
+        vocab: embed_dims.get(1).copied().unwrap_or(0),
+        hidden,
+        layers: int("block_count")?,
+        heads,
+        kv_heads: int("attention.head_count_kv").unwrap_or(heads),
+        head_dim: g
+            .int(&key("attention.key_length"))
+            .map(|v| v as usize)
+            .unwrap_or(hidden / heads),
+        ffn: int("feed_forward_length")?,
+        eps: g
+            .float(&key("attention.layer_norm_rms_epsilon"))
+            .unwrap_or(1e-5) as f32,
+        rope_theta: g.float(&key("rope.freq_base")).unwrap_or(10000.0) as f32,
+        rope_scaling: None,
+        // ggml's llama rotates interleaved pairs (the converter permutes
+        // q and k for that); qwen2 uses the "neox" halves.
+        rope_style: if arch == Arch::Llama {
+            RopeStyle::Interleaved
+        } else {
+            RopeStyle::Half
+        },
+        context_length: int("context_length").unwrap_or(4096),
+    };
+    if g.tensors.contains_key("rope_freqs.weight") {
+        return Err(ModelError::Unsupported(
+            "GGUF with rope_freqs (Llama 3.1 scaling) is not supported yet; use the safetensors directory".into(),
+        ));
+    }
+    let get = |name: &str| -> Result<Option<Weight>, ModelError> {
+        if !g.tensors.contains_key(name) {
+            return Ok(None);
+        }
+        let (t, bytes) = g.tensor_bytes(name)?;
+        let cols = t.dims[0];
+        let rows = t.dims.iter().skip(1).product::<usize>().max(1);
+        Weight::from_bytes(t.dtype, rows, cols, bytes.to_vec())
+            .map(Some)
+            .map_err(kernel)
+    };
+    let model = build(config, get, &GGUF_NAMES)?;
+    let tokenizer = Tokenizer::from_gguf(&g)?;
+    Ok((model, tokenizer))
+}
+
+fn safetensors_dir(dir: &Path) -> Result<(Model, Tokenizer), ModelError> {
+    let read = |p: &Path| {
+        std::fs::read(p).map_err(|e| ModelError::Io(format!("reading {}: {e}", p.display())))
+    };
+    let cfg: serde_json::Value = serde_json::from_slice(&read(&dir.join("config.json"))?)
+        .map_err(|e| ModelError::Format(format!("config.json: {e}")))?;
+    let arch_name = cfg["architectures"][0].as_str().unwrap_or("?");
+    let arch = match arch_name {
+        "LlamaForCausalLM" | "MistralForCausalLM" => Arch::Llama,
+        "Qwen2ForCausalLM" => Arch::Qwen2,
+        other => {
+            return Err(ModelError::Unsupported(format!(
+                "architecture `{other}`; Kiln runs Llama, Mistral and Qwen2"
+            )));
+        }
+    };
+    let u = |k: &str| {
+        cfg[k]
+            .as_u64()
+            .map(|v| v as usize)
+            .ok_or_else(|| ModelError::Format(format!("config.json lacks {k}")))
+    };
+    let hidden = u("hidden_size")?;
+    let heads = u("num_attention_heads")?;
+    let rs = &cfg["rope_scaling"];
+    let rope_scaling = (rs["rope_type"].as_str() == Some("llama3")).then(|| Llama3Scaling {
+        factor: rs["factor"].as_f64().unwrap_or(8.0) as f32,
+        low_freq_factor: rs["low_freq_factor"].as_f64().unwrap_or(1.0) as f32,
+        high_freq_factor: rs["high_freq_factor"].as_f64().unwrap_or(4.0) as f32,
+        original_max_position: rs["original_max_position_embeddings"]
+            .as_f64()
+            .unwrap_or(8192.0) as f32,
+    });
+    let config = ModelConfig {
+        arch,
+        vocab: u("vocab_size")?,
+        hidden,
+        layers: u("num_hidden_layers")?,
+        heads,
+        kv_heads: u("num_key_value_heads").unwrap_or(heads),
+        head_dim: u("head_dim").unwrap_or(hidden / heads),
+        ffn: u("intermediate_size")?,
+        eps: cfg["rms_norm_eps"].as_f64().unwrap_or(1e-5) as f32,
+        rope_theta: cfg["rope_theta"].as_f64().unwrap_or(10000.0) as f32,
+        rope_scaling,
+        rope_style: RopeStyle::Half,
+        context_length: u("max_position_embeddings").unwrap_or(4096),
+    };
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|e| ModelError::Io(format!("listing {}: {e}", dir.display())))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(ModelError::Format(format!(
+            "no *.safetensors in {}",
+            dir.display()
+        )));
+    }
+    let blobs = files
+        .iter()
+        .map(|p| read(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let parsed = blobs
+        .iter()
+        .map(|b| {
+            safetensors::SafeTensors::deserialize(b)
+                .map_err(|e| ModelError::Format(format!("safetensors: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let get = |name: &str| -> Result<Option<Weight>, ModelError> {
+        for st in &parsed {
+            if let Ok(t) = st.tensor(name) {
+                let dtype = match t.dtype() {
+                    safetensors::Dtype::F32 => DType::F32,
+                    safetensors::Dtype::F16 => DType::F16,
+                    safetensors::Dtype::BF16 => DType::BF16,
+                    other => {
+                        return Err(ModelError::Unsupported(format!(
+                            "tensor {name} has dtype {other:?}"
+                        )));
+                    }
+                };
+                let shape = t.shape();
+                let cols = *shape.last().unwrap_or(&1);
+                let rows = shape.iter().rev().skip(1).product::<usize>().max(1);
+                return Weight::from_bytes(dtype, rows, cols, t.data().to_vec())
+                    .map(Some)
+                    .map_err(kernel);
+            }
+        }
+        Ok(None)
+    };
+    let model = build(config, get, &HF_NAMES)?;
+    let tokenizer = Tokenizer::from_dir(dir)?;
+    Ok((model, tokenizer))
+}
+
+/// Real shapes with seeded random bf16 weights, for benchmarks.
+fn synthetic(spec: &str) -> Result<(Model, Tokenizer), ModelError> {
+    // (hidden, layers, heads, kv_heads, ffn, vocab, theta)
+    let (hidden, layers, heads, kv_heads, ffn, vocab, theta) = match spec {
+        "llama-3-8b" => (4096, 32, 32, 8, 14336, 128256, 500000.0),
+        "llama-3.2-1b" => (2048, 16, 32, 8, 8192, 128256, 500000.0),
+        "smollm2-135m" => (576, 30, 9, 3, 1536, 49152, 100000.0),
+        other => {
+            return Err(ModelError::Unsupported(format!(
+                "unknown synthetic model `{other}`; try synthetic:llama-3-8b, synthetic:llama-3.2-1b or synthetic:smollm2-135m"
+            )));
+        }
+    };
+    let config = ModelConfig {
+        arch: Arch::Llama,
+        vocab,
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        head_dim: hidden / heads,
+        ffn,
+        eps: 1e-5,
+        rope_theta: theta,
+        rope_scaling: None,
+        rope_style: RopeStyle::Half,
+        context_length: 8192,
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x6b696c6e);
+    let mut weight = |rows: usize, cols: usize| {
+        // Uniform with the std of N(0, 0.02), the usual init scale.
+        let a = 0.02 * 3f32.sqrt();
+        let values: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-a..a)).collect();
+        Weight::from_bytes(DType::BF16, rows, cols, quantize(DType::BF16, &values))
+    };
+    let hd = hidden / heads;
+    let mut layer_list = Vec::with_capacity(layers);
+    for _ in 0..layers {
+        layer_list.push(Layer {
+            attn_norm: vec![1.0; hidden],
+            wq: weight(heads * hd, hidden).map_err(kernel)?,
+            wk: weight(kv_heads * hd, hidden).map_err(kernel)?,
+            wv: weight(kv_heads * hd, hidden).map_err(kernel)?,
+            wo: weight(hidden, heads * hd).map_err(kernel)?,
+            bias: None,
+            ffn_norm: vec![1.0; hidden],
+            w_gate: weight(ffn, hidden).map_err(kernel)?,
+            w_up: weight(ffn, hidden).map_err(kernel)?,
+            w_down: weight(hidden, ffn).map_err(kernel)?,
+        });
+    }
+    let embed = weight(vocab, hidden).map_err(kernel)?;
+    let rope = Rope::new(hd, theta, None, RopeStyle::Half);
+    let model = Model {
+        config,
+        embed,
+        layers: layer_list,
+        norm: vec![1.0; hidden],
+        output: None,
+        rope,
+    };
+    Ok((model, Tokenizer::bytes(vocab)))
+}

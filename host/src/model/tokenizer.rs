@@ -1,0 +1,259 @@
+//! Tokenizers (Hugging Face `tokenizers`, built from `tokenizer.json` or
+//! from GGUF metadata) and chat templates (minijinja).
+
+use std::path::Path;
+
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+use super::ModelError;
+use super::gguf::Gguf;
+
+/// One chat message, as templates see it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+enum Inner {
+    Hf(Box<tokenizers::Tokenizer>),
+    /// One token per byte (synthetic models).
+    Bytes,
+}
+
+/// A model's tokenizer, special tokens and chat template.
+pub struct Tokenizer {
+    inner: Inner,
+    eos: Vec<u32>,
+    bos: Option<u32>,
+    add_bos: bool,
+    template: Option<String>,
+    bos_text: String,
+    eos_text: String,
+}
+
+fn tok_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(e.to_string())
+}
+
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+fn split(pattern: &str) -> Result<PreTokenizerWrapper, ModelError> {
+    let s = Split::new(
+        SplitPattern::Regex(pattern.into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(tok_err)?;
+    Ok(s.into())
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer a GGUF file describes (gpt2-style BPE).
+    pub fn from_gguf(g: &Gguf) -> Result<Self, ModelError> {
+        let kind = g.str("tokenizer.ggml.model").unwrap_or("?");
+        if kind != "gpt2" {
+            return Err(ModelError::Unsupported(format!(
+                "GGUF tokenizer `{kind}`: Kiln builds gpt2-style BPE tokenizers from GGUF; \
+                 for SentencePiece models pass the Hugging Face directory (with tokenizer.json) to --model"
+            )));
+        }
+        let tokens = g
+            .strings("tokenizer.ggml.tokens")
+            .ok_or_else(|| tok_err("GGUF lacks tokenizer.ggml.tokens"))?;
+        let merges = g
+            .strings("tokenizer.ggml.merges")
+            .ok_or_else(|| tok_err("GGUF lacks tokenizer.ggml.merges"))?;
+        let types = g.ints("tokenizer.ggml.token_type").unwrap_or_default();
+        let vocab: tokenizers::models::bpe::Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.to_string(), i as u32))
+            .collect();
+        let merges: Vec<(String, String)> = merges
+            .iter()
+            .filter_map(|m| m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())))
+            .collect();
+        let pre = g.str("tokenizer.ggml.pre").unwrap_or("default");
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .ignore_merges(pre.starts_with("llama"))
+            .build()
+            .map_err(tok_err)?;
+        let mut tk = tokenizers::Tokenizer::new(bpe);
+        let byte_level =
+            |regex: bool| PreTokenizerWrapper::from(ByteLevel::new(false, false, regex));
+        let pre_tok: PreTokenizerWrapper = match pre {
+            "gpt2" | "default" | "gpt-2" => byte_level(true),
+            "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level(true)]).into(),
+            "llama3" | "llama-bpe" | "llama-v3" => {
+                Sequence::new(vec![split(LLAMA3_SPLIT)?, byte_level(false)]).into()
+            }
+            "qwen2" => Sequence::new(vec![split(QWEN2_SPLIT)?, byte_level(false)]).into(),
+            other => {
+                return Err(ModelError::Unsupported(format!(
+                    "GGUF pre-tokenizer `{other}` (supported: gpt2, smollm, llama3/llama-bpe, qwen2)"
+                )));
+            }
+        };
+        tk.with_pre_tokenizer(Some(pre_tok));
+        tk.with_decoder(Some(ByteLevel::default()));
+        // Control (3) and user-defined (4) tokens are matched whole in text.
+        let specials: Vec<AddedToken> = types
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| **t == 3 || **t == 4)
+            .map(|(i, _)| AddedToken::from(tokens[i].to_string(), true))
+            .collect();
+        tk.add_special_tokens(&specials);
+        let id = |k: &str| g.int(k).map(|v| v as u32);
+        let bos = id("tokenizer.ggml.bos_token_id");
+        let mut eos: Vec<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
+        eos.extend(id("tokenizer.ggml.eot_token_id"));
+        let text = |i: Option<u32>| {
+            i.and_then(|i| tokens.get(i as usize))
+                .map(|s| s.to_string())
+                .unwrap_or_default()
+        };
+        Ok(Self {
+            inner: Inner::Hf(Box::new(tk)),
+            bos_text: text(bos),
+            eos_text: text(eos.first().copied()),
+            eos,
+            bos,
+            add_bos: matches!(
+                g.meta.get("tokenizer.ggml.add_bos_token"),
+                Some(super::gguf::Value::Bool(true))
+            ),
+            template: g.str("tokenizer.chat_template").map(str::to_owned),
+        })
+    }
+
+    /// Loads `tokenizer.json` (+ `tokenizer_config.json`, `config.json` for
+    /// special tokens and the template) from a Hugging Face directory.
+    pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
+        let tk = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).map_err(tok_err)?;
+        let json = |name: &str| -> serde_json::Value {
+            std::fs::read(dir.join(name))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or_default()
+        };
+        let tc = json("tokenizer_config.json");
+        let cfg = json("config.json");
+        let token_text = |v: &serde_json::Value| {
+            v.as_str()
+                .or_else(|| v["content"].as_str())
+                .map(str::to_owned)
+        };
+        let bos_text = token_text(&tc["bos_token"]).unwrap_or_default();
+        let eos_text = token_text(&tc["eos_token"]).unwrap_or_default();
+        let mut eos: Vec<u32> = match &cfg["eos_token_id"] {
+            serde_json::Value::Array(a) => a
+                .iter()
+                .filter_map(|v| v.as_u64().map(|v| v as u32))
+                .collect(),
+            v => v.as_u64().map(|v| v as u32).into_iter().collect(),
+        };
+        eos.extend(tk.token_to_id(&eos_text));
+        let bos = tk.token_to_id(&bos_text);
+        Ok(Self {
+            add_bos: tc["add_bos_token"].as_bool().unwrap_or(false) && bos.is_some(),
+            template: tc["chat_template"].as_str().map(str::to_owned),
+            inner: Inner::Hf(Box::new(tk)),
+            eos,
+            bos,
+            bos_text,
+            eos_text,
+        })
+    }
+
+    /// A byte tokenizer for synthetic models: token = byte value.
+    pub fn bytes(_vocab: usize) -> Self {
+        Self {
+            inner: Inner::Bytes,
+            eos: Vec::new(),
+            bos: None,
+            add_bos: false,
+            template: None,
+            bos_text: String::new(),
+            eos_text: String::new(),
+        }
+    }
+
+    /// Token ids of `text`; special tokens written in the text are matched.
+    /// Adds the BOS token when the model asks for it and `add_bos` is set.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, ModelError> {
+        let mut ids = match &self.inner {
+            Inner::Hf(tk) => tk.encode(text, false).map_err(tok_err)?.get_ids().to_vec(),
+            Inner::Bytes => text.bytes().map(u32::from).collect(),
+        };
+        if add_bos
+            && self.add_bos
+            && let Some(b) = self.bos
+            && ids.first() != Some(&b)
+        {
+            ids.insert(0, b);
+        }
+        Ok(ids)
+    }
+
+    /// Text of `ids` (special tokens skipped).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match &self.inner {
+            Inner::Hf(tk) => tk.decode(ids, true).unwrap_or_default(),
+            Inner::Bytes => {
+                String::from_utf8_lossy(&ids.iter().map(|i| *i as u8).collect::<Vec<_>>())
+                    .into_owned()
+            }
+        }
+    }
+
+    /// Whether `id` ends generation.
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos.contains(&id)
+    }
+
+    /// The prompt for a conversation, rendered with the model's chat
+    /// template and ending where the assistant's reply begins.
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, ModelError> {
+        let Some(template) = &self.template else {
+            // No template: a plain transcript.
+            let mut s: String = messages
+                .iter()
+                .map(|m| format!("{}: {}\n", m.role, m.content))
+                .collect();
+            s.push_str("assistant:");
+            return Ok(s);
+        };
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", template).map_err(tok_err)?;
+        let tmpl = env.get_template("chat").map_err(tok_err)?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => true,
+            bos_token => self.bos_text,
+            eos_token => self.eos_text,
+        })
+        .map_err(tok_err)
+    }
+}
