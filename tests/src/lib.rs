@@ -182,3 +182,18 @@ pub async fn error_of(resp: reqwest::Response) -> (u16, String, String) {
             .to_owned(),
     )
 }
+
+/// The default model (fetched into the cache on first use), loaded once
+/// per test process; each call gets its own copy of the weights.
+pub fn default_model() -> kiln_host::model::Loaded {
+    use kiln_host::model;
+    static SOURCE: OnceLock<Result<String, String>> = OnceLock::new();
+    let source = SOURCE.get_or_init(|| {
+        model::resolve_model(model::DEFAULT_MODEL, &model::default_cache_dir())
+            .map_err(|e| e.to_string())
+    });
+    match source {
+        Ok(s) => model::load(model::DEFAULT_MODEL, s).expect("loading the default model"),
+        Err(e) => panic!("fetching the default model failed: {e}"),
+    }
+}

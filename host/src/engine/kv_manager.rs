@@ -12,10 +12,14 @@ pub type SeqId = u64;
 /// A sequence's pages, in position order, with their expected tags.
 #[derive(Debug, Default, Clone)]
 pub struct BlockTable {
-    /// Page ids.
+    /// Page ids: the mapping the kernels read.
     pub pages: Vec<u32>,
     /// The tag each page had when this sequence got it.
     pub expected: Vec<PageTag>,
+    /// The pages the pool gave this sequence: the ownership record freeing
+    /// goes by, kept apart from the mapping so a corrupted mapping can
+    /// neither leak a page nor free someone else's.
+    owned: Vec<u32>,
 }
 
 /// Block tables over one pool.
@@ -64,6 +68,7 @@ impl KvCacheManager {
             if let Some((page, tag)) = self.pool.allocate(tenant) {
                 table.pages.push(page);
                 table.expected.push(tag);
+                table.owned.push(page);
             }
         }
         true
@@ -72,7 +77,7 @@ impl KvCacheManager {
     /// Returns every page of `seq` to the pool.
     pub fn free(&mut self, seq: SeqId) {
         if let Some(t) = self.tables.remove(&seq) {
-            for p in t.pages {
+            for p in t.owned {
                 self.pool.release(p);
             }
         }
@@ -149,6 +154,10 @@ mod tests {
         assert!(kv.corrupt_mapping(2, 3, 1));
         assert_eq!(kv.check(&[1, 2, 3], &TagCheck), vec![true, false, true]);
         assert_eq!(kv.check(&[1, 2, 3], &NoCheck), vec![true, true, true]);
+        for s in 1..=3 {
+            kv.free(s);
+        }
+        assert_eq!(kv.num_free(), 8, "a corrupted mapping leaks nothing");
     }
 
     #[test]

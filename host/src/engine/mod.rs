@@ -244,6 +244,63 @@ impl Engine {
         }
     }
 
+    /// Teacher forcing: the logits after each of `tokens[from - 1..]`,
+    /// i.e. the distributions predicting `tokens[from..]` and the token
+    /// after them. Runs through the same paged KV as decoding: a prefill of
+    /// `tokens[..from]`, then one token per forward pass.
+    pub fn teacher_forced_logits(
+        &mut self,
+        tenant: TenantId,
+        tokens: &[u32],
+        from: usize,
+    ) -> Result<Vec<Vec<f32>>, String> {
+        if from == 0 || from > tokens.len() {
+            return Err(format!("`from` must be in 1..={}", tokens.len()));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        if !self.kv.allocate(id, tenant, tokens.len()) {
+            return Err("the KV pool is too small for this sequence".into());
+        }
+        let result = (|| {
+            let pages = self
+                .kv
+                .table(id)
+                .map(|t| t.pages.clone())
+                .unwrap_or_default();
+            let mut out = Vec::with_capacity(tokens.len() - from + 1);
+            let first = BatchSeq {
+                tokens: &tokens[..from],
+                start: 0,
+                pages: &pages,
+                logits: true,
+            };
+            out.extend(
+                self.loaded
+                    .model
+                    .forward(&mut self.cache, &[first])
+                    .map_err(|e| e.to_string())?,
+            );
+            for i in from..tokens.len() {
+                let one = BatchSeq {
+                    tokens: &tokens[i..i + 1],
+                    start: i,
+                    pages: &pages,
+                    logits: true,
+                };
+                out.extend(
+                    self.loaded
+                        .model
+                        .forward(&mut self.cache, &[one])
+                        .map_err(|e| e.to_string())?,
+                );
+            }
+            Ok(out)
+        })();
+        self.kv.free(id);
+        result
+    }
+
     fn finish(&mut self, seq: SeqId, finish: Finish, events: &mut Vec<Event>) {
         self.scheduler.remove(seq);
         self.kv.free(seq);
