@@ -7,6 +7,7 @@
 pub mod api;
 pub mod app;
 pub mod auth;
+pub mod bench;
 pub mod client;
 pub mod config;
 pub mod db;

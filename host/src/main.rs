@@ -26,6 +26,8 @@ enum Command {
     Serve(ServeArgs),
     /// Generate once from a model, without a server.
     Run(RunArgs),
+    /// Measure prompt and decode throughput at several concurrencies.
+    Bench(BenchArgs),
     /// Manage tenants on a running server (admin token).
     Tenant {
         #[command(subcommand)]
@@ -125,10 +127,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let ids = loaded.tokenizer.encode(&prompt, true)?;
     let config = EngineConfig {
-        kv_format: match args.kv {
-            KvArg::Fp8 => kiln_kernels::kv::KvFormat::Fp8,
-            KvArg::Bf16 => kiln_kernels::kv::KvFormat::Bf16,
-        },
+        kv_format: kv_format(args.kv),
         kv_memory: args.kv_memory_mib << 20,
         integrity: args.kv_integrity == OnOff::On,
         ..Default::default()
@@ -141,6 +140,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         top_p: args.top_p,
         seed: args.seed,
         stop: args.stop,
+        ignore_eos: false,
     };
     let out = engine
         .generate(TenantId(0), ids, params)
@@ -155,6 +155,75 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         println!("{v}");
     } else {
         println!("{}", out.text);
+    }
+    Ok(())
+}
+
+/// `kiln bench`.
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Model, as for `kiln run`.
+    #[arg(long, default_value = kiln_host::model::DEFAULT_MODEL)]
+    model: String,
+    /// Concurrencies to measure, comma separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 4, 16])]
+    concurrency: Vec<usize>,
+    /// Prompt tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Tokens generated per sequence.
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    /// KV page format.
+    #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
+    kv: KvArg,
+    /// KV memory in MiB.
+    #[arg(long, default_value_t = 512)]
+    kv_memory_mib: usize,
+    /// Check KV page tags before each step.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    kv_integrity: OnOff,
+}
+
+fn kv_format(kv: KvArg) -> kiln_kernels::kv::KvFormat {
+    match kv {
+        KvArg::Fp8 => kiln_kernels::kv::KvFormat::Fp8,
+        KvArg::Bf16 => kiln_kernels::kv::KvFormat::Bf16,
+    }
+}
+
+fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    use kiln_host::engine::EngineConfig;
+    use kiln_host::model;
+    let source = model::resolve_model(&args.model, &model::default_cache_dir())?;
+    let mut loaded = model::load(&args.model, &source)?;
+    println!(
+        "model {} | kv {:?} | prompt {} | generate {} | threads {}",
+        args.model,
+        kv_format(args.kv),
+        args.prompt_tokens,
+        args.gen_tokens,
+        rayon::current_num_threads()
+    );
+    println!(
+        "{:>11} {:>14} {:>14} {:>12}",
+        "concurrency", "prompt tok/s", "decode tok/s", "ITL p50 ms"
+    );
+    for c in args.concurrency {
+        let config = EngineConfig {
+            kv_format: kv_format(args.kv),
+            kv_memory: args.kv_memory_mib << 20,
+            integrity: args.kv_integrity == OnOff::On,
+            ..Default::default()
+        };
+        let (row, back) =
+            kiln_host::bench::run(loaded, config, c, args.prompt_tokens, args.gen_tokens)
+                .map_err(anyhow::Error::msg)?;
+        loaded = back;
+        println!(
+            "{:>11} {:>14.1} {:>14.1} {:>12.2}",
+            row.concurrency, row.prompt_tok_s, row.decode_tok_s, row.itl_p50_ms
+        );
     }
     Ok(())
 }
@@ -249,6 +318,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve(args).await,
         Command::Run(args) => tokio::task::spawn_blocking(move || run(args)).await?,
+        Command::Bench(args) => tokio::task::spawn_blocking(move || bench(args)).await?,
         Command::Tenant {
             command:
                 TenantCommand::Create {

@@ -6,6 +6,7 @@
 //!
 //! - [`quant`]: GGUF block formats and dequantization.
 //! - [`matmul`]: activations times (possibly quantized) weight matrices.
+//! - [`qdot`]: vectorized dequantization and fused dot products for block formats.
 //! - [`ops`]: RMSNorm, RoPE, SiLU-and-multiply, embedding, softmax.
 //! - [`fp8`]: FP8 e4m3 encoding with a per-vector scale.
 //! - [`kv`]: paged KV storage (bf16 or fp8) and paged attention.
@@ -15,6 +16,7 @@ pub mod fp8;
 pub mod kv;
 pub mod matmul;
 pub mod ops;
+pub mod qdot;
 pub mod quant;
 pub mod sample;
 mod simd;

@@ -9,7 +9,8 @@
 use rayon::prelude::*;
 
 use crate::KernelError;
-use crate::quant::{DType, QK, dequantize_row};
+use crate::qdot::{DecodedRow, block_sums, dequant_row, dot_row};
+use crate::quant::{DType, QK};
 use crate::simd::dot;
 
 /// A weight matrix: `rows` outputs of `cols` inputs each, row-major.
@@ -114,7 +115,7 @@ impl Weight {
             Store::F32(v) => out.copy_from_slice(&v[r * self.cols..(r + 1) * self.cols]),
             Store::Bytes(b) => {
                 let stride = self.dtype.bytes_for(self.cols);
-                dequantize_row(self.dtype, &b[r * stride..(r + 1) * stride], out);
+                dequant_row(self.dtype, &b[r * stride..(r + 1) * stride], out);
             }
         }
     }
@@ -138,6 +139,10 @@ pub fn matmul(x: &[f32], n: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
         gemm_f32(x, n, wv, w.rows, w.cols, out);
         return Ok(());
     }
+    if let (Store::Bytes(bytes), true) = (&w.store, w.dtype.is_block()) {
+        matmul_block(x, n, w, bytes, out);
+        return Ok(());
+    }
     let chunks: Vec<Vec<f32>> = (0..w.rows.div_ceil(ROW_CHUNK))
         .into_par_iter()
         .map_init(
@@ -157,15 +162,65 @@ pub fn matmul(x: &[f32], n: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
             },
         )
         .collect();
+    scatter(&chunks, n, w.rows, out);
+    Ok(())
+}
+
+/// Block-quantized weights. One activation row (decode): a fused
+/// dequantize-and-dot per weight row. Several (prefill, batches): each
+/// weight row is decoded once and dotted with every activation row. Both
+/// give bitwise the same numbers, so a sequence's output does not depend on
+/// what it is batched with.
+fn matmul_block(x: &[f32], n: usize, w: &Weight, bytes: &[u8], out: &mut [f32]) {
+    let sums: Vec<Vec<f32>> = x.chunks_exact(w.cols).map(block_sums).collect();
+    let stride = w.dtype.bytes_for(w.cols);
+    if n == 1 {
+        // Decode: write straight into `out`, no per-chunk buffers.
+        out.par_chunks_mut(ROW_CHUNK).enumerate().for_each_init(
+            DecodedRow::default,
+            |scratch, (c, o)| {
+                for (i, v) in o.iter_mut().enumerate() {
+                    let r = c * ROW_CHUNK + i;
+                    *v = dot_row(
+                        w.dtype,
+                        &bytes[r * stride..(r + 1) * stride],
+                        x,
+                        &sums[0],
+                        scratch,
+                    );
+                }
+            },
+        );
+        return;
+    }
+    let chunks: Vec<Vec<f32>> = (0..w.rows.div_ceil(ROW_CHUNK))
+        .into_par_iter()
+        .map_init(DecodedRow::default, |scratch, c| {
+            let r0 = c * ROW_CHUNK;
+            let r1 = (r0 + ROW_CHUNK).min(w.rows);
+            let mut local = vec![0.0f32; n * (r1 - r0)];
+            for r in r0..r1 {
+                let row = &bytes[r * stride..(r + 1) * stride];
+                scratch.decode(w.dtype, row);
+                for b in 0..n {
+                    let xb = &x[b * w.cols..(b + 1) * w.cols];
+                    local[b * (r1 - r0) + (r - r0)] = scratch.dot(xb, &sums[b]);
+                }
+            }
+            local
+        })
+        .collect();
+    scatter(&chunks, n, w.rows, out);
+}
+
+fn scatter(chunks: &[Vec<f32>], n: usize, rows: usize, out: &mut [f32]) {
     for (c, local) in chunks.iter().enumerate() {
         let r0 = c * ROW_CHUNK;
         let len = local.len() / n;
         for b in 0..n {
-            out[b * w.rows + r0..b * w.rows + r0 + len]
-                .copy_from_slice(&local[b * len..(b + 1) * len]);
+            out[b * rows + r0..b * rows + r0 + len].copy_from_slice(&local[b * len..(b + 1) * len]);
         }
     }
-    Ok(())
 }
 
 fn gemm_f32(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, out: &mut [f32]) {

@@ -23,10 +23,47 @@ fn dot_body(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    dot_body(a, b)
+    use std::arch::x86_64::*;
+    let n = a.len().min(b.len());
+    let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut i = 0;
+    // SAFETY: every load reads 8 floats at i < n - 15 (or n - 7) of both.
+    unsafe {
+        while i + 16 <= n {
+            s0 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i)),
+                _mm256_loadu_ps(b.as_ptr().add(i)),
+                s0,
+            );
+            s1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i + 8)),
+                _mm256_loadu_ps(b.as_ptr().add(i + 8)),
+                s1,
+            );
+            i += 16;
+        }
+        if i + 8 <= n {
+            s0 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i)),
+                _mm256_loadu_ps(b.as_ptr().add(i)),
+                s0,
+            );
+            i += 8;
+        }
+    }
+    let v = _mm256_add_ps(s0, s1);
+    let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    let mut s = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+    while i < n {
+        s += a[i] * b[i];
+        i += 1;
+    }
+    s
 }
 
-fn has_avx2() -> bool {
+/// Whether the CPU has AVX2 and FMA (checked once).
+pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -62,7 +99,22 @@ fn axpy_body(alpha: f32, x: &[f32], y: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn axpy_avx2(alpha: f32, x: &[f32], y: &mut [f32]) {
-    axpy_body(alpha, x, y)
+    use std::arch::x86_64::*;
+    let n = x.len().min(y.len());
+    let av = _mm256_set1_ps(alpha);
+    let mut i = 0;
+    // SAFETY: every access touches 8 floats at i <= n - 8 of both.
+    unsafe {
+        while i + 8 <= n {
+            let yp = y.as_mut_ptr().add(i);
+            _mm256_storeu_ps(
+                yp,
+                _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i)), av, _mm256_loadu_ps(yp)),
+            );
+            i += 8;
+        }
+    }
+    axpy_body(alpha, &x[i..n], &mut y[i..n]);
 }
 
 /// `y += alpha * x`.

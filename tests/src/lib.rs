@@ -25,6 +25,11 @@ pub fn guest(name: &str) -> PathBuf {
     static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let dir = BUILT.get_or_init(|| {
         let target_dir = workspace().join("target").join("guests");
+        // A fresh machine may lack the target (rust-toolchain.toml lists it,
+        // but rustup only adds it when it installs the toolchain itself).
+        let _ = std::process::Command::new("rustup")
+            .args(["target", "add", "wasm32-wasip2"])
+            .output();
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let out = std::process::Command::new(cargo)
             .current_dir(workspace())

@@ -143,6 +143,11 @@ impl Engine {
         &self.loaded
     }
 
+    /// Gives the model back (to build another engine on it).
+    pub fn into_loaded(self) -> Loaded {
+        self.loaded
+    }
+
     /// Free KV pages.
     pub fn free_pages(&self) -> usize {
         self.kv.num_free()
@@ -377,7 +382,7 @@ impl Engine {
                 continue;
             };
             let token = sample(&l, r.sampling(), &mut r.rng);
-            let eos = self.loaded.tokenizer.is_eos(token);
+            let eos = self.loaded.tokenizer.is_eos(token) && !r.params.ignore_eos;
             let mut finish = None;
             if eos {
                 finish = Some(Finish::Stop);

@@ -20,6 +20,8 @@ pub struct GenerateParams {
     pub seed: Option<u64>,
     /// Generation stops before any of these strings.
     pub stop: Vec<String>,
+    /// Keep generating past EOS (benchmarks).
+    pub ignore_eos: bool,
 }
 
 impl Default for GenerateParams {
@@ -31,6 +33,7 @@ impl Default for GenerateParams {
             top_p: 0.9,
             seed: None,
             stop: Vec::new(),
+            ignore_eos: false,
         }
     }
 }
