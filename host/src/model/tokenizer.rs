@@ -189,6 +189,20 @@ impl Tokenizer {
         }
     }
 
+    /// Writes the tokenizer as a Hugging Face `tokenizer.json` (not for
+    /// the byte tokenizer of synthetic models).
+    pub fn save_json(&self, path: &Path) -> Result<(), ModelError> {
+        match &self.inner {
+            Inner::Hf(tk) => tk.save(path, false).map_err(tok_err),
+            Inner::Bytes => Err(tok_err("the byte tokenizer has no tokenizer.json form")),
+        }
+    }
+
+    /// The chat template, if the model has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.template.as_deref()
+    }
+
     /// Token ids of `text`; special tokens written in the text are matched.
     /// Adds the BOS token when the model asks for it and `add_bos` is set.
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, ModelError> {
