@@ -178,15 +178,18 @@ impl KvPages {
         let mut kbuf = vec![0.0f32; hd];
         let mut scores = vec![0.0f32; group * len];
         out.iter_mut().for_each(|o| *o = 0.0);
+        let read = |value: bool, t: usize, kvh: usize, buf: &mut [f32]| {
+            self.read(
+                value,
+                pages[t / page_size] as usize,
+                t % page_size,
+                kvh,
+                buf,
+            )
+        };
         for kvh in 0..kv_heads {
             for t in 0..len {
-                self.read(
-                    false,
-                    pages[t / page_size] as usize,
-                    t % page_size,
-                    kvh,
-                    &mut kbuf,
-                );
+                read(false, t, kvh, &mut kbuf);
                 for g in 0..group {
                     let h = kvh * group + g;
                     scores[g * len + t] = dot(&q[h * hd..(h + 1) * hd], &kbuf) * scale;
@@ -196,13 +199,7 @@ impl KvPages {
                 softmax(&mut scores[g * len..(g + 1) * len]);
             }
             for t in 0..len {
-                self.read(
-                    true,
-                    pages[t / page_size] as usize,
-                    t % page_size,
-                    kvh,
-                    &mut kbuf,
-                );
+                read(true, t, kvh, &mut kbuf);
                 for g in 0..group {
                     let h = kvh * group + g;
                     axpy(scores[g * len + t], &kbuf, &mut out[h * hd..(h + 1) * hd]);

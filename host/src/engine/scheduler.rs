@@ -36,6 +36,18 @@ struct Seq {
     computed: usize,
 }
 
+impl Seq {
+    /// The next `count` tokens of this sequence as a step's work.
+    fn plan(&self, seq: SeqId, count: usize) -> Scheduled {
+        Scheduled {
+            seq,
+            start: self.computed,
+            count,
+            sample: self.computed + count == self.len,
+        }
+    }
+}
+
 /// One sequence's work in a step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Scheduled {
@@ -191,12 +203,7 @@ impl Scheduler {
                 .position(|r| *r == id)
                 .map_or(i, |p| p + 1);
             planned.push(id);
-            out.scheduled.push(Scheduled {
-                seq: id,
-                start: s.computed,
-                count,
-                sample: s.computed + count == s.len,
-            });
+            out.scheduled.push(s.plan(id, count));
             budget -= count;
         }
         // 2. Admit waiting sequences, one tenant at a time in rotation, so
@@ -218,12 +225,7 @@ impl Scheduler {
             }
             self.next_tenant = TenantId(tenant.0.wrapping_add(1));
             self.running.push(id);
-            out.scheduled.push(Scheduled {
-                seq: id,
-                start: s.computed,
-                count,
-                sample: s.computed + count == s.len,
-            });
+            out.scheduled.push(s.plan(id, count));
             budget -= count;
         }
         for sch in &out.scheduled {
