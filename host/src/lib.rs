@@ -15,5 +15,6 @@ pub mod engine;
 pub mod metrics;
 pub mod model;
 pub mod server;
+pub mod serving;
 /// The model backend of a server that serves none.
 pub use kiln_runtime::NoModels;

@@ -294,12 +294,66 @@ struct ServeArgs {
     /// Seconds shutdown waits for requests in flight.
     #[arg(long, default_value_t = 10)]
     drain_timeout_s: u64,
+    /// A model to serve, as NAME=SOURCE (SOURCE as for `kiln run --model`);
+    /// repeatable. Without it the default model is served.
+    #[arg(long = "model", value_name = "NAME=SOURCE")]
+    models: Vec<String>,
+    /// Serve functions only, no models.
+    #[arg(long, conflicts_with = "models")]
+    no_models: bool,
+    /// KV page format of every model.
+    #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
+    kv: KvArg,
+    /// KV memory budget of each model (`512MiB`, `2GiB`).
+    #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+    kv_memory: usize,
+    /// Check KV page tags before each step.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    kv_integrity: OnOff,
+}
+
+/// Loads the models `kiln serve` was asked for and starts their engines.
+fn model_backend(args: &ServeArgs) -> anyhow::Result<Arc<dyn kiln_runtime::Inference>> {
+    use kiln_host::engine::EngineConfig;
+    use kiln_host::model;
+    if args.no_models {
+        return Ok(Arc::new(kiln_runtime::NoModels));
+    }
+    let specs: Vec<(String, String)> = if args.models.is_empty() {
+        vec![(
+            model::DEFAULT_MODEL.to_owned(),
+            model::DEFAULT_MODEL.to_owned(),
+        )]
+    } else {
+        args.models
+            .iter()
+            .map(|m| {
+                m.split_once('=')
+                    .map(|(n, s)| (n.to_owned(), s.to_owned()))
+                    .ok_or_else(|| anyhow::anyhow!("--model wants NAME=SOURCE, got `{m}`"))
+            })
+            .collect::<Result<_, _>>()?
+    };
+    let mut engines = Vec::new();
+    for (name, spec) in specs {
+        let source = model::resolve_model(&spec, &model::default_cache_dir())?;
+        let loaded = model::load(&name, &source)?;
+        tracing::info!(model = %name, "loaded {} parameters", loaded.model.config.parameters());
+        let config = EngineConfig {
+            kv_format: kv_format(args.kv),
+            kv_memory: args.kv_memory,
+            integrity: args.kv_integrity == OnOff::On,
+            ..Default::default()
+        };
+        engines.push((loaded, config));
+    }
+    Ok(Arc::new(kiln_host::serving::ServedModels::start(engines)?))
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let mut config = ServeConfig::new(args.data_dir);
+    let mut config = ServeConfig::new(args.data_dir.clone());
     config.listen = args.listen;
-    config.tls = args.tls_cert.zip(args.tls_key);
+    config.tls = args.tls_cert.clone().zip(args.tls_key.clone());
     config.max_upload_bytes = args.max_upload_bytes;
     config.limits.memory_bytes = args.memory_limit_mib << 20;
     config.limits.cpu_time = Duration::from_millis(args.cpu_limit_ms);
@@ -314,7 +368,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         "http"
     };
-    let server = Server::bind(config, admin, Arc::new(kiln_runtime::NoModels)).await?;
+    let backend = tokio::task::block_in_place(|| model_backend(&args))?;
+    let server = Server::bind(config, admin, backend).await?;
     if server.admin_token.generated {
         eprintln!(
             "Generated the admin token (stored in <data-dir>/admin-token; shown once):\n  {}",

@@ -73,6 +73,7 @@ fn serve_prints_the_generated_token_once_and_stops_on_sigterm() {
         Command::new(env!("CARGO_BIN_EXE_kiln"))
             .args([
                 "serve",
+                "--no-models",
                 "--listen",
                 &format!("127.0.0.1:{port}"),
                 "--data-dir",

@@ -16,8 +16,8 @@ mod limits;
 mod state;
 
 pub use ai::{
-    AiError, ChatRequest, CompleteRequest, Completion, FinishReason, Inference, Message, ModelInfo,
-    NoModels, Params, Role, StreamEnd, StreamEvent, TokenStream, Usage,
+    AiError, BoxFuture, ChatRequest, CompleteRequest, Completion, FinishReason, Inference, Message,
+    ModelInfo, NoModels, Params, Role, StreamEnd, StreamEvent, TokenStream, Usage,
 };
 pub use compile::{Deployment, Runtime};
 pub use error::{InvokeError, LimitKind, RuntimeError};

@@ -34,7 +34,15 @@ pub fn guest(name: &str) -> PathBuf {
         let out = std::process::Command::new(cargo)
             .current_dir(workspace())
             .args(["build", "--target", "wasm32-wasip2", "--profile", "guest"])
-            .args(["-p", "hello", "-p", "misbehave", "--target-dir"])
+            .args([
+                "-p",
+                "hello",
+                "-p",
+                "chat",
+                "-p",
+                "misbehave",
+                "--target-dir",
+            ])
             .arg(&target_dir)
             .output()
             .map_err(|e| format!("running cargo: {e}"))?;
@@ -82,13 +90,35 @@ impl TestServer {
         s
     }
 
+    /// Starts a server on a fresh data dir that serves the default model.
+    pub async fn start_with_models() -> Self {
+        let config = kiln_host::engine::EngineConfig {
+            kv_memory: 64 << 20,
+            ..Default::default()
+        };
+        let served = kiln_host::serving::ServedModels::start(vec![(default_model(), config)])
+            .expect("engine thread");
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let mut s = Self::start_full(tmp.path(), |_| {}, Arc::new(served)).await;
+        s._tmp = Some(tmp);
+        s
+    }
+
     /// Starts a server on `data_dir`.
     pub async fn start_in(data_dir: &Path, tweak: impl FnOnce(&mut ServeConfig)) -> Self {
+        Self::start_full(data_dir, tweak, Arc::new(kiln_host::NoModels)).await
+    }
+
+    async fn start_full(
+        data_dir: &Path,
+        tweak: impl FnOnce(&mut ServeConfig),
+        backend: Arc<dyn kiln_runtime::Inference>,
+    ) -> Self {
         let mut config = ServeConfig::new(data_dir);
         config.listen = "127.0.0.1:0".parse().expect("addr");
         config.limits.max_instances = 400;
         tweak(&mut config);
-        let server = Server::bind(config, Some(ADMIN.into()), Arc::new(kiln_host::NoModels))
+        let server = Server::bind(config, Some(ADMIN.into()), backend)
             .await
             .expect("server binds");
         let url = format!("http://{}", server.local_addr);
