@@ -95,6 +95,22 @@ impl Rope {
         Self { inv_freq, style }
     }
 
+    /// Divides each frequency by its factor (GGUF's `rope_freqs`, which is
+    /// how llama.cpp stores Llama 3.1 scaling).
+    pub fn with_freq_factors(mut self, factors: &[f32]) -> Result<Self, crate::KernelError> {
+        if factors.len() != self.inv_freq.len() {
+            return Err(crate::KernelError::Shape(format!(
+                "{} RoPE frequency factors for {} frequencies",
+                factors.len(),
+                self.inv_freq.len()
+            )));
+        }
+        for (f, d) in self.inv_freq.iter_mut().zip(factors) {
+            *f /= d;
+        }
+        Ok(self)
+    }
+
     /// Rotates every head in `x` (`heads × dim`) for position `pos`.
     pub fn apply(&self, x: &mut [f32], pos: usize) {
         let half = self.inv_freq.len();
@@ -156,6 +172,29 @@ mod tests {
         let scaled = Rope::new(128, 500000.0, Some(s), RopeStyle::Half);
         assert_eq!(plain.inv_freq[0], scaled.inv_freq[0]);
         assert!((plain.inv_freq[63] / scaled.inv_freq[63] - 8.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn freq_factors_reproduce_llama3_scaling() {
+        let s = Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8192.0,
+        };
+        let plain = Rope::new(128, 500000.0, None, RopeStyle::Half);
+        let scaled = Rope::new(128, 500000.0, Some(s), RopeStyle::Half);
+        let factors: Vec<f32> = plain
+            .inv_freq
+            .iter()
+            .zip(&scaled.inv_freq)
+            .map(|(p, s)| p / s)
+            .collect();
+        let via = plain.with_freq_factors(&factors).unwrap();
+        for (a, b) in via.inv_freq.iter().zip(&scaled.inv_freq) {
+            assert!((a - b).abs() <= 1e-6 * b.abs());
+        }
+        assert!(scaled.with_freq_factors(&[1.0]).is_err());
     }
 
     #[test]

@@ -202,11 +202,6 @@ fn gguf(path: &Path) -> Result<(Model, Tokenizer), ModelError> {
         },
         context_length: int("context_length").unwrap_or(4096),
     };
-    if g.tensors.contains_key("rope_freqs.weight") {
-        return Err(ModelError::Unsupported(
-            "GGUF with rope_freqs (Llama 3.1 scaling) is not supported yet; use the safetensors directory".into(),
-        ));
-    }
     let get = |name: &str| -> Result<Option<Weight>, ModelError> {
         if !g.tensors.contains_key(name) {
             return Ok(None);
@@ -218,7 +213,14 @@ fn gguf(path: &Path) -> Result<(Model, Tokenizer), ModelError> {
             .map(Some)
             .map_err(kernel)
     };
-    let model = build(config, get, &GGUF_NAMES)?;
+    let mut model = build(config, get, &GGUF_NAMES)?;
+    // Llama 3.1+ GGUF files carry the llama3 RoPE scaling as per-frequency
+    // divisors (llama.cpp's `rope_freqs`).
+    if let Some(w) = get("rope_freqs.weight")? {
+        let mut factors = vec![0.0; w.cols() * w.rows()];
+        w.row(0, &mut factors[..w.cols()]);
+        model.rope = model.rope.with_freq_factors(&factors).map_err(kernel)?;
+    }
     let tokenizer = Tokenizer::from_gguf(&g)?;
     Ok((model, tokenizer))
 }
