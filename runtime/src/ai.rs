@@ -116,6 +116,9 @@ pub(crate) struct AiCtx {
     pub(crate) tenant: String,
     pub(crate) session: Option<String>,
     pub(crate) backend: Arc<dyn Inference>,
+    /// Restarts the CPU meter when a model call returns: waiting for the
+    /// model is not guest CPU time.
+    pub(crate) cpu: crate::limits::CpuMark,
 }
 
 impl AiCtx {
@@ -162,7 +165,9 @@ impl wit::Host for AiView<'_> {
             messages,
             params: self.ctx.params(params),
         };
-        Ok(self.ctx.backend.chat(req).await)
+        let out = self.ctx.backend.chat(req).await;
+        self.ctx.cpu.resume();
+        Ok(out)
     }
 
     async fn stream_chat(
@@ -177,7 +182,9 @@ impl wit::Host for AiView<'_> {
             messages,
             params: self.ctx.params(params),
         };
-        match self.ctx.backend.stream_chat(req).await {
+        let started = self.ctx.backend.stream_chat(req).await;
+        self.ctx.cpu.resume();
+        match started {
             Ok(stream) => {
                 let handle = ChatStreamHandle {
                     stream,
@@ -201,7 +208,9 @@ impl wit::Host for AiView<'_> {
             prompt,
             params: self.ctx.params(params),
         };
-        Ok(self.ctx.backend.complete(req).await)
+        let out = self.ctx.backend.complete(req).await;
+        self.ctx.cpu.resume();
+        Ok(out)
     }
 
     async fn list_models(&mut self) -> wasmtime::Result<Vec<ModelInfo>> {
@@ -221,6 +230,7 @@ impl wit::HostChatStream for AiView<'_> {
             )));
         }
         let event = handle.stream.next().await;
+        self.ctx.cpu.resume();
         if matches!(event, Ok(StreamEvent::Done(_)) | Err(_)) {
             handle.finished = true;
         }

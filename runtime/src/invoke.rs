@@ -56,12 +56,14 @@ impl Runtime {
         B::Error: Into<wasmtime_wasi_http::Error>,
     {
         let start = Instant::now();
+        let limits = StoreLimits::new(&self.limits);
         let ai = AiCtx {
             tenant: invocation.tenant,
             session: invocation.session,
             backend: self.backend.clone(),
+            cpu: limits.cpu_mark(),
         };
-        let mut store = Store::new(&self.engine, State::new(ai, StoreLimits::new(&self.limits)));
+        let mut store = Store::new(&self.engine, State::new(ai, limits));
         store.limiter(|s| &mut s.limits);
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(|mut ctx| ctx.data_mut().limits.on_epoch());

@@ -37,6 +37,22 @@ impl Default for Limits {
 /// How often the engine's epoch advances: the granularity of CPU accounting.
 pub(crate) const TICK: Duration = Duration::from_millis(1);
 
+/// A handle that restarts the CPU meter's clock: called when a host call
+/// returns, so time the guest spent waiting in it is not billed.
+#[derive(Clone)]
+pub(crate) struct CpuMark {
+    mark: Arc<AtomicU64>,
+    base: Instant,
+}
+
+impl CpuMark {
+    /// The guest resumes now.
+    pub(crate) fn resume(&self) {
+        self.mark
+            .store(self.base.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
 /// Per-store enforcement state: the memory limiter and the CPU meter.
 pub(crate) struct StoreLimits {
     memory_bytes: usize,
@@ -62,6 +78,14 @@ impl StoreLimits {
         }
     }
 
+    /// A handle to restart the meter's clock from host calls.
+    pub(crate) fn cpu_mark(&self) -> CpuMark {
+        CpuMark {
+            mark: self.mark.clone(),
+            base: self.base,
+        }
+    }
+
     fn now_nanos(&self) -> u64 {
         self.base.elapsed().as_nanos() as u64
     }
@@ -76,6 +100,7 @@ impl StoreLimits {
         let charge = since.min(TICK * 2);
         self.cpu_used += charge;
         self.mark.store(now, Ordering::Relaxed);
+        tracing::trace!(?charge, used = ?self.cpu_used, "guest CPU charged");
         if self.cpu_used > self.cpu_budget {
             self.exceeded = Some(LimitKind::CpuTime);
             return Err(LimitKind::CpuTime.into());
@@ -84,13 +109,12 @@ impl StoreLimits {
             // Just resumed: run a slice before yielding again.
             return Ok(UpdateDeadline::Continue(1));
         }
-        let mark = self.mark.clone();
-        let base = self.base;
+        let mark = self.cpu_mark();
         Ok(UpdateDeadline::YieldCustom(
             1,
             Box::pin(async move {
                 tokio::task::yield_now().await;
-                mark.store(base.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                mark.resume();
             }),
         ))
     }

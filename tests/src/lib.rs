@@ -104,6 +104,14 @@ impl TestServer {
         s
     }
 
+    /// Starts a server on a fresh data dir with a given model backend.
+    pub async fn start_with_backend(backend: Arc<dyn kiln_runtime::Inference>) -> Self {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let mut s = Self::start_full(tmp.path(), |_| {}, backend).await;
+        s._tmp = Some(tmp);
+        s
+    }
+
     /// Starts a server on `data_dir`.
     pub async fn start_in(data_dir: &Path, tweak: impl FnOnce(&mut ServeConfig)) -> Self {
         Self::start_full(data_dir, tweak, Arc::new(kiln_host::NoModels)).await

@@ -422,3 +422,69 @@ async fn tls_serves_https_with_the_given_certificate() {
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.version(), reqwest::Version::HTTP_2);
 }
+
+/// A model backend whose stream yields 100 chunks, 5 ms apart.
+struct SlowModel;
+
+struct SlowStream(u32);
+
+impl kiln_runtime::TokenStream for SlowStream {
+    fn next(
+        &mut self,
+    ) -> kiln_runtime::BoxFuture<'_, Result<kiln_runtime::StreamEvent, kiln_runtime::AiError>> {
+        Box::pin(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            self.0 += 1;
+            Ok(if self.0 <= 100 {
+                kiln_runtime::StreamEvent::Delta(format!("t{}", self.0))
+            } else {
+                kiln_runtime::StreamEvent::Done(kiln_runtime::StreamEnd {
+                    finish_reason: kiln_runtime::FinishReason::Stop,
+                    usage: kiln_runtime::Usage {
+                        prompt_tokens: 1,
+                        completion_tokens: 100,
+                        cached_prompt_tokens: 0,
+                    },
+                })
+            })
+        })
+    }
+}
+
+impl kiln_runtime::Inference for SlowModel {
+    fn chat(
+        &self,
+        _: kiln_runtime::ChatRequest,
+    ) -> kiln_runtime::BoxFuture<'_, Result<kiln_runtime::Completion, kiln_runtime::AiError>> {
+        Box::pin(async { Err(kiln_runtime::AiError::RuntimeError("only streams".into())) })
+    }
+    fn stream_chat(
+        &self,
+        _: kiln_runtime::ChatRequest,
+    ) -> kiln_runtime::BoxFuture<
+        '_,
+        Result<Box<dyn kiln_runtime::TokenStream>, kiln_runtime::AiError>,
+    > {
+        Box::pin(async { Ok(Box::new(SlowStream(0)) as Box<dyn kiln_runtime::TokenStream>) })
+    }
+    fn complete(
+        &self,
+        _: kiln_runtime::CompleteRequest,
+    ) -> kiln_runtime::BoxFuture<'_, Result<kiln_runtime::Completion, kiln_runtime::AiError>> {
+        Box::pin(async { Err(kiln_runtime::AiError::RuntimeError("only streams".into())) })
+    }
+    fn list_models(&self, _: &str) -> Vec<kiln_runtime::ModelInfo> {
+        Vec::new()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_for_the_model_is_not_billed_as_guest_cpu() {
+    // 100 chunks x 5 ms = 0.5 s inside host calls, against a 50 ms CPU limit.
+    let s = TestServer::start_with_backend(std::sync::Arc::new(SlowModel)).await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    let resp = s.call("acme", "bad", "/stream").await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.text().await.unwrap(), "100 chunks");
+}

@@ -3,7 +3,8 @@
 //! `unreachable`, `/sleep` blocks in a host call for a minute (`/nap`: half a
 //! second), `/fetch` tries
 //! an outbound HTTP request, `/echo`
-//! returns the request body, `/ai` calls a model and reports the error.
+//! returns the request body, `/ai` calls a model and reports the error, `/stream` counts the chunks
+//! of a streaming chat with the model `slow`.
 
 use kiln_guest::{Handler, Request, Response, ai};
 
@@ -38,6 +39,10 @@ impl Handler for Misbehave {
             }
             "/fetch" => Response::text(200, fetch()),
             "/echo" => Response::new(200, req.body()),
+            "/stream" => match ai::Chat::new("slow").user("hi").stream() {
+                Ok(s) => Response::text(200, format!("{} chunks", s.filter(|c| c.is_ok()).count())),
+                Err(e) => Response::text(502, format!("{e:?}")),
+            },
             "/ai" => match ai::Chat::new("no-such-model").user("hi").send() {
                 Ok(c) => Response::text(200, c.text),
                 Err(e) => Response::text(502, format!("{e:?}")),
