@@ -7,7 +7,8 @@
 //! away) is cancelled at the next step, which frees its pages.
 
 use std::collections::HashMap;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, mpsc};
 
 use kiln_runtime::{
     AiError, ChatRequest, CompleteRequest, Completion, FinishReason, Inference, ModelInfo, Params,
@@ -46,6 +47,29 @@ enum Out {
 struct Served {
     tx: mpsc::Sender<Submit>,
     info: ModelInfo,
+    gauges: Arc<Gauges>,
+}
+
+/// Engine figures the engine thread publishes after every step.
+#[derive(Debug, Default)]
+struct Gauges {
+    free_pages: AtomicUsize,
+    total_pages: AtomicUsize,
+    integrity_aborts: AtomicU64,
+    running: AtomicUsize,
+}
+
+/// A snapshot of one model's engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineSnapshot {
+    /// Free KV pages.
+    pub free_pages: usize,
+    /// All KV pages.
+    pub total_pages: usize,
+    /// Sequences aborted by the page-tag check.
+    pub integrity_aborts: u64,
+    /// Requests the engine holds (waiting or running).
+    pub requests: usize,
 }
 
 /// The models a server serves, by name.
@@ -53,10 +77,20 @@ pub struct ServedModels {
     models: HashMap<String, Served>,
 }
 
-fn engine_thread(mut engine: Engine, rx: mpsc::Receiver<Submit>) {
+fn engine_thread(mut engine: Engine, rx: mpsc::Receiver<Submit>, gauges: Arc<Gauges>) {
     let mut tenants: HashMap<String, TenantId> = HashMap::new();
     let mut outs: HashMap<SeqId, tmpsc::UnboundedSender<Out>> = HashMap::new();
+    gauges
+        .total_pages
+        .store(engine.total_pages(), Ordering::Relaxed);
     loop {
+        gauges
+            .free_pages
+            .store(engine.free_pages(), Ordering::Relaxed);
+        gauges
+            .integrity_aborts
+            .store(engine.stats().integrity_aborts, Ordering::Relaxed);
+        gauges.running.store(outs.len(), Ordering::Relaxed);
         // Block for work when idle; otherwise take what has arrived.
         let first = if engine.has_work() {
             rx.try_recv().ok()
@@ -157,12 +191,25 @@ impl ServedModels {
             };
             let engine = Engine::new(loaded, config);
             let (tx, rx) = mpsc::channel();
+            let gauges = Arc::new(Gauges::default());
+            let g = gauges.clone();
             std::thread::Builder::new()
                 .name(format!("kiln-engine-{}", info.id))
-                .spawn(move || engine_thread(engine, rx))?;
-            map.insert(info.id.clone(), Served { tx, info });
+                .spawn(move || engine_thread(engine, rx, g))?;
+            map.insert(info.id.clone(), Served { tx, info, gauges });
         }
         Ok(Self { models: map })
+    }
+
+    /// The latest figures of `model`'s engine.
+    pub fn snapshot(&self, model: &str) -> Option<EngineSnapshot> {
+        let g = &self.models.get(model)?.gauges;
+        Some(EngineSnapshot {
+            free_pages: g.free_pages.load(Ordering::Relaxed),
+            total_pages: g.total_pages.load(Ordering::Relaxed),
+            integrity_aborts: g.integrity_aborts.load(Ordering::Relaxed),
+            requests: g.running.load(Ordering::Relaxed),
+        })
     }
 
     fn submit(

@@ -52,3 +52,53 @@ async fn unknown_model_is_model_not_found_in_the_guest() {
         "{text}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_that_disconnects_mid_stream_gets_its_sequence_cancelled() {
+    use kiln_host::serving::ServedModels;
+    let config = kiln_host::engine::EngineConfig {
+        kv_memory: 64 << 20,
+        ..Default::default()
+    };
+    let served = std::sync::Arc::new(
+        ServedModels::start(vec![(kiln_tests::default_model(), config)]).unwrap(),
+    );
+    let model = kiln_host::model::DEFAULT_MODEL;
+    let s = TestServer::start_with_backend(served.clone()).await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "chat", "chat").await;
+    let baseline = served.snapshot(model).unwrap();
+    assert_eq!(baseline.free_pages, baseline.total_pages);
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
+        "max_tokens": 2000,
+    });
+    let mut resp = s
+        .http
+        .post(format!("{}/fn/acme/chat/", s.url))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    // Read until the first token arrives, then hang up.
+    let first = resp.chunk().await.unwrap().expect("a first chunk");
+    assert!(String::from_utf8_lossy(&first).contains("delta"));
+    let busy = served.snapshot(model).unwrap();
+    assert!(
+        busy.free_pages < busy.total_pages,
+        "the sequence holds pages while it runs"
+    );
+    drop(resp);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let now = served.snapshot(model).unwrap();
+        if now.free_pages == now.total_pages && now.requests == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the sequence was not cancelled: {now:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
