@@ -83,18 +83,36 @@ struct RunArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Print one JSON object: text, token_ids, prompt_tokens, completion_tokens.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Engine settings shared by `run`, `bench` and `serve`.
+#[derive(clap::Args)]
+struct EngineArgs {
     /// KV page format.
     #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
     kv: KvArg,
-    /// KV memory budget: bytes, or with a unit (`512MiB`, `2GiB`).
-    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    /// KV memory budget (of each model): bytes, or with a unit (`512MiB`, `2GiB`).
+    #[arg(long, default_value = "512MiB", value_parser = parse_size)]
     kv_memory: usize,
     /// Check KV page tags before each step.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     kv_integrity: OnOff,
-    /// Print one JSON object: text, token_ids, prompt_tokens, completion_tokens.
-    #[arg(long)]
-    json: bool,
+}
+
+impl EngineArgs {
+    fn config(&self) -> kiln_host::engine::EngineConfig {
+        kiln_host::engine::EngineConfig {
+            kv_format: kv_format(self.kv),
+            kv_memory: self.kv_memory,
+            integrity: self.kv_integrity == OnOff::On,
+            ..Default::default()
+        }
+    }
 }
 
 /// KV page formats.
@@ -112,7 +130,7 @@ enum OnOff {
 }
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
-    use kiln_host::engine::{Engine, EngineConfig, GenerateParams, TenantId};
+    use kiln_host::engine::{Engine, GenerateParams, TenantId};
     use kiln_host::model::{self, ChatMessage};
     let source = model::resolve_model(&args.model, &model::default_cache_dir())?;
     let loaded = model::load(&args.model, &source)?;
@@ -126,12 +144,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         args.prompt.clone()
     };
     let ids = loaded.tokenizer.encode(&prompt, true)?;
-    let config = EngineConfig {
-        kv_format: kv_format(args.kv),
-        kv_memory: args.kv_memory,
-        integrity: args.kv_integrity == OnOff::On,
-        ..Default::default()
-    };
+    let config = args.engine.config();
     let mut engine = Engine::new(loaded, config);
     let params = GenerateParams {
         max_tokens: args.max_tokens,
@@ -174,15 +187,8 @@ struct BenchArgs {
     /// Tokens generated per sequence.
     #[arg(long, default_value_t = 64)]
     gen_tokens: usize,
-    /// KV page format.
-    #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
-    kv: KvArg,
-    /// KV memory budget: bytes, or with a unit (`512MiB`, `2GiB`).
-    #[arg(long, default_value = "512MiB", value_parser = parse_size)]
-    kv_memory: usize,
-    /// Check KV page tags before each step.
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
-    kv_integrity: OnOff,
+    #[command(flatten)]
+    engine: EngineArgs,
 }
 
 /// Parses `123`, `64KiB`, `512MiB`, `2GiB` (also KB/MB/GB as powers of 1024).
@@ -212,14 +218,13 @@ fn kv_format(kv: KvArg) -> kiln_kernels::kv::KvFormat {
 }
 
 fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    use kiln_host::engine::EngineConfig;
     use kiln_host::model;
     let source = model::resolve_model(&args.model, &model::default_cache_dir())?;
     let mut loaded = model::load(&args.model, &source)?;
     println!(
         "model {} | kv {:?} | prompt {} | generate {} | threads {}",
         args.model,
-        kv_format(args.kv),
+        kv_format(args.engine.kv),
         args.prompt_tokens,
         args.gen_tokens,
         rayon::current_num_threads()
@@ -229,12 +234,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "concurrency", "prompt tok/s", "decode tok/s", "ITL p50 ms"
     );
     for c in args.concurrency {
-        let config = EngineConfig {
-            kv_format: kv_format(args.kv),
-            kv_memory: args.kv_memory,
-            integrity: args.kv_integrity == OnOff::On,
-            ..Default::default()
-        };
+        let config = args.engine.config();
         let (row, back) =
             kiln_host::bench::run(loaded, config, c, args.prompt_tokens, args.gen_tokens)
                 .map_err(anyhow::Error::msg)?;
@@ -301,20 +301,12 @@ struct ServeArgs {
     /// Serve functions only, no models.
     #[arg(long, conflicts_with = "models")]
     no_models: bool,
-    /// KV page format of every model.
-    #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
-    kv: KvArg,
-    /// KV memory budget of each model (`512MiB`, `2GiB`).
-    #[arg(long, default_value = "512MiB", value_parser = parse_size)]
-    kv_memory: usize,
-    /// Check KV page tags before each step.
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
-    kv_integrity: OnOff,
+    #[command(flatten)]
+    engine: EngineArgs,
 }
 
 /// Loads the models `kiln serve` was asked for and starts their engines.
 fn model_backend(args: &ServeArgs) -> anyhow::Result<Arc<dyn kiln_runtime::Inference>> {
-    use kiln_host::engine::EngineConfig;
     use kiln_host::model;
     if args.no_models {
         return Ok(Arc::new(kiln_runtime::NoModels));
@@ -339,12 +331,7 @@ fn model_backend(args: &ServeArgs) -> anyhow::Result<Arc<dyn kiln_runtime::Infer
         let source = model::resolve_model(&spec, &model::default_cache_dir())?;
         let loaded = model::load(&name, &source)?;
         tracing::info!(model = %name, "loaded {} parameters", loaded.model.config.parameters());
-        let config = EngineConfig {
-            kv_format: kv_format(args.kv),
-            kv_memory: args.kv_memory,
-            integrity: args.kv_integrity == OnOff::On,
-            ..Default::default()
-        };
+        let config = args.engine.config();
         engines.push((loaded, config));
     }
     Ok(Arc::new(kiln_host::serving::ServedModels::start(engines)?))
