@@ -280,6 +280,15 @@ fn finish_reason(f: &Finish) -> Result<FinishReason, AiError> {
     }
 }
 
+/// Usage of a finished request (no prefix cache yet: nothing cached).
+fn usage(prompt: usize, completion: usize) -> Usage {
+    Usage {
+        prompt_tokens: prompt as u32,
+        completion_tokens: completion as u32,
+        cached_prompt_tokens: 0,
+    }
+}
+
 async fn collect(mut rx: tmpsc::UnboundedReceiver<Out>) -> Result<Completion, AiError> {
     let mut text = String::new();
     while let Some(out) = rx.recv().await {
@@ -291,11 +300,7 @@ async fn collect(mut rx: tmpsc::UnboundedReceiver<Out>) -> Result<Completion, Ai
                 prompt,
                 completion,
             } => {
-                let usage = Usage {
-                    prompt_tokens: prompt as u32,
-                    completion_tokens: completion as u32,
-                    cached_prompt_tokens: 0,
-                };
+                let usage = usage(prompt, completion);
                 return Ok(Completion {
                     text,
                     finish_reason: finish_reason(&finish)?,
@@ -323,11 +328,7 @@ impl TokenStream for Stream {
                     completion,
                 }) => Ok(StreamEvent::Done(StreamEnd {
                     finish_reason: finish_reason(&finish)?,
-                    usage: Usage {
-                        prompt_tokens: prompt as u32,
-                        completion_tokens: completion as u32,
-                        cached_prompt_tokens: 0,
-                    },
+                    usage: usage(prompt, completion),
                 })),
                 None => Err(AiError::RuntimeError(
                     "the engine dropped the request".into(),

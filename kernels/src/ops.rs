@@ -160,14 +160,17 @@ mod tests {
         assert_ne!(a, b);
     }
 
+    /// Llama 3.1's published scaling.
+    const LLAMA3: Llama3Scaling = Llama3Scaling {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 8192.0,
+    };
+
     #[test]
     fn llama3_scaling_leaves_high_frequencies_alone() {
-        let s = Llama3Scaling {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position: 8192.0,
-        };
+        let s = LLAMA3;
         let plain = Rope::new(128, 500000.0, None, RopeStyle::Half);
         let scaled = Rope::new(128, 500000.0, Some(s), RopeStyle::Half);
         assert_eq!(plain.inv_freq[0], scaled.inv_freq[0]);
@@ -176,12 +179,7 @@ mod tests {
 
     #[test]
     fn freq_factors_reproduce_llama3_scaling() {
-        let s = Llama3Scaling {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position: 8192.0,
-        };
+        let s = LLAMA3;
         let plain = Rope::new(128, 500000.0, None, RopeStyle::Half);
         let scaled = Rope::new(128, 500000.0, Some(s), RopeStyle::Half);
         let factors: Vec<f32> = plain

@@ -273,30 +273,20 @@ impl Engine {
                 .table(id)
                 .map(|t| t.pages.clone())
                 .unwrap_or_default();
+            // The prefill chunk, then one token per pass, as decoding runs.
+            let chunks = std::iter::once((0, from)).chain((from..tokens.len()).map(|i| (i, i + 1)));
             let mut out = Vec::with_capacity(tokens.len() - from + 1);
-            let first = BatchSeq {
-                tokens: &tokens[..from],
-                start: 0,
-                pages: &pages,
-                logits: true,
-            };
-            out.extend(
-                self.loaded
-                    .model
-                    .forward(&mut self.cache, &[first])
-                    .map_err(|e| e.to_string())?,
-            );
-            for i in from..tokens.len() {
-                let one = BatchSeq {
-                    tokens: &tokens[i..i + 1],
-                    start: i,
+            for (start, end) in chunks {
+                let seq = BatchSeq {
+                    tokens: &tokens[start..end],
+                    start,
                     pages: &pages,
                     logits: true,
                 };
                 out.extend(
                     self.loaded
                         .model
-                        .forward(&mut self.cache, &[one])
+                        .forward(&mut self.cache, &[seq])
                         .map_err(|e| e.to_string())?,
                 );
             }
