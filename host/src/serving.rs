@@ -166,6 +166,7 @@ fn engine_thread(mut engine: Engine, rx: mpsc::Receiver<Submit>, gauges: Arc<Gau
                     finish,
                     prompt_tokens,
                     completion_tokens,
+                    ..
                 } => {
                     if let Some(o) = outs.remove(&seq) {
                         let _ = o.send(Out::Done {

@@ -1,6 +1,6 @@
 //! The CPU engine on the real default model (SmolLM2-135M-Instruct Q4_1).
 
-use kiln_host::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, TenantId};
+use kiln_host::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, Salt, TenantId};
 use kiln_host::model::ChatMessage;
 use kiln_kernels::kv::KvFormat;
 use kiln_tests::default_model;
@@ -281,4 +281,61 @@ fn fp8_kv_agrees_with_bf16_kv_under_teacher_forcing() {
         kl_sum / total as f64
     );
     assert!(rate >= 0.97, "agreement {rate}");
+}
+
+/// Runs one request alone; its tokens and the prompt tokens it found cached.
+fn run_salted(e: &mut Engine, tenant: u32, salt: u8, ids: &[u32]) -> (Vec<u32>, usize) {
+    let seq = e
+        .add_salted(
+            TenantId(tenant),
+            Salt::from_bytes([salt; 32]),
+            ids.to_vec(),
+            greedy(8),
+        )
+        .unwrap();
+    let mut tokens = Vec::new();
+    while e.has_work() {
+        for ev in e.step().unwrap() {
+            match ev {
+                Event::Token {
+                    seq: s,
+                    token: Some(t),
+                    ..
+                } if s == seq => tokens.push(t),
+                Event::Finished {
+                    seq: s,
+                    cached_tokens,
+                    ..
+                } if s == seq => return (tokens, cached_tokens),
+                _ => {}
+            }
+        }
+    }
+    panic!("request {seq} never finished");
+}
+
+#[test]
+fn prefix_cache_hit_gives_the_same_tokens_and_other_salts_get_nothing() {
+    let mut e = engine(KvFormat::Fp8, 64 << 20);
+    let long = "Summarize the following. ".repeat(12);
+    let ids = chat_ids(&e, &long);
+    let pages = ids.len() / 16;
+    let baseline = e.free_pages();
+    let (cold, none) = run_salted(&mut e, 1, 1, &ids);
+    assert_eq!(none, 0);
+    assert_eq!(e.free_pages(), baseline, "cached pages count as free");
+    assert!(e.cached_pages() >= pages, "the prompt's pages stay cached");
+    let (warm, hit) = run_salted(&mut e, 1, 1, &ids);
+    assert_eq!(hit, pages * 16, "every full prompt page hits");
+    assert_eq!(warm, cold, "cached KV gives the same greedy tokens");
+    let (other, miss) = run_salted(&mut e, 2, 2, &ids);
+    assert_eq!(miss, 0, "another tenant's salt shares nothing");
+    assert_eq!(other, cold);
+    // A prompt of whole pages that all hit: only the last token is run.
+    let exact = &ids[..pages * 16];
+    run_salted(&mut e, 1, 3, exact);
+    let (again, full) = run_salted(&mut e, 1, 3, exact);
+    assert_eq!(full, exact.len() - 1);
+    let (fresh, _) = run_salted(&mut e, 1, 4, exact);
+    assert_eq!(again, fresh, "a full hit samples from the same logits");
 }

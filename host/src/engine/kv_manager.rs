@@ -1,10 +1,12 @@
 //! The KV cache manager: each sequence's append-only block table over the
-//! block pool, with the tag it expects for every page.
+//! block pool, with the tag it expects for every page, and the prefix
+//! cache's matching (at admission) and registration (after each step).
 
 use std::collections::HashMap;
 
-use super::block_pool::{BlockPool, PageTag, TenantId};
+use super::block_pool::{BlockPool, PageTag, PrefixChange, TenantId};
 use super::integrity::IntegrityCheck;
+use super::prefix::PageHash;
 
 /// A sequence id.
 pub type SeqId = u64;
@@ -20,6 +22,8 @@ pub struct BlockTable {
     /// goes by, kept apart from the mapping so a corrupted mapping can
     /// neither leak a page nor free someone else's.
     owned: Vec<u32>,
+    /// Leading pages already named in the prefix cache.
+    named: usize,
 }
 
 /// Block tables over one pool.
@@ -55,6 +59,61 @@ impl KvCacheManager {
         self.pool.num_pages()
     }
 
+    /// Unreferenced pages kept for the prefix cache (counted as free).
+    pub fn num_cached(&self) -> usize {
+        self.pool.num_cached()
+    }
+
+    /// Starts `seq`'s table with the longest run of cached pages matching
+    /// `hashes` (the chained hashes of its prompt's full pages) that
+    /// `tenant` owns. Each reused page keeps its tag, which the table
+    /// records like any other. Returns how many pages were reused; does
+    /// nothing for a sequence that already has pages.
+    pub fn attach_prefix(&mut self, seq: SeqId, tenant: TenantId, hashes: &[PageHash]) -> usize {
+        if self.tables.get(&seq).is_some_and(|t| !t.pages.is_empty()) {
+            return 0;
+        }
+        let table = self.tables.entry(seq).or_default();
+        for h in hashes {
+            let Some(page) = self.pool.lookup(*h) else {
+                break;
+            };
+            // The salt already keeps tenants apart; the owner in the tag is
+            // a second, independent guard.
+            if self.pool.tags()[page as usize].tenant != tenant {
+                break;
+            }
+            let tag = self.pool.acquire(page);
+            table.pages.push(page);
+            table.expected.push(tag);
+            table.owned.push(page);
+        }
+        table.named = table.pages.len();
+        table.named
+    }
+
+    /// Names `seq`'s pages in the prefix cache: page `i` gets `hashes[i]`,
+    /// for every page whose tokens are all in the cache (`computed`).
+    pub fn cache_pages(&mut self, seq: SeqId, hashes: &[PageHash], computed: usize) {
+        let Some(t) = self.tables.get_mut(&seq) else {
+            return;
+        };
+        let full = (computed / self.page_size)
+            .min(hashes.len())
+            .min(t.owned.len());
+        for i in t.named..full {
+            // By the ownership record, never the mapping: a corrupted
+            // mapping must not publish someone else's page under this name.
+            self.pool.register(t.owned[i], hashes[i]);
+        }
+        t.named = t.named.max(full);
+    }
+
+    /// Changes to the cached hashes since the last call.
+    pub fn take_prefix_changes(&mut self) -> Vec<PrefixChange> {
+        self.pool.take_journal()
+    }
+
     /// Makes `seq`'s table cover `tokens` tokens, allocating for `tenant`.
     /// All or nothing: false (and no change) if the pool is short.
     pub fn allocate(&mut self, seq: SeqId, tenant: TenantId, tokens: usize) -> bool {
@@ -74,10 +133,12 @@ impl KvCacheManager {
         true
     }
 
-    /// Returns every page of `seq` to the pool.
+    /// Drops `seq`'s reference on each of its pages.
     pub fn free(&mut self, seq: SeqId) {
         if let Some(t) = self.tables.remove(&seq) {
-            for p in t.owned {
+            // Last page first, so a sequence's tail is evicted before its
+            // head (the head is the part other requests share).
+            for p in t.owned.into_iter().rev() {
                 self.pool.release(p);
             }
         }
@@ -158,6 +219,43 @@ mod tests {
             kv.free(s);
         }
         assert_eq!(kv.num_free(), 8, "a corrupted mapping leaks nothing");
+    }
+
+    #[test]
+    fn a_tenants_prefix_is_reused_with_its_tags_and_never_by_another_tenant() {
+        let mut kv = KvCacheManager::new(8, 16);
+        let (a, b) = (TenantId(1), TenantId(2));
+        assert!(kv.allocate(1, a, 40));
+        kv.cache_pages(1, &[100, 101], 40);
+        let first = kv.table(1).unwrap().clone();
+        kv.free(1);
+        assert_eq!((kv.num_free(), kv.num_cached()), (8, 2));
+        assert_eq!(kv.attach_prefix(2, a, &[100, 101, 102]), 2);
+        let t = kv.table(2).unwrap();
+        assert_eq!(t.pages, first.pages[..2]);
+        assert_eq!(t.expected, first.expected[..2], "reuse keeps the tags");
+        assert_eq!(kv.check(&[2], &TagCheck), vec![true]);
+        // A page of tenant a under a hash tenant b somehow computed: refused.
+        assert_eq!(kv.attach_prefix(3, b, &[100]), 0);
+        kv.free(2);
+        kv.free(3);
+        assert_eq!(kv.num_free(), 8);
+    }
+
+    #[test]
+    fn only_unpinned_cached_pages_are_evicted() {
+        let mut kv = KvCacheManager::new(2, 16);
+        let a = TenantId(1);
+        assert!(kv.allocate(1, a, 32));
+        kv.cache_pages(1, &[7, 8], 32);
+        kv.free(1);
+        assert_eq!(kv.attach_prefix(2, a, &[7]), 1);
+        let held = kv.table(2).unwrap().clone();
+        // Page of hash 8 is evicted for a new allocation; 7 is pinned.
+        assert!(kv.allocate(3, a, 16));
+        assert_eq!(kv.attach_prefix(4, a, &[7, 8]), 1);
+        assert_eq!(kv.table(2).unwrap().expected, held.expected);
+        assert!(!kv.allocate(5, a, 16), "pinned pages are never evicted");
     }
 
     #[test]

@@ -8,6 +8,8 @@
 pub mod block_pool;
 pub mod integrity;
 pub mod kv_manager;
+mod lru;
+pub mod prefix;
 mod request;
 pub mod scheduler;
 
@@ -16,8 +18,9 @@ use std::collections::HashMap;
 use kiln_kernels::kv::KvFormat;
 use kiln_kernels::sample::sample;
 
-pub use block_pool::TenantId;
+pub use block_pool::{PrefixChange, TenantId};
 pub use kv_manager::SeqId;
+pub use prefix::{PageHash, Salt};
 pub use request::{Finish, GenerateParams};
 
 use crate::model::{BatchSeq, KvCache, Loaded};
@@ -76,6 +79,8 @@ pub enum Event {
         prompt_tokens: usize,
         /// Generated tokens.
         completion_tokens: usize,
+        /// Prompt tokens served from the prefix cache.
+        cached_tokens: usize,
     },
 }
 
@@ -163,16 +168,49 @@ impl Engine {
         self.stats
     }
 
+    /// Unreferenced KV pages kept for the prefix cache (counted as free).
+    pub fn cached_pages(&self) -> usize {
+        self.kv.num_cached()
+    }
+
+    /// Changes to the prefix cache's page hashes since the last call.
+    pub fn take_prefix_changes(&mut self) -> Vec<PrefixChange> {
+        self.kv.take_prefix_changes()
+    }
+
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
         !self.scheduler.is_empty()
     }
 
-    /// Queues a request for `prompt` tokens. Errors if the prompt is empty
-    /// or cannot fit the model's context or the whole KV pool.
+    /// Queues a request for `prompt` tokens that bypasses the prefix cache.
+    /// Errors if the prompt is empty or cannot fit the model's context or
+    /// the whole KV pool.
     pub fn add(
         &mut self,
         tenant: TenantId,
+        prompt: Vec<u32>,
+        params: GenerateParams,
+    ) -> Result<SeqId, String> {
+        self.add_request(tenant, None, prompt, params)
+    }
+
+    /// Queues a request that reuses, and adds to, the prefix cache of
+    /// `salt` (derived by the server from the tenant and the model).
+    pub fn add_salted(
+        &mut self,
+        tenant: TenantId,
+        salt: Salt,
+        prompt: Vec<u32>,
+        params: GenerateParams,
+    ) -> Result<SeqId, String> {
+        self.add_request(tenant, Some(salt), prompt, params)
+    }
+
+    fn add_request(
+        &mut self,
+        tenant: TenantId,
+        salt: Option<Salt>,
         prompt: Vec<u32>,
         params: GenerateParams,
     ) -> Result<SeqId, String> {
@@ -190,8 +228,14 @@ impl Engine {
         }
         let id = self.next_id;
         self.next_id += 1;
-        self.scheduler.add(id, tenant, prompt.len());
-        self.requests.insert(id, Request::new(prompt, params));
+        let mut request = Request::new(prompt, params);
+        if let Some(salt) = salt {
+            prefix::extend_hashes(&mut request.hashes, &salt, &request.tokens, PAGE_SIZE);
+            request.salt = Some(salt);
+        }
+        self.scheduler
+            .add(id, tenant, request.prompt_len, request.hashes.clone());
+        self.requests.insert(id, request);
         Ok(id)
     }
 
@@ -282,6 +326,7 @@ impl Engine {
                     start,
                     pages: &pages,
                     logits: true,
+                    write_kv: true,
                 };
                 out.extend(
                     self.loaded
@@ -305,6 +350,7 @@ impl Engine {
                 finish,
                 prompt_tokens: r.prompt_len,
                 completion_tokens: r.generated().len(),
+                cached_tokens: r.cached_tokens.unwrap_or(0),
             });
         }
     }
@@ -314,6 +360,13 @@ impl Engine {
         let mut events = Vec::new();
         let plan = self.scheduler.schedule(&mut self.kv);
         self.stats.preemptions += plan.preempted.len() as u64;
+        for (seq, hit) in &plan.prefix_hits {
+            if let Some(r) = self.requests.get_mut(seq) {
+                // The first admission counts; a readmission after
+                // preemption finds its own pages, which is no saving.
+                r.cached_tokens.get_or_insert(*hit);
+            }
+        }
         if plan.scheduled.is_empty() {
             return Ok(events);
         }
@@ -350,6 +403,7 @@ impl Engine {
                     start: s.start,
                     pages,
                     logits: s.sample,
+                    write_kv: s.write_kv,
                 }
             })
             .collect();
@@ -359,6 +413,16 @@ impl Engine {
             .forward(&mut self.cache, &batch)
             .map_err(|e| e.to_string())?;
         self.stats.steps += 1;
+        // Name the pages this step filled, before any of them is released.
+        for s in &run {
+            if let Some(r) = self.requests.get_mut(&s.seq)
+                && let Some(salt) = r.salt
+            {
+                let computed = s.start + s.count;
+                prefix::extend_hashes(&mut r.hashes, &salt, &r.tokens[..computed], PAGE_SIZE);
+                self.kv.cache_pages(s.seq, &r.hashes, computed);
+            }
+        }
         let ctx = self
             .loaded
             .model

@@ -2,6 +2,8 @@
 //! text produced so far and stop conditions.
 
 use kiln_kernels::sample::SamplingParams;
+
+use super::prefix::{PageHash, Salt};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -59,6 +61,12 @@ pub(super) struct Request {
     pub(super) text: String,
     /// Bytes of `text` already handed out.
     pub(super) emitted: usize,
+    /// Prefix-cache salt; `None` bypasses the cache.
+    pub(super) salt: Option<Salt>,
+    /// Hashes of the full pages of `tokens` named so far.
+    pub(super) hashes: Vec<PageHash>,
+    /// Prompt tokens found in the prefix cache at first admission.
+    pub(super) cached_tokens: Option<usize>,
 }
 
 impl Request {
@@ -74,6 +82,9 @@ impl Request {
             rng,
             text: String::new(),
             emitted: 0,
+            salt: None,
+            hashes: Vec::new(),
+            cached_tokens: None,
         }
     }
 

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use super::block_pool::TenantId;
 use super::kv_manager::{KvCacheManager, SeqId};
+use super::prefix::PageHash;
 
 /// Scheduling limits.
 #[derive(Debug, Clone, Copy)]
@@ -34,6 +35,11 @@ struct Seq {
     len: usize,
     /// Tokens whose KV is in the cache.
     computed: usize,
+    /// Hashes of the prompt's full pages (empty: no prefix caching).
+    prefix: Vec<PageHash>,
+    /// Positions below this already hold KV from the prefix cache, so a
+    /// chunk inside them is computed but not written.
+    present: usize,
 }
 
 impl Seq {
@@ -44,6 +50,7 @@ impl Seq {
             start: self.computed,
             count,
             sample: self.computed + count == self.len,
+            write_kv: self.computed + count > self.present,
         }
     }
 }
@@ -59,6 +66,10 @@ pub struct Scheduled {
     pub count: usize,
     /// Whether this chunk reaches the end, so the step samples a token.
     pub sample: bool,
+    /// Whether to write the chunk's K and V. False only when every prompt
+    /// token hit the prefix cache: the last one is recomputed for its
+    /// logits, and its KV is already in a shared page.
+    pub write_kv: bool,
 }
 
 /// A step's plan.
@@ -69,6 +80,9 @@ pub struct SchedulerOutput {
     /// Sequences preempted this step (their KV was freed; they will be
     /// recomputed when readmitted).
     pub preempted: Vec<SeqId>,
+    /// Sequences admitted this step with the prompt tokens they found in
+    /// the prefix cache.
+    pub prefix_hits: Vec<(SeqId, usize)>,
 }
 
 /// Waiting queues per tenant (served round-robin) and the running set.
@@ -91,14 +105,17 @@ impl Scheduler {
         }
     }
 
-    /// Queues a sequence of `prompt_len` tokens.
-    pub fn add(&mut self, seq: SeqId, tenant: TenantId, prompt_len: usize) {
+    /// Queues a sequence of `prompt_len` tokens whose full prompt pages
+    /// hash to `prefix` (empty to bypass the prefix cache).
+    pub fn add(&mut self, seq: SeqId, tenant: TenantId, prompt_len: usize, prefix: Vec<PageHash>) {
         self.seqs.insert(
             seq,
             Seq {
                 tenant,
                 len: prompt_len,
                 computed: 0,
+                prefix,
+                present: 0,
             },
         );
         self.waiting.entry(tenant).or_default().push_back(seq);
@@ -161,6 +178,7 @@ impl Scheduler {
         self.running.retain(|r| *r != seq);
         if let Some(s) = self.seqs.get_mut(&seq) {
             s.computed = 0;
+            s.present = 0;
             self.waiting.entry(s.tenant).or_default().push_front(seq);
         }
         out.preempted.push(seq);
@@ -215,11 +233,20 @@ impl Scheduler {
             let Some(&id) = self.waiting[&tenant].front() else {
                 break;
             };
-            let s = self.seqs[&id].clone();
+            let mut s = self.seqs[&id].clone();
+            let hit = kv.attach_prefix(id, s.tenant, &s.prefix) * kv.page_size();
+            s.present = hit.min(s.len);
+            // Every token cached: recompute the last one for its logits.
+            s.computed = s.present.min(s.len - 1);
             let count = (s.len - s.computed).min(budget);
             if !kv.allocate(id, s.tenant, s.computed + count) {
+                kv.free(id);
                 break;
             }
+            if let Some(seq) = self.seqs.get_mut(&id) {
+                seq.present = s.present;
+            }
+            out.prefix_hits.push((id, s.computed));
             if let Some(q) = self.waiting.get_mut(&tenant) {
                 q.pop_front();
             }
@@ -261,7 +288,7 @@ mod tests {
     fn long_prompts_are_prefilled_in_chunks_then_decoded() {
         let mut kv = KvCacheManager::new(16, 16);
         let mut s = Scheduler::new(cfg(32, 8));
-        s.add(1, TenantId(0), 70);
+        s.add(1, TenantId(0), 70, Vec::new());
         let plan: Vec<_> = (0..3)
             .map(|_| s.schedule(&mut kv).scheduled[0].clone())
             .collect();
@@ -281,9 +308,9 @@ mod tests {
         let mut kv = KvCacheManager::new(64, 16);
         let mut s = Scheduler::new(cfg(64, 4));
         for i in 0..20 {
-            s.add(i, TenantId(1), 16);
+            s.add(i, TenantId(1), 16, Vec::new());
         }
-        s.add(100, TenantId(2), 16);
+        s.add(100, TenantId(2), 16, Vec::new());
         let first = s.schedule(&mut kv);
         let ids: Vec<_> = first.scheduled.iter().map(|x| x.seq).collect();
         assert!(
@@ -293,11 +320,44 @@ mod tests {
     }
 
     #[test]
+    fn cached_prompt_pages_are_skipped_and_a_full_hit_recomputes_only_the_last_token() {
+        let mut kv = KvCacheManager::new(8, 16);
+        let mut s = Scheduler::new(cfg(256, 8));
+        let t = TenantId(1);
+        s.add(1, t, 32, vec![5, 6]);
+        let first = s.schedule(&mut kv);
+        assert_eq!(first.prefix_hits, vec![(1, 0)]);
+        kv.cache_pages(1, &[5, 6], 32);
+        s.remove(1);
+        kv.free(1);
+        // Same 32-token prompt: both pages hit, only position 31 is run,
+        // and its KV is not rewritten into the shared page.
+        s.add(2, t, 32, vec![5, 6]);
+        let full = s.schedule(&mut kv);
+        assert_eq!(full.prefix_hits, vec![(2, 31)]);
+        assert_eq!(
+            full.scheduled,
+            vec![Scheduled {
+                seq: 2,
+                start: 31,
+                count: 1,
+                sample: true,
+                write_kv: false
+            }]
+        );
+        // A longer prompt sharing the first page computes from token 16.
+        s.add(3, t, 40, vec![5, 9]);
+        let part = s.schedule(&mut kv);
+        let p = &part.scheduled[0];
+        assert_eq!((p.seq, p.start, p.count, p.write_kv), (3, 16, 24, true));
+    }
+
+    #[test]
     fn pool_exhaustion_preempts_and_readmits_by_recompute() {
         let mut kv = KvCacheManager::new(2, 16);
         let mut s = Scheduler::new(cfg(64, 8));
-        s.add(1, TenantId(1), 16);
-        s.add(2, TenantId(2), 16);
+        s.add(1, TenantId(1), 16, Vec::new());
+        s.add(2, TenantId(2), 16, Vec::new());
         let out = s.schedule(&mut kv);
         assert_eq!(out.scheduled.len(), 2);
         assert_eq!(kv.num_free(), 0);
@@ -320,7 +380,8 @@ mod tests {
                 seq: 2,
                 start: 0,
                 count: 17,
-                sample: true
+                sample: true,
+                write_kv: true,
             }]
         );
     }

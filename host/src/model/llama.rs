@@ -81,6 +81,9 @@ pub struct BatchSeq<'a> {
     pub pages: &'a [u32],
     /// Whether to return logits for the last token.
     pub logits: bool,
+    /// Whether to write the new tokens' K and V; false when the pages
+    /// already hold them (a prefix-cache hit recomputed for its logits).
+    pub write_kv: bool,
 }
 
 impl Model {
@@ -139,6 +142,9 @@ impl Model {
             for (t, (s, pos)) in owners.iter().enumerate() {
                 self.rope.apply(&mut q[t * q_dim..(t + 1) * q_dim], *pos);
                 self.rope.apply(&mut k[t * kv_dim..(t + 1) * kv_dim], *pos);
+                if !batch[*s].write_kv {
+                    continue;
+                }
                 let page = batch[*s].pages[pos / kv.page_size] as usize;
                 pages.write(
                     page,
