@@ -101,10 +101,10 @@ impl KvCacheManager {
         let full = (computed / self.page_size)
             .min(hashes.len())
             .min(t.owned.len());
-        for i in t.named..full {
-            // By the ownership record, never the mapping: a corrupted
-            // mapping must not publish someone else's page under this name.
-            self.pool.register(t.owned[i], hashes[i]);
+        // By the ownership record, never the mapping: a corrupted mapping
+        // must not publish someone else's page under this name.
+        for (page, hash) in t.owned[..full].iter().zip(hashes).skip(t.named) {
+            self.pool.register(*page, *hash);
         }
         t.named = t.named.max(full);
     }
