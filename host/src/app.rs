@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock, RwLock};
 
-use kiln_runtime::{Deployment, Runtime};
+use kiln_runtime::{Deployment, Inference, Runtime};
 use sha2::{Digest, Sha256};
 
 use crate::api::ApiError;
@@ -13,6 +13,7 @@ use crate::auth;
 use crate::config::ServeConfig;
 use crate::db::{Db, FunctionRow};
 use crate::metrics::Metrics;
+use crate::serving::policy::{Gateway, TenantPolicy};
 
 /// A deployed function as the router sees it. Replaced whole on redeploy,
 /// so in-flight requests finish on the version they started with.
@@ -27,6 +28,8 @@ pub struct App {
     pub(crate) db: Db,
     pub(crate) runtime: Runtime,
     pub(crate) metrics: Metrics,
+    /// Model calls of guests and of the API, behind tenant policy.
+    pub(crate) ai: Arc<Gateway>,
     pub(crate) config: ServeConfig,
     admin_hash: [u8; 32],
     components_dir: PathBuf,
@@ -50,13 +53,34 @@ pub fn name_error(what: &str, name: &str) -> ApiError {
 }
 
 impl App {
-    /// Opens the data directory and builds the runtime. Functions are listed
-    /// from the database; each compiles (or loads its cached artifact) on
-    /// first use.
-    pub fn open(config: ServeConfig, admin_token: &str, runtime: Runtime) -> anyhow::Result<Self> {
+    /// Opens the data directory and builds the runtime over `backend`
+    /// wrapped in tenant policy. Functions are listed from the database;
+    /// each compiles (or loads its cached artifact) on first use.
+    pub fn open(
+        config: ServeConfig,
+        admin_token: &str,
+        backend: Arc<dyn Inference>,
+        metrics: Metrics,
+    ) -> anyhow::Result<Self> {
         let components_dir = config.data_dir.join("components");
         std::fs::create_dir_all(&components_dir)?;
         let db = Db::open(&config.data_dir.join("kiln.db"))?;
+        let ai = Arc::new(Gateway::new(
+            backend,
+            config.model_deadline,
+            config.max_concurrent_calls,
+            metrics.engine.clone(),
+        ));
+        for (tenant, json) in db.policies()? {
+            let policy: TenantPolicy = serde_json::from_str(&json)
+                .map_err(|e| anyhow::anyhow!("stored policy of tenant `{tenant}`: {e}"))?;
+            ai.set_policy(&tenant, policy);
+        }
+        let runtime = Runtime::new(
+            config.limits.clone(),
+            ai.clone(),
+            &config.data_dir.join("cache"),
+        )?;
         let routes = db
             .functions(None)?
             .into_iter()
@@ -72,7 +96,8 @@ impl App {
         Ok(Self {
             db,
             runtime,
-            metrics: Metrics::default(),
+            metrics,
+            ai,
             config,
             admin_hash: auth::hash(admin_token),
             components_dir,
@@ -104,6 +129,26 @@ impl App {
         let key = auth::new_key();
         self.db.create_tenant(name, &key.id, &key.hash)?;
         Ok(key.key)
+    }
+
+    /// Sets a tenant's model policy, stored and in force at once.
+    pub fn set_policy(&self, tenant: &str, policy: TenantPolicy) -> Result<(), ApiError> {
+        if !self.db.tenant_exists(tenant)? {
+            return Err(ApiError::not_found(format!("no tenant named `{tenant}`")));
+        }
+        let json = serde_json::to_string(&policy)
+            .map_err(|e| ApiError::internal(format!("encoding the policy: {e}")))?;
+        self.db.set_policy(tenant, &json)?;
+        self.ai.set_policy(tenant, policy);
+        Ok(())
+    }
+
+    /// A tenant's model policy.
+    pub fn policy(&self, tenant: &str) -> Result<TenantPolicy, ApiError> {
+        if !self.db.tenant_exists(tenant)? {
+            return Err(ApiError::not_found(format!("no tenant named `{tenant}`")));
+        }
+        Ok(self.ai.policy(tenant))
     }
 
     fn component_path(&self, digest: &str) -> PathBuf {

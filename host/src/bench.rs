@@ -3,6 +3,8 @@
 
 use std::time::Instant;
 
+use std::sync::Arc;
+
 use rand::{Rng, SeedableRng};
 
 use crate::engine::{Engine, EngineConfig, Event, GenerateParams, TenantId};
@@ -25,12 +27,12 @@ pub struct BenchRow {
 /// Runs `concurrency` sequences of `prompt_tokens` random tokens, each
 /// generating `gen_tokens` (EOS ignored), on a fresh engine.
 pub fn run(
-    loaded: Loaded,
+    loaded: Arc<Loaded>,
     config: EngineConfig,
     concurrency: usize,
     prompt_tokens: usize,
     gen_tokens: usize,
-) -> Result<(BenchRow, Loaded), String> {
+) -> Result<(BenchRow, Arc<Loaded>), String> {
     let vocab = loaded.model.config.vocab as u32;
     let mut engine = Engine::new(loaded, config);
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);

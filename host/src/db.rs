@@ -1,5 +1,5 @@
-//! The control plane's SQLite database: tenants, API keys (hashes only) and
-//! functions.
+//! The control plane's SQLite database: tenants, API keys (hashes only),
+//! functions and tenant policies.
 
 use std::path::Path;
 use std::sync::Mutex;
@@ -59,6 +59,10 @@ CREATE TABLE IF NOT EXISTS functions (
     size INTEGER NOT NULL,
     created INTEGER NOT NULL,
     PRIMARY KEY (tenant, name)
+);
+CREATE TABLE IF NOT EXISTS policies (
+    tenant TEXT PRIMARY KEY REFERENCES tenants(name) ON DELETE CASCADE,
+    policy TEXT NOT NULL
 );
 ";
 
@@ -179,6 +183,37 @@ impl Db {
             )
             .optional()?
             .is_some())
+    }
+
+    /// Whether tenant `name` exists.
+    pub fn tenant_exists(&self, name: &str) -> Result<bool, DbError> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT 1 FROM tenants WHERE name = ?1",
+                params![name],
+                |_| Ok(()),
+            )
+            .optional()?
+            .is_some())
+    }
+
+    /// Stores `tenant`'s policy (a JSON document).
+    pub fn set_policy(&self, tenant: &str, policy_json: &str) -> Result<(), DbError> {
+        self.conn().execute(
+            "INSERT INTO policies (tenant, policy) VALUES (?1, ?2)
+             ON CONFLICT (tenant) DO UPDATE SET policy = excluded.policy",
+            params![tenant, policy_json],
+        )?;
+        Ok(())
+    }
+
+    /// Every stored policy, as (tenant, JSON).
+    pub fn policies(&self) -> Result<Vec<(String, String)>, DbError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT tenant, policy FROM policies ORDER BY tenant")?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<Result<_, _>>()?)
     }
 
     /// The current Unix time in seconds, as stored in `created` columns.

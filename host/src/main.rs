@@ -220,7 +220,7 @@ fn kv_format(kv: KvArg) -> kiln_kernels::kv::KvFormat {
 fn bench(args: BenchArgs) -> anyhow::Result<()> {
     use kiln_host::model;
     let source = model::resolve_model(&args.model, &model::default_cache_dir())?;
-    let mut loaded = model::load(&args.model, &source)?;
+    let mut loaded = std::sync::Arc::new(model::load(&args.model, &source)?);
     println!(
         "model {} | kv {:?} | prompt {} | generate {} | threads {}",
         args.model,
@@ -301,12 +301,28 @@ struct ServeArgs {
     /// Serve functions only, no models.
     #[arg(long, conflicts_with = "models")]
     no_models: bool,
+    /// Decode pools per model; sessions stick to one by rendezvous hashing.
+    /// On the CPU each pool gets an equal share of the cores and of
+    /// --kv-memory.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    decode_pools: u32,
+    /// Deadline of one model call, in seconds (guest calls are also bounded
+    /// by --wall-limit-s).
+    #[arg(long, default_value_t = 120)]
+    model_deadline_s: u64,
+    /// Model calls a tenant may have in flight unless its policy says
+    /// otherwise.
+    #[arg(long, default_value_t = 32)]
+    max_concurrent_calls: u32,
     #[command(flatten)]
     engine: EngineArgs,
 }
 
 /// Loads the models `kiln serve` was asked for and starts their engines.
-fn model_backend(args: &ServeArgs) -> anyhow::Result<Arc<dyn kiln_runtime::Inference>> {
+fn model_backend(
+    args: &ServeArgs,
+    metrics: &kiln_host::metrics::Metrics,
+) -> anyhow::Result<Arc<dyn kiln_runtime::Inference>> {
     use kiln_host::model;
     if args.no_models {
         return Ok(Arc::new(kiln_runtime::NoModels));
@@ -334,7 +350,11 @@ fn model_backend(args: &ServeArgs) -> anyhow::Result<Arc<dyn kiln_runtime::Infer
         let config = args.engine.config();
         engines.push((loaded, config));
     }
-    Ok(Arc::new(kiln_host::serving::ServedModels::start(engines)?))
+    Ok(Arc::new(kiln_host::serving::ServedModels::start(
+        engines,
+        args.decode_pools as usize,
+        metrics.engine.clone(),
+    )?))
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -347,6 +367,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.limits.wall_time = Duration::from_secs(args.wall_limit_s);
     config.limits.max_instances = args.max_instances;
     config.drain_timeout = Duration::from_secs(args.drain_timeout_s);
+    config.model_deadline = Duration::from_secs(args.model_deadline_s);
+    config.max_concurrent_calls = args.max_concurrent_calls;
     let admin = std::env::var("KILN_ADMIN_TOKEN")
         .ok()
         .filter(|t| !t.is_empty());
@@ -355,8 +377,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         "http"
     };
-    let backend = tokio::task::block_in_place(|| model_backend(&args))?;
-    let server = Server::bind(config, admin, backend).await?;
+    let metrics = kiln_host::metrics::Metrics::default();
+    let backend = tokio::task::block_in_place(|| model_backend(&args, &metrics))?;
+    let server = Server::bind(config, admin, backend, metrics).await?;
     if server.admin_token.generated {
         eprintln!(
             "Generated the admin token (stored in <data-dir>/admin-token; shown once):\n  {}",

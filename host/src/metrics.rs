@@ -1,8 +1,9 @@
-//! Prometheus metrics of the HTTP front end and the runtime.
+//! Prometheus metrics of the HTTP front end, the runtime and the engines.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -33,6 +34,123 @@ pub struct LimitLabels {
     pub kind: String,
 }
 
+/// Labels of prefix-cache token counts.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PrefixLabels {
+    /// The tenant whose prompt it was.
+    pub tenant: String,
+    /// The model.
+    pub model: String,
+    /// `hit` (served from cache) or `miss` (computed).
+    pub result: String,
+}
+
+/// Labels of one decode pool.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    /// The model.
+    pub model: String,
+    /// The pool's index.
+    pub pool: String,
+}
+
+/// Labels of a pool's page counts.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolPagesLabels {
+    /// The model.
+    pub model: String,
+    /// The pool's index.
+    pub pool: String,
+    /// `in_use`, `cached` (unreferenced, reusable) or `free`.
+    pub state: String,
+}
+
+/// Labels of a model.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    /// The model.
+    pub model: String,
+}
+
+/// Labels of tokens a tenant consumed.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TokenLabels {
+    /// The tenant.
+    pub tenant: String,
+    /// The model.
+    pub model: String,
+    /// `prompt` or `completion`.
+    pub kind: String,
+}
+
+/// Labels of a model call refused by tenant policy.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RejectLabels {
+    /// The tenant.
+    pub tenant: String,
+    /// `model_not_allowed`, `tokens_per_minute` or `concurrency`.
+    pub reason: String,
+}
+
+/// The engines' metrics; cheap to clone (every family is shared).
+#[derive(Debug, Clone, Default)]
+pub struct EngineMetrics {
+    /// Prompt tokens served from the prefix cache or computed, by tenant.
+    pub prefix_tokens: Family<PrefixLabels, Counter>,
+    /// KV pages by pool and state.
+    pub kv_pages: Family<PoolPagesLabels, Gauge>,
+    /// Sequences aborted by the page-tag check, by pool.
+    pub integrity_aborts: Family<PoolLabels, Counter>,
+    /// Requests routed to each pool.
+    pub pool_requests: Family<PoolLabels, Counter>,
+    /// Session requests that spilled from their saturated pool.
+    pub pool_spills: Family<ModelLabels, Counter>,
+    /// Tokens consumed, by tenant, model and kind.
+    pub tokens: Family<TokenLabels, Counter>,
+    /// Model calls refused by tenant policy.
+    pub policy_rejections: Family<RejectLabels, Counter>,
+}
+
+impl EngineMetrics {
+    fn register(&self, r: &mut Registry) {
+        r.register(
+            "prefix_cache_tokens",
+            "Prompt tokens served from the prefix cache (hit) or computed (miss), by tenant",
+            self.prefix_tokens.clone(),
+        );
+        r.register(
+            "kv_pages",
+            "KV pages by pool and state (in_use, cached, free)",
+            self.kv_pages.clone(),
+        );
+        r.register(
+            "kv_integrity_aborts",
+            "Sequences aborted because a KV page tag did not match",
+            self.integrity_aborts.clone(),
+        );
+        r.register(
+            "pool_requests",
+            "Model requests routed to each decode pool",
+            self.pool_requests.clone(),
+        );
+        r.register(
+            "pool_spills",
+            "Session requests sent elsewhere because their pool was saturated",
+            self.pool_spills.clone(),
+        );
+        r.register(
+            "model_tokens",
+            "Tokens consumed by tenant, model and kind",
+            self.tokens.clone(),
+        );
+        r.register(
+            "policy_rejections",
+            "Model calls refused by tenant policy, by reason",
+            self.policy_rejections.clone(),
+        );
+    }
+}
+
 fn latency() -> Histogram {
     // 10 µs .. ~20 s.
     Histogram::new(exponential_buckets(1e-5, 2.5, 16))
@@ -49,6 +167,8 @@ pub struct Metrics {
     pub handler: Family<FnLabels, Histogram, fn() -> Histogram>,
     /// Limit violations by kind.
     pub limits: Family<LimitLabels, Counter>,
+    /// The engines' metrics (shared with the engine threads).
+    pub engine: EngineMetrics,
 }
 
 impl Default for Metrics {
@@ -78,12 +198,15 @@ impl Default for Metrics {
             "Requests stopped by a resource limit, by kind",
             limits.clone(),
         );
+        let engine = EngineMetrics::default();
+        engine.register(&mut registry);
         Self {
             registry,
             requests,
             instantiate,
             handler,
             limits,
+            engine,
         }
     }
 }

@@ -10,13 +10,14 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use kiln_runtime::{Inference, Runtime};
+use kiln_runtime::Inference;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use crate::app::App;
 use crate::auth;
 use crate::config::ServeConfig;
+use crate::metrics::Metrics;
 
 /// A server that is listening.
 pub struct Server {
@@ -62,11 +63,13 @@ fn tls_acceptor(cert: &std::path::Path, key: &std::path::Path) -> anyhow::Result
 
 impl Server {
     /// Opens the data dir, builds the runtime and binds the listener.
-    /// `admin_token` overrides the one stored in the data dir.
+    /// `admin_token` overrides the one stored in the data dir; `metrics`
+    /// is shared with the engines behind `backend`.
     pub async fn bind(
         config: ServeConfig,
         admin_token: Option<String>,
         backend: Arc<dyn Inference>,
+        metrics: Metrics,
     ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(&config.data_dir)
             .with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
@@ -86,14 +89,9 @@ impl Server {
             .await
             .with_context(|| format!("binding {}", config.listen))?;
         let local_addr = listener.local_addr()?;
-        let runtime = Runtime::new(
-            config.limits.clone(),
-            backend,
-            &config.data_dir.join("cache"),
-        )?;
         let mut config = config;
         config.listen = local_addr;
-        let app = Arc::new(App::open(config, &admin_token.token, runtime)?);
+        let app = Arc::new(App::open(config, &admin_token.token, backend, metrics)?);
         Ok(Self {
             app,
             listener,

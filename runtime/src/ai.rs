@@ -70,6 +70,19 @@ pub trait Inference: Send + Sync + 'static {
     -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>>;
     /// Continues a raw prompt.
     fn complete(&self, req: CompleteRequest) -> BoxFuture<'_, Result<Completion, AiError>>;
+    /// Continues a raw prompt, text arriving as it is decoded (the HTTP
+    /// API's streaming completions; guests have no such import).
+    fn stream_complete(
+        &self,
+        req: CompleteRequest,
+    ) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
+        let _ = req;
+        Box::pin(async {
+            Err(AiError::RuntimeError(
+                "this model backend does not stream raw completions; use `stream: false`".into(),
+            ))
+        })
+    }
     /// The models `tenant` may call.
     fn list_models(&self, tenant: &str) -> Vec<ModelInfo>;
 }
@@ -98,6 +111,12 @@ impl Inference for NoModels {
         Box::pin(async move { Err(Self::error(&req.model)) })
     }
     fn complete(&self, req: CompleteRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
+        Box::pin(async move { Err(Self::error(&req.model)) })
+    }
+    fn stream_complete(
+        &self,
+        req: CompleteRequest,
+    ) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
         Box::pin(async move { Err(Self::error(&req.model)) })
     }
     fn list_models(&self, _tenant: &str) -> Vec<ModelInfo> {

@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use kiln_host::config::ServeConfig;
+use kiln_host::metrics::Metrics;
 use kiln_host::server::Server;
+use kiln_host::serving::ServedModels;
 use tokio::sync::oneshot;
 
 /// The workspace root.
@@ -67,6 +69,8 @@ pub struct TestServer {
     pub http: reqwest::Client,
     /// The server's shared state.
     pub app: Arc<kiln_host::app::App>,
+    /// The served models, when the server serves the default model.
+    pub models: Option<Arc<ServedModels>>,
     data_dir: PathBuf,
     _tmp: Option<tempfile::TempDir>,
     stop: Option<oneshot::Sender<()>>,
@@ -92,14 +96,28 @@ impl TestServer {
 
     /// Starts a server on a fresh data dir that serves the default model.
     pub async fn start_with_models() -> Self {
+        Self::start_with_pools(1, |_| {}).await
+    }
+
+    /// Starts a server on a fresh data dir that serves the default model
+    /// on `pools` decode pools, after `tweak` edits the config.
+    pub async fn start_with_pools(pools: usize, tweak: impl FnOnce(&mut ServeConfig)) -> Self {
         let config = kiln_host::engine::EngineConfig {
             kv_memory: 64 << 20,
             ..Default::default()
         };
-        let served = kiln_host::serving::ServedModels::start(vec![(default_model(), config)])
-            .expect("engine thread");
+        let metrics = Metrics::default();
+        let served = Arc::new(
+            ServedModels::start(
+                vec![(default_model(), config)],
+                pools,
+                metrics.engine.clone(),
+            )
+            .expect("engine threads"),
+        );
         let tmp = tempfile::tempdir().expect("tempdir");
-        let mut s = Self::start_full(tmp.path(), |_| {}, Arc::new(served)).await;
+        let mut s = Self::start_full(tmp.path(), tweak, served.clone(), metrics).await;
+        s.models = Some(served);
         s._tmp = Some(tmp);
         s
     }
@@ -107,26 +125,33 @@ impl TestServer {
     /// Starts a server on a fresh data dir with a given model backend.
     pub async fn start_with_backend(backend: Arc<dyn kiln_runtime::Inference>) -> Self {
         let tmp = tempfile::tempdir().expect("tempdir");
-        let mut s = Self::start_full(tmp.path(), |_| {}, backend).await;
+        let mut s = Self::start_full(tmp.path(), |_| {}, backend, Metrics::default()).await;
         s._tmp = Some(tmp);
         s
     }
 
     /// Starts a server on `data_dir`.
     pub async fn start_in(data_dir: &Path, tweak: impl FnOnce(&mut ServeConfig)) -> Self {
-        Self::start_full(data_dir, tweak, Arc::new(kiln_host::NoModels)).await
+        Self::start_full(
+            data_dir,
+            tweak,
+            Arc::new(kiln_host::NoModels),
+            Metrics::default(),
+        )
+        .await
     }
 
     async fn start_full(
         data_dir: &Path,
         tweak: impl FnOnce(&mut ServeConfig),
         backend: Arc<dyn kiln_runtime::Inference>,
+        metrics: Metrics,
     ) -> Self {
         let mut config = ServeConfig::new(data_dir);
         config.listen = "127.0.0.1:0".parse().expect("addr");
         config.limits.max_instances = 400;
         tweak(&mut config);
-        let server = Server::bind(config, Some(ADMIN.into()), backend)
+        let server = Server::bind(config, Some(ADMIN.into()), backend, metrics)
             .await
             .expect("server binds");
         let url = format!("http://{}", server.local_addr);
@@ -140,6 +165,7 @@ impl TestServer {
             admin: ADMIN.into(),
             http: reqwest::Client::new(),
             app,
+            models: None,
             data_dir: data_dir.to_owned(),
             _tmp: None,
             stop: Some(stop),

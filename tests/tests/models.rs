@@ -55,16 +55,9 @@ async fn unknown_model_is_model_not_found_in_the_guest() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_that_disconnects_mid_stream_gets_its_sequence_cancelled() {
-    use kiln_host::serving::ServedModels;
-    let config = kiln_host::engine::EngineConfig {
-        kv_memory: 64 << 20,
-        ..Default::default()
-    };
-    let served = std::sync::Arc::new(
-        ServedModels::start(vec![(kiln_tests::default_model(), config)]).unwrap(),
-    );
     let model = kiln_host::model::DEFAULT_MODEL;
-    let s = TestServer::start_with_backend(served.clone()).await;
+    let s = TestServer::start_with_models().await;
+    let served = s.models.clone().unwrap();
     let key = s.tenant("acme").await;
     s.deploy(&key, "chat", "chat").await;
     let baseline = served.snapshot(model).unwrap();

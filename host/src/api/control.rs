@@ -9,13 +9,14 @@ use hyper::{Request, Response, StatusCode};
 use super::{ApiError, Body, BoxError, json, require_admin, tenant_of};
 use crate::app::{App, name_error, valid_name};
 use crate::db::FunctionRow;
+use crate::serving::policy::TenantPolicy;
 
 /// Reads a whole body, refusing more than `limit` bytes with a 413.
 ///
 /// An oversized body is still read and discarded up to twice the limit, so
 /// that a client still writing it gets the 413 rather than a broken pipe;
 /// only a body declared larger than that is refused unread.
-async fn read_body<B>(req: Request<B>, limit: usize) -> Result<Bytes, ApiError>
+pub(super) async fn read_body<B>(req: Request<B>, limit: usize) -> Result<Bytes, ApiError>
 where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -88,6 +89,55 @@ where
         StatusCode::CREATED,
         serde_json::json!({"name": new.name, "api_key": key}),
     ))
+}
+
+/// `PUT /v1/tenants/{name}/policy` (admin) with a [`TenantPolicy`] JSON
+/// body: replaces the tenant's model policy; absent fields mean defaults.
+pub(super) async fn put_policy<B>(
+    app: &App,
+    req: Request<B>,
+    tenant: &str,
+) -> Result<Response<Body>, ApiError>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    require_admin(app, &req)?;
+    if !valid_name(tenant) {
+        return Err(name_error("tenant", tenant));
+    }
+    let body = read_body(req, 64 << 10).await?;
+    let policy: TenantPolicy = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::bad_request(format!(
+            "expected a JSON policy {{\"allowed_models\": [..], \"tokens_per_minute\": N, \
+             \"max_concurrent\": N}} (each optional): {e}"
+        ))
+    })?;
+    app.set_policy(tenant, policy.clone())?;
+    Ok(json(StatusCode::OK, policy_json(tenant, &policy)))
+}
+
+/// `GET /v1/tenants/{name}/policy` (admin).
+pub(super) fn get_policy<B>(
+    app: &App,
+    req: &Request<B>,
+    tenant: &str,
+) -> Result<Response<Body>, ApiError> {
+    require_admin(app, req)?;
+    if !valid_name(tenant) {
+        return Err(name_error("tenant", tenant));
+    }
+    let policy = app.policy(tenant)?;
+    Ok(json(StatusCode::OK, policy_json(tenant, &policy)))
+}
+
+fn policy_json(tenant: &str, p: &TenantPolicy) -> serde_json::Value {
+    serde_json::json!({
+        "tenant": tenant,
+        "allowed_models": p.allowed_models,
+        "tokens_per_minute": p.tokens_per_minute,
+        "max_concurrent": p.max_concurrent,
+    })
 }
 
 /// `PUT /v1/functions/{name}` (tenant key, body = component) -> 201.

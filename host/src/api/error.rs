@@ -1,11 +1,12 @@
 //! The one place that maps errors to HTTP status codes and JSON bodies.
 
 use hyper::StatusCode;
-use kiln_runtime::{InvokeError, RuntimeError};
+use kiln_runtime::{AiError, InvokeError, RuntimeError};
 
 use crate::db::DbError;
 
-/// An error answered as `{"error": {"type", "message"}}` with a status.
+/// An error answered as OpenAI's error object,
+/// `{"error": {"message", "type", "param", "code"}}`, with a status.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     /// HTTP status.
@@ -14,6 +15,10 @@ pub struct ApiError {
     pub kind: &'static str,
     /// Human-readable explanation that says what to fix.
     pub message: String,
+    /// The request field at fault, if one is.
+    pub param: Option<String>,
+    /// A finer machine-readable code, e.g. `model_not_found`.
+    pub code: Option<&'static str>,
 }
 
 impl ApiError {
@@ -22,7 +27,26 @@ impl ApiError {
             status,
             kind,
             message: message.into(),
+            param: None,
+            code: None,
         }
+    }
+
+    /// Names the request field at fault.
+    pub fn with_param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
+    /// Sets the machine-readable code.
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    /// 400 in OpenAI's terms: `invalid_request_error`, naming the field.
+    pub fn invalid_param(param: &str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message).with_param(param)
     }
 
     /// 400: the request is malformed.
@@ -75,7 +99,42 @@ impl ApiError {
 
     /// The JSON body.
     pub fn body(&self) -> String {
-        serde_json::json!({"error": {"type": self.kind, "message": self.message}}).to_string()
+        self.json().to_string()
+    }
+
+    /// The JSON error object.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl From<AiError> for ApiError {
+    fn from(e: AiError) -> Self {
+        match e {
+            AiError::ModelNotFound(m) => {
+                Self::new(StatusCode::NOT_FOUND, "invalid_request_error", m)
+                    .with_param("model")
+                    .with_code("model_not_found")
+            }
+            AiError::InvalidInput(m) => {
+                Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", m)
+            }
+            AiError::QuotaExceeded(m) => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", m)
+                    .with_code("rate_limit_exceeded")
+            }
+            AiError::Overloaded(m) => Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", m)
+                .with_code("overloaded"),
+            AiError::Aborted(m) => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m).with_code("aborted")
+            }
+            AiError::RuntimeError(m) => Self::internal(m),
+        }
     }
 }
 
@@ -161,5 +220,27 @@ mod tests {
             serde_json::from_str(&ApiError::not_found("no function `x`").body()).unwrap();
         assert_eq!(v["error"]["type"], "not_found");
         assert_eq!(v["error"]["message"], "no function `x`");
+        assert!(v["error"]["param"].is_null() && v["error"]["code"].is_null());
+    }
+
+    #[test]
+    fn model_errors_map_to_openai_statuses() {
+        let s = |e| ApiError::from(e).status;
+        assert_eq!(
+            s(AiError::ModelNotFound(String::new())),
+            StatusCode::NOT_FOUND
+        );
+        assert_eq!(
+            s(AiError::QuotaExceeded(String::new())),
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        assert_eq!(
+            s(AiError::InvalidInput(String::new())),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            s(AiError::Overloaded(String::new())),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
     }
 }

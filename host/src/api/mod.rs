@@ -3,6 +3,7 @@
 mod control;
 mod error;
 mod invoke;
+mod openai;
 
 use std::sync::Arc;
 
@@ -101,6 +102,16 @@ where
             app.metrics.encode(),
         )),
         (["v1", "tenants"], &Method::POST) => control::create_tenant(&app, req).await,
+        (["v1", "tenants", tenant, "policy"], &Method::PUT) => {
+            let tenant = tenant.to_string();
+            control::put_policy(&app, req, &tenant).await
+        }
+        (["v1", "tenants", tenant, "policy"], &Method::GET) => {
+            control::get_policy(&app, &req, tenant)
+        }
+        (["v1", "models"], &Method::GET) => openai::models(&app, &req),
+        (["v1", "chat", "completions"], &Method::POST) => openai::chat(app.clone(), req).await,
+        (["v1", "completions"], &Method::POST) => openai::completions(app.clone(), req).await,
         (["v1", "functions"], &Method::GET) => control::list_functions(&app, &req),
         (["v1", "functions", name], &Method::GET) => control::get_function(&app, &req, name),
         (["v1", "functions", name], &Method::PUT) => {
@@ -111,7 +122,11 @@ where
         (["healthz"] | ["metrics"] | ["v1", "functions"], _) => {
             Err(ApiError::method_not_allowed("GET"))
         }
-        (["v1", "tenants"], _) => Err(ApiError::method_not_allowed("POST")),
+        (["v1", "tenants"] | ["v1", "chat", "completions"] | ["v1", "completions"], _) => {
+            Err(ApiError::method_not_allowed("POST"))
+        }
+        (["v1", "tenants", _, "policy"], _) => Err(ApiError::method_not_allowed("GET or PUT")),
+        (["v1", "models"], _) => Err(ApiError::method_not_allowed("GET")),
         (["v1", "functions", _], _) => Err(ApiError::method_not_allowed("GET, PUT or DELETE")),
         _ => Err(ApiError::not_found(format!("no route for {method} {path}"))),
     };

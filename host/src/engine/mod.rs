@@ -14,6 +14,7 @@ mod request;
 pub mod scheduler;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use kiln_kernels::kv::KvFormat;
 use kiln_kernels::sample::sample;
@@ -110,7 +111,7 @@ pub struct EngineStats {
 
 /// One model, its KV pool and its scheduler.
 pub struct Engine {
-    loaded: Loaded,
+    loaded: Arc<Loaded>,
     cache: KvCache,
     kv: KvCacheManager,
     scheduler: Scheduler,
@@ -122,7 +123,9 @@ pub struct Engine {
 
 impl Engine {
     /// An engine for `loaded` with a pool sized by `config.kv_memory`.
-    pub fn new(loaded: Loaded, config: EngineConfig) -> Self {
+    /// Engines may share one model's weights.
+    pub fn new(loaded: impl Into<Arc<Loaded>>, config: EngineConfig) -> Self {
+        let loaded = loaded.into();
         let page_bytes = KvCache::page_bytes(&loaded.model.config, config.kv_format, PAGE_SIZE);
         let num_pages = (config.kv_memory / page_bytes).max(1);
         let cache = KvCache::new(&loaded.model.config, config.kv_format, PAGE_SIZE, num_pages);
@@ -149,7 +152,7 @@ impl Engine {
     }
 
     /// Gives the model back (to build another engine on it).
-    pub fn into_loaded(self) -> Loaded {
+    pub fn into_loaded(self) -> Arc<Loaded> {
         self.loaded
     }
 

@@ -1,0 +1,178 @@
+//! The OpenAI-compatible API, scoped by the tenant's API key:
+//! `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`.
+//!
+//! Calls go through the same policy gateway as guests' calls. The tenant
+//! comes from the key; the session from `x-session-affinity` (else
+//! `prompt_cache_key`).
+
+mod request;
+mod sse;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use hyper::{Request, Response, StatusCode};
+use kiln_runtime::{ChatRequest, CompleteRequest, Completion, FinishReason, Inference, Usage};
+use rand::RngCore;
+
+use super::control::read_body;
+use super::{ApiError, Body, BoxError, json, tenant_of};
+use crate::app::App;
+use request::{Input, Validated};
+
+/// Largest request body accepted.
+const MAX_BODY: usize = 4 << 20;
+
+/// `GET /v1/models`: the models this tenant may call.
+pub(super) fn models<B>(app: &App, req: &Request<B>) -> Result<Response<Body>, ApiError> {
+    let tenant = tenant_of(app, req)?;
+    let data: Vec<_> = app
+        .ai
+        .list_models(&tenant)
+        .into_iter()
+        .map(|m| {
+            serde_json::json!({
+                "id": m.id, "object": "model", "created": 0, "owned_by": "kiln",
+                "context_length": m.context_length,
+            })
+        })
+        .collect();
+    Ok(json(
+        StatusCode::OK,
+        serde_json::json!({"object": "list", "data": data}),
+    ))
+}
+
+/// What a handler needs of one call.
+struct Call {
+    tenant: String,
+    id: String,
+    created: u64,
+    v: Validated,
+}
+
+async fn prepare<B>(
+    app: &App,
+    req: Request<B>,
+    validate: fn(&[u8]) -> Result<Validated, ApiError>,
+    prefix: &str,
+) -> Result<Call, ApiError>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let tenant = tenant_of(app, &req)?;
+    let header = req
+        .headers()
+        .get("x-session-affinity")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let body = read_body(req, MAX_BODY).await?;
+    let mut v = validate(&body)?;
+    if header.is_some() {
+        v.params.session = header;
+    }
+    let mut id = [0u8; 12];
+    rand::rng().fill_bytes(&mut id);
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    Ok(Call {
+        tenant,
+        id: format!("{prefix}-{}", hex::encode(id)),
+        created,
+        v,
+    })
+}
+
+fn finish_reason(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+fn usage_json(u: &Usage) -> serde_json::Value {
+    serde_json::json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    })
+}
+
+/// `POST /v1/chat/completions`.
+pub(super) async fn chat<B>(app: Arc<App>, req: Request<B>) -> Result<Response<Body>, ApiError>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let call = prepare(&app, req, request::chat, "chatcmpl").await?;
+    let Input::Chat(messages) = call.v.input.clone() else {
+        return Err(ApiError::internal("a chat request without messages"));
+    };
+    let r = ChatRequest {
+        tenant: call.tenant.clone(),
+        model: call.v.model.clone(),
+        messages,
+        params: call.v.params.clone(),
+    };
+    if call.v.stream {
+        let stream = app.ai.stream_chat(r).await?;
+        return Ok(sse::respond(stream, sse::Shape::chat(&call)));
+    }
+    let c = app.ai.chat(r).await?;
+    Ok(json(StatusCode::OK, chat_json(&call, &c)))
+}
+
+fn chat_json(call: &Call, c: &Completion) -> serde_json::Value {
+    serde_json::json!({
+        "id": call.id, "object": "chat.completion", "created": call.created,
+        "model": call.v.model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": null,
+            "finish_reason": finish_reason(c.finish_reason),
+        }],
+        "usage": usage_json(&c.usage),
+    })
+}
+
+/// `POST /v1/completions`.
+pub(super) async fn completions<B>(
+    app: Arc<App>,
+    req: Request<B>,
+) -> Result<Response<Body>, ApiError>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let call = prepare(&app, req, request::completion, "cmpl").await?;
+    let Input::Prompt(prompt) = call.v.input.clone() else {
+        return Err(ApiError::internal("a completion request without a prompt"));
+    };
+    let r = CompleteRequest {
+        tenant: call.tenant.clone(),
+        model: call.v.model.clone(),
+        prompt,
+        params: call.v.params.clone(),
+    };
+    if call.v.stream {
+        let stream = app.ai.stream_complete(r).await?;
+        return Ok(sse::respond(stream, sse::Shape::completion(&call)));
+    }
+    let c = app.ai.complete(r).await?;
+    Ok(json(
+        StatusCode::OK,
+        serde_json::json!({
+            "id": call.id, "object": "text_completion", "created": call.created,
+            "model": call.v.model,
+            "choices": [{
+                "index": 0, "text": c.text, "logprobs": null,
+                "finish_reason": finish_reason(c.finish_reason),
+            }],
+            "usage": usage_json(&c.usage),
+        }),
+    ))
+}

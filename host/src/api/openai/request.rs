@@ -1,0 +1,335 @@
+//! Validation of OpenAI-style request bodies. A [`Validated`] request can
+//! only be built here, so a handler holding one knows every field passed.
+
+use kiln_runtime::{Message, Params, Role};
+use serde_json::{Map, Value};
+
+use crate::api::ApiError;
+
+/// What the model is asked to continue.
+#[derive(Debug, Clone)]
+pub(super) enum Input {
+    /// `/v1/chat/completions`: a conversation.
+    Chat(Vec<Message>),
+    /// `/v1/completions`: a raw prompt.
+    Prompt(String),
+}
+
+/// Proof that a body was validated; only this module can make one.
+#[derive(Debug, Clone)]
+struct Sealed;
+
+/// A validated request.
+#[derive(Debug, Clone)]
+pub(super) struct Validated {
+    /// The model name.
+    pub(super) model: String,
+    /// Messages or prompt.
+    pub(super) input: Input,
+    /// Sampling parameters (session from `prompt_cache_key`, if given).
+    pub(super) params: Params,
+    /// Whether to answer with server-sent events.
+    pub(super) stream: bool,
+    /// Whether a streamed answer ends with a usage chunk.
+    pub(super) include_usage: bool,
+    _sealed: Sealed,
+}
+
+fn bad(param: &str, msg: impl std::fmt::Display) -> ApiError {
+    ApiError::invalid_param(param, format!("`{param}`: {msg}"))
+}
+
+fn uint(param: &str, v: &Value, min: u64) -> Result<u64, ApiError> {
+    v.as_u64()
+        .filter(|n| *n >= min)
+        .ok_or_else(|| bad(param, format!("expected an integer >= {min}, got {v}")))
+}
+
+fn number(param: &str, v: &Value, ok: impl Fn(f64) -> bool, range: &str) -> Result<f32, ApiError> {
+    v.as_f64()
+        .filter(|n| ok(*n))
+        .map(|n| n as f32)
+        .ok_or_else(|| bad(param, format!("expected a number {range}, got {v}")))
+}
+
+fn string(param: &str, v: &Value) -> Result<String, ApiError> {
+    v.as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| bad(param, format!("expected a string, got {v}")))
+}
+
+/// Accepts a field only at its neutral value.
+fn neutral(param: &str, v: &Value, is_neutral: bool) -> Result<(), ApiError> {
+    if is_neutral {
+        Ok(())
+    } else {
+        Err(bad(
+            param,
+            format!("{v} is not supported by Kiln; leave it out"),
+        ))
+    }
+}
+
+fn content(param: &str, v: &Value) -> Result<String, ApiError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for (i, p) in parts.iter().enumerate() {
+                let at = format!("{param}[{i}]");
+                match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                    _ => {
+                        return Err(bad(
+                            &at,
+                            "only text parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                        ));
+                    }
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(bad(param, "expected a string or an array of text parts")),
+    }
+}
+
+fn messages(v: &Value) -> Result<Vec<Message>, ApiError> {
+    let list = v
+        .as_array()
+        .filter(|l| !l.is_empty())
+        .ok_or_else(|| bad("messages", "expected a non-empty array of messages"))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let at = |f: &str| format!("messages[{i}].{f}");
+            let obj = m
+                .as_object()
+                .ok_or_else(|| bad(&format!("messages[{i}]"), "expected an object"))?;
+            let mut role = None;
+            let mut text = None;
+            for (k, v) in obj {
+                match k.as_str() {
+                    "role" => {
+                        role = Some(match v.as_str() {
+                            Some("system" | "developer") => Role::System,
+                            Some("user") => Role::User,
+                            Some("assistant") => Role::Assistant,
+                            _ => return Err(bad(&at("role"), format!("{v} is not supported; use system, developer, user or assistant"))),
+                        })
+                    }
+                    "content" => text = Some(content(&at("content"), v)?),
+                    "name" => {}
+                    other => return Err(bad(&at(other), "unknown or unsupported field")),
+                }
+            }
+            Ok(Message {
+                role: role.ok_or_else(|| bad(&at("role"), "is required"))?,
+                content: text.ok_or_else(|| bad(&at("content"), "is required"))?,
+            })
+        })
+        .collect()
+}
+
+fn stop(v: &Value) -> Result<Vec<String>, ApiError> {
+    match v {
+        Value::String(s) => Ok(vec![s.clone()]),
+        Value::Array(a) if a.len() <= 4 => a.iter().map(|s| string("stop", s)).collect(),
+        _ => Err(bad(
+            "stop",
+            "expected a string or an array of up to 4 strings",
+        )),
+    }
+}
+
+/// Validates a `/v1/chat/completions` body.
+pub(super) fn chat(body: &[u8]) -> Result<Validated, ApiError> {
+    validate(body, true)
+}
+
+/// Validates a `/v1/completions` body.
+pub(super) fn completion(body: &[u8]) -> Result<Validated, ApiError> {
+    validate(body, false)
+}
+
+fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
+    let map: Map<String, Value> = serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid_param("body", format!("the body must be a JSON object: {e}"))
+    })?;
+    let mut model = None;
+    let mut input = None;
+    let mut params = Params {
+        max_tokens: None,
+        temperature: None,
+        top_p: None,
+        top_k: None,
+        seed: None,
+        stop: Vec::new(),
+        session: None,
+    };
+    let (mut stream, mut include_usage, mut stream_options) = (false, false, false);
+    for (key, v) in &map {
+        let k = key.as_str();
+        if v.is_null() && k != "messages" && k != "prompt" && k != "model" {
+            continue; // an explicit null means "the default"
+        }
+        match k {
+            "model" => model = Some(string(k, v)?),
+            "messages" if chat => input = Some(Input::Chat(messages(v)?)),
+            "prompt" if !chat => {
+                input = Some(Input::Prompt(match v {
+                    Value::String(s) => s.clone(),
+                    Value::Array(a) if a.len() == 1 && a[0].is_string() => string(k, &a[0])?,
+                    _ => return Err(bad(k, "expected a string (or an array holding one string)")),
+                }))
+            }
+            "max_tokens" | "max_completion_tokens" => {
+                let n = uint(k, v, 1)?;
+                params.max_tokens = Some(u32::try_from(n).map_err(|_| bad(k, "is too large"))?);
+            }
+            "temperature" => {
+                params.temperature =
+                    Some(number(k, v, |x| (0.0..=2.0).contains(&x), "from 0 to 2")?)
+            }
+            "top_p" => params.top_p = Some(number(k, v, |x| x > 0.0 && x <= 1.0, "in (0, 1]")?),
+            "top_k" => {
+                params.top_k = match v.as_i64() {
+                    Some(-1 | 0) => None,
+                    _ => Some(u32::try_from(uint(k, v, 1)?).map_err(|_| bad(k, "is too large"))?),
+                }
+            }
+            "seed" => {
+                params.seed = Some(
+                    v.as_i64()
+                        .map(|s| s as u64)
+                        .or(v.as_u64())
+                        .ok_or_else(|| bad(k, "expected an integer"))?,
+                )
+            }
+            "stop" => params.stop = stop(v)?,
+            "stream" => {
+                stream = v
+                    .as_bool()
+                    .ok_or_else(|| bad(k, "expected true or false"))?
+            }
+            "stream_options" => {
+                stream_options = true;
+                let o = v.as_object().ok_or_else(|| bad(k, "expected an object"))?;
+                for (ok, ov) in o {
+                    match ok.as_str() {
+                        "include_usage" => {
+                            include_usage = ov.as_bool().ok_or_else(|| {
+                                bad("stream_options.include_usage", "expected true or false")
+                            })?
+                        }
+                        other => {
+                            return Err(bad(
+                                &format!("stream_options.{other}"),
+                                "unknown or unsupported field",
+                            ));
+                        }
+                    }
+                }
+            }
+            "user" => {
+                string(k, v)?;
+            }
+            "prompt_cache_key" => params.session = Some(string(k, v)?),
+            "n" | "best_of" => neutral(k, v, v.as_u64() == Some(1))?,
+            "presence_penalty" | "frequency_penalty" => neutral(k, v, v.as_f64() == Some(0.0))?,
+            "logprobs" | "echo" => neutral(k, v, v == &Value::Bool(false))?,
+            "logit_bias" => neutral(k, v, v.as_object().is_some_and(Map::is_empty))?,
+            "response_format" => {
+                neutral(k, v, v.get("type").and_then(Value::as_str) == Some("text"))?
+            }
+            "tools" | "tool_choice" | "functions" | "function_call" | "parallel_tool_calls" => {
+                return Err(bad(
+                    k,
+                    "tool calling is not supported by Kiln; leave it out",
+                ));
+            }
+            _ => return Err(bad(k, "unknown or unsupported field")),
+        }
+    }
+    if stream_options && !stream {
+        return Err(bad("stream_options", "is only allowed with `stream: true`"));
+    }
+    let field = if chat { "messages" } else { "prompt" };
+    Ok(Validated {
+        model: model.ok_or_else(|| bad("model", "is required"))?,
+        input: input.ok_or_else(|| bad(field, "is required"))?,
+        params,
+        stream,
+        include_usage,
+        _sealed: Sealed,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(body: serde_json::Value) -> ApiError {
+        chat(body.to_string().as_bytes()).unwrap_err()
+    }
+
+    #[test]
+    fn unsupported_fields_are_refused_naming_the_field() {
+        let base = |k: &str, v: Value| {
+            let mut m =
+                serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+            m[k] = v;
+            m
+        };
+        assert_eq!(err(base("n", 2.into())).param.as_deref(), Some("n"));
+        assert_eq!(
+            err(base("tools", serde_json::json!([]))).param.as_deref(),
+            Some("tools")
+        );
+        assert_eq!(
+            err(base("frobnicate", 1.into())).param.as_deref(),
+            Some("frobnicate")
+        );
+        assert_eq!(
+            err(base("temperature", 3.into())).param.as_deref(),
+            Some("temperature")
+        );
+        let e =
+            err(serde_json::json!({"model": "m", "messages": [{"role": "tool", "content": "x"}]}));
+        assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+        assert_eq!(
+            err(serde_json::json!({"messages": []})).param.as_deref(),
+            Some("messages")
+        );
+        // Neutral values of unsupported features pass.
+        let ok = chat(base("n", 1.into()).to_string().as_bytes());
+        assert!(ok.is_ok());
+    }
+
+    #[test]
+    fn fields_map_onto_params() {
+        let v = chat(
+            serde_json::json!({
+                "model": "m",
+                "messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+                             {"role": "user", "content": "hi"}],
+                "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": 3,
+                "seed": 9, "stop": "END", "stream": true,
+                "stream_options": {"include_usage": true}, "user": "u1", "prompt_cache_key": "s"
+            })
+            .to_string()
+            .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(v.params.max_tokens, Some(7));
+        assert_eq!(v.params.top_k, Some(3));
+        assert_eq!(v.params.stop, vec!["END".to_owned()]);
+        assert_eq!(v.params.session.as_deref(), Some("s"));
+        assert!(v.stream && v.include_usage);
+        let Input::Chat(m) = v.input else { panic!() };
+        assert_eq!(m[0].role, Role::System);
+        assert_eq!(m[0].content, "be brief");
+        let c = completion(br#"{"model": "m", "prompt": ["once upon"]}"#).unwrap();
+        assert!(matches!(c.input, Input::Prompt(p) if p == "once upon"));
+        assert!(completion(br#"{"model": "m", "messages": []}"#).is_err());
+    }
+}

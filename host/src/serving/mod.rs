@@ -1,0 +1,355 @@
+//! Serving models: each model runs on N decode pools (an [`Engine`] per
+//! pool, each on its own thread); [`ServedModels`] tokenizes requests,
+//! salts their prefix hashes by tenant, routes them to a pool and
+//! implements the runtime's [`Inference`] over the results.
+//!
+//! Tenant policy is not checked here: [`policy::Gateway`] wraps this and
+//! checks it first in every call.
+
+mod engine_thread;
+pub mod policy;
+pub mod router;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use kiln_runtime::{
+    AiError, ChatRequest, CompleteRequest, Completion, FinishReason, Inference, ModelInfo, Params,
+    StreamEnd, StreamEvent, TokenStream, Usage,
+};
+use rand::RngCore;
+use tokio::sync::mpsc as tmpsc;
+
+use crate::engine::{Engine, EngineConfig, Finish, GenerateParams, PAGE_SIZE, Salt, prefix};
+use crate::metrics::{EngineMetrics, ModelLabels, PoolLabels};
+use crate::model::{ChatMessage, Loaded};
+use engine_thread::{Out, PoolHandle, Submit};
+use router::{PoolLoad, Route};
+
+/// A snapshot of one model's engines, summed over its pools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineSnapshot {
+    /// KV pages an allocation can take (cached ones included).
+    pub free_pages: usize,
+    /// Unreferenced pages kept for the prefix cache.
+    pub cached_pages: usize,
+    /// All KV pages.
+    pub total_pages: usize,
+    /// Sequences aborted by the page-tag check.
+    pub integrity_aborts: u64,
+    /// Requests the engines hold (waiting or running).
+    pub requests: usize,
+}
+
+/// One served model and its pools.
+struct Served {
+    loaded: Arc<Loaded>,
+    info: ModelInfo,
+    pools: Vec<PoolHandle>,
+}
+
+/// The models a server serves, by name.
+pub struct ServedModels {
+    models: HashMap<String, Served>,
+    /// Server-side secret of the prefix-cache salts (per process: the cache
+    /// lives in memory).
+    secret: [u8; 32],
+    metrics: EngineMetrics,
+}
+
+/// What a request asks for.
+enum Prompt {
+    Chat(Vec<ChatMessage>),
+    Raw(String),
+}
+
+impl ServedModels {
+    /// Starts `pools` decode pools per model, splitting each model's KV
+    /// memory and the machine's cores between them.
+    pub fn start(
+        models: Vec<(Loaded, EngineConfig)>,
+        pools: usize,
+        metrics: EngineMetrics,
+    ) -> std::io::Result<Self> {
+        let pools = pools.max(1);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = if pools == 1 {
+            0
+        } else {
+            (cores / pools).max(1)
+        };
+        let mut map = HashMap::new();
+        for (loaded, config) in models {
+            let loaded = Arc::new(loaded);
+            let info = ModelInfo {
+                id: loaded.name.clone(),
+                context_length: loaded.model.config.context_length as u32,
+            };
+            let mut handles = Vec::with_capacity(pools);
+            for i in 0..pools {
+                let config = EngineConfig {
+                    kv_memory: config.kv_memory / pools,
+                    ..config.clone()
+                };
+                let scheduler = config.scheduler;
+                let engine = Engine::new(loaded.clone(), config);
+                handles.push(engine_thread::spawn(
+                    engine,
+                    scheduler,
+                    &info.id,
+                    i,
+                    threads,
+                    metrics.clone(),
+                )?);
+            }
+            map.insert(
+                info.id.clone(),
+                Served {
+                    loaded,
+                    info,
+                    pools: handles,
+                },
+            );
+        }
+        let mut secret = [0u8; 32];
+        rand::rng().fill_bytes(&mut secret);
+        Ok(Self {
+            models: map,
+            secret,
+            metrics,
+        })
+    }
+
+    /// The latest figures of `model`'s engines.
+    pub fn snapshot(&self, model: &str) -> Option<EngineSnapshot> {
+        let pools = &self.models.get(model)?.pools;
+        let sum = |i: usize| -> usize {
+            pools
+                .iter()
+                .map(|p| p.figures[i].load(Ordering::Relaxed))
+                .sum()
+        };
+        Some(EngineSnapshot {
+            free_pages: sum(0),
+            cached_pages: sum(1),
+            total_pages: sum(2),
+            integrity_aborts: sum(3) as u64,
+            requests: pools.iter().map(|p| p.load.load(Ordering::Relaxed)).sum(),
+        })
+    }
+
+    fn submit(
+        &self,
+        tenant: &str,
+        model: &str,
+        prompt: Prompt,
+        params: Params,
+    ) -> Result<tmpsc::UnboundedReceiver<Out>, AiError> {
+        let served = self.models.get(model).ok_or_else(|| {
+            let mut names: Vec<&str> = self.models.keys().map(String::as_str).collect();
+            names.sort();
+            AiError::ModelNotFound(format!(
+                "model `{model}` is not served here; available: {}",
+                names.join(", ")
+            ))
+        })?;
+        let session = params.session.clone();
+        let generate = generate_params(params)?;
+        let tk = &served.loaded.tokenizer;
+        let text = match prompt {
+            Prompt::Chat(m) => tk.chat_prompt(&m),
+            Prompt::Raw(p) => Ok(p),
+        };
+        let ids = text
+            .and_then(|t| tk.encode(&t, true))
+            .map_err(|e| AiError::InvalidInput(e.to_string()))?;
+        let salt = Salt::derive(&self.secret, model, tenant);
+        let hashes = prefix::page_hashes(&salt, &ids, PAGE_SIZE);
+        let loads: Vec<PoolLoad> = served
+            .pools
+            .iter()
+            .map(|p| PoolLoad {
+                requests: p.load.load(Ordering::Relaxed),
+                capacity: p.capacity,
+            })
+            .collect();
+        let route = router::choose(tenant, session.as_deref(), &loads, |i| {
+            served.pools[i].cached_prefix(&hashes)
+        });
+        if let Route::Spilled(_) = route {
+            self.metrics
+                .pool_spills
+                .get_or_create(&ModelLabels {
+                    model: model.to_owned(),
+                })
+                .inc();
+        }
+        let pool = &served.pools[route.pool()];
+        self.metrics
+            .pool_requests
+            .get_or_create(&PoolLabels {
+                model: model.to_owned(),
+                pool: route.pool().to_string(),
+            })
+            .inc();
+        let (out, rx) = tmpsc::unbounded_channel();
+        pool.load.fetch_add(1, Ordering::Relaxed);
+        let sent = pool.tx.send(Submit {
+            tenant: tenant.into(),
+            salt,
+            ids,
+            params: generate,
+            out,
+        });
+        if sent.is_err() {
+            pool.load.fetch_sub(1, Ordering::Relaxed);
+            return Err(AiError::RuntimeError(
+                "the model's engine has stopped".into(),
+            ));
+        }
+        Ok(rx)
+    }
+}
+
+/// The WIT params with the host's defaults, validated.
+fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
+    let bad = |m: String| Err(AiError::InvalidInput(m));
+    let temperature = p.temperature.unwrap_or(0.7);
+    if !(0.0..=2.0).contains(&temperature) {
+        return bad(format!(
+            "temperature {temperature} is out of range: use 0 (greedy) to 2"
+        ));
+    }
+    let top_p = p.top_p.unwrap_or(0.9);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return bad(format!(
+            "top-p {top_p} is out of range: use a value in (0, 1]"
+        ));
+    }
+    let max_tokens = p.max_tokens.unwrap_or(256);
+    if max_tokens == 0 {
+        return bad("max-tokens must be at least 1".into());
+    }
+    Ok(GenerateParams {
+        max_tokens: max_tokens as usize,
+        temperature,
+        top_k: p.top_k.unwrap_or(0) as usize,
+        top_p,
+        seed: p.seed,
+        stop: p.stop,
+        ignore_eos: false,
+    })
+}
+
+fn finish_reason(f: &Finish) -> Result<FinishReason, AiError> {
+    match f {
+        Finish::Stop => Ok(FinishReason::Stop),
+        Finish::Length => Ok(FinishReason::Length),
+        Finish::Aborted(why) => Err(AiError::Aborted(why.clone())),
+    }
+}
+
+fn usage(prompt: usize, completion: usize, cached: usize) -> Usage {
+    Usage {
+        prompt_tokens: prompt as u32,
+        completion_tokens: completion as u32,
+        cached_prompt_tokens: cached as u32,
+    }
+}
+
+fn dropped() -> AiError {
+    AiError::RuntimeError("the engine dropped the request".into())
+}
+
+async fn collect(mut rx: tmpsc::UnboundedReceiver<Out>) -> Result<Completion, AiError> {
+    let mut text = String::new();
+    while let Some(out) = rx.recv().await {
+        match out {
+            Out::Text(t) => text.push_str(&t),
+            Out::Error(e) => return Err(e),
+            Out::Done {
+                finish,
+                prompt,
+                completion,
+                cached,
+            } => {
+                return Ok(Completion {
+                    text,
+                    finish_reason: finish_reason(&finish)?,
+                    usage: usage(prompt, completion, cached),
+                });
+            }
+        }
+    }
+    Err(dropped())
+}
+
+struct Stream(tmpsc::UnboundedReceiver<Out>);
+
+impl TokenStream for Stream {
+    fn next(&mut self) -> kiln_runtime::BoxFuture<'_, Result<StreamEvent, AiError>> {
+        Box::pin(async move {
+            match self.0.recv().await {
+                Some(Out::Text(t)) => Ok(StreamEvent::Delta(t)),
+                Some(Out::Error(e)) => Err(e),
+                Some(Out::Done {
+                    finish,
+                    prompt,
+                    completion,
+                    cached,
+                }) => Ok(StreamEvent::Done(StreamEnd {
+                    finish_reason: finish_reason(&finish)?,
+                    usage: usage(prompt, completion, cached),
+                })),
+                None => Err(dropped()),
+            }
+        })
+    }
+}
+
+fn messages(m: Vec<kiln_runtime::Message>) -> Vec<ChatMessage> {
+    m.into_iter()
+        .map(|m| ChatMessage {
+            role: match m.role {
+                kiln_runtime::Role::System => "system",
+                kiln_runtime::Role::User => "user",
+                kiln_runtime::Role::Assistant => "assistant",
+            }
+            .into(),
+            content: m.content,
+        })
+        .collect()
+}
+
+type Fut<'a, T> = kiln_runtime::BoxFuture<'a, Result<T, AiError>>;
+
+impl Inference for ServedModels {
+    fn chat(&self, req: ChatRequest) -> Fut<'_, Completion> {
+        let prompt = Prompt::Chat(messages(req.messages));
+        let rx = self.submit(&req.tenant, &req.model, prompt, req.params);
+        Box::pin(async move { collect(rx?).await })
+    }
+
+    fn stream_chat(&self, req: ChatRequest) -> Fut<'_, Box<dyn TokenStream>> {
+        let prompt = Prompt::Chat(messages(req.messages));
+        let rx = self.submit(&req.tenant, &req.model, prompt, req.params);
+        Box::pin(async move { Ok(Box::new(Stream(rx?)) as Box<dyn TokenStream>) })
+    }
+
+    fn complete(&self, req: CompleteRequest) -> Fut<'_, Completion> {
+        let rx = self.submit(&req.tenant, &req.model, Prompt::Raw(req.prompt), req.params);
+        Box::pin(async move { collect(rx?).await })
+    }
+
+    fn stream_complete(&self, req: CompleteRequest) -> Fut<'_, Box<dyn TokenStream>> {
+        let rx = self.submit(&req.tenant, &req.model, Prompt::Raw(req.prompt), req.params);
+        Box::pin(async move { Ok(Box::new(Stream(rx?)) as Box<dyn TokenStream>) })
+    }
+
+    fn list_models(&self, _tenant: &str) -> Vec<ModelInfo> {
+        let mut v: Vec<ModelInfo> = self.models.values().map(|s| s.info.clone()).collect();
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
+    }
+}
