@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use wasmtime::Store;
+use wasmtime::{CallHook, Store};
 use wasmtime_wasi_http::WasiHttpView;
 use wasmtime_wasi_http::p2::bindings::http::types::Scheme;
 
@@ -67,6 +67,16 @@ impl Runtime {
         store.limiter(|s| &mut s.limits);
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(|mut ctx| ctx.data_mut().limits.on_epoch());
+        // Time inside host calls (WASI streams, model calls) is not guest
+        // CPU: bill on the way in, restart the meter on the way out.
+        store.call_hook(|mut ctx, hook| {
+            match hook {
+                CallHook::CallingHost => ctx.data_mut().limits.enter_host()?,
+                CallHook::ReturningFromHost => ctx.data_mut().limits.leave_host(),
+                CallHook::CallingWasm | CallHook::ReturningFromWasm => {}
+            }
+            Ok(())
+        });
 
         let (tx, rx) = tokio::sync::oneshot::channel();
         let handles = store

@@ -90,12 +90,9 @@ impl StoreLimits {
         self.base.elapsed().as_nanos() as u64
     }
 
-    /// Called from the epoch-deadline callback, about once per [`TICK`] of
-    /// guest execution. Charges the time since the last mark, capped at two
-    /// ticks so that time parked in host calls or in the executor's queue is
-    /// not billed as guest CPU.
-    pub(crate) fn on_epoch(&mut self) -> wasmtime::Result<UpdateDeadline> {
-        let now = self.now_nanos();
+    /// Charges `since` (capped at two ticks: anything longer was not spent
+    /// running this guest) and moves the mark to `now`.
+    fn charge(&mut self, now: u64) -> wasmtime::Result<Duration> {
         let since = Duration::from_nanos(now.saturating_sub(self.mark.load(Ordering::Relaxed)));
         let charge = since.min(TICK * 2);
         self.cpu_used += charge;
@@ -105,6 +102,26 @@ impl StoreLimits {
             self.exceeded = Some(LimitKind::CpuTime);
             return Err(LimitKind::CpuTime.into());
         }
+        Ok(charge)
+    }
+
+    /// The guest calls into the host: bill what it ran since the last mark.
+    pub(crate) fn enter_host(&mut self) -> wasmtime::Result<()> {
+        self.charge(self.now_nanos()).map(|_| ())
+    }
+
+    /// A host call returns: the time it took (waiting for a body, a model,
+    /// a timer) is not guest CPU, so the meter restarts now.
+    pub(crate) fn leave_host(&mut self) {
+        self.mark.store(self.now_nanos(), Ordering::Relaxed);
+    }
+
+    /// Called from the epoch-deadline callback, about once per [`TICK`] of
+    /// guest execution. Charges the time since the last mark, capped at two
+    /// ticks so that time parked in host calls or in the executor's queue is
+    /// not billed as guest CPU.
+    pub(crate) fn on_epoch(&mut self) -> wasmtime::Result<UpdateDeadline> {
+        let charge = self.charge(self.now_nanos())?;
         if charge < TICK / 2 {
             // Just resumed: run a slice before yielding again.
             return Ok(UpdateDeadline::Continue(1));

@@ -42,6 +42,8 @@ pub fn guest(name: &str) -> PathBuf {
                 "-p",
                 "chat",
                 "-p",
+                "summarize",
+                "-p",
                 "misbehave",
                 "--target-dir",
             ])
@@ -126,6 +128,18 @@ impl TestServer {
     pub async fn start_with_backend(backend: Arc<dyn kiln_runtime::Inference>) -> Self {
         let tmp = tempfile::tempdir().expect("tempdir");
         let mut s = Self::start_full(tmp.path(), |_| {}, backend, Metrics::default()).await;
+        s._tmp = Some(tmp);
+        s
+    }
+
+    /// Starts a server on a fresh data dir with a given model backend,
+    /// after `tweak` edits the config.
+    pub async fn start_with_backend_config(
+        backend: Arc<dyn kiln_runtime::Inference>,
+        tweak: impl FnOnce(&mut ServeConfig),
+    ) -> Self {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let mut s = Self::start_full(tmp.path(), tweak, backend, Metrics::default()).await;
         s._tmp = Some(tmp);
         s
     }
@@ -228,6 +242,57 @@ impl TestServer {
         body
     }
 
+    /// Sets a tenant's model policy through the admin API.
+    pub async fn set_policy(&self, tenant: &str, policy: serde_json::Value) -> reqwest::Response {
+        self.http
+            .put(format!("{}/v1/tenants/{tenant}/policy", self.url))
+            .bearer_auth(&self.admin)
+            .json(&policy)
+            .send()
+            .await
+            .expect("request")
+    }
+
+    /// POSTs `body` to the OpenAI-style endpoint `path` (e.g.
+    /// `/v1/chat/completions`) with `key`; the status and the JSON answer.
+    pub async fn openai(
+        &self,
+        key: &str,
+        path: &str,
+        session: Option<&str>,
+        body: &serde_json::Value,
+    ) -> (u16, serde_json::Value) {
+        let mut req = self
+            .http
+            .post(format!("{}{path}", self.url))
+            .bearer_auth(key)
+            .json(body);
+        if let Some(s) = session {
+            req = req.header("x-session-affinity", s);
+        }
+        let resp = req.send().await.expect("request");
+        let status = resp.status().as_u16();
+        (status, resp.json().await.expect("a JSON answer"))
+    }
+
+    /// The value of the Prometheus sample whose line contains every one of
+    /// `parts` (0 if there is none).
+    pub async fn metric(&self, parts: &[&str]) -> f64 {
+        let text = self
+            .http
+            .get(format!("{}/metrics", self.url))
+            .send()
+            .await
+            .expect("request")
+            .text()
+            .await
+            .expect("text");
+        text.lines()
+            .filter(|l| !l.starts_with('#') && parts.iter().all(|p| l.contains(p)))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
     /// GET `/fn/{tenant}/{function}{path}`.
     pub async fn call(&self, tenant: &str, function: &str, path: &str) -> reqwest::Response {
         self.http
@@ -237,6 +302,49 @@ impl TestServer {
             .expect("request")
     }
 }
+
+/// A Python with the official `openai` client, in a virtual environment
+/// under `target/` made on first use.
+pub fn python_with_openai() -> PathBuf {
+    static PY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let py = PY.get_or_init(|| {
+        let venv = workspace().join("target").join("pyenv-openai");
+        let python = venv.join("bin").join("python");
+        let ready = std::process::Command::new(&python)
+            .args(["-c", "import openai"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if ready {
+            return Ok(python);
+        }
+        let run = |cmd: &mut std::process::Command| -> Result<(), String> {
+            let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(format!("{cmd:?}: {}", String::from_utf8_lossy(&out.stderr)))
+            }
+        };
+        run(std::process::Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv))?;
+        run(std::process::Command::new(&python).args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            OPENAI_CLIENT,
+        ]))?;
+        Ok(python)
+    });
+    match py {
+        Ok(p) => p.clone(),
+        Err(e) => panic!("setting up the openai Python client failed: {e}"),
+    }
+}
+
+/// The pinned version of OpenAI's Python client the tests drive Kiln with.
+pub const OPENAI_CLIENT: &str = "openai==3.57.0";
 
 /// The `error.type` of a JSON error response, and its status.
 pub async fn error_of(resp: reqwest::Response) -> (u16, String, String) {

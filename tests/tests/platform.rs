@@ -488,3 +488,21 @@ async fn waiting_for_the_model_is_not_billed_as_guest_cpu() {
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.text().await.unwrap(), "100 chunks");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_call_past_its_deadline_is_aborted() {
+    // 100 chunks x 5 ms against a 100 ms model-call deadline.
+    let s = TestServer::start_with_backend_config(std::sync::Arc::new(SlowModel), |c| {
+        c.model_deadline = std::time::Duration::from_millis(100);
+    })
+    .await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    let text = s.call("acme", "bad", "/stream").await.text().await.unwrap();
+    let (n, why) = text.split_once(" chunks, then ").expect(&text);
+    assert!(n.parse::<u32>().unwrap() < 100, "{text}");
+    assert!(
+        why.contains("Aborted") && why.contains("deadline"),
+        "{text}"
+    );
+}

@@ -192,7 +192,7 @@ impl Gateway {
     fn deadline_error(&self) -> AiError {
         AiError::Aborted(format!(
             "the model call did not finish within its deadline of {} s; ask for fewer tokens \
-             (max-tokens) or stream the reply",
+             (max-tokens), or ask the operator to raise `--model-deadline-s`",
             self.deadline.as_secs_f64()
         ))
     }

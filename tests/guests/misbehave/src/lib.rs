@@ -3,8 +3,10 @@
 //! `unreachable`, `/sleep` blocks in a host call for a minute (`/nap`: half a
 //! second), `/fetch` tries
 //! an outbound HTTP request, `/echo`
-//! returns the request body, `/ai` calls a model and reports the error, `/stream` counts the chunks
-//! of a streaming chat with the model `slow`.
+//! returns the request body, `/ai` calls a model and reports the error,
+//! `/ask` asks the default model for a few tokens and reports the text or
+//! the error, `/stream` counts the chunks of a streaming chat with the model
+//! `slow` (and reports the error that ended it, if one did).
 
 use kiln_guest::{Handler, Request, Response, ai};
 
@@ -40,7 +42,26 @@ impl Handler for Misbehave {
             "/fetch" => Response::text(200, fetch()),
             "/echo" => Response::new(200, req.body()),
             "/stream" => match ai::Chat::new("slow").user("hi").stream() {
-                Ok(s) => Response::text(200, format!("{} chunks", s.filter(|c| c.is_ok()).count())),
+                Ok(s) => {
+                    let mut n = 0;
+                    for chunk in s {
+                        match chunk {
+                            Ok(_) => n += 1,
+                            Err(e) => {
+                                return Response::text(200, format!("{n} chunks, then {e:?}"));
+                            }
+                        }
+                    }
+                    Response::text(200, format!("{n} chunks"))
+                }
+                Err(e) => Response::text(502, format!("{e:?}")),
+            },
+            "/ask" => match ai::Chat::new("smollm2-135m-instruct")
+                .user("Say hi.")
+                .max_tokens(4)
+                .send()
+            {
+                Ok(c) => Response::text(200, c.text),
                 Err(e) => Response::text(502, format!("{e:?}")),
             },
             "/ai" => match ai::Chat::new("no-such-model").user("hi").send() {
