@@ -90,3 +90,91 @@ pub fn run(
     };
     Ok((row, engine.into_loaded()))
 }
+
+/// Time to first token of one prompt, cold and with its prefix cached.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TtftRow {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Median time to first token with nothing cached, in milliseconds.
+    pub cold_ms: f64,
+    /// Median time to first token when the same tenant sent the same
+    /// prompt before, in milliseconds.
+    pub cached_ms: f64,
+    /// Prompt tokens the cached runs found in the cache.
+    pub cached_tokens: usize,
+}
+
+/// Runs one request to its first token; the time it took and the prompt
+/// tokens it found cached.
+fn first_token(
+    engine: &mut Engine,
+    salt: crate::engine::Salt,
+    prompt: &[u32],
+) -> Result<(f64, usize), String> {
+    let params = GenerateParams {
+        max_tokens: 1,
+        temperature: 0.0,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let seq = engine.add_salted(TenantId(0), salt, prompt.to_vec(), params)?;
+    let mut first = None;
+    while engine.has_work() {
+        for e in engine.step()? {
+            match e {
+                Event::Token { seq: s, .. } if s == seq && first.is_none() => {
+                    first = Some(t.elapsed().as_secs_f64() * 1e3);
+                }
+                Event::Finished {
+                    seq: s,
+                    cached_tokens,
+                    ..
+                } if s == seq => {
+                    return Ok((first.unwrap_or(0.0), cached_tokens));
+                }
+                _ => {}
+            }
+        }
+    }
+    Err("the request vanished".into())
+}
+
+/// Time to first token for a `prompt_tokens` prompt, cold (a fresh salt
+/// each time, so nothing is cached) and cached (the same salt again),
+/// alternating `reps` times on one engine.
+pub fn ttft(
+    loaded: Arc<Loaded>,
+    config: EngineConfig,
+    prompt_tokens: usize,
+    reps: usize,
+) -> Result<(TtftRow, Arc<Loaded>), String> {
+    let vocab = loaded.model.config.vocab as u32;
+    let mut engine = Engine::new(loaded, config);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+    let (mut cold, mut cached, mut hit) = (Vec::new(), Vec::new(), 0);
+    for rep in 0..reps.max(1) {
+        let prompt: Vec<u32> = (0..prompt_tokens)
+            .map(|_| rng.random_range(vocab / 8..vocab / 2))
+            .collect();
+        let mut bytes = [0u8; 32];
+        bytes[..8].copy_from_slice(&(rep as u64).to_le_bytes());
+        let salt = crate::engine::Salt::from_bytes(bytes);
+        cold.push(first_token(&mut engine, salt, &prompt)?.0);
+        let (ms, n) = first_token(&mut engine, salt, &prompt)?;
+        cached.push(ms);
+        hit = n;
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let row = TtftRow {
+        prompt_tokens,
+        cold_ms: median(&mut cold),
+        cached_ms: median(&mut cached),
+        cached_tokens: hit,
+    };
+    Ok((row, engine.into_loaded()))
+}

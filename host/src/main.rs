@@ -187,6 +187,10 @@ struct BenchArgs {
     /// Tokens generated per sequence.
     #[arg(long, default_value_t = 64)]
     gen_tokens: usize,
+    /// Instead: time to first token of a --prompt-tokens prompt, cold and
+    /// with its prefix cached, this many times each.
+    #[arg(long, value_name = "REPS")]
+    ttft: Option<usize>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -221,6 +225,26 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
     use kiln_host::model;
     let source = model::resolve_model(&args.model, &model::default_cache_dir())?;
     let mut loaded = std::sync::Arc::new(model::load(&args.model, &source)?);
+    if let Some(reps) = args.ttft {
+        let (row, _) =
+            kiln_host::bench::ttft(loaded, args.engine.config(), args.prompt_tokens, reps)
+                .map_err(anyhow::Error::msg)?;
+        println!(
+            "model {} | kv {:?} | prompt {} | reps {reps} | threads {}",
+            args.model,
+            kv_format(args.engine.kv),
+            row.prompt_tokens,
+            rayon::current_num_threads()
+        );
+        println!(
+            "TTFT cold {:.1} ms | cached {:.1} ms ({} tokens hit) | {:.1}x",
+            row.cold_ms,
+            row.cached_ms,
+            row.cached_tokens,
+            row.cold_ms / row.cached_ms
+        );
+        return Ok(());
+    }
     println!(
         "model {} | kv {:?} | prompt {} | generate {} | threads {}",
         args.model,

@@ -95,3 +95,37 @@ async fn client_that_disconnects_mid_stream_gets_its_sequence_cancelled() {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn summarize_function_answers_json_with_summary_and_usage() {
+    let s = TestServer::start_with_models().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "summarize", "summarize").await;
+    let text = "Kiln runs WebAssembly functions for many tenants. Each function may call \
+                language models, which run on shared GPU pools with per-tenant isolation.";
+    let post = |body: String| {
+        s.http
+            .post(format!("{}/fn/acme/summarize/", s.url))
+            .header("x-session-affinity", "doc-1")
+            .body(body)
+            .send()
+    };
+    let resp = post(text.to_owned()).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let v: serde_json::Value = resp.json().await.unwrap();
+    assert!(!v["summary"].as_str().unwrap().is_empty(), "{v}");
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 20, "{v}");
+    assert!(
+        v["usage"]["completion_tokens"].as_u64().unwrap() >= 1,
+        "{v}"
+    );
+    // The same text again, as JSON: its prefix is cached now.
+    let again = post(serde_json::json!({ "text": text }).to_string())
+        .await
+        .unwrap();
+    let w: serde_json::Value = again.json().await.unwrap();
+    assert_eq!(w["summary"], v["summary"], "greedy: the same summary");
+    assert!(w["usage"]["cached_tokens"].as_u64().unwrap() > 0, "{w}");
+    let empty = post(String::new()).await.unwrap();
+    assert_eq!(empty.status(), 400);
+}
