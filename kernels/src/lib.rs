@@ -11,7 +11,11 @@
 //! - [`fp8`]: FP8 e4m3 encoding with a per-vector scale.
 //! - [`kv`]: paged KV storage (bf16 or fp8) and paged attention.
 //! - [`sample`]: argmax and seeded top-k / top-p sampling.
+//! - [`backend`]: one interface over every kernel, for the CPU and CUDA.
+//! - [`cuda`]: the CUDA backend (NVRTC-compiled kernels, cuBLAS).
 
+pub mod backend;
+pub mod cuda;
 pub mod fp8;
 pub mod kv;
 pub mod matmul;
@@ -27,13 +31,33 @@ pub enum Device {
     /// The CPU: the default, and the reference for every other device.
     #[default]
     Cpu,
+    /// CUDA GPU number `n`.
+    Cuda(usize),
 }
 
 impl Device {
     /// The device's name as the command line spells it.
-    pub fn name(self) -> &'static str {
+    pub fn name(self) -> String {
         match self {
-            Device::Cpu => "cpu",
+            Device::Cpu => "cpu".into(),
+            Device::Cuda(n) => format!("cuda:{n}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    /// `cpu`, `cuda` (GPU 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| format!("unknown device `{s}`: use cpu, cuda or cuda:N")),
         }
     }
 }
@@ -47,6 +71,12 @@ pub enum KernelError {
     /// Sizes disagree.
     #[error("shape mismatch: {0}")]
     Shape(String),
+    /// The device asked for cannot be used here.
+    #[error("device unavailable: {0}")]
+    DeviceUnavailable(String),
+    /// A CUDA call failed.
+    #[error("CUDA error: {0}")]
+    Cuda(String),
 }
 
 #[cfg(test)]
@@ -56,5 +86,12 @@ mod tests {
     #[test]
     fn cpu_is_the_default_device() {
         assert_eq!(Device::default().name(), "cpu");
+    }
+
+    #[test]
+    fn devices_parse_as_the_command_line_spells_them() {
+        assert_eq!("cuda".parse(), Ok(Device::Cuda(0)));
+        assert_eq!("cuda:3".parse(), Ok(Device::Cuda(3)));
+        assert!("gpu".parse::<Device>().is_err());
     }
 }

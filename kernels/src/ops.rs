@@ -111,6 +111,16 @@ impl Rope {
         Ok(self)
     }
 
+    /// The inverse frequencies, one per rotated pair.
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
+    /// Which elements rotate together.
+    pub fn style(&self) -> RopeStyle {
+        self.style
+    }
+
     /// Rotates every head in `x` (`heads × dim`) for position `pos`.
     pub fn apply(&self, x: &mut [f32], pos: usize) {
         let half = self.inv_freq.len();

@@ -198,3 +198,28 @@ async fn a_guest_flooding_model_calls_cannot_starve_another_tenants_request() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_session_key_a_request_goes_to_the_pool_holding_its_prefix() {
+    let s = TestServer::start_with_pools(2, |_| {}).await;
+    let a = s.tenant("a").await;
+    let long = "Kiln keeps every tenant's cache apart. ".repeat(16);
+    let body = json!({
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": long}],
+        "max_tokens": 1,
+        "temperature": 0,
+    });
+    let (st, first) = s.openai(&a, "/v1/chat/completions", None, &body).await;
+    assert_eq!(st, 200, "{first}");
+    for _ in 0..3 {
+        let (_, again) = s.openai(&a, "/v1/chat/completions", None, &body).await;
+        let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(
+            cached > 0,
+            "the repeat went to the pool without its prefix: {again}"
+        );
+    }
+}

@@ -1,0 +1,165 @@
+//! CUDA kernel benchmarks on Llama-3-8B layer shapes: device copy bandwidth
+//! (the roofline's ceiling), the decode GEMV against cuBLAS, and paged decode
+//! attention over bf16 and fp8 pages. Run on a GPU machine after the parity
+//! tests (`scripts/gpu.sh` does both); prints one table.
+#![allow(clippy::print_stdout, reason = "a benchmark prints its table")]
+
+use std::time::Instant;
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use kiln_kernels::cuda::Gpu;
+use kiln_kernels::kv::{KvFormat, KvLayout};
+use rand::{Rng, SeedableRng};
+
+type E = Box<dyn std::error::Error>;
+
+/// Median seconds of one run of `f`, over `reps` samples of 20 back-to-back
+/// launches each (so launch gaps overlap), after 3 warm-ups.
+fn time(gpu: &Gpu, reps: usize, mut f: impl FnMut() -> Result<(), E>) -> Result<f64, E> {
+    for _ in 0..3 {
+        f()?;
+    }
+    gpu.synchronize()?;
+    let mut v = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = Instant::now();
+        for _ in 0..20 {
+            f()?;
+        }
+        gpu.synchronize()?;
+        v.push(t.elapsed().as_secs_f64() / 20.0);
+    }
+    v.sort_by(f64::total_cmp);
+    Ok(v[reps / 2])
+}
+
+fn main() -> Result<(), E> {
+    let gpu = Gpu::new(0)?;
+    let s = gpu.stream().clone();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    println!("device: {}", gpu.name());
+
+    // Copy bandwidth: bytes read plus bytes written.
+    let n = 1usize << 30;
+    let src: CudaSlice<u8> = s.alloc_zeros(n)?;
+    let mut dst: CudaSlice<u8> = s.alloc_zeros(n)?;
+    let t = time(&gpu, 20, || Ok(s.memcpy_dtod(&src, &mut dst)?))?;
+    let copy = 2.0 * n as f64 / t / 1e9;
+    println!(
+        "copy 1 GiB: {:.3} ms, {copy:.0} GB/s (read + write)",
+        t * 1e3
+    );
+    drop((src, dst));
+
+    // Decode GEMV against cuBLAS at Llama-3-8B shapes.
+    println!(
+        "{:>14} {:>3} {:>12} {:>9} {:>12} {:>9}",
+        "n x k", "m", "gemv GB/s", "% copy", "cublas GB/s", "% copy"
+    );
+    for (nn, k) in [
+        (4096usize, 4096usize),
+        (1024, 4096),
+        (14336, 4096),
+        (4096, 14336),
+    ] {
+        let w: Vec<bf16> = (0..nn * k)
+            .map(|_| bf16::from_f32(rng.random_range(-0.05..0.05)))
+            .collect();
+        let w = s.clone_htod(&w)?;
+        for m in [1usize, 8] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let x = s.clone_htod(&x)?;
+            let mut out: CudaSlice<f32> = s.alloc_zeros(m * nn)?;
+            let mut scratch: CudaSlice<bf16> = s.alloc_zeros(m * k)?;
+            let bytes = (nn * k * 2) as f64;
+            let tg = time(&gpu, 50, || {
+                Ok(gpu.matmul_bf16(&x, &w, &mut out, m, nn, k, &mut scratch)?)
+            })?;
+            let tc = time(&gpu, 50, || {
+                Ok(gpu.cublas_bf16(&x, &w, &mut out, m, nn, k, &mut scratch)?)
+            })?;
+            let (gg, gc) = (bytes / tg / 1e9, bytes / tc / 1e9);
+            println!(
+                "{:>14} {m:>3} {gg:>12.0} {:>8.0}% {gc:>12.0} {:>8.0}%",
+                format!("{nn}x{k}"),
+                100.0 * gg / copy,
+                100.0 * gc / copy
+            );
+        }
+    }
+
+    // Paged decode attention: batch 64 x 4096 context, 32 query heads over
+    // 8 KV heads of 128 (one Llama-3-8B layer).
+    let (batch, ctx, heads) = (64usize, 4096usize, 32usize);
+    let layout = KvLayout {
+        page_size: 16,
+        kv_heads: 8,
+        head_dim: 128,
+    };
+    let pages_per = ctx / 16;
+    let pages = batch * pages_per;
+    for format in [KvFormat::Bf16, KvFormat::Fp8] {
+        let mut kv = gpu.paged_kv(format, layout, pages)?;
+        let vectors = pages * 16 * 8;
+        let elems = vectors * 128;
+        let fill: Vec<u8> = match format {
+            KvFormat::Bf16 => (0..elems)
+                .flat_map(|_| bf16::from_f32(rng.random_range(-1.0..1.0)).to_le_bytes())
+                .collect(),
+            // e4m3 bytes with exponent bits kept small: ordinary values.
+            KvFormat::Fp8 => (0..elems)
+                .map(|_| rng.random::<u8>() & 0b1011_0111)
+                .collect(),
+        };
+        s.memcpy_htod(&fill, &mut kv.k)?;
+        s.memcpy_htod(&fill, &mut kv.v)?;
+        if format == KvFormat::Fp8 {
+            let sc = vec![0.01f32; vectors];
+            s.memcpy_htod(&sc, &mut kv.k_scale)?;
+            s.memcpy_htod(&sc, &mut kv.v_scale)?;
+        }
+        drop(fill);
+        // Each sequence's pages shuffled across the pool.
+        let mut order: Vec<i32> = (0..pages as i32).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.random_range(0..=i));
+        }
+        let offs: Vec<i32> = (0..=batch).map(|b| (b * pages_per) as i32).collect();
+        let lens = vec![ctx as i32; batch];
+        let q: Vec<f32> = (0..batch * heads * 128)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let (tables, offs, lens, q) = (
+            s.clone_htod(&order)?,
+            s.clone_htod(&offs)?,
+            s.clone_htod(&lens)?,
+            s.clone_htod(&q)?,
+        );
+        let mut scratch = gpu.attention_buffers(batch, heads, 128, ctx)?;
+        let mut out: CudaSlice<f32> = s.alloc_zeros(batch * heads * 128)?;
+        let t = time(&gpu, 30, || {
+            Ok(gpu.paged_attention(
+                &kv,
+                &q,
+                &tables,
+                &offs,
+                &lens,
+                &mut scratch,
+                &mut out,
+                batch,
+                heads,
+                ctx,
+                0.088,
+            )?)
+        })?;
+        let bytes = (batch * ctx * 8 * 2 * format.vector_bytes(128)) as f64;
+        let bw = bytes / t / 1e9;
+        println!(
+            "paged attention {format:?} batch {batch} x ctx {ctx}: {:.3} ms, {bw:.0} GB/s, {:.0}% of copy",
+            t * 1e3,
+            100.0 * bw / copy
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,213 @@
+//! One interface over host slices for every kernel, implemented by the CPU
+//! (the reference) and by CUDA ([`crate::cuda::Gpu`], which uploads,
+//! launches and downloads). The parity tests are written once against it:
+//! CI runs them on the CPU, the GPU machine on CUDA.
+
+use half::bf16;
+
+use crate::KernelError;
+use crate::kv::{KvFormat, KvLayout, KvPages};
+use crate::ops::Rope;
+
+/// A result of a backend call.
+pub type R<T = ()> = Result<T, KernelError>;
+
+/// One token's K and V to store at vector slot `page * page_size + slot`.
+#[derive(Debug, Clone)]
+pub struct KvRow {
+    /// `page * page_size + slot`.
+    pub slot: usize,
+    /// `kv_heads x head_dim` keys.
+    pub k: Vec<f32>,
+    /// `kv_heads x head_dim` values.
+    pub v: Vec<f32>,
+}
+
+/// A paged-attention problem: pages to fill, then one query per sequence.
+#[derive(Debug, Clone)]
+pub struct AttentionCase {
+    /// Page format.
+    pub format: KvFormat,
+    /// Page shape.
+    pub layout: KvLayout,
+    /// Pages in the pool.
+    pub num_pages: usize,
+    /// Rows to write first.
+    pub rows: Vec<KvRow>,
+    /// `seqs x heads x head_dim` queries.
+    pub q: Vec<f32>,
+    /// Query heads.
+    pub heads: usize,
+    /// Each sequence's block table.
+    pub tables: Vec<Vec<u32>>,
+    /// Each sequence's length.
+    pub lens: Vec<usize>,
+    /// Score scale.
+    pub scale: f32,
+}
+
+/// Every kernel, over host memory.
+pub trait Backend {
+    /// The device's name.
+    fn name(&self) -> String;
+    /// `x += residual` (if given), then `out = rmsnorm(x) * w` per row.
+    fn rmsnorm_residual(
+        &self,
+        x: &mut [f32],
+        residual: Option<&[f32]>,
+        w: &[f32],
+        eps: f32,
+        out: &mut [f32],
+    ) -> R;
+    /// RoPE over `x` (`tokens x heads x dim`), token `t` at `pos[t]`.
+    fn rope(&self, x: &mut [f32], pos: &[usize], rope: &Rope) -> R;
+    /// `gate = silu(gate) * up`.
+    fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> R;
+    /// Rows of a bf16 table.
+    fn embed(&self, table: &[bf16], hidden: usize, ids: &[u32], out: &mut [f32]) -> R;
+    /// Writes the case's rows into fresh pages, then attends.
+    fn paged_attention(&self, case: &AttentionCase) -> R<Vec<f32>>;
+    /// The page-tag check: `expected[i]` for `pages[i]`, sequence `s` owning
+    /// `offsets[s]..offsets[s + 1]`; tags are two opaque words.
+    fn tag_check(
+        &self,
+        pages: &[u32],
+        expected: &[[u64; 2]],
+        offsets: &[usize],
+        current: &[[u64; 2]],
+    ) -> R<Vec<bool>>;
+    /// The index of each row's largest value (lowest on ties).
+    fn argmax_rows(&self, x: &[f32], n: usize) -> R<Vec<u32>>;
+    /// `out (m x n) = x (m x k) * w^T`, bf16 weights `n x k`.
+    fn matmul_bf16(
+        &self,
+        x: &[f32],
+        m: usize,
+        w: &[bf16],
+        n: usize,
+        k: usize,
+        out: &mut [f32],
+    ) -> R;
+    /// GGUF blocks of `n` elements as values (bf16 on CUDA, f32 here).
+    fn dequantize(&self, dtype: crate::quant::DType, bytes: &[u8], n: usize) -> R<Vec<f32>>;
+}
+
+/// The CPU: the reference implementation of every kernel.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Cpu;
+
+impl Backend for Cpu {
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn rmsnorm_residual(
+        &self,
+        x: &mut [f32],
+        residual: Option<&[f32]>,
+        w: &[f32],
+        eps: f32,
+        out: &mut [f32],
+    ) -> R {
+        if let Some(r) = residual {
+            crate::ops::add_assign(x, r);
+        }
+        for (row, o) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
+            crate::ops::rmsnorm(row, w, eps, o);
+        }
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut [f32], pos: &[usize], rope: &Rope) -> R {
+        let per = x.len() / pos.len().max(1);
+        for (row, p) in x.chunks_exact_mut(per).zip(pos) {
+            rope.apply(row, *p);
+        }
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> R {
+        crate::ops::silu_mul(gate, up);
+        Ok(())
+    }
+
+    fn embed(&self, table: &[bf16], hidden: usize, ids: &[u32], out: &mut [f32]) -> R {
+        for (o, id) in out.chunks_exact_mut(hidden).zip(ids) {
+            let row = &table[*id as usize * hidden..(*id as usize + 1) * hidden];
+            o.iter_mut().zip(row).for_each(|(o, w)| *o = w.to_f32());
+        }
+        Ok(())
+    }
+
+    fn paged_attention(&self, c: &AttentionCase) -> R<Vec<f32>> {
+        let mut pages = KvPages::new(c.format, c.layout, c.num_pages);
+        let ps = c.layout.page_size;
+        for r in &c.rows {
+            pages.write(r.slot / ps, r.slot % ps, &r.k, &r.v);
+        }
+        let per = c.heads * c.layout.head_dim;
+        let mut out = vec![0.0; c.q.len()];
+        for (s, (table, len)) in c.tables.iter().zip(&c.lens).enumerate() {
+            pages.attend(
+                &c.q[s * per..(s + 1) * per],
+                table,
+                *len,
+                c.scale,
+                &mut out[s * per..(s + 1) * per],
+            );
+        }
+        Ok(out)
+    }
+
+    fn tag_check(
+        &self,
+        pages: &[u32],
+        expected: &[[u64; 2]],
+        offsets: &[usize],
+        current: &[[u64; 2]],
+    ) -> R<Vec<bool>> {
+        Ok(offsets
+            .windows(2)
+            .map(|w| (w[0]..w[1]).all(|i| current.get(pages[i] as usize) == Some(&expected[i])))
+            .collect())
+    }
+
+    fn argmax_rows(&self, x: &[f32], n: usize) -> R<Vec<u32>> {
+        Ok(x.chunks_exact(n).map(crate::sample::argmax).collect())
+    }
+
+    fn matmul_bf16(
+        &self,
+        x: &[f32],
+        m: usize,
+        w: &[bf16],
+        n: usize,
+        k: usize,
+        out: &mut [f32],
+    ) -> R {
+        use rayon::prelude::*;
+        if x.len() < m * k || w.len() < n * k || out.len() < m * n {
+            return Err(KernelError::Shape(format!("matmul {m}x{k} by {n}x{k}")));
+        }
+        out[..m * n]
+            .par_chunks_mut(n)
+            .enumerate()
+            .for_each(|(i, row)| {
+                let xi = &x[i * k..(i + 1) * k];
+                for (j, o) in row.iter_mut().enumerate() {
+                    *o = w[j * k..(j + 1) * k]
+                        .iter()
+                        .zip(xi)
+                        .map(|(a, b)| a.to_f32() * b)
+                        .sum();
+                }
+            });
+        Ok(())
+    }
+
+    fn dequantize(&self, dtype: crate::quant::DType, bytes: &[u8], n: usize) -> R<Vec<f32>> {
+        let mut out = vec![0.0; n];
+        crate::quant::dequantize_row(dtype, bytes, &mut out);
+        Ok(out)
+    }
+}

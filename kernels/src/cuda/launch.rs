@@ -1,0 +1,470 @@
+//! Launches of the device kernels on device buffers.
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::{Gpu, cuda_err};
+use crate::KernelError;
+use crate::kv::{KvFormat, KvLayout};
+
+type R<T = ()> = Result<T, KernelError>;
+
+fn cfg(grid: (u32, u32, u32), block: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+fn blocks(n: usize, per: usize) -> u32 {
+    n.div_ceil(per) as u32
+}
+
+/// One layer's KV pages on the GPU (same layout as [`crate::kv::KvPages`]).
+pub struct PagedKv {
+    /// The format.
+    pub format: KvFormat,
+    /// The layout.
+    pub layout: KvLayout,
+    /// K bytes (bf16 or e4m3).
+    pub k: CudaSlice<u8>,
+    /// V bytes.
+    pub v: CudaSlice<u8>,
+    /// K scales (fp8 only; one per vector).
+    pub k_scale: CudaSlice<f32>,
+    /// V scales.
+    pub v_scale: CudaSlice<f32>,
+}
+
+/// Scratch for split attention, sized for `seqs x heads x parts x head_dim`.
+pub struct AttentionBuffers {
+    part_out: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+}
+
+/// Tokens per attention partition (`PART` in the source).
+pub const PARTITION: usize = 256;
+
+impl Gpu {
+    /// Zeroed pages.
+    pub fn paged_kv(&self, format: KvFormat, layout: KvLayout, pages: usize) -> R<PagedKv> {
+        let vectors = pages * layout.page_size * layout.kv_heads;
+        let elem = if format == KvFormat::Bf16 { 2 } else { 1 };
+        let bytes = vectors * layout.head_dim * elem;
+        let scales = if format == KvFormat::Fp8 { vectors } else { 1 };
+        let s = &self.stream;
+        Ok(PagedKv {
+            format,
+            layout,
+            k: s.alloc_zeros(bytes).map_err(cuda_err)?,
+            v: s.alloc_zeros(bytes).map_err(cuda_err)?,
+            k_scale: s.alloc_zeros(scales).map_err(cuda_err)?,
+            v_scale: s.alloc_zeros(scales).map_err(cuda_err)?,
+        })
+    }
+
+    /// Scratch for attention over `seqs` sequences of at most `max_len`.
+    pub fn attention_buffers(
+        &self,
+        seqs: usize,
+        heads: usize,
+        hd: usize,
+        max_len: usize,
+    ) -> R<AttentionBuffers> {
+        let parts = max_len.div_ceil(PARTITION).max(1);
+        let s = &self.stream;
+        Ok(AttentionBuffers {
+            part_out: s.alloc_zeros(seqs * heads * parts * hd).map_err(cuda_err)?,
+            part_ml: s.alloc_zeros(seqs * heads * parts * 2).map_err(cuda_err)?,
+        })
+    }
+
+    /// `x += residual` (if given), then `out = rmsnorm(x) * w`, per row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_residual(
+        &self,
+        x: &mut CudaSlice<f32>,
+        residual: Option<&CudaSlice<f32>>,
+        w: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> R {
+        let f = self.function("rmsnorm_residual")?;
+        let mut b = self.stream.launch_builder(f);
+        let null = 0u64;
+        b.arg(x);
+        match residual {
+            Some(r) => b.arg(r),
+            None => b.arg(&null),
+        };
+        let dim_i = dim as i32;
+        b.arg(w).arg(out).arg(&dim_i).arg(&eps);
+        // SAFETY: the kernel reads and writes `rows x dim` of each buffer.
+        unsafe { b.launch(cfg((rows as u32, 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// Rotates `x` (`tokens x heads x dim`) at `pos` with `inv_freq`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        x: &mut CudaSlice<f32>,
+        pos: &CudaSlice<i32>,
+        inv_freq: &CudaSlice<f32>,
+        tokens: usize,
+        heads: usize,
+        dim: usize,
+        interleaved: bool,
+    ) -> R {
+        let f = self.function("rope")?;
+        let (h, d, il) = (heads as i32, dim as i32, interleaved as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(pos).arg(inv_freq).arg(&h).arg(&d).arg(&il);
+        let threads = (dim / 2).clamp(32, 256) as u32;
+        // SAFETY: grid covers tokens x heads rows of `dim`.
+        unsafe { b.launch(cfg((tokens as u32, heads as u32, 1), threads, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// `gate = silu(gate) * up` over `n` elements.
+    pub fn silu_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>, n: usize) -> R {
+        let f = self.function("silu_mul")?;
+        let n_i = n as i32;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(gate).arg(up).arg(&n_i);
+        // SAFETY: one thread per element, bounds-checked.
+        unsafe { b.launch(cfg((blocks(n, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// `out[t] = table[ids[t]]` for bf16 rows of `hidden`.
+    pub fn embed(
+        &self,
+        table: &CudaSlice<bf16>,
+        ids: &CudaSlice<u32>,
+        out: &mut CudaSlice<f32>,
+        tokens: usize,
+        hidden: usize,
+    ) -> R {
+        let f = self.function("embed_bf16")?;
+        let h = hidden as i32;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(table).arg(ids).arg(out).arg(&h);
+        // SAFETY: ids are checked against the vocabulary by the caller.
+        unsafe { b.launch(cfg((tokens as u32, 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// Writes `tokens` K and V rows (`kv_heads x head_dim` each) at vector
+    /// slots `page * page_size + slot`.
+    pub fn kv_write(
+        &self,
+        kv: &mut PagedKv,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        slots: &CudaSlice<i64>,
+        tokens: usize,
+    ) -> R {
+        let KvLayout {
+            kv_heads, head_dim, ..
+        } = kv.layout;
+        if !head_dim.is_multiple_of(32) || head_dim > 1024 {
+            return Err(KernelError::Shape(format!(
+                "head_dim {head_dim}: a multiple of 32 up to 1024"
+            )));
+        }
+        let (h, d) = (kv_heads as i32, head_dim as i32);
+        let grid = (tokens as u32, kv_heads as u32, 1);
+        match kv.format {
+            KvFormat::Bf16 => {
+                let f = self.function("kv_write_bf16")?;
+                let mut b = self.stream.launch_builder(f);
+                b.arg(k)
+                    .arg(v)
+                    .arg(slots)
+                    .arg(&mut kv.k)
+                    .arg(&mut kv.v)
+                    .arg(&h)
+                    .arg(&d);
+                // SAFETY: slots index vectors inside the pages.
+                unsafe { b.launch(cfg(grid, head_dim as u32, 0)) }.map_err(cuda_err)?;
+            }
+            KvFormat::Fp8 => {
+                let f = self.function("kv_write_fp8")?;
+                let mut b = self.stream.launch_builder(f);
+                b.arg(k).arg(v).arg(slots).arg(&mut kv.k).arg(&mut kv.v);
+                b.arg(&mut kv.k_scale).arg(&mut kv.v_scale).arg(&h).arg(&d);
+                // SAFETY: as above.
+                unsafe { b.launch(cfg(grid, head_dim as u32, 0)) }.map_err(cuda_err)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Decode attention of one query token per sequence over its pages:
+    /// `q` is `seqs x heads x head_dim`; sequence `s`'s block table is
+    /// `tables[table_off[s]..]`, its length `lens[s]` (at most `max_len`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention(
+        &self,
+        kv: &PagedKv,
+        q: &CudaSlice<f32>,
+        tables: &CudaSlice<i32>,
+        table_off: &CudaSlice<i32>,
+        lens: &CudaSlice<i32>,
+        scratch: &mut AttentionBuffers,
+        out: &mut CudaSlice<f32>,
+        seqs: usize,
+        heads: usize,
+        max_len: usize,
+        scale: f32,
+    ) -> R {
+        let KvLayout {
+            kv_heads,
+            head_dim,
+            page_size,
+        } = kv.layout;
+        let group = heads / kv_heads.max(1);
+        if group == 0 || group > 8 || !heads.is_multiple_of(kv_heads) {
+            return Err(KernelError::Shape(format!(
+                "{heads} query heads over {kv_heads} KV heads: groups of 1 to 8 are supported"
+            )));
+        }
+        if !head_dim.is_multiple_of(8) || !32usize.is_multiple_of(head_dim / 8) {
+            return Err(KernelError::Shape(format!(
+                "head_dim {head_dim}: paged attention supports 64, 128 and 256"
+            )));
+        }
+        let lanes = 128 / (head_dim / 8);
+        let pages_per_part = PARTITION.div_ceil(page_size) + 1;
+        let shared = (group * head_dim
+            + group * PARTITION
+            + 2 * group
+            + lanes * group * head_dim
+            + pages_per_part)
+            * 4;
+        if shared > 48 << 10 {
+            return Err(KernelError::Shape(format!(
+                "{group} query heads per KV head of {head_dim} need {shared} bytes of shared memory"
+            )));
+        }
+        let parts = max_len.div_ceil(PARTITION).max(1);
+        let name = match kv.format {
+            KvFormat::Bf16 => format!("attention_part_bf16_g{group}"),
+            KvFormat::Fp8 => format!("attention_part_fp8_g{group}"),
+        };
+        let f = self.function(&name)?;
+        let ints = [
+            heads as i32,
+            kv_heads as i32,
+            head_dim as i32,
+            page_size as i32,
+            parts as i32,
+        ];
+        let mut b = self.stream.launch_builder(f);
+        b.arg(q)
+            .arg(&kv.k)
+            .arg(&kv.v)
+            .arg(&kv.k_scale)
+            .arg(&kv.v_scale);
+        b.arg(tables).arg(table_off).arg(lens);
+        b.arg(&mut scratch.part_out).arg(&mut scratch.part_ml);
+        for i in &ints {
+            b.arg(i);
+        }
+        b.arg(&scale);
+        let grid = (kv_heads as u32, seqs as u32, parts as u32);
+        // SAFETY: shared memory holds the queries, scores and softmax pieces.
+        unsafe { b.launch(cfg(grid, 128, shared as u32)) }.map_err(cuda_err)?;
+        let f = self.function("attention_merge")?;
+        let (p, d) = (parts as i32, head_dim as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&scratch.part_out)
+            .arg(&scratch.part_ml)
+            .arg(out)
+            .arg(&p)
+            .arg(&d);
+        // SAFETY: one block per (sequence, head).
+        unsafe {
+            b.launch(cfg(
+                ((seqs * heads) as u32, 1, 1),
+                head_dim.min(1024) as u32,
+                0,
+            ))
+        }
+        .map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// The batched page-tag check: one flag per sequence.
+    pub fn tag_check(
+        &self,
+        pages: &CudaSlice<u32>,
+        expected: &CudaSlice<u64>,
+        offsets: &CudaSlice<i32>,
+        current: &CudaSlice<u64>,
+        flags: &mut CudaSlice<i32>,
+        seqs: usize,
+    ) -> R {
+        let f = self.function("tag_check")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(pages)
+            .arg(expected)
+            .arg(offsets)
+            .arg(current)
+            .arg(flags);
+        // SAFETY: offsets has seqs + 1 entries into pages and expected.
+        unsafe { b.launch(cfg((seqs as u32, 1, 1), 128, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// The index of each row's largest value.
+    pub fn argmax_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        n: usize,
+        out: &mut CudaSlice<u32>,
+    ) -> R {
+        let f = self.function("argmax_rows")?;
+        let n_i = n as i32;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(&n_i).arg(out);
+        // SAFETY: one block per row of n.
+        unsafe { b.launch(cfg((rows as u32, 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// `out (m x n) = x (m x k) * w^T` with bf16 `w` (`n x k`): the custom
+    /// GEMV for one row (measured faster than cuBLAS there on the H200),
+    /// cuBLAS (bf16 in, f32 accumulate and out) above: the GEMV's batched
+    /// path (`m <= 8`, timed by `cuda_bench`) does not beat cuBLAS yet.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        out: &mut CudaSlice<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+        scratch: &mut CudaSlice<bf16>,
+    ) -> R {
+        if m == 1 && k.is_multiple_of(8) {
+            return self.gemv_bf16(x, w, out, m, n, k);
+        }
+        self.cublas_bf16(x, w, out, m, n, k, scratch)
+    }
+
+    /// The custom GEMV for `m <= 8` rows (`k` a multiple of 8): bf16
+    /// weights streamed once with 16-byte loads, one warp per output row,
+    /// the whole batch per weight read.
+    pub fn gemv_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        out: &mut CudaSlice<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> R {
+        if m > 8 || !k.is_multiple_of(8) {
+            return Err(KernelError::Shape(format!(
+                "GEMV of {m} rows of {k}: at most 8 rows, k a multiple of 8"
+            )));
+        }
+        let f = self.function("gemv_bf16")?;
+        let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(w).arg(out).arg(&mi).arg(&ni).arg(&ki);
+        // SAFETY: one warp per output row, 8 per block.
+        unsafe { b.launch(cfg((blocks(n, 8), 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// The cuBLAS path of [`Self::matmul_bf16`]; `scratch` holds `m x k`
+    /// bf16 activations.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cublas_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        out: &mut CudaSlice<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+        scratch: &mut CudaSlice<bf16>,
+    ) -> R {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+        };
+        if scratch.len() < m * k {
+            return Err(KernelError::Shape(format!(
+                "bf16 scratch of {} for {m}x{k}",
+                scratch.len()
+            )));
+        }
+        let total = (m * k) as i64;
+        let f = self.function("to_bf16")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(&mut *scratch).arg(&total);
+        // SAFETY: one thread per element, bounds-checked.
+        unsafe { b.launch(cfg((blocks(m * k, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (a, _ra) = w.device_ptr(&self.stream);
+        let (bp, _rb) = scratch.device_ptr(&self.stream);
+        let (c, _rc) = out.device_ptr(&self.stream);
+        // Row-major out (m x n) is column-major n x m: out^T = w * x^T.
+        // SAFETY: pointers are live device buffers of the stated sizes.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                (&alpha) as *const f32 as *const _,
+                a as *const _,
+                cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                bp as *const _,
+                cudaDataType_t::CUDA_R_16BF,
+                k as i32,
+                (&beta) as *const f32 as *const _,
+                c as *mut _,
+                cudaDataType_t::CUDA_R_32F,
+                n as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// Dequantizes GGUF Q8_0 or Q4_1 blocks of `n` elements to bf16.
+    pub fn dequantize(
+        &self,
+        dtype: crate::quant::DType,
+        src: &CudaSlice<u8>,
+        out: &mut CudaSlice<bf16>,
+        n: usize,
+    ) -> R {
+        let name = match dtype {
+            crate::quant::DType::Q8_0 => "dequant_q8_0",
+            crate::quant::DType::Q4_1 => "dequant_q4_1",
+            other => return Err(KernelError::UnsupportedType(format!("{other:?} on CUDA"))),
+        };
+        let f = self.function(name)?;
+        let total = n as i64;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(src).arg(out).arg(&total);
+        // SAFETY: one thread per element, bounds-checked.
+        unsafe { b.launch(cfg((blocks(n, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+}

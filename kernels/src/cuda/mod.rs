@@ -1,0 +1,213 @@
+//! The CUDA backend: the kernels of `kernels.cu`, compiled at run time by
+//! NVRTC (through cudarc, which loads the CUDA libraries dynamically, so
+//! this builds and links on machines without CUDA) and cached per device
+//! architecture and source digest; cuBLAS for large GEMMs.
+//!
+//! [`Gpu::new`] fails with [`KernelError::DeviceUnavailable`] where there is
+//! no usable driver, NVRTC or GPU, never with a panic.
+
+mod backend;
+mod launch;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use sha2::{Digest, Sha256};
+
+use crate::KernelError;
+
+pub use launch::{AttentionBuffers, PagedKv};
+
+/// The CUDA C source of every kernel.
+pub const SOURCE: &str = include_str!("kernels.cu");
+
+/// Every kernel the source defines.
+const KERNELS: &[&str] = &[
+    "rmsnorm_residual",
+    "rope",
+    "silu_mul",
+    "embed_bf16",
+    "kv_write_bf16",
+    "kv_write_fp8",
+    "attention_part_bf16_g1",
+    "attention_part_bf16_g2",
+    "attention_part_bf16_g3",
+    "attention_part_bf16_g4",
+    "attention_part_bf16_g5",
+    "attention_part_bf16_g6",
+    "attention_part_bf16_g7",
+    "attention_part_bf16_g8",
+    "attention_part_fp8_g1",
+    "attention_part_fp8_g2",
+    "attention_part_fp8_g3",
+    "attention_part_fp8_g4",
+    "attention_part_fp8_g5",
+    "attention_part_fp8_g6",
+    "attention_part_fp8_g7",
+    "attention_part_fp8_g8",
+    "attention_merge",
+    "tag_check",
+    "argmax_rows",
+    "gemv_bf16",
+    "to_bf16",
+    "to_f32",
+    "dequant_q8_0",
+    "dequant_q4_1",
+];
+
+/// One GPU with Kiln's kernels loaded.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: HashMap<&'static str, CudaFunction>,
+    blas: cudarc::cublas::CudaBlas,
+    name: String,
+    _module: Arc<CudaModule>,
+}
+
+pub(crate) fn cuda_err(e: impl std::fmt::Debug) -> KernelError {
+    KernelError::Cuda(format!("{e:?}"))
+}
+
+fn unavailable(what: String) -> KernelError {
+    KernelError::DeviceUnavailable(what)
+}
+
+/// Whether one of `names` can be loaded as a shared library.
+fn library_present(names: &[&str]) -> bool {
+    names.iter().any(|n| {
+        // SAFETY: loading the CUDA driver or NVRTC runs their initializers,
+        // which is what using them does anyway.
+        unsafe { libloading::Library::new(n) }.is_ok()
+    })
+}
+
+/// Where NVRTC finds the CUDA headers (`cuda_bf16.h`, `cuda_fp8.h`).
+fn include_dir() -> String {
+    std::env::var("CUDA_HOME")
+        .or_else(|_| std::env::var("CUDA_PATH"))
+        .map(|h| format!("{h}/include"))
+        .unwrap_or_else(|_| "/usr/local/cuda/include".into())
+}
+
+/// Compiled kernels are cached under `$KILN_CACHE/cuda` (else the system
+/// temp directory), named by source digest and architecture.
+fn cache_path(arch: &str) -> PathBuf {
+    let digest = hex_digest(SOURCE.as_bytes());
+    let base = std::env::var_os("KILN_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("cuda")
+        .join(format!("{}-{arch}.ptx", &digest[..16]))
+}
+
+fn hex_digest(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx, KernelError> {
+    let path = cache_path(arch);
+    if let Ok(src) = std::fs::read_to_string(&path) {
+        return Ok(cudarc::nvrtc::Ptx::from_src(src));
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        include_paths: vec![include_dir()],
+        options: vec![format!("--gpu-architecture={arch}"), "-std=c++17".into()],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
+        .map_err(|e| KernelError::Cuda(format!("NVRTC failed to compile the kernels: {e:?}")))?;
+    if let Some(dir) = path.parent()
+        && std::fs::create_dir_all(dir).is_ok()
+    {
+        // A failed cache write only costs a compile next time.
+        let _ = std::fs::write(&path, ptx.to_src());
+    }
+    Ok(ptx)
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal`, compiles (or loads the cached) kernels and
+    /// creates a cuBLAS handle.
+    pub fn new(ordinal: usize) -> Result<Self, KernelError> {
+        if !library_present(&["libcuda.so.1", "libcuda.so"]) {
+            return Err(unavailable(
+                "no CUDA driver (libcuda.so.1) on this machine; run with --device cpu".into(),
+            ));
+        }
+        if !library_present(&["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]) {
+            return Err(unavailable(
+                "NVRTC (libnvrtc.so) is missing; install the CUDA toolkit or add its lib64 \
+                 to LD_LIBRARY_PATH"
+                    .into(),
+            ));
+        }
+        // cudarc panics where a symbol is missing; turn that into an error.
+        let opened = std::panic::catch_unwind(|| -> Result<Self, KernelError> {
+            let count = CudaContext::device_count().map_err(cuda_err)?;
+            if ordinal as i32 >= count {
+                return Err(unavailable(format!(
+                    "no CUDA device {ordinal}: this machine has {count}"
+                )));
+            }
+            let ctx = CudaContext::new(ordinal).map_err(cuda_err)?;
+            let (major, minor) = ctx.compute_capability().map_err(cuda_err)?;
+            let name = ctx.name().map_err(cuda_err)?;
+            let arch = format!("compute_{major}{minor}");
+            let module = ctx.load_module(compile(&arch)?).map_err(cuda_err)?;
+            let mut functions = HashMap::new();
+            for k in KERNELS {
+                functions.insert(*k, module.load_function(k).map_err(cuda_err)?);
+            }
+            let stream = ctx.default_stream();
+            let blas = cudarc::cublas::CudaBlas::new(stream.clone()).map_err(cuda_err)?;
+            Ok(Self {
+                ctx,
+                stream,
+                functions,
+                blas,
+                name: format!("{name} (sm_{major}{minor})"),
+                _module: module,
+            })
+        });
+        opened.unwrap_or_else(|p| {
+            let why = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_default();
+            Err(unavailable(format!("CUDA could not be initialized: {why}")))
+        })
+    }
+
+    /// The device's name and architecture.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The stream every kernel runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    fn function(&self, name: &str) -> Result<&CudaFunction, KernelError> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| KernelError::Cuda(format!("kernel `{name}` is not loaded")))
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        self.stream.synchronize().map_err(cuda_err)
+    }
+}

@@ -1,0 +1,335 @@
+//! Every kernel against a float64 reference, on fresh random inputs each
+//! run. Written once: on the CPU by default (CI), on CUDA with
+//! `KILN_TEST_DEVICE=cuda` (the GPU machine), where a CUDA that does not
+//! work fails the tests instead of skipping them.
+#![allow(
+    clippy::needless_range_loop,
+    reason = "references index like the maths"
+)]
+
+use half::bf16;
+use kiln_kernels::backend::{AttentionCase, Backend, Cpu, KvRow};
+use kiln_kernels::kv::{KvFormat, KvLayout};
+use kiln_kernels::ops::{Rope, RopeStyle};
+use kiln_kernels::quant::{self, DType};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn backend() -> Box<dyn Backend> {
+    match std::env::var("KILN_TEST_DEVICE").as_deref() {
+        Ok("cuda") => Box::new(
+            kiln_kernels::cuda::Gpu::new(0)
+                .unwrap_or_else(|e| panic!("KILN_TEST_DEVICE=cuda, but CUDA does not work: {e}")),
+        ),
+        Ok("cpu") | Err(_) => Box::new(Cpu),
+        Ok(other) => panic!("KILN_TEST_DEVICE={other}: use cpu or cuda"),
+    }
+}
+
+/// A fresh generator per run; the seed is printed to replay a failure.
+fn rng() -> ChaCha8Rng {
+    let seed = rand::rng().random::<u64>();
+    eprintln!("seed {seed}");
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+fn random(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// ‖out − want‖ / ‖want‖, with NaN (an unwritten element) failing.
+fn rel_err(out: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(out.len(), want.len());
+    assert!(
+        out.iter().all(|v| v.is_finite()),
+        "an output was not written or is not finite"
+    );
+    let num: f64 = out
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (*a as f64 - b).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| b * b).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+#[test]
+fn rmsnorm_with_residual_matches_float64() {
+    let (be, mut r) = (backend(), rng());
+    let (rows, dim) = (7, 576);
+    let mut x = random(&mut r, rows * dim, 2.0);
+    let res = random(&mut r, rows * dim, 2.0);
+    let w = random(&mut r, dim, 1.5);
+    let sum: Vec<f64> = x
+        .iter()
+        .zip(&res)
+        .map(|(a, b)| *a as f64 + *b as f64)
+        .collect();
+    let mut want = vec![0.0; rows * dim];
+    for (row, o) in sum.chunks(dim).zip(want.chunks_mut(dim)) {
+        let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / dim as f64 + 1e-5).sqrt();
+        for i in 0..dim {
+            o[i] = row[i] * inv * w[i] as f64;
+        }
+    }
+    let mut out = vec![f32::NAN; rows * dim];
+    be.rmsnorm_residual(&mut x, Some(&res), &w, 1e-5, &mut out)
+        .unwrap();
+    assert!(rel_err(&x, &sum) < 1e-6, "{}: the residual sum", be.name());
+    let e = rel_err(&out, &want);
+    assert!(e < 1e-5, "{}: rel err {e}", be.name());
+}
+
+#[test]
+fn rope_in_both_layouts_matches_float64() {
+    let (be, mut r) = (backend(), rng());
+    for style in [RopeStyle::Interleaved, RopeStyle::Half] {
+        let (tokens, heads, dim) = (5, 3, 64);
+        let rope = Rope::new(dim, 10000.0, None, style);
+        let pos: Vec<usize> = (0..tokens).map(|_| r.random_range(0..4096)).collect();
+        let x0 = random(&mut r, tokens * heads * dim, 1.0);
+        let mut want = vec![0.0f64; x0.len()];
+        let half = dim / 2;
+        for t in 0..tokens {
+            for h in 0..heads {
+                let base = (t * heads + h) * dim;
+                for (i, f) in rope.inv_freq().iter().enumerate() {
+                    let (a, b) = match style {
+                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                        RopeStyle::Half => (i, i + half),
+                    };
+                    let ang = pos[t] as f64 * *f as f64;
+                    let (x0a, x0b) = (x0[base + a] as f64, x0[base + b] as f64);
+                    want[base + a] = x0a * ang.cos() - x0b * ang.sin();
+                    want[base + b] = x0a * ang.sin() + x0b * ang.cos();
+                }
+            }
+        }
+        let mut x = x0.clone();
+        be.rope(&mut x, &pos, &rope).unwrap();
+        let e = rel_err(&x, &want);
+        assert!(e < 2e-4, "{} {style:?}: rel err {e}", be.name());
+    }
+}
+
+#[test]
+fn silu_mul_and_embedding_match_float64() {
+    let (be, mut r) = (backend(), rng());
+    let n = 10_000;
+    let mut gate = random(&mut r, n, 6.0);
+    let up = random(&mut r, n, 2.0);
+    let want: Vec<f64> = gate
+        .iter()
+        .zip(&up)
+        .map(|(g, u)| *g as f64 / (1.0 + (-*g as f64).exp()) * *u as f64)
+        .collect();
+    be.silu_mul(&mut gate, &up).unwrap();
+    assert!(rel_err(&gate, &want) < 1e-5, "{}", be.name());
+    let (vocab, hidden) = (300, 96);
+    let table: Vec<bf16> = random(&mut r, vocab * hidden, 1.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let ids: Vec<u32> = (0..9).map(|_| r.random_range(0..vocab as u32)).collect();
+    let want: Vec<f64> = ids
+        .iter()
+        .flat_map(|id| {
+            table[*id as usize * hidden..(*id as usize + 1) * hidden]
+                .iter()
+                .map(|v| v.to_f64())
+        })
+        .collect();
+    let mut out = vec![f32::NAN; ids.len() * hidden];
+    be.embed(&table, hidden, &ids, &mut out).unwrap();
+    assert_eq!(
+        rel_err(&out, &want),
+        0.0,
+        "{}: a gather is exact",
+        be.name()
+    );
+}
+
+/// Float64 attention of each sequence's query over its unquantized rows.
+fn attention_reference(c: &AttentionCase, keys: &[Vec<f32>], vals: &[Vec<f32>]) -> Vec<f64> {
+    let (hd, kvh) = (c.layout.head_dim, c.layout.kv_heads);
+    let group = c.heads / kvh;
+    let mut out = vec![0.0f64; c.q.len()];
+    for (s, len) in c.lens.iter().enumerate() {
+        for h in 0..c.heads {
+            let q = &c.q[(s * c.heads + h) * hd..(s * c.heads + h + 1) * hd];
+            let g = h / group;
+            let scores: Vec<f64> = (0..*len)
+                .map(|t| {
+                    let k = &keys[s][(t * kvh + g) * hd..(t * kvh + g + 1) * hd];
+                    q.iter()
+                        .zip(k)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        * c.scale as f64
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for (t, p) in e.iter().enumerate() {
+                let v = &vals[s][(t * kvh + g) * hd..(t * kvh + g + 1) * hd];
+                for d in 0..hd {
+                    out[(s * c.heads + h) * hd + d] += p / z * v[d] as f64;
+                }
+            }
+        }
+    }
+    out
+}
+
+fn attention_case(
+    r: &mut ChaCha8Rng,
+    format: KvFormat,
+    lens: &[usize],
+) -> (AttentionCase, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let layout = KvLayout {
+        page_size: 16,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let heads = 6;
+    let row = layout.kv_heads * layout.head_dim;
+    let pages_needed: usize = lens.iter().map(|l| l.div_ceil(16)).sum();
+    let num_pages = pages_needed + 7;
+    // Scattered pages, as block tables have them.
+    let mut free: Vec<u32> = (0..num_pages as u32).collect();
+    for i in (1..free.len()).rev() {
+        free.swap(i, r.random_range(0..=i));
+    }
+    let (mut rows, mut tables, mut keys, mut vals) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for len in lens {
+        let table: Vec<u32> = (0..len.div_ceil(16)).map(|_| free.pop().unwrap()).collect();
+        let k = random(r, len * row, 2.0);
+        let v = random(r, len * row, 2.0);
+        for t in 0..*len {
+            rows.push(KvRow {
+                slot: table[t / 16] as usize * 16 + t % 16,
+                k: k[t * row..(t + 1) * row].to_vec(),
+                v: v[t * row..(t + 1) * row].to_vec(),
+            });
+        }
+        tables.push(table);
+        keys.push(k);
+        vals.push(v);
+    }
+    let q = random(r, lens.len() * heads * layout.head_dim, 1.0);
+    let case = AttentionCase {
+        format,
+        layout,
+        num_pages,
+        rows,
+        q,
+        heads,
+        tables,
+        lens: lens.to_vec(),
+        scale: 0.125,
+    };
+    (case, keys, vals)
+}
+
+#[test]
+fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
+    let (be, mut r) = (backend(), rng());
+    // Lengths across partition boundaries (512) and within one page.
+    let lens = [1, 17, 300, 513, 1100];
+    for (format, tol) in [(KvFormat::Bf16, 1e-2), (KvFormat::Fp8, 6e-2)] {
+        let (case, keys, vals) = attention_case(&mut r, format, &lens);
+        let want = attention_reference(&case, &keys, &vals);
+        let out = be.paged_attention(&case).unwrap();
+        let e = rel_err(&out, &want);
+        assert!(e < tol, "{} {format:?}: rel err {e}", be.name());
+    }
+}
+
+#[test]
+fn page_tag_check_flags_exactly_the_sequences_with_a_stale_page() {
+    let (be, mut r) = (backend(), rng());
+    let pages_total = 64;
+    let current: Vec<[u64; 2]> = (0..pages_total)
+        .map(|_| [r.random(), r.random_range(0..5)])
+        .collect();
+    let seqs = 9;
+    let (mut pages, mut expected, mut offsets) = (Vec::new(), Vec::new(), vec![0]);
+    let stale: Vec<bool> = (0..seqs).map(|_| r.random_bool(0.4)).collect();
+    for s in 0..seqs {
+        let n = r.random_range(1..12);
+        for i in 0..n {
+            let p = r.random_range(0..pages_total as u32);
+            let mut tag = current[p as usize];
+            if stale[s] && i == n - 1 {
+                tag[0] ^= 1; // an old generation of that page
+            }
+            pages.push(p);
+            expected.push(tag);
+        }
+        offsets.push(pages.len());
+    }
+    let flags = be.tag_check(&pages, &expected, &offsets, &current).unwrap();
+    let want: Vec<bool> = stale.iter().map(|s| !s).collect();
+    assert_eq!(flags, want, "{}", be.name());
+}
+
+#[test]
+fn argmax_picks_the_first_largest_logit() {
+    let (be, mut r) = (backend(), rng());
+    let n = 49_152;
+    let mut x = random(&mut r, 4 * n, 10.0);
+    x[n + 7] = 50.0;
+    x[n + 9000] = 50.0; // a tie: the lower index wins
+    let got = be.argmax_rows(&x, n).unwrap();
+    assert_eq!(got[1], 7, "{}", be.name());
+    for (row, g) in x.chunks(n).zip(&got) {
+        let best = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        assert_eq!(row[*g as usize], best);
+    }
+}
+
+#[test]
+fn bf16_matmul_matches_float64_for_decode_and_prefill_shapes() {
+    let (be, mut r) = (backend(), rng());
+    let (n, k) = (384, 512);
+    let w: Vec<bf16> = random(&mut r, n * k, 0.5)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    // m = 1 takes the GEMV on CUDA; the rest cuBLAS.
+    for m in [1, 3, 8, 40] {
+        let x = random(&mut r, m * k, 1.0);
+        let mut want = vec![0.0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                want[i * n + j] = (0..k)
+                    .map(|t| x[i * k + t] as f64 * w[j * k + t].to_f64())
+                    .sum();
+            }
+        }
+        let mut out = vec![f32::NAN; m * n];
+        be.matmul_bf16(&x, m, &w, n, k, &mut out).unwrap();
+        let e = rel_err(&out, &want);
+        // cuBLAS rounds the activations to bf16 first.
+        let tol = if m > 1 { 8e-3 } else { 1e-5 };
+        assert!(e < tol, "{} m={m}: rel err {e}", be.name());
+    }
+}
+
+#[test]
+fn gguf_blocks_dequantize_like_the_cpu() {
+    let (be, mut r) = (backend(), rng());
+    let n = 32 * 50;
+    let values = random(&mut r, n, 3.0);
+    for dtype in [DType::Q8_0, DType::Q4_1] {
+        let bytes = quant::quantize(dtype, &values);
+        let mut want = vec![0.0f32; n];
+        quant::dequantize_row(dtype, &bytes, &mut want);
+        let got = be.dequantize(dtype, &bytes, n).unwrap();
+        let want64: Vec<f64> = want.iter().map(|v| *v as f64).collect();
+        // CUDA stores bf16: 8 bits of mantissa.
+        assert!(rel_err(&got, &want64) < 4e-3, "{} {dtype:?}", be.name());
+    }
+}
