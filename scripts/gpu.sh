@@ -2,26 +2,43 @@
 # CUDA tests and benchmarks on a GPU machine.
 #
 # Here (no GPU needed):   scripts/gpu.sh build
-#   builds the binaries into .gpu/ (git-ignored).
-# There (with .gpu carried): scripts/gpu.sh run
-#   the single command that runs every CUDA test and benchmark, writing
-#   logs to $OUT (or ./gpu-out) and printing a short summary last.
+#   builds the stripped binaries into .gpu/ and splits the default model
+#   (98 MB) into .gpu-model/a and .gpu-model/b (all git-ignored), since one
+#   device call carries at most 64 MiB.
+# There, three calls back to back (the machine keeps /tmp while warm):
+#   carry .gpu-model/a:          scripts/gpu.sh stage a
+#   carry .gpu-model/b:          scripts/gpu.sh stage b
+#   carry .gpu:                  scripts/gpu.sh run
+# `run` is the single command that runs every CUDA test and benchmark,
+# writing logs to $OUT (or ./gpu-out) and printing a short summary last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 case "${1:-}" in
 build)
-    mkdir -p .gpu
-    bin=$(cargo test --release -p kiln-kernels --test parity --no-run --message-format=json 2>/dev/null |
-        python3 -c 'import json,sys
+    mkdir -p .gpu .gpu-model
+    test_bin() {
+        cargo test --release -p "$1" --test "$2" --no-run --message-format=json 2>/dev/null |
+            python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "parity" and m.get("executable"):
-        print(m["executable"])')
-    cp "$bin" .gpu/parity
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
+        print(m["executable"])' "$2"
+    }
+    cp "$(test_bin kiln-kernels parity)" .gpu/parity
+    cp "$(test_bin kiln-tests gpu)" .gpu/engine
     cargo build --release -p kiln-kernels --example cuda_bench
     cp target/release/examples/cuda_bench .gpu/cuda_bench
-    ls -l .gpu
+    strip .gpu/*
+    model="${KILN_CACHE:-$HOME/.cache/kiln}/SmolLM2-135M-Instruct.Q4_1.gguf"
+    head -c 50000000 "$model" >.gpu-model/a
+    tail -c +50000001 "$model" >.gpu-model/b
+    ls -l .gpu .gpu-model
+    ;;
+stage)
+    mkdir -p /tmp/kiln-model
+    cp ".gpu-model/$2" "/tmp/kiln-model/$2"
+    ls -l /tmp/kiln-model
     ;;
 run)
     out="${OUT:-./gpu-out}"
@@ -36,10 +53,19 @@ run)
         echo "parity tests FAILED: no benchmark"
         exit 1
     fi
+    if [ -f /tmp/kiln-model/a ] && [ -f /tmp/kiln-model/b ]; then
+        mkdir -p "$KILN_CACHE"
+        cat /tmp/kiln-model/a /tmp/kiln-model/b >"$KILN_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
+        set +e
+        KILN_TEST_DEVICE=cuda timeout 300 .gpu/engine --test-threads 1 --nocapture 2>&1 | tee "$out/engine.log"
+        set -e
+    else
+        echo "no staged model: skipping the end-to-end engine tests" | tee "$out/engine.log"
+    fi
     timeout 240 .gpu/cuda_bench 2>&1 | tee "$out/bench.log"
     ;;
 *)
-    echo "usage: scripts/gpu.sh build | run" >&2
+    echo "usage: scripts/gpu.sh build | stage a|b | run" >&2
     exit 2
     ;;
 esac

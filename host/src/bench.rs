@@ -34,7 +34,7 @@ pub fn run(
     gen_tokens: usize,
 ) -> Result<(BenchRow, Arc<Loaded>), String> {
     let vocab = loaded.model.config.vocab as u32;
-    let mut engine = Engine::new(loaded, config);
+    let mut engine = Engine::new(loaded, config)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let params = GenerateParams {
         max_tokens: gen_tokens,
@@ -151,7 +151,7 @@ pub fn ttft(
     reps: usize,
 ) -> Result<(TtftRow, Arc<Loaded>), String> {
     let vocab = loaded.model.config.vocab as u32;
-    let mut engine = Engine::new(loaded, config);
+    let mut engine = Engine::new(loaded, config)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(2);
     let (mut cold, mut cached, mut hit) = (Vec::new(), Vec::new(), 0);
     for rep in 0..reps.max(1) {

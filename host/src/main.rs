@@ -102,16 +102,25 @@ struct EngineArgs {
     /// Check KV page tags before each step.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     kv_integrity: OnOff,
+    /// Where the forward pass runs: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: kiln_kernels::Device,
 }
 
 impl EngineArgs {
-    fn config(&self) -> kiln_host::engine::EngineConfig {
-        kiln_host::engine::EngineConfig {
+    /// The engine settings; fails at once (before any model loads) when the
+    /// device cannot be used.
+    fn config(&self) -> anyhow::Result<kiln_host::engine::EngineConfig> {
+        if let kiln_kernels::Device::Cuda(n) = self.device {
+            kiln_kernels::cuda::Gpu::probe(n)?;
+        }
+        Ok(kiln_host::engine::EngineConfig {
             kv_format: kv_format(self.kv),
             kv_memory: self.kv_memory,
             integrity: self.kv_integrity == OnOff::On,
+            device: self.device,
             ..Default::default()
-        }
+        })
     }
 }
 
@@ -132,6 +141,7 @@ enum OnOff {
 fn run(args: RunArgs) -> anyhow::Result<()> {
     use kiln_host::engine::{Engine, GenerateParams, TenantId};
     use kiln_host::model::{self, ChatMessage};
+    let config = args.engine.config()?;
     let source = model::resolve_model(&args.model, &model::default_cache_dir())?;
     let loaded = model::load(&args.model, &source)?;
     let prompt = if args.chat {
@@ -144,8 +154,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         args.prompt.clone()
     };
     let ids = loaded.tokenizer.encode(&prompt, true)?;
-    let config = args.engine.config();
-    let mut engine = Engine::new(loaded, config);
+    let mut engine = Engine::new(loaded, config).map_err(anyhow::Error::msg)?;
     let params = GenerateParams {
         max_tokens: args.max_tokens,
         temperature: args.temperature,
@@ -223,12 +232,12 @@ fn kv_format(kv: KvArg) -> kiln_kernels::kv::KvFormat {
 
 fn bench(args: BenchArgs) -> anyhow::Result<()> {
     use kiln_host::model;
+    let config = args.engine.config()?;
     let source = model::resolve_model(&args.model, &model::default_cache_dir())?;
     let mut loaded = std::sync::Arc::new(model::load(&args.model, &source)?);
     if let Some(reps) = args.ttft {
-        let (row, _) =
-            kiln_host::bench::ttft(loaded, args.engine.config(), args.prompt_tokens, reps)
-                .map_err(anyhow::Error::msg)?;
+        let (row, _) = kiln_host::bench::ttft(loaded, config, args.prompt_tokens, reps)
+            .map_err(anyhow::Error::msg)?;
         println!(
             "model {} | kv {:?} | prompt {} | reps {reps} | threads {}",
             args.model,
@@ -258,7 +267,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "concurrency", "prompt tok/s", "decode tok/s", "ITL p50 ms"
     );
     for c in args.concurrency {
-        let config = args.engine.config();
+        let config = config.clone();
         let (row, back) =
             kiln_host::bench::run(loaded, config, c, args.prompt_tokens, args.gen_tokens)
                 .map_err(anyhow::Error::msg)?;
@@ -366,13 +375,13 @@ fn model_backend(
             })
             .collect::<Result<_, _>>()?
     };
+    let config = args.engine.config()?;
     let mut engines = Vec::new();
     for (name, spec) in specs {
         let source = model::resolve_model(&spec, &model::default_cache_dir())?;
         let loaded = model::load(&name, &source)?;
         tracing::info!(model = %name, "loaded {} parameters", loaded.model.config.parameters());
-        let config = args.engine.config();
-        engines.push((loaded, config));
+        engines.push((loaded, config.clone()));
     }
     Ok(Arc::new(kiln_host::serving::ServedModels::start(
         engines,

@@ -159,3 +159,28 @@ fn bad_sizes_and_missing_models_are_clear_errors() {
     let (ok, text) = kiln(&["run", "--prompt", "x", "--model", "/no/such/model.gguf"]);
     assert!(!ok && text.contains("neither"), "{text}");
 }
+
+#[test]
+fn device_cuda_without_cuda_fails_with_a_clear_error() {
+    let (ok, out) = kiln(&[
+        "run",
+        "--model",
+        "synthetic:smollm2-135m",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+        "--device",
+        "cuda",
+    ]);
+    if ok {
+        // A machine with a working GPU: the run went through on it.
+        return;
+    }
+    assert!(
+        out.contains("device unavailable") || out.contains("CUDA"),
+        "an unclear error: {out}"
+    );
+    let (ok, out) = kiln(&["run", "--prompt", "hi", "--device", "tpu"]);
+    assert!(!ok && out.contains("use cpu, cuda or cuda:N"), "{out}");
+}

@@ -73,9 +73,24 @@ fn main() -> Result<(), E> {
             let mut out: CudaSlice<f32> = s.alloc_zeros(m * nn)?;
             let mut scratch: CudaSlice<bf16> = s.alloc_zeros(m * k)?;
             let bytes = (nn * k * 2) as f64;
-            let tg = time(&gpu, 50, || {
-                Ok(gpu.matmul_bf16(&x, &w, &mut out, m, nn, k, &mut scratch)?)
-            })?;
+            // Check the GEMV against cuBLAS before timing it.
+            gpu.gemv_bf16(&x, &w, &mut out, m, nn, k)?;
+            let mine = s.clone_dtoh(&out)?;
+            gpu.cublas_bf16(&x, &w, &mut out, m, nn, k, &mut scratch)?;
+            let theirs = s.clone_dtoh(&out)?;
+            let num: f64 = mine
+                .iter()
+                .zip(&theirs)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum();
+            let den: f64 = theirs.iter().map(|b| (*b as f64).powi(2)).sum();
+            let err = (num / den).sqrt();
+            if err.is_nan() || err >= 1e-3 {
+                return Err(
+                    format!("GEMV {nn}x{k} m={m} disagrees with cuBLAS: rel err {err}").into(),
+                );
+            }
+            let tg = time(&gpu, 50, || Ok(gpu.gemv_bf16(&x, &w, &mut out, m, nn, k)?))?;
             let tc = time(&gpu, 50, || {
                 Ok(gpu.cublas_bf16(&x, &w, &mut out, m, nn, k, &mut scratch)?)
             })?;

@@ -33,6 +33,7 @@ fn engine(format: KvFormat, kv_memory: usize) -> Engine {
             ..Default::default()
         },
     )
+    .expect("engine")
 }
 
 fn chat_ids(e: &Engine, prompt: &str) -> Vec<u32> {

@@ -29,6 +29,7 @@ fn engine() -> Engine {
             ..Default::default()
         },
     )
+    .expect("engine")
 }
 
 #[test]

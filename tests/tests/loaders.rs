@@ -133,8 +133,9 @@ fn safetensors_directory_computes_what_the_gguf_computes() {
     let mut hf = Engine::new(
         model::load("hf", dir.path().to_str().unwrap()).unwrap(),
         cfg(),
-    );
-    let mut gg = Engine::new(kiln_tests::default_model(), cfg());
+    )
+    .expect("engine");
+    let mut gg = Engine::new(kiln_tests::default_model(), cfg()).expect("engine");
     let msgs = [model::ChatMessage {
         role: "user".into(),
         content: "Name three fruits.".into(),
@@ -186,7 +187,8 @@ fn synthetic_models_have_real_shapes_and_run() {
             kv_memory: 16 << 20,
             ..Default::default()
         },
-    );
+    )
+    .expect("engine");
     let params = kiln_host::engine::GenerateParams {
         max_tokens: 2,
         temperature: 0.0,

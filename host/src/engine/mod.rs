@@ -16,6 +16,7 @@ pub mod scheduler;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 use kiln_kernels::sample::sample;
 
@@ -24,6 +25,7 @@ pub use kv_manager::SeqId;
 pub use prefix::{PageHash, Salt};
 pub use request::{Finish, GenerateParams};
 
+use crate::model::gpu::{GpuKv, GpuModel};
 use crate::model::{BatchSeq, KvCache, Loaded};
 use integrity::{IntegrityCheck, NoCheck, TagCheck};
 use kv_manager::KvCacheManager;
@@ -44,6 +46,8 @@ pub struct EngineConfig {
     pub integrity: bool,
     /// Scheduler limits.
     pub scheduler: SchedulerConfig,
+    /// Where the forward pass runs.
+    pub device: Device,
 }
 
 impl Default for EngineConfig {
@@ -53,6 +57,29 @@ impl Default for EngineConfig {
             kv_memory: 256 << 20,
             integrity: true,
             scheduler: SchedulerConfig::default(),
+            device: Device::Cpu,
+        }
+    }
+}
+
+/// Where the KV pages live and the forward pass runs.
+enum Runner {
+    Cpu(KvCache),
+    Gpu(Box<GpuModel>, GpuKv),
+}
+
+impl Runner {
+    fn forward(
+        &mut self,
+        loaded: &Loaded,
+        batch: &[BatchSeq<'_>],
+    ) -> Result<Vec<Vec<f32>>, String> {
+        match self {
+            Runner::Cpu(cache) => loaded
+                .model
+                .forward(cache, batch)
+                .map_err(|e| e.to_string()),
+            Runner::Gpu(model, kv) => model.forward(kv, batch).map_err(|e| e.to_string()),
         }
     }
 }
@@ -112,7 +139,7 @@ pub struct EngineStats {
 /// One model, its KV pool and its scheduler.
 pub struct Engine {
     loaded: Arc<Loaded>,
-    cache: KvCache,
+    runner: Runner,
     kv: KvCacheManager,
     scheduler: Scheduler,
     requests: HashMap<SeqId, Request>,
@@ -122,28 +149,44 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An engine for `loaded` with a pool sized by `config.kv_memory`.
-    /// Engines may share one model's weights.
-    pub fn new(loaded: impl Into<Arc<Loaded>>, config: EngineConfig) -> Self {
+    /// An engine for `loaded` with a pool sized by `config.kv_memory`, on
+    /// `config.device`. Engines may share one model's weights. Fails only
+    /// when the device cannot be used (no CUDA, say).
+    pub fn new(loaded: impl Into<Arc<Loaded>>, config: EngineConfig) -> Result<Self, String> {
         let loaded = loaded.into();
         let page_bytes = KvCache::page_bytes(&loaded.model.config, config.kv_format, PAGE_SIZE);
         let num_pages = (config.kv_memory / page_bytes).max(1);
-        let cache = KvCache::new(&loaded.model.config, config.kv_format, PAGE_SIZE, num_pages);
+        let runner = match config.device {
+            Device::Cpu => Runner::Cpu(KvCache::new(
+                &loaded.model.config,
+                config.kv_format,
+                PAGE_SIZE,
+                num_pages,
+            )),
+            Device::Cuda(n) => {
+                let model = GpuModel::upload(&loaded.model, n).map_err(|e| e.to_string())?;
+                tracing::info!(device = model.device_name(), "model weights on the GPU");
+                let kv = model
+                    .kv(config.kv_format, PAGE_SIZE, num_pages)
+                    .map_err(|e| e.to_string())?;
+                Runner::Gpu(Box::new(model), kv)
+            }
+        };
         let checker: Box<dyn IntegrityCheck> = if config.integrity {
             Box::new(TagCheck)
         } else {
             Box::new(NoCheck)
         };
-        Self {
+        Ok(Self {
             loaded,
-            cache,
+            runner,
             kv: KvCacheManager::new(num_pages, PAGE_SIZE),
             scheduler: Scheduler::new(config.scheduler),
             requests: HashMap::new(),
             checker,
             next_id: 1,
             stats: EngineStats::default(),
-        }
+        })
     }
 
     /// The model and tokenizer.
@@ -331,12 +374,7 @@ impl Engine {
                     logits: true,
                     write_kv: true,
                 };
-                out.extend(
-                    self.loaded
-                        .model
-                        .forward(&mut self.cache, &[seq])
-                        .map_err(|e| e.to_string())?,
-                );
+                out.extend(self.runner.forward(&self.loaded, &[seq])?);
             }
             Ok(out)
         })();
@@ -410,11 +448,7 @@ impl Engine {
                 }
             })
             .collect();
-        let logits = self
-            .loaded
-            .model
-            .forward(&mut self.cache, &batch)
-            .map_err(|e| e.to_string())?;
+        let logits = self.runner.forward(&self.loaded, &batch)?;
         self.stats.steps += 1;
         // Name the pages this step filled, before any of them is released.
         for s in &run {

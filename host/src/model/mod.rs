@@ -4,6 +4,7 @@
 mod config;
 mod fetch;
 pub mod gguf;
+pub mod gpu;
 mod llama;
 mod load;
 mod tokenizer;

@@ -93,7 +93,7 @@ impl ServedModels {
                     ..config.clone()
                 };
                 let scheduler = config.scheduler;
-                let engine = Engine::new(loaded.clone(), config);
+                let engine = Engine::new(loaded.clone(), config).map_err(std::io::Error::other)?;
                 handles.push(engine_thread::spawn(
                     engine,
                     scheduler,

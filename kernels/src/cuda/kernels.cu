@@ -422,6 +422,13 @@ extern "C" __global__ void to_bf16(const float* x, __nv_bfloat16* y, long long n
     if (i < n) y[i] = __float2bfloat16(x[i]);
 }
 
+// The low part of x after its bf16 rounding: x - bf16(x), as bf16. With
+// the high part it carries about 16 bits of x's mantissa.
+extern "C" __global__ void bf16_residue(const float* x, __nv_bfloat16* y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __float2bfloat16(x[i] - __bfloat162float(__float2bfloat16(x[i])));
+}
+
 // bf16 to f32, element-wise.
 extern "C" __global__ void to_f32(const __nv_bfloat16* x, float* y, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -450,4 +457,17 @@ extern "C" __global__ void dequant_q4_1(const unsigned char* src, __nv_bfloat16*
     int j = i % 32;
     int q = j < 16 ? (b[4 + j] & 0xf) : (b[4 + j - 16] >> 4);
     dst[i] = __float2bfloat16(d * q + m);
+}
+
+// x[r][c] += b[c] over rows x cols (the q/k/v biases of Qwen2).
+extern "C" __global__ void add_bias(float* x, const float* b, long long n, int cols) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += b[i % cols];
+}
+
+// out[i] = src[idx[i]] for rows of `cols` floats. One block per row.
+extern "C" __global__ void gather_rows(const float* src, const unsigned* idx, float* out, int cols) {
+    const float* row = src + (size_t)idx[blockIdx.x] * cols;
+    float* o = out + (size_t)blockIdx.x * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = row[i];
 }

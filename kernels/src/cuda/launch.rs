@@ -407,43 +407,105 @@ impl Gpu {
                 scratch.len()
             )));
         }
+        // Activations as two bf16 GEMMs, x = hi + lo with hi = bf16(x) and
+        // lo = bf16(x - hi): about 16 bits of mantissa instead of 8, so
+        // prefill logits stay close to the f32 reference (twice the GEMM
+        // work, on the compute-bound path).
         let total = (m * k) as i64;
-        let f = self.function("to_bf16")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(x).arg(&mut *scratch).arg(&total);
-        // SAFETY: one thread per element, bounds-checked.
-        unsafe { b.launch(cfg((blocks(m * k, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let (a, _ra) = w.device_ptr(&self.stream);
-        let (bp, _rb) = scratch.device_ptr(&self.stream);
-        let (c, _rc) = out.device_ptr(&self.stream);
-        // Row-major out (m x n) is column-major n x m: out^T = w * x^T.
-        // SAFETY: pointers are live device buffers of the stated sizes.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                m as i32,
-                k as i32,
-                (&alpha) as *const f32 as *const _,
-                a as *const _,
-                cudaDataType_t::CUDA_R_16BF,
-                k as i32,
-                bp as *const _,
-                cudaDataType_t::CUDA_R_16BF,
-                k as i32,
-                (&beta) as *const f32 as *const _,
-                c as *mut _,
-                cudaDataType_t::CUDA_R_32F,
-                n as i32,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
+        for (pass, kernel) in ["to_bf16", "bf16_residue"].into_iter().enumerate() {
+            let f = self.function(kernel)?;
+            let mut b = self.stream.launch_builder(f);
+            b.arg(x).arg(&mut *scratch).arg(&total);
+            // SAFETY: one thread per element, bounds-checked.
+            unsafe { b.launch(cfg((blocks(m * k, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
+            let (alpha, beta) = (1.0f32, if pass == 0 { 0.0f32 } else { 1.0 });
+            let (a, _ra) = w.device_ptr(&self.stream);
+            let (bp, _rb) = scratch.device_ptr(&self.stream);
+            let (c, _rc) = out.device_ptr(&self.stream);
+            // Row-major out (m x n) is column-major n x m: out^T = w * x^T.
+            // SAFETY: pointers are live device buffers of the stated sizes.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *self.blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    n as i32,
+                    m as i32,
+                    k as i32,
+                    (&alpha) as *const f32 as *const _,
+                    a as *const _,
+                    cudaDataType_t::CUDA_R_16BF,
+                    k as i32,
+                    bp as *const _,
+                    cudaDataType_t::CUDA_R_16BF,
+                    k as i32,
+                    (&beta) as *const f32 as *const _,
+                    c as *mut _,
+                    cudaDataType_t::CUDA_R_32F,
+                    n as i32,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(cuda_err)?;
         }
-        .map_err(cuda_err)?;
         Ok(())
+    }
+
+    /// `x[r] += b` for every row of `cols`.
+    pub fn add_bias(
+        &self,
+        x: &mut CudaSlice<f32>,
+        b: &CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+    ) -> R {
+        let f = self.function("add_bias")?;
+        let (n, c) = ((rows * cols) as i64, cols as i32);
+        let mut l = self.stream.launch_builder(f);
+        l.arg(x).arg(b).arg(&n).arg(&c);
+        // SAFETY: one thread per element, bounds-checked.
+        unsafe { l.launch(cfg((blocks(rows * cols, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// `out[i] = src[idx[i]]`, rows of `cols`.
+    pub fn gather_rows(
+        &self,
+        src: &CudaSlice<f32>,
+        idx: &CudaSlice<u32>,
+        out: &mut CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+    ) -> R {
+        let f = self.function("gather_rows")?;
+        let c = cols as i32;
+        let mut l = self.stream.launch_builder(f);
+        l.arg(src).arg(idx).arg(out).arg(&c);
+        // SAFETY: indices are rows of `src`.
+        unsafe { l.launch(cfg((rows as u32, 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// Uploads host data.
+    pub fn upload<T: cudarc::driver::DeviceRepr>(&self, x: &[T]) -> R<CudaSlice<T>> {
+        self.stream.clone_htod(x).map_err(cuda_err)
+    }
+
+    /// Downloads device data.
+    pub fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        x: &CudaSlice<T>,
+    ) -> R<Vec<T>> {
+        self.stream.clone_dtoh(x).map_err(cuda_err)
+    }
+
+    /// A zeroed device buffer of `n` elements.
+    pub fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> R<CudaSlice<T>> {
+        self.stream.alloc_zeros(n.max(1)).map_err(cuda_err)
     }
 
     /// Dequantizes GGUF Q8_0 or Q4_1 blocks of `n` elements to bf16.

@@ -13,12 +13,14 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use sha2::{Digest, Sha256};
 
 use crate::KernelError;
 
-pub use launch::{AttentionBuffers, PagedKv};
+/// The CUDA driver API types device code works with.
+pub use cudarc::driver::{CudaSlice, CudaStream};
+pub use launch::{AttentionBuffers, PARTITION, PagedKv};
 
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = include_str!("kernels.cu");
@@ -53,8 +55,11 @@ const KERNELS: &[&str] = &[
     "gemv_bf16",
     "to_bf16",
     "to_f32",
+    "bf16_residue",
     "dequant_q8_0",
     "dequant_q4_1",
+    "add_bias",
+    "gather_rows",
 ];
 
 /// One GPU with Kiln's kernels loaded.
@@ -132,9 +137,22 @@ fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx, KernelError> {
 }
 
 impl Gpu {
-    /// Opens GPU `ordinal`, compiles (or loads the cached) kernels and
-    /// creates a cuBLAS handle.
-    pub fn new(ordinal: usize) -> Result<Self, KernelError> {
+    /// Checks, cheaply, that GPU `ordinal` can be opened (driver, NVRTC and
+    /// the device are there) without compiling anything.
+    pub fn probe(ordinal: usize) -> Result<(), KernelError> {
+        Self::check_libraries()?;
+        let count = std::panic::catch_unwind(CudaContext::device_count)
+            .map_err(|_| unavailable("the CUDA driver could not be initialized".into()))?
+            .map_err(cuda_err)?;
+        if ordinal as i32 >= count {
+            return Err(unavailable(format!(
+                "no CUDA device {ordinal}: this machine has {count}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_libraries() -> Result<(), KernelError> {
         if !library_present(&["libcuda.so.1", "libcuda.so"]) {
             return Err(unavailable(
                 "no CUDA driver (libcuda.so.1) on this machine; run with --device cpu".into(),
@@ -147,6 +165,13 @@ impl Gpu {
                     .into(),
             ));
         }
+        Ok(())
+    }
+
+    /// Opens GPU `ordinal`, compiles (or loads the cached) kernels and
+    /// creates a cuBLAS handle.
+    pub fn new(ordinal: usize) -> Result<Self, KernelError> {
+        Self::check_libraries()?;
         // cudarc panics where a symbol is missing; turn that into an error.
         let opened = std::panic::catch_unwind(|| -> Result<Self, KernelError> {
             let count = CudaContext::device_count().map_err(cuda_err)?;

@@ -1,0 +1,150 @@
+//! The engine on the test device against the engine on the CPU, with the
+//! real default model. `KILN_TEST_DEVICE=cuda` runs it on the GPU (and
+//! fails if CUDA does not work); by default (CI) the device is the CPU.
+
+use kiln_host::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, TenantId};
+use kiln_host::model::ChatMessage;
+use kiln_kernels::Device;
+use kiln_tests::default_model;
+
+fn device() -> Device {
+    match std::env::var("KILN_TEST_DEVICE").as_deref() {
+        Ok("cuda") => Device::Cuda(0),
+        Ok("cpu") | Err(_) => Device::Cpu,
+        Ok(other) => panic!("KILN_TEST_DEVICE={other}: use cpu or cuda"),
+    }
+}
+
+/// bf16 KV pages: two fp8 implementations round some values to
+/// neighbouring codes, noise that would hide the forward pass's own error.
+fn engine(device: Device) -> Engine {
+    let config = EngineConfig {
+        kv_memory: 64 << 20,
+        kv_format: kiln_kernels::kv::KvFormat::Bf16,
+        device,
+        ..Default::default()
+    };
+    Engine::new(default_model(), config)
+        .unwrap_or_else(|e| panic!("an engine on {}: {e}", device.name()))
+}
+
+const PROMPTS: [&str; 6] = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Who wrote Hamlet?",
+    "Explain gravity in one sentence.",
+    "What is 12 times 12?",
+];
+
+fn chat_ids(e: &Engine, prompt: &str) -> Vec<u32> {
+    let tk = &e.loaded().tokenizer;
+    let msgs = [ChatMessage {
+        role: "user".into(),
+        content: prompt.into(),
+    }];
+    tk.encode(&tk.chat_prompt(&msgs).unwrap(), true).unwrap()
+}
+
+fn greedy(e: &mut Engine, ids: &[u32], n: usize) -> Vec<u32> {
+    let params = GenerateParams {
+        max_tokens: n,
+        temperature: 0.0,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    e.generate(TenantId(0), ids.to_vec(), params)
+        .unwrap()
+        .tokens
+}
+
+fn argmax(l: &[f32]) -> usize {
+    kiln_kernels::sample::argmax(l) as usize
+}
+
+#[test]
+fn greedy_tokens_and_teacher_forced_argmax_on_the_test_device_agree_with_the_cpu() {
+    let mut cpu = engine(Device::Cpu);
+    let mut dev = engine(device());
+    let (mut same, mut total) = (0, 0);
+    let mut diverged = Vec::new();
+    for p in PROMPTS {
+        let ids = chat_ids(&cpu, p);
+        let want = greedy(&mut cpu, &ids, 16);
+        let got = greedy(&mut dev, &ids, 16);
+        if got != want {
+            let at = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+            // How close the CPU's own choice was there: its top-2 margin.
+            let mut prefix = ids.clone();
+            prefix.extend(&want[..at]);
+            let l = cpu
+                .teacher_forced_logits(TenantId(0), &prefix, prefix.len())
+                .unwrap();
+            let mut top: Vec<f32> = l[0].clone();
+            top.sort_by(|a, b| b.total_cmp(a));
+            let margin = top[0] - top[1];
+            diverged.push(format!(
+                "{p:?} at token {at} (CPU top-2 margin {margin:.3}): {got:?} vs {want:?}"
+            ));
+        }
+        // Teacher forcing over the CPU's continuation: next-token argmax.
+        let mut seq = ids.clone();
+        seq.extend(greedy(&mut cpu, &ids, 40));
+        let c = cpu
+            .teacher_forced_logits(TenantId(0), &seq, ids.len())
+            .unwrap();
+        let d = dev
+            .teacher_forced_logits(TenantId(0), &seq, ids.len())
+            .unwrap();
+        for (a, b) in c.iter().zip(&d) {
+            total += 1;
+            same += usize::from(argmax(a) == argmax(b));
+        }
+    }
+    let agree = same as f64 / total as f64;
+    eprintln!(
+        "{}: teacher-forced argmax agreement {same}/{total}",
+        device().name()
+    );
+    assert!(agree >= 0.98, "agreement {agree}");
+    assert!(
+        diverged.is_empty(),
+        "{}: greedy tokens differ: {diverged:#?}",
+        device().name()
+    );
+}
+
+#[test]
+fn a_corrupted_mapping_on_the_test_device_aborts_exactly_the_victim() {
+    let mut e = engine(device());
+    let params = GenerateParams {
+        max_tokens: 8,
+        temperature: 0.0,
+        ..Default::default()
+    };
+    let ids: Vec<_> = PROMPTS[..3].iter().map(|p| chat_ids(&e, p)).collect();
+    let seqs: Vec<u64> = ids
+        .iter()
+        .enumerate()
+        .map(|(t, i)| {
+            e.add(TenantId(t as u32), i.clone(), params.clone())
+                .unwrap()
+        })
+        .collect();
+    e.step().unwrap(); // prefill: every sequence has pages
+    assert!(e.inject_page_fault(seqs[1], seqs[2]));
+    let mut finish = std::collections::HashMap::new();
+    while e.has_work() {
+        for ev in e.step().unwrap() {
+            if let Event::Finished { seq, finish: f, .. } = ev {
+                finish.insert(seq, f);
+            }
+        }
+    }
+    assert!(matches!(finish[&seqs[1]], Finish::Aborted(_)), "{finish:?}");
+    for s in [seqs[0], seqs[2]] {
+        assert!(!matches!(finish[&s], Finish::Aborted(_)), "{finish:?}");
+    }
+    assert_eq!(e.stats().integrity_aborts, 1);
+    assert_eq!(e.free_pages(), e.total_pages());
+}
