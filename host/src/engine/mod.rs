@@ -65,7 +65,7 @@ impl Default for EngineConfig {
 /// Where the KV pages live and the forward pass runs.
 enum Runner {
     Cpu(KvCache),
-    Gpu(Box<GpuModel>, GpuKv),
+    Gpu(Box<GpuModel>, Box<GpuKv>),
 }
 
 impl Runner {
@@ -169,7 +169,7 @@ impl Engine {
                 let kv = model
                     .kv(config.kv_format, PAGE_SIZE, num_pages)
                     .map_err(|e| e.to_string())?;
-                Runner::Gpu(Box::new(model), kv)
+                Runner::Gpu(Box::new(model), Box::new(kv))
             }
         };
         let checker: Box<dyn IntegrityCheck> = if config.integrity {

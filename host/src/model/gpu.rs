@@ -33,6 +33,17 @@ struct GpuLayer {
     w_down: CudaSlice<bf16>,
 }
 
+/// A step's inputs, uploaded.
+struct StepInputs {
+    ids: CudaSlice<u32>,
+    pos: CudaSlice<i32>,
+    tables: CudaSlice<i32>,
+    offs: CudaSlice<i32>,
+    lens: CudaSlice<i32>,
+    slots: CudaSlice<i64>,
+    writes: CudaSlice<u32>,
+}
+
 /// A model's weights on a GPU.
 pub struct GpuModel {
     gpu: Gpu,
@@ -44,10 +55,32 @@ pub struct GpuModel {
     inv_freq: CudaSlice<f32>,
 }
 
-/// Every layer's KV pages on the GPU.
+/// Every layer's KV pages on the GPU, and the step's working buffers,
+/// kept across steps and grown when a step needs more.
 pub struct GpuKv {
     layers: Vec<PagedKv>,
     page_size: usize,
+    work: Option<Work>,
+}
+
+/// Activation buffers for up to `tokens` tokens attending over at most
+/// `max_len` positions.
+struct Work {
+    tokens: usize,
+    max_len: usize,
+    h: CudaSlice<f32>,
+    xn: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    proj: CudaSlice<f32>,
+    gate: CudaSlice<f32>,
+    up: CudaSlice<f32>,
+    kw: CudaSlice<f32>,
+    vw: CudaSlice<f32>,
+    scratch: CudaSlice<bf16>,
+    abuf: AttentionBuffers,
 }
 
 fn bf16_weight(gpu: &Gpu, w: &Weight) -> R<CudaSlice<bf16>> {
@@ -121,7 +154,46 @@ impl GpuModel {
         let layers = (0..self.config.layers)
             .map(|_| self.gpu.paged_kv(format, layout, num_pages))
             .collect::<R<Vec<_>>>()?;
-        Ok(GpuKv { layers, page_size })
+        Ok(GpuKv {
+            layers,
+            page_size,
+            work: None,
+        })
+    }
+
+    /// Working buffers for `n` tokens and contexts up to `max_len`, reused
+    /// when big enough (sizes round up to powers of two, so a growing
+    /// batch reallocates only a few times).
+    fn work(&self, slot: &mut Option<Work>, n: usize, max_len: usize) -> R<Work> {
+        if let Some(w) = slot.take()
+            && w.tokens >= n
+            && w.max_len >= max_len
+        {
+            return Ok(w);
+        }
+        let c = &self.config;
+        let g = &self.gpu;
+        let n = n.next_power_of_two();
+        let max_len = max_len.next_power_of_two();
+        let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let widest = c.hidden.max(c.ffn).max(q_dim);
+        Ok(Work {
+            tokens: n,
+            max_len,
+            h: g.zeros(n * c.hidden)?,
+            xn: g.zeros(n * c.hidden)?,
+            q: g.zeros(n * q_dim)?,
+            k: g.zeros(n * kv_dim)?,
+            v: g.zeros(n * kv_dim)?,
+            attn: g.zeros(n * q_dim)?,
+            proj: g.zeros(n * c.hidden)?,
+            gate: g.zeros(n * c.ffn)?,
+            up: g.zeros(n * c.ffn)?,
+            kw: g.zeros(n * kv_dim)?,
+            vw: g.zeros(n * kv_dim)?,
+            scratch: g.zeros(n * widest)?,
+            abuf: g.attention_buffers(n, c.heads, c.head_dim, max_len)?,
+        })
     }
 
     /// One step: writes the new tokens' K and V into their pages and returns
@@ -129,7 +201,6 @@ impl GpuModel {
     pub fn forward(&self, kv: &mut GpuKv, batch: &[BatchSeq<'_>]) -> R<Vec<Vec<f32>>> {
         let c = &self.config;
         let g = &self.gpu;
-        let (hd, q_dim, kv_dim) = (c.head_dim, c.heads * c.head_dim, c.kv_heads * c.head_dim);
         let ps = kv.page_size;
         // Per token: id, position, KV slot, the query's table and length.
         let (mut ids, mut pos, mut slots, mut lens, mut offs) =
@@ -168,57 +239,82 @@ impl GpuModel {
         // Tokens whose KV is written (a full prefix hit writes none).
         let writes: Vec<usize> = (0..n).filter(|i| slots[*i] >= 0).collect();
         let write_slots: Vec<i64> = writes.iter().map(|i| slots[*i]).collect();
-        let d_ids = g.upload(&ids)?;
-        let d_pos = g.upload(&pos)?;
-        let d_tables = g.upload(&tables)?;
-        let d_offs = g.upload(&offs)?;
-        let d_lens = g.upload(&lens)?;
-        let d_slots = g.upload(&write_slots)?;
-        let mut h = g.zeros::<f32>(n * c.hidden)?;
-        let mut xn = g.zeros::<f32>(n * c.hidden)?;
-        let mut q = g.zeros::<f32>(n * q_dim)?;
-        let mut k = g.zeros::<f32>(n * kv_dim)?;
-        let mut v = g.zeros::<f32>(n * kv_dim)?;
-        let mut attn = g.zeros::<f32>(n * q_dim)?;
-        let mut proj = g.zeros::<f32>(n * c.hidden)?;
-        let mut gate = g.zeros::<f32>(n * c.ffn)?;
-        let mut up = g.zeros::<f32>(n * c.ffn)?;
-        let widest = c.hidden.max(c.ffn).max(q_dim);
-        let mut scratch = g.zeros::<bf16>(n * widest)?;
-        let mut abuf: AttentionBuffers = g.attention_buffers(n, c.heads, hd, max_len)?;
-        // Rows of k and v that are written, packed.
-        let (mut kw, mut vw) = (
-            g.zeros::<f32>(writes.len() * kv_dim)?,
-            g.zeros::<f32>(writes.len() * kv_dim)?,
-        );
-        let d_writes = g.upload(&writes.iter().map(|i| *i as u32).collect::<Vec<_>>())?;
-        g.embed(&self.embed, &d_ids, &mut h, n, c.hidden)?;
+        let d = StepInputs {
+            ids: g.upload(&ids)?,
+            pos: g.upload(&pos)?,
+            tables: g.upload(&tables)?,
+            offs: g.upload(&offs)?,
+            lens: g.upload(&lens)?,
+            slots: g.upload(&write_slots)?,
+            writes: g.upload(&writes.iter().map(|i| *i as u32).collect::<Vec<_>>())?,
+        };
+        let mut work = self.work(&mut kv.work, n, max_len)?;
+        let result = self.layers_and_logits(kv, &mut work, &d, n, max_len, &writes, &wanted);
+        kv.work = Some(work);
+        result
+    }
+
+    /// The layers and the logits of one step, in `w`'s buffers.
+    #[allow(clippy::too_many_arguments)]
+    fn layers_and_logits(
+        &self,
+        kv: &mut GpuKv,
+        w: &mut Work,
+        d: &StepInputs,
+        n: usize,
+        max_len: usize,
+        writes: &[usize],
+        wanted: &[u32],
+    ) -> R<Vec<Vec<f32>>> {
+        let c = &self.config;
+        let g = &self.gpu;
+        let (hd, q_dim, kv_dim) = (c.head_dim, c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let Work {
+            h,
+            xn,
+            q,
+            k,
+            v,
+            attn,
+            proj,
+            gate,
+            up,
+            kw,
+            vw,
+            scratch,
+            abuf,
+            ..
+        } = w;
+        let (d_ids, d_pos, d_tables, d_offs, d_lens, d_slots) =
+            (&d.ids, &d.pos, &d.tables, &d.offs, &d.lens, &d.slots);
+        let d_writes = &d.writes;
+        g.embed(&self.embed, d_ids, &mut *h, n, c.hidden)?;
         let interleaved = c.rope_style == RopeStyle::Interleaved;
         let scale = 1.0 / (hd as f32).sqrt();
         for (li, (layer, pages)) in self.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
             // h += the previous block's output, then the attention norm.
-            let residual = (li > 0).then_some(&proj);
+            let residual = (li > 0).then_some(&*proj);
             g.rmsnorm_residual(
-                &mut h,
+                &mut *h,
                 residual,
                 &layer.attn_norm,
-                &mut xn,
+                &mut *xn,
                 n,
                 c.hidden,
                 c.eps,
             )?;
-            g.matmul_bf16(&xn, &layer.wq, &mut q, n, q_dim, c.hidden, &mut scratch)?;
-            g.matmul_bf16(&xn, &layer.wk, &mut k, n, kv_dim, c.hidden, &mut scratch)?;
-            g.matmul_bf16(&xn, &layer.wv, &mut v, n, kv_dim, c.hidden, &mut scratch)?;
+            g.matmul_bf16(xn, &layer.wq, &mut *q, n, q_dim, c.hidden, &mut *scratch)?;
+            g.matmul_bf16(xn, &layer.wk, &mut *k, n, kv_dim, c.hidden, &mut *scratch)?;
+            g.matmul_bf16(xn, &layer.wv, &mut *v, n, kv_dim, c.hidden, &mut *scratch)?;
             if let Some([bq, bk, bv]) = &layer.bias {
-                g.add_bias(&mut q, bq, n, q_dim)?;
-                g.add_bias(&mut k, bk, n, kv_dim)?;
-                g.add_bias(&mut v, bv, n, kv_dim)?;
+                g.add_bias(&mut *q, bq, n, q_dim)?;
+                g.add_bias(&mut *k, bk, n, kv_dim)?;
+                g.add_bias(&mut *v, bv, n, kv_dim)?;
             }
-            g.rope(&mut q, &d_pos, &self.inv_freq, n, c.heads, hd, interleaved)?;
+            g.rope(&mut *q, d_pos, &self.inv_freq, n, c.heads, hd, interleaved)?;
             g.rope(
-                &mut k,
-                &d_pos,
+                &mut *k,
+                d_pos,
                 &self.inv_freq,
                 n,
                 c.kv_heads,
@@ -227,63 +323,71 @@ impl GpuModel {
             )?;
             if !writes.is_empty() {
                 if writes.len() == n {
-                    g.kv_write(pages, &k, &v, &d_slots, n)?;
+                    g.kv_write(pages, k, v, d_slots, n)?;
                 } else {
-                    g.gather_rows(&k, &d_writes, &mut kw, writes.len(), kv_dim)?;
-                    g.gather_rows(&v, &d_writes, &mut vw, writes.len(), kv_dim)?;
-                    g.kv_write(pages, &kw, &vw, &d_slots, writes.len())?;
+                    g.gather_rows(k, d_writes, &mut *kw, writes.len(), kv_dim)?;
+                    g.gather_rows(v, d_writes, &mut *vw, writes.len(), kv_dim)?;
+                    g.kv_write(pages, kw, vw, d_slots, writes.len())?;
                 }
             }
             g.paged_attention(
-                pages, &q, &d_tables, &d_offs, &d_lens, &mut abuf, &mut attn, n, c.heads, max_len,
+                pages, q, d_tables, d_offs, d_lens, &mut *abuf, &mut *attn, n, c.heads, max_len,
                 scale,
             )?;
             g.matmul_bf16(
-                &attn,
+                attn,
                 &layer.wo,
-                &mut proj,
+                &mut *proj,
                 n,
                 c.hidden,
                 q_dim,
-                &mut scratch,
+                &mut *scratch,
             )?;
             g.rmsnorm_residual(
-                &mut h,
-                Some(&proj),
+                &mut *h,
+                Some(&*proj),
                 &layer.ffn_norm,
-                &mut xn,
+                &mut *xn,
                 n,
                 c.hidden,
                 c.eps,
             )?;
             g.matmul_bf16(
-                &xn,
+                xn,
                 &layer.w_gate,
-                &mut gate,
+                &mut *gate,
                 n,
                 c.ffn,
                 c.hidden,
-                &mut scratch,
+                &mut *scratch,
             )?;
-            g.matmul_bf16(&xn, &layer.w_up, &mut up, n, c.ffn, c.hidden, &mut scratch)?;
-            g.silu_mul(&mut gate, &up, n * c.ffn)?;
+            g.matmul_bf16(xn, &layer.w_up, &mut *up, n, c.ffn, c.hidden, &mut *scratch)?;
+            g.silu_mul(&mut *gate, up, n * c.ffn)?;
             g.matmul_bf16(
-                &gate,
+                gate,
                 &layer.w_down,
-                &mut proj,
+                &mut *proj,
                 n,
                 c.hidden,
                 c.ffn,
-                &mut scratch,
+                &mut *scratch,
             )?;
         }
         let m = wanted.len();
         if m == 0 {
             return Ok(Vec::new());
         }
-        g.rmsnorm_residual(&mut h, Some(&proj), &self.norm, &mut xn, n, c.hidden, c.eps)?;
+        g.rmsnorm_residual(
+            &mut *h,
+            Some(&*proj),
+            &self.norm,
+            &mut *xn,
+            n,
+            c.hidden,
+            c.eps,
+        )?;
         let mut last = g.zeros::<f32>(m * c.hidden)?;
-        g.gather_rows(&xn, &g.upload(&wanted)?, &mut last, m, c.hidden)?;
+        g.gather_rows(xn, &g.upload(wanted)?, &mut last, m, c.hidden)?;
         let mut logits = g.zeros::<f32>(m * c.vocab)?;
         let out_w = self.output.as_ref().unwrap_or(&self.embed);
         g.matmul_bf16(
@@ -293,7 +397,7 @@ impl GpuModel {
             m,
             c.vocab,
             c.hidden,
-            &mut scratch,
+            &mut *scratch,
         )?;
         let host = g.download(&logits)?;
         Ok(host[..m * c.vocab]
