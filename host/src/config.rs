@@ -1,4 +1,5 @@
-//! Configuration of `kiln serve`.
+//! Configuration of `kiln serve`: the settings struct, and the optional
+//! `kiln.toml` that lists the models to serve.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -44,5 +45,64 @@ impl ServeConfig {
             model_deadline: Duration::from_secs(120),
             max_concurrent_calls: 32,
         }
+    }
+}
+
+/// A model `kiln serve` loads: its served name and where it comes from
+/// (anything `kiln run --model` takes).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// The name clients and guests call it by.
+    pub name: String,
+    /// `smollm2-135m-instruct`, a `.gguf` file, a Hugging Face directory or
+    /// `synthetic:NAME`.
+    pub source: String,
+}
+
+/// The contents of a `kiln.toml`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// `[[model]]` tables, in order.
+    #[serde(default)]
+    pub model: Vec<ModelSpec>,
+}
+
+impl FileConfig {
+    /// Parses a `kiln.toml`; the error names the problem and its place.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let c: Self = toml::from_str(text).map_err(|e| format!("kiln.toml: {e}"))?;
+        let mut seen = std::collections::HashSet::new();
+        for m in &c.model {
+            if !seen.insert(m.name.as_str()) {
+                return Err(format!("kiln.toml: model `{}` is listed twice", m.name));
+            }
+        }
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kiln_toml_lists_models_and_refuses_unknown_keys_and_duplicates() {
+        let c = FileConfig::parse(
+            "[[model]]\nname = \"small\"\nsource = \"smollm2-135m-instruct\"\n\n\
+             [[model]]\nname = \"big\"\nsource = \"synthetic:llama-3-8b\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.model.len(), 2);
+        assert_eq!(c.model[1].source, "synthetic:llama-3-8b");
+        let e = FileConfig::parse("[[model]]\nname = \"a\"\npath = \"x\"\n").unwrap_err();
+        assert!(e.contains("path"), "{e}");
+        let e = FileConfig::parse(
+            "[[model]]\nname = \"a\"\nsource = \"x\"\n[[model]]\nname = \"a\"\nsource = \"y\"\n",
+        )
+        .unwrap_err();
+        assert!(e.contains("twice"), "{e}");
+        assert_eq!(FileConfig::parse("").unwrap(), FileConfig::default());
     }
 }

@@ -328,9 +328,14 @@ struct ServeArgs {
     #[arg(long, default_value_t = 10)]
     drain_timeout_s: u64,
     /// A model to serve, as NAME=SOURCE (SOURCE as for `kiln run --model`);
-    /// repeatable. Without it the default model is served.
+    /// repeatable. Without it, the models of --config, else the default
+    /// model.
     #[arg(long = "model", value_name = "NAME=SOURCE")]
     models: Vec<String>,
+    /// A `kiln.toml` listing models as `[[model]]` tables with `name` and
+    /// `source` (default: ./kiln.toml when it exists).
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// Serve functions only, no models.
     #[arg(long, conflicts_with = "models")]
     no_models: bool,
@@ -360,12 +365,21 @@ fn model_backend(
     if args.no_models {
         return Ok(Arc::new(kiln_runtime::NoModels));
     }
-    let specs: Vec<(String, String)> = if args.models.is_empty() {
-        vec![(
-            model::DEFAULT_MODEL.to_owned(),
-            model::DEFAULT_MODEL.to_owned(),
-        )]
-    } else {
+    let file = match &args.config {
+        Some(path) => Some(
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
+        ),
+        None => std::fs::read_to_string("kiln.toml").ok(),
+    };
+    let listed = match file {
+        Some(text) => {
+            kiln_host::config::FileConfig::parse(&text)
+                .map_err(anyhow::Error::msg)?
+                .model
+        }
+        None => Vec::new(),
+    };
+    let specs: Vec<(String, String)> = if !args.models.is_empty() {
         args.models
             .iter()
             .map(|m| {
@@ -374,6 +388,13 @@ fn model_backend(
                     .ok_or_else(|| anyhow::anyhow!("--model wants NAME=SOURCE, got `{m}`"))
             })
             .collect::<Result<_, _>>()?
+    } else if !listed.is_empty() {
+        listed.into_iter().map(|m| (m.name, m.source)).collect()
+    } else {
+        vec![(
+            model::DEFAULT_MODEL.to_owned(),
+            model::DEFAULT_MODEL.to_owned(),
+        )]
     };
     let config = args.engine.config()?;
     let mut engines = Vec::new();
