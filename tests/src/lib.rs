@@ -253,6 +253,20 @@ impl TestServer {
             .expect("request")
     }
 
+    /// GETs `path` (e.g. `/v1/models`) with the bearer `token`; the JSON
+    /// answer.
+    pub async fn get_json(&self, token: &str, path: &str) -> serde_json::Value {
+        self.http
+            .get(format!("{}{path}", self.url))
+            .bearer_auth(token)
+            .send()
+            .await
+            .expect("request")
+            .json()
+            .await
+            .expect("a JSON answer")
+    }
+
     /// POSTs `body` to the OpenAI-style endpoint `path` (e.g.
     /// `/v1/chat/completions`) with `key`; the status and the JSON answer.
     pub async fn openai(

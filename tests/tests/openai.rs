@@ -154,16 +154,7 @@ async fn api_errors_are_openai_error_objects_naming_the_problem() {
         )
         .await;
     assert_eq!((st, e["error"]["param"].as_str()), (400, Some("prompt")));
-    let models: Value = s
-        .http
-        .get(format!("{}/v1/models", s.url))
-        .bearer_auth(&key)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = s.get_json(&key, "/v1/models").await;
     assert_eq!(models["data"][0]["id"], DEFAULT_MODEL);
 }
 

@@ -25,16 +25,7 @@ async fn quota_exceeded_is_429_on_the_api_and_quota_exceeded_in_a_guest() {
     s.deploy(&b, "bad", "misbehave").await;
     let resp = s.set_policy("a", json!({"tokens_per_minute": 1})).await;
     assert_eq!(resp.status(), 200);
-    let policy: serde_json::Value = s
-        .http
-        .get(format!("{}/v1/tenants/a/policy", s.url))
-        .bearer_auth(&s.admin)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let policy = s.get_json(&s.admin, "/v1/tenants/a/policy").await;
     assert_eq!(policy["tokens_per_minute"], 1);
     // The first call fits (nothing used yet) and uses up the minute.
     let (st, _) = s.openai(&a, "/v1/chat/completions", None, &ask(2)).await;
@@ -86,16 +77,7 @@ async fn models_outside_a_tenants_allowed_list_are_not_found() {
     );
     let guest = s.call("a", "bad", "/ask").await.text().await.unwrap();
     assert!(guest.contains("ModelNotFound"), "{guest}");
-    let models: serde_json::Value = s
-        .http
-        .get(format!("{}/v1/models", s.url))
-        .bearer_auth(&a)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = s.get_json(&a, "/v1/models").await;
     assert_eq!(models["data"], json!([]));
 }
 

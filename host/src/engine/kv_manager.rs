@@ -103,8 +103,10 @@ impl KvCacheManager {
             .min(t.owned.len());
         // By the ownership record, never the mapping: a corrupted mapping
         // must not publish someone else's page under this name.
-        for (page, hash) in t.owned[..full].iter().zip(hashes).skip(t.named) {
-            self.pool.register(*page, *hash);
+        if full > t.named {
+            for (page, hash) in t.owned[t.named..full].iter().zip(&hashes[t.named..full]) {
+                self.pool.register(*page, *hash);
+            }
         }
         t.named = t.named.max(full);
     }

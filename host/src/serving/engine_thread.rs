@@ -12,6 +12,8 @@ use tokio::sync::mpsc as tmpsc;
 
 use crate::engine::{Engine, Event, Finish, GenerateParams, PageHash, PrefixChange, Salt, SeqId};
 use crate::engine::{TenantId, scheduler::SchedulerConfig};
+use prometheus_client::metrics::gauge::Gauge;
+
 use crate::metrics::{EngineMetrics, PoolLabels, PoolPagesLabels, PrefixLabels};
 
 /// A tokenized request for one pool.
@@ -63,6 +65,8 @@ struct PoolThread {
     model: String,
     pool: String,
     metrics: EngineMetrics,
+    /// This pool's `kv_pages` gauges (in use, cached, free), looked up once.
+    page_gauges: [Gauge; 3],
     load: Arc<AtomicUsize>,
     prefixes: Arc<RwLock<HashSet<PageHash>>>,
     figures: Arc<[AtomicUsize; 4]>,
@@ -89,10 +93,21 @@ pub(super) fn spawn(
         prefixes: Arc::default(),
         figures: Arc::default(),
     };
+    let page_gauges = ["in_use", "cached", "free"].map(|state| {
+        metrics
+            .kv_pages
+            .get_or_create(&PoolPagesLabels {
+                model: model.to_owned(),
+                pool: index.to_string(),
+                state: state.into(),
+            })
+            .clone()
+    });
     let mut state = PoolThread {
         model: model.to_owned(),
         pool: index.to_string(),
         metrics,
+        page_gauges,
         load: handle.load.clone(),
         prefixes: handle.prefixes.clone(),
         figures: handle.figures.clone(),
@@ -253,19 +268,12 @@ impl PoolThread {
         {
             slot.store(v, Ordering::Relaxed);
         }
-        for (state, n) in [
-            ("in_use", total - free),
-            ("cached", cached),
-            ("free", free - cached),
-        ] {
-            self.metrics
-                .kv_pages
-                .get_or_create(&PoolPagesLabels {
-                    model: self.model.clone(),
-                    pool: self.pool.clone(),
-                    state: state.into(),
-                })
-                .set(n as i64);
+        for (gauge, n) in self
+            .page_gauges
+            .iter()
+            .zip([total - free, cached, free - cached])
+        {
+            gauge.set(n as i64);
         }
         if aborts > self.aborts_seen {
             self.metrics

@@ -2,24 +2,16 @@
 //! Outputs are poisoned (NaN) on the device first, so an element a kernel
 //! fails to write shows up in the parity tests.
 
-use cudarc::driver::{CudaSlice, DeviceRepr};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use super::{Gpu, cuda_err};
+use super::Gpu;
 use crate::backend::{AttentionCase, Backend, R};
 use crate::ops::{Rope, RopeStyle};
 
 impl Gpu {
-    fn up<T: DeviceRepr>(&self, x: &[T]) -> R<CudaSlice<T>> {
-        self.stream.clone_htod(x).map_err(cuda_err)
-    }
-
     fn poisoned(&self, n: usize) -> R<CudaSlice<f32>> {
-        self.up(&vec![f32::NAN; n.max(1)])
-    }
-
-    fn down<T: DeviceRepr + Default + Clone>(&self, x: &CudaSlice<T>) -> R<Vec<T>> {
-        self.stream.clone_dtoh(x).map_err(cuda_err)
+        self.upload(&vec![f32::NAN; n.max(1)])
     }
 }
 
@@ -40,9 +32,9 @@ impl Backend for Gpu {
         eps: f32,
         out: &mut [f32],
     ) -> R {
-        let mut dx = self.up(x)?;
-        let dr = residual.map(|r| self.up(r)).transpose()?;
-        let dw = self.up(w)?;
+        let mut dx = self.upload(x)?;
+        let dr = residual.map(|r| self.upload(r)).transpose()?;
+        let dw = self.upload(w)?;
         let mut dout = self.poisoned(out.len())?;
         self.rmsnorm_residual(
             &mut dx,
@@ -53,37 +45,37 @@ impl Backend for Gpu {
             w.len(),
             eps,
         )?;
-        x.copy_from_slice(&self.down(&dx)?);
-        out.copy_from_slice(&self.down(&dout)?[..out.len()]);
+        x.copy_from_slice(&self.download(&dx)?);
+        out.copy_from_slice(&self.download(&dout)?[..out.len()]);
         Ok(())
     }
 
     fn rope(&self, x: &mut [f32], pos: &[usize], rope: &Rope) -> R {
         let dim = rope.inv_freq().len() * 2;
         let heads = x.len() / pos.len().max(1) / dim;
-        let mut dx = self.up(x)?;
-        let dp = self.up(&ints(pos.iter().copied()))?;
-        let df = self.up(rope.inv_freq())?;
+        let mut dx = self.upload(x)?;
+        let dp = self.upload(&ints(pos.iter().copied()))?;
+        let df = self.upload(rope.inv_freq())?;
         let il = rope.style() == RopeStyle::Interleaved;
         self.rope(&mut dx, &dp, &df, pos.len(), heads, dim, il)?;
-        x.copy_from_slice(&self.down(&dx)?);
+        x.copy_from_slice(&self.download(&dx)?);
         Ok(())
     }
 
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> R {
-        let mut dg = self.up(gate)?;
-        let du = self.up(up)?;
+        let mut dg = self.upload(gate)?;
+        let du = self.upload(up)?;
         self.silu_mul(&mut dg, &du, gate.len())?;
-        gate.copy_from_slice(&self.down(&dg)?);
+        gate.copy_from_slice(&self.download(&dg)?);
         Ok(())
     }
 
     fn embed(&self, table: &[bf16], hidden: usize, ids: &[u32], out: &mut [f32]) -> R {
-        let dt = self.up(table)?;
-        let di = self.up(ids)?;
+        let dt = self.upload(table)?;
+        let di = self.upload(ids)?;
         let mut dout = self.poisoned(out.len())?;
         self.embed(&dt, &di, &mut dout, ids.len(), hidden)?;
-        out.copy_from_slice(&self.down(&dout)?[..out.len()]);
+        out.copy_from_slice(&self.download(&dout)?[..out.len()]);
         Ok(())
     }
 
@@ -93,7 +85,7 @@ impl Backend for Gpu {
             let k: Vec<f32> = c.rows.iter().flat_map(|r| r.k.iter().copied()).collect();
             let v: Vec<f32> = c.rows.iter().flat_map(|r| r.v.iter().copied()).collect();
             let slots: Vec<i64> = c.rows.iter().map(|r| r.slot as i64).collect();
-            let (dk, dv, ds) = (self.up(&k)?, self.up(&v)?, self.up(&slots)?);
+            let (dk, dv, ds) = (self.upload(&k)?, self.upload(&v)?, self.upload(&slots)?);
             self.kv_write(&mut kv, &dk, &dv, &ds, c.rows.len())?;
         }
         let mut offsets = vec![0i32];
@@ -110,10 +102,10 @@ impl Backend for Gpu {
         let mut out = self.poisoned(c.q.len())?;
         self.paged_attention(
             &kv,
-            &self.up(&c.q)?,
-            &self.up(&flat)?,
-            &self.up(&offsets)?,
-            &self.up(&ints(c.lens.iter().copied()))?,
+            &self.upload(&c.q)?,
+            &self.upload(&flat)?,
+            &self.upload(&offsets)?,
+            &self.upload(&ints(c.lens.iter().copied()))?,
             &mut scratch,
             &mut out,
             seqs,
@@ -121,7 +113,7 @@ impl Backend for Gpu {
             max_len,
             c.scale,
         )?;
-        Ok(self.down(&out)?[..c.q.len()].to_vec())
+        Ok(self.download(&out)?[..c.q.len()].to_vec())
     }
 
     fn tag_check(
@@ -136,23 +128,26 @@ impl Backend for Gpu {
             |t: &[[u64; 2]]| -> Vec<u64> { t.iter().flat_map(|w| *w).chain([0, 0]).collect() };
         let mut p = pages.to_vec();
         p.push(0);
-        let mut flags = self.up(&vec![-1i32; seqs.max(1)])?;
+        let mut flags = self.upload(&vec![-1i32; seqs.max(1)])?;
         self.tag_check(
-            &self.up(&p)?,
-            &self.up(&flat(expected))?,
-            &self.up(&ints(offsets.iter().copied()))?,
-            &self.up(&flat(current))?,
+            &self.upload(&p)?,
+            &self.upload(&flat(expected))?,
+            &self.upload(&ints(offsets.iter().copied()))?,
+            &self.upload(&flat(current))?,
             &mut flags,
             seqs,
         )?;
-        Ok(self.down(&flags)?[..seqs].iter().map(|f| *f == 1).collect())
+        Ok(self.download(&flags)?[..seqs]
+            .iter()
+            .map(|f| *f == 1)
+            .collect())
     }
 
     fn argmax_rows(&self, x: &[f32], n: usize) -> R<Vec<u32>> {
         let rows = x.len() / n;
-        let mut out = self.up(&vec![u32::MAX; rows.max(1)])?;
-        self.argmax_rows(&self.up(x)?, rows, n, &mut out)?;
-        Ok(self.down(&out)?[..rows].to_vec())
+        let mut out = self.upload(&vec![u32::MAX; rows.max(1)])?;
+        self.argmax_rows(&self.upload(x)?, rows, n, &mut out)?;
+        Ok(self.download(&out)?[..rows].to_vec())
     }
 
     fn matmul_bf16(
@@ -165,15 +160,26 @@ impl Backend for Gpu {
         out: &mut [f32],
     ) -> R {
         let mut dout = self.poisoned(m * n)?;
-        let mut scratch = self.up(&vec![bf16::ZERO; (m * k).max(1)])?;
-        self.matmul_bf16(&self.up(x)?, &self.up(w)?, &mut dout, m, n, k, &mut scratch)?;
-        out[..m * n].copy_from_slice(&self.down(&dout)?[..m * n]);
+        let mut scratch = self.upload(&vec![bf16::ZERO; (m * k).max(1)])?;
+        self.matmul_bf16(
+            &self.upload(x)?,
+            &self.upload(w)?,
+            &mut dout,
+            m,
+            n,
+            k,
+            &mut scratch,
+        )?;
+        out[..m * n].copy_from_slice(&self.download(&dout)?[..m * n]);
         Ok(())
     }
 
     fn dequantize(&self, dtype: crate::quant::DType, bytes: &[u8], n: usize) -> R<Vec<f32>> {
-        let mut out = self.up(&vec![bf16::from_f32(f32::NAN); n.max(1)])?;
-        self.dequantize(dtype, &self.up(bytes)?, &mut out, n)?;
-        Ok(self.down(&out)?[..n].iter().map(|v| v.to_f32()).collect())
+        let mut out = self.upload(&vec![bf16::from_f32(f32::NAN); n.max(1)])?;
+        self.dequantize(dtype, &self.upload(bytes)?, &mut out, n)?;
+        Ok(self.download(&out)?[..n]
+            .iter()
+            .map(|v| v.to_f32())
+            .collect())
     }
 }
