@@ -210,6 +210,9 @@ impl PoolThread {
                 return;
             }
         };
+        // Figures first, so that anyone who sees this step's tokens also
+        // sees the pages it holds.
+        self.publish(engine);
         for ev in events {
             match ev {
                 Event::Token { seq, text, .. } if !text.is_empty() => {
