@@ -5,12 +5,15 @@
 #   builds the stripped binaries into .gpu/ and splits the default model
 #   (98 MB) into .gpu-model/a and .gpu-model/b (all git-ignored), since one
 #   device call carries at most 64 MiB.
-# There, three calls back to back (the machine keeps /tmp while warm):
+#   and the stripped `kiln` binary into .gpu-bench/ (one call carries at
+#   most 64 MiB: the test binaries and kiln travel in separate calls).
+# There, calls back to back (the machine keeps /tmp while warm):
 #   carry .gpu-model/a:          scripts/gpu.sh stage a
 #   carry .gpu-model/b:          scripts/gpu.sh stage b
-#   carry .gpu:                  scripts/gpu.sh run
-# `run` is the single command that runs every CUDA test and benchmark,
-# writing logs to $OUT (or ./gpu-out) and printing a short summary last.
+#   carry .gpu:                  scripts/gpu.sh run     (tests, kernel timings)
+#   carry .gpu-bench:            scripts/gpu.sh bench   (engine matrix, PyTorch)
+# `run` and `bench` together run every CUDA test and benchmark, writing
+# logs to $OUT (or ./gpu-out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,10 +33,14 @@ for l in sys.stdin:
     cargo build --release -p kiln-kernels --example cuda_bench
     cp target/release/examples/cuda_bench .gpu/cuda_bench
     strip .gpu/*
+    mkdir -p .gpu-bench
+    cargo build --release -p kiln-host
+    cp target/release/kiln .gpu-bench/kiln
+    strip .gpu-bench/kiln
     model="${KILN_CACHE:-$HOME/.cache/kiln}/SmolLM2-135M-Instruct.Q4_1.gguf"
     head -c 50000000 "$model" >.gpu-model/a
     tail -c +50000001 "$model" >.gpu-model/b
-    ls -l .gpu .gpu-model
+    ls -l .gpu .gpu-bench .gpu-model
     ;;
 stage)
     mkdir -p /tmp/kiln-model
@@ -64,8 +71,24 @@ run)
     fi
     timeout 240 .gpu/cuda_bench 2>&1 | tee "$out/bench.log"
     ;;
+bench)
+    # The decode matrix of issue 5 and the PyTorch baseline, same GPU, one
+    # call. BENCH_ARGS / TORCH_ARGS override the matrices.
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+    set +e
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT:-420}" .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda \
+        ${BENCH_ARGS:---concurrency 1,8,16,32,64,128,256 --prompt-tokens 1024 --gen-tokens 256 --kv-formats bf16,fp8 --kv-memory 16GiB --integrity-ab} \
+        2>&1 | tee "$out/kiln-bench.log"
+    # shellcheck disable=SC2086
+    timeout "${TORCH_TIMEOUT:-150}" python3 scripts/torch_baseline.py ${TORCH_ARGS:---batches 1,8,32,64} \
+        2>&1 | grep -v Warning | tee "$out/torch-baseline.log"
+    ;;
 *)
-    echo "usage: scripts/gpu.sh build | stage a|b | run" >&2
+    echo "usage: scripts/gpu.sh build | stage a|b | run | bench" >&2
     exit 2
     ;;
 esac

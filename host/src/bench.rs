@@ -13,15 +13,55 @@ use crate::model::Loaded;
 /// One concurrency's figures.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BenchRow {
-    /// Sequences run at once.
+    /// Sequences submitted at once.
     pub concurrency: usize,
+    /// Most sequences the engine ran at once (what its KV memory and
+    /// limits admitted).
+    pub admitted: usize,
     /// Prompt tokens per second (all prompts, until every sequence has its
     /// first token).
     pub prompt_tok_s: f64,
-    /// Generated tokens per second after the first token.
+    /// Tokens per second in steps that only decoded (no prefill chunk).
     pub decode_tok_s: f64,
-    /// Median time between a sequence's tokens, in milliseconds.
+    /// Every generated token over the whole run's time, prefill included.
+    pub output_tok_s: f64,
+    /// Median time between a sequence's tokens, in ms: every step that
+    /// decoded, including those that also ran someone's prefill chunk.
     pub itl_p50_ms: f64,
+    /// 95th percentile of the same.
+    pub itl_p95_ms: f64,
+    /// Median step that only decoded, in ms.
+    pub decode_step_ms: f64,
+    /// With `integrity_ab`: median decode-only step with the page-tag check
+    /// on and off (alternate steps once every sequence has its first
+    /// token), in ms.
+    pub check_on_off_ms: Option<(f64, f64)>,
+    /// Bytes a decode-only step must move at the mean decode context:
+    /// weights once, plus every running sequence's KV.
+    pub step_bytes: f64,
+    /// Mean sequences per decode-only step.
+    pub mean_batch: f64,
+}
+
+/// What to run.
+#[derive(Debug, Clone, Copy)]
+pub struct BenchSpec {
+    /// Sequences submitted at once.
+    pub concurrency: usize,
+    /// Prompt tokens per sequence.
+    pub prompt_tokens: usize,
+    /// Tokens generated per sequence.
+    pub gen_tokens: usize,
+    /// Run the page-tag check on every other decode step only, timing
+    /// both kinds of step side by side.
+    pub integrity_ab: bool,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 /// Runs `concurrency` sequences of `prompt_tokens` random tokens, each
@@ -29,11 +69,16 @@ pub struct BenchRow {
 pub fn run(
     loaded: Arc<Loaded>,
     config: EngineConfig,
-    concurrency: usize,
-    prompt_tokens: usize,
-    gen_tokens: usize,
+    spec: BenchSpec,
 ) -> Result<(BenchRow, Arc<Loaded>), String> {
+    let BenchSpec {
+        concurrency,
+        prompt_tokens,
+        gen_tokens,
+        integrity_ab,
+    } = spec;
     let vocab = loaded.model.config.vocab as u32;
+    let check = config.integrity;
     let mut engine = Engine::new(loaded, config)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let params = GenerateParams {
@@ -52,12 +97,21 @@ pub fn run(
     }
     let mut first_token_all = None;
     let mut seen = std::collections::HashMap::new();
-    let mut step_times = Vec::new();
-    let mut generated_after_first = 0usize;
+    let (mut itl, mut decode_steps, mut on, mut off) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut generated, mut admitted, mut decode_tokens) = (0usize, 0, 0usize);
+    let mut checked = true;
     while engine.has_work() {
+        let alternating = integrity_ab && check && first_token_all.is_some();
+        if alternating {
+            checked = !checked;
+            engine.set_integrity(checked);
+        }
         let t = Instant::now();
         let events = engine.step()?;
-        let mut decoded = false;
+        let elapsed = t.elapsed().as_secs_f64() * 1e3;
+        admitted = admitted.max(engine.running());
+        let mut decoded = 0;
         for e in events {
             if let Event::Token {
                 seq,
@@ -67,28 +121,63 @@ pub fn run(
             {
                 let n = seen.entry(seq).or_insert(0usize);
                 if *n > 0 {
-                    generated_after_first += 1;
-                    decoded = true;
+                    decoded += 1;
                 }
                 *n += 1;
+                generated += 1;
             }
         }
         if first_token_all.is_none() && seen.len() == concurrency {
             first_token_all = Some(start.elapsed());
-        } else if decoded {
-            step_times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        if decoded == 0 {
+            continue;
+        }
+        itl.push(elapsed);
+        let stats = engine.stats();
+        if stats.last_step_tokens == stats.last_step_seqs {
+            decode_steps.push(elapsed);
+            decode_tokens += decoded;
+            if alternating {
+                if checked { &mut on } else { &mut off }.push(elapsed);
+            }
         }
     }
     let total = start.elapsed();
     let prefill = first_token_all.unwrap_or(total);
-    step_times.sort_by(f64::total_cmp);
+    let decode_time: f64 = decode_steps.iter().sum::<f64>() / 1e3;
+    let mean_batch = decode_tokens as f64 / decode_steps.len().max(1) as f64;
+    for v in [&mut itl, &mut decode_steps, &mut on, &mut off] {
+        v.sort_by(f64::total_cmp);
+    }
+    let context = (prompt_tokens + gen_tokens / 2) as f64;
     let row = BenchRow {
         concurrency,
+        admitted,
         prompt_tok_s: (concurrency * prompt_tokens) as f64 / prefill.as_secs_f64(),
-        decode_tok_s: generated_after_first as f64 / (total - prefill).as_secs_f64().max(1e-9),
-        itl_p50_ms: step_times.get(step_times.len() / 2).copied().unwrap_or(0.0),
+        decode_tok_s: decode_tokens as f64 / decode_time.max(1e-9),
+        output_tok_s: generated as f64 / total.as_secs_f64(),
+        itl_p50_ms: percentile(&itl, 0.5),
+        itl_p95_ms: percentile(&itl, 0.95),
+        decode_step_ms: percentile(&decode_steps, 0.5),
+        check_on_off_ms: (integrity_ab && check && !on.is_empty())
+            .then(|| (percentile(&on, 0.5), percentile(&off, 0.5))),
+        step_bytes: engine.weight_bytes() as f64
+            + mean_batch * context * engine.kv_bytes_per_token() as f64,
+        mean_batch,
     };
     Ok((row, engine.into_loaded()))
+}
+
+/// The device's copy bandwidth in GB/s (on a GPU), for rooflines.
+pub fn copy_bandwidth(loaded: Arc<Loaded>, config: EngineConfig) -> (Option<f64>, Arc<Loaded>) {
+    match Engine::new(loaded.clone(), config) {
+        Ok(e) => {
+            let bw = e.copy_bandwidth();
+            (bw, e.into_loaded())
+        }
+        Err(_) => (None, loaded),
+    }
 }
 
 /// Time to first token of one prompt, cold and with its prefix cached.

@@ -105,6 +105,13 @@ struct EngineArgs {
     /// Where the forward pass runs: `cpu`, `cuda` or `cuda:N`.
     #[arg(long, default_value = "cpu")]
     device: kiln_kernels::Device,
+    /// Most sequences running at once [default: 64 on the CPU, 256 on CUDA].
+    #[arg(long)]
+    max_seqs: Option<usize>,
+    /// Most tokens one step computes (prefill chunks and decodes)
+    /// [default: 256 on the CPU, 2048 on CUDA].
+    #[arg(long)]
+    step_tokens: Option<usize>,
 }
 
 impl EngineArgs {
@@ -114,12 +121,17 @@ impl EngineArgs {
         if let kiln_kernels::Device::Cuda(n) = self.device {
             kiln_kernels::cuda::Gpu::probe(n)?;
         }
+        let gpu = matches!(self.device, kiln_kernels::Device::Cuda(_));
+        let scheduler = kiln_host::engine::SchedulerConfig {
+            max_running: self.max_seqs.unwrap_or(if gpu { 256 } else { 64 }),
+            max_tokens_per_step: self.step_tokens.unwrap_or(if gpu { 2048 } else { 256 }),
+        };
         Ok(kiln_host::engine::EngineConfig {
             kv_format: kv_format(self.kv),
             kv_memory: self.kv_memory,
             integrity: self.kv_integrity == OnOff::On,
             device: self.device,
-            ..Default::default()
+            scheduler,
         })
     }
 }
@@ -200,6 +212,14 @@ struct BenchArgs {
     /// with its prefix cached, this many times each.
     #[arg(long, value_name = "REPS")]
     ttft: Option<usize>,
+    /// KV page formats to compare at the same --kv-memory, comma separated
+    /// [default: --kv].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    kv_formats: Vec<KvArg>,
+    /// Run the page-tag check on every other decode step and report the
+    /// median step with it and without it.
+    #[arg(long)]
+    integrity_ab: bool,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -254,28 +274,80 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    let formats = if args.kv_formats.is_empty() {
+        vec![args.engine.kv]
+    } else {
+        args.kv_formats.clone()
+    };
+    let mut probe = config.clone();
+    probe.kv_memory = 16 << 20;
+    let (bw, back) = kiln_host::bench::copy_bandwidth(loaded, probe);
+    loaded = back;
     println!(
-        "model {} | kv {:?} | prompt {} | generate {} | threads {}",
+        "model {} | kv memory {} MiB | prompt {} | generate {} | device {:?} | copy {} | threads {}",
         args.model,
-        kv_format(args.engine.kv),
+        args.engine.kv_memory >> 20,
         args.prompt_tokens,
         args.gen_tokens,
+        args.engine.device,
+        bw.map_or("-".into(), |b| format!("{b:.0} GB/s")),
         rayon::current_num_threads()
     );
     println!(
-        "{:>11} {:>14} {:>14} {:>12}",
-        "concurrency", "prompt tok/s", "decode tok/s", "ITL p50 ms"
+        "{:>5} {:>5} {:>8} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>20} {:>8} {:>8}",
+        "kv",
+        "conc",
+        "admitted",
+        "prompt t/s",
+        "decode t/s",
+        "output t/s",
+        "ITL p50",
+        "ITL p95",
+        "step ms",
+        "batch",
+        "check on/off ms",
+        "ideal ms",
+        "roofline"
     );
-    for c in args.concurrency {
-        let config = config.clone();
-        let (row, back) =
-            kiln_host::bench::run(loaded, config, c, args.prompt_tokens, args.gen_tokens)
-                .map_err(anyhow::Error::msg)?;
-        loaded = back;
-        println!(
-            "{:>11} {:>14.1} {:>14.1} {:>12.2}",
-            row.concurrency, row.prompt_tok_s, row.decode_tok_s, row.itl_p50_ms
-        );
+    for format in formats {
+        for &c in &args.concurrency {
+            let mut config = config.clone();
+            config.kv_format = kv_format(format);
+            let spec = kiln_host::bench::BenchSpec {
+                concurrency: c,
+                prompt_tokens: args.prompt_tokens,
+                gen_tokens: args.gen_tokens,
+                integrity_ab: args.integrity_ab,
+            };
+            let (row, back) =
+                kiln_host::bench::run(loaded, config, spec).map_err(anyhow::Error::msg)?;
+            loaded = back;
+            let check = row.check_on_off_ms.map_or("-".into(), |(on, off)| {
+                format!("{on:.2}/{off:.2} {:+.1}%", (on / off - 1.0) * 100.0)
+            });
+            // The roofline: the bytes a decode-only step must move over the
+            // copy bandwidth, against the measured decode-only step.
+            let ideal = bw.map(|b| row.step_bytes / (b * 1e9) * 1e3);
+            println!(
+                "{:>5} {:>5} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>8.2} {:>6.1} {:>20} {:>8} {:>8}",
+                format!("{:?}", kv_format(format)).to_lowercase(),
+                row.concurrency,
+                row.admitted,
+                row.prompt_tok_s,
+                row.decode_tok_s,
+                row.output_tok_s,
+                row.itl_p50_ms,
+                row.itl_p95_ms,
+                row.decode_step_ms,
+                row.mean_batch,
+                check,
+                ideal.map_or("-".into(), |i| format!("{i:.2}")),
+                ideal.map_or("-".into(), |i| format!(
+                    "{:.0}%",
+                    i / row.decode_step_ms * 100.0
+                )),
+            );
+        }
     }
     Ok(())
 }

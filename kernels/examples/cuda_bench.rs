@@ -157,9 +157,9 @@ fn main() -> Result<(), E> {
             Ok(gpu.paged_attention(
                 &kv,
                 &q,
-                &tables,
-                &offs,
-                &lens,
+                &tables.slice(..),
+                &offs.slice(..),
+                &lens.slice(..),
                 &mut scratch,
                 &mut out,
                 batch,

@@ -7,6 +7,7 @@ use half::bf16;
 
 use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout, KvPages};
+use crate::matmul::Weight;
 use crate::ops::Rope;
 
 /// A result of a backend call.
@@ -90,6 +91,11 @@ pub trait Backend {
     ) -> R;
     /// GGUF blocks of `n` elements as values (bf16 on CUDA, f32 here).
     fn dequantize(&self, dtype: crate::quant::DType, bytes: &[u8], n: usize) -> R<Vec<f32>>;
+    /// `out (m x rows) = x (m x cols) * w^T` for a weight of any type, as
+    /// the engine runs it (block types stay quantized on the device).
+    fn matmul_weight(&self, x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> R;
+    /// `out[t] = w[ids[t]]` for a weight of any type (the embedding).
+    fn embed_weight(&self, w: &Weight, ids: &[u32], out: &mut [f32]) -> R;
 }
 
 /// The CPU: the reference implementation of every kernel.
@@ -209,5 +215,20 @@ impl Backend for Cpu {
         let mut out = vec![0.0; n];
         crate::quant::dequantize_row(dtype, bytes, &mut out);
         Ok(out)
+    }
+
+    fn matmul_weight(&self, x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> R {
+        crate::matmul::matmul(x, m, w, out)
+    }
+
+    fn embed_weight(&self, w: &Weight, ids: &[u32], out: &mut [f32]) -> R {
+        let cols = w.cols();
+        if out.len() < ids.len() * cols || ids.iter().any(|i| *i as usize >= w.rows()) {
+            return Err(KernelError::Shape("embedding ids or output".into()));
+        }
+        for (row, id) in out.chunks_exact_mut(cols).zip(ids) {
+            w.row(*id as usize, row);
+        }
+        Ok(())
     }
 }

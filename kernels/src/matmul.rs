@@ -101,6 +101,14 @@ impl Weight {
         self.dtype
     }
 
+    /// The raw bytes, for every type but f32 (kept as floats).
+    pub fn bytes(&self) -> Option<&[u8]> {
+        match &self.store {
+            Store::Bytes(b) => Some(b),
+            Store::F32(_) => None,
+        }
+    }
+
     /// Bytes of storage.
     pub fn size_bytes(&self) -> usize {
         match &self.store {

@@ -24,10 +24,17 @@ pub struct SamplingParams {
     pub top_p: f32,
 }
 
+impl SamplingParams {
+    /// Whether sampling is the argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 || self.top_k == 1
+    }
+}
+
 /// Draws a token: greedy at temperature 0, else softmax(logits / T)
 /// restricted by top-k then top-p.
 pub fn sample(logits: &[f32], p: SamplingParams, rng: &mut impl Rng) -> u32 {
-    if p.temperature <= 0.0 || p.top_k == 1 {
+    if p.is_greedy() {
         return argmax(logits);
     }
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();

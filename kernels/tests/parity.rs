@@ -10,6 +10,7 @@
 use half::bf16;
 use kiln_kernels::backend::{AttentionCase, Backend, Cpu, KvRow};
 use kiln_kernels::kv::{KvFormat, KvLayout};
+use kiln_kernels::matmul::Weight;
 use kiln_kernels::ops::{Rope, RopeStyle};
 use kiln_kernels::quant::{self, DType};
 use rand::{Rng, SeedableRng};
@@ -323,13 +324,61 @@ fn gguf_blocks_dequantize_like_the_cpu() {
     let (be, mut r) = (backend(), rng());
     let n = 32 * 50;
     let values = random(&mut r, n, 3.0);
-    for dtype in [DType::Q8_0, DType::Q4_1] {
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
         let bytes = quant::quantize(dtype, &values);
         let mut want = vec![0.0f32; n];
         quant::dequantize_row(dtype, &bytes, &mut want);
         let got = be.dequantize(dtype, &bytes, n).unwrap();
         let want64: Vec<f64> = want.iter().map(|v| *v as f64).collect();
-        // CUDA stores bf16: 8 bits of mantissa.
-        assert!(rel_err(&got, &want64) < 4e-3, "{} {dtype:?}", be.name());
+        // f32 on both sides: only the rounding of d * q + m may differ.
+        assert!(rel_err(&got, &want64) < 1e-6, "{} {dtype:?}", be.name());
+    }
+}
+
+#[test]
+fn block_quantized_matmul_and_embedding_match_float64() {
+    let (be, mut r) = (backend(), rng());
+    let (n, k) = (200, 256);
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let w = Weight::from_bytes(
+            dtype,
+            n,
+            k,
+            quant::quantize(dtype, &random(&mut r, n * k, 0.5)),
+        )
+        .unwrap();
+        let mut rows = vec![0.0f32; n * k];
+        for (i, row) in rows.chunks_exact_mut(k).enumerate() {
+            w.row(i, row);
+        }
+        // m <= 8 reads the blocks in the GEMV on CUDA; 20 dequantizes for cuBLAS.
+        for m in [1, 5, 8, 20] {
+            let x = random(&mut r, m * k, 1.0);
+            let want: Vec<f64> = (0..m * n)
+                .map(|o| {
+                    let (i, j) = (o / n, o % n);
+                    (0..k)
+                        .map(|t| x[i * k + t] as f64 * rows[j * k + t] as f64)
+                        .sum()
+                })
+                .collect();
+            let mut out = vec![f32::NAN; m * n];
+            be.matmul_weight(&x, m, &w, &mut out).unwrap();
+            let e = rel_err(&out, &want);
+            assert!(e < 1e-5, "{} {dtype:?} m={m}: rel err {e}", be.name());
+        }
+        let ids: Vec<u32> = (0..7).map(|_| r.random_range(0..n as u32)).collect();
+        let mut out = vec![f32::NAN; ids.len() * k];
+        be.embed_weight(&w, &ids, &mut out).unwrap();
+        let want: Vec<f64> = ids
+            .iter()
+            .flat_map(|id| rows[*id as usize * k..(*id as usize + 1) * k].iter())
+            .map(|v| *v as f64)
+            .collect();
+        assert!(
+            rel_err(&out, &want) < 1e-7,
+            "{} {dtype:?} embedding",
+            be.name()
+        );
     }
 }

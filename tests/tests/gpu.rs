@@ -114,8 +114,10 @@ fn greedy_tokens_and_teacher_forced_argmax_on_the_test_device_agree_with_the_cpu
     );
 }
 
-#[test]
-fn a_corrupted_mapping_on_the_test_device_aborts_exactly_the_victim() {
+/// Three sequences of three tenants to the end, the second one's mapping
+/// corrupted with the third's first page after the prefill when `fault`:
+/// each one's tokens and finish, and the engine.
+fn three_sequences(fault: bool) -> (Vec<(Vec<u32>, Finish)>, Engine) {
     let mut e = engine(device());
     let params = GenerateParams {
         max_tokens: 8,
@@ -131,19 +133,46 @@ fn a_corrupted_mapping_on_the_test_device_aborts_exactly_the_victim() {
                 .unwrap()
         })
         .collect();
-    e.step().unwrap(); // prefill: every sequence has pages
-    assert!(e.inject_page_fault(seqs[1], seqs[2]));
+    let mut tokens: std::collections::HashMap<u64, Vec<u32>> = Default::default();
     let mut finish = std::collections::HashMap::new();
-    while e.has_work() {
-        for ev in e.step().unwrap() {
-            if let Event::Finished { seq, finish: f, .. } = ev {
-                finish.insert(seq, f);
+    let mut record = |events: Vec<Event>| {
+        for ev in events {
+            match ev {
+                Event::Token {
+                    seq,
+                    token: Some(t),
+                    ..
+                } => tokens.entry(seq).or_default().push(t),
+                Event::Finished { seq, finish: f, .. } => {
+                    finish.insert(seq, f);
+                }
+                _ => {}
             }
         }
+    };
+    record(e.step().unwrap()); // prefill: every sequence has pages
+    if fault {
+        assert!(e.inject_page_fault(seqs[1], seqs[2]));
     }
-    assert!(matches!(finish[&seqs[1]], Finish::Aborted(_)), "{finish:?}");
-    for s in [seqs[0], seqs[2]] {
-        assert!(!matches!(finish[&s], Finish::Aborted(_)), "{finish:?}");
+    while e.has_work() {
+        record(e.step().unwrap());
+    }
+    let out = seqs
+        .iter()
+        .map(|s| (tokens.remove(s).unwrap_or_default(), finish[s].clone()))
+        .collect();
+    (out, e)
+}
+
+#[test]
+fn a_corrupted_mapping_on_the_test_device_aborts_exactly_the_victim() {
+    let (clean, _) = three_sequences(false);
+    let (faulty, e) = three_sequences(true);
+    assert!(matches!(faulty[1].1, Finish::Aborted(_)), "{faulty:?}");
+    // The others run as if nothing happened: same tokens, same ending.
+    for i in [0, 2] {
+        assert!(!matches!(faulty[i].1, Finish::Aborted(_)), "{faulty:?}");
+        assert_eq!(faulty[i], clean[i], "sequence {i}");
     }
     assert_eq!(e.stats().integrity_aborts, 1);
     assert_eq!(e.free_pages(), e.total_pages());

@@ -50,6 +50,9 @@ pub struct BlockPool {
     evictable: LruList,
     cached: HashMap<PageHash, u32>,
     journal: Vec<PrefixChange>,
+    /// Pages given new tags since the last take, when someone mirrors the
+    /// tags (a GPU keeps its own copy for the check it runs).
+    retagged: Option<Vec<u32>>,
     next_generation: u64,
 }
 
@@ -64,8 +67,28 @@ impl BlockPool {
             evictable: LruList::new(num_pages),
             cached: HashMap::new(),
             journal: Vec::new(),
+            retagged: None,
             next_generation: 1,
         }
+    }
+
+    /// Starts recording the pages that get new tags, for
+    /// [`Self::take_retagged`].
+    pub fn track_retags(&mut self) {
+        self.retagged.get_or_insert_with(Vec::new);
+    }
+
+    /// Pages given new tags since the last call, with their tags now
+    /// (empty unless [`Self::track_retags`] was called).
+    pub fn take_retagged(&mut self) -> Vec<(u32, PageTag)> {
+        let Some(r) = &mut self.retagged else {
+            return Vec::new();
+        };
+        let pages = std::mem::take(r);
+        pages
+            .into_iter()
+            .map(|p| (p, self.tags[p as usize]))
+            .collect()
     }
 
     /// Pages in the pool.
@@ -105,6 +128,9 @@ impl BlockPool {
         self.next_generation += 1;
         self.tags[page as usize] = tag;
         self.refs[page as usize] = 1;
+        if let Some(r) = &mut self.retagged {
+            r.push(page);
+        }
         Some((page, tag))
     }
 

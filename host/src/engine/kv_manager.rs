@@ -111,6 +111,16 @@ impl KvCacheManager {
         t.named = t.named.max(full);
     }
 
+    /// Starts recording retagged pages (see [`BlockPool::track_retags`]).
+    pub fn track_retags(&mut self) {
+        self.pool.track_retags();
+    }
+
+    /// Pages given new tags since the last call, with their tags.
+    pub fn take_retagged(&mut self) -> Vec<(u32, PageTag)> {
+        self.pool.take_retagged()
+    }
+
     /// Changes to the cached hashes since the last call.
     pub fn take_prefix_changes(&mut self) -> Vec<PrefixChange> {
         self.pool.take_journal()

@@ -20,17 +20,19 @@ use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 use kiln_kernels::sample::sample;
 
+use block_pool::PageTag;
 pub use block_pool::{PrefixChange, TenantId};
 pub use kv_manager::SeqId;
 pub use prefix::{PageHash, Salt};
 pub use request::{Finish, GenerateParams};
+pub use scheduler::SchedulerConfig;
 
-use crate::model::gpu::{GpuKv, GpuModel};
+use crate::model::gpu::{GpuKv, GpuModel, SeqOut, StepOut, StepTags};
 use crate::model::{BatchSeq, KvCache, Loaded};
 use integrity::{IntegrityCheck, NoCheck, TagCheck};
 use kv_manager::KvCacheManager;
 use request::Request;
-use scheduler::{Scheduler, SchedulerConfig};
+use scheduler::Scheduler;
 
 /// Tokens per KV page.
 pub const PAGE_SIZE: usize = 16;
@@ -69,19 +71,34 @@ enum Runner {
 }
 
 impl Runner {
+    fn on_gpu(&self) -> bool {
+        matches!(self, Runner::Gpu(..))
+    }
+
     fn forward(
         &mut self,
         loaded: &Loaded,
         batch: &[BatchSeq<'_>],
-    ) -> Result<Vec<Vec<f32>>, String> {
+        tags: StepTags<'_>,
+    ) -> Result<StepOut, String> {
         match self {
-            Runner::Cpu(cache) => loaded
-                .model
-                .forward(cache, batch)
-                .map_err(|e| e.to_string()),
-            Runner::Gpu(model, kv) => model.forward(kv, batch).map_err(|e| e.to_string()),
+            Runner::Cpu(cache) => {
+                let logits = loaded
+                    .model
+                    .forward(cache, batch)
+                    .map_err(|e| e.to_string())?;
+                Ok(StepOut {
+                    rows: logits.into_iter().map(SeqOut::Logits).collect(),
+                    ok: vec![true; batch.len()],
+                })
+            }
+            Runner::Gpu(model, kv) => model.forward(kv, batch, tags).map_err(|e| e.to_string()),
         }
     }
+}
+
+fn tag_words(t: &PageTag) -> [u64; 2] {
+    [t.generation, t.tenant.0 as u64]
 }
 
 /// What happened to a request during a step.
@@ -134,11 +151,17 @@ pub struct EngineStats {
     pub preemptions: u64,
     /// Forward steps run.
     pub steps: u64,
+    /// Sequences in the last step.
+    pub last_step_seqs: usize,
+    /// Tokens the last step computed (equal to its sequences when it only
+    /// decoded).
+    pub last_step_tokens: usize,
 }
 
 /// One model, its KV pool and its scheduler.
 pub struct Engine {
     loaded: Arc<Loaded>,
+    page_bytes: usize,
     runner: Runner,
     kv: KvCacheManager,
     scheduler: Scheduler,
@@ -164,12 +187,16 @@ impl Engine {
                 num_pages,
             )),
             Device::Cuda(n) => {
-                let model = GpuModel::upload(&loaded.model, n).map_err(|e| e.to_string())?;
+                let kept = loaded.gpu_weights.lock().ok().and_then(|mut s| s.take());
+                let model = match kept {
+                    Some((ordinal, model)) if ordinal == n => model,
+                    _ => Box::new(GpuModel::upload(&loaded.model, n).map_err(|e| e.to_string())?),
+                };
                 tracing::info!(device = model.device_name(), "model weights on the GPU");
                 let kv = model
                     .kv(config.kv_format, PAGE_SIZE, num_pages)
                     .map_err(|e| e.to_string())?;
-                Runner::Gpu(Box::new(model), Box::new(kv))
+                Runner::Gpu(model, Box::new(kv))
             }
         };
         let checker: Box<dyn IntegrityCheck> = if config.integrity {
@@ -177,10 +204,16 @@ impl Engine {
         } else {
             Box::new(NoCheck)
         };
+        let mut kv = KvCacheManager::new(num_pages, PAGE_SIZE);
+        if runner.on_gpu() {
+            // The GPU keeps a copy of the tags for the check it runs.
+            kv.track_retags();
+        }
         Ok(Self {
             loaded,
+            page_bytes,
             runner,
-            kv: KvCacheManager::new(num_pages, PAGE_SIZE),
+            kv,
             scheduler: Scheduler::new(config.scheduler),
             requests: HashMap::new(),
             checker,
@@ -196,7 +229,34 @@ impl Engine {
 
     /// Gives the model back (to build another engine on it).
     pub fn into_loaded(self) -> Arc<Loaded> {
+        if let Runner::Gpu(model, _) = self.runner
+            && let Ok(mut slot) = self.loaded.gpu_weights.lock()
+        {
+            *slot = Some((model.ordinal(), model));
+        }
         self.loaded
+    }
+
+    /// Bytes of KV one token takes over all layers.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.page_bytes / PAGE_SIZE
+    }
+
+    /// Bytes of weights a decode step reads (every layer's matrices and the
+    /// output head) where the forward pass runs.
+    pub fn weight_bytes(&self) -> usize {
+        match &self.runner {
+            Runner::Gpu(model, _) => model.weight_bytes(),
+            Runner::Cpu(_) => self.loaded.model.weight_bytes(),
+        }
+    }
+
+    /// The device's copy bandwidth in GB/s, on a GPU.
+    pub fn copy_bandwidth(&self) -> Option<f64> {
+        match &self.runner {
+            Runner::Gpu(model, _) => model.copy_bandwidth().ok(),
+            Runner::Cpu(_) => None,
+        }
     }
 
     /// Free KV pages.
@@ -373,8 +433,20 @@ impl Engine {
                     pages: &pages,
                     logits: true,
                     write_kv: true,
+                    greedy: false,
                 };
-                out.extend(self.runner.forward(&self.loaded, &[seq])?);
+                let tags = self.kv.take_retagged();
+                let changes: Vec<(u32, [u64; 2])> =
+                    tags.iter().map(|(p, t)| (*p, tag_words(t))).collect();
+                let step = StepTags {
+                    expected: &[],
+                    changes: &changes,
+                };
+                let rows = self.runner.forward(&self.loaded, &[seq], step)?.rows;
+                out.extend(rows.into_iter().filter_map(|r| match r {
+                    SeqOut::Logits(l) => Some(l),
+                    SeqOut::Token(_) => None,
+                }));
             }
             Ok(out)
         })();
@@ -396,6 +468,32 @@ impl Engine {
         }
     }
 
+    /// Ends `seq` because its pages failed the tag check.
+    fn integrity_abort(&mut self, seq: SeqId, events: &mut Vec<Event>) {
+        self.stats.integrity_aborts += 1;
+        tracing::warn!(seq, "KV page integrity check failed; aborting the sequence");
+        self.finish(
+            seq,
+            Finish::Aborted("kv page integrity check failed".into()),
+            events,
+        );
+    }
+
+    /// Switches the page-tag check on or off from the next step (for
+    /// benchmarks that measure what it costs).
+    pub fn set_integrity(&mut self, on: bool) {
+        self.checker = if on {
+            Box::new(TagCheck)
+        } else {
+            Box::new(NoCheck)
+        };
+    }
+
+    /// Sequences admitted and not finished (holding KV pages).
+    pub fn running(&self) -> usize {
+        self.scheduler.running()
+    }
+
     /// Runs one step: schedule, check page tags, forward, sample.
     pub fn step(&mut self) -> Result<Vec<Event>, String> {
         let mut events = Vec::new();
@@ -412,46 +510,64 @@ impl Engine {
             return Ok(events);
         }
         let ids: Vec<SeqId> = plan.scheduled.iter().map(|s| s.seq).collect();
-        let ok = self.kv.check(&ids, self.checker.as_ref());
+        // On a GPU the check runs inside the step; on the CPU, here.
+        let device_check = self.runner.on_gpu() && self.checker.enabled();
+        let ok = if device_check {
+            vec![true; ids.len()]
+        } else {
+            self.kv.check(&ids, self.checker.as_ref())
+        };
         let mut run = Vec::with_capacity(ids.len());
         for (sch, ok) in plan.scheduled.iter().zip(ok) {
             if ok {
                 run.push(sch.clone());
             } else {
-                self.stats.integrity_aborts += 1;
-                tracing::warn!(
-                    seq = sch.seq,
-                    "KV page integrity check failed; aborting the sequence"
-                );
-                self.finish(
-                    sch.seq,
-                    Finish::Aborted("kv page integrity check failed".into()),
-                    &mut events,
-                );
+                self.integrity_abort(sch.seq, &mut events);
             }
         }
+        let changes: Vec<(u32, [u64; 2])> = self
+            .kv
+            .take_retagged()
+            .iter()
+            .map(|(p, t)| (*p, tag_words(t)))
+            .collect();
+        let mut expected = Vec::new();
         let batch: Vec<BatchSeq<'_>> = run
             .iter()
             .map(|s| {
                 let r = &self.requests[&s.seq];
-                let pages = &self
-                    .kv
-                    .table(s.seq)
-                    .map(|t| t.pages.as_slice())
-                    .unwrap_or(&[]);
+                let table = self.kv.table(s.seq);
+                if device_check && let Some(t) = table {
+                    expected.extend(t.expected.iter().map(tag_words));
+                }
                 BatchSeq {
                     tokens: &r.tokens[s.start..s.start + s.count],
                     start: s.start,
-                    pages,
+                    pages: table.map(|t| t.pages.as_slice()).unwrap_or(&[]),
                     logits: s.sample,
                     write_kv: s.write_kv,
+                    greedy: r.sampling().is_greedy(),
                 }
             })
             .collect();
-        let logits = self.runner.forward(&self.loaded, &batch)?;
+        let tags = StepTags {
+            expected: &expected,
+            changes: &changes,
+        };
+        let StepOut { rows, ok } = self.runner.forward(&self.loaded, &batch, tags)?;
         self.stats.steps += 1;
+        self.stats.last_step_seqs = batch.len();
+        self.stats.last_step_tokens = batch.iter().map(|b| b.tokens.len()).sum();
+        // Sequences the device's check stopped: their results are void.
+        let mut failed = std::collections::HashSet::new();
+        for (s, ok) in run.iter().zip(ok) {
+            if !ok {
+                failed.insert(s.seq);
+                self.integrity_abort(s.seq, &mut events);
+            }
+        }
         // Name the pages this step filled, before any of them is released.
-        for s in &run {
+        for s in run.iter().filter(|s| !failed.contains(&s.seq)) {
             if let Some(r) = self.requests.get_mut(&s.seq)
                 && let Some(salt) = r.salt
             {
@@ -466,13 +582,19 @@ impl Engine {
             .config
             .context_length
             .min(self.kv.num_pages() * PAGE_SIZE);
-        let mut logits = logits.into_iter();
+        let mut rows = rows.into_iter();
         for s in run.iter().filter(|s| s.sample) {
-            let Some(l) = logits.next() else { break };
+            let Some(row) = rows.next() else { break };
+            if failed.contains(&s.seq) {
+                continue;
+            }
             let Some(r) = self.requests.get_mut(&s.seq) else {
                 continue;
             };
-            let token = sample(&l, r.sampling(), &mut r.rng);
+            let token = match row {
+                SeqOut::Logits(l) => sample(&l, r.sampling(), &mut r.rng),
+                SeqOut::Token(t) => t,
+            };
             let eos = self.loaded.tokenizer.is_eos(token) && !r.params.ignore_eos;
             let mut finish = None;
             if eos {

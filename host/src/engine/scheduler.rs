@@ -139,6 +139,11 @@ impl Scheduler {
         }
     }
 
+    /// Sequences running (admitted, holding pages).
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
     /// Sequences known (waiting or running).
     pub fn len(&self) -> usize {
         self.seqs.len()

@@ -84,9 +84,24 @@ pub struct BatchSeq<'a> {
     /// Whether to write the new tokens' K and V; false when the pages
     /// already hold them (a prefix-cache hit recomputed for its logits).
     pub write_kv: bool,
+    /// Whether the sequence samples greedily, so a device may return its
+    /// argmax instead of its logits.
+    pub greedy: bool,
 }
 
 impl Model {
+    /// Bytes of the matrices a decode step reads: every layer's and the
+    /// output head.
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .map(Weight::size_bytes)
+            .sum();
+        layers + self.output().size_bytes()
+    }
+
     fn output(&self) -> &Weight {
         self.output.as_ref().unwrap_or(&self.embed)
     }

@@ -29,6 +29,7 @@ pub fn load(name: &str, source: &str) -> Result<Loaded, ModelError> {
         name: name.to_owned(),
         model,
         tokenizer,
+        gpu_weights: Default::default(),
     })
 }
 

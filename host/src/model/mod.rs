@@ -43,4 +43,8 @@ pub struct Loaded {
     pub model: Model,
     /// Tokenizer and chat template.
     pub tokenizer: Tokenizer,
+    /// Weights an engine uploaded to a GPU and gave back when it ended,
+    /// for the next engine on that GPU (benchmarks build one engine after
+    /// another; a copy of an 8B model costs seconds).
+    pub gpu_weights: std::sync::Mutex<Option<(usize, Box<gpu::GpuModel>)>>,
 }

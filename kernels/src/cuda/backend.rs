@@ -7,6 +7,7 @@ use half::bf16;
 
 use super::Gpu;
 use crate::backend::{AttentionCase, Backend, R};
+use crate::matmul::Weight;
 use crate::ops::{Rope, RopeStyle};
 
 impl Gpu {
@@ -57,7 +58,7 @@ impl Backend for Gpu {
         let dp = self.upload(&ints(pos.iter().copied()))?;
         let df = self.upload(rope.inv_freq())?;
         let il = rope.style() == RopeStyle::Interleaved;
-        self.rope(&mut dx, &dp, &df, pos.len(), heads, dim, il)?;
+        self.rope(&mut dx, &dp.slice(..), &df, pos.len(), heads, dim, il)?;
         x.copy_from_slice(&self.download(&dx)?);
         Ok(())
     }
@@ -74,7 +75,7 @@ impl Backend for Gpu {
         let dt = self.upload(table)?;
         let di = self.upload(ids)?;
         let mut dout = self.poisoned(out.len())?;
-        self.embed(&dt, &di, &mut dout, ids.len(), hidden)?;
+        self.embed(&dt, &di.slice(..), &mut dout, ids.len(), hidden)?;
         out.copy_from_slice(&self.download(&dout)?[..out.len()]);
         Ok(())
     }
@@ -84,9 +85,9 @@ impl Backend for Gpu {
         if !c.rows.is_empty() {
             let k: Vec<f32> = c.rows.iter().flat_map(|r| r.k.iter().copied()).collect();
             let v: Vec<f32> = c.rows.iter().flat_map(|r| r.v.iter().copied()).collect();
-            let slots: Vec<i64> = c.rows.iter().map(|r| r.slot as i64).collect();
+            let slots: Vec<i32> = c.rows.iter().map(|r| r.slot as i32).collect();
             let (dk, dv, ds) = (self.upload(&k)?, self.upload(&v)?, self.upload(&slots)?);
-            self.kv_write(&mut kv, &dk, &dv, &ds, c.rows.len())?;
+            self.kv_write(&mut kv, &dk, &dv, &ds.slice(..), c.rows.len())?;
         }
         let mut offsets = vec![0i32];
         let mut flat = Vec::new();
@@ -103,9 +104,9 @@ impl Backend for Gpu {
         self.paged_attention(
             &kv,
             &self.upload(&c.q)?,
-            &self.upload(&flat)?,
-            &self.upload(&offsets)?,
-            &self.upload(&ints(c.lens.iter().copied()))?,
+            &self.upload(&flat)?.slice(..),
+            &self.upload(&offsets)?.slice(..),
+            &self.upload(&ints(c.lens.iter().copied()))?.slice(..),
             &mut scratch,
             &mut out,
             seqs,
@@ -124,17 +125,27 @@ impl Backend for Gpu {
         current: &[[u64; 2]],
     ) -> R<Vec<bool>> {
         let seqs = offsets.len().saturating_sub(1);
-        let flat =
-            |t: &[[u64; 2]]| -> Vec<u64> { t.iter().flat_map(|w| *w).chain([0, 0]).collect() };
-        let mut p = pages.to_vec();
-        p.push(0);
-        let mut flags = self.upload(&vec![-1i32; seqs.max(1)])?;
+        // The step's layout: expected tags, then table entries, then each
+        // sequence's first entry.
+        let mut words: Vec<u32> = expected
+            .iter()
+            .flat_map(|t| t.iter().flat_map(|w| [*w as u32, (*w >> 32) as u32]))
+            .collect();
+        let layout = super::TagLayout {
+            expected: 0,
+            tables: words.len(),
+            seq_tab: words.len() + pages.len(),
+            ..Default::default()
+        };
+        words.extend(pages);
+        words.extend(offsets.iter().map(|o| *o as u32));
+        let current: Vec<u64> = current.iter().flat_map(|w| *w).collect();
+        let mut flags = self.upload(&vec![u32::MAX; seqs.max(1)])?;
         self.tag_check(
-            &self.upload(&p)?,
-            &self.upload(&flat(expected))?,
-            &self.upload(&ints(offsets.iter().copied()))?,
-            &self.upload(&flat(current))?,
-            &mut flags,
+            &mut self.upload(&words)?,
+            &layout,
+            &self.upload(&current)?,
+            &mut flags.slice_mut(..),
             seqs,
         )?;
         Ok(self.download(&flags)?[..seqs]
@@ -146,7 +157,7 @@ impl Backend for Gpu {
     fn argmax_rows(&self, x: &[f32], n: usize) -> R<Vec<u32>> {
         let rows = x.len() / n;
         let mut out = self.upload(&vec![u32::MAX; rows.max(1)])?;
-        self.argmax_rows(&self.upload(x)?, rows, n, &mut out)?;
+        self.argmax_rows(&self.upload(x)?, rows, n, &mut out.slice_mut(..))?;
         Ok(self.download(&out)?[..rows].to_vec())
     }
 
@@ -175,11 +186,34 @@ impl Backend for Gpu {
     }
 
     fn dequantize(&self, dtype: crate::quant::DType, bytes: &[u8], n: usize) -> R<Vec<f32>> {
-        let mut out = self.upload(&vec![bf16::from_f32(f32::NAN); n.max(1)])?;
+        let mut out = self.poisoned(n)?;
         self.dequantize(dtype, &self.upload(bytes)?, &mut out, n)?;
-        Ok(self.download(&out)?[..n]
-            .iter()
-            .map(|v| v.to_f32())
-            .collect())
+        Ok(self.download(&out)?[..n].to_vec())
+    }
+
+    fn matmul_weight(&self, x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> R {
+        let (n, k) = (w.rows(), w.cols());
+        let dw = self.weight(w)?;
+        let dx = self.upload(x)?;
+        let mut dout = self.poisoned(m * n)?;
+        let blocks = matches!(dw, super::DeviceWeight::Blocks { .. });
+        let mut scratch = self.gemm_scratch(m, k, blocks)?;
+        self.matmul(&dx, &dw, &mut dout, m, n, k, &mut scratch)?;
+        out[..m * n].copy_from_slice(&self.download(&dout)?[..m * n]);
+        Ok(())
+    }
+
+    fn embed_weight(&self, w: &Weight, ids: &[u32], out: &mut [f32]) -> R {
+        let dw = self.weight(w)?;
+        let mut dout = self.poisoned(ids.len() * w.cols())?;
+        self.embed_rows(
+            &dw,
+            &self.upload(ids)?.slice(..),
+            &mut dout,
+            ids.len(),
+            w.cols(),
+        )?;
+        out.copy_from_slice(&self.download(&dout)?[..out.len()]);
+        Ok(())
     }
 }

@@ -96,12 +96,15 @@ extern "C" __global__ void embed_bf16(const __nv_bfloat16* table, const unsigned
 }
 
 // Writes one token's K and V per block (grid: tokens x kv_heads; threads:
-// head_dim, a multiple of 32) at vector slots[t] * kv_heads + head.
-extern "C" __global__ void kv_write_bf16(const float* k, const float* v, const long long* slots,
+// head_dim, a multiple of 32) at vector slots[t] * kv_heads + head; a
+// token whose slot is negative writes nothing.
+extern "C" __global__ void kv_write_bf16(const float* k, const float* v, const int* slots,
                                          __nv_bfloat16* kc, __nv_bfloat16* vc, int kv_heads,
                                          int hd) {
+    int slot = slots[blockIdx.x];
+    if (slot < 0) return;
     size_t src = ((size_t)blockIdx.x * kv_heads + blockIdx.y) * hd + threadIdx.x;
-    size_t dst = ((size_t)slots[blockIdx.x] * kv_heads + blockIdx.y) * hd + threadIdx.x;
+    size_t dst = ((size_t)slot * kv_heads + blockIdx.y) * hd + threadIdx.x;
     kc[dst] = __float2bfloat16(k[src]);
     vc[dst] = __float2bfloat16(v[src]);
 }
@@ -123,12 +126,14 @@ __device__ void fp8_store(float x, float* red, unsigned char* out, float* scale_
 }
 
 // As kv_write_bf16, in fp8 e4m3 with one scale per vector.
-extern "C" __global__ void kv_write_fp8(const float* k, const float* v, const long long* slots,
+extern "C" __global__ void kv_write_fp8(const float* k, const float* v, const int* slots,
                                         unsigned char* kc, unsigned char* vc, float* ks,
                                         float* vs, int kv_heads, int hd) {
     __shared__ float red[32];
+    int slot = slots[blockIdx.x];
+    if (slot < 0) return;
     size_t src = ((size_t)blockIdx.x * kv_heads + blockIdx.y) * hd + threadIdx.x;
-    size_t vec = (size_t)slots[blockIdx.x] * kv_heads + blockIdx.y;
+    size_t vec = (size_t)slot * kv_heads + blockIdx.y;
     fp8_store(k[src], red, kc + vec * hd + threadIdx.x, ks + vec, hd);
     fp8_store(v[src], red, vc + vec * hd + threadIdx.x, vs + vec, hd);
 }
@@ -335,20 +340,47 @@ extern "C" __global__ void attention_merge(const float* part_out, const float* p
     }
 }
 
-// The batched page-tag check: flags[s] = 1 when every page of sequence s
-// still carries the tag it expects. Tags are (generation, tenant) pairs as
-// two u64 words. Grid: sequences.
-extern "C" __global__ void tag_check(const unsigned* pages, const unsigned long long* expected,
-                                     const int* offsets, const unsigned long long* current,
-                                     int* flags) {
+// The batched page-tag check, run inside a step before anything reads or
+// writes KV. Inputs sit in `in`, the step's one buffer of 32-bit words (word
+// offsets given): `expected` holds two u64 words (generation, tenant) per
+// block-table entry, `tables` the entries, sequence s's at
+// seq_tab[s]..seq_tab[s + 1]; `current` two u64 words per physical page.
+// flags[s] = 1 when every page of s still carries the tag s recorded. When
+// s fails and tok_off >= 0, its tokens t in tok_off[s]..tok_off[s + 1] get
+// lens[t] = 0 and slots[t] = -1, so the rest of the step neither reads nor
+// writes its pages. Grid: sequences.
+extern "C" __global__ void tag_check(unsigned* in, int expected, int tables, int seq_tab,
+                                     int tok_off, int lens, int slots,
+                                     const unsigned long long* current, unsigned* flags) {
     int s = blockIdx.x;
+    const unsigned long long* exp = (const unsigned long long*)(in + expected);
+    const int* tab = (const int*)(in + tables);
+    const int* st = (const int*)(in + seq_tab);
     int ok = 1;
-    for (int i = offsets[s] + threadIdx.x; i < offsets[s + 1]; i += blockDim.x) {
-        size_t p = pages[i];
-        if (current[2 * p] != expected[2 * i] || current[2 * p + 1] != expected[2 * i + 1]) ok = 0;
+    for (int i = st[s] + threadIdx.x; i < st[s + 1]; i += blockDim.x) {
+        size_t p = (unsigned)tab[i];
+        if (current[2 * p] != exp[2 * i] || current[2 * p + 1] != exp[2 * i + 1]) ok = 0;
     }
     ok = __syncthreads_and(ok);
     if (threadIdx.x == 0) flags[s] = ok;
+    if (!ok && tok_off >= 0) {
+        const int* to = (const int*)(in + tok_off);
+        for (int t = to[s] + threadIdx.x; t < to[s + 1]; t += blockDim.x) {
+            ((int*)(in + lens))[t] = 0;
+            ((int*)(in + slots))[t] = -1;
+        }
+    }
+}
+
+// Pages given new tags since the last step: `n` triples of u64 words
+// (page, generation, tenant) at word offset `changes` of `in`.
+extern "C" __global__ void tag_scatter(const unsigned* in, int changes, int n,
+                                       unsigned long long* current) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const unsigned long long* c = (const unsigned long long*)(in + changes) + 3 * i;
+    current[2 * c[0]] = c[1];
+    current[2 * c[0] + 1] = c[2];
 }
 
 // Greedy sampling: the index of each row's largest logit (the lowest index
@@ -422,41 +454,10 @@ extern "C" __global__ void to_bf16(const float* x, __nv_bfloat16* y, long long n
     if (i < n) y[i] = __float2bfloat16(x[i]);
 }
 
-// The low part of x after its bf16 rounding: x - bf16(x), as bf16. With
-// the high part it carries about 16 bits of x's mantissa.
-extern "C" __global__ void bf16_residue(const float* x, __nv_bfloat16* y, long long n) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = __float2bfloat16(x[i] - __bfloat162float(__float2bfloat16(x[i])));
-}
-
 // bf16 to f32, element-wise.
 extern "C" __global__ void to_f32(const __nv_bfloat16* x, float* y, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = __bfloat162float(x[i]);
-}
-
-// Dequantizes GGUF Q8_0 blocks (34 bytes: f16 scale, 32 int8) to bf16.
-// One thread per element.
-extern "C" __global__ void dequant_q8_0(const unsigned char* src, __nv_bfloat16* dst, long long n) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const unsigned char* b = src + (i / 32) * 34;
-    float d = __half2float(*(const __half*)b);
-    dst[i] = __float2bfloat16(d * (float)(signed char)b[2 + i % 32]);
-}
-
-// Dequantizes GGUF Q4_1 blocks (20 bytes: f16 scale, f16 min, 16 bytes of
-// nibbles: element j < 16 in the low nibble of byte j, j >= 16 in the high
-// nibble of byte j - 16) to bf16.
-extern "C" __global__ void dequant_q4_1(const unsigned char* src, __nv_bfloat16* dst, long long n) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const unsigned char* b = src + (i / 32) * 20;
-    float d = __half2float(*(const __half*)b);
-    float m = __half2float(*(const __half*)(b + 2));
-    int j = i % 32;
-    int q = j < 16 ? (b[4 + j] & 0xf) : (b[4 + j - 16] >> 4);
-    dst[i] = __float2bfloat16(d * q + m);
 }
 
 // x[r][c] += b[c] over rows x cols (the q/k/v biases of Qwen2).

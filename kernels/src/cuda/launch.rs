@@ -1,6 +1,6 @@
 //! Launches of the device kernels on device buffers.
 
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::{Gpu, cuda_err};
@@ -41,6 +41,24 @@ pub struct PagedKv {
 pub struct AttentionBuffers {
     part_out: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
+}
+
+/// Where the tag check's inputs sit in a step's buffer of 32-bit words.
+#[derive(Debug, Clone, Default)]
+pub struct TagLayout {
+    /// Expected tags: two u64 words per table entry (8-byte aligned).
+    pub expected: usize,
+    /// Block-table entries (page ids).
+    pub tables: usize,
+    /// Each sequence's first table entry, and the end (sequences + 1).
+    pub seq_tab: usize,
+    /// Each sequence's first token, and the end; with `lens` and `slots`,
+    /// what a failing sequence clears.
+    pub tok_off: Option<usize>,
+    /// Per-token attention lengths.
+    pub lens: Option<usize>,
+    /// Per-token KV slots.
+    pub slots: Option<usize>,
 }
 
 /// Tokens per attention partition (`PART` in the source).
@@ -112,7 +130,7 @@ impl Gpu {
     pub fn rope(
         &self,
         x: &mut CudaSlice<f32>,
-        pos: &CudaSlice<i32>,
+        pos: &CudaView<'_, i32>,
         inv_freq: &CudaSlice<f32>,
         tokens: usize,
         heads: usize,
@@ -144,7 +162,7 @@ impl Gpu {
     pub fn embed(
         &self,
         table: &CudaSlice<bf16>,
-        ids: &CudaSlice<u32>,
+        ids: &CudaView<'_, u32>,
         out: &mut CudaSlice<f32>,
         tokens: usize,
         hidden: usize,
@@ -159,13 +177,13 @@ impl Gpu {
     }
 
     /// Writes `tokens` K and V rows (`kv_heads x head_dim` each) at vector
-    /// slots `page * page_size + slot`.
+    /// slots `page * page_size + slot`; a negative slot writes nothing.
     pub fn kv_write(
         &self,
         kv: &mut PagedKv,
         k: &CudaSlice<f32>,
         v: &CudaSlice<f32>,
-        slots: &CudaSlice<i64>,
+        slots: &CudaView<'_, i32>,
         tokens: usize,
     ) -> R {
         let KvLayout {
@@ -212,9 +230,9 @@ impl Gpu {
         &self,
         kv: &PagedKv,
         q: &CudaSlice<f32>,
-        tables: &CudaSlice<i32>,
-        table_off: &CudaSlice<i32>,
-        lens: &CudaSlice<i32>,
+        tables: &CudaView<'_, i32>,
+        table_off: &CudaView<'_, i32>,
+        lens: &CudaView<'_, i32>,
         scratch: &mut AttentionBuffers,
         out: &mut CudaSlice<f32>,
         seqs: usize,
@@ -299,25 +317,57 @@ impl Gpu {
         Ok(())
     }
 
-    /// The batched page-tag check: one flag per sequence.
+    /// The batched page-tag check of one step (see `tag_check` in the
+    /// source for the layout of `inputs`): one flag per sequence into
+    /// `flags`; a failing sequence's lens and slots are cleared when
+    /// `layout.tok_off` is given.
     pub fn tag_check(
         &self,
-        pages: &CudaSlice<u32>,
-        expected: &CudaSlice<u64>,
-        offsets: &CudaSlice<i32>,
+        inputs: &mut CudaSlice<u32>,
+        layout: &TagLayout,
         current: &CudaSlice<u64>,
-        flags: &mut CudaSlice<i32>,
+        flags: &mut CudaViewMut<'_, u32>,
         seqs: usize,
     ) -> R {
         let f = self.function("tag_check")?;
+        let w = |x: Option<usize>| x.map_or(-1, |v| v as i32);
+        let ints = [
+            layout.expected as i32,
+            layout.tables as i32,
+            layout.seq_tab as i32,
+            w(layout.tok_off),
+            w(layout.lens),
+            w(layout.slots),
+        ];
         let mut b = self.stream.launch_builder(f);
-        b.arg(pages)
-            .arg(expected)
-            .arg(offsets)
-            .arg(current)
-            .arg(flags);
-        // SAFETY: offsets has seqs + 1 entries into pages and expected.
+        b.arg(inputs);
+        for i in &ints {
+            b.arg(i);
+        }
+        b.arg(current).arg(flags);
+        // SAFETY: the offsets index `inputs` as the caller laid it out.
         unsafe { b.launch(cfg((seqs as u32, 1, 1), 128, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// Applies `n` tag changes (u64 triples page, generation, tenant at word
+    /// `at` of `inputs`) to the device's copy of the page tags.
+    pub fn tag_scatter(
+        &self,
+        inputs: &CudaSlice<u32>,
+        at: usize,
+        n: usize,
+        current: &mut CudaSlice<u64>,
+    ) -> R {
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("tag_scatter")?;
+        let (a, ni) = (at as i32, n as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(inputs).arg(&a).arg(&ni).arg(current);
+        // SAFETY: one thread per change, bounds-checked; pages are in range.
+        unsafe { b.launch(cfg((blocks(n, 128), 1, 1), 128, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
 
@@ -327,7 +377,7 @@ impl Gpu {
         x: &CudaSlice<f32>,
         rows: usize,
         n: usize,
-        out: &mut CudaSlice<u32>,
+        out: &mut CudaViewMut<'_, u32>,
     ) -> R {
         let f = self.function("argmax_rows")?;
         let n_i = n as i32;
@@ -398,58 +448,78 @@ impl Gpu {
         k: usize,
         scratch: &mut CudaSlice<bf16>,
     ) -> R {
-        use cudarc::cublas::sys::{
-            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
-        };
+        use cudarc::cublas::sys::cudaDataType_t;
         if scratch.len() < m * k {
             return Err(KernelError::Shape(format!(
                 "bf16 scratch of {} for {m}x{k}",
                 scratch.len()
             )));
         }
-        // Activations as two bf16 GEMMs, x = hi + lo with hi = bf16(x) and
-        // lo = bf16(x - hi): about 16 bits of mantissa instead of 8, so
-        // prefill logits stay close to the f32 reference (twice the GEMM
-        // work, on the compute-bound path).
+        // Activations rounded to bf16, as every bf16 engine runs them (the
+        // CPU reference keeps f32; models stored as GGUF blocks take the
+        // f32 path of `Gpu::matmul` instead).
         let total = (m * k) as i64;
-        for (pass, kernel) in ["to_bf16", "bf16_residue"].into_iter().enumerate() {
-            let f = self.function(kernel)?;
-            let mut b = self.stream.launch_builder(f);
-            b.arg(x).arg(&mut *scratch).arg(&total);
-            // SAFETY: one thread per element, bounds-checked.
-            unsafe { b.launch(cfg((blocks(m * k, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
-            let (alpha, beta) = (1.0f32, if pass == 0 { 0.0f32 } else { 1.0 });
-            let (a, _ra) = w.device_ptr(&self.stream);
-            let (bp, _rb) = scratch.device_ptr(&self.stream);
-            let (c, _rc) = out.device_ptr(&self.stream);
-            // Row-major out (m x n) is column-major n x m: out^T = w * x^T.
-            // SAFETY: pointers are live device buffers of the stated sizes.
-            unsafe {
-                cudarc::cublas::result::gemm_ex(
-                    *self.blas.handle(),
-                    cublasOperation_t::CUBLAS_OP_T,
-                    cublasOperation_t::CUBLAS_OP_N,
-                    n as i32,
-                    m as i32,
-                    k as i32,
-                    (&alpha) as *const f32 as *const _,
-                    a as *const _,
-                    cudaDataType_t::CUDA_R_16BF,
-                    k as i32,
-                    bp as *const _,
-                    cudaDataType_t::CUDA_R_16BF,
-                    k as i32,
-                    (&beta) as *const f32 as *const _,
-                    c as *mut _,
-                    cudaDataType_t::CUDA_R_32F,
-                    n as i32,
-                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            .map_err(cuda_err)?;
-        }
+        let f = self.function("to_bf16")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(&mut *scratch).arg(&total);
+        // SAFETY: one thread per element, bounds-checked.
+        unsafe { b.launch(cfg((blocks(m * k, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        let (a, _ra) = w.device_ptr(&self.stream);
+        let (bp, _rb) = scratch.device_ptr(&self.stream);
+        let (c, _rc) = out.device_ptr(&self.stream);
+        // SAFETY: live device buffers of the stated sizes (guards held).
+        unsafe { self.gemm(a, bp, cudaDataType_t::CUDA_R_16BF, c, m, n, k, n) }?;
         Ok(())
+    }
+
+    /// cuBLAS, f32 accumulation and output: row-major `out (m x rows)`,
+    /// leading dimension `ldc`, `= x (m x k) * w^T` for `w` (`rows x k`);
+    /// `w` and `x` both of type `ty`.
+    ///
+    /// # Safety
+    /// The pointers are live device buffers of those sizes.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn gemm(
+        &self,
+        w: u64,
+        x: u64,
+        ty: cudarc::cublas::sys::cudaDataType_t,
+        out: u64,
+        m: usize,
+        rows: usize,
+        k: usize,
+        ldc: usize,
+    ) -> R {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Row-major out (m x rows) is column-major rows x m: out^T = w x^T.
+        // SAFETY: the caller vouches for the pointers.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                rows as i32,
+                m as i32,
+                k as i32,
+                (&alpha) as *const f32 as *const _,
+                w as *const _,
+                ty,
+                k as i32,
+                x as *const _,
+                ty,
+                k as i32,
+                (&beta) as *const f32 as *const _,
+                out as *mut _,
+                cudaDataType_t::CUDA_R_32F,
+                ldc as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(cuda_err)
     }
 
     /// `x[r] += b` for every row of `cols`.
@@ -473,7 +543,7 @@ impl Gpu {
     pub fn gather_rows(
         &self,
         src: &CudaSlice<f32>,
-        idx: &CudaSlice<u32>,
+        idx: &CudaView<'_, u32>,
         out: &mut CudaSlice<f32>,
         rows: usize,
         cols: usize,
@@ -492,6 +562,54 @@ impl Gpu {
         self.stream.clone_htod(x).map_err(cuda_err)
     }
 
+    /// Device-to-device copy bandwidth in GB/s (bytes read plus written),
+    /// over copies of 1 GiB: the bound a memory-bound kernel is held to.
+    pub fn copy_bandwidth(&self) -> R<f64> {
+        let n = 1usize << 30;
+        let src: CudaSlice<u8> = self.stream.alloc_zeros(n).map_err(cuda_err)?;
+        let mut dst: CudaSlice<u8> = self.stream.alloc_zeros(n).map_err(cuda_err)?;
+        self.stream.memcpy_dtod(&src, &mut dst).map_err(cuda_err)?;
+        self.synchronize()?;
+        let reps = 10;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            self.stream.memcpy_dtod(&src, &mut dst).map_err(cuda_err)?;
+        }
+        self.synchronize()?;
+        Ok((2 * n * reps) as f64 / t.elapsed().as_secs_f64() / 1e9)
+    }
+
+    /// Copies `x` to the start of `dst` (at least as long).
+    pub fn upload_into<T: cudarc::driver::DeviceRepr>(&self, x: &[T], dst: &mut CudaSlice<T>) -> R {
+        if dst.len() < x.len() {
+            return Err(KernelError::Shape(format!(
+                "copying {} elements into {}",
+                x.len(),
+                dst.len()
+            )));
+        }
+        self.stream
+            .memcpy_htod(x, &mut dst.slice_mut(..x.len()))
+            .map_err(cuda_err)
+    }
+
+    /// Downloads `range` of `x`.
+    pub fn download_range<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        x: &CudaSlice<T>,
+        range: std::ops::Range<usize>,
+    ) -> R<Vec<T>> {
+        if range.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut out = vec![T::default(); range.len()];
+        self.stream
+            .memcpy_dtoh(&x.slice(range), &mut out)
+            .map_err(cuda_err)?;
+        self.stream.synchronize().map_err(cuda_err)?;
+        Ok(out)
+    }
+
     /// Downloads device data.
     pub fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
         &self,
@@ -506,27 +624,5 @@ impl Gpu {
         n: usize,
     ) -> R<CudaSlice<T>> {
         self.stream.alloc_zeros(n.max(1)).map_err(cuda_err)
-    }
-
-    /// Dequantizes GGUF Q8_0 or Q4_1 blocks of `n` elements to bf16.
-    pub fn dequantize(
-        &self,
-        dtype: crate::quant::DType,
-        src: &CudaSlice<u8>,
-        out: &mut CudaSlice<bf16>,
-        n: usize,
-    ) -> R {
-        let name = match dtype {
-            crate::quant::DType::Q8_0 => "dequant_q8_0",
-            crate::quant::DType::Q4_1 => "dequant_q4_1",
-            other => return Err(KernelError::UnsupportedType(format!("{other:?} on CUDA"))),
-        };
-        let f = self.function(name)?;
-        let total = n as i64;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(src).arg(out).arg(&total);
-        // SAFETY: one thread per element, bounds-checked.
-        unsafe { b.launch(cfg((blocks(n, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
-        Ok(())
     }
 }

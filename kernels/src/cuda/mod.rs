@@ -8,6 +8,7 @@
 
 mod backend;
 mod launch;
+mod quant;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -19,11 +20,12 @@ use sha2::{Digest, Sha256};
 use crate::KernelError;
 
 /// The CUDA driver API types device code works with.
-pub use cudarc::driver::{CudaSlice, CudaStream};
-pub use launch::{AttentionBuffers, PARTITION, PagedKv};
+pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
+pub use launch::{AttentionBuffers, PARTITION, PagedKv, TagLayout};
+pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
 
 /// The CUDA C source of every kernel.
-pub const SOURCE: &str = include_str!("kernels.cu");
+pub const SOURCE: &str = concat!(include_str!("kernels.cu"), include_str!("quant.cu"));
 
 /// Every kernel the source defines.
 const KERNELS: &[&str] = &[
@@ -51,13 +53,20 @@ const KERNELS: &[&str] = &[
     "attention_part_fp8_g8",
     "attention_merge",
     "tag_check",
+    "tag_scatter",
     "argmax_rows",
     "gemv_bf16",
     "to_bf16",
     "to_f32",
-    "bf16_residue",
+    "gemv_q8_0",
+    "gemv_q4_0",
+    "gemv_q4_1",
     "dequant_q8_0",
+    "dequant_q4_0",
     "dequant_q4_1",
+    "embed_q8_0",
+    "embed_q4_0",
+    "embed_q4_1",
     "add_bias",
     "gather_rows",
 ];

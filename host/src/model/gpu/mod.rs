@@ -1,0 +1,247 @@
+//! The llama forward pass on a CUDA GPU: weights resident on the device
+//! (GGUF blocks as stored, anything else as bf16), paged KV (bf16 or fp8)
+//! on the device, the same [`BatchSeq`] contract as the CPU path. The
+//! page-tag check runs inside the step (see [`step`]); greedy sequences get
+//! their token from an argmax on the device, others their logits.
+//!
+//! Prefill tokens still attend through the decode attention kernel, one
+//! query per token (correct, not yet flash-style).
+
+mod step;
+
+pub use step::{SeqOut, StepOut, StepTags};
+
+use kiln_kernels::KernelError;
+use kiln_kernels::cuda::{AttentionBuffers, CudaSlice, DeviceWeight, GemmScratch, Gpu, PagedKv};
+use kiln_kernels::kv::{KvFormat, KvLayout};
+
+#[cfg(doc)]
+use super::llama::BatchSeq;
+use super::llama::Model;
+use super::{ModelConfig, ModelError};
+
+type R<T> = Result<T, KernelError>;
+
+/// One block's weights on the device.
+struct GpuLayer {
+    attn_norm: CudaSlice<f32>,
+    wq: DeviceWeight,
+    wk: DeviceWeight,
+    wv: DeviceWeight,
+    wo: DeviceWeight,
+    bias: Option<[CudaSlice<f32>; 3]>,
+    ffn_norm: CudaSlice<f32>,
+    w_gate: DeviceWeight,
+    w_up: DeviceWeight,
+    w_down: DeviceWeight,
+}
+
+/// A model's weights on a GPU.
+pub struct GpuModel {
+    gpu: Gpu,
+    ordinal: usize,
+    config: ModelConfig,
+    embed: DeviceWeight,
+    layers: Vec<GpuLayer>,
+    norm: CudaSlice<f32>,
+    output: Option<DeviceWeight>,
+    inv_freq: CudaSlice<f32>,
+    /// Whether any weight is block-quantized (its GEMMs need f32 scratch).
+    blocks: bool,
+}
+
+/// Every layer's KV pages on the GPU, and the step's working buffers,
+/// kept across steps and grown when a step needs more.
+pub struct GpuKv {
+    layers: Vec<PagedKv>,
+    page_size: usize,
+    /// Every page's current tag, two u64 words each, as the block pool
+    /// last reported it.
+    tags: CudaSlice<u64>,
+    work: Option<Work>,
+}
+
+/// Activation buffers for up to `tokens` tokens attending over at most
+/// `max_len` positions, and results for up to `rows` sequences.
+struct Work {
+    tokens: usize,
+    max_len: usize,
+    rows: usize,
+    /// The step's inputs (32-bit words), one upload per step.
+    inputs: CudaSlice<u32>,
+    /// Final hidden rows of the sequences that want a result.
+    last: CudaSlice<f32>,
+    /// Their logits.
+    logits: CudaSlice<f32>,
+    /// Per sequence: its tag-check flag; then each result row's argmax.
+    small: CudaSlice<u32>,
+    h: CudaSlice<f32>,
+    xn: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    proj: CudaSlice<f32>,
+    gate: CudaSlice<f32>,
+    up: CudaSlice<f32>,
+    scratch: GemmScratch,
+    abuf: AttentionBuffers,
+}
+
+impl GpuModel {
+    /// Opens GPU `ordinal` and uploads `model`'s weights (GGUF blocks as
+    /// they are, other types as bf16).
+    pub fn upload(model: &Model, ordinal: usize) -> Result<Self, ModelError> {
+        let e = |e: KernelError| ModelError::Unsupported(e.to_string());
+        let gpu = Gpu::new(ordinal).map_err(e)?;
+        let layers = model
+            .layers
+            .iter()
+            .map(|l| -> R<GpuLayer> {
+                Ok(GpuLayer {
+                    attn_norm: gpu.upload(&l.attn_norm)?,
+                    wq: gpu.weight(&l.wq)?,
+                    wk: gpu.weight(&l.wk)?,
+                    wv: gpu.weight(&l.wv)?,
+                    wo: gpu.weight(&l.wo)?,
+                    bias: match &l.bias {
+                        Some([q, k, v]) => Some([gpu.upload(q)?, gpu.upload(k)?, gpu.upload(v)?]),
+                        None => None,
+                    },
+                    ffn_norm: gpu.upload(&l.ffn_norm)?,
+                    w_gate: gpu.weight(&l.w_gate)?,
+                    w_up: gpu.weight(&l.w_up)?,
+                    w_down: gpu.weight(&l.w_down)?,
+                })
+            })
+            .collect::<R<Vec<_>>>()
+            .map_err(e)?;
+        let embed = gpu.weight(&model.embed).map_err(e)?;
+        let output = model
+            .output
+            .as_ref()
+            .map(|w| gpu.weight(w))
+            .transpose()
+            .map_err(e)?;
+        let blocks = [&embed]
+            .into_iter()
+            .chain(output.as_ref())
+            .chain(
+                layers
+                    .iter()
+                    .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]),
+            )
+            .any(|w| matches!(w, DeviceWeight::Blocks { .. }));
+        Ok(Self {
+            output,
+            norm: gpu.upload(&model.norm).map_err(e)?,
+            embed,
+            inv_freq: gpu.upload(model.rope.inv_freq()).map_err(e)?,
+            blocks,
+            layers,
+            config: model.config.clone(),
+            gpu,
+            ordinal,
+        })
+    }
+
+    /// The GPU's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Bytes of weights on the device.
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .map(DeviceWeight::size_bytes)
+            .sum();
+        layers + self.output.as_ref().unwrap_or(&self.embed).size_bytes()
+    }
+
+    /// Device-to-device copy bandwidth in GB/s (bytes read plus written).
+    pub fn copy_bandwidth(&self) -> R<f64> {
+        self.gpu.copy_bandwidth()
+    }
+
+    /// The device's name.
+    pub fn device_name(&self) -> &str {
+        self.gpu.name()
+    }
+
+    /// Zeroed KV pages for every layer.
+    pub fn kv(&self, format: KvFormat, page_size: usize, num_pages: usize) -> R<GpuKv> {
+        let layout = KvLayout {
+            page_size,
+            kv_heads: self.config.kv_heads,
+            head_dim: self.config.head_dim,
+        };
+        let layers = (0..self.config.layers)
+            .map(|_| self.gpu.paged_kv(format, layout, num_pages))
+            .collect::<R<Vec<_>>>()?;
+        Ok(GpuKv {
+            layers,
+            page_size,
+            tags: self.gpu.zeros(2 * num_pages)?,
+            work: None,
+        })
+    }
+
+    /// Working buffers for `n` tokens and contexts up to `max_len`, reused
+    /// when big enough (sizes round up to powers of two, so a growing
+    /// batch reallocates only a few times).
+    fn work(
+        &self,
+        slot: &mut Option<Work>,
+        n: usize,
+        max_len: usize,
+        rows: usize,
+        words: usize,
+    ) -> R<Work> {
+        // A buffer set too small is dropped before the bigger one is made.
+        if let Some(w) = slot.take()
+            && w.tokens >= n
+            && w.max_len >= max_len
+            && w.rows >= rows
+        {
+            return self.grow_inputs(w, words);
+        }
+        let c = &self.config;
+        let g = &self.gpu;
+        let n = n.next_power_of_two();
+        let max_len = max_len.next_power_of_two();
+        let rows = rows.next_power_of_two();
+        let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let widest = c.hidden.max(c.ffn).max(q_dim);
+        Ok(Work {
+            tokens: n,
+            max_len,
+            rows,
+            inputs: g.zeros(words.next_power_of_two())?,
+            last: g.zeros(rows * c.hidden)?,
+            logits: g.zeros(rows * c.vocab)?,
+            small: g.zeros(2 * rows)?,
+            h: g.zeros(n * c.hidden)?,
+            xn: g.zeros(n * c.hidden)?,
+            q: g.zeros(n * q_dim)?,
+            k: g.zeros(n * kv_dim)?,
+            v: g.zeros(n * kv_dim)?,
+            attn: g.zeros(n * q_dim)?,
+            proj: g.zeros(n * c.hidden)?,
+            gate: g.zeros(n * c.ffn)?,
+            up: g.zeros(n * c.ffn)?,
+            scratch: g.gemm_scratch(n, widest, self.blocks)?,
+            abuf: g.attention_buffers(n, c.heads, c.head_dim, max_len)?,
+        })
+    }
+
+    /// `w` with an input buffer of at least `words`.
+    fn grow_inputs(&self, mut w: Work, words: usize) -> R<Work> {
+        if w.inputs.len() < words {
+            w.inputs = self.gpu.zeros(words.next_power_of_two())?;
+        }
+        Ok(w)
+    }
+}

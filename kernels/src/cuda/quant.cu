@@ -1,0 +1,131 @@
+// GGUF block-quantized weights on the device (appended to kernels.cu).
+// Blocks of 32 elements: Q8_0 = f16 d, 32 int8 (w = d q); Q4_0 = f16 d, 16
+// bytes of nibbles (w = d (q - 8)); Q4_1 = f16 d, f16 m, 16 bytes of
+// nibbles (w = d q + m). Nibble j < 16 is the low half of byte j, j >= 16
+// the high half of byte j - 16. DT: 0 = Q8_0, 1 = Q4_0, 2 = Q4_1.
+
+template <int DT> struct QBlock;
+template <> struct QBlock<0> { static const int bytes = 34; };
+template <> struct QBlock<1> { static const int bytes = 18; };
+template <> struct QBlock<2> { static const int bytes = 20; };
+
+// One block's quants as floats, with w = d * q[j] + mn.
+template <int DT>
+__device__ __forceinline__ void load_block(const unsigned char* b, float* q, float& d, float& mn) {
+    d = __half2float(*(const __half*)b);
+    if (DT == 0) {
+        mn = 0.0f;
+        const unsigned short* p = (const unsigned short*)(b + 2);
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            unsigned short v = p[j];
+            q[2 * j] = (float)(signed char)(v & 0xff);
+            q[2 * j + 1] = (float)(signed char)(v >> 8);
+        }
+    } else {
+        const unsigned short* p;
+        if (DT == 1) {
+            mn = -8.0f * d;
+            p = (const unsigned short*)(b + 2);
+        } else {
+            mn = __half2float(*(const __half*)(b + 2));
+            p = (const unsigned short*)(b + 4);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            unsigned short v = p[j];
+            q[2 * j] = (float)(v & 0xf);
+            q[2 * j + 1] = (float)((v >> 8) & 0xf);
+            q[16 + 2 * j] = (float)((v >> 4) & 0xf);
+            q[16 + 2 * j + 1] = (float)(v >> 12);
+        }
+    }
+}
+
+// One element of a row of blocks.
+template <int DT>
+__device__ __forceinline__ float block_elem(const unsigned char* row, long long i) {
+    const unsigned char* b = row + (i / 32) * QBlock<DT>::bytes;
+    float d = __half2float(*(const __half*)b);
+    int j = i % 32;
+    if (DT == 0) return d * (float)(signed char)b[2 + j];
+    int off = DT == 1 ? 2 : 4;
+    int q = j < 16 ? (b[off + j] & 0xf) : (b[off + j - 16] >> 4);
+    if (DT == 1) return d * (float)(q - 8);
+    return d * (float)q + __half2float(*(const __half*)(b + 2));
+}
+
+// Decode GEMV over block-quantized weights: out[m][n] = sum_k x[m][k] w[n][k]
+// for m < M <= 8, in f32 like the CPU (per block: d * (q . x) + mn * sum(x)).
+// One warp per output row, 8 warps per block; lanes take whole blocks.
+template <int DT>
+__device__ void gemv_q(const float* x, const unsigned char* w, float* out, int M, int N, int K) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int n = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (n >= N) return;
+    int nb = K / 32;
+    const unsigned char* row = w + (size_t)n * nb * QBlock<DT>::bytes;
+    float acc[GEMV_MAX_M];
+#pragma unroll
+    for (int m = 0; m < GEMV_MAX_M; m++) acc[m] = 0.0f;
+    for (int blk = lane; blk < nb; blk += 32) {
+        float q[32], d, mn;
+        load_block<DT>(row + (size_t)blk * QBlock<DT>::bytes, q, d, mn);
+#pragma unroll
+        for (int m = 0; m < GEMV_MAX_M; m++) {
+            if (m < M) {
+                const float4* xv = (const float4*)(x + (size_t)m * K + blk * 32);
+                float dot = 0.0f, sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    float4 a = xv[j];
+                    dot += a.x * q[4 * j] + a.y * q[4 * j + 1] + a.z * q[4 * j + 2] +
+                           a.w * q[4 * j + 3];
+                    sum += a.x + a.y + a.z + a.w;
+                }
+                acc[m] += d * dot + mn * sum;
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < GEMV_MAX_M; m++) {
+        if (m < M) {
+            float v = warp_sum(acc[m]);
+            if (lane == 0) out[(size_t)m * N + n] = v;
+        }
+    }
+}
+
+// Dequantizes n elements of contiguous blocks to f32 (one thread each).
+template <int DT>
+__device__ void dequant_f32(const unsigned char* src, float* dst, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = block_elem<DT>(src, i);
+}
+
+// out[t] = row ids[t] of a block-quantized table of `cols` columns. One
+// block per token.
+template <int DT>
+__device__ void embed_q(const unsigned char* table, const unsigned* ids, float* out, int cols) {
+    const unsigned char* row = table + (size_t)ids[blockIdx.x] * (cols / 32) * QBlock<DT>::bytes;
+    float* o = out + (size_t)blockIdx.x * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = block_elem<DT>(row, i);
+}
+
+#define QUANT_ENTRIES(SUFFIX, DT)                                                               \
+    extern "C" __global__ void gemv_##SUFFIX(const float* x, const unsigned char* w, float* out, \
+                                             int M, int N, int K) {                             \
+        gemv_q<DT>(x, w, out, M, N, K);                                                         \
+    }                                                                                           \
+    extern "C" __global__ void dequant_##SUFFIX(const unsigned char* src, float* dst,           \
+                                                long long n) {                                  \
+        dequant_f32<DT>(src, dst, n);                                                           \
+    }                                                                                           \
+    extern "C" __global__ void embed_##SUFFIX(const unsigned char* table, const unsigned* ids,  \
+                                              float* out, int cols) {                           \
+        embed_q<DT>(table, ids, out, cols);                                                     \
+    }
+
+QUANT_ENTRIES(q8_0, 0)
+QUANT_ENTRIES(q4_0, 1)
+QUANT_ENTRIES(q4_1, 2)
