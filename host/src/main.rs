@@ -112,6 +112,9 @@ struct EngineArgs {
     /// [default: 256 on the CPU, 2048 on CUDA].
     #[arg(long)]
     step_tokens: Option<usize>,
+    /// On CUDA, capture small greedy decode steps as CUDA graphs.
+    #[arg(long)]
+    cuda_graphs: bool,
 }
 
 impl EngineArgs {
@@ -132,6 +135,7 @@ impl EngineArgs {
             integrity: self.kv_integrity == OnOff::On,
             device: self.device,
             scheduler,
+            cuda_graphs: self.cuda_graphs,
         })
     }
 }
@@ -220,6 +224,9 @@ struct BenchArgs {
     /// median step with it and without it.
     #[arg(long)]
     integrity_ab: bool,
+    /// Run every row without CUDA graphs and then with them.
+    #[arg(long)]
+    compare_graphs: bool,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -294,7 +301,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         rayon::current_num_threads()
     );
     println!(
-        "{:>5} {:>5} {:>8} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>20} {:>8} {:>8}",
+        "{:>6} {:>5} {:>8} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>20} {:>8} {:>8}",
         "kv",
         "conc",
         "admitted",
@@ -309,10 +316,19 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "ideal ms",
         "roofline"
     );
-    for format in formats {
+    let graph_modes = if args.compare_graphs {
+        vec![false, true]
+    } else {
+        vec![config.cuda_graphs]
+    };
+    for (format, graphs) in formats
+        .iter()
+        .flat_map(|f| graph_modes.iter().map(move |g| (*f, *g)))
+    {
         for &c in &args.concurrency {
             let mut config = config.clone();
             config.kv_format = kv_format(format);
+            config.cuda_graphs = graphs;
             let spec = kiln_host::bench::BenchSpec {
                 concurrency: c,
                 prompt_tokens: args.prompt_tokens,
@@ -329,8 +345,12 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
             // copy bandwidth, against the measured decode-only step.
             let ideal = bw.map(|b| row.step_bytes / (b * 1e9) * 1e3);
             println!(
-                "{:>5} {:>5} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>8.2} {:>6.1} {:>20} {:>8} {:>8}",
-                format!("{:?}", kv_format(format)).to_lowercase(),
+                "{:>6} {:>5} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>8.2} {:>6.1} {:>20} {:>8} {:>8}",
+                format!(
+                    "{}{}",
+                    format!("{:?}", kv_format(format)).to_lowercase(),
+                    if graphs { "+g" } else { "" }
+                ),
                 row.concurrency,
                 row.admitted,
                 row.prompt_tok_s,

@@ -18,10 +18,16 @@ fn device() -> Device {
 /// bf16 KV pages: two fp8 implementations round some values to
 /// neighbouring codes, noise that would hide the forward pass's own error.
 fn engine(device: Device) -> Engine {
+    engine_with(device, false)
+}
+
+/// As [`engine`], capturing decode steps as CUDA graphs when `graphs`.
+fn engine_with(device: Device, graphs: bool) -> Engine {
     let config = EngineConfig {
         kv_memory: 64 << 20,
         kv_format: kiln_kernels::kv::KvFormat::Bf16,
         device,
+        cuda_graphs: graphs,
         ..Default::default()
     };
     Engine::new(default_model(), config)
@@ -117,8 +123,8 @@ fn greedy_tokens_and_teacher_forced_argmax_on_the_test_device_agree_with_the_cpu
 /// Three sequences of three tenants to the end, the second one's mapping
 /// corrupted with the third's first page after the prefill when `fault`:
 /// each one's tokens and finish, and the engine.
-fn three_sequences(fault: bool) -> (Vec<(Vec<u32>, Finish)>, Engine) {
-    let mut e = engine(device());
+fn three_sequences(fault: bool, graphs: bool) -> (Vec<(Vec<u32>, Finish)>, Engine) {
+    let mut e = engine_with(device(), graphs);
     let params = GenerateParams {
         max_tokens: 8,
         temperature: 0.0,
@@ -166,14 +172,33 @@ fn three_sequences(fault: bool) -> (Vec<(Vec<u32>, Finish)>, Engine) {
 
 #[test]
 fn a_corrupted_mapping_on_the_test_device_aborts_exactly_the_victim() {
-    let (clean, _) = three_sequences(false);
-    let (faulty, e) = three_sequences(true);
-    assert!(matches!(faulty[1].1, Finish::Aborted(_)), "{faulty:?}");
-    // The others run as if nothing happened: same tokens, same ending.
-    for i in [0, 2] {
-        assert!(!matches!(faulty[i].1, Finish::Aborted(_)), "{faulty:?}");
-        assert_eq!(faulty[i], clean[i], "sequence {i}");
+    // With CUDA graphs the check runs inside replayed steps.
+    for graphs in [false, true] {
+        let (clean, _) = three_sequences(false, graphs);
+        let (faulty, e) = three_sequences(true, graphs);
+        assert!(matches!(faulty[1].1, Finish::Aborted(_)), "{faulty:?}");
+        // The others run as if nothing happened: same tokens, same ending.
+        for i in [0, 2] {
+            assert!(!matches!(faulty[i].1, Finish::Aborted(_)), "{faulty:?}");
+            assert_eq!(faulty[i], clean[i], "sequence {i}, graphs {graphs}");
+        }
+        assert_eq!(e.stats().integrity_aborts, 1);
+        assert_eq!(e.free_pages(), e.total_pages());
     }
-    assert_eq!(e.stats().integrity_aborts, 1);
+}
+
+#[test]
+fn cuda_graphs_replay_the_same_tokens_as_launching_each_kernel() {
+    // On the CPU both engines are the same; on CUDA the second captures
+    // its decode steps (one and three sequences) and replays them.
+    let (plain, _) = three_sequences(false, false);
+    let (replayed, e) = three_sequences(false, true);
+    assert_eq!(plain, replayed);
+    let mut one = engine_with(device(), true);
+    for p in &PROMPTS[3..] {
+        let ids = chat_ids(&one, p);
+        let want = greedy(&mut engine(device()), &ids, 20);
+        assert_eq!(greedy(&mut one, &ids, 20), want, "{p:?}");
+    }
     assert_eq!(e.free_pages(), e.total_pages());
 }

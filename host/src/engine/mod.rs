@@ -11,6 +11,7 @@ pub mod kv_manager;
 mod lru;
 pub mod prefix;
 mod request;
+mod runner;
 pub mod scheduler;
 
 use std::collections::HashMap;
@@ -20,18 +21,18 @@ use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 use kiln_kernels::sample::sample;
 
-use block_pool::PageTag;
 pub use block_pool::{PrefixChange, TenantId};
 pub use kv_manager::SeqId;
 pub use prefix::{PageHash, Salt};
 pub use request::{Finish, GenerateParams};
 pub use scheduler::SchedulerConfig;
 
-use crate::model::gpu::{GpuKv, GpuModel, SeqOut, StepOut, StepTags};
+use crate::model::gpu::{SeqOut, StepOut, StepTags};
 use crate::model::{BatchSeq, KvCache, Loaded};
 use integrity::{IntegrityCheck, NoCheck, TagCheck};
 use kv_manager::KvCacheManager;
 use request::Request;
+use runner::{Runner, tag_words};
 use scheduler::Scheduler;
 
 /// Tokens per KV page.
@@ -50,6 +51,8 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Where the forward pass runs.
     pub device: Device,
+    /// On CUDA: capture small greedy decode steps as graphs and replay them.
+    pub cuda_graphs: bool,
 }
 
 impl Default for EngineConfig {
@@ -60,45 +63,9 @@ impl Default for EngineConfig {
             integrity: true,
             scheduler: SchedulerConfig::default(),
             device: Device::Cpu,
+            cuda_graphs: false,
         }
     }
-}
-
-/// Where the KV pages live and the forward pass runs.
-enum Runner {
-    Cpu(KvCache),
-    Gpu(Box<GpuModel>, Box<GpuKv>),
-}
-
-impl Runner {
-    fn on_gpu(&self) -> bool {
-        matches!(self, Runner::Gpu(..))
-    }
-
-    fn forward(
-        &mut self,
-        loaded: &Loaded,
-        batch: &[BatchSeq<'_>],
-        tags: StepTags<'_>,
-    ) -> Result<StepOut, String> {
-        match self {
-            Runner::Cpu(cache) => {
-                let logits = loaded
-                    .model
-                    .forward(cache, batch)
-                    .map_err(|e| e.to_string())?;
-                Ok(StepOut {
-                    rows: logits.into_iter().map(SeqOut::Logits).collect(),
-                    ok: vec![true; batch.len()],
-                })
-            }
-            Runner::Gpu(model, kv) => model.forward(kv, batch, tags).map_err(|e| e.to_string()),
-        }
-    }
-}
-
-fn tag_words(t: &PageTag) -> [u64; 2] {
-    [t.generation, t.tenant.0 as u64]
 }
 
 /// What happened to a request during a step.
@@ -179,26 +146,7 @@ impl Engine {
         let loaded = loaded.into();
         let page_bytes = KvCache::page_bytes(&loaded.model.config, config.kv_format, PAGE_SIZE);
         let num_pages = (config.kv_memory / page_bytes).max(1);
-        let runner = match config.device {
-            Device::Cpu => Runner::Cpu(KvCache::new(
-                &loaded.model.config,
-                config.kv_format,
-                PAGE_SIZE,
-                num_pages,
-            )),
-            Device::Cuda(n) => {
-                let kept = loaded.gpu_weights.lock().ok().and_then(|mut s| s.take());
-                let model = match kept {
-                    Some((ordinal, model)) if ordinal == n => model,
-                    _ => Box::new(GpuModel::upload(&loaded.model, n).map_err(|e| e.to_string())?),
-                };
-                tracing::info!(device = model.device_name(), "model weights on the GPU");
-                let kv = model
-                    .kv(config.kv_format, PAGE_SIZE, num_pages)
-                    .map_err(|e| e.to_string())?;
-                Runner::Gpu(model, Box::new(kv))
-            }
-        };
+        let runner = Runner::new(&loaded, &config, num_pages)?;
         let checker: Box<dyn IntegrityCheck> = if config.integrity {
             Box::new(TagCheck)
         } else {
@@ -229,11 +177,7 @@ impl Engine {
 
     /// Gives the model back (to build another engine on it).
     pub fn into_loaded(self) -> Arc<Loaded> {
-        if let Runner::Gpu(model, _) = self.runner
-            && let Ok(mut slot) = self.loaded.gpu_weights.lock()
-        {
-            *slot = Some((model.ordinal(), model));
-        }
+        self.runner.give_back(&self.loaded);
         self.loaded
     }
 

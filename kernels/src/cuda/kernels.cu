@@ -373,12 +373,14 @@ extern "C" __global__ void tag_check(unsigned* in, int expected, int tables, int
 }
 
 // Pages given new tags since the last step: `n` triples of u64 words
-// (page, generation, tenant) at word offset `changes` of `in`.
+// (page, generation, tenant) at word offset `changes` of `in`; a page at or
+// past `pages` is padding (a captured step has room for a fixed number).
 extern "C" __global__ void tag_scatter(const unsigned* in, int changes, int n,
-                                       unsigned long long* current) {
+                                       unsigned long long* current, long long pages) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const unsigned long long* c = (const unsigned long long*)(in + changes) + 3 * i;
+    if (c[0] >= (unsigned long long)pages) return;
     current[2 * c[0]] = c[1];
     current[2 * c[0] + 1] = c[2];
 }

@@ -43,24 +43,6 @@ pub struct AttentionBuffers {
     part_ml: CudaSlice<f32>,
 }
 
-/// Where the tag check's inputs sit in a step's buffer of 32-bit words.
-#[derive(Debug, Clone, Default)]
-pub struct TagLayout {
-    /// Expected tags: two u64 words per table entry (8-byte aligned).
-    pub expected: usize,
-    /// Block-table entries (page ids).
-    pub tables: usize,
-    /// Each sequence's first table entry, and the end (sequences + 1).
-    pub seq_tab: usize,
-    /// Each sequence's first token, and the end; with `lens` and `slots`,
-    /// what a failing sequence clears.
-    pub tok_off: Option<usize>,
-    /// Per-token attention lengths.
-    pub lens: Option<usize>,
-    /// Per-token KV slots.
-    pub slots: Option<usize>,
-}
-
 /// Tokens per attention partition (`PART` in the source).
 pub const PARTITION: usize = 256;
 
@@ -317,60 +299,6 @@ impl Gpu {
         Ok(())
     }
 
-    /// The batched page-tag check of one step (see `tag_check` in the
-    /// source for the layout of `inputs`): one flag per sequence into
-    /// `flags`; a failing sequence's lens and slots are cleared when
-    /// `layout.tok_off` is given.
-    pub fn tag_check(
-        &self,
-        inputs: &mut CudaSlice<u32>,
-        layout: &TagLayout,
-        current: &CudaSlice<u64>,
-        flags: &mut CudaViewMut<'_, u32>,
-        seqs: usize,
-    ) -> R {
-        let f = self.function("tag_check")?;
-        let w = |x: Option<usize>| x.map_or(-1, |v| v as i32);
-        let ints = [
-            layout.expected as i32,
-            layout.tables as i32,
-            layout.seq_tab as i32,
-            w(layout.tok_off),
-            w(layout.lens),
-            w(layout.slots),
-        ];
-        let mut b = self.stream.launch_builder(f);
-        b.arg(inputs);
-        for i in &ints {
-            b.arg(i);
-        }
-        b.arg(current).arg(flags);
-        // SAFETY: the offsets index `inputs` as the caller laid it out.
-        unsafe { b.launch(cfg((seqs as u32, 1, 1), 128, 0)) }.map_err(cuda_err)?;
-        Ok(())
-    }
-
-    /// Applies `n` tag changes (u64 triples page, generation, tenant at word
-    /// `at` of `inputs`) to the device's copy of the page tags.
-    pub fn tag_scatter(
-        &self,
-        inputs: &CudaSlice<u32>,
-        at: usize,
-        n: usize,
-        current: &mut CudaSlice<u64>,
-    ) -> R {
-        if n == 0 {
-            return Ok(());
-        }
-        let f = self.function("tag_scatter")?;
-        let (a, ni) = (at as i32, n as i32);
-        let mut b = self.stream.launch_builder(f);
-        b.arg(inputs).arg(&a).arg(&ni).arg(current);
-        // SAFETY: one thread per change, bounds-checked; pages are in range.
-        unsafe { b.launch(cfg((blocks(n, 128), 1, 1), 128, 0)) }.map_err(cuda_err)?;
-        Ok(())
-    }
-
     /// The index of each row's largest value.
     pub fn argmax_rows(
         &self,
@@ -555,74 +483,5 @@ impl Gpu {
         // SAFETY: indices are rows of `src`.
         unsafe { l.launch(cfg((rows as u32, 1, 1), 256, 0)) }.map_err(cuda_err)?;
         Ok(())
-    }
-
-    /// Uploads host data.
-    pub fn upload<T: cudarc::driver::DeviceRepr>(&self, x: &[T]) -> R<CudaSlice<T>> {
-        self.stream.clone_htod(x).map_err(cuda_err)
-    }
-
-    /// Device-to-device copy bandwidth in GB/s (bytes read plus written),
-    /// over copies of 1 GiB: the bound a memory-bound kernel is held to.
-    pub fn copy_bandwidth(&self) -> R<f64> {
-        let n = 1usize << 30;
-        let src: CudaSlice<u8> = self.stream.alloc_zeros(n).map_err(cuda_err)?;
-        let mut dst: CudaSlice<u8> = self.stream.alloc_zeros(n).map_err(cuda_err)?;
-        self.stream.memcpy_dtod(&src, &mut dst).map_err(cuda_err)?;
-        self.synchronize()?;
-        let reps = 10;
-        let t = std::time::Instant::now();
-        for _ in 0..reps {
-            self.stream.memcpy_dtod(&src, &mut dst).map_err(cuda_err)?;
-        }
-        self.synchronize()?;
-        Ok((2 * n * reps) as f64 / t.elapsed().as_secs_f64() / 1e9)
-    }
-
-    /// Copies `x` to the start of `dst` (at least as long).
-    pub fn upload_into<T: cudarc::driver::DeviceRepr>(&self, x: &[T], dst: &mut CudaSlice<T>) -> R {
-        if dst.len() < x.len() {
-            return Err(KernelError::Shape(format!(
-                "copying {} elements into {}",
-                x.len(),
-                dst.len()
-            )));
-        }
-        self.stream
-            .memcpy_htod(x, &mut dst.slice_mut(..x.len()))
-            .map_err(cuda_err)
-    }
-
-    /// Downloads `range` of `x`.
-    pub fn download_range<T: cudarc::driver::DeviceRepr + Default + Clone>(
-        &self,
-        x: &CudaSlice<T>,
-        range: std::ops::Range<usize>,
-    ) -> R<Vec<T>> {
-        if range.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut out = vec![T::default(); range.len()];
-        self.stream
-            .memcpy_dtoh(&x.slice(range), &mut out)
-            .map_err(cuda_err)?;
-        self.stream.synchronize().map_err(cuda_err)?;
-        Ok(out)
-    }
-
-    /// Downloads device data.
-    pub fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
-        &self,
-        x: &CudaSlice<T>,
-    ) -> R<Vec<T>> {
-        self.stream.clone_dtoh(x).map_err(cuda_err)
-    }
-
-    /// A zeroed device buffer of `n` elements.
-    pub fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-        &self,
-        n: usize,
-    ) -> R<CudaSlice<T>> {
-        self.stream.alloc_zeros(n.max(1)).map_err(cuda_err)
     }
 }

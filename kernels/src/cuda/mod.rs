@@ -8,7 +8,9 @@
 
 mod backend;
 mod launch;
+mod memory;
 mod quant;
+mod tags;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -21,8 +23,9 @@ use crate::KernelError;
 
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
-pub use launch::{AttentionBuffers, PARTITION, PagedKv, TagLayout};
+pub use launch::{AttentionBuffers, PARTITION, PagedKv};
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
+pub use tags::TagLayout;
 
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = concat!(include_str!("kernels.cu"), include_str!("quant.cu"));
@@ -71,6 +74,13 @@ const KERNELS: &[&str] = &[
     "gather_rows",
 ];
 
+/// Launches recorded once by [`Gpu::capture`] and replayed with one call.
+pub struct Graph(cudarc::driver::CudaGraph);
+
+// SAFETY: a graph is used by the one thread that owns its engine at a time
+// (moved with it, never shared), as CUDA requires.
+unsafe impl Send for Graph {}
+
 /// One GPU with Kiln's kernels loaded.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -83,6 +93,15 @@ pub struct Gpu {
 
 pub(crate) fn cuda_err(e: impl std::fmt::Debug) -> KernelError {
     KernelError::Cuda(format!("{e:?}"))
+}
+
+/// A launch of `grid` blocks of `block` threads, no dynamic shared memory.
+pub(crate) fn grid_1d(grid: u32, block: u32) -> cudarc::driver::LaunchConfig {
+    cudarc::driver::LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 fn unavailable(what: String) -> KernelError {
@@ -178,8 +197,16 @@ impl Gpu {
     }
 
     /// Opens GPU `ordinal`, compiles (or loads the cached) kernels and
-    /// creates a cuBLAS handle.
+    /// creates a cuBLAS handle; everything runs on the default stream.
     pub fn new(ordinal: usize) -> Result<Self, KernelError> {
+        Self::open(ordinal, false)
+    }
+
+    /// As [`Self::new`]; with `own_stream`, work goes to a stream of its
+    /// own, which [`Self::capture`] needs (the legacy default stream cannot
+    /// be captured). Kiln uses one stream per `Gpu`, so cudarc's
+    /// cross-stream event tracking is switched off first.
+    pub fn open(ordinal: usize, own_stream: bool) -> Result<Self, KernelError> {
         Self::check_libraries()?;
         // cudarc panics where a symbol is missing; turn that into an error.
         let opened = std::panic::catch_unwind(|| -> Result<Self, KernelError> {
@@ -198,7 +225,14 @@ impl Gpu {
             for k in KERNELS {
                 functions.insert(*k, module.load_function(k).map_err(cuda_err)?);
             }
-            let stream = ctx.default_stream();
+            let stream = if own_stream {
+                // SAFETY: every buffer of this context is used on this one
+                // stream only, so no cross-stream synchronization is due.
+                unsafe { ctx.disable_event_tracking() };
+                ctx.new_stream().map_err(cuda_err)?
+            } else {
+                ctx.default_stream()
+            };
             let blas = cudarc::cublas::CudaBlas::new(stream.clone()).map_err(cuda_err)?;
             Ok(Self {
                 ctx,
@@ -238,6 +272,34 @@ impl Gpu {
         self.functions
             .get(name)
             .ok_or_else(|| KernelError::Cuda(format!("kernel `{name}` is not loaded")))
+    }
+
+    /// Records the launches `f` makes as a graph instead of running them;
+    /// `f` must not allocate, copy or synchronize. Needs a GPU opened with
+    /// its own stream.
+    pub fn capture(
+        &self,
+        f: impl FnOnce() -> Result<(), KernelError>,
+    ) -> Result<Graph, KernelError> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(cuda_err)?;
+        let recorded = f();
+        // The capture always ends, so the stream is usable after an error.
+        let graph = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+            .map_err(cuda_err)?;
+        recorded?;
+        graph
+            .map(Graph)
+            .ok_or_else(|| KernelError::Cuda("the capture recorded nothing".into()))
+    }
+
+    /// Runs a captured graph on the stream.
+    pub fn replay(&self, graph: &Graph) -> Result<(), KernelError> {
+        graph.0.launch().map_err(cuda_err)
     }
 
     /// Waits for all queued work.

@@ -4,11 +4,11 @@
 //! bytes: decode GEMVs read the blocks directly; larger batches dequantize
 //! a bounded chunk of rows at a time into f32 for a cuBLAS f32 GEMM.
 
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
 use half::bf16;
 use rayon::prelude::*;
 
-use super::{Gpu, cuda_err};
+use super::{Gpu, cuda_err, grid_1d as cfg};
 use crate::KernelError;
 use crate::matmul::Weight;
 use crate::quant::DType;
@@ -56,14 +56,6 @@ fn kernel_suffix(dtype: DType) -> R<&'static str> {
         other => Err(KernelError::UnsupportedType(format!(
             "{other:?} blocks on CUDA"
         ))),
-    }
-}
-
-fn cfg(grid: u32, block: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
     }
 }
 

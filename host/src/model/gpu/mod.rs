@@ -11,6 +11,11 @@ mod step;
 
 pub use step::{SeqOut, StepOut, StepTags};
 
+use std::collections::HashMap;
+
+use kiln_kernels::cuda::Graph;
+use step::GraphKey;
+
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{AttentionBuffers, CudaSlice, DeviceWeight, GemmScratch, Gpu, PagedKv};
 use kiln_kernels::kv::{KvFormat, KvLayout};
@@ -48,6 +53,10 @@ pub struct GpuModel {
     inv_freq: CudaSlice<f32>,
     /// Whether any weight is block-quantized (its GEMMs need f32 scratch).
     blocks: bool,
+    /// Whether any weight is bf16 (products of several rows go to cuBLAS).
+    any_bf16: bool,
+    /// Whether small greedy decode steps are captured as CUDA graphs.
+    graphs: bool,
 }
 
 /// Every layer's KV pages on the GPU, and the step's working buffers,
@@ -59,11 +68,16 @@ pub struct GpuKv {
     /// last reported it.
     tags: CudaSlice<u64>,
     work: Option<Work>,
+    /// Captured decode steps; cleared whenever the working buffers they
+    /// point into are replaced.
+    graphs: HashMap<GraphKey, Graph>,
 }
 
 /// Activation buffers for up to `tokens` tokens attending over at most
 /// `max_len` positions, and results for up to `rows` sequences.
 struct Work {
+    /// Just allocated (graphs captured on older buffers are stale).
+    fresh: bool,
     tokens: usize,
     max_len: usize,
     rows: usize,
@@ -90,10 +104,11 @@ struct Work {
 
 impl GpuModel {
     /// Opens GPU `ordinal` and uploads `model`'s weights (GGUF blocks as
-    /// they are, other types as bf16).
-    pub fn upload(model: &Model, ordinal: usize) -> Result<Self, ModelError> {
+    /// they are, other types as bf16); with `graphs`, small greedy decode
+    /// steps are captured as CUDA graphs and replayed.
+    pub fn upload(model: &Model, ordinal: usize, graphs: bool) -> Result<Self, ModelError> {
         let e = |e: KernelError| ModelError::Unsupported(e.to_string());
-        let gpu = Gpu::new(ordinal).map_err(e)?;
+        let gpu = Gpu::open(ordinal, graphs).map_err(e)?;
         let layers = model
             .layers
             .iter()
@@ -123,26 +138,39 @@ impl GpuModel {
             .map(|w| gpu.weight(w))
             .transpose()
             .map_err(e)?;
-        let blocks = [&embed]
-            .into_iter()
-            .chain(output.as_ref())
-            .chain(
+        let all = || {
+            [&embed].into_iter().chain(output.as_ref()).chain(
                 layers
                     .iter()
                     .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]),
             )
-            .any(|w| matches!(w, DeviceWeight::Blocks { .. }));
+        };
+        let blocks = all().any(|w| matches!(w, DeviceWeight::Blocks { .. }));
+        let any_bf16 = all().any(|w| matches!(w, DeviceWeight::Bf16(_)));
         Ok(Self {
             output,
             norm: gpu.upload(&model.norm).map_err(e)?,
             embed,
             inv_freq: gpu.upload(model.rope.inv_freq()).map_err(e)?,
             blocks,
+            any_bf16,
+            graphs,
             layers,
             config: model.config.clone(),
             gpu,
             ordinal,
         })
+    }
+
+    /// Most sequences a captured step may hold: every product must take a
+    /// custom kernel (one row for bf16 weights, eight for blocks).
+    fn graph_max_seqs(&self) -> usize {
+        if self.any_bf16 { 1 } else { 8 }
+    }
+
+    /// Whether small greedy decode steps are captured as CUDA graphs.
+    pub fn uses_graphs(&self) -> bool {
+        self.graphs
     }
 
     /// The GPU's ordinal.
@@ -186,6 +214,7 @@ impl GpuModel {
             page_size,
             tags: self.gpu.zeros(2 * num_pages)?,
             work: None,
+            graphs: HashMap::new(),
         })
     }
 
@@ -216,6 +245,7 @@ impl GpuModel {
         let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
         let widest = c.hidden.max(c.ffn).max(q_dim);
         Ok(Work {
+            fresh: true,
             tokens: n,
             max_len,
             rows,
@@ -241,6 +271,7 @@ impl GpuModel {
     fn grow_inputs(&self, mut w: Work, words: usize) -> R<Work> {
         if w.inputs.len() < words {
             w.inputs = self.gpu.zeros(words.next_power_of_two())?;
+            w.fresh = true;
         }
         Ok(w)
     }

@@ -8,17 +8,24 @@
 //! pages no longer carry the tags it recorded gets its attention lengths
 //! and KV slots cleared on the device, so the rest of the step neither
 //! reads nor writes its pages, and its flag tells the engine to abort it.
+//!
+//! With CUDA graphs on, a small greedy decode step is captured once per
+//! (sequences, attention partitions, check) and replayed: its inputs sit at
+//! offsets fixed by those three, in buffers that live as long as the graph.
 
 use std::ops::Range;
 
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{CudaView, TagLayout};
+use kiln_kernels::cuda::{CudaView, PARTITION, TagLayout};
 use kiln_kernels::ops::RopeStyle;
 
 use super::{GpuKv, GpuModel, Work};
 use crate::model::llama::BatchSeq;
 
 type R<T> = Result<T, KernelError>;
+
+/// Captured steps kept per engine.
+const MAX_GRAPHS: usize = 64;
 
 /// Page tags for one step, each tag as (generation, tenant).
 #[derive(Debug, Default, Clone, Copy)]
@@ -48,27 +55,100 @@ pub struct StepOut {
     pub ok: Vec<bool>,
 }
 
-/// The step's host-side input words and where each part sits.
-#[derive(Default)]
-struct Packed {
-    words: Vec<u32>,
-    tags: TagLayout,
-    changes: usize,
-    n_changes: usize,
-    ids: Range<usize>,
-    pos: Range<usize>,
-    tables: Range<usize>,
-    offs: Range<usize>,
-    lens: Range<usize>,
-    slots: Range<usize>,
-    wanted: Range<usize>,
+/// What identifies a captured step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct GraphKey {
+    seqs: usize,
+    parts: usize,
+    check: bool,
 }
 
-impl Packed {
-    fn push(&mut self, v: impl IntoIterator<Item = u32>) -> Range<usize> {
-        let start = self.words.len();
-        self.words.extend(v);
-        start..self.words.len()
+/// The step's inputs, gathered from the batch.
+#[derive(Default)]
+struct Inputs {
+    ids: Vec<u32>,
+    pos: Vec<u32>,
+    /// Each token's first block-table entry.
+    offs: Vec<u32>,
+    lens: Vec<u32>,
+    slots: Vec<i32>,
+    tables: Vec<u32>,
+    seq_tab: Vec<u32>,
+    tok_off: Vec<u32>,
+    /// The token of each sequence that wants a result.
+    wanted: Vec<u32>,
+    greedy: Vec<bool>,
+    /// Whether every sequence decodes one token, greedily.
+    greedy_decode: bool,
+}
+
+/// Where each part sits in the step's buffer of 32-bit words. The sizes of
+/// all parts but the last two depend only on the token, sequence and
+/// tag-change counts; the expected tags and the tables, whose lengths vary
+/// from step to step, come last.
+struct Layout {
+    changes: usize,
+    change_cap: usize,
+    ids: usize,
+    pos: usize,
+    offs: usize,
+    lens: usize,
+    slots: usize,
+    seq_tab: usize,
+    tok_off: usize,
+    wanted: usize,
+    expected: usize,
+    tables: usize,
+    words: usize,
+}
+
+impl Layout {
+    fn new(n: usize, seqs: usize, m: usize, change_cap: usize, table_cap: usize) -> Self {
+        let mut at = 0;
+        let mut take = |len: usize| {
+            let start = at;
+            at += len;
+            start
+        };
+        let changes = take(6 * change_cap);
+        let (ids, pos, offs, lens, slots) = (take(n), take(n), take(n), take(n), take(n));
+        let (seq_tab, tok_off, wanted) = (take(seqs + 1), take(seqs + 1), take(m));
+        // The expected tags are u64 pairs: 8-byte aligned.
+        let odd = take(0) % 2;
+        take(odd);
+        let expected = take(4 * table_cap);
+        let tables = take(table_cap + 1);
+        let words = take(0);
+        Self {
+            changes,
+            change_cap,
+            ids,
+            pos,
+            offs,
+            lens,
+            slots,
+            seq_tab,
+            tok_off,
+            wanted,
+            expected,
+            tables,
+            words,
+        }
+    }
+
+    fn tags(&self, check_masks: bool) -> TagLayout {
+        TagLayout {
+            expected: self.expected,
+            tables: self.tables,
+            seq_tab: self.seq_tab,
+            tok_off: check_masks.then_some(self.tok_off),
+            lens: check_masks.then_some(self.lens),
+            slots: check_masks.then_some(self.slots),
+        }
+    }
+
+    fn range(&self, start: usize, len: usize) -> Range<usize> {
+        start..start + len
     }
 }
 
@@ -76,15 +156,70 @@ fn u64_words(w: u64) -> [u32; 2] {
     [w as u32, (w >> 32) as u32]
 }
 
+fn put(words: &mut [u32], at: usize, v: impl IntoIterator<Item = u32>) {
+    for (o, x) in words[at..].iter_mut().zip(v) {
+        *o = x;
+    }
+}
+
 /// `range` of `inputs` as i32.
-fn ints<'a>(inputs: &'a CudaView<'a, u32>, range: &Range<usize>) -> CudaView<'a, i32> {
-    let v = inputs.slice(range.clone());
+fn ints<'a>(inputs: &'a CudaView<'a, u32>, range: Range<usize>) -> CudaView<'a, i32> {
+    let len = range.len();
+    let v = inputs.slice(range);
     // SAFETY: i32 and u32 have one size and alignment; every bit pattern
     // is valid in both.
-    unsafe { v.transmute::<i32>(range.len()) }.expect("same size")
+    unsafe { v.transmute::<i32>(len) }.expect("same size")
 }
 
 impl GpuModel {
+    fn gather(&self, batch: &[BatchSeq<'_>], page_size: usize) -> R<Inputs> {
+        let mut x = Inputs {
+            seq_tab: vec![0],
+            tok_off: vec![0],
+            greedy_decode: true,
+            ..Default::default()
+        };
+        for b in batch {
+            let off = x.tables.len() as u32;
+            x.tables.extend(b.pages.iter().copied());
+            for (i, t) in b.tokens.iter().enumerate() {
+                if *t as usize >= self.config.vocab {
+                    return Err(KernelError::Shape(format!(
+                        "token id {t} is outside the vocabulary"
+                    )));
+                }
+                let at = b.start + i;
+                x.ids.push(*t);
+                x.pos.push(at as u32);
+                let slot = b.pages[at / page_size] as usize * page_size + at % page_size;
+                x.slots.push(if b.write_kv { slot as i32 } else { -1 });
+                x.lens.push(at as u32 + 1);
+                x.offs.push(off);
+            }
+            if b.logits && !b.tokens.is_empty() {
+                x.wanted.push(x.ids.len() as u32 - 1);
+                x.greedy.push(b.greedy);
+            }
+            x.greedy_decode &= b.tokens.len() == 1 && b.logits && b.greedy && b.write_kv;
+            x.seq_tab.push(x.tables.len() as u32);
+            x.tok_off.push(x.ids.len() as u32);
+        }
+        Ok(x)
+    }
+
+    /// The key to capture this step under, when it can be one: a greedy
+    /// decode of few enough sequences that every product takes a custom
+    /// kernel (cuBLAS is not captured), with room for its tag changes.
+    fn graph_key(&self, x: &Inputs, tags: &StepTags<'_>, max_len: usize) -> Option<GraphKey> {
+        let n = x.ids.len();
+        (self.graphs && x.greedy_decode && n <= self.graph_max_seqs() && tags.changes.len() <= n)
+            .then(|| GraphKey {
+                seqs: n,
+                parts: max_len.div_ceil(PARTITION),
+                check: !tags.expected.is_empty(),
+            })
+    }
+
     /// One step: checks page tags, writes the new tokens' K and V into their
     /// pages and returns each result the batch asked for.
     pub fn forward(
@@ -93,118 +228,159 @@ impl GpuModel {
         batch: &[BatchSeq<'_>],
         tags: StepTags<'_>,
     ) -> R<StepOut> {
-        let c = &self.config;
         let ps = kv.page_size;
+        let x = self.gather(batch, ps)?;
+        let (n, seqs, m) = (x.ids.len(), batch.len(), x.wanted.len());
         let check = !tags.expected.is_empty();
-        let mut p = Packed::default();
-        // 8-byte data first: expected tags, tag changes.
-        p.tags.expected = p
-            .push(tags.expected.iter().flat_map(|t| {
-                let [a, b] = t.map(u64_words);
-                [a[0], a[1], b[0], b[1]]
-            }))
-            .start;
-        p.changes = p
-            .push(tags.changes.iter().flat_map(|(page, [g, t])| {
-                let [a, b, d] = [*page as u64, *g, *t].map(u64_words);
-                [a[0], a[1], b[0], b[1], d[0], d[1]]
-            }))
-            .start;
-        p.n_changes = tags.changes.len();
-        let (mut ids, mut pos, mut slots, mut lens, mut offs) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut tables, mut seq_tab, mut tok_off, mut wanted) =
-            (Vec::new(), vec![0u32], vec![0u32], Vec::new());
-        let mut greedy = Vec::new();
-        for b in batch {
-            let off = tables.len() as u32;
-            tables.extend(b.pages.iter().copied());
-            for (i, t) in b.tokens.iter().enumerate() {
-                if *t as usize >= c.vocab {
-                    return Err(KernelError::Shape(format!(
-                        "token id {t} is outside the vocabulary"
-                    )));
-                }
-                let at = b.start + i;
-                ids.push(*t);
-                pos.push(at as u32);
-                let slot = b.pages[at / ps] as usize * ps + at % ps;
-                slots.push(if b.write_kv { slot as i32 } else { -1 });
-                lens.push(at as u32 + 1);
-                offs.push(off);
-            }
-            if b.logits && !b.tokens.is_empty() {
-                wanted.push(ids.len() as u32 - 1);
-                greedy.push(b.greedy);
-            }
-            seq_tab.push(tables.len() as u32);
-            tok_off.push(ids.len() as u32);
-        }
-        let n = ids.len();
-        if tags.expected.len() != if check { tables.len() } else { 0 } {
+        if check && tags.expected.len() != x.tables.len() {
             return Err(KernelError::Shape(format!(
                 "{} expected tags for {} block-table entries",
                 tags.expected.len(),
-                tables.len()
+                x.tables.len()
             )));
         }
         if n == 0 {
             return Ok(StepOut {
                 rows: Vec::new(),
-                ok: vec![true; batch.len()],
+                ok: vec![true; seqs],
             });
         }
-        tables.push(0);
-        p.ids = p.push(ids);
-        p.pos = p.push(pos);
-        p.tables = p.push(tables);
-        p.tags.tables = p.tables.start;
-        p.offs = p.push(offs);
-        p.lens = p.push(lens.iter().copied());
-        p.slots = p.push(slots.iter().map(|s| *s as u32));
-        p.tags.seq_tab = p.push(seq_tab).start;
-        p.tags.tok_off = Some(p.push(tok_off).start);
-        p.tags.lens = Some(p.lens.start);
-        p.tags.slots = Some(p.slots.start);
-        p.wanted = p.push(wanted.iter().copied());
-        let max_len = lens.iter().copied().max().unwrap_or(1) as usize;
-        let mut work = self.work(&mut kv.work, n, max_len, batch.len(), p.words.len())?;
-        let result = self.run(kv, &mut work, &p, n, max_len, batch.len(), check, &greedy);
+        let mut max_len = x.lens.iter().copied().max().unwrap_or(1) as usize;
+        let key = self.graph_key(&x, &tags, max_len);
+        let (change_cap, table_cap) = match key {
+            Some(k) => {
+                // Room for the longest tables the key's lengths allow.
+                max_len = k.parts * PARTITION;
+                (n, n * max_len.div_ceil(ps))
+            }
+            None => (tags.changes.len(), x.tables.len()),
+        };
+        let l = Layout::new(n, seqs, m, change_cap, table_cap);
+        let mut words = vec![0u32; l.words];
+        let mut changes: Vec<u32> = tags
+            .changes
+            .iter()
+            .flat_map(|(page, [g, t])| {
+                let [a, b, d] = [*page as u64, *g, *t].map(u64_words);
+                [a[0], a[1], b[0], b[1], d[0], d[1]]
+            })
+            .collect();
+        // Padding entries name no page.
+        changes.resize(6 * change_cap, u32::MAX);
+        put(&mut words, l.changes, changes);
+        put(&mut words, l.ids, x.ids.iter().copied());
+        put(&mut words, l.pos, x.pos.iter().copied());
+        put(&mut words, l.offs, x.offs.iter().copied());
+        put(&mut words, l.lens, x.lens.iter().copied());
+        put(&mut words, l.slots, x.slots.iter().map(|s| *s as u32));
+        put(&mut words, l.seq_tab, x.seq_tab.iter().copied());
+        put(&mut words, l.tok_off, x.tok_off.iter().copied());
+        put(&mut words, l.wanted, x.wanted.iter().copied());
+        let expected = tags.expected.iter().flat_map(|t| {
+            let [a, b] = t.map(u64_words);
+            [a[0], a[1], b[0], b[1]]
+        });
+        put(&mut words, l.expected, expected);
+        put(&mut words, l.tables, x.tables.iter().copied());
+        let mut work = self.work(&mut kv.work, n, max_len, seqs, l.words)?;
+        if std::mem::take(&mut work.fresh) {
+            // Captured steps point into the buffers just replaced.
+            kv.graphs.clear();
+        }
+        let step = Step {
+            l: &l,
+            n,
+            seqs,
+            m,
+            max_len,
+            check,
+        };
+        let result = self.run(kv, &mut work, &words, &step, key, &x.greedy);
         kv.work = Some(work);
         result
     }
 
-    /// Uploads the inputs, runs the check, the layers and the head.
-    #[allow(clippy::too_many_arguments)]
+    /// Uploads the inputs, runs (or replays) the step, downloads results.
     fn run(
         &self,
         kv: &mut GpuKv,
         w: &mut Work,
-        p: &Packed,
-        n: usize,
-        max_len: usize,
-        seqs: usize,
-        check: bool,
+        words: &[u32],
+        s: &Step<'_>,
+        key: Option<GraphKey>,
         greedy: &[bool],
     ) -> R<StepOut> {
         let c = &self.config;
         let g = &self.gpu;
-        g.upload_into(&p.words, &mut w.inputs)?;
-        g.tag_scatter(&w.inputs, p.changes, p.n_changes, &mut kv.tags)?;
-        if check {
+        g.upload_into(words, &mut w.inputs)?;
+        match key {
+            Some(k) => {
+                if !kv.graphs.contains_key(&k) {
+                    if kv.graphs.len() >= MAX_GRAPHS {
+                        // Old shapes (shorter contexts, other batch sizes)
+                        // are unlikely to come back.
+                        kv.graphs.clear();
+                    }
+                    let graph = g.capture(|| self.kernels(kv, w, s))?;
+                    kv.graphs.insert(k, graph);
+                }
+                g.replay(&kv.graphs[&k])?;
+            }
+            None => self.kernels(kv, w, s)?,
+        }
+        let (seqs, m) = (s.seqs, s.m);
+        let small = g.download_range(&w.small, 0..seqs + m)?;
+        let ok: Vec<bool> = if s.check {
+            small[..seqs].iter().map(|f| *f == 1).collect()
+        } else {
+            vec![true; seqs]
+        };
+        let logits = if greedy.iter().all(|x| *x) {
+            Vec::new()
+        } else {
+            g.download_range(&w.logits, 0..m * c.vocab)?
+        };
+        let rows = greedy
+            .iter()
+            .enumerate()
+            .map(|(i, gr)| {
+                if *gr {
+                    SeqOut::Token(small[seqs + i])
+                } else {
+                    SeqOut::Logits(logits[i * c.vocab..(i + 1) * c.vocab].to_vec())
+                }
+            })
+            .collect();
+        Ok(StepOut { rows, ok })
+    }
+
+    /// Every launch of a step, reading its inputs from `w.inputs`: the tag
+    /// scatter and check, the layers, the head and the argmax. Launches
+    /// only (no copy, allocation or wait), so it can be captured.
+    fn kernels(&self, kv: &mut GpuKv, w: &mut Work, s: &Step<'_>) -> R<()> {
+        let c = &self.config;
+        let g = &self.gpu;
+        let (l, n, seqs, m) = (s.l, s.n, s.seqs, s.m);
+        g.tag_scatter(&w.inputs, l.changes, l.change_cap, &mut kv.tags)?;
+        if s.check {
             g.tag_check(
                 &mut w.inputs,
-                &p.tags,
+                &l.tags(true),
                 &kv.tags,
                 &mut w.small.slice_mut(..seqs),
                 seqs,
             )?;
         }
         let inputs = w.inputs.slice(..);
-        let (d_ids, d_wanted) = (inputs.slice(p.ids.clone()), inputs.slice(p.wanted.clone()));
-        let (d_pos, d_tables) = (ints(&inputs, &p.pos), ints(&inputs, &p.tables));
-        let (d_offs, d_lens) = (ints(&inputs, &p.offs), ints(&inputs, &p.lens));
-        let d_slots = ints(&inputs, &p.slots);
+        let d_ids = inputs.slice(l.range(l.ids, n));
+        let d_wanted = inputs.slice(l.range(l.wanted, m));
+        let d_pos = ints(&inputs, l.range(l.pos, n));
+        let d_tables = ints(&inputs, l.tables..l.words);
+        let (d_offs, d_lens) = (
+            ints(&inputs, l.range(l.offs, n)),
+            ints(&inputs, l.range(l.lens, n)),
+        );
+        let d_slots = ints(&inputs, l.range(l.slots, n));
         let (hd, q_dim, kv_dim) = (c.head_dim, c.heads * c.head_dim, c.kv_heads * c.head_dim);
         let (h, xn, q, k, v) = (&mut w.h, &mut w.xn, &mut w.q, &mut w.k, &mut w.v);
         let (attn, proj, gate, up) = (&mut w.attn, &mut w.proj, &mut w.gate, &mut w.up);
@@ -228,7 +404,7 @@ impl GpuModel {
             g.rope(k, &d_pos, &self.inv_freq, n, c.kv_heads, hd, interleaved)?;
             g.kv_write(pages, k, v, &d_slots, n)?;
             g.paged_attention(
-                pages, q, &d_tables, &d_offs, &d_lens, abuf, attn, n, c.heads, max_len, scale,
+                pages, q, &d_tables, &d_offs, &d_lens, abuf, attn, n, c.heads, s.max_len, scale,
             )?;
             g.matmul(attn, &layer.wo, proj, n, c.hidden, q_dim, scratch)?;
             g.rmsnorm_residual(h, Some(&*proj), &layer.ffn_norm, xn, n, c.hidden, c.eps)?;
@@ -237,7 +413,6 @@ impl GpuModel {
             g.silu_mul(gate, up, n * c.ffn)?;
             g.matmul(gate, &layer.w_down, proj, n, c.hidden, c.ffn, scratch)?;
         }
-        let m = greedy.len();
         if m > 0 {
             g.rmsnorm_residual(h, Some(&*proj), &self.norm, xn, n, c.hidden, c.eps)?;
             // Decode wants every token's row, already in place.
@@ -256,28 +431,16 @@ impl GpuModel {
                 &mut w.small.slice_mut(seqs..seqs + m),
             )?;
         }
-        let small = g.download_range(&w.small, 0..seqs + m)?;
-        let ok: Vec<bool> = if check {
-            small[..seqs].iter().map(|f| *f == 1).collect()
-        } else {
-            vec![true; seqs]
-        };
-        let logits = if greedy.iter().all(|x| *x) {
-            Vec::new()
-        } else {
-            g.download_range(&w.logits, 0..m * c.vocab)?
-        };
-        let rows = greedy
-            .iter()
-            .enumerate()
-            .map(|(i, gr)| {
-                if *gr {
-                    SeqOut::Token(small[seqs + i])
-                } else {
-                    SeqOut::Logits(logits[i * c.vocab..(i + 1) * c.vocab].to_vec())
-                }
-            })
-            .collect();
-        Ok(StepOut { rows, ok })
+        Ok(())
     }
+}
+
+/// A step's shape, as the launches see it.
+struct Step<'a> {
+    l: &'a Layout,
+    n: usize,
+    seqs: usize,
+    m: usize,
+    max_len: usize,
+    check: bool,
 }
