@@ -9,6 +9,7 @@ use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout, KvPages};
 use crate::matmul::Weight;
 use crate::ops::Rope;
+use crate::sample::SamplingParams;
 
 /// A result of a backend call.
 pub type R<T = ()> = Result<T, KernelError>;
@@ -96,6 +97,15 @@ pub trait Backend {
     fn matmul_weight(&self, x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> R;
     /// `out[t] = w[ids[t]]` for a weight of any type (the embedding).
     fn embed_weight(&self, w: &Weight, ids: &[u32], out: &mut [f32]) -> R;
+    /// One token per row of `logits` (rows of `n`), row `r` sampled with
+    /// `params[r]` and the uniform draw `uniforms[r]`.
+    fn sample_rows(
+        &self,
+        logits: &[f32],
+        n: usize,
+        params: &[SamplingParams],
+        uniforms: &[f32],
+    ) -> R<Vec<u32>>;
 }
 
 /// The CPU: the reference implementation of every kernel.
@@ -230,5 +240,19 @@ impl Backend for Cpu {
             w.row(*id as usize, row);
         }
         Ok(())
+    }
+
+    fn sample_rows(
+        &self,
+        logits: &[f32],
+        n: usize,
+        params: &[SamplingParams],
+        uniforms: &[f32],
+    ) -> R<Vec<u32>> {
+        Ok(logits
+            .chunks_exact(n)
+            .zip(params.iter().zip(uniforms))
+            .map(|(row, (p, u))| crate::sample::sample_with_uniform(row, *p, *u))
+            .collect())
     }
 }

@@ -37,6 +37,15 @@ pub fn sample(logits: &[f32], p: SamplingParams, rng: &mut impl Rng) -> u32 {
     if p.is_greedy() {
         return argmax(logits);
     }
+    sample_with_uniform(logits, p, rng.random::<f32>())
+}
+
+/// [`sample`] with its one uniform draw `u` in `[0, 1)` made by the caller
+/// (a device samples with the draw the host's seeded generator made).
+pub fn sample_with_uniform(logits: &[f32], p: SamplingParams, u: f32) -> u32 {
+    if p.is_greedy() {
+        return argmax(logits);
+    }
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
     let k = if p.top_k == 0 {
         logits.len()
@@ -50,27 +59,30 @@ pub fn sample(logits: &[f32], p: SamplingParams, rng: &mut impl Rng) -> u32 {
         idx.truncate(k);
     }
     idx.sort_unstable_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]));
-    let max = logits[idx[0] as usize];
-    let mut probs: Vec<f32> = idx
+    // Weights and running sums in f64: over a whole vocabulary, f32 sums
+    // drift by more than a small token's probability.
+    let max = logits[idx[0] as usize] as f64;
+    let t = p.temperature as f64;
+    let mut probs: Vec<f64> = idx
         .iter()
-        .map(|i| ((logits[*i as usize] - max) / p.temperature).exp())
+        .map(|i| ((logits[*i as usize] as f64 - max) / t).exp())
         .collect();
-    let total: f32 = probs.iter().sum();
+    let total: f64 = probs.iter().sum();
     probs.iter_mut().for_each(|v| *v /= total);
     if p.top_p < 1.0 {
         let mut acc = 0.0;
         let mut keep = probs.len();
         for (i, v) in probs.iter().enumerate() {
             acc += v;
-            if acc >= p.top_p {
+            if acc >= p.top_p as f64 {
                 keep = i + 1;
                 break;
             }
         }
         probs.truncate(keep);
     }
-    let total: f32 = probs.iter().sum();
-    let mut r = rng.random::<f32>() * total;
+    let total: f64 = probs.iter().sum();
+    let mut r = u as f64 * total;
     for (i, v) in probs.iter().enumerate() {
         r -= v;
         if r <= 0.0 {

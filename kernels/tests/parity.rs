@@ -13,6 +13,7 @@ use kiln_kernels::kv::{KvFormat, KvLayout};
 use kiln_kernels::matmul::Weight;
 use kiln_kernels::ops::{Rope, RopeStyle};
 use kiln_kernels::quant::{self, DType};
+use kiln_kernels::sample::SamplingParams;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -27,9 +28,13 @@ fn backend() -> Box<dyn Backend> {
     }
 }
 
-/// A fresh generator per run; the seed is printed to replay a failure.
+/// A fresh generator per run; the seed is printed, and `KILN_TEST_SEED`
+/// replays it.
 fn rng() -> ChaCha8Rng {
-    let seed = rand::rng().random::<u64>();
+    let seed = std::env::var("KILN_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::rng().random::<u64>());
     eprintln!("seed {seed}");
     ChaCha8Rng::seed_from_u64(seed)
 }
@@ -380,5 +385,90 @@ fn block_quantized_matmul_and_embedding_match_float64() {
             "{} {dtype:?} embedding",
             be.name()
         );
+    }
+}
+
+/// Whether `token` is what sampling `row` with `p` and draw `u` picks, in
+/// float64 and up to a sliver of mass `eps` (of the nucleus) either side of
+/// each boundary: summation order may move a draw that lands within
+/// rounding of a boundary to the neighbouring token.
+fn valid_pick(row: &[f32], p: SamplingParams, u: f32, token: u32, eps: f64) -> bool {
+    if p.is_greedy() {
+        return token == kiln_kernels::sample::argmax(row);
+    }
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|a, b| row[*b].total_cmp(&row[*a]));
+    let k = if p.top_k > 0 {
+        p.top_k.min(row.len())
+    } else {
+        row.len()
+    };
+    let max = row[idx[0]] as f64;
+    let weight = |l: f32| ((l as f64 - max) / p.temperature as f64).exp();
+    let w: Vec<f64> = idx[..k].iter().map(|i| weight(row[*i])).collect();
+    let z: f64 = w.iter().sum();
+    // The nucleus, then the draw's target in it.
+    let mut keep = k;
+    let mut acc = 0.0;
+    for (i, v) in w.iter().enumerate() {
+        acc += v / z;
+        if acc >= p.top_p as f64 {
+            keep = i + 1;
+            break;
+        }
+    }
+    let zn: f64 = w[..keep].iter().sum();
+    let (target, slack) = (u as f64 * zn, eps * zn);
+    // Equal logits are one group: any order among them is right, and a
+    // tie with the k-th logit is a candidate too.
+    let l = row[token as usize];
+    if l < row[idx[k - 1]] {
+        return false;
+    }
+    let before: f64 = (0..k).filter(|i| row[idx[*i]] > l).map(|i| w[i]).sum();
+    let within: f64 = (0..k).filter(|i| row[idx[*i]] == l).map(|i| w[i]).sum();
+    let within = if within > 0.0 { within } else { weight(l) };
+    // In the nucleus (up to rounding at its edge), and where the draw lands.
+    before <= p.top_p as f64 * z + slack
+        && before - slack <= target
+        && target <= before + within + slack
+}
+
+#[test]
+fn sampling_with_top_k_and_top_p_picks_what_the_cpu_picks_for_the_same_draw() {
+    let (be, mut r) = (backend(), rng());
+    let rows = 24;
+    for n in [1000, 50_000] {
+        for (temperature, top_k, top_p) in [
+            (0.0, 0, 1.0),
+            (0.8, 1, 1.0),
+            (0.7, 0, 0.9),
+            (1.0, 40, 1.0),
+            (0.5, 50, 0.8),
+            (1.3, 0, 1.0),
+        ] {
+            let p = SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+            };
+            let logits = random(&mut r, rows * n, 4.0);
+            let u: Vec<f32> = (0..rows).map(|_| r.random::<f32>()).collect();
+            let got = be.sample_rows(&logits, n, &vec![p; rows], &u).unwrap();
+            for (i, row) in logits.chunks_exact(n).enumerate() {
+                if p.top_k > 1 || p.top_p < 1.0 {
+                    // The checker itself rejects a token outside the set.
+                    let lowest = (0..n).min_by(|a, b| row[*a].total_cmp(&row[*b])).unwrap();
+                    assert!(!valid_pick(row, p, u[i], lowest as u32, 1e-4));
+                }
+                assert!(
+                    valid_pick(row, p, u[i], got[i], 1e-4),
+                    "{} n={n} {p:?} u={}: token {}",
+                    be.name(),
+                    u[i],
+                    got[i]
+                );
+            }
+        }
     }
 }

@@ -320,41 +320,58 @@ impl TestServer {
 /// A Python with the official `openai` client, in a virtual environment
 /// under `target/` made on first use.
 pub fn python_with_openai() -> PathBuf {
-    static PY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    let py = PY.get_or_init(|| {
-        let venv = workspace().join("target").join("pyenv-openai");
-        let python = venv.join("bin").join("python");
-        let ready = std::process::Command::new(&python)
-            .args(["-c", "import openai"])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if ready {
-            return Ok(python);
-        }
-        let run = |cmd: &mut std::process::Command| -> Result<(), String> {
-            let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
-            if out.status.success() {
-                Ok(())
-            } else {
-                Err(format!("{cmd:?}: {}", String::from_utf8_lossy(&out.stderr)))
-            }
-        };
-        run(std::process::Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv))?;
-        run(std::process::Command::new(&python).args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            OPENAI_CLIENT,
-        ]))?;
-        Ok(python)
-    });
-    match py {
-        Ok(p) => p.clone(),
-        Err(e) => panic!("setting up the openai Python client failed: {e}"),
+    static PY: OnceLock<PathBuf> = OnceLock::new();
+    PY.get_or_init(|| python_venv("pyenv-openai", "import openai", &[OPENAI_CLIENT]))
+        .clone()
+}
+
+/// A Python with NVIDIA's NVRTC library and CUDA headers from PyPI, which
+/// compile CUDA C without a GPU or a CUDA install.
+pub fn python_with_nvrtc() -> PathBuf {
+    static PY: OnceLock<PathBuf> = OnceLock::new();
+    PY.get_or_init(|| {
+        python_venv(
+            "pyenv-nvrtc",
+            "import nvidia.cuda_nvrtc, nvidia.cuda_runtime",
+            &NVRTC_PACKAGES,
+        )
+    })
+    .clone()
+}
+
+/// The pinned NVRTC and CUDA runtime header packages.
+pub const NVRTC_PACKAGES: [&str; 2] = [
+    "nvidia-cuda-nvrtc-cu12==12.9.86",
+    "nvidia-cuda-runtime-cu12==12.9.79",
+];
+
+/// A Python with `packages` installed, in a virtual environment of its own
+/// under `target/` (made on first use).
+pub fn python_venv(name: &str, probe: &str, packages: &[&str]) -> PathBuf {
+    let venv = workspace().join("target").join(name);
+    let python = venv.join("bin").join("python");
+    let ready = std::process::Command::new(&python)
+        .args(["-c", probe])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if ready {
+        return python;
     }
+    let run = |cmd: &mut std::process::Command| {
+        let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "{cmd:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(std::process::Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(&venv));
+    run(std::process::Command::new(&python)
+        .args(["-m", "pip", "install", "--quiet"])
+        .args(packages));
+    python
 }
 
 /// The pinned version of OpenAI's Python client the tests drive Kiln with.

@@ -9,6 +9,7 @@ use super::Gpu;
 use crate::backend::{AttentionCase, Backend, R};
 use crate::matmul::Weight;
 use crate::ops::{Rope, RopeStyle};
+use crate::sample::SamplingParams;
 
 impl Gpu {
     fn poisoned(&self, n: usize) -> R<CudaSlice<f32>> {
@@ -215,5 +216,32 @@ impl Backend for Gpu {
         )?;
         out.copy_from_slice(&self.download(&dout)?[..out.len()]);
         Ok(())
+    }
+
+    fn sample_rows(
+        &self,
+        logits: &[f32],
+        n: usize,
+        params: &[SamplingParams],
+        uniforms: &[f32],
+    ) -> R<Vec<u32>> {
+        let rows = params.len();
+        let p: Vec<f32> = params
+            .iter()
+            .zip(uniforms)
+            .flat_map(|(p, u)| [p.temperature, p.top_p, *u])
+            .collect();
+        let k: Vec<i32> = params.iter().map(|p| p.top_k as i32).collect();
+        let (dp, dk) = (self.upload(&p)?, self.upload(&k)?);
+        let mut out = self.upload(&vec![u32::MAX; rows.max(1)])?;
+        self.sample_rows(
+            &self.upload(logits)?,
+            rows,
+            n,
+            &dp.slice(..),
+            &dk.slice(..),
+            &mut out.slice_mut(..),
+        )?;
+        Ok(self.download(&out)?[..rows].to_vec())
     }
 }

@@ -10,6 +10,7 @@ mod backend;
 mod launch;
 mod memory;
 mod quant;
+mod sampling;
 mod tags;
 
 use std::collections::HashMap;
@@ -28,7 +29,11 @@ pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
 pub use tags::TagLayout;
 
 /// The CUDA C source of every kernel.
-pub const SOURCE: &str = concat!(include_str!("kernels.cu"), include_str!("quant.cu"));
+pub const SOURCE: &str = concat!(
+    include_str!("kernels.cu"),
+    include_str!("quant.cu"),
+    include_str!("sample.cu")
+);
 
 /// Every kernel the source defines.
 const KERNELS: &[&str] = &[
@@ -57,6 +62,7 @@ const KERNELS: &[&str] = &[
     "attention_merge",
     "tag_check",
     "tag_scatter",
+    "sample_rows",
     "argmax_rows",
     "gemv_bf16",
     "to_bf16",

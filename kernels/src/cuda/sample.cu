@@ -1,0 +1,131 @@
+// Sampling on the device (appended to kernels.cu): temperature, top-k and
+// top-p over a whole logits row without sorting it, with the uniform draw
+// made by the host from the request's seeded generator. What it picks is
+// what kernels/src/sample.rs picks for the same draw: the candidates are the
+// top-k logits, their softmax at temperature T, the nucleus the shortest
+// prefix (largest first) whose mass reaches top_p, and the token the first
+// in that order where the running mass reaches u times the nucleus's mass.
+//
+// Each "first prefix reaching a mass" is a radix select on order-preserving
+// keys of the logits: four passes of 8 bits, each a 256-bin histogram of
+// weight (a count, or exp((l - max) / T)) in shared memory.
+
+#define SAMPLE_THREADS 1024
+
+__device__ __forceinline__ unsigned order_key(float f) {
+    unsigned b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// The key t with weight{key > t} < target <= weight{key >= t} among keys at
+// least `floor`, weights counts (by_mass false) or exp((l - mx) / t).
+// When rounding leaves the target out of reach, the smallest key present.
+__device__ unsigned select_key(const float* row, int n, unsigned floor, bool by_mass, float mx,
+                               float t, float target, float* hist) {
+    unsigned prefix = 0;
+    float above = 0.0f;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0.0f;
+        __syncthreads();
+        unsigned high_mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            unsigned k = order_key(row[i]);
+            if (k < floor || (k & high_mask) != prefix) continue;
+            float w = by_mass ? expf((row[i] - mx) / t) : 1.0f;
+            atomicAdd(&hist[(k >> shift) & 0xff], w);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float acc = above;
+            int chosen = -1, lowest = -1;
+            for (int b = 255; b >= 0; b--) {
+                if (hist[b] <= 0.0f) continue;
+                lowest = b;
+                if (acc + hist[b] >= target) {
+                    chosen = b;
+                    break;
+                }
+                acc += hist[b];
+            }
+            if (chosen < 0) {
+                // Out of reach: the last bin with any weight, mass above it.
+                chosen = lowest < 0 ? 0 : lowest;
+                acc -= lowest < 0 ? 0.0f : hist[lowest];
+            }
+            hist[256] = acc;
+            hist[257] = __uint_as_float(prefix | ((unsigned)chosen << shift));
+        }
+        __syncthreads();
+        above = hist[256];
+        prefix = __float_as_uint(hist[257]);
+        __syncthreads();
+    }
+    return prefix;
+}
+
+// Sum over the block of `v` (blockDim.x == SAMPLE_THREADS).
+__device__ float sample_sum(float v, float* red) {
+    return block_sum(v, red);
+}
+
+// One row per block of SAMPLE_THREADS threads. params: per row
+// (temperature, top_p, uniform); top_k: per row (0 = all).
+extern "C" __global__ void sample_rows(const float* logits, int n, const float* params,
+                                       const int* top_k, unsigned* out) {
+    __shared__ float hist[258];
+    __shared__ float red[32];
+    __shared__ int best;
+    const float* row = logits + (size_t)blockIdx.x * n;
+    float t = params[3 * blockIdx.x], top_p = params[3 * blockIdx.x + 1];
+    float u = params[3 * blockIdx.x + 2];
+    int k = top_k[blockIdx.x];
+    // The largest logit, lowest index on ties (the greedy answer).
+    float mx = -INFINITY;
+    int arg = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = row[i];
+        if (v > mx || (v == mx && i < arg)) { mx = v; arg = i; }
+    }
+    float gmx = warp_max(mx);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = gmx;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float m = -INFINITY;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) m = fmaxf(m, red[w]);
+        red[0] = m;
+        best = 0x7fffffff;
+    }
+    __syncthreads();
+    float gmax = red[0];
+    __syncthreads();
+    if (mx == gmax) atomicMin(&best, arg);
+    __syncthreads();
+    if (t <= 0.0f || k == 1) {
+        if (threadIdx.x == 0) out[blockIdx.x] = best == 0x7fffffff ? 0 : best;
+        return;
+    }
+    // Top-k: the k-th largest key (ties at it all stay in).
+    unsigned floor = 0;
+    if (k > 0 && k < n) floor = select_key(row, n, 0, false, gmax, t, (float)k, hist);
+    // The candidates' mass; the nucleus reaching top_p of it.
+    float z = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        if (order_key(row[i]) >= floor) z += expf((row[i] - gmax) / t);
+    z = sample_sum(z, red);
+    if (top_p < 1.0f) {
+        floor = select_key(row, n, floor, true, gmax, t, top_p * z, hist);
+        z = 0.0f;
+        for (int i = threadIdx.x; i < n; i += blockDim.x)
+            if (order_key(row[i]) >= floor) z += expf((row[i] - gmax) / t);
+        z = sample_sum(z, red);
+    }
+    // The draw: the first key where the running mass reaches u * z.
+    unsigned pick = select_key(row, n, floor, true, gmax, t, u * z, hist);
+    if (threadIdx.x == 0) best = 0x7fffffff;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        if (order_key(row[i]) == pick) atomicMin(&best, i);
+    __syncthreads();
+    if (threadIdx.x == 0) out[blockIdx.x] = best == 0x7fffffff ? (unsigned)arg : best;
+}

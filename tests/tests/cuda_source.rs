@@ -1,0 +1,23 @@
+//! The CUDA kernels compile: NVRTC (from PyPI, no GPU needed) builds the
+//! source Kiln compiles at run time, for Hopper and Ampere, so a CUDA error
+//! fails CI instead of the next GPU session.
+
+use kiln_tests::{python_with_nvrtc, workspace};
+
+#[test]
+fn cuda_source_compiles_with_nvrtc_for_hopper_and_ampere() {
+    let python = python_with_nvrtc();
+    let dir = workspace().join("target").join("nvrtc-check");
+    std::fs::create_dir_all(&dir).unwrap();
+    let source = dir.join("kiln.cu");
+    std::fs::write(&source, kiln_kernels::cuda::SOURCE).unwrap();
+    let out = std::process::Command::new(python)
+        .arg(workspace().join("scripts").join("nvrtc_check.py"))
+        .arg(&source)
+        .args(["compute_90", "compute_80"])
+        .output()
+        .expect("run the NVRTC check");
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "NVRTC rejected the kernels:\n{log}");
+    assert_eq!(log.matches(": ok").count(), 2, "{log}");
+}
