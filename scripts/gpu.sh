@@ -10,10 +10,11 @@
 # There, calls back to back (the machine keeps /tmp while warm):
 #   carry .gpu-model/a:          scripts/gpu.sh stage a
 #   carry .gpu-model/b:          scripts/gpu.sh stage b
-#   carry .gpu:                  scripts/gpu.sh run     (tests, kernel timings)
-#   carry .gpu-bench:            scripts/gpu.sh bench   (engine matrix, PyTorch)
-# `run` and `bench` together run every CUDA test and benchmark, writing
-# logs to $OUT (or ./gpu-out).
+#   carry .gpu, .gpu-bench:      scripts/gpu.sh run
+# `run` is the single command for every CUDA test and benchmark (kernel
+# parity, the engine tests on the default model, kernel timings, the
+# engine's decode matrix and the PyTorch baseline), writing logs to $OUT
+# (or ./gpu-out); `scripts/gpu.sh bench` runs only the last two.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -69,7 +70,10 @@ run)
     else
         echo "no staged model: skipping the end-to-end engine tests" | tee "$out/engine.log"
     fi
-    timeout 240 .gpu/cuda_bench 2>&1 | tee "$out/bench.log"
+    timeout 120 .gpu/cuda_bench 2>&1 | tee "$out/bench.log"
+    if [ -x .gpu-bench/kiln ]; then
+        "$0" bench
+    fi
     ;;
 bench)
     # The decode matrix of issue 5 and the PyTorch baseline, same GPU, one

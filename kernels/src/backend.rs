@@ -69,6 +69,11 @@ pub trait Backend {
     fn embed(&self, table: &[bf16], hidden: usize, ids: &[u32], out: &mut [f32]) -> R;
     /// Writes the case's rows into fresh pages, then attends.
     fn paged_attention(&self, case: &AttentionCase) -> R<Vec<f32>>;
+    /// The same attention for prefill: the "sequences" of `case` are query
+    /// tokens, consecutive ones of one sequence sharing its table with
+    /// lengths one apart (a causal chunk), computed a tile of tokens at a
+    /// time on devices that can.
+    fn prefill_attention(&self, case: &AttentionCase) -> R<Vec<f32>>;
     /// The page-tag check: `expected[i]` for `pages[i]`, sequence `s` owning
     /// `offsets[s]..offsets[s + 1]`; tags are two opaque words.
     fn tag_check(
@@ -254,5 +259,9 @@ impl Backend for Cpu {
             .zip(params.iter().zip(uniforms))
             .map(|(row, (p, u))| crate::sample::sample_with_uniform(row, *p, *u))
             .collect())
+    }
+
+    fn prefill_attention(&self, case: &AttentionCase) -> R<Vec<f32>> {
+        self.paged_attention(case)
     }
 }

@@ -254,6 +254,37 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
 }
 
 #[test]
+fn causal_prefill_attention_matches_float64_in_bf16_and_fp8() {
+    let (be, mut r) = (backend(), rng());
+    // Sequences of these lengths, the last `new` tokens of each a prefill
+    // chunk (the rest cached before): chunks across tiles, pages and a
+    // key tile of 32, and a whole prompt from position 0.
+    let seqs = [(45, 45), (300, 70), (33, 1), (600, 13)];
+    for (format, tol) in [(KvFormat::Bf16, 1e-2), (KvFormat::Fp8, 6e-2)] {
+        let lens: Vec<usize> = seqs.iter().map(|(l, _)| *l).collect();
+        let (mut case, keys, vals) = attention_case(&mut r, format, &lens);
+        // One query per new token, attending to its position and before.
+        let (mut tables, mut qlens, mut qkeys, mut qvals) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (s, (len, new)) in seqs.iter().enumerate() {
+            for pos in len - new..*len {
+                tables.push(case.tables[s].clone());
+                qlens.push(pos + 1);
+                qkeys.push(keys[s].clone());
+                qvals.push(vals[s].clone());
+            }
+        }
+        case.q = random(&mut r, qlens.len() * case.heads * case.layout.head_dim, 1.0);
+        case.tables = tables;
+        case.lens = qlens;
+        let want = attention_reference(&case, &qkeys, &qvals);
+        let out = be.prefill_attention(&case).unwrap();
+        let e = rel_err(&out, &want);
+        assert!(e < tol, "{} {format:?}: rel err {e}", be.name());
+    }
+}
+
+#[test]
 fn page_tag_check_flags_exactly_the_sequences_with_a_stale_page() {
     let (be, mut r) = (backend(), rng());
     let pages_total = 64;

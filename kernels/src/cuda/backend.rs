@@ -83,13 +83,7 @@ impl Backend for Gpu {
 
     fn paged_attention(&self, c: &AttentionCase) -> R<Vec<f32>> {
         let mut kv = self.paged_kv(c.format, c.layout, c.num_pages)?;
-        if !c.rows.is_empty() {
-            let k: Vec<f32> = c.rows.iter().flat_map(|r| r.k.iter().copied()).collect();
-            let v: Vec<f32> = c.rows.iter().flat_map(|r| r.v.iter().copied()).collect();
-            let slots: Vec<i32> = c.rows.iter().map(|r| r.slot as i32).collect();
-            let (dk, dv, ds) = (self.upload(&k)?, self.upload(&v)?, self.upload(&slots)?);
-            self.kv_write(&mut kv, &dk, &dv, &ds.slice(..), c.rows.len())?;
-        }
+        self.write_rows(&mut kv, c)?;
         let mut offsets = vec![0i32];
         let mut flat = Vec::new();
         for t in &c.tables {
@@ -243,5 +237,51 @@ impl Backend for Gpu {
             &mut out.slice_mut(..),
         )?;
         Ok(self.download(&out)?[..rows].to_vec())
+    }
+
+    fn prefill_attention(&self, c: &AttentionCase) -> R<Vec<f32>> {
+        let mut kv = self.paged_kv(c.format, c.layout, c.num_pages)?;
+        self.write_rows(&mut kv, c)?;
+        // Tokens with the same table as the one before share its copy.
+        let (mut flat, mut off) = (Vec::new(), Vec::new());
+        for (i, t) in c.tables.iter().enumerate() {
+            if i == 0 || c.tables[i - 1] != *t {
+                off.push(flat.len() as i32);
+                flat.extend(t.iter().map(|p| *p as i32));
+            } else {
+                off.push(off[i - 1]);
+            }
+        }
+        flat.push(0);
+        let lens = ints(c.lens.iter().copied());
+        let group = c.heads / c.layout.kv_heads.max(1);
+        let tiles = crate::cuda::prefill_tiles(&off, &lens, group);
+        let mut out = self.poisoned(c.q.len())?;
+        self.prefill_attention(
+            &kv,
+            &self.upload(&c.q)?,
+            &self.upload(&flat)?.slice(..),
+            &self.upload(&off)?.slice(..),
+            &self.upload(&lens)?.slice(..),
+            &self.upload(&tiles)?.slice(..),
+            &mut out,
+            c.heads,
+            c.scale,
+        )?;
+        Ok(self.download(&out)?[..c.q.len()].to_vec())
+    }
+}
+
+impl Gpu {
+    /// Writes `c`'s KV rows into `kv`.
+    fn write_rows(&self, kv: &mut super::PagedKv, c: &AttentionCase) -> R {
+        if c.rows.is_empty() {
+            return Ok(());
+        }
+        let k: Vec<f32> = c.rows.iter().flat_map(|r| r.k.iter().copied()).collect();
+        let v: Vec<f32> = c.rows.iter().flat_map(|r| r.v.iter().copied()).collect();
+        let slots: Vec<i32> = c.rows.iter().map(|r| r.slot as i32).collect();
+        let (dk, dv, ds) = (self.upload(&k)?, self.upload(&v)?, self.upload(&slots)?);
+        self.kv_write(kv, &dk, &dv, &ds.slice(..), c.rows.len())
     }
 }

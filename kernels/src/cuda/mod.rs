@@ -9,6 +9,7 @@
 mod backend;
 mod launch;
 mod memory;
+mod prefill;
 mod quant;
 mod sampling;
 mod tags;
@@ -25,6 +26,7 @@ use crate::KernelError;
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use launch::{AttentionBuffers, PARTITION, PagedKv};
+pub use prefill::prefill_tiles;
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
 pub use tags::TagLayout;
 
@@ -32,7 +34,8 @@ pub use tags::TagLayout;
 pub const SOURCE: &str = concat!(
     include_str!("kernels.cu"),
     include_str!("quant.cu"),
-    include_str!("sample.cu")
+    include_str!("sample.cu"),
+    include_str!("prefill.cu")
 );
 
 /// Every kernel the source defines.
@@ -63,6 +66,16 @@ const KERNELS: &[&str] = &[
     "tag_check",
     "tag_scatter",
     "sample_rows",
+    "prefill_bf16_g1",
+    "prefill_bf16_g2",
+    "prefill_bf16_g3",
+    "prefill_bf16_g4",
+    "prefill_bf16_g8",
+    "prefill_fp8_g1",
+    "prefill_fp8_g2",
+    "prefill_fp8_g3",
+    "prefill_fp8_g4",
+    "prefill_fp8_g8",
     "argmax_rows",
     "gemv_bf16",
     "to_bf16",

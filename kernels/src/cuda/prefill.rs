@@ -1,0 +1,120 @@
+//! Causal prefill attention on the device (see `prefill.cu`): tiles of
+//! consecutive query tokens of one sequence share each K and V read.
+
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+
+use super::launch::PagedKv;
+use super::{Gpu, cuda_err};
+use crate::KernelError;
+use crate::kv::{KvFormat, KvLayout};
+
+/// Query rows (tokens x heads of one KV head) per tile (`PF_ROWS`).
+const ROWS: usize = 32;
+
+/// Group sizes the source instantiates.
+const GROUPS: [usize; 5] = [1, 2, 3, 4, 8];
+
+/// Splits query tokens into tiles of at most `32 / group` consecutive
+/// tokens that share a block table (`table_off`) and have consecutive
+/// lengths: `(first token, tokens)` pairs, flattened.
+pub fn prefill_tiles(table_off: &[i32], lens: &[i32], group: usize) -> Vec<i32> {
+    let per = (ROWS / group.max(1)).max(1);
+    let mut tiles = Vec::new();
+    let mut t = 0;
+    while t < lens.len() {
+        let mut n = 1;
+        while t + n < lens.len()
+            && n < per
+            && table_off[t + n] == table_off[t]
+            && lens[t + n] == lens[t + n - 1] + 1
+        {
+            n += 1;
+        }
+        tiles.extend([t as i32, n as i32]);
+        t += n;
+    }
+    tiles
+}
+
+impl Gpu {
+    /// Attention of `tokens` query tokens (`q`: tokens x heads x head_dim)
+    /// over their pages, token `t` over keys `0..lens[t]` of the table at
+    /// `tables[table_off[t]..]`, in the tiles of [`prefill_tiles`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill_attention(
+        &self,
+        kv: &PagedKv,
+        q: &CudaSlice<f32>,
+        tables: &CudaView<'_, i32>,
+        table_off: &CudaView<'_, i32>,
+        lens: &CudaView<'_, i32>,
+        tiles: &CudaView<'_, i32>,
+        out: &mut CudaSlice<f32>,
+        heads: usize,
+        scale: f32,
+    ) -> Result<(), KernelError> {
+        let KvLayout {
+            kv_heads,
+            head_dim,
+            page_size,
+        } = kv.layout;
+        let group = heads / kv_heads.max(1);
+        if !heads.is_multiple_of(kv_heads) || !GROUPS.contains(&group) {
+            return Err(KernelError::Shape(format!(
+                "{heads} query heads over {kv_heads} KV heads: prefill supports groups of {GROUPS:?}"
+            )));
+        }
+        if !head_dim.is_multiple_of(32) || head_dim > 128 {
+            return Err(KernelError::Shape(format!(
+                "head_dim {head_dim}: prefill supports multiples of 32 up to 128"
+            )));
+        }
+        let name = match kv.format {
+            KvFormat::Bf16 => format!("prefill_bf16_g{group}"),
+            KvFormat::Fp8 => format!("prefill_fp8_g{group}"),
+        };
+        let f = self.function(&name)?;
+        let ints = [
+            heads as i32,
+            kv_heads as i32,
+            head_dim as i32,
+            page_size as i32,
+        ];
+        let mut b = self.stream.launch_builder(f);
+        b.arg(q)
+            .arg(&kv.k)
+            .arg(&kv.v)
+            .arg(&kv.k_scale)
+            .arg(&kv.v_scale);
+        b.arg(tables).arg(table_off).arg(lens).arg(tiles).arg(out);
+        for i in &ints {
+            b.arg(i);
+        }
+        b.arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (kv_heads as u32, (tiles.len() / 2) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: tiles index tokens of q, lens and table_off; tables hold
+        // every page those lengths reach.
+        unsafe { b.launch(cfg) }.map_err(cuda_err)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefill_tiles;
+
+    #[test]
+    fn tiles_break_at_sequences_at_gaps_and_at_the_row_limit() {
+        // Two sequences (tables at 0 and 5): 10 tokens from position 4, then
+        // 3 tokens; then a lone decode token of the first table.
+        let off = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 5, 5, 0];
+        let lens = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 1, 2, 3, 40];
+        // Group 4: at most 8 tokens a tile.
+        assert_eq!(prefill_tiles(&off, &lens, 4), [0, 8, 8, 2, 10, 3, 13, 1]);
+        assert_eq!(prefill_tiles(&off, &lens, 1), [0, 10, 10, 3, 13, 1]);
+    }
+}
