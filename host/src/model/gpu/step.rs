@@ -210,12 +210,26 @@ impl GpuModel {
     /// The key to capture this step under, when it can be one: a greedy
     /// decode of few enough sequences that every product takes a custom
     /// kernel (cuBLAS is not captured), with room for its tag changes.
-    fn graph_key(&self, x: &Inputs, tags: &StepTags<'_>, max_len: usize) -> Option<GraphKey> {
+    fn graph_key(
+        &self,
+        x: &Inputs,
+        tags: &StepTags<'_>,
+        max_len: usize,
+        page_size: usize,
+    ) -> Option<GraphKey> {
         let n = x.ids.len();
-        (self.graphs && x.greedy_decode && n <= self.graph_max_seqs() && tags.changes.len() <= n)
-            .then(|| GraphKey {
+        let parts = max_len.div_ceil(PARTITION);
+        // The tables must fit the room the key's lengths give them (a
+        // table holding pages past its length takes the eager path).
+        let room = n * (parts * PARTITION).div_ceil(page_size);
+        (self.graphs
+            && x.greedy_decode
+            && n <= self.graph_max_seqs()
+            && tags.changes.len() <= n
+            && x.tables.len() <= room)
+            .then_some(GraphKey {
                 seqs: n,
-                parts: max_len.div_ceil(PARTITION),
+                parts,
                 check: !tags.expected.is_empty(),
             })
     }
@@ -246,7 +260,7 @@ impl GpuModel {
             });
         }
         let mut max_len = x.lens.iter().copied().max().unwrap_or(1) as usize;
-        let key = self.graph_key(&x, &tags, max_len);
+        let key = self.graph_key(&x, &tags, max_len, ps);
         let (change_cap, table_cap) = match key {
             Some(k) => {
                 // Room for the longest tables the key's lengths allow.
