@@ -87,6 +87,13 @@ bench)
     timeout "${BENCH_TIMEOUT:-420}" .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda \
         ${BENCH_ARGS:---concurrency 1,8,16,32,64,128,256 --prompt-tokens 1024 --gen-tokens 256 --kv-formats bf16,fp8 --kv-memory 16GiB --integrity-ab --cuda-graphs} \
         2>&1 | tee "$out/kiln-bench.log"
+    # Prefill: one query per token against the flash-style kernel.
+    for flash in "" --flash-prefill; do
+        # shellcheck disable=SC2086
+        timeout 120 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
+            --kv-memory 16GiB --concurrency 1,16 --prompt-tokens 1024 --gen-tokens 8 $flash \
+            2>&1 | tee -a "$out/kiln-prefill.log"
+    done
     # shellcheck disable=SC2086
     timeout "${TORCH_TIMEOUT:-150}" python3 scripts/torch_baseline.py ${TORCH_ARGS:---batches 1,8,32,64} \
         2>&1 | grep -v Warning | tee "$out/torch-baseline.log"

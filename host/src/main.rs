@@ -115,6 +115,12 @@ struct EngineArgs {
     /// On CUDA, capture small greedy decode steps as CUDA graphs.
     #[arg(long)]
     cuda_graphs: bool,
+    /// On CUDA, sample (temperature, top-k, top-p) on the device.
+    #[arg(long)]
+    device_sampling: bool,
+    /// On CUDA, attend prefill chunks with the flash-style kernel.
+    #[arg(long)]
+    flash_prefill: bool,
 }
 
 impl EngineArgs {
@@ -136,6 +142,8 @@ impl EngineArgs {
             device: self.device,
             scheduler,
             cuda_graphs: self.cuda_graphs,
+            device_sampling: self.device_sampling,
+            flash_prefill: self.flash_prefill,
         })
     }
 }

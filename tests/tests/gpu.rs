@@ -23,12 +23,20 @@ fn engine(device: Device) -> Engine {
 
 /// As [`engine`], capturing decode steps as CUDA graphs when `graphs`.
 fn engine_with(device: Device, graphs: bool) -> Engine {
-    let config = EngineConfig {
-        kv_memory: 64 << 20,
-        kv_format: kiln_kernels::kv::KvFormat::Bf16,
+    engine_config(EngineConfig {
         device,
         cuda_graphs: graphs,
         ..Default::default()
+    })
+}
+
+/// An engine with `config`'s switches on the test's KV pool.
+fn engine_config(config: EngineConfig) -> Engine {
+    let device = config.device;
+    let config = EngineConfig {
+        kv_memory: 64 << 20,
+        kv_format: kiln_kernels::kv::KvFormat::Bf16,
+        ..config
     };
     Engine::new(default_model(), config)
         .unwrap_or_else(|e| panic!("an engine on {}: {e}", device.name()))
@@ -201,4 +209,61 @@ fn cuda_graphs_replay_the_same_tokens_as_launching_each_kernel() {
         assert_eq!(greedy(&mut one, &ids, 20), want, "{p:?}");
     }
     assert_eq!(e.free_pages(), e.total_pages());
+}
+
+#[test]
+fn flash_prefill_gives_the_logits_of_one_query_per_token() {
+    // On CUDA the second engine attends its prefill chunks with the flash
+    // kernel; every later layer's KV depends on it, so every row checks it.
+    let mut plain = engine(device());
+    let mut flash = engine_config(EngineConfig {
+        device: device(),
+        flash_prefill: true,
+        ..Default::default()
+    });
+    for p in &PROMPTS[..3] {
+        let mut ids = chat_ids(&plain, p);
+        ids.extend(greedy(&mut plain, &ids.clone(), 12));
+        let from = ids.len() - 8;
+        let a = plain.teacher_forced_logits(TenantId(0), &ids, from).unwrap();
+        let b = flash.teacher_forced_logits(TenantId(0), &ids, from).unwrap();
+        for (x, y) in a.iter().zip(&b) {
+            let num: f64 = x.iter().zip(y).map(|(u, v)| ((u - v) as f64).powi(2)).sum();
+            let den: f64 = x.iter().map(|u| (*u as f64).powi(2)).sum();
+            let rel = (num / den).sqrt();
+            assert!(rel < 2e-3, "{p:?}: logits differ by {rel}");
+            assert_eq!(argmax(x), argmax(y), "{p:?}");
+        }
+    }
+}
+
+#[test]
+fn device_sampling_draws_what_the_host_draws_from_the_same_seed() {
+    // Same device and kernels, so the same logits; only the sampler
+    // differs (f32 radix select on the GPU, f64 on the host), each using
+    // the request's own seeded draws.
+    let params = GenerateParams {
+        max_tokens: 16,
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.9,
+        seed: Some(7),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut host = engine(device());
+    let mut dev = engine_config(EngineConfig {
+        device: device(),
+        device_sampling: true,
+        ..Default::default()
+    });
+    let mut differs = 0;
+    for p in &PROMPTS[..3] {
+        let ids = chat_ids(&host, p);
+        let a = host.generate(TenantId(0), ids.clone(), params.clone()).unwrap();
+        let b = dev.generate(TenantId(0), ids, params.clone()).unwrap();
+        assert_eq!(b.tokens.len(), 16);
+        differs += usize::from(a.tokens != b.tokens);
+    }
+    assert_eq!(differs, 0, "sampled sequences differ between host and device");
 }

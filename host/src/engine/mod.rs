@@ -20,6 +20,7 @@ use std::sync::Arc;
 use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 use kiln_kernels::sample::sample;
+use rand::Rng;
 
 pub use block_pool::{PrefixChange, TenantId};
 pub use kv_manager::SeqId;
@@ -28,7 +29,7 @@ pub use request::{Finish, GenerateParams};
 pub use scheduler::SchedulerConfig;
 
 use crate::model::gpu::{SeqOut, StepOut, StepTags};
-use crate::model::{BatchSeq, KvCache, Loaded};
+use crate::model::{BatchSeq, Draw, KvCache, Loaded};
 use integrity::{IntegrityCheck, NoCheck, TagCheck};
 use kv_manager::KvCacheManager;
 use request::Request;
@@ -53,6 +54,12 @@ pub struct EngineConfig {
     pub device: Device,
     /// On CUDA: capture small greedy decode steps as graphs and replay them.
     pub cuda_graphs: bool,
+    /// On CUDA: sample (temperature, top-k, top-p) on the device with the
+    /// request's own draws, instead of downloading logits.
+    pub device_sampling: bool,
+    /// On CUDA: attend prefill chunks with the flash-style prefill kernel
+    /// instead of one decode-attention query per token.
+    pub flash_prefill: bool,
 }
 
 impl Default for EngineConfig {
@@ -64,6 +71,8 @@ impl Default for EngineConfig {
             scheduler: SchedulerConfig::default(),
             device: Device::Cpu,
             cuda_graphs: false,
+            device_sampling: false,
+            flash_prefill: false,
         }
     }
 }
@@ -128,6 +137,7 @@ pub struct EngineStats {
 /// One model, its KV pool and its scheduler.
 pub struct Engine {
     loaded: Arc<Loaded>,
+    device_sampling: bool,
     page_bytes: usize,
     runner: Runner,
     kv: KvCacheManager,
@@ -158,6 +168,7 @@ impl Engine {
             kv.track_retags();
         }
         Ok(Self {
+            device_sampling: config.device_sampling,
             loaded,
             page_bytes,
             runner,
@@ -377,7 +388,7 @@ impl Engine {
                     pages: &pages,
                     logits: true,
                     write_kv: true,
-                    greedy: false,
+                    draw: Draw::Logits,
                 };
                 let tags = self.kv.take_retagged();
                 let changes: Vec<(u32, [u64; 2])> =
@@ -475,10 +486,25 @@ impl Engine {
             .iter()
             .map(|(p, t)| (*p, tag_words(t)))
             .collect();
+        // A device samples with the request's own next draw, so the
+        // request's generator advances as it does on the host.
+        let device_draws = self.runner.on_gpu() && self.device_sampling;
+        let draws: Vec<Draw> = run
+            .iter()
+            .map(|s| match self.requests.get_mut(&s.seq) {
+                Some(r) if s.sample && r.sampling().is_greedy() => Draw::Greedy,
+                Some(r) if s.sample && device_draws => Draw::Sample {
+                    params: r.sampling(),
+                    uniform: r.rng.random::<f32>(),
+                },
+                _ => Draw::Logits,
+            })
+            .collect();
         let mut expected = Vec::new();
         let batch: Vec<BatchSeq<'_>> = run
             .iter()
-            .map(|s| {
+            .zip(&draws)
+            .map(|(s, draw)| {
                 let r = &self.requests[&s.seq];
                 let table = self.kv.table(s.seq);
                 if device_check && let Some(t) = table {
@@ -490,7 +516,7 @@ impl Engine {
                     pages: table.map(|t| t.pages.as_slice()).unwrap_or(&[]),
                     logits: s.sample,
                     write_kv: s.write_kv,
-                    greedy: r.sampling().is_greedy(),
+                    draw: *draw,
                 }
             })
             .collect();

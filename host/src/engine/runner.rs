@@ -42,9 +42,10 @@ impl Runner {
                     ),
                 };
                 tracing::info!(device = model.device_name(), "model weights on the GPU");
-                let kv = model
+                let mut kv = model
                     .kv(config.kv_format, PAGE_SIZE, num_pages)
                     .map_err(|e| e.to_string())?;
+                kv.set_flash_prefill(config.flash_prefill);
                 Runner::Gpu(model, Box::new(kv))
             }
         })

@@ -84,9 +84,25 @@ pub struct BatchSeq<'a> {
     /// Whether to write the new tokens' K and V; false when the pages
     /// already hold them (a prefix-cache hit recomputed for its logits).
     pub write_kv: bool,
-    /// Whether the sequence samples greedily, so a device may return its
-    /// argmax instead of its logits.
-    pub greedy: bool,
+    /// How its next token is chosen, as far as a device may choose it.
+    pub draw: Draw,
+}
+
+/// How a sequence's next token is chosen, as far as a device may do it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Draw {
+    /// The logits go back to the host (teacher forcing, host sampling).
+    Logits,
+    /// The argmax: a device may return it instead of the logits.
+    Greedy,
+    /// Temperature / top-k / top-p sampling with this uniform draw, made by
+    /// the host from the request's seeded generator: a device may sample.
+    Sample {
+        /// The sampling parameters.
+        params: kiln_kernels::sample::SamplingParams,
+        /// The draw in `[0, 1)`.
+        uniform: f32,
+    },
 }
 
 impl Model {

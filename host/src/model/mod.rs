@@ -11,7 +11,7 @@ mod tokenizer;
 
 pub use config::{Arch, ModelConfig};
 pub use fetch::{DEFAULT_MODEL, default_cache_dir, resolve_model};
-pub use llama::{BatchSeq, KvCache, Model};
+pub use llama::{BatchSeq, Draw, KvCache, Model};
 pub use load::load;
 pub use tokenizer::{ChatMessage, Tokenizer};
 

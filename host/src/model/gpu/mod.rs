@@ -71,6 +71,15 @@ pub struct GpuKv {
     /// Captured decode steps; cleared whenever the working buffers they
     /// point into are replaced.
     graphs: HashMap<GraphKey, Graph>,
+    /// Attend prefill chunks with the flash-style prefill kernel.
+    flash_prefill: bool,
+}
+
+impl GpuKv {
+    /// Uses the flash-style prefill kernel for steps with prefill chunks.
+    pub fn set_flash_prefill(&mut self, on: bool) {
+        self.flash_prefill = on;
+    }
 }
 
 /// Activation buffers for up to `tokens` tokens attending over at most
@@ -215,6 +224,7 @@ impl GpuModel {
             tags: self.gpu.zeros(2 * num_pages)?,
             work: None,
             graphs: HashMap::new(),
+            flash_prefill: false,
         })
     }
 

@@ -16,11 +16,11 @@
 use std::ops::Range;
 
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{CudaView, PARTITION, TagLayout};
+use kiln_kernels::cuda::{CudaView, PARTITION, TagLayout, prefill_tiles};
 use kiln_kernels::ops::RopeStyle;
 
 use super::{GpuKv, GpuModel, Work};
-use crate::model::llama::BatchSeq;
+use crate::model::llama::{BatchSeq, Draw};
 
 type R<T> = Result<T, KernelError>;
 
@@ -77,7 +77,8 @@ struct Inputs {
     tok_off: Vec<u32>,
     /// The token of each sequence that wants a result.
     wanted: Vec<u32>,
-    greedy: Vec<bool>,
+    /// How each of those results is chosen.
+    draws: Vec<Draw>,
     /// Whether every sequence decodes one token, greedily.
     greedy_decode: bool,
 }
@@ -97,13 +98,23 @@ struct Layout {
     seq_tab: usize,
     tok_off: usize,
     wanted: usize,
+    params: usize,
+    top_k: usize,
     expected: usize,
     tables: usize,
+    tiles: usize,
     words: usize,
 }
 
 impl Layout {
-    fn new(n: usize, seqs: usize, m: usize, change_cap: usize, table_cap: usize) -> Self {
+    fn new(
+        n: usize,
+        seqs: usize,
+        m: usize,
+        change_cap: usize,
+        table_cap: usize,
+        tiles: usize,
+    ) -> Self {
         let mut at = 0;
         let mut take = |len: usize| {
             let start = at;
@@ -113,11 +124,13 @@ impl Layout {
         let changes = take(6 * change_cap);
         let (ids, pos, offs, lens, slots) = (take(n), take(n), take(n), take(n), take(n));
         let (seq_tab, tok_off, wanted) = (take(seqs + 1), take(seqs + 1), take(m));
+        let (params, top_k) = (take(3 * m), take(m));
         // The expected tags are u64 pairs: 8-byte aligned.
         let odd = take(0) % 2;
         take(odd);
         let expected = take(4 * table_cap);
         let tables = take(table_cap + 1);
+        let tiles = take(2 * tiles);
         let words = take(0);
         Self {
             changes,
@@ -130,8 +143,11 @@ impl Layout {
             seq_tab,
             tok_off,
             wanted,
+            params,
+            top_k,
             expected,
             tables,
+            tiles,
             words,
         }
     }
@@ -198,9 +214,10 @@ impl GpuModel {
             }
             if b.logits && !b.tokens.is_empty() {
                 x.wanted.push(x.ids.len() as u32 - 1);
-                x.greedy.push(b.greedy);
+                x.draws.push(b.draw);
             }
-            x.greedy_decode &= b.tokens.len() == 1 && b.logits && b.greedy && b.write_kv;
+            x.greedy_decode &=
+                b.tokens.len() == 1 && b.logits && b.draw == Draw::Greedy && b.write_kv;
             x.seq_tab.push(x.tables.len() as u32);
             x.tok_off.push(x.ids.len() as u32);
         }
@@ -269,7 +286,19 @@ impl GpuModel {
             }
             None => (tags.changes.len(), x.tables.len()),
         };
-        let l = Layout::new(n, seqs, m, change_cap, table_cap);
+        // Flash-style prefill when the step has a chunk of several tokens.
+        let tiles = if kv.flash_prefill && key.is_none() && n > seqs {
+            let offs: Vec<i32> = x.offs.iter().map(|o| *o as i32).collect();
+            let lens: Vec<i32> = x.lens.iter().map(|l| *l as i32).collect();
+            prefill_tiles(
+                &offs,
+                &lens,
+                self.config.heads / self.config.kv_heads.max(1),
+            )
+        } else {
+            Vec::new()
+        };
+        let l = Layout::new(n, seqs, m, change_cap, table_cap, tiles.len() / 2);
         let mut words = vec![0u32; l.words];
         let mut changes: Vec<u32> = tags
             .changes
@@ -290,6 +319,14 @@ impl GpuModel {
         put(&mut words, l.seq_tab, x.seq_tab.iter().copied());
         put(&mut words, l.tok_off, x.tok_off.iter().copied());
         put(&mut words, l.wanted, x.wanted.iter().copied());
+        for (i, d) in x.draws.iter().enumerate() {
+            if let Draw::Sample { params, uniform } = d {
+                let p = [params.temperature, params.top_p, *uniform];
+                put(&mut words, l.params + 3 * i, p.map(f32::to_bits));
+                put(&mut words, l.top_k + i, [params.top_k as u32]);
+            }
+        }
+        put(&mut words, l.tiles, tiles.iter().map(|t| *t as u32));
         let expected = tags.expected.iter().flat_map(|t| {
             let [a, b] = t.map(u64_words);
             [a[0], a[1], b[0], b[1]]
@@ -308,8 +345,10 @@ impl GpuModel {
             m,
             max_len,
             check,
+            sample: x.draws.iter().any(|d| matches!(d, Draw::Sample { .. })),
+            tiles: tiles.len() / 2,
         };
-        let result = self.run(kv, &mut work, &words, &step, key, &x.greedy);
+        let result = self.run(kv, &mut work, &words, &step, key, &x.draws);
         kv.work = Some(work);
         result
     }
@@ -322,7 +361,7 @@ impl GpuModel {
         words: &[u32],
         s: &Step<'_>,
         key: Option<GraphKey>,
-        greedy: &[bool],
+        draws: &[Draw],
     ) -> R<StepOut> {
         let c = &self.config;
         let g = &self.gpu;
@@ -349,20 +388,17 @@ impl GpuModel {
         } else {
             vec![true; seqs]
         };
-        let logits = if greedy.iter().all(|x| *x) {
-            Vec::new()
-        } else {
+        let logits = if draws.contains(&Draw::Logits) {
             g.download_range(&w.logits, 0..m * c.vocab)?
+        } else {
+            Vec::new()
         };
-        let rows = greedy
+        let rows = draws
             .iter()
             .enumerate()
-            .map(|(i, gr)| {
-                if *gr {
-                    SeqOut::Token(small[seqs + i])
-                } else {
-                    SeqOut::Logits(logits[i * c.vocab..(i + 1) * c.vocab].to_vec())
-                }
+            .map(|(i, d)| match d {
+                Draw::Logits => SeqOut::Logits(logits[i * c.vocab..(i + 1) * c.vocab].to_vec()),
+                Draw::Greedy | Draw::Sample { .. } => SeqOut::Token(small[seqs + i]),
             })
             .collect();
         Ok(StepOut { rows, ok })
@@ -417,9 +453,16 @@ impl GpuModel {
             g.rope(q, &d_pos, &self.inv_freq, n, c.heads, hd, interleaved)?;
             g.rope(k, &d_pos, &self.inv_freq, n, c.kv_heads, hd, interleaved)?;
             g.kv_write(pages, k, v, &d_slots, n)?;
-            g.paged_attention(
-                pages, q, &d_tables, &d_offs, &d_lens, abuf, attn, n, c.heads, s.max_len, scale,
-            )?;
+            if s.tiles > 0 {
+                let d_tiles = ints(&inputs, l.range(l.tiles, 2 * s.tiles));
+                g.prefill_attention(
+                    pages, q, &d_tables, &d_offs, &d_lens, &d_tiles, attn, c.heads, scale,
+                )?;
+            } else {
+                g.paged_attention(
+                    pages, q, &d_tables, &d_offs, &d_lens, abuf, attn, n, c.heads, s.max_len, scale,
+                )?;
+            }
             g.matmul(attn, &layer.wo, proj, n, c.hidden, q_dim, scratch)?;
             g.rmsnorm_residual(h, Some(&*proj), &layer.ffn_norm, xn, n, c.hidden, c.eps)?;
             g.matmul(xn, &layer.w_gate, gate, n, c.ffn, c.hidden, scratch)?;
@@ -438,12 +481,16 @@ impl GpuModel {
             };
             let out_w = self.output.as_ref().unwrap_or(&self.embed);
             g.matmul(rows, out_w, &mut w.logits, m, c.vocab, c.hidden, scratch)?;
-            g.argmax_rows(
-                &w.logits,
-                m,
-                c.vocab,
-                &mut w.small.slice_mut(seqs..seqs + m),
-            )?;
+            let mut picks = w.small.slice_mut(seqs..seqs + m);
+            if s.sample {
+                let params = inputs.slice(l.range(l.params, 3 * m));
+                // SAFETY: the words hold f32 bit patterns (`f32::to_bits`).
+                let params = unsafe { params.transmute::<f32>(3 * m) }.expect("same size");
+                let top_k = ints(&inputs, l.range(l.top_k, m));
+                g.sample_rows(&w.logits, m, c.vocab, &params, &top_k, &mut picks)?;
+            } else {
+                g.argmax_rows(&w.logits, m, c.vocab, &mut picks)?;
+            }
         }
         Ok(())
     }
@@ -457,4 +504,8 @@ struct Step<'a> {
     m: usize,
     max_len: usize,
     check: bool,
+    /// Whether some result is sampled on the device (else argmax).
+    sample: bool,
+    /// Flash-style prefill tiles (none: decode attention per token).
+    tiles: usize,
 }
