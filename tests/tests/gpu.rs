@@ -225,8 +225,12 @@ fn flash_prefill_gives_the_logits_of_one_query_per_token() {
         let mut ids = chat_ids(&plain, p);
         ids.extend(greedy(&mut plain, &ids.clone(), 12));
         let from = ids.len() - 8;
-        let a = plain.teacher_forced_logits(TenantId(0), &ids, from).unwrap();
-        let b = flash.teacher_forced_logits(TenantId(0), &ids, from).unwrap();
+        let a = plain
+            .teacher_forced_logits(TenantId(0), &ids, from)
+            .unwrap();
+        let b = flash
+            .teacher_forced_logits(TenantId(0), &ids, from)
+            .unwrap();
         for (x, y) in a.iter().zip(&b) {
             let num: f64 = x.iter().zip(y).map(|(u, v)| ((u - v) as f64).powi(2)).sum();
             let den: f64 = x.iter().map(|u| (*u as f64).powi(2)).sum();
@@ -260,10 +264,15 @@ fn device_sampling_draws_what_the_host_draws_from_the_same_seed() {
     let mut differs = 0;
     for p in &PROMPTS[..3] {
         let ids = chat_ids(&host, p);
-        let a = host.generate(TenantId(0), ids.clone(), params.clone()).unwrap();
+        let a = host
+            .generate(TenantId(0), ids.clone(), params.clone())
+            .unwrap();
         let b = dev.generate(TenantId(0), ids, params.clone()).unwrap();
         assert_eq!(b.tokens.len(), 16);
         differs += usize::from(a.tokens != b.tokens);
     }
-    assert_eq!(differs, 0, "sampled sequences differ between host and device");
+    assert_eq!(
+        differs, 0,
+        "sampled sequences differ between host and device"
+    );
 }
