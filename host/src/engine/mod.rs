@@ -6,6 +6,7 @@
 //! queue; the scheduler's output is the only contract with the model.
 
 pub mod block_pool;
+mod drive;
 pub mod integrity;
 pub mod kv_manager;
 mod lru;
@@ -311,102 +312,6 @@ impl Engine {
     #[cfg(any(test, feature = "fault-injection"))]
     pub fn inject_page_fault(&mut self, victim: SeqId, donor: SeqId) -> bool {
         self.kv.corrupt_mapping(victim, donor, 0)
-    }
-
-    /// Runs `prompt` alone to the end (for `kiln run` and tests): the
-    /// generated token ids, text and why it ended.
-    pub fn generate(
-        &mut self,
-        tenant: TenantId,
-        prompt: Vec<u32>,
-        params: GenerateParams,
-    ) -> Result<Generation, String> {
-        let id = self.add(tenant, prompt, params)?;
-        let mut out = Generation {
-            tokens: Vec::new(),
-            text: String::new(),
-            finish: Finish::Length,
-            prompt_tokens: 0,
-        };
-        loop {
-            for e in self.step()? {
-                match e {
-                    Event::Token { seq, token, text } if seq == id => {
-                        out.tokens.extend(token);
-                        out.text.push_str(&text);
-                    }
-                    Event::Finished {
-                        seq,
-                        finish,
-                        prompt_tokens,
-                        ..
-                    } if seq == id => {
-                        out.finish = finish;
-                        out.prompt_tokens = prompt_tokens;
-                        return Ok(out);
-                    }
-                    _ => {}
-                }
-            }
-            if !self.has_work() {
-                return Err("the request vanished without finishing".into());
-            }
-        }
-    }
-
-    /// Teacher forcing: the logits after each of `tokens[from - 1..]`,
-    /// i.e. the distributions predicting `tokens[from..]` and the token
-    /// after them. Runs through the same paged KV as decoding: a prefill of
-    /// `tokens[..from]`, then one token per forward pass.
-    pub fn teacher_forced_logits(
-        &mut self,
-        tenant: TenantId,
-        tokens: &[u32],
-        from: usize,
-    ) -> Result<Vec<Vec<f32>>, String> {
-        if from == 0 || from > tokens.len() {
-            return Err(format!("`from` must be in 1..={}", tokens.len()));
-        }
-        let id = self.next_id;
-        self.next_id += 1;
-        if !self.kv.allocate(id, tenant, tokens.len()) {
-            return Err("the KV pool is too small for this sequence".into());
-        }
-        let result = (|| {
-            let pages = self
-                .kv
-                .table(id)
-                .map(|t| t.pages.clone())
-                .unwrap_or_default();
-            // The prefill chunk, then one token per pass, as decoding runs.
-            let chunks = std::iter::once((0, from)).chain((from..tokens.len()).map(|i| (i, i + 1)));
-            let mut out = Vec::with_capacity(tokens.len() - from + 1);
-            for (start, end) in chunks {
-                let seq = BatchSeq {
-                    tokens: &tokens[start..end],
-                    start,
-                    pages: &pages,
-                    logits: true,
-                    write_kv: true,
-                    draw: Draw::Logits,
-                };
-                let tags = self.kv.take_retagged();
-                let changes: Vec<(u32, [u64; 2])> =
-                    tags.iter().map(|(p, t)| (*p, tag_words(t))).collect();
-                let step = StepTags {
-                    expected: &[],
-                    changes: &changes,
-                };
-                let rows = self.runner.forward(&self.loaded, &[seq], step)?.rows;
-                out.extend(rows.into_iter().filter_map(|r| match r {
-                    SeqOut::Logits(l) => Some(l),
-                    SeqOut::Token(_) => None,
-                }));
-            }
-            Ok(out)
-        })();
-        self.kv.free(id);
-        result
     }
 
     fn finish(&mut self, seq: SeqId, finish: Finish, events: &mut Vec<Event>) {
