@@ -354,11 +354,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
             let ideal = bw.map(|b| row.step_bytes / (b * 1e9) * 1e3);
             println!(
                 "{:>6} {:>5} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>8.2} {:>6.1} {:>20} {:>8} {:>8}",
-                format!(
-                    "{}{}",
-                    format!("{:?}", kv_format(format)).to_lowercase(),
-                    if graphs { "+g" } else { "" }
-                ),
+                format!("{:?}{}", kv_format(format), if graphs { "+g" } else { "" }).to_lowercase(),
                 row.concurrency,
                 row.admitted,
                 row.prompt_tok_s,

@@ -286,8 +286,9 @@ impl GpuModel {
             }
             None => (tags.changes.len(), x.tables.len()),
         };
-        // Flash-style prefill when the step has a chunk of several tokens.
-        let tiles = if kv.flash_prefill && key.is_none() && n > seqs {
+        // Flash-style prefill when the step has a chunk of several tokens
+        // (never a captured step: those decode one token a sequence).
+        let tiles = if kv.flash_prefill && n > seqs {
             let offs: Vec<i32> = x.offs.iter().map(|o| *o as i32).collect();
             let lens: Vec<i32> = x.lens.iter().map(|l| *l as i32).collect();
             prefill_tiles(
