@@ -71,7 +71,9 @@ run)
         echo "no staged model: skipping the end-to-end engine tests" | tee "$out/engine.log"
     fi
     timeout 120 .gpu/cuda_bench 2>&1 | tee "$out/bench.log"
-    if [ -x .gpu-bench/kiln ]; then
+    # GPU_BENCH=0 leaves the engine benchmark to a call of its own (one
+    # call may run ten minutes at most).
+    if [ -x .gpu-bench/kiln ] && [ "${GPU_BENCH:-1}" != 0 ]; then
         "$0" bench
     fi
     ;;
@@ -85,15 +87,22 @@ bench)
     set +e
     # shellcheck disable=SC2086
     timeout "${BENCH_TIMEOUT:-420}" .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda \
-        ${BENCH_ARGS:---concurrency 1,8,16,32,64,128,256 --prompt-tokens 1024 --gen-tokens 256 --kv-formats bf16,fp8 --kv-memory 16GiB --integrity-ab --cuda-graphs} \
+        ${BENCH_ARGS:---concurrency 1,8,16,32,64,128,256 --prompt-tokens 1024 --gen-tokens 256 --kv-formats bf16,fp8 --kv-memory 16GiB --integrity-ab} \
         2>&1 | tee "$out/kiln-bench.log"
-    # Prefill: one query per token against the flash-style kernel.
-    for flash in "" --flash-prefill; do
-        # shellcheck disable=SC2086
-        timeout 120 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
-            --kv-memory 16GiB --concurrency 1,16 --prompt-tokens 1024 --gen-tokens 8 $flash \
-            2>&1 | tee -a "$out/kiln-prefill.log"
-    done
+    # CUDA graphs against launching each kernel, side by side.
+    # shellcheck disable=SC2086
+    timeout 150 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
+        --kv-memory 16GiB ${GRAPH_ARGS:---concurrency 1,8,64 --prompt-tokens 1024 --gen-tokens 64} \
+        --compare-graphs 2>&1 | tee "$out/kiln-graphs.log"
+    # Prefill: one query per token against the flash-style kernel (PREFILL=1).
+    if [ "${PREFILL:-0}" = 1 ]; then
+        for flash in "" --flash-prefill; do
+            # shellcheck disable=SC2086
+            timeout 120 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
+                --kv-memory 16GiB --concurrency 1,16 --prompt-tokens 1024 --gen-tokens 8 $flash \
+                2>&1 | tee -a "$out/kiln-prefill.log"
+        done
+    fi
     # shellcheck disable=SC2086
     timeout "${TORCH_TIMEOUT:-150}" python3 scripts/torch_baseline.py ${TORCH_ARGS:---batches 1,8,32,64} \
         2>&1 | grep -v Warning | tee "$out/torch-baseline.log"

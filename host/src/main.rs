@@ -112,12 +112,13 @@ struct EngineArgs {
     /// [default: 256 on the CPU, 2048 on CUDA].
     #[arg(long)]
     step_tokens: Option<usize>,
-    /// On CUDA, capture small greedy decode steps as CUDA graphs.
-    #[arg(long)]
-    cuda_graphs: bool,
+    /// On CUDA, capture greedy decode steps (up to 256 sequences) as CUDA
+    /// graphs and replay them.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    cuda_graphs: OnOff,
     /// On CUDA, sample (temperature, top-k, top-p) on the device.
-    #[arg(long)]
-    device_sampling: bool,
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    device_sampling: OnOff,
     /// On CUDA, attend prefill chunks with the flash-style kernel.
     #[arg(long)]
     flash_prefill: bool,
@@ -141,8 +142,8 @@ impl EngineArgs {
             integrity: self.kv_integrity == OnOff::On,
             device: self.device,
             scheduler,
-            cuda_graphs: self.cuda_graphs,
-            device_sampling: self.device_sampling,
+            cuda_graphs: self.cuda_graphs == OnOff::On,
+            device_sampling: self.device_sampling == OnOff::On,
             flash_prefill: self.flash_prefill,
         })
     }

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use kiln_kernels::cuda::Gpu;
+use kiln_kernels::cuda::{Gpu, PARTITION, partition_len};
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use rand::{Rng, SeedableRng};
 
@@ -34,6 +34,13 @@ fn time(gpu: &Gpu, reps: usize, mut f: impl FnMut() -> Result<(), E>) -> Result<
     Ok(v[reps / 2])
 }
 
+/// ‖a − b‖ / ‖b‖.
+fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
 fn main() -> Result<(), E> {
     let gpu = Gpu::new(0)?;
     let s = gpu.stream().clone();
@@ -52,61 +59,76 @@ fn main() -> Result<(), E> {
     );
     drop((src, dst));
 
-    // Decode GEMV against cuBLAS at Llama-3-8B shapes.
+    // The decode GEMV against cuBLAS at Llama-3-8B shapes, stacked q/k/v
+    // (6144) and gate/up (28672) included.
     println!(
-        "{:>14} {:>3} {:>12} {:>9} {:>12} {:>9}",
-        "n x k", "m", "gemv GB/s", "% copy", "cublas GB/s", "% copy"
+        "{:>14} {:>3} {:>14} {:>14}",
+        "n x k", "m", "gemv GB/s", "cublas GB/s"
     );
     for (nn, k) in [
         (4096usize, 4096usize),
-        (1024, 4096),
-        (14336, 4096),
+        (6144, 4096),
+        (28672, 4096),
         (4096, 14336),
     ] {
         let w: Vec<bf16> = (0..nn * k)
             .map(|_| bf16::from_f32(rng.random_range(-0.05..0.05)))
             .collect();
         let w = s.clone_htod(&w)?;
-        for m in [1usize, 8] {
+        for m in [1usize, 2, 8] {
             let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
             let x = s.clone_htod(&x)?;
             let mut out: CudaSlice<f32> = s.alloc_zeros(m * nn)?;
             let mut scratch: CudaSlice<bf16> = s.alloc_zeros(m * k)?;
             let bytes = (nn * k * 2) as f64;
-            // Check the GEMV against cuBLAS before timing it.
-            gpu.gemv_bf16(&x, &w, &mut out, m, nn, k)?;
-            let mine = s.clone_dtoh(&out)?;
+            // Check the GEMV against cuBLAS (bf16 activations) first.
             gpu.cublas_bf16(&x, &w, &mut out, m, nn, k, &mut scratch)?;
             let theirs = s.clone_dtoh(&out)?;
-            let num: f64 = mine
-                .iter()
-                .zip(&theirs)
-                .map(|(a, b)| ((a - b) as f64).powi(2))
-                .sum();
-            let den: f64 = theirs.iter().map(|b| (*b as f64).powi(2)).sum();
-            let err = (num / den).sqrt();
-            if err.is_nan() || err >= 1e-3 {
-                return Err(
-                    format!("GEMV {nn}x{k} m={m} disagrees with cuBLAS: rel err {err}").into(),
-                );
+            gpu.gemv_bf16_parts(&x, &w, &mut [&mut out], &[nn], m, k)?;
+            let err = rel_diff(&s.clone_dtoh(&out)?, &theirs);
+            if err.is_nan() || err >= 1e-2 {
+                return Err(format!("GEMV {nn}x{k} m={m} vs cuBLAS: rel err {err}").into());
             }
-            let tg = time(&gpu, 50, || Ok(gpu.gemv_bf16(&x, &w, &mut out, m, nn, k)?))?;
+            let col = |t: f64| {
+                let g = bytes / t / 1e9;
+                format!("{g:.0} ({:.0}%)", 100.0 * g / copy)
+            };
+            let tg = time(&gpu, 50, || {
+                Ok(gpu.gemv_bf16_parts(&x, &w, &mut [&mut out], &[nn], m, k)?)
+            })?;
             let tc = time(&gpu, 50, || {
                 Ok(gpu.cublas_bf16(&x, &w, &mut out, m, nn, k, &mut scratch)?)
             })?;
-            let (gg, gc) = (bytes / tg / 1e9, bytes / tc / 1e9);
             println!(
-                "{:>14} {m:>3} {gg:>12.0} {:>8.0}% {gc:>12.0} {:>8.0}%",
+                "{:>14} {m:>3} {:>14} {:>14}",
                 format!("{nn}x{k}"),
-                100.0 * gg / copy,
-                100.0 * gc / copy
+                col(tg),
+                col(tc),
             );
         }
     }
 
-    // Paged decode attention: batch 64 x 4096 context, 32 query heads over
-    // 8 KV heads of 128 (one Llama-3-8B layer).
-    let (batch, ctx, heads) = (64usize, 4096usize, 32usize);
+    // Paged decode attention over one Llama-3-8B layer (32 query heads
+    // over 8 KV heads of 128): batch 64 x 4096 (bandwidth) and batch 1 x
+    // 1024 (latency), each plan checked against the first before timing.
+    for (batch, ctx) in [(64usize, 4096usize), (1, 1024)] {
+        for format in [KvFormat::Bf16, KvFormat::Fp8] {
+            attention(&gpu, &mut rng, copy, batch, ctx, format)?;
+        }
+    }
+    Ok(())
+}
+
+fn attention(
+    gpu: &Gpu,
+    rng: &mut rand::rngs::StdRng,
+    copy: f64,
+    batch: usize,
+    ctx: usize,
+    format: KvFormat,
+) -> Result<(), E> {
+    let s = gpu.stream().clone();
+    let heads = 32usize;
     let layout = KvLayout {
         page_size: 16,
         kv_heads: 8,
@@ -114,7 +136,7 @@ fn main() -> Result<(), E> {
     };
     let pages_per = ctx / 16;
     let pages = batch * pages_per;
-    for format in [KvFormat::Bf16, KvFormat::Fp8] {
+    {
         let mut kv = gpu.paged_kv(format, layout, pages)?;
         let vectors = pages * 16 * 8;
         let elems = vectors * 128;
@@ -151,30 +173,56 @@ fn main() -> Result<(), E> {
             s.clone_htod(&lens)?,
             s.clone_htod(&q)?,
         );
-        let mut scratch = gpu.attention_buffers(batch, heads, 128, ctx)?;
+        let mut scratch = gpu.attention_buffers(batch, heads, 8, 128, ctx)?;
         let mut out: CudaSlice<f32> = s.alloc_zeros(batch * heads * 128)?;
-        let t = time(&gpu, 30, || {
-            Ok(gpu.paged_attention(
-                &kv,
-                &q,
-                &tables.slice(..),
-                &offs.slice(..),
-                &lens.slice(..),
-                &mut scratch,
-                &mut out,
-                batch,
-                heads,
-                ctx,
-                0.088,
-            )?)
-        })?;
-        let bytes = (batch * ctx * 8 * 2 * format.vector_bytes(128)) as f64;
-        let bw = bytes / t / 1e9;
-        println!(
-            "paged attention {format:?} batch {batch} x ctx {ctx}: {:.3} ms, {bw:.0} GB/s, {:.0}% of copy",
-            t * 1e3,
-            100.0 * bw / copy
-        );
+        let small = partition_len(batch, 8, ctx);
+        let mut plans = vec![PARTITION];
+        if small != PARTITION {
+            plans.push(small);
+        }
+        let mut first: Option<Vec<f32>> = None;
+        for plan in plans {
+            let mut run = |out: &mut CudaSlice<f32>| {
+                gpu.paged_attention(
+                    &kv,
+                    &q,
+                    &tables.slice(..),
+                    &offs.slice(..),
+                    &lens.slice(..),
+                    &mut scratch,
+                    out,
+                    batch,
+                    heads,
+                    ctx,
+                    0.088,
+                    Some(plan),
+                )
+            };
+            run(&mut out)?;
+            let got = s.clone_dtoh(&out)?;
+            match &first {
+                None => first = Some(got),
+                Some(want) => {
+                    let err = rel_diff(&got, want);
+                    if err.is_nan() || err >= 1e-5 {
+                        return Err(format!(
+                            "attention in parts of {plan} disagrees: rel err {err}"
+                        )
+                        .into());
+                    }
+                }
+            }
+            let t = time(gpu, 30, || Ok(run(&mut out)?))?;
+            let bytes = (batch * ctx * 8 * 2 * format.vector_bytes(128)) as f64;
+            let bw = bytes / t / 1e9;
+            println!(
+                "paged attention {format:?} batch {batch} x ctx {ctx}, {} tokens a part: \
+                 {:.4} ms, {bw:.0} GB/s, {:.0}% of copy",
+                plan,
+                t * 1e3,
+                100.0 * bw / copy
+            );
+        }
     }
     Ok(())
 }

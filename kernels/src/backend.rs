@@ -100,6 +100,10 @@ pub trait Backend {
     /// `out (m x rows) = x (m x cols) * w^T` for a weight of any type, as
     /// the engine runs it (block types stay quantized on the device).
     fn matmul_weight(&self, x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> R;
+    /// `outs[i] = x (m x cols) * ws[i]^T` for weights of one width, as the
+    /// engine runs projections that share an input (stacked into one
+    /// weight on the device when their types allow).
+    fn matmul_stacked(&self, x: &[f32], m: usize, ws: &[&Weight], outs: &mut [Vec<f32>]) -> R;
     /// `out[t] = w[ids[t]]` for a weight of any type (the embedding).
     fn embed_weight(&self, w: &Weight, ids: &[u32], out: &mut [f32]) -> R;
     /// One token per row of `logits` (rows of `n`), row `r` sampled with
@@ -234,6 +238,13 @@ impl Backend for Cpu {
 
     fn matmul_weight(&self, x: &[f32], m: usize, w: &Weight, out: &mut [f32]) -> R {
         crate::matmul::matmul(x, m, w, out)
+    }
+
+    fn matmul_stacked(&self, x: &[f32], m: usize, ws: &[&Weight], outs: &mut [Vec<f32>]) -> R {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            crate::matmul::matmul(x, m, w, out)?;
+        }
+        Ok(())
     }
 
     fn embed_weight(&self, w: &Weight, ids: &[u32], out: &mut [f32]) -> R {

@@ -1,8 +1,9 @@
 //! Paged KV storage for one layer and attention over it.
 //!
 //! A page holds [`KvLayout::page_size`] tokens; element `(page, slot, head,
-//! d)` of K (or V) lives at `((page * page_size + slot) * kv_heads + head) *
-//! head_dim + d`. In the fp8 format every `(page, slot, head)` vector has an
+//! d)` of K (or V) lives at `((page * kv_heads + head) * page_size + slot) *
+//! head_dim + d`: one KV head's vectors of a page lie together, so attention
+//! (a block per KV head) reads whole runs of `page_size` vectors. In the fp8 format every `(page, slot, head)` vector has an
 //! f32 scale (see [`crate::fp8`]).
 
 use half::bf16;
@@ -123,7 +124,7 @@ impl KvPages {
     }
 
     fn vector(&self, page: usize, slot: usize, head: usize) -> usize {
-        (page * self.layout.page_size + slot) * self.layout.kv_heads + head
+        (page * self.layout.kv_heads + head) * self.layout.page_size + slot
     }
 
     /// Writes one token's K and V (`kv_heads × head_dim` each) at `slot` of

@@ -281,6 +281,16 @@ fn causal_prefill_attention_matches_float64_in_bf16_and_fp8() {
         let out = be.prefill_attention(&case).unwrap();
         let e = rel_err(&out, &want);
         assert!(e < tol, "{} {format:?}: rel err {e}", be.name());
+        // Against the decode kernel, one query per token over the same
+        // stored pages: only the order of the sums may differ.
+        let per_token = be.paged_attention(&case).unwrap();
+        let per_token: Vec<f64> = per_token.iter().map(|v| *v as f64).collect();
+        let e = rel_err(&out, &per_token);
+        assert!(
+            e < 1e-5,
+            "{} {format:?}: against decode attention, rel err {e}",
+            be.name()
+        );
     }
 }
 
@@ -355,6 +365,28 @@ fn bf16_matmul_matches_float64_for_decode_and_prefill_shapes() {
     }
 }
 
+/// Every value of `w`, row-major.
+fn values_of(w: &Weight) -> Vec<f32> {
+    let mut rows = vec![0.0f32; w.rows() * w.cols()];
+    for (i, row) in rows.chunks_exact_mut(w.cols()).enumerate() {
+        w.row(i, row);
+    }
+    rows
+}
+
+/// `x (m x k) * w^T` for `w` (`n x k`), in float64.
+fn product64(x: &[f32], m: usize, w: &[f32], n: usize) -> Vec<f64> {
+    let k = x.len() / m;
+    (0..m * n)
+        .map(|o| {
+            let (i, j) = (o / n, o % n);
+            (0..k)
+                .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                .sum()
+        })
+        .collect()
+}
+
 #[test]
 fn gguf_blocks_dequantize_like_the_cpu() {
     let (be, mut r) = (backend(), rng());
@@ -383,21 +415,11 @@ fn block_quantized_matmul_and_embedding_match_float64() {
             quant::quantize(dtype, &random(&mut r, n * k, 0.5)),
         )
         .unwrap();
-        let mut rows = vec![0.0f32; n * k];
-        for (i, row) in rows.chunks_exact_mut(k).enumerate() {
-            w.row(i, row);
-        }
+        let rows = values_of(&w);
         // m <= 8 reads the blocks in the GEMV on CUDA; 20 dequantizes for cuBLAS.
         for m in [1, 5, 8, 20] {
             let x = random(&mut r, m * k, 1.0);
-            let want: Vec<f64> = (0..m * n)
-                .map(|o| {
-                    let (i, j) = (o / n, o % n);
-                    (0..k)
-                        .map(|t| x[i * k + t] as f64 * rows[j * k + t] as f64)
-                        .sum()
-                })
-                .collect();
+            let want = product64(&x, m, &rows, n);
             let mut out = vec![f32::NAN; m * n];
             be.matmul_weight(&x, m, &w, &mut out).unwrap();
             let e = rel_err(&out, &want);
@@ -416,6 +438,51 @@ fn block_quantized_matmul_and_embedding_match_float64() {
             "{} {dtype:?} embedding",
             be.name()
         );
+    }
+}
+
+#[test]
+fn stacked_projections_match_float64_for_every_part() {
+    let (be, mut r) = (backend(), rng());
+    let k = 256;
+    // q, k and v of a grouped-query layer: a big part and two small ones.
+    let parts = [96, 32, 32];
+    for dtype in [DType::F32, DType::Q8_0, DType::Q4_1] {
+        let ws: Vec<Weight> = parts
+            .iter()
+            .map(|&rows| {
+                let values = random(&mut r, rows * k, 0.5);
+                if dtype == DType::F32 {
+                    // What the device holds of a float weight: bf16.
+                    let rounded = values.iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
+                    Weight::from_f32(rows, k, rounded).unwrap()
+                } else {
+                    Weight::from_bytes(dtype, rows, k, quant::quantize(dtype, &values)).unwrap()
+                }
+            })
+            .collect();
+        let refs: Vec<&Weight> = ws.iter().collect();
+        // 1 and 8 take the decode GEMVs on CUDA; 20 the per-part GEMMs.
+        for m in [1, 3, 8, 20] {
+            let x = random(&mut r, m * k, 1.0);
+            let mut outs: Vec<Vec<f32>> = parts.iter().map(|p| vec![f32::NAN; m * p]).collect();
+            be.matmul_stacked(&x, m, &refs, &mut outs).unwrap();
+            for ((w, out), &rows) in ws.iter().zip(&outs).zip(&parts) {
+                let want = product64(&x, m, &values_of(w), rows);
+                let e = rel_err(out, &want);
+                // cuBLAS rounds bf16-weight activations to bf16 first.
+                let tol = if dtype == DType::F32 && m > kiln_kernels::cuda::BF16_GEMV_ROWS {
+                    8e-3
+                } else {
+                    1e-5
+                };
+                assert!(
+                    e < tol,
+                    "{} {dtype:?} m={m} part of {rows}: rel err {e}",
+                    be.name()
+                );
+            }
+        }
     }
 }
 

@@ -53,7 +53,7 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Where the forward pass runs.
     pub device: Device,
-    /// On CUDA: capture small greedy decode steps as graphs and replay them.
+    /// On CUDA: capture greedy decode steps as graphs and replay them.
     pub cuda_graphs: bool,
     /// On CUDA: sample (temperature, top-k, top-p) on the device with the
     /// request's own draws, instead of downloading logits.
@@ -71,8 +71,8 @@ impl Default for EngineConfig {
             integrity: true,
             scheduler: SchedulerConfig::default(),
             device: Device::Cpu,
-            cuda_graphs: false,
-            device_sampling: false,
+            cuda_graphs: true,
+            device_sampling: true,
             flash_prefill: false,
         }
     }

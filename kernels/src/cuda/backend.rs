@@ -6,6 +6,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::Gpu;
+use crate::KernelError;
 use crate::backend::{AttentionCase, Backend, R};
 use crate::matmul::Weight;
 use crate::ops::{Rope, RopeStyle};
@@ -94,7 +95,7 @@ impl Backend for Gpu {
         let max_len = c.lens.iter().copied().max().unwrap_or(1);
         let seqs = c.lens.len();
         let hd = c.layout.head_dim;
-        let mut scratch = self.attention_buffers(seqs, c.heads, hd, max_len)?;
+        let mut scratch = self.attention_buffers(seqs, c.heads, c.layout.kv_heads, hd, max_len)?;
         let mut out = self.poisoned(c.q.len())?;
         self.paged_attention(
             &kv,
@@ -108,6 +109,7 @@ impl Backend for Gpu {
             c.heads,
             max_len,
             c.scale,
+            None,
         )?;
         Ok(self.download(&out)?[..c.q.len()].to_vec())
     }
@@ -195,6 +197,26 @@ impl Backend for Gpu {
         let mut scratch = self.gemm_scratch(m, k, blocks)?;
         self.matmul(&dx, &dw, &mut dout, m, n, k, &mut scratch)?;
         out[..m * n].copy_from_slice(&self.download(&dout)?[..m * n]);
+        Ok(())
+    }
+
+    fn matmul_stacked(&self, x: &[f32], m: usize, ws: &[&Weight], outs: &mut [Vec<f32>]) -> R {
+        let k = ws.first().map_or(0, |w| w.cols());
+        let dw = self.weight_stack(ws)?.ok_or_else(|| {
+            KernelError::Shape("weights of mixed types or widths do not stack".into())
+        })?;
+        let blocks = matches!(dw, super::DeviceWeight::Blocks { .. });
+        let parts: Vec<usize> = ws.iter().map(|w| w.rows()).collect();
+        let mut douts = parts
+            .iter()
+            .map(|rows| self.poisoned(m * rows))
+            .collect::<R<Vec<_>>>()?;
+        let mut refs: Vec<&mut CudaSlice<f32>> = douts.iter_mut().collect();
+        let mut scratch = self.gemm_scratch(m, k, blocks)?;
+        self.matmul_parts(&self.upload(x)?, &dw, &mut refs, &parts, m, k, &mut scratch)?;
+        for ((out, d), rows) in outs.iter_mut().zip(&douts).zip(&parts) {
+            out[..m * rows].copy_from_slice(&self.download(d)?[..m * rows]);
+        }
         Ok(())
     }
 

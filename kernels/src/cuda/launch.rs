@@ -43,8 +43,33 @@ pub struct AttentionBuffers {
     part_ml: CudaSlice<f32>,
 }
 
-/// Tokens per attention partition (`PART` in the source).
+/// Most tokens per attention partition (`PART` in the source).
 pub const PARTITION: usize = 256;
+
+/// Threads of a decode attention block (`ATT_THREADS` in the source).
+const ATT_THREADS: usize = 128;
+
+/// Slots of its cp.async ring per thread (`ATT_STAGES`).
+const ATT_STAGES: usize = 4;
+
+/// Fewest tokens per partition (a few rounds of the block's token lanes).
+const MIN_PARTITION: usize = 32;
+
+/// Blocks a decode attention launch aims for (two per SM of an H100 or
+/// H200): below this, partitions shrink so a small batch still spreads
+/// its reads over the whole GPU instead of queueing them in a few blocks.
+const TARGET_BLOCKS: usize = 264;
+
+/// Tokens per attention partition for `seqs` sequences of up to `max_len`
+/// over `kv_heads`: [`PARTITION`], halved while the launch would have
+/// fewer than [`TARGET_BLOCKS`] blocks, down to 32.
+pub fn partition_len(seqs: usize, kv_heads: usize, max_len: usize) -> usize {
+    let mut len = PARTITION;
+    while len > MIN_PARTITION && seqs * kv_heads * max_len.div_ceil(len) < TARGET_BLOCKS {
+        len /= 2;
+    }
+    len
+}
 
 impl Gpu {
     /// Zeroed pages.
@@ -64,19 +89,25 @@ impl Gpu {
         })
     }
 
-    /// Scratch for attention over `seqs` sequences of at most `max_len`.
+    /// Scratch for attention over up to `seqs` sequences of at most
+    /// `max_len` (for every batch size up to `seqs`: smaller batches split
+    /// into more partitions).
     pub fn attention_buffers(
         &self,
         seqs: usize,
         heads: usize,
+        kv_heads: usize,
         hd: usize,
         max_len: usize,
     ) -> R<AttentionBuffers> {
-        let parts = max_len.div_ceil(PARTITION).max(1);
+        let rows = (1..=seqs.max(1))
+            .map(|b| b * max_len.div_ceil(partition_len(b, kv_heads, max_len)).max(1))
+            .max()
+            .unwrap_or(1);
         let s = &self.stream;
         Ok(AttentionBuffers {
-            part_out: s.alloc_zeros(seqs * heads * parts * hd).map_err(cuda_err)?,
-            part_ml: s.alloc_zeros(seqs * heads * parts * 2).map_err(cuda_err)?,
+            part_out: s.alloc_zeros(rows * heads * hd).map_err(cuda_err)?,
+            part_ml: s.alloc_zeros(rows * heads * 2).map_err(cuda_err)?,
         })
     }
 
@@ -158,8 +189,9 @@ impl Gpu {
         Ok(())
     }
 
-    /// Writes `tokens` K and V rows (`kv_heads x head_dim` each) at vector
-    /// slots `page * page_size + slot`; a negative slot writes nothing.
+    /// Writes `tokens` K and V rows (`kv_heads x head_dim` each) at slots
+    /// `page * page_size + slot` (each head's vector where
+    /// [`crate::kv`]'s layout puts it); a negative slot writes nothing.
     pub fn kv_write(
         &self,
         kv: &mut PagedKv,
@@ -169,14 +201,16 @@ impl Gpu {
         tokens: usize,
     ) -> R {
         let KvLayout {
-            kv_heads, head_dim, ..
+            kv_heads,
+            head_dim,
+            page_size,
         } = kv.layout;
         if !head_dim.is_multiple_of(32) || head_dim > 1024 {
             return Err(KernelError::Shape(format!(
                 "head_dim {head_dim}: a multiple of 32 up to 1024"
             )));
         }
-        let (h, d) = (kv_heads as i32, head_dim as i32);
+        let (h, d, ps) = (kv_heads as i32, head_dim as i32, page_size as i32);
         let grid = (tokens as u32, kv_heads as u32, 1);
         match kv.format {
             KvFormat::Bf16 => {
@@ -188,7 +222,8 @@ impl Gpu {
                     .arg(&mut kv.k)
                     .arg(&mut kv.v)
                     .arg(&h)
-                    .arg(&d);
+                    .arg(&d)
+                    .arg(&ps);
                 // SAFETY: slots index vectors inside the pages.
                 unsafe { b.launch(cfg(grid, head_dim as u32, 0)) }.map_err(cuda_err)?;
             }
@@ -196,7 +231,11 @@ impl Gpu {
                 let f = self.function("kv_write_fp8")?;
                 let mut b = self.stream.launch_builder(f);
                 b.arg(k).arg(v).arg(slots).arg(&mut kv.k).arg(&mut kv.v);
-                b.arg(&mut kv.k_scale).arg(&mut kv.v_scale).arg(&h).arg(&d);
+                b.arg(&mut kv.k_scale)
+                    .arg(&mut kv.v_scale)
+                    .arg(&h)
+                    .arg(&d)
+                    .arg(&ps);
                 // SAFETY: as above.
                 unsafe { b.launch(cfg(grid, head_dim as u32, 0)) }.map_err(cuda_err)?;
             }
@@ -207,6 +246,8 @@ impl Gpu {
     /// Decode attention of one query token per sequence over its pages:
     /// `q` is `seqs x heads x head_dim`; sequence `s`'s block table is
     /// `tables[table_off[s]..]`, its length `lens[s]` (at most `max_len`).
+    /// Partitions of `part_len` tokens, or when `None` of
+    /// [`partition_len`]'s choice for the batch.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
@@ -221,7 +262,14 @@ impl Gpu {
         heads: usize,
         max_len: usize,
         scale: f32,
+        part_len: Option<usize>,
     ) -> R {
+        let part_len = part_len.unwrap_or_else(|| partition_len(seqs, kv.layout.kv_heads, max_len));
+        if !(1..=PARTITION).contains(&part_len) {
+            return Err(KernelError::Shape(format!(
+                "attention partitions of {part_len} tokens: 1 to {PARTITION}"
+            )));
+        }
         let KvLayout {
             kv_heads,
             head_dim,
@@ -233,36 +281,55 @@ impl Gpu {
                 "{heads} query heads over {kv_heads} KV heads: groups of 1 to 8 are supported"
             )));
         }
-        if !head_dim.is_multiple_of(8) || !32usize.is_multiple_of(head_dim / 8) {
+        // Elements per 16-byte piece (8 for fp8 groups above 4), as in
+        // attention.cu; the threads of one vector must divide a warp.
+        let piece = if kv.format == KvFormat::Fp8 && group <= 4 {
+            16
+        } else {
+            8
+        };
+        let tpv = head_dim / piece;
+        if !head_dim.is_multiple_of(piece) || tpv == 0 || !32usize.is_multiple_of(tpv) {
             return Err(KernelError::Shape(format!(
                 "head_dim {head_dim}: paged attention supports 64, 128 and 256"
             )));
         }
-        let lanes = 128 / (head_dim / 8);
         let pages_per_part = PARTITION.div_ceil(page_size) + 1;
-        let shared = (group * head_dim
-            + group * PARTITION
-            + 2 * group
-            + lanes * group * head_dim
-            + pages_per_part)
-            * 4;
+        // The cp.async ring (16-byte pieces and their f32 scales), then
+        // the queries, scores, softmax pieces, per-warp sums and pages.
+        let ring = ATT_STAGES * ATT_THREADS * (16 + 4);
+        let shared = ring
+            + (group * head_dim
+                + group * PARTITION
+                + 2 * group
+                + (ATT_THREADS / 32) * group * head_dim
+                + pages_per_part)
+                * 4;
         if shared > 48 << 10 {
             return Err(KernelError::Shape(format!(
                 "{group} query heads per KV head of {head_dim} need {shared} bytes of shared memory"
             )));
         }
-        let parts = max_len.div_ceil(PARTITION).max(1);
-        let name = match kv.format {
-            KvFormat::Bf16 => format!("attention_part_bf16_g{group}"),
-            KvFormat::Fp8 => format!("attention_part_fp8_g{group}"),
+        let parts = max_len.div_ceil(part_len).max(1);
+        if scratch.part_ml.len() < seqs * heads * parts * 2
+            || scratch.part_out.len() < seqs * heads * parts * head_dim
+        {
+            return Err(KernelError::Shape(format!(
+                "attention scratch too small for {seqs} sequences in {parts} partitions"
+            )));
+        }
+        let fmt = match kv.format {
+            KvFormat::Bf16 => "bf16",
+            KvFormat::Fp8 => "fp8",
         };
-        let f = self.function(&name)?;
+        let f = self.function(&format!("attention_part_{fmt}_g{group}"))?;
         let ints = [
             heads as i32,
             kv_heads as i32,
             head_dim as i32,
             page_size as i32,
             parts as i32,
+            part_len as i32,
         ];
         let mut b = self.stream.launch_builder(f);
         b.arg(q)
@@ -277,8 +344,8 @@ impl Gpu {
         }
         b.arg(&scale);
         let grid = (kv_heads as u32, seqs as u32, parts as u32);
-        // SAFETY: shared memory holds the queries, scores and softmax pieces.
-        unsafe { b.launch(cfg(grid, 128, shared as u32)) }.map_err(cuda_err)?;
+        // SAFETY: shared memory holds the ring, queries, scores and sums.
+        unsafe { b.launch(cfg(grid, ATT_THREADS as u32, shared as u32)) }.map_err(cuda_err)?;
         let f = self.function("attention_merge")?;
         let (p, d) = (parts as i32, head_dim as i32);
         let mut b = self.stream.launch_builder(f);
@@ -317,9 +384,8 @@ impl Gpu {
     }
 
     /// `out (m x n) = x (m x k) * w^T` with bf16 `w` (`n x k`): the custom
-    /// GEMV for one row (measured faster than cuBLAS there on the H200),
-    /// cuBLAS (bf16 in, f32 accumulate and out) above: the GEMV's batched
-    /// path (`m <= 8`, timed by `cuda_bench`) does not beat cuBLAS yet.
+    /// GEMV up to [`super::gemv::BF16_GEMV_ROWS`] rows, cuBLAS (bf16 in,
+    /// f32 accumulate and out) above.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_bf16(
         &self,
@@ -331,35 +397,33 @@ impl Gpu {
         k: usize,
         scratch: &mut CudaSlice<bf16>,
     ) -> R {
-        if m == 1 && k.is_multiple_of(8) {
-            return self.gemv_bf16(x, w, out, m, n, k);
+        if m <= super::gemv::BF16_GEMV_ROWS && k.is_multiple_of(8) {
+            return self.gemv_bf16_parts(x, w, &mut [out], &[n], m, k);
         }
         self.cublas_bf16(x, w, out, m, n, k, scratch)
     }
 
-    /// The custom GEMV for `m <= 8` rows (`k` a multiple of 8): bf16
-    /// weights streamed once with 16-byte loads, one warp per output row,
-    /// the whole batch per weight read.
-    pub fn gemv_bf16(
+    /// The first `len` activations rounded to bf16 into `scratch`, as
+    /// every bf16 engine runs a GEMM (the CPU reference keeps f32; models
+    /// stored as GGUF blocks take the f32 path of `Gpu::matmul` instead).
+    pub(super) fn to_bf16_scratch(
         &self,
         x: &CudaSlice<f32>,
-        w: &CudaSlice<bf16>,
-        out: &mut CudaSlice<f32>,
-        m: usize,
-        n: usize,
-        k: usize,
+        scratch: &mut CudaSlice<bf16>,
+        len: usize,
     ) -> R {
-        if m > 8 || !k.is_multiple_of(8) {
+        if scratch.len() < len || x.len() < len {
             return Err(KernelError::Shape(format!(
-                "GEMV of {m} rows of {k}: at most 8 rows, k a multiple of 8"
+                "bf16 scratch of {} for {len} activations",
+                scratch.len()
             )));
         }
-        let f = self.function("gemv_bf16")?;
-        let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+        let total = len as i64;
+        let f = self.function("to_bf16")?;
         let mut b = self.stream.launch_builder(f);
-        b.arg(x).arg(w).arg(out).arg(&mi).arg(&ni).arg(&ki);
-        // SAFETY: one warp per output row, 8 per block.
-        unsafe { b.launch(cfg((blocks(n, 8), 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        b.arg(x).arg(&mut *scratch).arg(&total);
+        // SAFETY: one thread per element, bounds-checked.
+        unsafe { b.launch(cfg((blocks(len, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
 
@@ -377,21 +441,7 @@ impl Gpu {
         scratch: &mut CudaSlice<bf16>,
     ) -> R {
         use cudarc::cublas::sys::cudaDataType_t;
-        if scratch.len() < m * k {
-            return Err(KernelError::Shape(format!(
-                "bf16 scratch of {} for {m}x{k}",
-                scratch.len()
-            )));
-        }
-        // Activations rounded to bf16, as every bf16 engine runs them (the
-        // CPU reference keeps f32; models stored as GGUF blocks take the
-        // f32 path of `Gpu::matmul` instead).
-        let total = (m * k) as i64;
-        let f = self.function("to_bf16")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(x).arg(&mut *scratch).arg(&total);
-        // SAFETY: one thread per element, bounds-checked.
-        unsafe { b.launch(cfg((blocks(m * k, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        self.to_bf16_scratch(x, scratch, m * k)?;
         let (a, _ra) = w.device_ptr(&self.stream);
         let (bp, _rb) = scratch.device_ptr(&self.stream);
         let (c, _rc) = out.device_ptr(&self.stream);

@@ -7,6 +7,7 @@
 //! no usable driver, NVRTC or GPU, never with a panic.
 
 mod backend;
+mod gemv;
 mod launch;
 mod memory;
 mod prefill;
@@ -18,14 +19,15 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, DevicePtrMut};
 use sha2::{Digest, Sha256};
 
 use crate::KernelError;
 
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
-pub use launch::{AttentionBuffers, PARTITION, PagedKv};
+pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M};
+pub use launch::{AttentionBuffers, PARTITION, PagedKv, partition_len};
 pub use prefill::prefill_tiles;
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
 pub use tags::TagLayout;
@@ -33,6 +35,8 @@ pub use tags::TagLayout;
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = concat!(
     include_str!("kernels.cu"),
+    include_str!("attention.cu"),
+    include_str!("gemv.cu"),
     include_str!("quant.cu"),
     include_str!("sample.cu"),
     include_str!("prefill.cu")
@@ -77,7 +81,14 @@ const KERNELS: &[&str] = &[
     "prefill_fp8_g4",
     "prefill_fp8_g8",
     "argmax_rows",
-    "gemv_bf16",
+    "gemv_bf16_1_u4",
+    "gemv_bf16_2_u4",
+    "gemv_bf16_3_u4",
+    "gemv_bf16_4_u4",
+    "gemv_bf16_5_u4",
+    "gemv_bf16_6_u4",
+    "gemv_bf16_7_u4",
+    "gemv_bf16_8_u4",
     "to_bf16",
     "to_f32",
     "gemv_q8_0",
@@ -106,9 +117,15 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     functions: HashMap<&'static str, CudaFunction>,
     blas: cudarc::cublas::CudaBlas,
+    /// cuBLAS's workspace on a stream of our own: a fixed buffer, so GEMMs
+    /// can be captured into CUDA graphs (cuBLAS allocates none itself).
+    _blas_workspace: Option<CudaSlice<u8>>,
     name: String,
     _module: Arc<CudaModule>,
 }
+
+/// Bytes of cuBLAS workspace (NVIDIA's advice for Hopper).
+const BLAS_WORKSPACE: usize = 32 << 20;
 
 pub(crate) fn cuda_err(e: impl std::fmt::Debug) -> KernelError {
     KernelError::Cuda(format!("{e:?}"))
@@ -253,11 +270,31 @@ impl Gpu {
                 ctx.default_stream()
             };
             let blas = cudarc::cublas::CudaBlas::new(stream.clone()).map_err(cuda_err)?;
+            let workspace = if own_stream {
+                let mut ws = stream.alloc_zeros::<u8>(BLAS_WORKSPACE).map_err(cuda_err)?;
+                let (ptr, _guard) = ws.device_ptr_mut(&stream);
+                // SAFETY: a live buffer of that size, kept as long as the
+                // handle (the field below outlives every GEMM).
+                unsafe {
+                    cudarc::cublas::sys::cublasSetWorkspace_v2(
+                        *blas.handle(),
+                        ptr as *mut std::ffi::c_void,
+                        BLAS_WORKSPACE,
+                    )
+                }
+                .result()
+                .map_err(cuda_err)?;
+                drop(_guard);
+                Some(ws)
+            } else {
+                None
+            };
             Ok(Self {
                 ctx,
                 stream,
                 functions,
                 blas,
+                _blas_workspace: workspace,
                 name: format!("{name} (sm_{major}{minor})"),
                 _module: module,
             })

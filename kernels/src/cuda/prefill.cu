@@ -75,7 +75,7 @@ __device__ void prefill_attention(const float* q, const void* kc, const void* vc
             int key = k0 + j;
             if (key < maxlen) {
                 size_t vec =
-                    ((size_t)table[key / page_size] * page_size + key % page_size) * kv_heads + kvh;
+                    kv_vec(table[key / page_size], key % page_size, kvh, kv_heads, page_size);
                 const unsigned char* kp = (const unsigned char*)kc + (vec * hd + d) * ELEM;
                 const unsigned char* vp = (const unsigned char*)vc + (vec * hd + d) * ELEM;
                 for (int b = 0; b < ELEM; b++) {

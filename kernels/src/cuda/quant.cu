@@ -58,11 +58,12 @@ __device__ __forceinline__ float block_elem(const unsigned char* row, long long 
 // Decode GEMV over block-quantized weights: out[m][n] = sum_k x[m][k] w[n][k]
 // for m < M <= 8, in f32 like the CPU (per block: d * (q . x) + mn * sum(x)).
 // One warp per output row, 8 warps per block; lanes take whole blocks.
+// Rows go to the parts of `o` as in gemv.cu (stacked weights).
 template <int DT>
-__device__ void gemv_q(const float* x, const unsigned char* w, float* out, int M, int N, int K) {
+__device__ void gemv_q(const float* x, const unsigned char* w, Outs o, int M, int K) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int n = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (n >= N) return;
+    if (n >= o.n) return;
     int nb = K / 32;
     const unsigned char* row = w + (size_t)n * nb * QBlock<DT>::bytes;
     float acc[GEMV_MAX_M];
@@ -91,7 +92,7 @@ __device__ void gemv_q(const float* x, const unsigned char* w, float* out, int M
     for (int m = 0; m < GEMV_MAX_M; m++) {
         if (m < M) {
             float v = warp_sum(acc[m]);
-            if (lane == 0) out[(size_t)m * N + n] = v;
+            if (lane == 0) put_out(o, m, n, v);
         }
     }
 }
@@ -113,9 +114,10 @@ __device__ void embed_q(const unsigned char* table, const unsigned* ids, float* 
 }
 
 #define QUANT_ENTRIES(SUFFIX, DT)                                                               \
-    extern "C" __global__ void gemv_##SUFFIX(const float* x, const unsigned char* w, float* out, \
-                                             int M, int N, int K) {                             \
-        gemv_q<DT>(x, w, out, M, N, K);                                                         \
+    extern "C" __global__ void gemv_##SUFFIX(const float* x, const unsigned char* w, float* o0,  \
+                                             float* o1, float* o2, int n0, int n1, int M,       \
+                                             int N, int K) {                                    \
+        gemv_q<DT>(x, w, Outs{o0, o1, o2, n0, n1, N}, M, K);                                    \
     }                                                                                           \
     extern "C" __global__ void dequant_##SUFFIX(const unsigned char* src, float* dst,           \
                                                 long long n) {                                  \

@@ -39,16 +39,32 @@ impl DeviceWeight {
             DeviceWeight::Blocks { bytes, .. } => bytes.len(),
         }
     }
+
+    /// Bytes of one row of `cols` values.
+    pub fn row_bytes(&self, cols: usize) -> R<usize> {
+        match self {
+            DeviceWeight::Bf16(_) => Ok(2 * cols),
+            DeviceWeight::Blocks { dtype, .. } => {
+                if cols.is_multiple_of(32) {
+                    Ok(dtype.bytes_for(cols))
+                } else {
+                    Err(KernelError::Shape(format!(
+                        "{dtype:?} rows of {cols}: a multiple of 32"
+                    )))
+                }
+            }
+        }
+    }
 }
 
 /// Working memory of [`Gpu::matmul`]: bf16 activations for cuBLAS and, for
 /// block weights, the dequantized chunk.
 pub struct GemmScratch {
-    act: CudaSlice<bf16>,
-    deq: Option<CudaSlice<f32>>,
+    pub(super) act: CudaSlice<bf16>,
+    pub(super) deq: Option<CudaSlice<f32>>,
 }
 
-fn kernel_suffix(dtype: DType) -> R<&'static str> {
+pub(super) fn kernel_suffix(dtype: DType) -> R<&'static str> {
     match dtype {
         DType::Q8_0 => Ok("q8_0"),
         DType::Q4_0 => Ok("q4_0"),
@@ -57,6 +73,26 @@ fn kernel_suffix(dtype: DType) -> R<&'static str> {
             "{other:?} blocks on CUDA"
         ))),
     }
+}
+
+/// `w`'s values rounded to bf16, row-major.
+fn bf16_rows(w: &Weight) -> Vec<bf16> {
+    if let (DType::BF16, Some(bytes)) = (w.dtype(), w.bytes()) {
+        return bytes
+            .par_chunks_exact(2)
+            .map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])))
+            .collect();
+    }
+    let cols = w.cols();
+    let mut host = vec![bf16::ZERO; w.rows() * cols];
+    host.par_chunks_mut(cols).enumerate().for_each(|(r, out)| {
+        let mut row = vec![0.0f32; cols];
+        w.row(r, &mut row);
+        out.iter_mut()
+            .zip(&row)
+            .for_each(|(o, v)| *o = bf16::from_f32(*v));
+    });
+    host
 }
 
 impl Gpu {
@@ -68,16 +104,39 @@ impl Gpu {
                 bytes: self.upload(bytes)?,
             });
         }
-        let cols = w.cols();
-        let mut host = vec![bf16::ZERO; w.rows() * cols];
-        host.par_chunks_mut(cols).enumerate().for_each(|(r, out)| {
-            let mut row = vec![0.0f32; cols];
-            w.row(r, &mut row);
-            out.iter_mut()
-                .zip(&row)
-                .for_each(|(o, v)| *o = bf16::from_f32(*v));
-        });
-        Ok(DeviceWeight::Bf16(self.upload(&host)?))
+        Ok(DeviceWeight::Bf16(self.upload(&bf16_rows(w))?))
+    }
+
+    /// Uploads `ws` stacked row block after row block, for
+    /// [`Gpu::matmul_parts`]: blocks as they are when all share one block
+    /// type, bf16 when none is a block type; `None` when they mix types or
+    /// widths (the caller keeps them apart then).
+    pub fn weight_stack(&self, ws: &[&Weight]) -> R<Option<DeviceWeight>> {
+        let Some(first) = ws.first() else {
+            return Ok(None);
+        };
+        if ws.iter().any(|w| w.cols() != first.cols()) {
+            return Ok(None);
+        }
+        let blocks: Vec<Option<&[u8]>> = ws
+            .iter()
+            .map(|w| kernel_suffix(w.dtype()).ok().and(w.bytes()))
+            .collect();
+        if blocks.iter().all(Option::is_some) {
+            if ws.iter().any(|w| w.dtype() != first.dtype()) {
+                return Ok(None);
+            }
+            let bytes: Vec<u8> = blocks.into_iter().flatten().flatten().copied().collect();
+            return Ok(Some(DeviceWeight::Blocks {
+                dtype: first.dtype(),
+                bytes: self.upload(&bytes)?,
+            }));
+        }
+        if blocks.iter().any(Option::is_some) {
+            return Ok(None);
+        }
+        let host: Vec<bf16> = ws.iter().flat_map(|w| bf16_rows(w)).collect();
+        Ok(Some(DeviceWeight::Bf16(self.upload(&host)?)))
     }
 
     /// Scratch for products of up to `m x k` activations; `blocks` when
@@ -89,63 +148,10 @@ impl Gpu {
         })
     }
 
-    /// `out (m x n) = x (m x k) * w^T` for any [`DeviceWeight`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &DeviceWeight,
-        out: &mut CudaSlice<f32>,
-        m: usize,
-        n: usize,
-        k: usize,
-        scratch: &mut GemmScratch,
-    ) -> R {
-        match w {
-            DeviceWeight::Bf16(w) => self.matmul_bf16(x, w, out, m, n, k, &mut scratch.act),
-            DeviceWeight::Blocks { dtype, bytes } => {
-                if !k.is_multiple_of(32) {
-                    return Err(KernelError::Shape(format!(
-                        "{dtype:?} rows of {k}: a multiple of 32"
-                    )));
-                }
-                if m <= 8 {
-                    let f = self.function(&format!("gemv_{}", kernel_suffix(*dtype)?))?;
-                    let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-                    let mut b = self.stream.launch_builder(f);
-                    b.arg(x)
-                        .arg(bytes)
-                        .arg(&mut *out)
-                        .arg(&mi)
-                        .arg(&ni)
-                        .arg(&ki);
-                    // SAFETY: one warp per output row, 8 per block; rows are
-                    // whole blocks (checked above).
-                    unsafe { b.launch(cfg(n.div_ceil(8) as u32, 256)) }.map_err(cuda_err)?;
-                    return Ok(());
-                }
-                let deq = scratch.deq.as_mut().ok_or_else(|| {
-                    KernelError::Shape("no dequantization scratch for a block weight".into())
-                })?;
-                let row_bytes = dtype.bytes_for(k);
-                let rows_per_chunk = (DEQUANT_CHUNK / k).max(1);
-                let mut r0 = 0;
-                while r0 < n {
-                    let r1 = (r0 + rows_per_chunk).min(n);
-                    let src = bytes.slice(r0 * row_bytes..r1 * row_bytes);
-                    self.dequantize_view(*dtype, &src, deq, (r1 - r0) * k)?;
-                    self.gemm_f32(x, deq, out, m, n, k, r0, r1 - r0)?;
-                    r0 = r1;
-                }
-                Ok(())
-            }
-        }
-    }
-
     /// `out[:, r0..r0 + rows] = x * w^T` with f32 `w` (`rows x k`), by
     /// cuBLAS in full f32.
     #[allow(clippy::too_many_arguments)]
-    fn gemm_f32(
+    pub(super) fn gemm_f32(
         &self,
         x: &CudaSlice<f32>,
         w: &CudaSlice<f32>,
@@ -201,7 +207,7 @@ impl Gpu {
         self.dequantize_view(dtype, &src.slice(..), out, n)
     }
 
-    fn dequantize_view(
+    pub(super) fn dequantize_view(
         &self,
         dtype: DType,
         src: &cudarc::driver::CudaView<'_, u8>,

@@ -7,7 +7,10 @@
 //! Prefill tokens still attend through the decode attention kernel, one
 //! query per token (correct, not yet flash-style).
 
+mod linear;
 mod step;
+
+use linear::Linear;
 
 pub use step::{SeqOut, StepOut, StepTags};
 
@@ -30,14 +33,13 @@ type R<T> = Result<T, KernelError>;
 /// One block's weights on the device.
 struct GpuLayer {
     attn_norm: CudaSlice<f32>,
-    wq: DeviceWeight,
-    wk: DeviceWeight,
-    wv: DeviceWeight,
+    /// q, k and v.
+    qkv: Linear,
     wo: DeviceWeight,
     bias: Option<[CudaSlice<f32>; 3]>,
     ffn_norm: CudaSlice<f32>,
-    w_gate: DeviceWeight,
-    w_up: DeviceWeight,
+    /// gate and up.
+    gate_up: Linear,
     w_down: DeviceWeight,
 }
 
@@ -53,9 +55,7 @@ pub struct GpuModel {
     inv_freq: CudaSlice<f32>,
     /// Whether any weight is block-quantized (its GEMMs need f32 scratch).
     blocks: bool,
-    /// Whether any weight is bf16 (products of several rows go to cuBLAS).
-    any_bf16: bool,
-    /// Whether small greedy decode steps are captured as CUDA graphs.
+    /// Whether greedy decode steps are captured as CUDA graphs.
     graphs: bool,
 }
 
@@ -113,7 +113,7 @@ struct Work {
 
 impl GpuModel {
     /// Opens GPU `ordinal` and uploads `model`'s weights (GGUF blocks as
-    /// they are, other types as bf16); with `graphs`, small greedy decode
+    /// they are, other types as bf16); with `graphs`, greedy decode
     /// steps are captured as CUDA graphs and replayed.
     pub fn upload(model: &Model, ordinal: usize, graphs: bool) -> Result<Self, ModelError> {
         let e = |e: KernelError| ModelError::Unsupported(e.to_string());
@@ -124,17 +124,14 @@ impl GpuModel {
             .map(|l| -> R<GpuLayer> {
                 Ok(GpuLayer {
                     attn_norm: gpu.upload(&l.attn_norm)?,
-                    wq: gpu.weight(&l.wq)?,
-                    wk: gpu.weight(&l.wk)?,
-                    wv: gpu.weight(&l.wv)?,
+                    qkv: Linear::upload(&gpu, &[&l.wq, &l.wk, &l.wv])?,
                     wo: gpu.weight(&l.wo)?,
                     bias: match &l.bias {
                         Some([q, k, v]) => Some([gpu.upload(q)?, gpu.upload(k)?, gpu.upload(v)?]),
                         None => None,
                     },
                     ffn_norm: gpu.upload(&l.ffn_norm)?,
-                    w_gate: gpu.weight(&l.w_gate)?,
-                    w_up: gpu.weight(&l.w_up)?,
+                    gate_up: Linear::upload(&gpu, &[&l.w_gate, &l.w_up])?,
                     w_down: gpu.weight(&l.w_down)?,
                 })
             })
@@ -147,22 +144,22 @@ impl GpuModel {
             .map(|w| gpu.weight(w))
             .transpose()
             .map_err(e)?;
-        let all = || {
-            [&embed].into_iter().chain(output.as_ref()).chain(
-                layers
-                    .iter()
-                    .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]),
-            )
-        };
-        let blocks = all().any(|w| matches!(w, DeviceWeight::Blocks { .. }));
-        let any_bf16 = all().any(|w| matches!(w, DeviceWeight::Bf16(_)));
+        let blocks = [&embed]
+            .into_iter()
+            .chain(output.as_ref())
+            .chain(layers.iter().flat_map(|l| {
+                [&l.wo, &l.w_down]
+                    .into_iter()
+                    .chain(l.qkv.weights())
+                    .chain(l.gate_up.weights())
+            }))
+            .any(|w| matches!(w, DeviceWeight::Blocks { .. }));
         Ok(Self {
             output,
             norm: gpu.upload(&model.norm).map_err(e)?,
             embed,
             inv_freq: gpu.upload(model.rope.inv_freq()).map_err(e)?,
             blocks,
-            any_bf16,
             graphs,
             layers,
             config: model.config.clone(),
@@ -171,13 +168,7 @@ impl GpuModel {
         })
     }
 
-    /// Most sequences a captured step may hold: every product must take a
-    /// custom kernel (one row for bf16 weights, eight for blocks).
-    fn graph_max_seqs(&self) -> usize {
-        if self.any_bf16 { 1 } else { 8 }
-    }
-
-    /// Whether small greedy decode steps are captured as CUDA graphs.
+    /// Whether greedy decode steps are captured as CUDA graphs.
     pub fn uses_graphs(&self) -> bool {
         self.graphs
     }
@@ -192,8 +183,12 @@ impl GpuModel {
         let layers: usize = self
             .layers
             .iter()
-            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
-            .map(DeviceWeight::size_bytes)
+            .map(|l| {
+                l.qkv.size_bytes()
+                    + l.gate_up.size_bytes()
+                    + l.wo.size_bytes()
+                    + l.w_down.size_bytes()
+            })
             .sum();
         layers + self.output.as_ref().unwrap_or(&self.embed).size_bytes()
     }
@@ -273,7 +268,7 @@ impl GpuModel {
             gate: g.zeros(n * c.ffn)?,
             up: g.zeros(n * c.ffn)?,
             scratch: g.gemm_scratch(n, widest, self.blocks)?,
-            abuf: g.attention_buffers(n, c.heads, c.head_dim, max_len)?,
+            abuf: g.attention_buffers(n, c.heads, c.kv_heads, c.head_dim, max_len)?,
         })
     }
 

@@ -25,7 +25,11 @@ use crate::model::llama::{BatchSeq, Draw};
 type R<T> = Result<T, KernelError>;
 
 /// Captured steps kept per engine.
-const MAX_GRAPHS: usize = 64;
+const MAX_GRAPHS: usize = 128;
+
+/// Most sequences a captured step may hold (cuBLAS runs on a fixed
+/// workspace, so GEMMs are captured along with the custom kernels).
+const GRAPH_MAX_SEQS: usize = 256;
 
 /// Page tags for one step, each tag as (generation, tenant).
 #[derive(Debug, Default, Clone, Copy)]
@@ -225,8 +229,8 @@ impl GpuModel {
     }
 
     /// The key to capture this step under, when it can be one: a greedy
-    /// decode of few enough sequences that every product takes a custom
-    /// kernel (cuBLAS is not captured), with room for its tag changes.
+    /// decode of at most [`GRAPH_MAX_SEQS`] sequences, with room for its
+    /// tag changes.
     fn graph_key(
         &self,
         x: &Inputs,
@@ -241,7 +245,7 @@ impl GpuModel {
         let room = n * (parts * PARTITION).div_ceil(page_size);
         (self.graphs
             && x.greedy_decode
-            && n <= self.graph_max_seqs()
+            && n <= GRAPH_MAX_SEQS
             && tags.changes.len() <= n
             && x.tables.len() <= room)
             .then_some(GraphKey {
@@ -443,9 +447,14 @@ impl GpuModel {
             // h += the previous block's output, then the attention norm.
             let residual = (li > 0).then_some(&*proj);
             g.rmsnorm_residual(h, residual, &layer.attn_norm, xn, n, c.hidden, c.eps)?;
-            g.matmul(xn, &layer.wq, q, n, q_dim, c.hidden, scratch)?;
-            g.matmul(xn, &layer.wk, k, n, kv_dim, c.hidden, scratch)?;
-            g.matmul(xn, &layer.wv, v, n, kv_dim, c.hidden, scratch)?;
+            layer.qkv.apply(
+                g,
+                xn,
+                &mut [&mut *q, &mut *k, &mut *v],
+                n,
+                c.hidden,
+                scratch,
+            )?;
             if let Some([bq, bk, bv]) = &layer.bias {
                 g.add_bias(q, bq, n, q_dim)?;
                 g.add_bias(k, bk, n, kv_dim)?;
@@ -461,13 +470,15 @@ impl GpuModel {
                 )?;
             } else {
                 g.paged_attention(
-                    pages, q, &d_tables, &d_offs, &d_lens, abuf, attn, n, c.heads, s.max_len, scale,
+                    pages, q, &d_tables, &d_offs, &d_lens, abuf, attn, n, c.heads, s.max_len,
+                    scale, None,
                 )?;
             }
             g.matmul(attn, &layer.wo, proj, n, c.hidden, q_dim, scratch)?;
             g.rmsnorm_residual(h, Some(&*proj), &layer.ffn_norm, xn, n, c.hidden, c.eps)?;
-            g.matmul(xn, &layer.w_gate, gate, n, c.ffn, c.hidden, scratch)?;
-            g.matmul(xn, &layer.w_up, up, n, c.ffn, c.hidden, scratch)?;
+            layer
+                .gate_up
+                .apply(g, xn, &mut [&mut *gate, &mut *up], n, c.hidden, scratch)?;
             g.silu_mul(gate, up, n * c.ffn)?;
             g.matmul(gate, &layer.w_down, proj, n, c.hidden, c.ffn, scratch)?;
         }

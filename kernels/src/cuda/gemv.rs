@@ -1,0 +1,200 @@
+//! Products with weight matrices on the device, stacked or not: the GEMVs
+//! of `gemv.cu` and `quant.cu` for decode batches, cuBLAS above them.
+//!
+//! A stacked weight holds several matrices of one input width, row blocks
+//! one under the other (q, k and v; gate and up). A decode GEMV streams the
+//! whole stack in one launch and sends each row block to its own output; a
+//! GEMM runs once per block on that block's rows.
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use half::bf16;
+
+use super::quant::{DEQUANT_CHUNK, kernel_suffix};
+use super::{DeviceWeight, GemmScratch, Gpu, cuda_err, grid_1d as cfg};
+use crate::KernelError;
+
+type R<T = ()> = Result<T, KernelError>;
+
+/// Most rows of activations the decode GEMVs take in one launch.
+pub const GEMV_MAX_M: usize = 8;
+
+/// Most activation rows that go to the bf16 GEMV rather than cuBLAS.
+pub const BF16_GEMV_ROWS: usize = 1;
+
+/// Weight rows (warps) per block of the bf16 GEMV.
+const BF16_ROWS_PER_BLOCK: usize = 4;
+
+/// Device pointers of up to three outputs and the row counts of the
+/// first two, as the GEMV kernels take them (absent parts: null, 0 rows).
+struct OutPtrs {
+    ptrs: [u64; 3],
+    n0: i32,
+    n1: i32,
+    n: i32,
+}
+
+fn check_parts(outs: usize, parts: &[usize], m: usize) -> R<usize> {
+    if outs != parts.len() || parts.is_empty() || parts.len() > 3 {
+        return Err(KernelError::Shape(format!(
+            "{outs} outputs for {} row blocks: one to three, one output each",
+            parts.len()
+        )));
+    }
+    if m == 0 {
+        return Err(KernelError::Shape("a product of zero rows".into()));
+    }
+    Ok(parts.iter().sum())
+}
+
+impl Gpu {
+    /// `outs[i] (m x parts[i]) = x (m x k) * w_i^T`, where `w` stacks the
+    /// `w_i` (`parts[i] x k` each) row block after row block.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_parts(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &DeviceWeight,
+        outs: &mut [&mut CudaSlice<f32>],
+        parts: &[usize],
+        m: usize,
+        k: usize,
+        scratch: &mut GemmScratch,
+    ) -> R {
+        let n = check_parts(outs.len(), parts, m)?;
+        for (o, rows) in outs.iter().zip(parts) {
+            if o.len() < m * rows {
+                return Err(KernelError::Shape(format!(
+                    "output of {} for {m} x {rows}",
+                    o.len()
+                )));
+            }
+        }
+        if x.len() < m * k || w.size_bytes() < w.row_bytes(k)? * n {
+            return Err(KernelError::Shape(format!(
+                "{m} x {k} times {n} stacked rows: input or weight too small"
+            )));
+        }
+        match w {
+            DeviceWeight::Bf16(wb) if m <= BF16_GEMV_ROWS && k.is_multiple_of(8) => {
+                self.gemv_bf16_parts(x, wb, outs, parts, m, k)
+            }
+            DeviceWeight::Bf16(wb) => {
+                self.to_bf16_scratch(x, &mut scratch.act, m * k)?;
+                let (wp, _rw) = wb.device_ptr(&self.stream);
+                let (xp, _rx) = scratch.act.device_ptr(&self.stream);
+                let ty = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
+                let mut row0 = 0;
+                for (o, &rows) in outs.iter_mut().zip(parts) {
+                    let (op, _ro) = o.device_ptr_mut(&self.stream);
+                    let a = wp + (row0 * k * std::mem::size_of::<bf16>()) as u64;
+                    // SAFETY: rows row0.. of the stack and an output of
+                    // m x rows, sizes checked above (guards held).
+                    unsafe { self.gemm(a, xp, ty, op, m, rows, k, rows) }?;
+                    row0 += rows;
+                }
+                Ok(())
+            }
+            DeviceWeight::Blocks { dtype, bytes } => {
+                if !k.is_multiple_of(32) {
+                    return Err(KernelError::Shape(format!(
+                        "{dtype:?} rows of {k}: a multiple of 32"
+                    )));
+                }
+                if m <= GEMV_MAX_M {
+                    let f = self.function(&format!("gemv_{}", kernel_suffix(*dtype)?))?;
+                    let o = self.out_ptrs(outs, parts);
+                    let (mi, ki) = (m as i32, k as i32);
+                    let mut b = self.stream.launch_builder(f);
+                    b.arg(x).arg(bytes);
+                    b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
+                    b.arg(&o.n0).arg(&o.n1).arg(&mi).arg(&o.n).arg(&ki);
+                    // SAFETY: one warp per stacked row, 8 per block; rows are
+                    // whole blocks and every part's output is big enough
+                    // (checked above).
+                    unsafe { b.launch(cfg(n.div_ceil(8) as u32, 256)) }.map_err(cuda_err)?;
+                    return Ok(());
+                }
+                let deq = scratch.deq.as_mut().ok_or_else(|| {
+                    KernelError::Shape("no dequantization scratch for a block weight".into())
+                })?;
+                let row_bytes = dtype.bytes_for(k);
+                let rows_per_chunk = (DEQUANT_CHUNK / k).max(1);
+                let mut base = 0;
+                for (o, &rows) in outs.iter_mut().zip(parts) {
+                    let mut r0 = 0;
+                    while r0 < rows {
+                        let r1 = (r0 + rows_per_chunk).min(rows);
+                        let src = bytes.slice((base + r0) * row_bytes..(base + r1) * row_bytes);
+                        self.dequantize_view(*dtype, &src, deq, (r1 - r0) * k)?;
+                        self.gemm_f32(x, deq, o, m, rows, k, r0, r1 - r0)?;
+                        r0 = r1;
+                    }
+                    base += rows;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// `out (m x n) = x (m x k) * w^T` for any [`DeviceWeight`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &DeviceWeight,
+        out: &mut CudaSlice<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+        scratch: &mut GemmScratch,
+    ) -> R {
+        self.matmul_parts(x, w, &mut [out], &[n], m, k, scratch)
+    }
+
+    /// The bf16 decode GEMV over a stack (`m <= 8` rows, `k` a multiple of
+    /// 8): one warp per weight row, four 16-byte loads in flight per lane.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_bf16_parts(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        outs: &mut [&mut CudaSlice<f32>],
+        parts: &[usize],
+        m: usize,
+        k: usize,
+    ) -> R {
+        let n = check_parts(outs.len(), parts, m)?;
+        if m > GEMV_MAX_M || !k.is_multiple_of(8) || x.len() < m * k || w.len() < n * k {
+            return Err(KernelError::Shape(format!(
+                "GEMV of {m} rows of {k} over {n} weight rows: at most {GEMV_MAX_M} rows, \
+                 k a multiple of 8"
+            )));
+        }
+        let f = self.function(&format!("gemv_bf16_{m}_u4"))?;
+        let o = self.out_ptrs(outs, parts);
+        let ki = k as i32;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(w);
+        b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
+        b.arg(&o.n0).arg(&o.n1).arg(&o.n).arg(&ki);
+        let grid = n.div_ceil(BF16_ROWS_PER_BLOCK) as u32;
+        // SAFETY: one warp per weight row; sizes checked above.
+        unsafe { b.launch(cfg(grid, 32 * BF16_ROWS_PER_BLOCK as u32)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    fn out_ptrs(&self, outs: &mut [&mut CudaSlice<f32>], parts: &[usize]) -> OutPtrs {
+        let mut ptrs = [0u64; 3];
+        for (p, o) in ptrs.iter_mut().zip(outs.iter_mut()) {
+            // The launch is queued on this same stream, so no guard is
+            // needed past it.
+            *p = o.device_ptr_mut(&self.stream).0;
+        }
+        OutPtrs {
+            ptrs,
+            n0: parts[0] as i32,
+            n1: parts.get(1).copied().unwrap_or(0) as i32,
+            n: parts.iter().sum::<usize>() as i32,
+        }
+    }
+}
