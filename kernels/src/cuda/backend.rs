@@ -109,7 +109,7 @@ impl Backend for Gpu {
             c.heads,
             max_len,
             c.scale,
-            None,
+            super::AttentionPlan::default(),
         )?;
         Ok(self.download(&out)?[..c.q.len()].to_vec())
     }

@@ -37,6 +37,16 @@ pub struct PagedKv {
     pub v_scale: CudaSlice<f32>,
 }
 
+/// How a decode attention launch runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttentionPlan {
+    /// Tokens per partition; `None`: [`partition_len`]'s choice.
+    pub part_len: Option<usize>,
+    /// Score by warp shuffles even where tensor-core scoring exists (head
+    /// sizes 64 and 128): the first kernel, kept to time against.
+    pub shuffle_scores: bool,
+}
+
 /// Scratch for split attention, sized for `seqs x heads x parts x head_dim`.
 pub struct AttentionBuffers {
     part_out: CudaSlice<f32>,
@@ -246,8 +256,8 @@ impl Gpu {
     /// Decode attention of one query token per sequence over its pages:
     /// `q` is `seqs x heads x head_dim`; sequence `s`'s block table is
     /// `tables[table_off[s]..]`, its length `lens[s]` (at most `max_len`).
-    /// Partitions of `part_len` tokens, or when `None` of
-    /// [`partition_len`]'s choice for the batch.
+    /// `plan` says how to split and score (the default: partitions sized
+    /// for the batch, scores on tensor cores where the head size has them).
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
@@ -262,9 +272,11 @@ impl Gpu {
         heads: usize,
         max_len: usize,
         scale: f32,
-        part_len: Option<usize>,
+        plan: AttentionPlan,
     ) -> R {
-        let part_len = part_len.unwrap_or_else(|| partition_len(seqs, kv.layout.kv_heads, max_len));
+        let part_len = plan
+            .part_len
+            .unwrap_or_else(|| partition_len(seqs, kv.layout.kv_heads, max_len));
         if !(1..=PARTITION).contains(&part_len) {
             return Err(KernelError::Shape(format!(
                 "attention partitions of {part_len} tokens: 1 to {PARTITION}"
@@ -322,7 +334,12 @@ impl Gpu {
             KvFormat::Bf16 => "bf16",
             KvFormat::Fp8 => "fp8",
         };
-        let f = self.function(&format!("attention_part_{fmt}_g{group}"))?;
+        let name = if !plan.shuffle_scores && matches!(head_dim, 64 | 128) {
+            format!("attention_mma_{fmt}_g{group}_d{head_dim}")
+        } else {
+            format!("attention_part_{fmt}_g{group}")
+        };
+        let f = self.function(&name)?;
         let ints = [
             heads as i32,
             kv_heads as i32,

@@ -27,7 +27,7 @@ use crate::KernelError;
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M};
-pub use launch::{AttentionBuffers, PARTITION, PagedKv, partition_len};
+pub use launch::{AttentionBuffers, AttentionPlan, PARTITION, PagedKv, partition_len};
 pub use prefill::prefill_tiles;
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
 pub use tags::TagLayout;
@@ -66,6 +66,38 @@ const KERNELS: &[&str] = &[
     "attention_part_fp8_g6",
     "attention_part_fp8_g7",
     "attention_part_fp8_g8",
+    "attention_mma_bf16_g1_d64",
+    "attention_mma_bf16_g2_d64",
+    "attention_mma_bf16_g3_d64",
+    "attention_mma_bf16_g4_d64",
+    "attention_mma_bf16_g5_d64",
+    "attention_mma_bf16_g6_d64",
+    "attention_mma_bf16_g7_d64",
+    "attention_mma_bf16_g8_d64",
+    "attention_mma_bf16_g1_d128",
+    "attention_mma_bf16_g2_d128",
+    "attention_mma_bf16_g3_d128",
+    "attention_mma_bf16_g4_d128",
+    "attention_mma_bf16_g5_d128",
+    "attention_mma_bf16_g6_d128",
+    "attention_mma_bf16_g7_d128",
+    "attention_mma_bf16_g8_d128",
+    "attention_mma_fp8_g1_d64",
+    "attention_mma_fp8_g2_d64",
+    "attention_mma_fp8_g3_d64",
+    "attention_mma_fp8_g4_d64",
+    "attention_mma_fp8_g5_d64",
+    "attention_mma_fp8_g6_d64",
+    "attention_mma_fp8_g7_d64",
+    "attention_mma_fp8_g8_d64",
+    "attention_mma_fp8_g1_d128",
+    "attention_mma_fp8_g2_d128",
+    "attention_mma_fp8_g3_d128",
+    "attention_mma_fp8_g4_d128",
+    "attention_mma_fp8_g5_d128",
+    "attention_mma_fp8_g6_d128",
+    "attention_mma_fp8_g7_d128",
+    "attention_mma_fp8_g8_d128",
     "attention_merge",
     "tag_check",
     "tag_scatter",

@@ -14,7 +14,7 @@ use linear::Linear;
 
 pub use step::{SeqOut, StepOut, StepTags};
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use kiln_kernels::cuda::Graph;
 use step::GraphKey;
@@ -71,6 +71,8 @@ pub struct GpuKv {
     /// Captured decode steps; cleared whenever the working buffers they
     /// point into are replaced.
     graphs: HashMap<GraphKey, Graph>,
+    /// Shapes met once (captured when they come again).
+    seen: HashSet<GraphKey>,
     /// Attend prefill chunks with the flash-style prefill kernel.
     flash_prefill: bool,
 }
@@ -219,6 +221,7 @@ impl GpuModel {
             tags: self.gpu.zeros(2 * num_pages)?,
             work: None,
             graphs: HashMap::new(),
+            seen: HashSet::new(),
             flash_prefill: false,
         })
     }

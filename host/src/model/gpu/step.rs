@@ -371,6 +371,10 @@ impl GpuModel {
         let c = &self.config;
         let g = &self.gpu;
         g.upload_into(words, &mut w.inputs)?;
+        // A shape is captured the second time it comes: one seen once (a
+        // batch size passed through while sequences join or finish) would
+        // pay for a capture it never replays.
+        let key = key.filter(|k| kv.graphs.contains_key(k) || !kv.seen.insert(*k));
         match key {
             Some(k) => {
                 if !kv.graphs.contains_key(&k) {
@@ -378,6 +382,7 @@ impl GpuModel {
                         // Old shapes (shorter contexts, other batch sizes)
                         // are unlikely to come back.
                         kv.graphs.clear();
+                        kv.seen.clear();
                     }
                     let graph = g.capture(|| self.kernels(kv, w, s))?;
                     kv.graphs.insert(k, graph);
@@ -470,8 +475,18 @@ impl GpuModel {
                 )?;
             } else {
                 g.paged_attention(
-                    pages, q, &d_tables, &d_offs, &d_lens, abuf, attn, n, c.heads, s.max_len,
-                    scale, None,
+                    pages,
+                    q,
+                    &d_tables,
+                    &d_offs,
+                    &d_lens,
+                    abuf,
+                    attn,
+                    n,
+                    c.heads,
+                    s.max_len,
+                    scale,
+                    Default::default(),
                 )?;
             }
             g.matmul(attn, &layer.wo, proj, n, c.hidden, q_dim, scratch)?;
