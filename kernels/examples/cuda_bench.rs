@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use kiln_kernels::cuda::{AttentionPlan, Gpu, PARTITION, partition_len};
+use kiln_kernels::cuda::{AttentionPlan, Gpu, PARTITION, TagLayout, partition_len};
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use rand::{Rng, SeedableRng};
 
@@ -108,6 +108,12 @@ fn main() -> Result<(), E> {
         }
     }
 
+    // The page-tag check alone, as a step runs it: every sequence's 80
+    // pages (1280 tokens of 16), tags all current, so every flag is 1.
+    for seqs in [1usize, 64, 256] {
+        tag_check(&gpu, seqs, 80)?;
+    }
+
     // Paged decode attention over one Llama-3-8B layer (32 query heads
     // over 8 KV heads of 128): batch 64 x 4096 (bandwidth) and batch 1 x
     // 1024 (latency), each plan checked against the first before timing.
@@ -116,6 +122,58 @@ fn main() -> Result<(), E> {
             attention(&gpu, &mut rng, copy, batch, ctx, format)?;
         }
     }
+    Ok(())
+}
+
+/// Times the tag check of `seqs` sequences of `pages` pages each, after
+/// checking that it passes them all.
+fn tag_check(gpu: &Gpu, seqs: usize, pages: usize) -> Result<(), E> {
+    let s = gpu.stream().clone();
+    let entries = seqs * pages;
+    // Words: expected tags (two u64 = four u32 per entry), the tables,
+    // then each sequence's first entry and the end.
+    let mut words = Vec::with_capacity(entries * 5 + seqs + 1);
+    let tag = |p: usize| [(p as u64) * 7 + 1, 3u64];
+    for p in 0..entries {
+        for w in tag(p) {
+            words.extend([w as u32, (w >> 32) as u32]);
+        }
+    }
+    words.extend((0..entries).map(|p| p as u32));
+    words.extend((0..=seqs).map(|i| (i * pages) as u32));
+    let current: Vec<u64> = (0..entries).flat_map(tag).collect();
+    let layout = TagLayout {
+        expected: 0,
+        tables: entries * 4,
+        seq_tab: entries * 5,
+        ..Default::default()
+    };
+    let mut inputs = s.clone_htod(&words)?;
+    let current = s.clone_htod(&current)?;
+    let mut flags: CudaSlice<u32> = s.alloc_zeros(seqs)?;
+    gpu.tag_check(
+        &mut inputs,
+        &layout,
+        &current,
+        &mut flags.slice_mut(..),
+        seqs,
+    )?;
+    if s.clone_dtoh(&flags)?.iter().any(|f| *f != 1) {
+        return Err(format!("tag check of {seqs} sequences failed current tags").into());
+    }
+    let t = time(gpu, 50, || {
+        Ok(gpu.tag_check(
+            &mut inputs,
+            &layout,
+            &current,
+            &mut flags.slice_mut(..),
+            seqs,
+        )?)
+    })?;
+    println!(
+        "tag check {seqs} sequences x {pages} pages: {:.2} us",
+        t * 1e6
+    );
     Ok(())
 }
 
