@@ -244,37 +244,36 @@ __device__ void attention_part(const float* q, const void* kc, const void* vc, c
         cp_commit();
     };
     // Scores.
-    if (HD > 0) {
-        scores_mma<FP8, G, (HD > 0 ? HD : 64)>(kc, ks, pg, p0, page_size, kv_heads, kvh, t0, t1,
-                                              qs, sc, scale);
+    if constexpr (HD > 0) {
+        scores_mma<FP8, G, HD>(kc, ks, pg, p0, page_size, kv_heads, kvh, t0, t1, qs, sc, scale);
     } else {
 #pragma unroll
-    for (int r = 0; r < ATT_STAGES - 1; r++) issue(kc, ks, r);
-    for (int r = 0; r < rounds; r++) {
-        issue(kc, ks, r + ATT_STAGES - 1);
-        cp_wait<ATT_STAGES - 1>();
-        int t = t0 + r * lanes + tl;
-        bool valid = t < t1;
-        float k[V];
-        if (valid) {
-            unpack<FP8, V>(ring[(r % ATT_STAGES) * ATT_THREADS + threadIdx.x], k);
-        } else {
+        for (int r = 0; r < ATT_STAGES - 1; r++) issue(kc, ks, r);
+        for (int r = 0; r < rounds; r++) {
+            issue(kc, ks, r + ATT_STAGES - 1);
+            cp_wait<ATT_STAGES - 1>();
+            int t = t0 + r * lanes + tl;
+            bool valid = t < t1;
+            int slot = (r % ATT_STAGES) * ATT_THREADS + threadIdx.x;
+            float k[V];
+            if (valid) {
+                unpack<FP8, V>(ring[slot], k);
+            } else {
 #pragma unroll
-            for (int j = 0; j < V; j++) k[j] = 0.0f;
+                for (int j = 0; j < V; j++) k[j] = 0.0f;
+            }
+            float kscale = (FP8 && valid) ? sring[slot] * scale : scale;
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                const float* qg = qs + g * hd + sub * V;
+                float acc = 0.0f;
+#pragma unroll
+                for (int j = 0; j < V; j++) acc += qg[j] * k[j];
+                for (int o = tpv / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
+                if (valid && sub == 0) sc[g * PART + (t - t0)] = acc * kscale;
+            }
         }
-        int slot = (r % ATT_STAGES) * ATT_THREADS + threadIdx.x;
-        float kscale = (FP8 && valid) ? sring[slot] * scale : scale;
-#pragma unroll
-        for (int g = 0; g < G; g++) {
-            const float* qg = qs + g * hd + sub * V;
-            float acc = 0.0f;
-#pragma unroll
-            for (int j = 0; j < V; j++) acc += qg[j] * k[j];
-            for (int o = tpv / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
-            if (valid && sub == 0) sc[g * PART + (t - t0)] = acc * kscale;
-        }
-    }
-    cp_wait<0>();
+        cp_wait<0>();
     }
     __syncthreads();
     // Softmax pieces: one warp per head.
@@ -310,9 +309,10 @@ __device__ void attention_part(const float* q, const void* kc, const void* vc, c
         cp_wait<ATT_STAGES - 1>();
         int t = t0 + r * lanes + tl;
         if (t < t1) {
+            int slot = (r % ATT_STAGES) * ATT_THREADS + threadIdx.x;
             float v[V];
-            unpack<FP8, V>(ring[(r % ATT_STAGES) * ATT_THREADS + threadIdx.x], v);
-            float vscale = FP8 ? sring[(r % ATT_STAGES) * ATT_THREADS + threadIdx.x] : 1.0f;
+            unpack<FP8, V>(ring[slot], v);
+            float vscale = FP8 ? sring[slot] : 1.0f;
 #pragma unroll
             for (int g = 0; g < G; g++) {
                 float p = sc[g * PART + (t - t0)] * vscale;

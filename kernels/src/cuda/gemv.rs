@@ -33,15 +33,26 @@ struct OutPtrs {
     n: i32,
 }
 
-fn check_parts(outs: usize, parts: &[usize], m: usize) -> R<usize> {
-    if outs != parts.len() || parts.is_empty() || parts.len() > 3 {
+/// Checks one output per part, each big enough for `m` rows of its part;
+/// the stack's total rows.
+fn check_parts(outs: &[&mut CudaSlice<f32>], parts: &[usize], m: usize) -> R<usize> {
+    if outs.len() != parts.len() || parts.is_empty() || parts.len() > 3 {
         return Err(KernelError::Shape(format!(
-            "{outs} outputs for {} row blocks: one to three, one output each",
+            "{} outputs for {} row blocks: one to three, one output each",
+            outs.len(),
             parts.len()
         )));
     }
     if m == 0 {
         return Err(KernelError::Shape("a product of zero rows".into()));
+    }
+    for (o, rows) in outs.iter().zip(parts) {
+        if o.len() < m * rows {
+            return Err(KernelError::Shape(format!(
+                "output of {} for {m} x {rows}",
+                o.len()
+            )));
+        }
     }
     Ok(parts.iter().sum())
 }
@@ -60,15 +71,7 @@ impl Gpu {
         k: usize,
         scratch: &mut GemmScratch,
     ) -> R {
-        let n = check_parts(outs.len(), parts, m)?;
-        for (o, rows) in outs.iter().zip(parts) {
-            if o.len() < m * rows {
-                return Err(KernelError::Shape(format!(
-                    "output of {} for {m} x {rows}",
-                    o.len()
-                )));
-            }
-        }
+        let n = check_parts(outs, parts, m)?;
         if x.len() < m * k || w.size_bytes() < w.row_bytes(k)? * n {
             return Err(KernelError::Shape(format!(
                 "{m} x {k} times {n} stacked rows: input or weight too small"
@@ -163,7 +166,7 @@ impl Gpu {
         m: usize,
         k: usize,
     ) -> R {
-        let n = check_parts(outs.len(), parts, m)?;
+        let n = check_parts(outs, parts, m)?;
         if m > GEMV_MAX_M || !k.is_multiple_of(8) || x.len() < m * k || w.len() < n * k {
             return Err(KernelError::Shape(format!(
                 "GEMV of {m} rows of {k} over {n} weight rows: at most {GEMV_MAX_M} rows, \
