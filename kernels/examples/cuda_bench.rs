@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use kiln_kernels::cuda::{AttentionPlan, Gpu, PARTITION, TagLayout, partition_len};
+use kiln_kernels::cuda::{AttentionKind, AttentionPlan, Gpu, PARTITION, TagLayout, partition_len};
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use rand::{Rng, SeedableRng};
 
@@ -234,15 +234,15 @@ fn attention(
         let mut scratch = gpu.attention_buffers(batch, heads, 8, 128, ctx)?;
         let mut out: CudaSlice<f32> = s.alloc_zeros(batch * heads * 128)?;
         let small = partition_len(batch, 8, ctx);
-        // Shuffle scores in partitions of 256 first: every other plan is
-        // checked against it (tensor-core scores carry Q as hi + lo halves,
-        // so they may differ in the fifth digit).
+        // The shuffle kernel in partitions of 256 first: every other plan is
+        // checked against it (the tensor-core kernel carries Q and the
+        // weights as split halves, so they may differ in the sixth digit).
         let mut plans = Vec::new();
-        for shuffle_scores in [true, false] {
+        for kind in [AttentionKind::Shuffle, AttentionKind::Flash] {
             for part in [PARTITION, small] {
                 let plan = AttentionPlan {
                     part_len: Some(part),
-                    shuffle_scores,
+                    kind: Some(kind),
                 };
                 if !plans.contains(&plan) {
                     plans.push(plan);
@@ -283,14 +283,10 @@ fn attention(
             let bytes = (batch * ctx * 8 * 2 * format.vector_bytes(128)) as f64;
             let bw = bytes / t / 1e9;
             println!(
-                "paged attention {format:?} batch {batch} x ctx {ctx}, {} tokens a part, {} scores: \
+                "paged attention {format:?} batch {batch} x ctx {ctx}, {} tokens a part, {}: \
                  {:.4} ms, {bw:.0} GB/s, {:.0}% of copy (rel err {err:.1e})",
                 plan.part_len.unwrap_or(0),
-                if plan.shuffle_scores {
-                    "shuffle"
-                } else {
-                    "MMA"
-                },
+                plan.kind.map(|k| format!("{k:?}")).unwrap_or_default(),
                 t * 1e3,
                 100.0 * bw / copy
             );

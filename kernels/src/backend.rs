@@ -46,6 +46,20 @@ pub struct AttentionCase {
     pub lens: Vec<usize>,
     /// Score scale.
     pub scale: f32,
+    /// The decode attention kernel to run (devices with one ignore it).
+    pub kernel: AttentionKernel,
+}
+
+/// Which decode attention kernel a device runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// The device's fastest for the shape.
+    #[default]
+    Best,
+    /// CUDA: one pass per warp on tensor cores.
+    Flash,
+    /// CUDA: scores and values summed by warp shuffles on CUDA cores.
+    Shuffle,
 }
 
 /// Every kernel, over host memory.

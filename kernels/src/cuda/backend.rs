@@ -5,9 +5,9 @@
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use super::Gpu;
+use super::{AttentionKind, Gpu};
 use crate::KernelError;
-use crate::backend::{AttentionCase, Backend, R};
+use crate::backend::{AttentionCase, AttentionKernel, Backend, R};
 use crate::matmul::Weight;
 use crate::ops::{Rope, RopeStyle};
 use crate::sample::SamplingParams;
@@ -109,7 +109,14 @@ impl Backend for Gpu {
             c.heads,
             max_len,
             c.scale,
-            super::AttentionPlan::default(),
+            super::AttentionPlan {
+                part_len: None,
+                kind: match c.kernel {
+                    AttentionKernel::Best => None,
+                    AttentionKernel::Flash => Some(AttentionKind::Flash),
+                    AttentionKernel::Shuffle => Some(AttentionKind::Shuffle),
+                },
+            },
         )?;
         Ok(self.download(&out)?[..c.q.len()].to_vec())
     }

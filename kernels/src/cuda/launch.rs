@@ -42,9 +42,20 @@ pub struct PagedKv {
 pub struct AttentionPlan {
     /// Tokens per partition; `None`: [`partition_len`]'s choice.
     pub part_len: Option<usize>,
-    /// Score by warp shuffles even where tensor-core scoring exists (head
-    /// sizes 64 and 128): the first kernel, kept to time against.
-    pub shuffle_scores: bool,
+    /// The kernel; `None`: the best the device and shape allow.
+    pub kind: Option<AttentionKind>,
+}
+
+/// The decode attention kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionKind {
+    /// One pass per warp on tensor cores (scores, online softmax, values in
+    /// registers). Head sizes 64 and 128, pages of a power of two of at
+    /// least 16 tokens.
+    Flash,
+    /// Scores and values summed by warp shuffles on CUDA cores (any head
+    /// size and page size).
+    Shuffle,
 }
 
 /// Scratch for split attention, sized for `seqs x heads x parts x head_dim`.
@@ -61,6 +72,28 @@ const ATT_THREADS: usize = 128;
 
 /// Slots of its cp.async ring per thread (`ATT_STAGES`).
 const ATT_STAGES: usize = 4;
+
+/// Threads of a flash attention block (`FLASH_WARPS` warps).
+const FLASH_THREADS: usize = 128;
+
+/// Every flash attention kernel, per format, group size and head size.
+pub(crate) fn attention_kernels() -> Vec<String> {
+    let mut names = Vec::new();
+    for fmt in ["bf16", "fp8"] {
+        for g in 1..=8 {
+            for d in [64, 128] {
+                names.push(format!("attention_flash_{fmt}_g{g}_d{d}"));
+            }
+        }
+    }
+    names
+}
+
+/// Shared memory of a flash launch, as attention_flash.cu lays it out.
+fn flash_shared(group: usize, hd: usize, page_size: usize, part: usize) -> usize {
+    let red = (FLASH_THREADS / 32) * (group * hd + 2 * group);
+    hd * 32 + red * 4 + (part / page_size + 1) * 4
+}
 
 /// Fewest tokens per partition (a few rounds of the block's token lanes).
 const MIN_PARTITION: usize = 32;
@@ -256,8 +289,9 @@ impl Gpu {
     /// Decode attention of one query token per sequence over its pages:
     /// `q` is `seqs x heads x head_dim`; sequence `s`'s block table is
     /// `tables[table_off[s]..]`, its length `lens[s]` (at most `max_len`).
-    /// `plan` says how to split and score (the default: partitions sized
-    /// for the batch, scores on tensor cores where the head size has them).
+    /// `plan` says how to split and which kernel runs (the default:
+    /// partitions sized for the batch, the flash kernel where the shape
+    /// allows it).
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
@@ -274,19 +308,19 @@ impl Gpu {
         scale: f32,
         plan: AttentionPlan,
     ) -> R {
-        let part_len = plan
-            .part_len
-            .unwrap_or_else(|| partition_len(seqs, kv.layout.kv_heads, max_len));
-        if !(1..=PARTITION).contains(&part_len) {
-            return Err(KernelError::Shape(format!(
-                "attention partitions of {part_len} tokens: 1 to {PARTITION}"
-            )));
-        }
         let KvLayout {
             kv_heads,
             head_dim,
             page_size,
         } = kv.layout;
+        let part_len = plan
+            .part_len
+            .unwrap_or_else(|| partition_len(seqs, kv_heads, max_len));
+        if !(1..=PARTITION).contains(&part_len) {
+            return Err(KernelError::Shape(format!(
+                "attention partitions of {part_len} tokens: 1 to {PARTITION}"
+            )));
+        }
         let group = heads / kv_heads.max(1);
         if group == 0 || group > 8 || !heads.is_multiple_of(kv_heads) {
             return Err(KernelError::Shape(format!(
@@ -334,10 +368,34 @@ impl Gpu {
             KvFormat::Bf16 => "bf16",
             KvFormat::Fp8 => "fp8",
         };
-        let name = if !plan.shuffle_scores && matches!(head_dim, 64 | 128) {
-            format!("attention_mma_{fmt}_g{group}_d{head_dim}")
-        } else {
-            format!("attention_part_{fmt}_g{group}")
+        // Flash: a chunk of 16 tokens lies in one page.
+        let flash_ok = matches!(head_dim, 64 | 128)
+            && page_size.is_power_of_two()
+            && page_size >= 16
+            && part_len.is_multiple_of(16);
+        let kind = match plan.kind {
+            None if flash_ok => AttentionKind::Flash,
+            None => AttentionKind::Shuffle,
+            Some(AttentionKind::Flash) if !flash_ok => {
+                return Err(KernelError::Shape(format!(
+                    "flash attention needs head_dim 64 or 128, pages of a power of two of at least \
+                     16 tokens and partitions of a multiple of 16 (head_dim {head_dim}, pages of \
+                     {page_size}, partitions of {part_len})"
+                )));
+            }
+            Some(k) => k,
+        };
+        let (name, threads, shared) = match kind {
+            AttentionKind::Flash => (
+                format!("attention_flash_{fmt}_g{group}_d{head_dim}"),
+                FLASH_THREADS,
+                flash_shared(group, head_dim, page_size, part_len),
+            ),
+            AttentionKind::Shuffle => (
+                format!("attention_part_{fmt}_g{group}"),
+                ATT_THREADS,
+                shared,
+            ),
         };
         let f = self.function(&name)?;
         let ints = [
@@ -361,8 +419,8 @@ impl Gpu {
         }
         b.arg(&scale);
         let grid = (kv_heads as u32, seqs as u32, parts as u32);
-        // SAFETY: shared memory holds the ring, queries, scores and sums.
-        unsafe { b.launch(cfg(grid, ATT_THREADS as u32, shared as u32)) }.map_err(cuda_err)?;
+        // SAFETY: shared memory as each kernel lays it out, sized above.
+        unsafe { b.launch(cfg(grid, threads as u32, shared as u32)) }.map_err(cuda_err)?;
         let f = self.function("attention_merge")?;
         let (p, d) = (parts as i32, head_dim as i32);
         let mut b = self.stream.launch_builder(f);

@@ -27,7 +27,9 @@ use crate::KernelError;
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M};
-pub use launch::{AttentionBuffers, AttentionPlan, PARTITION, PagedKv, partition_len};
+pub use launch::{
+    AttentionBuffers, AttentionKind, AttentionPlan, PARTITION, PagedKv, partition_len,
+};
 pub use prefill::prefill_tiles;
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
 pub use tags::TagLayout;
@@ -35,7 +37,9 @@ pub use tags::TagLayout;
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = concat!(
     include_str!("kernels.cu"),
+    include_str!("attention_mma.cu"),
     include_str!("attention.cu"),
+    include_str!("attention_flash.cu"),
     include_str!("gemv.cu"),
     include_str!("quant.cu"),
     include_str!("sample.cu"),
@@ -66,38 +70,6 @@ const KERNELS: &[&str] = &[
     "attention_part_fp8_g6",
     "attention_part_fp8_g7",
     "attention_part_fp8_g8",
-    "attention_mma_bf16_g1_d64",
-    "attention_mma_bf16_g2_d64",
-    "attention_mma_bf16_g3_d64",
-    "attention_mma_bf16_g4_d64",
-    "attention_mma_bf16_g5_d64",
-    "attention_mma_bf16_g6_d64",
-    "attention_mma_bf16_g7_d64",
-    "attention_mma_bf16_g8_d64",
-    "attention_mma_bf16_g1_d128",
-    "attention_mma_bf16_g2_d128",
-    "attention_mma_bf16_g3_d128",
-    "attention_mma_bf16_g4_d128",
-    "attention_mma_bf16_g5_d128",
-    "attention_mma_bf16_g6_d128",
-    "attention_mma_bf16_g7_d128",
-    "attention_mma_bf16_g8_d128",
-    "attention_mma_fp8_g1_d64",
-    "attention_mma_fp8_g2_d64",
-    "attention_mma_fp8_g3_d64",
-    "attention_mma_fp8_g4_d64",
-    "attention_mma_fp8_g5_d64",
-    "attention_mma_fp8_g6_d64",
-    "attention_mma_fp8_g7_d64",
-    "attention_mma_fp8_g8_d64",
-    "attention_mma_fp8_g1_d128",
-    "attention_mma_fp8_g2_d128",
-    "attention_mma_fp8_g3_d128",
-    "attention_mma_fp8_g4_d128",
-    "attention_mma_fp8_g5_d128",
-    "attention_mma_fp8_g6_d128",
-    "attention_mma_fp8_g7_d128",
-    "attention_mma_fp8_g8_d128",
     "attention_merge",
     "tag_check",
     "tag_scatter",
@@ -147,7 +119,7 @@ unsafe impl Send for Graph {}
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    functions: HashMap<&'static str, CudaFunction>,
+    functions: HashMap<String, CudaFunction>,
     blas: cudarc::cublas::CudaBlas,
     /// cuBLAS's workspace on a stream of our own: a fixed buffer, so GEMMs
     /// can be captured into CUDA graphs (cuBLAS allocates none itself).
@@ -291,7 +263,11 @@ impl Gpu {
             let module = ctx.load_module(compile(&arch)?).map_err(cuda_err)?;
             let mut functions = HashMap::new();
             for k in KERNELS {
-                functions.insert(*k, module.load_function(k).map_err(cuda_err)?);
+                functions.insert(k.to_string(), module.load_function(k).map_err(cuda_err)?);
+            }
+            for name in launch::attention_kernels() {
+                let f = module.load_function(&name).map_err(cuda_err)?;
+                functions.insert(name, f);
             }
             let stream = if own_stream {
                 // SAFETY: every buffer of this context is used on this one

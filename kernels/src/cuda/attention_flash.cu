@@ -1,0 +1,265 @@
+// Paged decode attention, one pass per warp (appended after attention.cu;
+// head sizes 64 and 128). Each warp takes 16 tokens of the partition at a
+// time and runs them through scores (QFrags::score8, twice), an online
+// softmax and the values MMAs without leaving registers: the scores' C
+// fragments (head `row`, tokens 2j, 2j + 1 of each 8) are exactly the A
+// fragment of the values product over those 16 tokens, so no scores go
+// through shared memory and warps never wait for each other until the
+// block merges their (max, sum, output) at the end.
+//
+// K and V of the warp's next chunk are loaded while this one is summed.
+//
+// fp8 weights: a token's weight on its raw e4m3 V is p * vscale; the warp
+// keeps them relative to the largest V scale it has seen (cref), so the f16
+// A terms stay within [0, 1] where f16 keeps its precision, and rescales
+// its sums when cref grows, as it does when the running max grows.
+//
+// Shared memory (flash_shared on the host must agree): Q's fragments
+// (HD / 16 x 32 lanes x 16 bytes), red (WARPS x (G x HD + 2 G)), pg
+// (part_len / page_size + 1 pages). page_size: a power of two, at least 16.
+
+#define FLASH_WARPS 4
+
+template <bool FP8, int G, int HD>
+__device__ void attention_flash(const float* q, const void* kc, const void* vc, const float* ks,
+                                const float* vs, const int* tables, const int* table_off,
+                                const int* lens, float* part_out, float* part_ml, int n_heads,
+                                int kv_heads, int page_size, int parts, int part_len,
+                                float scale) {
+    constexpr int WARPS = FLASH_WARPS;
+    constexpr int ELEM = FP8 ? 1 : 2;
+    constexpr int NB = HD / 8;
+    constexpr int WORDS = NB * ELEM / 4;
+    constexpr int TERMS = FP8 ? 2 : 3;
+    using Q = QFrags<FP8, G, HD>;
+    constexpr int PIECES = Q::PIECES;
+    extern __shared__ __align__(16) float smem[];
+    int kvh = blockIdx.x, s = blockIdx.y, part = blockIdx.z;
+    int t0 = part * part_len;
+    int t1 = min(lens[s], t0 + part_len);
+    int p0 = t0 / page_size;
+    int npages = t1 > t0 ? (t1 - 1) / page_size - p0 + 1 : 0;
+    uint4* qfs = (uint4*)smem;  // Q's fragments
+    float* red = (float*)(qfs + Q::STEPS * 32);
+    int* pg = (int*)(red + WARPS * (G * HD + 2 * G));
+    const int* table = tables + table_off[s];
+    for (int i = threadIdx.x; i < npages; i += WARPS * 32) pg[i] = table[p0 + i];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int j = lane & 3, row = lane >> 2;
+    // Q's fragments, the same for every warp: one warp makes them.
+    if (warp == 0) Q(q + ((size_t)s * n_heads + kvh * G) * HD, row, j).store(qfs, lane);
+    __syncthreads();
+    auto frag = [&](int st) { return qfs[st * 32 + lane]; };
+    int chunks = (t1 - t0 + 15) / 16;
+    // Lane-held token x of chunk c (x = 2n + e: tokens 8n + 2j + e), which
+    // is both a score it holds and a V row it loads.
+    auto token = [&](int c, int x) { return t0 + c * 16 + 8 * (x >> 1) + 2 * j + (x & 1); };
+    struct Chunk {
+        uint4 k[2][PIECES];   // tokens row and 8 + row of the chunk
+        unsigned v[4][WORDS]; // this lane's dimensions of its 4 tokens
+        float ks[4], vs[4];   // their scales (fp8)
+    };
+    // A chunk's 16 tokens lie in one page (16 | page_size, a power of
+    // two, and chunks start 16-aligned), so one page lookup places them.
+    int sh = __ffs(page_size) - 1;
+    auto load = [&](int c, Chunk& ch) {
+        int cs = t0 + c * 16;
+        bool live = c < chunks;
+        size_t base = 0;  // the vector index of the chunk's first token
+        if (live) {
+            int page = pg[(cs >> sh) - p0];
+            base = ((size_t)(page * kv_heads + kvh) << sh) + (cs & (page_size - 1));
+        }
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+            if (live && cs + 8 * n + row < t1) {
+                const unsigned char* p = (const unsigned char*)kc + (base + 8 * n + row) * HD * ELEM;
+#pragma unroll
+                for (int i = 0; i < PIECES; i++) ch.k[n][i] = load16(p + 16 * (j + 4 * i));
+            } else {
+#pragma unroll
+                for (int i = 0; i < PIECES; i++) ch.k[n][i] = make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            int off = 8 * (x >> 1) + 2 * j + (x & 1);
+            bool ok = live && cs + off < t1;
+            size_t vec = base + off;
+            if (ok) {
+                load_words<WORDS>((const unsigned char*)vc + (vec * HD + row * NB) * ELEM, ch.v[x]);
+            } else {
+#pragma unroll
+                for (int w = 0; w < WORDS; w++) ch.v[x][w] = 0;
+            }
+            ch.ks[x] = (FP8 && ok) ? ks[vec] : 0.0f;
+            ch.vs[x] = (FP8 && ok) ? vs[vec] : 0.0f;
+        }
+    };
+    float o[NB][2];
+#pragma unroll
+    for (int i = 0; i < NB; i++) o[i][0] = o[i][1] = 0.0f;
+    float m = -INFINITY, l = 0.0f, cref = 0.0f;
+    // Sums chunk c from ch.
+    auto step = [&](int c, const Chunk& ch) {
+        // Scores of the lane's 4 tokens; past the end: -inf.
+        float sv[4];
+        Q::score8_with(ch.k[0], sv[0], sv[1], frag);
+        Q::score8_with(ch.k[1], sv[2], sv[3], frag);
+        float cm = -INFINITY, cv = 0.0f;
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            sv[x] = token(c, x) < t1 ? sv[x] * scale * (FP8 ? ch.ks[x] : 1.0f) : -INFINITY;
+            cm = fmaxf(cm, sv[x]);
+            if (FP8) cv = fmaxf(cv, ch.vs[x]);
+        }
+        // The four lanes of a quad hold one head's 16 scores.
+        cm = fmaxf(cm, __shfl_xor_sync(0xffffffff, cm, 1));
+        cm = fmaxf(cm, __shfl_xor_sync(0xffffffff, cm, 2));
+        float m_new = fmaxf(m, cm);  // finite: the chunk has a token
+        float alpha = __expf(m - m_new);
+        float p[4], psum = 0.0f;
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            p[x] = __expf(sv[x] - m_new);
+            psum += p[x];
+        }
+        l = l * alpha + psum;
+        m = m_new;
+        if (FP8) {
+            cv = fmaxf(cv, __shfl_xor_sync(0xffffffff, cv, 1));
+            cv = fmaxf(cv, __shfl_xor_sync(0xffffffff, cv, 2));
+            float c_new = fmaxf(cref, cv);
+            alpha *= c_new > 0.0f ? cref / c_new : 1.0f;
+            float inv = c_new > 0.0f ? 1.0f / c_new : 0.0f;
+#pragma unroll
+            for (int x = 0; x < 4; x++) p[x] *= ch.vs[x] * inv;
+            cref = c_new;
+        }
+        if (row >= G) {
+#pragma unroll
+            for (int x = 0; x < 4; x++) p[x] = 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < NB; i++) {
+            o[i][0] *= alpha;
+            o[i][1] *= alpha;
+        }
+        unsigned a0[TERMS], a2[TERMS];
+#pragma unroll
+        for (int k = 0; k < TERMS; k++) {
+            a0[k] = pack_split<FP8>(p[0], p[1], p[0], p[1]);
+            a2[k] = pack_split<FP8>(p[2], p[3], p[2], p[3]);
+        }
+#pragma unroll
+        for (int i = 0; i < NB; i++) {
+            unsigned b0 = token_pair<FP8>(ch.v[0], ch.v[1], i);
+            unsigned b1 = token_pair<FP8>(ch.v[2], ch.v[3], i);
+#pragma unroll
+            for (int k = 0; k < TERMS; k++)
+                mma_rows8<FP8>(o[i][0], o[i][1], a0[k], a2[k], b0, b1);
+        }
+    };
+    // Two chunks in turn, one summed while the next loads.
+    Chunk a, b;
+    load(warp, a);
+    for (int c = warp; c < chunks; c += 2 * WARPS) {
+        load(c + WARPS, b);
+        step(c, a);
+        if (c + WARPS >= chunks) break;
+        load(c + 2 * WARPS, a);
+        step(c + WARPS, b);
+    }
+    // Per warp: head row's max, sum (over the quad) and output.
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    float* wo = red + warp * (G * HD + 2 * G);
+    if (row < G) {
+        float f = FP8 ? cref : 1.0f;
+#pragma unroll
+        for (int i = 0; i < NB; i++) {
+            wo[row * HD + 2 * j * NB + i] = o[i][0] * f;
+            wo[row * HD + (2 * j + 1) * NB + i] = o[i][1] * f;
+        }
+        if (j == 0) {
+            wo[G * HD + 2 * row] = m;
+            wo[G * HD + 2 * row + 1] = l;
+        }
+    }
+    __syncthreads();
+    // The block's partial output: warps merged at their common max.
+    for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
+        int g = i / HD;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, red[w * (G * HD + 2 * G) + G * HD + 2 * g]);
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            const float* r = red + w * (G * HD + 2 * G);
+            float mw = r[G * HD + 2 * g];
+            if (mw > -INFINITY) sum += r[i] * __expf(mw - mx);
+        }
+        size_t h = (size_t)s * n_heads + kvh * G + g;
+        part_out[(h * parts + part) * HD + i % HD] = sum;
+    }
+    if (threadIdx.x < G) {
+        int g = threadIdx.x;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, red[w * (G * HD + 2 * G) + G * HD + 2 * g]);
+        for (int w = 0; w < WARPS; w++) {
+            const float* r = red + w * (G * HD + 2 * G) + G * HD + 2 * g;
+            if (r[0] > -INFINITY) sum += r[1] * __expf(r[0] - mx);
+        }
+        size_t h = (size_t)s * n_heads + kvh * G + g;
+        bool empty = t1 <= t0;
+        part_ml[(h * parts + part) * 2] = empty ? -INFINITY : mx;
+        part_ml[(h * parts + part) * 2 + 1] = empty ? 0.0f : sum;
+    }
+}
+
+#define ATTENTION_FLASH(NAME, FP8, G, HD)                                                      \
+    extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32)                             \
+        NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,  \
+             const int* tables, const int* table_off, const int* lens, float* part_out,         \
+             float* part_ml, int n_heads, int kv_heads, int hd, int page_size, int parts,       \
+             int part_len, float scale) {                                                       \
+        attention_flash<FP8, G, HD>(q, kc, vc, ks, vs, tables, table_off, lens, part_out,       \
+                                    part_ml, n_heads, kv_heads, page_size, parts, part_len,     \
+                                    scale);                                                     \
+    }
+
+// attention_flash_{fmt}_g{G}_d{HD}: every format, group size (query heads
+// per KV head) and head size.
+ATTENTION_FLASH(attention_flash_bf16_g1_d64, false, 1, 64)
+ATTENTION_FLASH(attention_flash_bf16_g2_d64, false, 2, 64)
+ATTENTION_FLASH(attention_flash_bf16_g3_d64, false, 3, 64)
+ATTENTION_FLASH(attention_flash_bf16_g4_d64, false, 4, 64)
+ATTENTION_FLASH(attention_flash_bf16_g5_d64, false, 5, 64)
+ATTENTION_FLASH(attention_flash_bf16_g6_d64, false, 6, 64)
+ATTENTION_FLASH(attention_flash_bf16_g7_d64, false, 7, 64)
+ATTENTION_FLASH(attention_flash_bf16_g8_d64, false, 8, 64)
+ATTENTION_FLASH(attention_flash_bf16_g1_d128, false, 1, 128)
+ATTENTION_FLASH(attention_flash_bf16_g2_d128, false, 2, 128)
+ATTENTION_FLASH(attention_flash_bf16_g3_d128, false, 3, 128)
+ATTENTION_FLASH(attention_flash_bf16_g4_d128, false, 4, 128)
+ATTENTION_FLASH(attention_flash_bf16_g5_d128, false, 5, 128)
+ATTENTION_FLASH(attention_flash_bf16_g6_d128, false, 6, 128)
+ATTENTION_FLASH(attention_flash_bf16_g7_d128, false, 7, 128)
+ATTENTION_FLASH(attention_flash_bf16_g8_d128, false, 8, 128)
+ATTENTION_FLASH(attention_flash_fp8_g1_d64, true, 1, 64)
+ATTENTION_FLASH(attention_flash_fp8_g2_d64, true, 2, 64)
+ATTENTION_FLASH(attention_flash_fp8_g3_d64, true, 3, 64)
+ATTENTION_FLASH(attention_flash_fp8_g4_d64, true, 4, 64)
+ATTENTION_FLASH(attention_flash_fp8_g5_d64, true, 5, 64)
+ATTENTION_FLASH(attention_flash_fp8_g6_d64, true, 6, 64)
+ATTENTION_FLASH(attention_flash_fp8_g7_d64, true, 7, 64)
+ATTENTION_FLASH(attention_flash_fp8_g8_d64, true, 8, 64)
+ATTENTION_FLASH(attention_flash_fp8_g1_d128, true, 1, 128)
+ATTENTION_FLASH(attention_flash_fp8_g2_d128, true, 2, 128)
+ATTENTION_FLASH(attention_flash_fp8_g3_d128, true, 3, 128)
+ATTENTION_FLASH(attention_flash_fp8_g4_d128, true, 4, 128)
+ATTENTION_FLASH(attention_flash_fp8_g5_d128, true, 5, 128)
+ATTENTION_FLASH(attention_flash_fp8_g6_d128, true, 6, 128)
+ATTENTION_FLASH(attention_flash_fp8_g7_d128, true, 7, 128)
+ATTENTION_FLASH(attention_flash_fp8_g8_d128, true, 8, 128)

@@ -1,0 +1,173 @@
+// Tensor-core pieces of decode attention (appended after kernels.cu; used
+// by attention_flash.cu): m16n8k16 MMAs whose rows are the G <= 8 query
+// heads of one KV head (rows 8..15 zero). Each lane loads whole 16-byte (or
+// 8-byte) pieces straight from the pages; because the order of a reduction
+// is free and the columns of a product may be any permutation we can undo,
+// no data is shuffled between lanes. The f32 side of each product (Q, P)
+// runs as two or three bf16 / f16 terms, so the results stay within ~2^-22
+// of f32 arithmetic.
+
+// D (rows 0..7 of a m16n8k16 tile, f32) += A * B, A's rows 8..15 zero
+// (at most 8 query heads share a KV head). F16: f16 inputs, else bf16.
+template <bool F16>
+__device__ __forceinline__ void mma_rows8(float& d0, float& d1, unsigned a0, unsigned a2,
+                                          unsigned b0, unsigned b1) {
+    float d2 = 0.0f, d3 = 0.0f;
+    unsigned z = 0;
+    if (F16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+            : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+            : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
+    }
+}
+
+// (x, y) as two f16 (F16) or bf16 in one word, low half x; the rounding
+// errors go to rx, ry (so hi + lo carries x to ~2^-16 or better).
+template <bool F16>
+__device__ __forceinline__ unsigned pack_split(float x, float y, float& rx, float& ry) {
+    unsigned w;
+    if (F16) {
+        __half2 h = __floats2half2_rn(x, y);
+        rx = x - __low2float(h);
+        ry = y - __high2float(h);
+        w = *(unsigned*)&h;
+    } else {
+        __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+        rx = x - __low2float(h);
+        ry = y - __high2float(h);
+        w = *(unsigned*)&h;
+    }
+    return w;
+}
+
+// 16 bytes at p, read once: past L1.
+__device__ __forceinline__ uint4 load16(const unsigned char* p) { return __ldcs((const uint4*)p); }
+
+// WORDS 32-bit words from p (16-byte aligned when WORDS >= 4, else 8),
+// read once.
+template <int WORDS>
+__device__ __forceinline__ void load_words(const unsigned char* p, unsigned* w) {
+    if constexpr (WORDS >= 4) {
+#pragma unroll
+        for (int k = 0; k < WORDS / 4; k++) {
+            uint4 v = load16(p + 16 * k);
+            w[4 * k] = v.x;
+            w[4 * k + 1] = v.y;
+            w[4 * k + 2] = v.z;
+            w[4 * k + 3] = v.w;
+        }
+    } else {
+        uint2 v = __ldcs((const uint2*)p);
+        w[0] = v.x;
+        w[1] = v.y;
+    }
+}
+
+// Q's A fragments for scoring against K pieces loaded as in score8: lane
+// (row, j) holds head `row` (zero past G) at the dimensions of the pieces a
+// lane j loads, as hi + lo halves (bf16 for bf16 pages, f16 for fp8).
+template <bool FP8, int G, int HD>
+struct QFrags {
+    static constexpr int P = FP8 ? 16 : 8;       // elements per piece
+    static constexpr int SP = P / 4;             // MMA steps per piece
+    static constexpr int PIECES = HD / (4 * P);  // pieces per lane per token
+    static constexpr int STEPS = HD / 16;
+    unsigned a0[STEPS], a2[STEPS], b0[STEPS], b2[STEPS];
+
+    __device__ __forceinline__ QFrags(const float* qs, int row, int j) {
+#pragma unroll
+        for (int i = 0; i < PIECES; i++) {
+#pragma unroll
+            for (int h = 0; h < SP; h++) {
+                int s = i * SP + h, d = P * (j + 4 * i) + 4 * h;
+                float q0 = 0.0f, q1 = 0.0f, q2 = 0.0f, q3 = 0.0f;
+                if (row < G) {
+                    const float* qr = qs + row * HD + d;
+                    q0 = qr[0];
+                    q1 = qr[1];
+                    q2 = qr[2];
+                    q3 = qr[3];
+                }
+                float r0, r1, r2, r3, u0, u1;
+                a0[s] = pack_split<FP8>(q0, q1, r0, r1);
+                a2[s] = pack_split<FP8>(q2, q3, r2, r3);
+                b0[s] = pack_split<FP8>(r0, r1, u0, u1);
+                b2[s] = pack_split<FP8>(r2, r3, u0, u1);
+            }
+        }
+    }
+
+    // Scores of 8 tokens: lane (row, j) passes pieces j, j + 4, ... of
+    // token `row` of the 8 (raw, zero for a token past the end) and gets
+    // head row's scores of tokens 2j and 2j + 1 (unscaled). Four
+    // independent sums (hi and lo, even and odd steps) keep the MMAs from
+    // waiting on each other.
+    __device__ __forceinline__ void score8(const uint4* raw, float& d0, float& d1) const {
+        score8_with(raw, d0, d1, [&](int s) { return make_uint4(a0[s], a2[s], b0[s], b2[s]); });
+    }
+
+    // The fragments of step s as (a0, a2, b0, b2), laid out [step][lane] so
+    // a warp reads them from shared memory without bank conflicts.
+    __device__ __forceinline__ void store(uint4* frags, int lane) const {
+#pragma unroll
+        for (int s = 0; s < STEPS; s++) frags[s * 32 + lane] = make_uint4(a0[s], a2[s], b0[s], b2[s]);
+    }
+
+    // score8 with step s's fragments from frag(s).
+    template <class F>
+    static __device__ __forceinline__ void score8_with(const uint4* raw, float& d0, float& d1,
+                                                       F frag) {
+        float d[4][2] = {};
+#pragma unroll
+        for (int i = 0; i < PIECES; i++) {
+            unsigned w[P / 2];
+            if (FP8) {
+                const __nv_fp8x2_storage_t* p = (const __nv_fp8x2_storage_t*)&raw[i];
+#pragma unroll
+                for (int x = 0; x < P / 2; x++) {
+                    __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(p[x], __NV_E4M3);
+                    w[x] = *(unsigned*)&hr;
+                }
+            } else {
+                const unsigned* p = (const unsigned*)&raw[i];
+#pragma unroll
+                for (int x = 0; x < P / 2; x++) w[x] = p[x];
+            }
+#pragma unroll
+            for (int h = 0; h < SP; h++) {
+                int s = i * SP + h;
+                float* hi = d[s & 1];
+                float* lo = d[2 + (s & 1)];
+                uint4 f = frag(s);
+                mma_rows8<FP8>(hi[0], hi[1], f.x, f.y, w[2 * h], w[2 * h + 1]);
+                mma_rows8<FP8>(lo[0], lo[1], f.z, f.w, w[2 * h], w[2 * h + 1]);
+            }
+        }
+        d0 = (d[2][0] + d[3][0]) + (d[0][0] + d[1][0]);
+        d1 = (d[2][1] + d[3][1]) + (d[0][1] + d[1][1]);
+    }
+};
+
+// Column block i of a values MMA from one lane's words of tokens a and b
+// (its NB dimensions of each): the pair (a, b) of dimension i, as bf16 or
+// (from e4m3) f16, token a in the low half.
+template <bool FP8>
+__device__ __forceinline__ unsigned token_pair(const unsigned* wa, const unsigned* wb, int i) {
+    if (FP8) {
+        int m = i >> 2, q = i & 3;
+        unsigned x = __byte_perm(wa[m], wb[m], q < 2 ? 0x5140 : 0x7362);
+        __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+            (__nv_fp8x2_storage_t)((q & 1) ? (x >> 16) : (x & 0xffff)), __NV_E4M3);
+        return *(unsigned*)&h;
+    } else {
+        int m = i >> 1;
+        return __byte_perm(wa[m], wb[m], (i & 1) ? 0x7632 : 0x5410);
+    }
+}
+
