@@ -23,6 +23,11 @@ pub struct BenchRow {
     pub prompt_tok_s: f64,
     /// Tokens per second in steps that only decoded (no prefill chunk).
     pub decode_tok_s: f64,
+    /// Decode tokens per second over the decode-only steps that ran at
+    /// least 90% of the largest such batch: the engine at its fullest,
+    /// without the ramp while prompts are admitted and the tail while
+    /// sequences finish.
+    pub full_tok_s: f64,
     /// Every generated token over the whole run's time, prefill included.
     pub output_tok_s: f64,
     /// Median time between a sequence's tokens, in ms: every step that
@@ -64,6 +69,17 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
+/// Tokens per second over the steps (tokens, ms) whose batch is at least
+/// 90% of the largest.
+fn full_rate(steps: &[(usize, f64)]) -> f64 {
+    let fullest = steps.iter().map(|s| s.0).max().unwrap_or(0);
+    let (tokens, ms) = steps
+        .iter()
+        .filter(|s| s.0 * 10 >= fullest * 9)
+        .fold((0usize, 0.0f64), |(t, m), s| (t + s.0, m + s.1));
+    tokens as f64 / (ms / 1e3).max(1e-9)
+}
+
 /// Runs `concurrency` sequences of `prompt_tokens` random tokens, each
 /// generating `gen_tokens` (EOS ignored), on a fresh engine.
 pub fn run(
@@ -99,6 +115,8 @@ pub fn run(
     let mut seen = std::collections::HashMap::new();
     let (mut itl, mut decode_steps, mut on, mut off) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // (tokens, ms) of each decode-only step.
+    let mut rates: Vec<(usize, f64)> = Vec::new();
     let (mut generated, mut admitted, mut decode_tokens) = (0usize, 0, 0usize);
     let mut checked = true;
     while engine.has_work() {
@@ -137,6 +155,7 @@ pub fn run(
         let stats = engine.stats();
         if stats.last_step_tokens == stats.last_step_seqs {
             decode_steps.push(elapsed);
+            rates.push((decoded, elapsed));
             decode_tokens += decoded;
             if alternating {
                 if checked { &mut on } else { &mut off }.push(elapsed);
@@ -151,11 +170,13 @@ pub fn run(
         v.sort_by(f64::total_cmp);
     }
     let context = (prompt_tokens + gen_tokens / 2) as f64;
+    let full_tok_s = full_rate(&rates);
     let row = BenchRow {
         concurrency,
         admitted,
         prompt_tok_s: (concurrency * prompt_tokens) as f64 / prefill.as_secs_f64(),
         decode_tok_s: decode_tokens as f64 / decode_time.max(1e-9),
+        full_tok_s,
         output_tok_s: generated as f64 / total.as_secs_f64(),
         itl_p50_ms: percentile(&itl, 0.5),
         itl_p95_ms: percentile(&itl, 0.95),
@@ -266,4 +287,25 @@ pub fn ttft(
         cached_tokens: hit,
     };
     Ok((row, engine.into_loaded()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::full_rate;
+
+    #[test]
+    fn full_rate_counts_only_steps_near_the_largest_batch() {
+        // A ramp (10, 50), the full batch (100 and 95 in 10 ms each) and a
+        // tail (40, 5): only the two full steps count.
+        let steps = [
+            (10, 5.0),
+            (50, 7.0),
+            (100, 10.0),
+            (95, 10.0),
+            (40, 6.0),
+            (5, 5.0),
+        ];
+        assert_eq!(full_rate(&steps), 195.0 / 0.020);
+        assert_eq!(full_rate(&[]), 0.0);
+    }
 }

@@ -310,12 +310,13 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         rayon::current_num_threads()
     );
     println!(
-        "{:>6} {:>5} {:>8} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>20} {:>8} {:>8}",
+        "{:>6} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>20} {:>8} {:>8}",
         "kv",
         "conc",
         "admitted",
         "prompt t/s",
         "decode t/s",
+        "full t/s",
         "output t/s",
         "ITL p50",
         "ITL p95",
@@ -354,12 +355,13 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
             // copy bandwidth, against the measured decode-only step.
             let ideal = bw.map(|b| row.step_bytes / (b * 1e9) * 1e3);
             println!(
-                "{:>6} {:>5} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>8.2} {:>6.1} {:>20} {:>8} {:>8}",
+                "{:>6} {:>5} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>8.2} {:>6.1} {:>20} {:>8} {:>8}",
                 format!("{:?}{}", kv_format(format), if graphs { "+g" } else { "" }).to_lowercase(),
                 row.concurrency,
                 row.admitted,
                 row.prompt_tok_s,
                 row.decode_tok_s,
+                row.full_tok_s,
                 row.output_tok_s,
                 row.itl_p50_ms,
                 row.itl_p95_ms,

@@ -96,9 +96,13 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
             ch.vs[x] = (FP8 && ok) ? vs[vec] : 0.0f;
         }
     };
-    float o[NB][2];
+    // O^T = V^T P^T: MMA i's rows are dimensions (row g: g * NB + 2i, row
+    // g + 8: g * NB + 2i + 1, the lane's own loaded dimensions), its columns
+    // the heads, so all 16 rows work; lane (g, j) sums heads 2j and 2j + 1:
+    // o[i] = (dim 2i: head 2j, 2j + 1; dim 2i + 1: head 2j, 2j + 1).
+    float o[NB / 2][4];
 #pragma unroll
-    for (int i = 0; i < NB; i++) o[i][0] = o[i][1] = 0.0f;
+    for (int i = 0; i < NB / 2; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float m = -INFINITY, l = 0.0f, cref = 0.0f;
     // Sums chunk c from ch.
     auto step = [&](int c, const Chunk& ch) {
@@ -140,24 +144,33 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
 #pragma unroll
             for (int x = 0; x < 4; x++) p[x] = 0.0f;
         }
+        // This lane's sums are heads 2j and 2j + 1: their rescales live in
+        // the lanes of rows 2j and 2j + 1.
+        float al0 = __shfl_sync(0xffffffff, alpha, 8 * j);
+        float al1 = __shfl_sync(0xffffffff, alpha, 8 * j + 4);
 #pragma unroll
-        for (int i = 0; i < NB; i++) {
-            o[i][0] *= alpha;
-            o[i][1] *= alpha;
+        for (int i = 0; i < NB / 2; i++) {
+            o[i][0] *= al0;
+            o[i][1] *= al1;
+            o[i][2] *= al0;
+            o[i][3] *= al1;
         }
-        unsigned a0[TERMS], a2[TERMS];
+        // P^T's B fragment is this lane's own weights: head g, tokens 2j,
+        // 2j + 1 and 2j + 8, 2j + 9.
+        unsigned b0[TERMS], b1[TERMS];
 #pragma unroll
         for (int k = 0; k < TERMS; k++) {
-            a0[k] = pack_split<FP8>(p[0], p[1], p[0], p[1]);
-            a2[k] = pack_split<FP8>(p[2], p[3], p[2], p[3]);
+            b0[k] = pack_split<FP8>(p[0], p[1], p[0], p[1]);
+            b1[k] = pack_split<FP8>(p[2], p[3], p[2], p[3]);
         }
 #pragma unroll
-        for (int i = 0; i < NB; i++) {
-            unsigned b0 = token_pair<FP8>(ch.v[0], ch.v[1], i);
-            unsigned b1 = token_pair<FP8>(ch.v[2], ch.v[3], i);
+        for (int i = 0; i < NB / 2; i++) {
+            unsigned a0 = token_pair<FP8>(ch.v[0], ch.v[1], 2 * i);
+            unsigned a1 = token_pair<FP8>(ch.v[0], ch.v[1], 2 * i + 1);
+            unsigned a2 = token_pair<FP8>(ch.v[2], ch.v[3], 2 * i);
+            unsigned a3 = token_pair<FP8>(ch.v[2], ch.v[3], 2 * i + 1);
 #pragma unroll
-            for (int k = 0; k < TERMS; k++)
-                mma_rows8<FP8>(o[i][0], o[i][1], a0[k], a2[k], b0, b1);
+            for (int k = 0; k < TERMS; k++) mma16<FP8>(o[i], a0, a1, a2, a3, b0[k], b1[k]);
         }
     };
     // Two chunks in turn, one summed while the next loads.
@@ -174,17 +187,21 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     l += __shfl_xor_sync(0xffffffff, l, 1);
     l += __shfl_xor_sync(0xffffffff, l, 2);
     float* wo = red + warp * (G * HD + 2 * G);
-    if (row < G) {
-        float f = FP8 ? cref : 1.0f;
+    float f = FP8 ? cref : 1.0f;
 #pragma unroll
-        for (int i = 0; i < NB; i++) {
-            wo[row * HD + 2 * j * NB + i] = o[i][0] * f;
-            wo[row * HD + (2 * j + 1) * NB + i] = o[i][1] * f;
+    for (int e = 0; e < 2; e++) {
+        int h = 2 * j + e;
+        if (h < G) {
+#pragma unroll
+            for (int i = 0; i < NB / 2; i++) {
+                wo[h * HD + row * NB + 2 * i] = o[i][e] * f;
+                wo[h * HD + row * NB + 2 * i + 1] = o[i][2 + e] * f;
+            }
         }
-        if (j == 0) {
-            wo[G * HD + 2 * row] = m;
-            wo[G * HD + 2 * row + 1] = l;
-        }
+    }
+    if (row < G && j == 0) {
+        wo[G * HD + 2 * row] = m;
+        wo[G * HD + 2 * row + 1] = l;
     }
     __syncthreads();
     // The block's partial output: warps merged at their common max.
@@ -219,7 +236,7 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
 }
 
 #define ATTENTION_FLASH(NAME, FP8, G, HD)                                                      \
-    extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32)                             \
+    extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32, FP8 ? 3 : 1)                \
         NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,  \
              const int* tables, const int* table_off, const int* lens, float* part_out,         \
              float* part_ml, int n_heads, int kv_heads, int hd, int page_size, int parts,       \

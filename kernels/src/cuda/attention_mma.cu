@@ -27,6 +27,23 @@ __device__ __forceinline__ void mma_rows8(float& d0, float& d1, unsigned a0, uns
     }
 }
 
+// d (a whole m16n8k16 tile, f32) += A * B. F16: f16 inputs, else bf16.
+template <bool F16>
+__device__ __forceinline__ void mma16(float* d, unsigned a0, unsigned a1, unsigned a2,
+                                      unsigned a3, unsigned b0, unsigned b1) {
+    if (F16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+}
+
 // (x, y) as two f16 (F16) or bf16 in one word, low half x; the rounding
 // errors go to rx, ry (so hi + lo carries x to ~2^-16 or better).
 template <bool F16>
