@@ -1,4 +1,5 @@
-// Paged decode attention (appended to kernels.cu), split along the
+// Paged decode attention on CUDA cores, for any head size and page size
+// (attention_flash.cu runs the shapes tensor cores take), split along the
 // sequence. Grid: (kv_heads, seqs, partitions of part_len <= PART tokens);
 // 128 threads. Each K and V vector of the block's tokens is read once, for
 // all G query heads of its KV head, in 16-byte pieces (8 bf16 or 16 fp8
@@ -158,80 +159,76 @@ __device__ void attention_part(const float* q, const void* kc, const void* vc, c
         cp_commit();
     };
     // Scores.
-    {
 #pragma unroll
-        for (int r = 0; r < ATT_STAGES - 1; r++) issue(kc, ks, r);
-        for (int r = 0; r < rounds; r++) {
-            issue(kc, ks, r + ATT_STAGES - 1);
-            cp_wait<ATT_STAGES - 1>();
-            int t = t0 + r * lanes + tl;
-            bool valid = t < t1;
-            int slot = (r % ATT_STAGES) * ATT_THREADS + threadIdx.x;
-            float k[V];
-            if (valid) {
-                unpack<FP8, V>(ring[slot], k);
-            } else {
+    for (int r = 0; r < ATT_STAGES - 1; r++) issue(kc, ks, r);
+    for (int r = 0; r < rounds; r++) {
+        issue(kc, ks, r + ATT_STAGES - 1);
+        cp_wait<ATT_STAGES - 1>();
+        int t = t0 + r * lanes + tl;
+        bool valid = t < t1;
+        int slot = (r % ATT_STAGES) * ATT_THREADS + threadIdx.x;
+        float k[V];
+        if (valid) {
+            unpack<FP8, V>(ring[slot], k);
+        } else {
 #pragma unroll
-                for (int j = 0; j < V; j++) k[j] = 0.0f;
-            }
-            float kscale = (FP8 && valid) ? sring[slot] * scale : scale;
-#pragma unroll
-            for (int g = 0; g < G; g++) {
-                const float* qg = qs + g * hd + sub * V;
-                float acc = 0.0f;
-#pragma unroll
-                for (int j = 0; j < V; j++) acc += qg[j] * k[j];
-                for (int o = tpv / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
-                if (valid && sub == 0) sc[g * PART + (t - t0)] = acc * kscale;
-            }
+            for (int j = 0; j < V; j++) k[j] = 0.0f;
         }
-        cp_wait<0>();
+        float kscale = (FP8 && valid) ? sring[slot] * scale : scale;
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const float* qg = qs + g * hd + sub * V;
+            float acc = 0.0f;
+#pragma unroll
+            for (int j = 0; j < V; j++) acc += qg[j] * k[j];
+            for (int o = tpv / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
+            if (valid && sub == 0) sc[g * PART + (t - t0)] = acc * kscale;
+        }
     }
+    cp_wait<0>();
     __syncthreads();
     softmax_part<G, ATT_THREADS / 32>(sc, ml, t1 - t0);
     __syncthreads();
-    {
-        // Values: each thread sums its V dimensions for every head over its
-        // tokens, then the token lanes of a warp fold together by shuffles and
-        // the warps through shared memory.
-        float acc[G][V];
+    // Values: each thread sums its V dimensions for every head over its
+    // tokens, then the token lanes of a warp fold together by shuffles and
+    // the warps through shared memory.
+    float acc[G][V];
 #pragma unroll
-        for (int g = 0; g < G; g++)
+    for (int g = 0; g < G; g++)
 #pragma unroll
-            for (int j = 0; j < V; j++) acc[g][j] = 0.0f;
+        for (int j = 0; j < V; j++) acc[g][j] = 0.0f;
 #pragma unroll
-        for (int r = 0; r < ATT_STAGES - 1; r++) issue(vc, vs, r);
-        for (int r = 0; r < rounds; r++) {
-            issue(vc, vs, r + ATT_STAGES - 1);
-            cp_wait<ATT_STAGES - 1>();
-            int t = t0 + r * lanes + tl;
-            if (t < t1) {
-                int slot = (r % ATT_STAGES) * ATT_THREADS + threadIdx.x;
-                float v[V];
-                unpack<FP8, V>(ring[slot], v);
-                float vscale = FP8 ? sring[slot] : 1.0f;
+    for (int r = 0; r < ATT_STAGES - 1; r++) issue(vc, vs, r);
+    for (int r = 0; r < rounds; r++) {
+        issue(vc, vs, r + ATT_STAGES - 1);
+        cp_wait<ATT_STAGES - 1>();
+        int t = t0 + r * lanes + tl;
+        if (t < t1) {
+            int slot = (r % ATT_STAGES) * ATT_THREADS + threadIdx.x;
+            float v[V];
+            unpack<FP8, V>(ring[slot], v);
+            float vscale = FP8 ? sring[slot] : 1.0f;
 #pragma unroll
-                for (int g = 0; g < G; g++) {
-                    float p = sc[g * PART + (t - t0)] * vscale;
+            for (int g = 0; g < G; g++) {
+                float p = sc[g * PART + (t - t0)] * vscale;
 #pragma unroll
-                    for (int j = 0; j < V; j++) acc[g][j] += p * v[j];
-                }
+                for (int j = 0; j < V; j++) acc[g][j] += p * v[j];
             }
         }
-        cp_wait<0>();
-        // Lanes of one warp holding the same dimensions: lane ^ tpv, ^ 2 tpv...
+    }
+    cp_wait<0>();
+    // Lanes of one warp holding the same dimensions: lane ^ tpv, ^ 2 tpv...
+#pragma unroll
+    for (int g = 0; g < G; g++)
+#pragma unroll
+        for (int j = 0; j < V; j++)
+            for (int o = tpv; o < 32; o <<= 1)
+                acc[g][j] += __shfl_xor_sync(0xffffffff, acc[g][j], o);
+    if (lane < tpv) {
 #pragma unroll
         for (int g = 0; g < G; g++)
 #pragma unroll
-            for (int j = 0; j < V; j++)
-                for (int o = tpv; o < 32; o <<= 1)
-                    acc[g][j] += __shfl_xor_sync(0xffffffff, acc[g][j], o);
-        if (lane < tpv) {
-#pragma unroll
-            for (int g = 0; g < G; g++)
-#pragma unroll
-                for (int j = 0; j < V; j++) red[(warp * G + g) * hd + sub * V + j] = acc[g][j];
-        }
+            for (int j = 0; j < V; j++) red[(warp * G + g) * hd + sub * V + j] = acc[g][j];
     }
     __syncthreads();
     write_part<G, ATT_THREADS / 32>(red, ml, part_out, part_ml, s, n_heads, kvh, hd, parts, part,

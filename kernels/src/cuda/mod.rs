@@ -6,6 +6,7 @@
 //! [`Gpu::new`] fails with [`KernelError::DeviceUnavailable`] where there is
 //! no usable driver, NVRTC or GPU, never with a panic.
 
+mod attention;
 mod backend;
 mod gemv;
 mod launch;
@@ -24,12 +25,11 @@ use sha2::{Digest, Sha256};
 
 use crate::KernelError;
 
+pub use attention::{AttentionBuffers, AttentionKind, AttentionPlan, PARTITION, partition_len};
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M};
-pub use launch::{
-    AttentionBuffers, AttentionKind, AttentionPlan, PARTITION, PagedKv, partition_len,
-};
+pub use launch::PagedKv;
 pub use prefill::prefill_tiles;
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
 pub use tags::TagLayout;
@@ -265,7 +265,7 @@ impl Gpu {
             for k in KERNELS {
                 functions.insert(k.to_string(), module.load_function(k).map_err(cuda_err)?);
             }
-            for name in launch::attention_kernels() {
+            for name in attention::attention_kernels() {
                 let f = module.load_function(&name).map_err(cuda_err)?;
                 functions.insert(name, f);
             }

@@ -3,7 +3,7 @@
 
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
-use super::launch::PagedKv;
+use super::launch::{PagedKv, push_pages};
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout};
@@ -81,11 +81,8 @@ impl Gpu {
             page_size as i32,
         ];
         let mut b = self.stream.launch_builder(f);
-        b.arg(q)
-            .arg(&kv.k)
-            .arg(&kv.v)
-            .arg(&kv.k_scale)
-            .arg(&kv.v_scale);
+        b.arg(q);
+        push_pages(&mut b, kv);
         b.arg(tables).arg(table_off).arg(lens).arg(tiles).arg(out);
         for i in &ints {
             b.arg(i);
