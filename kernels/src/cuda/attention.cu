@@ -69,10 +69,10 @@ struct AttShape {
 
 // Softmax pieces of a partition's n scores per head, one warp per head:
 // ml gets each head's max and sum, sc the weights exp(s - max).
-template <int G, int WARPS>
+template <int G>
 __device__ void softmax_part(float* sc, float* ml, int n) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int g = warp; g < G; g += WARPS) {
+    for (int g = warp; g < G; g += ATT_THREADS / 32) {
         float m = -INFINITY;
         for (int i = lane; i < n; i += 32) m = fmaxf(m, sc[g * PART + i]);
         m = warp_max(m);
@@ -92,12 +92,12 @@ __device__ void softmax_part(float* sc, float* ml, int n) {
 
 // Sums the warps' partial outputs (red: warps x G x hd) into the
 // partition's unnormalized output, with its max and sum for the merge.
-template <int G, int WARPS>
+template <int G>
 __device__ void write_part(const float* red, const float* ml, float* part_out, float* part_ml,
                            int s, int n_heads, int kvh, int hd, int parts, int part, bool empty) {
-    for (int i = threadIdx.x; i < G * hd; i += WARPS * 32) {
+    for (int i = threadIdx.x; i < G * hd; i += ATT_THREADS) {
         float sum = 0.0f;
-        for (int w = 0; w < WARPS; w++) sum += red[w * G * hd + i];
+        for (int w = 0; w < ATT_THREADS / 32; w++) sum += red[w * G * hd + i];
         int g = i / hd, d = i % hd;
         size_t h = (size_t)s * n_heads + kvh * G + g;
         part_out[(h * parts + part) * hd + d] = sum;
@@ -187,7 +187,7 @@ __device__ void attention_part(const float* q, const void* kc, const void* vc, c
     }
     cp_wait<0>();
     __syncthreads();
-    softmax_part<G, ATT_THREADS / 32>(sc, ml, t1 - t0);
+    softmax_part<G>(sc, ml, t1 - t0);
     __syncthreads();
     // Values: each thread sums its V dimensions for every head over its
     // tokens, then the token lanes of a warp fold together by shuffles and
@@ -231,8 +231,7 @@ __device__ void attention_part(const float* q, const void* kc, const void* vc, c
             for (int j = 0; j < V; j++) red[(warp * G + g) * hd + sub * V + j] = acc[g][j];
     }
     __syncthreads();
-    write_part<G, ATT_THREADS / 32>(red, ml, part_out, part_ml, s, n_heads, kvh, hd, parts, part,
-                                    t1 <= t0);
+    write_part<G>(red, ml, part_out, part_ml, s, n_heads, kvh, hd, parts, part, t1 <= t0);
 }
 
 #define ATTENTION_ENTRY(NAME, FP8, G)                                                           \

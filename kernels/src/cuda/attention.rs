@@ -68,6 +68,41 @@ fn flash_shared(group: usize, hd: usize, page_size: usize, part: usize) -> usize
     hd * 32 + red * 4 + (part / page_size + 1) * 4
 }
 
+/// Shared memory of a shuffle launch, as attention.cu lays it out: the
+/// cp.async ring (16-byte pieces and their f32 scales), then the queries,
+/// scores, softmax pieces, per-warp sums and pages. Errors for head sizes
+/// and groups it cannot take.
+fn shuffle_shared(format: KvFormat, group: usize, head_dim: usize, page_size: usize) -> R<usize> {
+    // Elements per 16-byte piece (8 for fp8 groups above 4), as in
+    // attention.cu; the threads of one vector must divide a warp.
+    let piece = if format == KvFormat::Fp8 && group <= 4 {
+        16
+    } else {
+        8
+    };
+    let tpv = head_dim / piece;
+    if !head_dim.is_multiple_of(piece) || tpv == 0 || !32usize.is_multiple_of(tpv) {
+        return Err(KernelError::Shape(format!(
+            "head_dim {head_dim}: paged attention supports 64, 128 and 256"
+        )));
+    }
+    let pages_per_part = PARTITION.div_ceil(page_size) + 1;
+    let ring = ATT_STAGES * ATT_THREADS * (16 + 4);
+    let shared = ring
+        + (group * head_dim
+            + group * PARTITION
+            + 2 * group
+            + (ATT_THREADS / 32) * group * head_dim
+            + pages_per_part)
+            * 4;
+    if shared > 48 << 10 {
+        return Err(KernelError::Shape(format!(
+            "{group} query heads per KV head of {head_dim} need {shared} bytes of shared memory"
+        )));
+    }
+    Ok(shared)
+}
+
 /// Fewest tokens per partition (a few rounds of the block's token lanes).
 const MIN_PARTITION: usize = 32;
 
@@ -151,35 +186,6 @@ impl Gpu {
                 "{heads} query heads over {kv_heads} KV heads: groups of 1 to 8 are supported"
             )));
         }
-        // Elements per 16-byte piece (8 for fp8 groups above 4), as in
-        // attention.cu; the threads of one vector must divide a warp.
-        let piece = if kv.format == KvFormat::Fp8 && group <= 4 {
-            16
-        } else {
-            8
-        };
-        let tpv = head_dim / piece;
-        if !head_dim.is_multiple_of(piece) || tpv == 0 || !32usize.is_multiple_of(tpv) {
-            return Err(KernelError::Shape(format!(
-                "head_dim {head_dim}: paged attention supports 64, 128 and 256"
-            )));
-        }
-        let pages_per_part = PARTITION.div_ceil(page_size) + 1;
-        // The cp.async ring (16-byte pieces and their f32 scales), then
-        // the queries, scores, softmax pieces, per-warp sums and pages.
-        let ring = ATT_STAGES * ATT_THREADS * (16 + 4);
-        let shared = ring
-            + (group * head_dim
-                + group * PARTITION
-                + 2 * group
-                + (ATT_THREADS / 32) * group * head_dim
-                + pages_per_part)
-                * 4;
-        if shared > 48 << 10 {
-            return Err(KernelError::Shape(format!(
-                "{group} query heads per KV head of {head_dim} need {shared} bytes of shared memory"
-            )));
-        }
         let parts = max_len.div_ceil(part_len).max(1);
         if scratch.part_ml.len() < seqs * heads * parts * 2
             || scratch.part_out.len() < seqs * heads * parts * head_dim
@@ -218,7 +224,7 @@ impl Gpu {
             AttentionKind::Shuffle => (
                 format!("attention_part_{fmt}_g{group}"),
                 ATT_THREADS,
-                shared,
+                shuffle_shared(kv.format, group, head_dim, page_size)?,
             ),
         };
         let f = self.function(&name)?;

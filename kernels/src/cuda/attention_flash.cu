@@ -1,6 +1,6 @@
 // Paged decode attention, one pass per warp (appended after attention.cu;
 // head sizes 64 and 128). Each warp takes 16 tokens of the partition at a
-// time and runs them through scores (QFrags::score8, twice), an online
+// time and runs them through scores (QFrags::score8_with, twice), an online
 // softmax and the values MMAs without leaving registers: the scores' C
 // fragments (head `row`, tokens 2j, 2j + 1 of each 8) are exactly the B
 // fragment of the values product O^T = V^T P^T over those 16 tokens, so no
@@ -83,7 +83,7 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
         }
 #pragma unroll
         for (int x = 0; x < 4; x++) {
-            int off = 8 * (x >> 1) + 2 * j + (x & 1);
+            int off = 8 * (x >> 1) + 2 * j + (x & 1);  // token(c, x) - cs
             bool ok = live && cs + off < t1;
             size_t vec = base + off;
             if (ok) {

@@ -1,31 +1,11 @@
 // Tensor-core pieces of decode attention (appended after kernels.cu; used
-// by attention_flash.cu): m16n8k16 MMAs whose rows are the G <= 8 query
-// heads of one KV head (rows 8..15 zero). Each lane loads whole 16-byte (or
+// by attention_flash.cu): m16n8k16 MMAs, for the scores with the G <= 8
+// query heads of one KV head as rows (rows 8..15 zero). Each lane loads whole 16-byte (or
 // 8-byte) pieces straight from the pages; because the order of a reduction
 // is free and the columns of a product may be any permutation we can undo,
 // no data is shuffled between lanes. The f32 side of each product (Q, P)
 // runs as two or three bf16 / f16 terms, so the results stay within ~2^-22
 // of f32 arithmetic.
-
-// D (rows 0..7 of a m16n8k16 tile, f32) += A * B, A's rows 8..15 zero
-// (at most 8 query heads share a KV head). F16: f16 inputs, else bf16.
-template <bool F16>
-__device__ __forceinline__ void mma_rows8(float& d0, float& d1, unsigned a0, unsigned a2,
-                                          unsigned b0, unsigned b1) {
-    float d2 = 0.0f, d3 = 0.0f;
-    unsigned z = 0;
-    if (F16) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
-            : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
-    } else {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
-            : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
-    }
-}
 
 // d (a whole m16n8k16 tile, f32) += A * B. F16: f16 inputs, else bf16.
 template <bool F16>
@@ -42,6 +22,17 @@ __device__ __forceinline__ void mma16(float* d, unsigned a0, unsigned a1, unsign
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
     }
+}
+
+// D (rows 0..7 of a m16n8k16 tile, f32) += A * B, A's rows 8..15 zero
+// (at most 8 query heads share a KV head).
+template <bool F16>
+__device__ __forceinline__ void mma_rows8(float& d0, float& d1, unsigned a0, unsigned a2,
+                                          unsigned b0, unsigned b1) {
+    float d[4] = {d0, d1, 0.0f, 0.0f};
+    mma16<F16>(d, a0, 0u, a2, 0u, b0, b1);
+    d0 = d[0];
+    d1 = d[1];
 }
 
 // (x, y) as two f16 (F16) or bf16 in one word, low half x; the rounding
@@ -86,7 +77,7 @@ __device__ __forceinline__ void load_words(const unsigned char* p, unsigned* w) 
     }
 }
 
-// Q's A fragments for scoring against K pieces loaded as in score8: lane
+// Q's A fragments for scoring against K pieces loaded as in score8_with: lane
 // (row, j) holds head `row` (zero past G) at the dimensions of the pieces a
 // lane j loads, as hi + lo halves (bf16 for bf16 pages, f16 for fp8).
 template <bool FP8, int G, int HD>
@@ -120,15 +111,6 @@ struct QFrags {
         }
     }
 
-    // Scores of 8 tokens: lane (row, j) passes pieces j, j + 4, ... of
-    // token `row` of the 8 (raw, zero for a token past the end) and gets
-    // head row's scores of tokens 2j and 2j + 1 (unscaled). Four
-    // independent sums (hi and lo, even and odd steps) keep the MMAs from
-    // waiting on each other.
-    __device__ __forceinline__ void score8(const uint4* raw, float& d0, float& d1) const {
-        score8_with(raw, d0, d1, [&](int s) { return make_uint4(a0[s], a2[s], b0[s], b2[s]); });
-    }
-
     // The fragments of step s as (a0, a2, b0, b2), laid out [step][lane] so
     // a warp reads them from shared memory without bank conflicts.
     __device__ __forceinline__ void store(uint4* frags, int lane) const {
@@ -136,7 +118,11 @@ struct QFrags {
         for (int s = 0; s < STEPS; s++) frags[s * 32 + lane] = make_uint4(a0[s], a2[s], b0[s], b2[s]);
     }
 
-    // score8 with step s's fragments from frag(s).
+    // Scores of 8 tokens, step s's fragments from frag(s): lane (row, j)
+    // passes pieces j, j + 4, ... of token `row` of the 8 (raw, zero for a
+    // token past the end) and gets head row's scores of tokens 2j and
+    // 2j + 1 (unscaled). Four independent sums (hi and lo, even and odd
+    // steps) keep the MMAs from waiting on each other.
     template <class F>
     static __device__ __forceinline__ void score8_with(const uint4* raw, float& d0, float& d1,
                                                        F frag) {

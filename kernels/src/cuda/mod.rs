@@ -262,10 +262,8 @@ impl Gpu {
             let arch = format!("compute_{major}{minor}");
             let module = ctx.load_module(compile(&arch)?).map_err(cuda_err)?;
             let mut functions = HashMap::new();
-            for k in KERNELS {
-                functions.insert(k.to_string(), module.load_function(k).map_err(cuda_err)?);
-            }
-            for name in attention::attention_kernels() {
+            let names = KERNELS.iter().map(|k| k.to_string());
+            for name in names.chain(attention::attention_kernels()) {
                 let f = module.load_function(&name).map_err(cuda_err)?;
                 functions.insert(name, f);
             }
