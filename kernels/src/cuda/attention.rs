@@ -194,6 +194,14 @@ impl Gpu {
                 "attention scratch too small for {seqs} sequences in {parts} partitions"
             )));
         }
+        // The merge keeps a weight per partition in shared memory.
+        let merge_shared = parts * 4;
+        if merge_shared > 48 << 10 {
+            return Err(KernelError::Shape(format!(
+                "{parts} attention partitions: the merge takes at most {}",
+                (48 << 10) / 4
+            )));
+        }
         let fmt = match kv.format {
             KvFormat::Bf16 => "bf16",
             KvFormat::Fp8 => "fp8",
@@ -256,12 +264,13 @@ impl Gpu {
             .arg(out)
             .arg(&p)
             .arg(&d);
-        // SAFETY: one block per (sequence, head).
+        // SAFETY: one block per (sequence, head), its weights in shared
+        // memory sized above.
         unsafe {
             b.launch(cfg(
                 ((seqs * heads) as u32, 1, 1),
                 head_dim.min(1024) as u32,
-                0,
+                merge_shared as u32,
             ))
         }
         .map_err(cuda_err)?;

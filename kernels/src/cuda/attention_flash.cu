@@ -145,15 +145,18 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
             for (int x = 0; x < 4; x++) p[x] = 0.0f;
         }
         // This lane's sums are heads 2j and 2j + 1: their rescales live in
-        // the lanes of rows 2j and 2j + 1.
-        float al0 = __shfl_sync(0xffffffff, alpha, 8 * j);
-        float al1 = __shfl_sync(0xffffffff, alpha, 8 * j + 4);
+        // the lanes of rows 2j and 2j + 1. Once the maxima settle no head
+        // rescales, and the warp skips it.
+        if (__any_sync(0xffffffff, alpha != 1.0f)) {
+            float al0 = __shfl_sync(0xffffffff, alpha, 8 * j);
+            float al1 = __shfl_sync(0xffffffff, alpha, 8 * j + 4);
 #pragma unroll
-        for (int i = 0; i < NB / 2; i++) {
-            o[i][0] *= al0;
-            o[i][1] *= al1;
-            o[i][2] *= al0;
-            o[i][3] *= al1;
+            for (int i = 0; i < NB / 2; i++) {
+                o[i][0] *= al0;
+                o[i][1] *= al1;
+                o[i][2] *= al0;
+                o[i][3] *= al1;
+            }
         }
         // P^T's B fragment is this lane's own weights: head g, tokens 2j,
         // 2j + 1 and 2j + 8, 2j + 9.

@@ -1,11 +1,13 @@
 // Tensor-core pieces of decode attention (appended after kernels.cu; used
-// by attention_flash.cu): m16n8k16 MMAs, for the scores with the G <= 8
-// query heads of one KV head as rows (rows 8..15 zero). Each lane loads whole 16-byte (or
-// 8-byte) pieces straight from the pages; because the order of a reduction
-// is free and the columns of a product may be any permutation we can undo,
-// no data is shuffled between lanes. The f32 side of each product (Q, P)
-// runs as two or three bf16 / f16 terms, so the results stay within ~2^-22
-// of f32 arithmetic.
+// by attention_flash.cu): m16n8k16 MMAs. For the scores, the G <= 8 query
+// heads of one KV head are the A rows 0..7 as the high halves of Q and rows
+// 8..15 as their low halves (hi + lo carry Q to ~2^-16 or better), so one
+// MMA gives both terms of every score and all 16 rows work. Each lane
+// loads whole 16-byte (or 8-byte) pieces straight from the pages; because
+// the order of a reduction is free and the columns of a product may be any
+// permutation we can undo, no data is shuffled between lanes. The f32 side
+// of the values product (P) runs as two or three bf16 / f16 terms, so the
+// results stay within ~2^-22 of f32 arithmetic.
 
 // d (a whole m16n8k16 tile, f32) += A * B. F16: f16 inputs, else bf16.
 template <bool F16>
@@ -22,17 +24,6 @@ __device__ __forceinline__ void mma16(float* d, unsigned a0, unsigned a1, unsign
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
     }
-}
-
-// D (rows 0..7 of a m16n8k16 tile, f32) += A * B, A's rows 8..15 zero
-// (at most 8 query heads share a KV head).
-template <bool F16>
-__device__ __forceinline__ void mma_rows8(float& d0, float& d1, unsigned a0, unsigned a2,
-                                          unsigned b0, unsigned b1) {
-    float d[4] = {d0, d1, 0.0f, 0.0f};
-    mma16<F16>(d, a0, 0u, a2, 0u, b0, b1);
-    d0 = d[0];
-    d1 = d[1];
 }
 
 // (x, y) as two f16 (F16) or bf16 in one word, low half x; the rounding
@@ -79,14 +70,17 @@ __device__ __forceinline__ void load_words(const unsigned char* p, unsigned* w) 
 
 // Q's A fragments for scoring against K pieces loaded as in score8_with: lane
 // (row, j) holds head `row` (zero past G) at the dimensions of the pieces a
-// lane j loads, as hi + lo halves (bf16 for bf16 pages, f16 for fp8).
+// lane j loads, as hi (A rows 0..7) and lo (A rows 8..15) halves: bf16 for
+// bf16 pages, f16 for fp8.
 template <bool FP8, int G, int HD>
 struct QFrags {
     static constexpr int P = FP8 ? 16 : 8;       // elements per piece
     static constexpr int SP = P / 4;             // MMA steps per piece
     static constexpr int PIECES = HD / (4 * P);  // pieces per lane per token
     static constexpr int STEPS = HD / 16;
-    unsigned a0[STEPS], a2[STEPS], b0[STEPS], b2[STEPS];
+    // Step s's A fragment: hi and lo of dimensions d, d + 1, then of d + 8,
+    // d + 9 (as the m16n8k16 A registers a0..a3).
+    uint4 a[STEPS];
 
     __device__ __forceinline__ QFrags(const float* qs, int row, int j) {
 #pragma unroll
@@ -103,30 +97,30 @@ struct QFrags {
                     q3 = qr[3];
                 }
                 float r0, r1, r2, r3, u0, u1;
-                a0[s] = pack_split<FP8>(q0, q1, r0, r1);
-                a2[s] = pack_split<FP8>(q2, q3, r2, r3);
-                b0[s] = pack_split<FP8>(r0, r1, u0, u1);
-                b2[s] = pack_split<FP8>(r2, r3, u0, u1);
+                a[s].x = pack_split<FP8>(q0, q1, r0, r1);
+                a[s].z = pack_split<FP8>(q2, q3, r2, r3);
+                a[s].y = pack_split<FP8>(r0, r1, u0, u1);
+                a[s].w = pack_split<FP8>(r2, r3, u0, u1);
             }
         }
     }
 
-    // The fragments of step s as (a0, a2, b0, b2), laid out [step][lane] so
-    // a warp reads them from shared memory without bank conflicts.
+    // The fragments laid out [step][lane], so a warp reads a step's with one
+    // conflict-free 16-byte load per lane, straight into an A operand.
     __device__ __forceinline__ void store(uint4* frags, int lane) const {
 #pragma unroll
-        for (int s = 0; s < STEPS; s++) frags[s * 32 + lane] = make_uint4(a0[s], a2[s], b0[s], b2[s]);
+        for (int s = 0; s < STEPS; s++) frags[s * 32 + lane] = a[s];
     }
 
-    // Scores of 8 tokens, step s's fragments from frag(s): lane (row, j)
+    // Scores of 8 tokens, step s's fragment from frag(s): lane (row, j)
     // passes pieces j, j + 4, ... of token `row` of the 8 (raw, zero for a
     // token past the end) and gets head row's scores of tokens 2j and
-    // 2j + 1 (unscaled). Four independent sums (hi and lo, even and odd
-    // steps) keep the MMAs from waiting on each other.
+    // 2j + 1 (unscaled): C rows row (hi) plus row + 8 (lo). Two independent
+    // sums (even and odd steps) keep the MMAs from waiting on each other.
     template <class F>
     static __device__ __forceinline__ void score8_with(const uint4* raw, float& d0, float& d1,
                                                        F frag) {
-        float d[4][2] = {};
+        float d[2][4] = {};
 #pragma unroll
         for (int i = 0; i < PIECES; i++) {
             unsigned w[P / 2];
@@ -145,15 +139,12 @@ struct QFrags {
 #pragma unroll
             for (int h = 0; h < SP; h++) {
                 int s = i * SP + h;
-                float* hi = d[s & 1];
-                float* lo = d[2 + (s & 1)];
                 uint4 f = frag(s);
-                mma_rows8<FP8>(hi[0], hi[1], f.x, f.y, w[2 * h], w[2 * h + 1]);
-                mma_rows8<FP8>(lo[0], lo[1], f.z, f.w, w[2 * h], w[2 * h + 1]);
+                mma16<FP8>(d[s & 1], f.x, f.y, f.z, f.w, w[2 * h], w[2 * h + 1]);
             }
         }
-        d0 = (d[2][0] + d[3][0]) + (d[0][0] + d[1][0]);
-        d1 = (d[2][1] + d[3][1]) + (d[0][1] + d[1][1]);
+        d0 = (d[0][2] + d[1][2]) + (d[0][0] + d[1][0]);
+        d1 = (d[0][3] + d[1][3]) + (d[0][1] + d[1][1]);
     }
 };
 

@@ -26,46 +26,92 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024).
-__device__ float block_sum(float v, float* shared32) {
+// Sum (or, with MAX, maximum) over the block (blockDim.x a multiple of 32,
+// at most 1024); every thread gets it.
+template <bool MAX>
+__device__ float block_reduce(float v, float* shared32) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    v = MAX ? warp_max(v) : warp_sum(v);
     __syncthreads();
     if (lane == 0) shared32[warp] = v;
     __syncthreads();
     int warps = blockDim.x >> 5;
-    v = (threadIdx.x < warps) ? shared32[threadIdx.x] : 0.0f;
-    if (warp == 0) v = warp_sum(v);
+    float none = MAX ? -INFINITY : 0.0f;
+    v = (threadIdx.x < warps) ? shared32[threadIdx.x] : none;
+    if (warp == 0) v = MAX ? warp_max(v) : warp_sum(v);
     if (threadIdx.x == 0) shared32[0] = v;
     __syncthreads();
     return shared32[0];
 }
 
+__device__ float block_sum(float v, float* shared32) { return block_reduce<false>(v, shared32); }
+
+__device__ float block_max(float v, float* shared32) { return block_reduce<true>(v, shared32); }
+
+// 16-byte pieces a thread of rmsnorm_residual keeps in registers.
+#define NORM_PIECES 4
+
 // x[row] += residual[row] (if residual is not null), then
-// out[row] = x[row] / sqrt(mean(x[row]^2) + eps) * w. One block per row.
+// out[row] = x[row] / sqrt(mean(x[row]^2) + eps) * w. One block per row;
+// where dim is a multiple of 4 and at most 16 x blockDim, each thread
+// keeps its 16-byte pieces of the row in registers between the two
+// passes (a decode step's one row is then a single round of loads).
 extern "C" __global__ void rmsnorm_residual(float* x, const float* residual, const float* w,
                                             float* out, int dim, float eps) {
     __shared__ float red[32];
     float* xr = x + (size_t)blockIdx.x * dim;
     const float* rr = residual ? residual + (size_t)blockIdx.x * dim : nullptr;
+    float* o = out + (size_t)blockIdx.x * dim;
     float ss = 0.0f;
+    if ((dim & 3) == 0 && dim <= 4 * NORM_PIECES * (int)blockDim.x) {
+        int n4 = dim >> 2;
+        float4 v[NORM_PIECES];
+#pragma unroll
+        for (int k = 0; k < NORM_PIECES; k++) {
+            int i = threadIdx.x + k * blockDim.x;
+            if (i < n4) {
+                float4 a = ((const float4*)xr)[i];
+                if (rr) {
+                    float4 b = ((const float4*)rr)[i];
+                    a = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+                    ((float4*)xr)[i] = a;
+                }
+                v[k] = a;
+                ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+            }
+        }
+        float inv = rsqrtf(block_sum(ss, red) / dim + eps);
+#pragma unroll
+        for (int k = 0; k < NORM_PIECES; k++) {
+            int i = threadIdx.x + k * blockDim.x;
+            if (i < n4) {
+                float4 g = ((const float4*)w)[i];
+                ((float4*)o)[i] = make_float4(v[k].x * inv * g.x, v[k].y * inv * g.y,
+                                              v[k].z * inv * g.z, v[k].w * inv * g.w);
+            }
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         float v = xr[i];
         if (rr) { v += rr[i]; xr[i] = v; }
         ss += v * v;
     }
     float inv = rsqrtf(block_sum(ss, red) / dim + eps);
-    float* o = out + (size_t)blockIdx.x * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * inv * w[i];
 }
 
-// Rotates every head of x (tokens x heads x dim) at its token's position.
-// interleaved: pairs (2i, 2i+1) (GGUF llama); else (i, i + dim/2) (HF).
-// Grid: (tokens, heads); threads over the dim/2 pairs.
-extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int heads,
-                                int dim, int interleaved) {
+// Rotates every head of x (tokens x heads x dim) and of x2 (tokens x heads2
+// x dim: a step's keys beside its queries, in the same launch) at its
+// token's position. interleaved: pairs (2i, 2i+1) (GGUF llama); else (i,
+// i + dim/2) (HF). Grid: (tokens, heads + heads2); threads over the dim/2
+// pairs.
+extern "C" __global__ void rope(float* x, float* x2, const int* pos, const float* inv_freq,
+                                int heads, int heads2, int dim, int interleaved) {
     int half = dim / 2;
-    float* h = x + ((size_t)blockIdx.x * heads + blockIdx.y) * dim;
+    int y = blockIdx.y;
+    float* h = y < heads ? x + ((size_t)blockIdx.x * heads + y) * dim
+                         : x2 + ((size_t)blockIdx.x * heads2 + y - heads) * dim;
     float p = (float)pos[blockIdx.x];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
@@ -150,24 +196,36 @@ extern "C" __global__ void kv_write_fp8(const float* k, const float* v, const in
 #define PART 256
 
 // Merges the partitions of each (seq, head): grid seqs x n_heads; threads
-// over hd.
+// over hd; `parts` floats of dynamic shared memory hold each partition's
+// weight exp(m_p - m), computed once for the block.
 extern "C" __global__ void attention_merge(const float* part_out, const float* part_ml,
                                            float* out, int parts, int hd) {
+    extern __shared__ float wts[];
+    __shared__ float red[32];
     size_t h = blockIdx.x;
+    const float* ml = part_ml + h * parts * 2;
     float m = -INFINITY;
-    for (int p = 0; p < parts; p++) m = fmaxf(m, part_ml[(h * parts + p) * 2]);
+    for (int p = threadIdx.x; p < parts; p += blockDim.x) m = fmaxf(m, ml[2 * p]);
+    m = block_max(m, red);
     float l = 0.0f;
-    for (int p = 0; p < parts; p++) {
-        float mp = part_ml[(h * parts + p) * 2];
-        if (mp > -INFINITY) l += __expf(mp - m) * part_ml[(h * parts + p) * 2 + 1];
+    for (int p = threadIdx.x; p < parts; p += blockDim.x) {
+        float mp = ml[2 * p];
+        float e = mp > -INFINITY ? __expf(mp - m) : 0.0f;
+        wts[p] = e;
+        l += e * ml[2 * p + 1];
     }
+    l = block_sum(l, red);  // its barriers also publish wts
+    float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float* po = part_out + h * parts * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int p = 0; p < parts; p++) {
-            float mp = part_ml[(h * parts + p) * 2];
-            if (mp > -INFINITY) acc += __expf(mp - m) * part_out[(h * parts + p) * hd + d];
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int p = 0;
+        for (; p + 4 <= parts; p += 4) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[k] += wts[p + k] * po[(size_t)(p + k) * hd + d];
         }
-        out[h * hd + d] = l > 0.0f ? acc / l : 0.0f;
+        for (; p < parts; p++) acc[0] += wts[p] * po[(size_t)p * hd + d];
+        out[h * hd + d] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) * inv;
     }
 }
 
@@ -216,33 +274,73 @@ extern "C" __global__ void tag_scatter(const unsigned* in, int changes, int n,
     current[2 * c[0] + 1] = c[2];
 }
 
+// Keeps (v, i) in (bv, bi) when v is larger, or equal at a lower index
+// (NaN never wins).
+__device__ __forceinline__ void arg_take(float& bv, int& bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+
 // Greedy sampling: the index of each row's largest logit (the lowest index
-// on ties, as on the CPU). Grid: rows; 256 threads.
+// on ties, as on the CPU). Grid: rows; threads: a multiple of 32. Rows of
+// a multiple of 4 are read as 16-byte pieces, four pieces in flight per
+// thread.
 extern "C" __global__ void argmax_rows(const float* logits, int n, unsigned* out) {
-    __shared__ float best_v[256];
-    __shared__ int best_i[256];
+    __shared__ float wv[32];
+    __shared__ int wi[32];
     const float* row = logits + (size_t)blockIdx.x * n;
     float bv = -INFINITY;
     int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float v = row[i];
-        if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
-    }
-    best_v[threadIdx.x] = bv;
-    best_i[threadIdx.x] = bi;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (threadIdx.x < stride) {
-            float v = best_v[threadIdx.x + stride];
-            int i = best_i[threadIdx.x + stride];
-            if (v > best_v[threadIdx.x] || (v == best_v[threadIdx.x] && i < best_i[threadIdx.x])) {
-                best_v[threadIdx.x] = v;
-                best_i[threadIdx.x] = i;
+    int bd = blockDim.x;
+    if ((n & 3) == 0) {
+        const float4* r4 = (const float4*)row;
+        int n4 = n >> 2, i = threadIdx.x;
+        for (; i + 3 * bd < n4; i += 4 * bd) {
+            float4 a[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) a[k] = r4[i + k * bd];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                int e = 4 * (i + k * bd);
+                arg_take(bv, bi, a[k].x, e);
+                arg_take(bv, bi, a[k].y, e + 1);
+                arg_take(bv, bi, a[k].z, e + 2);
+                arg_take(bv, bi, a[k].w, e + 3);
             }
         }
-        __syncthreads();
+        for (; i < n4; i += bd) {
+            float4 a = r4[i];
+            arg_take(bv, bi, a.x, 4 * i);
+            arg_take(bv, bi, a.y, 4 * i + 1);
+            arg_take(bv, bi, a.z, 4 * i + 2);
+            arg_take(bv, bi, a.w, 4 * i + 3);
+        }
+    } else {
+        for (int i = threadIdx.x; i < n; i += bd) arg_take(bv, bi, row[i], i);
     }
-    if (threadIdx.x == 0) out[blockIdx.x] = best_i[0] == 0x7fffffff ? 0 : best_i[0];
+    for (int o = 16; o > 0; o >>= 1) {
+        float v = __shfl_xor_sync(0xffffffff, bv, o);
+        int j = __shfl_xor_sync(0xffffffff, bi, o);
+        arg_take(bv, bi, v, j);
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        wv[warp] = bv;
+        wi[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < (bd >> 5) ? wv[lane] : -INFINITY;
+        bi = lane < (bd >> 5) ? wi[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            float v = __shfl_xor_sync(0xffffffff, bv, o);
+            int j = __shfl_xor_sync(0xffffffff, bi, o);
+            arg_take(bv, bi, v, j);
+        }
+        if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+    }
 }
 
 #define GEMV_MAX_M 8

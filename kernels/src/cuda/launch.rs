@@ -84,8 +84,11 @@ impl Gpu {
         };
         let dim_i = dim as i32;
         b.arg(w).arg(out).arg(&dim_i).arg(&eps);
+        // A thread per 16-byte piece of a row (up to 1024), so one row (a
+        // decode step) is read in a single round.
+        let threads = dim.div_ceil(4).next_multiple_of(32).clamp(32, 1024) as u32;
         // SAFETY: the kernel reads and writes `rows x dim` of each buffer.
-        unsafe { b.launch(cfg((rows as u32, 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        unsafe { b.launch(cfg((rows as u32, 1, 1), threads, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
 
@@ -101,13 +104,69 @@ impl Gpu {
         dim: usize,
         interleaved: bool,
     ) -> R {
+        self.rope_launch(x, None, pos, inv_freq, tokens, [heads, 0], dim, interleaved)
+    }
+
+    /// [`Self::rope`] over a step's queries `q` (`tokens x heads x dim`) and
+    /// keys `k` (`tokens x kv_heads x dim`) in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_qk(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        pos: &CudaView<'_, i32>,
+        inv_freq: &CudaSlice<f32>,
+        tokens: usize,
+        [heads, kv_heads]: [usize; 2],
+        dim: usize,
+        interleaved: bool,
+    ) -> R {
+        self.rope_launch(
+            q,
+            Some(k),
+            pos,
+            inv_freq,
+            tokens,
+            [heads, kv_heads],
+            dim,
+            interleaved,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rope_launch(
+        &self,
+        x: &mut CudaSlice<f32>,
+        x2: Option<&mut CudaSlice<f32>>,
+        pos: &CudaView<'_, i32>,
+        inv_freq: &CudaSlice<f32>,
+        tokens: usize,
+        [heads, heads2]: [usize; 2],
+        dim: usize,
+        interleaved: bool,
+    ) -> R {
+        if x.len() < tokens * heads * dim
+            || x2.as_ref().is_some_and(|k| k.len() < tokens * heads2 * dim)
+        {
+            return Err(KernelError::Shape(format!(
+                "rope over {tokens} tokens of {heads} + {heads2} heads of {dim}: buffer too small"
+            )));
+        }
         let f = self.function("rope")?;
-        let (h, d, il) = (heads as i32, dim as i32, interleaved as i32);
+        let (h, h2, d, il) = (heads as i32, heads2 as i32, dim as i32, interleaved as i32);
         let mut b = self.stream.launch_builder(f);
-        b.arg(x).arg(pos).arg(inv_freq).arg(&h).arg(&d).arg(&il);
+        let null = 0u64;
+        b.arg(x);
+        match x2 {
+            Some(k) => b.arg(k),
+            None => b.arg(&null),
+        };
+        b.arg(pos).arg(inv_freq).arg(&h).arg(&h2).arg(&d).arg(&il);
         let threads = (dim / 2).clamp(32, 256) as u32;
-        // SAFETY: grid covers tokens x heads rows of `dim`.
-        unsafe { b.launch(cfg((tokens as u32, heads as u32, 1), threads, 0)) }.map_err(cuda_err)?;
+        let grid = (tokens as u32, (heads + heads2) as u32, 1);
+        // SAFETY: grid covers tokens x (heads + heads2) rows of `dim`, each
+        // buffer checked above.
+        unsafe { b.launch(cfg(grid, threads, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
 
@@ -206,8 +265,8 @@ impl Gpu {
         let n_i = n as i32;
         let mut b = self.stream.launch_builder(f);
         b.arg(x).arg(&n_i).arg(out);
-        // SAFETY: one block per row of n.
-        unsafe { b.launch(cfg((rows as u32, 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        // SAFETY: one block per row of n (a vocabulary: 1024 threads).
+        unsafe { b.launch(cfg((rows as u32, 1, 1), 1024, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
 

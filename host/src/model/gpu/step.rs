@@ -465,8 +465,8 @@ impl GpuModel {
                 g.add_bias(k, bk, n, kv_dim)?;
                 g.add_bias(v, bv, n, kv_dim)?;
             }
-            g.rope(q, &d_pos, &self.inv_freq, n, c.heads, hd, interleaved)?;
-            g.rope(k, &d_pos, &self.inv_freq, n, c.kv_heads, hd, interleaved)?;
+            let heads = [c.heads, c.kv_heads];
+            g.rope_qk(q, k, &d_pos, &self.inv_freq, n, heads, hd, interleaved)?;
             g.kv_write(pages, k, v, &d_slots, n)?;
             if s.tiles > 0 {
                 let d_tiles = ints(&inputs, l.range(l.tiles, 2 * s.tiles));

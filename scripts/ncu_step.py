@@ -1,0 +1,24 @@
+"""Sums Nsight Compute's kernel durations (ncu --csv, gpu__time_duration)
+over the last whole decode step of a `kiln bench` run: a step starts at its
+embedding gather. Prints one row per kernel name and grid."""
+import collections
+import csv
+import sys
+
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head = rows[0]
+name_i, grid_i, val_i = (head.index(c) for c in ("Kernel Name", "Grid Size", "Metric Value"))
+ks = [(r[name_i], r[grid_i], float(r[val_i].replace(",", ""))) for r in rows[1:]]
+starts = [i for i, k in enumerate(ks) if k[0].startswith("embed_")] + [len(ks)]
+if len(starts) < 3:
+    sys.exit(f"only {len(starts) - 1} steps profiled")
+step = ks[starts[-2] : starts[-1]]
+tot = collections.defaultdict(lambda: [0, 0.0])
+for name, grid, ns in step:
+    key = f"{name.split('(')[0]} {grid}"
+    tot[key][0] += 1
+    tot[key][1] += ns
+print(f"{'kernel':<52} {'launches':>8} {'us':>9} {'us each':>8}")
+for key, (n, ns) in sorted(tot.items(), key=lambda x: -x[1][1]):
+    print(f"{key[:52]:<52} {n:>8} {ns / 1e3:>9.1f} {ns / 1e3 / n:>8.2f}")
+print(f"{'sum':<52} {len(step):>8} {sum(k[2] for k in step) / 1e3:>9.1f}")
