@@ -30,6 +30,7 @@ for l in sys.stdin:
         print(m["executable"])' "$2"
     }
     cp "$(test_bin kiln-kernels parity)" .gpu/parity
+    cp "$(test_bin kiln-kernels cuda_graphs)" .gpu/cuda_graphs
     cp "$(test_bin kiln-tests gpu)" .gpu/engine
     cargo build --release -p kiln-kernels --example cuda_bench
     cp target/release/examples/cuda_bench .gpu/cuda_bench
@@ -60,6 +61,8 @@ run)
     timeout 120 .gpu/cuda_bench 2>&1 | tee "$out/bench.log"
     KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log"
     parity=${PIPESTATUS[0]}
+    KILN_TEST_DEVICE=cuda timeout 60 .gpu/cuda_graphs 2>&1 | tee -a "$out/parity.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
     set -e
     if [ "$parity" -ne 0 ]; then
         echo "parity tests FAILED: no benchmark"

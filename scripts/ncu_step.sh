@@ -2,7 +2,8 @@
 # Nsight Compute over one decode step (GPU machine): every kernel's own
 # duration in the last full decode step of `kiln bench` at concurrency 1
 # (graphs off, so each launch is its own), summed per kernel name, against
-# the step time the same bench measures without the profiler. Writes
+# the step time the same bench measures without the profiler (graphs with
+# and without programmatic edges, and no graphs). Writes
 # $OUT/ncu-step.csv and prints the table.
 # Usage: scripts/ncu_step.sh [KV_FORMAT] (default fp8)
 set -uo pipefail
@@ -16,6 +17,8 @@ timeout 200 /usr/local/cuda/bin/ncu --csv --print-units base --clock-control non
     --cache-control none --metrics gpu__time_duration.sum .gpu-bench/kiln "${args[@]}" --gen-tokens 4 \
     --cuda-graphs off >"$out/ncu-step.csv" 2>"$out/ncu-step.err"
 python3 scripts/ncu_step.py "$out/ncu-step.csv"
-for g in on off; do
-    timeout 120 .gpu-bench/kiln "${args[@]}" --gen-tokens 64 --cuda-graphs "$g" 2>&1 | tail -3 | sed "s/^/graphs $g: /"
+for mode in "on on" "on off" "off off"; do
+    set -- $mode
+    timeout 120 .gpu-bench/kiln "${args[@]}" --gen-tokens 64 --cuda-graphs "$1" --cuda-pdl "$2" 2>&1 |
+        grep -v INFO | tail -2 | sed "s/^/graphs $1, pdl $2: /"
 done

@@ -116,6 +116,10 @@ struct EngineArgs {
     /// graphs and replay them.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     cuda_graphs: OnOff,
+    /// On CUDA (sm_90 and up), let each kernel of a captured step start
+    /// while the one before it finishes (programmatic dependent launch).
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    cuda_pdl: OnOff,
     /// On CUDA, sample (temperature, top-k, top-p) on the device.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     device_sampling: OnOff,
@@ -143,6 +147,7 @@ impl EngineArgs {
             device: self.device,
             scheduler,
             cuda_graphs: self.cuda_graphs == OnOff::On,
+            cuda_pdl: self.cuda_pdl == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,
             flash_prefill: self.flash_prefill,
         })

@@ -61,7 +61,10 @@ fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
 }
 
 fn main() -> Result<(), E> {
-    let gpu = Gpu::open(0, true)?;
+    let mut gpu = Gpu::open(0, true)?;
+    // Kernels timed on their own: no programmatic overlap between the
+    // launches of a timing graph.
+    gpu.set_programmatic(false);
     let s = gpu.stream().clone();
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     println!("device: {}", gpu.name());
@@ -252,7 +255,7 @@ fn attention(
         );
         let mut scratch = gpu.attention_buffers(batch, heads, 8, 128, ctx)?;
         let mut out: CudaSlice<f32> = s.alloc_zeros(batch * heads * 128)?;
-        let small = partition_len(batch, 8, ctx);
+        let small = partition_len(batch, 8, ctx).min(PARTITION);
         // The shuffle kernel in partitions of 256 first: every other plan is
         // checked against it (the tensor-core kernel carries Q and the
         // weights as split halves, so they may differ in the sixth digit).
@@ -260,10 +263,11 @@ fn attention(
         for kind in [AttentionKind::Shuffle, AttentionKind::Flash] {
             // At batch 1 (latency) every partition length the flash
             // kernel takes.
-            let parts = if batch == 1 && kind == AttentionKind::Flash {
-                vec![32, 64, 128, PARTITION]
-            } else {
-                vec![PARTITION, small]
+            let parts = match kind {
+                AttentionKind::Flash if batch == 1 => vec![64, 128, PARTITION],
+                // Longer partitions: fewer block merges per token.
+                AttentionKind::Flash => vec![PARTITION, 512, 1024],
+                AttentionKind::Shuffle => vec![PARTITION, small],
             };
             for part in parts {
                 let plan = AttentionPlan {

@@ -55,6 +55,9 @@ pub struct EngineConfig {
     pub device: Device,
     /// On CUDA: capture greedy decode steps as graphs and replay them.
     pub cuda_graphs: bool,
+    /// On CUDA (sm_90 and up): captured graphs let each kernel start while
+    /// the one before it finishes (programmatic dependent launch).
+    pub cuda_pdl: bool,
     /// On CUDA: sample (temperature, top-k, top-p) on the device with the
     /// request's own draws, instead of downloading logits.
     pub device_sampling: bool,
@@ -72,6 +75,7 @@ impl Default for EngineConfig {
             scheduler: SchedulerConfig::default(),
             device: Device::Cpu,
             cuda_graphs: true,
+            cuda_pdl: true,
             device_sampling: true,
             flash_prefill: false,
         }

@@ -33,7 +33,7 @@ impl Runner {
             Device::Cuda(n) => {
                 let kept = loaded.gpu_weights.lock().ok().and_then(|mut s| s.take());
                 let graphs = config.cuda_graphs;
-                let model = match kept {
+                let mut model = match kept {
                     Some((ordinal, model)) if ordinal == n && model.uses_graphs() == graphs => {
                         model
                     }
@@ -41,6 +41,7 @@ impl Runner {
                         GpuModel::upload(&loaded.model, n, graphs).map_err(|e| e.to_string())?,
                     ),
                 };
+                model.set_programmatic(config.cuda_pdl);
                 tracing::info!(device = model.device_name(), "model weights on the GPU");
                 let mut kv = model
                     .kv(config.kv_format, PAGE_SIZE, num_pages)

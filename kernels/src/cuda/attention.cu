@@ -240,6 +240,7 @@ __device__ void attention_part(const float* q, const void* kc, const void* vc, c
              const int* tables, const int* table_off, const int* lens, float* part_out,         \
              float* part_ml, int n_heads, int kv_heads, int hd, int page_size, int parts,       \
              int part_len, float scale) {                                                       \
+        PDL_ENTER();                                                                            \
         attention_part<FP8, G>(q, kc, vc, ks, vs, tables, table_off, lens, part_out, part_ml,   \
                                n_heads, kv_heads, hd, page_size, parts, part_len, scale);       \
     }

@@ -29,7 +29,7 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) { return __ldcs(p); }
 
 // acc[m] += x[m][c0..c0 + 8] . the 8 bf16 weights in `pack`.
 template <int M>
-__device__ __forceinline__ void fma8(float* acc, uint4 pack, const float* __restrict__ x, int K,
+__device__ __forceinline__ void fma8(float* acc, uint4 pack, const float* x, int K,
                                      int c0) {
     const __nv_bfloat162* h2 = (const __nv_bfloat162*)&pack;
     float wf[8];
@@ -42,7 +42,10 @@ __device__ __forceinline__ void fma8(float* acc, uint4 pack, const float* __rest
 #pragma unroll
     for (int m = 0; m < M; m++) {
         const float4* xv = (const float4*)(x + (size_t)m * K + c0);
-        float4 a = __ldg(xv), b = __ldg(xv + 1);
+        // Plain (coherent) loads: x is written by the kernel before, which
+        // may still run when this one starts (PDL_WAIT orders only coherent
+        // accesses; a read-only __ldg may be hoisted above it).
+        float4 a = xv[0], b = xv[1];
         acc[m] += a.x * wf[0] + a.y * wf[1] + a.z * wf[2] + a.w * wf[3] + b.x * wf[4] +
                   b.y * wf[5] + b.z * wf[6] + b.w * wf[7];
     }
@@ -52,17 +55,33 @@ __device__ __forceinline__ void fma8(float* acc, uint4 pack, const float* __rest
 // sums live in registers) rows of x: one warp per weight row, each lane
 // keeping U 16-byte loads in flight before it uses any of them.
 template <int M, int U>
-__device__ void gemv_bf16_rows(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+__device__ void gemv_bf16_rows(const float* x, const __nv_bfloat16* __restrict__ w,
                                Outs o, int K) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int row = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (row >= o.n) return;
+    if (row >= o.n) {
+        PDL_WAIT();
+        return;
+    }
     const uint4* wrow = (const uint4*)(w + (size_t)row * K);
     int chunks = K / 8;
     float acc[M];
 #pragma unroll
     for (int m = 0; m < M; m++) acc[m] = 0.0f;
     int c = lane;
+    // The first U pieces of weights load before the wait for the kernel
+    // that writes x (weights are never written by a step).
+    if (c + 32 * (U - 1) < chunks) {
+        uint4 p[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) p[u] = ld_stream(wrow + c + 32 * u);
+        PDL_WAIT();
+#pragma unroll
+        for (int u = 0; u < U; u++) fma8<M>(acc, p[u], x, K, (c + 32 * u) * 8);
+        c += 32 * U;
+    } else {
+        PDL_WAIT();
+    }
     for (; c + 32 * (U - 1) < chunks; c += 32 * U) {
         uint4 p[U];
 #pragma unroll
@@ -82,8 +101,9 @@ __device__ void gemv_bf16_rows(const float* __restrict__ x, const __nv_bfloat16*
 // measured slower on the H200 at one row). Blocks of 4 warps, a row each.
 #define GEMV_BF16(M, U)                                                                         \
     extern "C" __global__ void __launch_bounds__(128)                                          \
-        gemv_bf16_##M##_u##U(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w, \
+        gemv_bf16_##M##_u##U(const float* x, const __nv_bfloat16* __restrict__ w,              \
                              float* o0, float* o1, float* o2, int n0, int n1, int n, int K) {  \
+        PDL_LAUNCH();                                                                         \
         gemv_bf16_rows<M, U>(x, w, Outs{o0, o1, o2, n0, n1, n}, K);                           \
     }
 

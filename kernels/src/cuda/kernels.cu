@@ -12,6 +12,26 @@
 #include <cuda_fp8.h>
 
 #define FP8_MAX 448.0f
+
+// Programmatic dependent launch (sm_90 and up; see graph.rs): every kernel
+// opens with PDL_ENTER (or PDL_LAUNCH, loads that need no earlier result,
+// then PDL_WAIT): it lets the next kernel of a captured step start its
+// blocks, then waits until the kernels before it have finished and their
+// writes are visible, before it reads or writes anything they touch.
+// Outside a programmatic edge both are no-ops.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define PDL_LAUNCH()
+#define PDL_WAIT()
+#endif
+#define PDL_ENTER() \
+    do {            \
+        PDL_LAUNCH(); \
+        PDL_WAIT();   \
+    } while (0)
+
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
@@ -58,6 +78,7 @@ __device__ float block_max(float v, float* shared32) { return block_reduce<true>
 // passes (a decode step's one row is then a single round of loads).
 extern "C" __global__ void rmsnorm_residual(float* x, const float* residual, const float* w,
                                             float* out, int dim, float eps) {
+    PDL_ENTER();
     __shared__ float red[32];
     float* xr = x + (size_t)blockIdx.x * dim;
     const float* rr = residual ? residual + (size_t)blockIdx.x * dim : nullptr;
@@ -108,6 +129,7 @@ extern "C" __global__ void rmsnorm_residual(float* x, const float* residual, con
 // pairs.
 extern "C" __global__ void rope(float* x, float* x2, const int* pos, const float* inv_freq,
                                 int heads, int heads2, int dim, int interleaved) {
+    PDL_ENTER();
     int half = dim / 2;
     int y = blockIdx.y;
     float* h = y < heads ? x + ((size_t)blockIdx.x * heads + y) * dim
@@ -126,6 +148,7 @@ extern "C" __global__ void rope(float* x, float* x2, const int* pos, const float
 
 // gate[i] = silu(gate[i]) * up[i].
 extern "C" __global__ void silu_mul(float* gate, const float* up, int n) {
+    PDL_ENTER();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float g = gate[i];
@@ -136,6 +159,7 @@ extern "C" __global__ void silu_mul(float* gate, const float* up, int n) {
 // out[t] = table[ids[t]] (bf16 rows to f32). One block per token.
 extern "C" __global__ void embed_bf16(const __nv_bfloat16* table, const unsigned* ids,
                                       float* out, int hidden) {
+    PDL_ENTER();
     const __nv_bfloat16* row = table + (size_t)ids[blockIdx.x] * hidden;
     float* o = out + (size_t)blockIdx.x * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = __bfloat162float(row[i]);
@@ -154,6 +178,7 @@ __device__ __forceinline__ size_t kv_vec(size_t page, int slot, int head, int kv
 extern "C" __global__ void kv_write_bf16(const float* k, const float* v, const int* slots,
                                          __nv_bfloat16* kc, __nv_bfloat16* vc, int kv_heads,
                                          int hd, int page_size) {
+    PDL_ENTER();
     int slot = slots[blockIdx.x];
     if (slot < 0) return;
     size_t src = ((size_t)blockIdx.x * kv_heads + blockIdx.y) * hd + threadIdx.x;
@@ -183,6 +208,7 @@ __device__ void fp8_store(float x, float* red, unsigned char* out, float* scale_
 extern "C" __global__ void kv_write_fp8(const float* k, const float* v, const int* slots,
                                         unsigned char* kc, unsigned char* vc, float* ks,
                                         float* vs, int kv_heads, int hd, int page_size) {
+    PDL_ENTER();
     __shared__ float red[32];
     int slot = slots[blockIdx.x];
     if (slot < 0) return;
@@ -200,6 +226,7 @@ extern "C" __global__ void kv_write_fp8(const float* k, const float* v, const in
 // weight exp(m_p - m), computed once for the block.
 extern "C" __global__ void attention_merge(const float* part_out, const float* part_ml,
                                            float* out, int parts, int hd) {
+    PDL_ENTER();
     extern __shared__ float wts[];
     __shared__ float red[32];
     size_t h = blockIdx.x;
@@ -241,6 +268,7 @@ extern "C" __global__ void attention_merge(const float* part_out, const float* p
 extern "C" __global__ void tag_check(unsigned* in, int expected, int tables, int seq_tab,
                                      int tok_off, int lens, int slots,
                                      const unsigned long long* current, unsigned* flags) {
+    PDL_ENTER();
     int s = blockIdx.x;
     const unsigned long long* exp = (const unsigned long long*)(in + expected);
     const int* tab = (const int*)(in + tables);
@@ -266,6 +294,7 @@ extern "C" __global__ void tag_check(unsigned* in, int expected, int tables, int
 // past `pages` is padding (a captured step has room for a fixed number).
 extern "C" __global__ void tag_scatter(const unsigned* in, int changes, int n,
                                        unsigned long long* current, long long pages) {
+    PDL_ENTER();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const unsigned long long* c = (const unsigned long long*)(in + changes) + 3 * i;
@@ -288,6 +317,7 @@ __device__ __forceinline__ void arg_take(float& bv, int& bi, float v, int i) {
 // a multiple of 4 are read as 16-byte pieces, four pieces in flight per
 // thread.
 extern "C" __global__ void argmax_rows(const float* logits, int n, unsigned* out) {
+    PDL_ENTER();
     __shared__ float wv[32];
     __shared__ int wi[32];
     const float* row = logits + (size_t)blockIdx.x * n;
@@ -347,24 +377,28 @@ extern "C" __global__ void argmax_rows(const float* logits, int n, unsigned* out
 
 // f32 to bf16, element-wise (activations before a cuBLAS GEMM).
 extern "C" __global__ void to_bf16(const float* x, __nv_bfloat16* y, long long n) {
+    PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = __float2bfloat16(x[i]);
 }
 
 // bf16 to f32, element-wise.
 extern "C" __global__ void to_f32(const __nv_bfloat16* x, float* y, long long n) {
+    PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = __bfloat162float(x[i]);
 }
 
 // x[r][c] += b[c] over rows x cols (the q/k/v biases of Qwen2).
 extern "C" __global__ void add_bias(float* x, const float* b, long long n, int cols) {
+    PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += b[i % cols];
 }
 
 // out[i] = src[idx[i]] for rows of `cols` floats. One block per row.
 extern "C" __global__ void gather_rows(const float* src, const unsigned* idx, float* out, int cols) {
+    PDL_ENTER();
     const float* row = src + (size_t)idx[blockIdx.x] * cols;
     float* o = out + (size_t)blockIdx.x * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = row[i];

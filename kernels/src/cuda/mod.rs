@@ -9,6 +9,7 @@
 mod attention;
 mod backend;
 mod gemv;
+mod graph;
 mod launch;
 mod memory;
 mod prefill;
@@ -25,10 +26,13 @@ use sha2::{Digest, Sha256};
 
 use crate::KernelError;
 
-pub use attention::{AttentionBuffers, AttentionKind, AttentionPlan, PARTITION, partition_len};
+pub use attention::{
+    AttentionBuffers, AttentionKind, AttentionPlan, FLASH_PARTITION, PARTITION, partition_len,
+};
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M};
+pub use graph::Graph;
 pub use launch::PagedKv;
 pub use prefill::prefill_tiles;
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
@@ -108,13 +112,6 @@ const KERNELS: &[&str] = &[
     "gather_rows",
 ];
 
-/// Launches recorded once by [`Gpu::capture`] and replayed with one call.
-pub struct Graph(cudarc::driver::CudaGraph);
-
-// SAFETY: a graph is used by the one thread that owns its engine at a time
-// (moved with it, never shared), as CUDA requires.
-unsafe impl Send for Graph {}
-
 /// One GPU with Kiln's kernels loaded.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -126,6 +123,9 @@ pub struct Gpu {
     _blas_workspace: Option<CudaSlice<u8>>,
     name: String,
     _module: Arc<CudaModule>,
+    /// Whether captured graphs join our kernels by programmatic edges
+    /// (sm_90 and up; [`Gpu::set_programmatic`]).
+    programmatic: bool,
 }
 
 /// Bytes of cuBLAS workspace (NVIDIA's advice for Hopper).
@@ -303,6 +303,7 @@ impl Gpu {
                 _blas_workspace: workspace,
                 name: format!("{name} (sm_{major}{minor})"),
                 _module: module,
+                programmatic: major >= 9,
             })
         });
         opened.unwrap_or_else(|p| {
@@ -313,6 +314,20 @@ impl Gpu {
                 .unwrap_or_default();
             Err(unavailable(format!("CUDA could not be initialized: {why}")))
         })
+    }
+
+    /// Whether graphs captured from now on let each kernel of ours start
+    /// while the one before it runs (programmatic dependent launch; on by
+    /// default from sm_90, where the kernels' `griddepcontrol` waits work;
+    /// a no-op below it).
+    pub fn set_programmatic(&mut self, on: bool) {
+        self.programmatic = on && self.programmatic_supported();
+    }
+
+    fn programmatic_supported(&self) -> bool {
+        self.ctx
+            .compute_capability()
+            .is_ok_and(|(major, _)| major >= 9)
     }
 
     /// The device's name and architecture.
@@ -334,34 +349,6 @@ impl Gpu {
         self.functions
             .get(name)
             .ok_or_else(|| KernelError::Cuda(format!("kernel `{name}` is not loaded")))
-    }
-
-    /// Records the launches `f` makes as a graph instead of running them;
-    /// `f` must not allocate, copy or synchronize. Needs a GPU opened with
-    /// its own stream.
-    pub fn capture(
-        &self,
-        f: impl FnOnce() -> Result<(), KernelError>,
-    ) -> Result<Graph, KernelError> {
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-        self.stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(cuda_err)?;
-        let recorded = f();
-        // The capture always ends, so the stream is usable after an error.
-        let graph = self
-            .stream
-            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-            .map_err(cuda_err)?;
-        recorded?;
-        graph
-            .map(Graph)
-            .ok_or_else(|| KernelError::Cuda("the capture recorded nothing".into()))
-    }
-
-    /// Runs a captured graph on the stream.
-    pub fn replay(&self, graph: &Graph) -> Result<(), KernelError> {
-        graph.0.launch().map_err(cuda_err)
     }
 
     /// Waits for all queued work.

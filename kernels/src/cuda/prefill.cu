@@ -142,6 +142,7 @@ __device__ void prefill_attention(const float* q, const void* kc, const void* vc
                                     const int* table_off, const int* lens, const int* tiles,     \
                                     float* out, int n_heads, int kv_heads, int hd,               \
                                     int page_size, float scale) {                                \
+        PDL_ENTER();                                                                             \
         prefill_attention<FP8, G>(q, kc, vc, ks, vs, tables, table_off, lens, tiles, out,        \
                                   n_heads, kv_heads, hd, page_size, scale);                      \
     }

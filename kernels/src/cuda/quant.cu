@@ -117,14 +117,17 @@ __device__ void embed_q(const unsigned char* table, const unsigned* ids, float* 
     extern "C" __global__ void gemv_##SUFFIX(const float* x, const unsigned char* w, float* o0,  \
                                              float* o1, float* o2, int n0, int n1, int M,       \
                                              int N, int K) {                                    \
+        PDL_ENTER();                                                                            \
         gemv_q<DT>(x, w, Outs{o0, o1, o2, n0, n1, N}, M, K);                                    \
     }                                                                                           \
     extern "C" __global__ void dequant_##SUFFIX(const unsigned char* src, float* dst,           \
                                                 long long n) {                                  \
+        PDL_ENTER();                                                                            \
         dequant_f32<DT>(src, dst, n);                                                           \
     }                                                                                           \
     extern "C" __global__ void embed_##SUFFIX(const unsigned char* table, const unsigned* ids,  \
                                               float* out, int cols) {                           \
+        PDL_ENTER();                                                                            \
         embed_q<DT>(table, ids, out, cols);                                                     \
     }
 

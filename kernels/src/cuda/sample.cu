@@ -72,6 +72,7 @@ __device__ float sample_sum(float v, float* red) {
 // (temperature, top_p, uniform); top_k: per row (0 = all).
 extern "C" __global__ void sample_rows(const float* logits, int n, const float* params,
                                        const int* top_k, unsigned* out) {
+    PDL_ENTER();
     __shared__ float hist[258];
     __shared__ float red[32];
     __shared__ int best;

@@ -170,6 +170,13 @@ impl GpuModel {
         })
     }
 
+    /// Whether graphs captured from now on join consecutive kernels by
+    /// programmatic edges (each kernel starts while the one before it
+    /// finishes; sm_90 and up).
+    pub fn set_programmatic(&mut self, on: bool) {
+        self.gpu.set_programmatic(on);
+    }
+
     /// Whether greedy decode steps are captured as CUDA graphs.
     pub fn uses_graphs(&self) -> bool {
         self.graphs
