@@ -1,7 +1,9 @@
-//! A captured step whose kernels start early (programmatic edges) computes
-//! exactly what the same launches compute one after another. CUDA only:
-//! with `KILN_TEST_DEVICE=cuda` (the GPU machine, where a CUDA that does
-//! not work fails the test); on the CPU there is no graph to check.
+//! CUDA behaviour with no CPU counterpart: a captured step whose kernels
+//! start early (programmatic edges) computes exactly what the same launches
+//! compute one after another, and kernels that write a bf16 GEMM's input
+//! give exactly their f32 results rounded. CUDA only: with
+//! `KILN_TEST_DEVICE=cuda` (the GPU machine, where a CUDA that does not
+//! work fails the tests); on the CPU there is nothing to check.
 
 use half::bf16;
 use kiln_kernels::cuda::{CudaSlice, Gpu};
@@ -102,4 +104,57 @@ fn programmatic_graph_replays_exactly_what_eager_launches_compute() {
         assert!(got.0 == want.0, "h differs after the {what} graph");
         assert!(got.1 == want.1, "y differs after the {what} graph");
     }
+}
+
+#[test]
+fn bf16_activations_equal_the_f32_results_rounded() {
+    if std::env::var("KILN_TEST_DEVICE").as_deref() != Ok("cuda") {
+        return;
+    }
+    let gpu = Gpu::open(0, true)
+        .unwrap_or_else(|e| panic!("KILN_TEST_DEVICE=cuda, but CUDA does not work: {e}"));
+    let seed: u64 = rand::rng().random();
+    eprintln!("seed {seed}");
+    let rng = &mut ChaCha8Rng::seed_from_u64(seed);
+    let mut v = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-3.0..3.0)).collect() };
+    let rounded =
+        |x: &[f32]| -> Vec<u16> { x.iter().map(|v| bf16::from_f32(*v).to_bits()).collect() };
+    let bits = |x: &[bf16], n: usize| -> Vec<u16> { x[..n].iter().map(|v| v.to_bits()).collect() };
+    let mut scratch = gpu.gemm_scratch(5, 14336, false).unwrap();
+    // The norm, with and without a residual, on rows of 4096 and of 102
+    // (the 16-byte path and the scalar one).
+    for (rows, dim) in [(5usize, 4096usize), (3, 102)] {
+        for with_residual in [false, true] {
+            let (x0, r, w) = (v(rows * dim), v(rows * dim), v(dim));
+            let (r, w) = (gpu.upload(&r).unwrap(), gpu.upload(&w).unwrap());
+            let residual = with_residual.then_some(&r);
+            let mut x = gpu.upload(&x0).unwrap();
+            let mut out = gpu.upload(&vec![f32::NAN; rows * dim]).unwrap();
+            gpu.rmsnorm_residual(&mut x, residual, &w, &mut out, rows, dim, 1e-5)
+                .unwrap();
+            let want = rounded(&gpu.download(&out).unwrap());
+            let mut x = gpu.upload(&x0).unwrap();
+            let (s, n) = (&mut scratch, rows * dim);
+            gpu.rmsnorm_residual_bf16(&mut x, residual, &w, s, rows, dim, 1e-5)
+                .unwrap();
+            let got = bits(&gpu.download(scratch.activations()).unwrap(), n);
+            assert_eq!(
+                got, want,
+                "rmsnorm {rows} x {dim}, residual {with_residual}"
+            );
+        }
+    }
+    let n = 5 * 14336;
+    let (g0, up) = (v(n), v(n));
+    let (g, up) = (gpu.upload(&g0).unwrap(), gpu.upload(&up).unwrap());
+    gpu.silu_mul_bf16(&g, &up, &mut scratch, n).unwrap();
+    let got = bits(&gpu.download(scratch.activations()).unwrap(), n);
+    assert_eq!(
+        gpu.download(&g).unwrap(),
+        g0,
+        "the bf16 form leaves gate as it was"
+    );
+    let mut g = g;
+    gpu.silu_mul(&mut g, &up, n).unwrap();
+    assert_eq!(got, rounded(&gpu.download(&g).unwrap()), "silu-mul");
 }

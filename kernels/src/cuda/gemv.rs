@@ -6,7 +6,7 @@
 //! whole stack in one launch and sends each row block to its own output; a
 //! GEMM runs once per block on that block's rows.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtrMut, PushKernelArg};
 use half::bf16;
 
 use super::quant::{DEQUANT_CHUNK, kernel_suffix};
@@ -35,7 +35,7 @@ struct OutPtrs {
 
 /// Checks one output per part, each big enough for `m` rows of its part;
 /// the stack's total rows.
-fn check_parts(outs: &[&mut CudaSlice<f32>], parts: &[usize], m: usize) -> R<usize> {
+pub(super) fn check_parts(outs: &[&mut CudaSlice<f32>], parts: &[usize], m: usize) -> R<usize> {
     if outs.len() != parts.len() || parts.is_empty() || parts.len() > 3 {
         return Err(KernelError::Shape(format!(
             "{} outputs for {} row blocks: one to three, one output each",
@@ -81,21 +81,9 @@ impl Gpu {
             DeviceWeight::Bf16(wb) if m <= BF16_GEMV_ROWS && k.is_multiple_of(8) => {
                 self.gemv_bf16_parts(x, wb, outs, parts, m, k)
             }
-            DeviceWeight::Bf16(wb) => {
+            DeviceWeight::Bf16(_) => {
                 self.to_bf16_scratch(x, &mut scratch.act, m * k)?;
-                let (wp, _rw) = wb.device_ptr(&self.stream);
-                let (xp, _rx) = scratch.act.device_ptr(&self.stream);
-                let ty = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
-                let mut row0 = 0;
-                for (o, &rows) in outs.iter_mut().zip(parts) {
-                    let (op, _ro) = o.device_ptr_mut(&self.stream);
-                    let a = wp + (row0 * k * std::mem::size_of::<bf16>()) as u64;
-                    // SAFETY: rows row0.. of the stack and an output of
-                    // m x rows, sizes checked above (guards held).
-                    unsafe { self.gemm(a, xp, ty, op, m, rows, k, rows) }?;
-                    row0 += rows;
-                }
-                Ok(())
+                self.matmul_parts_bf16(w, outs, parts, m, k, scratch)
             }
             DeviceWeight::Blocks { dtype, bytes } => {
                 if !k.is_multiple_of(32) {

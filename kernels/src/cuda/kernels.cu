@@ -71,21 +71,44 @@ __device__ float block_max(float v, float* shared32) { return block_reduce<true>
 // 16-byte pieces a thread of rmsnorm_residual keeps in registers.
 #define NORM_PIECES 4
 
+// Four results at element 4i of a row: f32 into out, or rounded to bf16
+// into outb where it is not null (the input of a bf16 GEMM).
+__device__ __forceinline__ void store4(float* out, __nv_bfloat16* outb, int i, float4 v) {
+    if (outb) {
+        __nv_bfloat162* o2 = (__nv_bfloat162*)(outb + 4 * (size_t)i);
+        o2[0] = __floats2bfloat162_rn(v.x, v.y);
+        o2[1] = __floats2bfloat162_rn(v.z, v.w);
+    } else {
+        ((float4*)out)[i] = v;
+    }
+}
+
 // x[row] += residual[row] (if residual is not null), then
-// out[row] = x[row] / sqrt(mean(x[row]^2) + eps) * w. One block per row;
+// out[row] = x[row] / sqrt(mean(x[row]^2) + eps) * w (into outb as bf16
+// instead where outb is not null). One block per row;
 // where dim is a multiple of 4 and at most 16 x blockDim, each thread
 // keeps its 16-byte pieces of the row in registers between the two
 // passes (a decode step's one row is then a single round of loads).
 extern "C" __global__ void rmsnorm_residual(float* x, const float* residual, const float* w,
-                                            float* out, int dim, float eps) {
-    PDL_ENTER();
+                                            float* out, __nv_bfloat16* outb, int dim,
+                                            float eps) {
+    PDL_LAUNCH();
     __shared__ float red[32];
     float* xr = x + (size_t)blockIdx.x * dim;
     const float* rr = residual ? residual + (size_t)blockIdx.x * dim : nullptr;
-    float* o = out + (size_t)blockIdx.x * dim;
+    float* o = outb ? nullptr : out + (size_t)blockIdx.x * dim;
+    __nv_bfloat16* ob = outb ? outb + (size_t)blockIdx.x * dim : nullptr;
     float ss = 0.0f;
     if ((dim & 3) == 0 && dim <= 4 * NORM_PIECES * (int)blockDim.x) {
         int n4 = dim >> 2;
+        // The weights (never written by a step) load before the wait.
+        float4 g[NORM_PIECES];
+#pragma unroll
+        for (int k = 0; k < NORM_PIECES; k++) {
+            int i = threadIdx.x + k * blockDim.x;
+            if (i < n4) g[k] = ((const float4*)w)[i];
+        }
+        PDL_WAIT();
         float4 v[NORM_PIECES];
 #pragma unroll
         for (int k = 0; k < NORM_PIECES; k++) {
@@ -106,20 +129,27 @@ extern "C" __global__ void rmsnorm_residual(float* x, const float* residual, con
         for (int k = 0; k < NORM_PIECES; k++) {
             int i = threadIdx.x + k * blockDim.x;
             if (i < n4) {
-                float4 g = ((const float4*)w)[i];
-                ((float4*)o)[i] = make_float4(v[k].x * inv * g.x, v[k].y * inv * g.y,
-                                              v[k].z * inv * g.z, v[k].w * inv * g.w);
+                store4(o, ob, i, make_float4(v[k].x * inv * g[k].x, v[k].y * inv * g[k].y,
+                                             v[k].z * inv * g[k].z, v[k].w * inv * g[k].w));
             }
         }
         return;
     }
+    PDL_WAIT();
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         float v = xr[i];
         if (rr) { v += rr[i]; xr[i] = v; }
         ss += v * v;
     }
     float inv = rsqrtf(block_sum(ss, red) / dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * inv * w[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = xr[i] * inv * w[i];
+        if (ob) {
+            ob[i] = __float2bfloat16(v);
+        } else {
+            o[i] = v;
+        }
+    }
 }
 
 // Rotates every head of x (tokens x heads x dim) and of x2 (tokens x heads2
@@ -129,15 +159,20 @@ extern "C" __global__ void rmsnorm_residual(float* x, const float* residual, con
 // pairs.
 extern "C" __global__ void rope(float* x, float* x2, const int* pos, const float* inv_freq,
                                 int heads, int heads2, int dim, int interleaved) {
-    PDL_ENTER();
+    PDL_LAUNCH();
     int half = dim / 2;
     int y = blockIdx.y;
     float* h = y < heads ? x + ((size_t)blockIdx.x * heads + y) * dim
                          : x2 + ((size_t)blockIdx.x * heads2 + y - heads) * dim;
+    // The thread's first angle before the wait: positions are step inputs
+    // no kernel writes, the frequencies constants.
     float p = (float)pos[blockIdx.x];
+    float s0 = 0.0f, c0 = 0.0f;
+    if (threadIdx.x < half) sincosf(p * inv_freq[threadIdx.x], &s0, &c0);
+    PDL_WAIT();
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float s, c;
-        sincosf(p * inv_freq[i], &s, &c);
+        float s = s0, c = c0;
+        if (i != threadIdx.x) sincosf(p * inv_freq[i], &s, &c);
         int a = interleaved ? 2 * i : i;
         int b = interleaved ? 2 * i + 1 : i + half;
         float x0 = h[a], x1 = h[b];
@@ -146,13 +181,19 @@ extern "C" __global__ void rope(float* x, float* x2, const int* pos, const float
     }
 }
 
-// gate[i] = silu(gate[i]) * up[i].
-extern "C" __global__ void silu_mul(float* gate, const float* up, int n) {
+// gate[i] = silu(gate[i]) * up[i] (into outb as bf16 instead where outb is
+// not null: the input of the down projection's bf16 GEMM).
+extern "C" __global__ void silu_mul(float* gate, const float* up, __nv_bfloat16* outb, int n) {
     PDL_ENTER();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float g = gate[i];
-        gate[i] = g / (1.0f + expf(-g)) * up[i];
+        float v = g / (1.0f + expf(-g)) * up[i];
+        if (outb) {
+            outb[i] = __float2bfloat16(v);
+        } else {
+            gate[i] = v;
+        }
     }
 }
 

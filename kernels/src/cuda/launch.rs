@@ -16,6 +16,14 @@ pub(super) fn push_pages<'a>(b: &mut LaunchArgs<'a>, kv: &'a PagedKv) {
     b.arg(&kv.k).arg(&kv.v).arg(&kv.k_scale).arg(&kv.v_scale);
 }
 
+/// Where the norm writes: f32 activations, or bf16 ones for a GEMM.
+pub(super) enum NormOut<'a> {
+    /// f32.
+    F32(&'a mut CudaSlice<f32>),
+    /// bf16.
+    Bf16(&'a mut CudaSlice<half::bf16>),
+}
+
 pub(super) fn cfg(grid: (u32, u32, u32), block: u32, shared: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: grid,
@@ -24,7 +32,7 @@ pub(super) fn cfg(grid: (u32, u32, u32), block: u32, shared: u32) -> LaunchConfi
     }
 }
 
-fn blocks(n: usize, per: usize) -> u32 {
+pub(super) fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per) as u32
 }
 
@@ -74,6 +82,22 @@ impl Gpu {
         dim: usize,
         eps: f32,
     ) -> R {
+        self.rmsnorm_launch(x, residual, w, NormOut::F32(out), rows, dim, eps)
+    }
+
+    /// The norm's launch, into f32 or into bf16 (the caller checked that
+    /// `out` holds `rows x dim`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rmsnorm_launch(
+        &self,
+        x: &mut CudaSlice<f32>,
+        residual: Option<&CudaSlice<f32>>,
+        w: &CudaSlice<f32>,
+        out: NormOut<'_>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> R {
         let f = self.function("rmsnorm_residual")?;
         let mut b = self.stream.launch_builder(f);
         let null = 0u64;
@@ -82,8 +106,13 @@ impl Gpu {
             Some(r) => b.arg(r),
             None => b.arg(&null),
         };
+        b.arg(w);
+        match out {
+            NormOut::F32(o) => b.arg(o).arg(&null),
+            NormOut::Bf16(o) => b.arg(&null).arg(o),
+        };
         let dim_i = dim as i32;
-        b.arg(w).arg(out).arg(&dim_i).arg(&eps);
+        b.arg(&dim_i).arg(&eps);
         // A thread per 16-byte piece of a row (up to 1024), so one row (a
         // decode step) is read in a single round.
         let threads = dim.div_ceil(4).next_multiple_of(32).clamp(32, 1024) as u32;
@@ -175,7 +204,8 @@ impl Gpu {
         let f = self.function("silu_mul")?;
         let n_i = n as i32;
         let mut b = self.stream.launch_builder(f);
-        b.arg(gate).arg(up).arg(&n_i);
+        let null = 0u64;
+        b.arg(gate).arg(up).arg(&null).arg(&n_i);
         // SAFETY: one thread per element, bounds-checked.
         unsafe { b.launch(cfg((blocks(n, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
         Ok(())

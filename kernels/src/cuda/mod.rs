@@ -6,6 +6,7 @@
 //! [`Gpu::new`] fails with [`KernelError::DeviceUnavailable`] where there is
 //! no usable driver, NVRTC or GPU, never with a panic.
 
+mod act;
 mod attention;
 mod backend;
 mod gemv;

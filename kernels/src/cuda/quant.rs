@@ -64,6 +64,14 @@ pub struct GemmScratch {
     pub(super) deq: Option<CudaSlice<f32>>,
 }
 
+impl GemmScratch {
+    /// The bf16 activations the last bf16 GEMM read (or a kernel wrote for
+    /// the next one).
+    pub fn activations(&self) -> &CudaSlice<bf16> {
+        &self.act
+    }
+}
+
 pub(super) fn kernel_suffix(dtype: DType) -> R<&'static str> {
     match dtype {
         DType::Q8_0 => Ok("q8_0"),

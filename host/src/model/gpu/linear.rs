@@ -55,6 +55,34 @@ impl Linear {
         }
     }
 
+    /// Whether a product of `m` rows reads bf16 activations from the GEMM
+    /// scratch ([`Self::apply_bf16`]): bf16 weights, two rows or more.
+    pub(super) fn bf16_input(&self, g: &Gpu, m: usize) -> bool {
+        self.weights().all(|w| g.takes_bf16_input(w, m))
+    }
+
+    /// As [`Self::apply`], on the `m x k` bf16 activations a kernel left in
+    /// `scratch` (when [`Self::bf16_input`]).
+    pub(super) fn apply_bf16(
+        &self,
+        g: &Gpu,
+        outs: &mut [&mut CudaSlice<f32>],
+        m: usize,
+        k: usize,
+        scratch: &GemmScratch,
+    ) -> R<()> {
+        match self {
+            Linear::Stacked { w, parts } => g.matmul_parts_bf16(w, outs, parts, m, k, scratch),
+            Linear::Apart(ws) => {
+                for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                    let rows = w.size_bytes() / w.row_bytes(k)?;
+                    g.matmul_parts_bf16(w, &mut [&mut **out], &[rows], m, k, scratch)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Bytes of weights on the device.
     pub(super) fn size_bytes(&self) -> usize {
         self.weights().map(DeviceWeight::size_bytes).sum()
