@@ -9,7 +9,8 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
 
-use super::launch::{NormOut, blocks, cfg};
+use super::launch::{blocks, cfg};
+use super::norm::NormOut;
 use super::{DeviceWeight, GemmScratch, Gpu, cuda_err};
 use crate::KernelError;
 

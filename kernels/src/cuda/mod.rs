@@ -13,6 +13,7 @@ mod gemv;
 mod graph;
 mod launch;
 mod memory;
+mod norm;
 mod prefill;
 mod quant;
 mod sampling;
