@@ -302,3 +302,31 @@ impl Gpu {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flash_partitions_stay_long_for_big_batches_and_shrink_to_fill_the_gpu() {
+        // 64 x 4096 over 8 KV heads: 2048 blocks of 1024 tokens.
+        assert_eq!(partition_len(64, 8, 4096), FLASH_PARTITION);
+        // 8 sequences of 1280: halved until 320 blocks.
+        assert_eq!(partition_len(8, 8, 1280), 256);
+        // One sequence never goes below a chunk per warp.
+        assert_eq!(partition_len(1, 8, 1280), MIN_PARTITION);
+        for seqs in [1, 2, 3, 8, 17, 64, 256] {
+            for max_len in [1, 15, 64, 1000, 1280, 4096, 32768] {
+                let p = partition_len(seqs, 8, max_len);
+                assert!(p.is_power_of_two() && (MIN_PARTITION..=FLASH_PARTITION).contains(&p));
+                // Shorter only while the launch is below its target.
+                if p < FLASH_PARTITION {
+                    assert!(seqs * 8 * max_len.div_ceil(2 * p) < TARGET_BLOCKS);
+                }
+                // The shuffle kernel's split is never longer, so scratch
+                // sized for it covers the flash kernel's.
+                assert!(split_len(seqs, 8, max_len, PARTITION) <= p);
+            }
+        }
+    }
+}
