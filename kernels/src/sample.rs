@@ -2,15 +2,17 @@
 
 use rand::Rng;
 
-/// Index of the largest logit (the first one on ties).
+/// Index of the largest logit (the first one on ties; NaN never wins, 0 when
+/// every logit is NaN).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
+    // NaN never wins (as on the GPU): the first non-NaN value starts.
+    let mut best: Option<(usize, f32)> = None;
     for (i, v) in logits.iter().enumerate() {
-        if *v > logits[best] {
-            best = i;
+        if !v.is_nan() && best.is_none_or(|(_, b)| *v > b) {
+            best = Some((i, *v));
         }
     }
-    best as u32
+    best.map_or(0, |(i, _)| i as u32)
 }
 
 /// Sampling settings for one draw.
@@ -96,6 +98,15 @@ pub fn sample_with_uniform(logits: &[f32], p: SamplingParams, u: f32) -> u32 {
 mod tests {
     use super::*;
     use rand::SeedableRng;
+
+    #[test]
+    fn argmax_takes_the_first_largest_and_never_a_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, -2.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, 0.5, f32::NAN, 2.0, 1.0]), 3);
+        assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY]), 1);
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+        assert_eq!(argmax(&[]), 0);
+    }
 
     #[test]
     fn greedy_and_top_k_one_pick_the_argmax() {

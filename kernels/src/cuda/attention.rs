@@ -69,7 +69,7 @@ pub(crate) fn attention_kernels() -> Vec<String> {
 /// Shared memory of a flash launch, as attention_flash.cu lays it out.
 fn flash_shared(group: usize, hd: usize, page_size: usize, part: usize) -> usize {
     let red = (FLASH_THREADS / 32) * (group * hd + 2 * group);
-    hd * 32 + red * 4 + (part / page_size + 1) * 4
+    hd * 32 + red * 4 + (part.div_ceil(page_size) + 1) * 4
 }
 
 /// Shared memory of a shuffle launch, as attention.cu lays it out: the
@@ -294,7 +294,8 @@ impl Gpu {
         unsafe {
             b.launch(cfg(
                 ((seqs * heads) as u32, 1, 1),
-                head_dim.min(1024) as u32,
+                // Whole warps: the merge reduces over the block.
+                head_dim.next_multiple_of(32).min(1024) as u32,
                 merge_shared as u32,
             ))
         }
