@@ -28,11 +28,14 @@ fn room(scratch: &GemmScratch, len: usize) -> R {
 }
 
 impl Gpu {
-    /// Whether a product of `m` rows with `w` reads bf16 activations from
-    /// its scratch (so [`Self::rmsnorm_residual_bf16`] and
-    /// [`Self::silu_mul_bf16`] can feed [`Self::matmul_parts_bf16`]).
-    pub fn takes_bf16_input(&self, w: &DeviceWeight, m: usize) -> bool {
-        matches!(w, DeviceWeight::Bf16(_)) && m > super::BF16_GEMV_ROWS
+    /// Whether a product of `m` rows of `k` with `w` runs cuBLAS on bf16
+    /// activations from its scratch (a bf16 weight the decode GEMV does not
+    /// take), so [`Self::rmsnorm_residual_bf16`] and [`Self::silu_mul_bf16`]
+    /// can feed [`Self::matmul_parts_bf16`]. [`Self::matmul_parts`] routes
+    /// by it too.
+    pub fn takes_bf16_input(&self, w: &DeviceWeight, m: usize, k: usize) -> bool {
+        let gemv = m <= super::BF16_GEMV_ROWS && k.is_multiple_of(8);
+        matches!(w, DeviceWeight::Bf16(_)) && !gemv
     }
 
     /// [`Self::rmsnorm_residual`] with its output rounded to bf16 into
@@ -78,7 +81,7 @@ impl Gpu {
         Ok(())
     }
 
-    /// As [`Self::matmul_parts`] with bf16 weights from two rows up, on the
+    /// As [`Self::matmul_parts`] with a bf16 weight through cuBLAS, on the
     /// `m x k` bf16 activations already in `scratch`.
     pub fn matmul_parts_bf16(
         &self,
@@ -94,11 +97,6 @@ impl Gpu {
                 "bf16 activations need a bf16 weight".into(),
             ));
         };
-        if !self.takes_bf16_input(w, m) {
-            return Err(KernelError::Shape(format!(
-                "a product of {m} rows runs the GEMV on f32 activations"
-            )));
-        }
         let n = super::gemv::check_parts(outs, parts, m)?;
         room(scratch, m * k)?;
         if wb.len() < n * k {

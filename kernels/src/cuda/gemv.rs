@@ -78,7 +78,7 @@ impl Gpu {
             )));
         }
         match w {
-            DeviceWeight::Bf16(wb) if m <= BF16_GEMV_ROWS && k.is_multiple_of(8) => {
+            DeviceWeight::Bf16(wb) if !self.takes_bf16_input(w, m, k) => {
                 self.gemv_bf16_parts(x, wb, outs, parts, m, k)
             }
             DeviceWeight::Bf16(_) => {

@@ -34,7 +34,7 @@ impl Linear {
     }
 
     /// `outs[i] (m x rows_i) = x (m x k) * w_i^T`.
-    pub(super) fn apply(
+    fn apply(
         &self,
         g: &Gpu,
         x: &CudaSlice<f32>,
@@ -43,44 +43,59 @@ impl Linear {
         k: usize,
         scratch: &mut GemmScratch,
     ) -> R<()> {
+        self.each_stack(k, outs, |w, outs, parts| {
+            g.matmul_parts(x, w, outs, parts, m, k, scratch)
+        })
+    }
+
+    /// Calls `f` with each device weight, its outputs and its parts' rows:
+    /// the stack once, or each weight apart with its own output.
+    fn each_stack(
+        &self,
+        k: usize,
+        outs: &mut [&mut CudaSlice<f32>],
+        mut f: impl FnMut(&DeviceWeight, &mut [&mut CudaSlice<f32>], &[usize]) -> R<()>,
+    ) -> R<()> {
         match self {
-            Linear::Stacked { w, parts } => g.matmul_parts(x, w, outs, parts, m, k, scratch),
+            Linear::Stacked { w, parts } => f(w, outs, parts),
             Linear::Apart(ws) => {
                 for (w, out) in ws.iter().zip(outs.iter_mut()) {
                     let rows = w.size_bytes() / w.row_bytes(k)?;
-                    g.matmul(x, w, out, m, rows, k, scratch)?;
+                    f(w, &mut [&mut **out], &[rows])?;
                 }
                 Ok(())
             }
         }
     }
 
-    /// Whether a product of `m` rows reads bf16 activations from the GEMM
-    /// scratch ([`Self::apply_bf16`]): bf16 weights, two rows or more.
-    pub(super) fn bf16_input(&self, g: &Gpu, m: usize) -> bool {
-        self.weights().all(|w| g.takes_bf16_input(w, m))
-    }
-
-    /// As [`Self::apply`], on the `m x k` bf16 activations a kernel left in
-    /// `scratch` (when [`Self::bf16_input`]).
-    pub(super) fn apply_bf16(
+    /// `outs[i] = rmsnorm(h += residual) * norm_w * w_i^T` over `m` rows of
+    /// `k`. Where every weight runs cuBLAS on bf16 activations (two rows up,
+    /// bf16 weights), the norm writes them straight into the GEMM's scratch;
+    /// otherwise into `xn` as f32 for [`Self::apply`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn apply_normed(
         &self,
         g: &Gpu,
+        (h, residual, norm_w, eps): (
+            &mut CudaSlice<f32>,
+            Option<&CudaSlice<f32>>,
+            &CudaSlice<f32>,
+            f32,
+        ),
+        xn: &mut CudaSlice<f32>,
         outs: &mut [&mut CudaSlice<f32>],
         m: usize,
         k: usize,
-        scratch: &GemmScratch,
+        scratch: &mut GemmScratch,
     ) -> R<()> {
-        match self {
-            Linear::Stacked { w, parts } => g.matmul_parts_bf16(w, outs, parts, m, k, scratch),
-            Linear::Apart(ws) => {
-                for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                    let rows = w.size_bytes() / w.row_bytes(k)?;
-                    g.matmul_parts_bf16(w, &mut [&mut **out], &[rows], m, k, scratch)?;
-                }
-                Ok(())
-            }
+        if self.weights().all(|w| g.takes_bf16_input(w, m, k)) {
+            g.rmsnorm_residual_bf16(h, residual, norm_w, scratch, m, k, eps)?;
+            return self.each_stack(k, outs, |w, outs, parts| {
+                g.matmul_parts_bf16(w, outs, parts, m, k, scratch)
+            });
         }
+        g.rmsnorm_residual(h, residual, norm_w, xn, m, k, eps)?;
+        self.apply(g, xn, outs, m, k, scratch)
     }
 
     /// Bytes of weights on the device.

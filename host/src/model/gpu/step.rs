@@ -452,16 +452,11 @@ impl GpuModel {
             // h += the previous block's output, then the attention norm.
             // From two rows up, bf16 weights run cuBLAS on bf16 activations:
             // the norm and SiLU-mul write those straight into its scratch.
-            let residual = (li > 0).then_some(&*proj);
             let qkv = &mut [&mut *q, &mut *k, &mut *v];
-            if layer.qkv.bf16_input(g, n) {
-                let w = &layer.attn_norm;
-                g.rmsnorm_residual_bf16(h, residual, w, scratch, n, c.hidden, c.eps)?;
-                layer.qkv.apply_bf16(g, qkv, n, c.hidden, scratch)?;
-            } else {
-                g.rmsnorm_residual(h, residual, &layer.attn_norm, xn, n, c.hidden, c.eps)?;
-                layer.qkv.apply(g, xn, qkv, n, c.hidden, scratch)?;
-            }
+            let norm = (&mut *h, (li > 0).then_some(&*proj), &layer.attn_norm, c.eps);
+            layer
+                .qkv
+                .apply_normed(g, norm, xn, qkv, n, c.hidden, scratch)?;
             if let Some([bq, bk, bv]) = &layer.bias {
                 g.add_bias(q, bq, n, q_dim)?;
                 g.add_bias(k, bk, n, kv_dim)?;
@@ -493,15 +488,11 @@ impl GpuModel {
             }
             g.matmul(attn, &layer.wo, proj, n, c.hidden, q_dim, scratch)?;
             let gate_up = &mut [&mut *gate, &mut *up];
-            if layer.gate_up.bf16_input(g, n) {
-                let w = &layer.ffn_norm;
-                g.rmsnorm_residual_bf16(h, Some(&*proj), w, scratch, n, c.hidden, c.eps)?;
-                layer.gate_up.apply_bf16(g, gate_up, n, c.hidden, scratch)?;
-            } else {
-                g.rmsnorm_residual(h, Some(&*proj), &layer.ffn_norm, xn, n, c.hidden, c.eps)?;
-                layer.gate_up.apply(g, xn, gate_up, n, c.hidden, scratch)?;
-            }
-            if g.takes_bf16_input(&layer.w_down, n) {
+            let norm = (&mut *h, Some(&*proj), &layer.ffn_norm, c.eps);
+            layer
+                .gate_up
+                .apply_normed(g, norm, xn, gate_up, n, c.hidden, scratch)?;
+            if g.takes_bf16_input(&layer.w_down, n, c.ffn) {
                 g.silu_mul_bf16(gate, up, scratch, n * c.ffn)?;
                 let down = &layer.w_down;
                 g.matmul_parts_bf16(down, &mut [&mut *proj], &[c.hidden], n, c.ffn, scratch)?;
