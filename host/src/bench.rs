@@ -37,6 +37,10 @@ pub struct BenchRow {
     pub itl_p95_ms: f64,
     /// Median step that only decoded, in ms.
     pub decode_step_ms: f64,
+    /// Median host time of those steps, in ms: the step less the time it
+    /// waited on the device (scheduling, KV bookkeeping, gathering the
+    /// inputs), while the device idles.
+    pub host_ms: f64,
     /// With `integrity_ab`: median decode-only step with the page-tag check
     /// on and off (alternate steps once every sequence has its first
     /// token), in ms.
@@ -113,8 +117,8 @@ pub fn run(
     }
     let mut first_token_all = None;
     let mut seen = std::collections::HashMap::new();
-    let (mut itl, mut decode_steps, mut on, mut off) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut itl, mut decode_steps, mut on, mut off, mut host) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // (tokens, ms) of each decode-only step.
     let mut rates: Vec<(usize, f64)> = Vec::new();
     let (mut generated, mut admitted, mut decode_tokens) = (0usize, 0, 0usize);
@@ -155,6 +159,7 @@ pub fn run(
         let stats = engine.stats();
         if stats.last_step_tokens == stats.last_step_seqs {
             decode_steps.push(elapsed);
+            host.push(elapsed - stats.last_step_device_us as f64 / 1e3);
             rates.push((decoded, elapsed));
             decode_tokens += decoded;
             if alternating {
@@ -166,7 +171,7 @@ pub fn run(
     let prefill = first_token_all.unwrap_or(total);
     let decode_time: f64 = decode_steps.iter().sum::<f64>() / 1e3;
     let mean_batch = decode_tokens as f64 / decode_steps.len().max(1) as f64;
-    for v in [&mut itl, &mut decode_steps, &mut on, &mut off] {
+    for v in [&mut itl, &mut decode_steps, &mut on, &mut off, &mut host] {
         v.sort_by(f64::total_cmp);
     }
     let context = (prompt_tokens + gen_tokens / 2) as f64;
@@ -181,6 +186,7 @@ pub fn run(
         itl_p50_ms: percentile(&itl, 0.5),
         itl_p95_ms: percentile(&itl, 0.95),
         decode_step_ms: percentile(&decode_steps, 0.5),
+        host_ms: percentile(&host, 0.5),
         check_on_off_ms: (integrity_ab && check && !on.is_empty())
             .then(|| (percentile(&on, 0.5), percentile(&off, 0.5))),
         step_bytes: engine.weight_bytes() as f64

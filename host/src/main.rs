@@ -315,7 +315,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         rayon::current_num_threads()
     );
     println!(
-        "{:>6} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>6} {:>20} {:>8} {:>8}",
+        "{:>6} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>7} {:>6} {:>20} {:>8} {:>8}",
         "kv",
         "conc",
         "admitted",
@@ -326,6 +326,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "ITL p50",
         "ITL p95",
         "step ms",
+        "host ms",
         "batch",
         "check on/off ms",
         "ideal ms",
@@ -360,7 +361,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
             // copy bandwidth, against the measured decode-only step.
             let ideal = bw.map(|b| row.step_bytes / (b * 1e9) * 1e3);
             println!(
-                "{:>6} {:>5} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>8.2} {:>6.1} {:>20} {:>8} {:>8}",
+                "{:>6} {:>5} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>6.1} {:>20} {:>8} {:>8}",
                 format!("{:?}{}", kv_format(format), if graphs { "+g" } else { "" }).to_lowercase(),
                 row.concurrency,
                 row.admitted,
@@ -371,6 +372,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 row.itl_p50_ms,
                 row.itl_p95_ms,
                 row.decode_step_ms,
+                row.host_ms,
                 row.mean_batch,
                 check,
                 ideal.map_or("-".into(), |i| format!("{i:.2}")),

@@ -137,6 +137,10 @@ pub struct EngineStats {
     /// Tokens the last step computed (equal to its sequences when it only
     /// decoded).
     pub last_step_tokens: usize,
+    /// Microseconds the last step waited on the device (upload, kernels,
+    /// download; on the CPU the whole forward): the rest of a step is the
+    /// host's scheduling and bookkeeping, during which the device idles.
+    pub last_step_device_us: u64,
 }
 
 /// One model, its KV pool and its scheduler.
@@ -433,7 +437,8 @@ impl Engine {
             expected: &expected,
             changes: &changes,
         };
-        let StepOut { rows, ok } = self.runner.forward(&self.loaded, &batch, tags)?;
+        let StepOut { rows, ok, device } = self.runner.forward(&self.loaded, &batch, tags)?;
+        self.stats.last_step_device_us = device.as_micros() as u64;
         self.stats.steps += 1;
         self.stats.last_step_seqs = batch.len();
         self.stats.last_step_tokens = batch.iter().map(|b| b.tokens.len()).sum();

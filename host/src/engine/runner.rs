@@ -73,6 +73,8 @@ impl Runner {
     ) -> Result<StepOut, String> {
         match self {
             Runner::Cpu(cache) => {
+                // The CPU is the device: all of the forward is its time.
+                let start = std::time::Instant::now();
                 let logits = loaded
                     .model
                     .forward(cache, batch)
@@ -80,6 +82,7 @@ impl Runner {
                 Ok(StepOut {
                     rows: logits.into_iter().map(SeqOut::Logits).collect(),
                     ok: vec![true; batch.len()],
+                    device: start.elapsed(),
                 })
             }
             Runner::Gpu(model, kv) => model.forward(kv, batch, tags).map_err(|e| e.to_string()),

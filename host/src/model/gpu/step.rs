@@ -57,6 +57,9 @@ pub struct StepOut {
     pub rows: Vec<SeqOut>,
     /// Per sequence of the batch: whether its pages passed the tag check.
     pub ok: Vec<bool>,
+    /// How long the host waited on the device: the inputs' upload, the
+    /// kernels (or the graph's replay) and the results' download.
+    pub device: std::time::Duration,
 }
 
 /// What identifies a captured step.
@@ -278,6 +281,7 @@ impl GpuModel {
             return Ok(StepOut {
                 rows: Vec::new(),
                 ok: vec![true; seqs],
+                device: Default::default(),
             });
         }
         let mut max_len = x.lens.iter().copied().max().unwrap_or(1) as usize;
@@ -370,6 +374,7 @@ impl GpuModel {
     ) -> R<StepOut> {
         let c = &self.config;
         let g = &self.gpu;
+        let start = std::time::Instant::now();
         g.upload_into(words, &mut w.inputs)?;
         // A shape is captured the second time it comes: one seen once (a
         // batch size passed through while sequences join or finish) would
@@ -393,6 +398,7 @@ impl GpuModel {
         }
         let (seqs, m) = (s.seqs, s.m);
         let small = g.download_range(&w.small, 0..seqs + m)?;
+        let device = start.elapsed();
         let ok: Vec<bool> = if s.check {
             small[..seqs].iter().map(|f| *f == 1).collect()
         } else {
@@ -411,7 +417,7 @@ impl GpuModel {
                 Draw::Greedy | Draw::Sample { .. } => SeqOut::Token(small[seqs + i]),
             })
             .collect();
-        Ok(StepOut { rows, ok })
+        Ok(StepOut { rows, ok, device })
     }
 
     /// Every launch of a step, reading its inputs from `w.inputs`: the tag
