@@ -58,9 +58,25 @@ pub fn sample_with_uniform(logits: &[f32], p: SamplingParams, u: f32) -> u32 {
         idx.select_nth_unstable_by(k - 1, |a, b| {
             logits[*b as usize].total_cmp(&logits[*a as usize])
         });
-        idx.truncate(k);
+        // Logits equal to the k-th largest all stay in: which of them
+        // would be "the" k-th is arbitrary, and the device's radix select
+        // cannot tell them apart either.
+        let kth = logits[idx[k - 1] as usize];
+        let ties = idx[k..]
+            .iter()
+            .filter(|i| logits[**i as usize] == kth)
+            .count();
+        idx.select_nth_unstable_by(k + ties - 1, |a, b| {
+            logits[*b as usize].total_cmp(&logits[*a as usize])
+        });
+        idx.truncate(k + ties);
     }
-    idx.sort_unstable_by(|a, b| logits[*b as usize].total_cmp(&logits[*a as usize]));
+    // Largest first; equal logits by index, so a draw is reproducible.
+    idx.sort_unstable_by(|a, b| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    });
     // Weights and running sums in f64: over a whole vocabulary, f32 sums
     // drift by more than a small token's probability.
     let max = logits[idx[0] as usize] as f64;
@@ -106,6 +122,23 @@ mod tests {
         assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY]), 1);
         assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
         assert_eq!(argmax(&[]), 0);
+    }
+
+    #[test]
+    fn logits_tied_with_the_kth_largest_all_stay_candidates() {
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 1.0,
+        };
+        // Tokens 1 and 2 tie for second: both are candidates, so the top
+        // of the draw's range reaches token 2 (candidates 0, 1, 2).
+        let logits = [3.0, 2.0, 2.0, 1.0];
+        assert_eq!(sample_with_uniform(&logits, p, 0.999), 2);
+        assert_eq!(sample_with_uniform(&logits, p, 0.7), 1);
+        assert_eq!(sample_with_uniform(&logits, p, 0.1), 0);
+        // Token 3 is never one.
+        assert!((0..100).all(|i| sample_with_uniform(&logits, p, i as f32 / 100.0) != 3));
     }
 
     #[test]

@@ -523,6 +523,9 @@ fn valid_pick(row: &[f32], p: SamplingParams, u: f32, token: u32, eps: f64) -> b
     } else {
         row.len()
     };
+    // Logits tied with the k-th largest are all candidates.
+    let kth = row[idx[k - 1]];
+    let k = k + idx[k..].iter().filter(|i| row[**i] == kth).count();
     let max = row[idx[0]] as f64;
     let weight = |l: f32| ((l as f64 - max) / p.temperature as f64).exp();
     let w: Vec<f64> = idx[..k].iter().map(|i| weight(row[*i])).collect();
