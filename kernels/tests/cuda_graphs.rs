@@ -1,12 +1,15 @@
 //! CUDA behaviour with no CPU counterpart: a captured step whose kernels
 //! start early (programmatic edges) computes exactly what the same launches
 //! compute one after another, and kernels that write a bf16 GEMM's input
-//! give exactly their f32 results rounded. CUDA only: with
+//! give exactly their f32 results rounded, and fused launches write
+//! exactly what the launches they replace write. CUDA only: with
 //! `KILN_TEST_DEVICE=cuda` (the GPU machine, where a CUDA that does not
 //! work fails the tests); on the CPU there is nothing to check.
 
 use half::bf16;
 use kiln_kernels::cuda::{CudaSlice, Gpu};
+use kiln_kernels::kv::{KvFormat, KvLayout};
+use kiln_kernels::ops::{Rope, RopeStyle};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -70,15 +73,24 @@ impl Chain {
     }
 }
 
-#[test]
-fn programmatic_graph_replays_exactly_what_eager_launches_compute() {
+/// The GPU and a fresh seed (printed), with `KILN_TEST_DEVICE=cuda`; else
+/// none (there is nothing to check on the CPU).
+fn device() -> Option<(Gpu, u64)> {
     if std::env::var("KILN_TEST_DEVICE").as_deref() != Ok("cuda") {
-        return;
+        return None;
     }
-    let mut gpu = Gpu::open(0, true)
+    let gpu = Gpu::open(0, true)
         .unwrap_or_else(|e| panic!("KILN_TEST_DEVICE=cuda, but CUDA does not work: {e}"));
     let seed: u64 = rand::rng().random();
     eprintln!("seed {seed}");
+    Some((gpu, seed))
+}
+
+#[test]
+fn programmatic_graph_replays_exactly_what_eager_launches_compute() {
+    let Some((mut gpu, seed)) = device() else {
+        return;
+    };
     let mut eager = Chain::new(&gpu, &mut ChaCha8Rng::seed_from_u64(seed));
     eager.launch(&gpu).unwrap();
     let want = eager.results(&gpu);
@@ -108,13 +120,9 @@ fn programmatic_graph_replays_exactly_what_eager_launches_compute() {
 
 #[test]
 fn bf16_activations_equal_the_f32_results_rounded() {
-    if std::env::var("KILN_TEST_DEVICE").as_deref() != Ok("cuda") {
+    let Some((gpu, seed)) = device() else {
         return;
-    }
-    let gpu = Gpu::open(0, true)
-        .unwrap_or_else(|e| panic!("KILN_TEST_DEVICE=cuda, but CUDA does not work: {e}"));
-    let seed: u64 = rand::rng().random();
-    eprintln!("seed {seed}");
+    };
     let rng = &mut ChaCha8Rng::seed_from_u64(seed);
     let mut v = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-3.0..3.0)).collect() };
     let rounded =
@@ -157,4 +165,79 @@ fn bf16_activations_equal_the_f32_results_rounded() {
     let mut g = g;
     gpu.silu_mul(&mut g, &up, n).unwrap();
     assert_eq!(got, rounded(&gpu.download(&g).unwrap()), "silu-mul");
+}
+
+#[test]
+fn fused_rope_and_kv_write_write_what_the_two_launches_write() {
+    let Some((gpu, seed)) = device() else {
+        return;
+    };
+    let rng = &mut ChaCha8Rng::seed_from_u64(seed);
+    let (tokens, heads, kv_heads, pages) = (6usize, 8usize, 2usize, 4usize);
+    for hd in [64usize, 128] {
+        let layout = KvLayout {
+            page_size: 16,
+            kv_heads,
+            head_dim: hd,
+        };
+        for format in [KvFormat::Bf16, KvFormat::Fp8] {
+            for style in [RopeStyle::Interleaved, RopeStyle::Half] {
+                let mut v = |n: usize| -> Vec<f32> {
+                    (0..n).map(|_| rng.random_range(-4.0..4.0)).collect()
+                };
+                let (q0, k0, v0) = (
+                    v(tokens * heads * hd),
+                    v(tokens * kv_heads * hd),
+                    v(tokens * kv_heads * hd),
+                );
+                let pos: Vec<i32> = (0..tokens as i32).map(|t| 37 * t + 1000).collect();
+                // Distinct slots across the pages; the tag check's cleared
+                // slot (-1) writes nothing.
+                let mut slots: Vec<i32> = (0..tokens as i32).map(|t| 11 * t + 3).collect();
+                slots[2] = -1;
+                let freq = Rope::new(hd, 500000.0, None, style).inv_freq().to_vec();
+                let il = style == RopeStyle::Interleaved;
+                let (dpos, dslots) = (gpu.upload(&pos).unwrap(), gpu.upload(&slots).unwrap());
+                let dfreq = gpu.upload(&freq).unwrap();
+                let run = |fused: bool| {
+                    let mut kv = gpu.paged_kv(format, layout, pages).unwrap();
+                    let (mut q, mut k) = (gpu.upload(&q0).unwrap(), gpu.upload(&k0).unwrap());
+                    let vv = gpu.upload(&v0).unwrap();
+                    let (s, p) = (dslots.slice(..), dpos.slice(..));
+                    if fused {
+                        gpu.rope_kv_write(
+                            &mut kv, &mut q, &mut k, &vv, &s, &p, &dfreq, tokens, heads, il,
+                        )
+                        .unwrap();
+                    } else {
+                        let h = [heads, kv_heads];
+                        gpu.rope_qk(&mut q, &mut k, &p, &dfreq, tokens, h, hd, il)
+                            .unwrap();
+                        gpu.kv_write(&mut kv, &k, &vv, &s, tokens).unwrap();
+                    }
+                    let bits =
+                        |x: Vec<f32>| -> Vec<u32> { x.iter().map(|v| v.to_bits()).collect() };
+                    (
+                        bits(gpu.download(&q).unwrap()),
+                        bits(gpu.download(&k).unwrap()),
+                        gpu.download(&kv.k).unwrap(),
+                        gpu.download(&kv.v).unwrap(),
+                        bits(gpu.download(&kv.k_scale).unwrap()),
+                        bits(gpu.download(&kv.v_scale).unwrap()),
+                    )
+                };
+                let (want, got) = (run(false), run(true));
+                let what = format!("{format:?}, {style:?}, head_dim {hd}");
+                assert!(got.0 == want.0, "queries differ: {what}");
+                assert!(got.1 == want.1, "keys differ: {what}");
+                assert!(got.2 == want.2, "K pages differ: {what}");
+                assert!(got.3 == want.3, "V pages differ: {what}");
+                assert!(got.4 == want.4 && got.5 == want.5, "scales differ: {what}");
+                assert!(
+                    want.2.iter().any(|b| *b != 0),
+                    "something was written: {what}"
+                );
+            }
+        }
+    }
 }

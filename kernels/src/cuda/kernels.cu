@@ -152,6 +152,15 @@ extern "C" __global__ void rmsnorm_residual(float* x, const float* residual, con
     }
 }
 
+// One pair's rotation by the angle whose sine and cosine are s and c,
+// with the roundings pinned so every kernel that rotates gives the same
+// bits.
+__device__ __forceinline__ void rotate_pair(float x0, float x1, float s, float c, float* o0,
+                                            float* o1) {
+    *o0 = __fmaf_rn(x0, c, -__fmul_rn(x1, s));
+    *o1 = __fmaf_rn(x0, s, __fmul_rn(x1, c));
+}
+
 // Rotates every head of x (tokens x heads x dim) and of x2 (tokens x heads2
 // x dim: a step's keys beside its queries, in the same launch) at its
 // token's position. interleaved: pairs (2i, 2i+1) (GGUF llama); else (i,
@@ -175,9 +184,7 @@ extern "C" __global__ void rope(float* x, float* x2, const int* pos, const float
         if (i != threadIdx.x) sincosf(p * inv_freq[i], &s, &c);
         int a = interleaved ? 2 * i : i;
         int b = interleaved ? 2 * i + 1 : i + half;
-        float x0 = h[a], x1 = h[b];
-        h[a] = x0 * c - x1 * s;
-        h[b] = x0 * s + x1 * c;
+        rotate_pair(h[a], h[b], s, c, &h[a], &h[b]);
     }
 }
 
@@ -257,6 +264,73 @@ extern "C" __global__ void kv_write_fp8(const float* k, const float* v, const in
     size_t vec = kv_vec(slot / page_size, slot % page_size, blockIdx.y, kv_heads, page_size);
     fp8_store(k[src], red, kc + vec * hd + threadIdx.x, ks + vec, hd);
     fp8_store(v[src], red, vc + vec * hd + threadIdx.x, vs + vec, hd);
+}
+
+// rope over a step's queries and keys, then kv_write, in one launch (a
+// decode step's layer saves a launch and a pass over the keys). Grid:
+// tokens x (heads + kv_heads); threads: dim (a multiple of 32, up to 1024).
+// Block y < heads rotates query head y in place; the others rotate key head
+// y - heads in place and write it, rotated, and its value into the pages.
+template <bool FP8>
+__device__ void rope_kv_write(float* q, float* k, const float* v, const int* pos,
+                              const float* inv_freq, const int* slots, void* kc, void* vc,
+                              float* ks, float* vs, int heads, int kv_heads, int hd,
+                              int page_size, int interleaved) {
+    __shared__ float rot[1024];
+    __shared__ float red[32];
+    int t = blockIdx.x, y = blockIdx.y, i = threadIdx.x, half = hd / 2;
+    bool is_q = y < heads;
+    int kvh = y - heads;
+    float* h = is_q ? q + ((size_t)t * heads + y) * hd : k + ((size_t)t * kv_heads + kvh) * hd;
+    // The angle before the wait: positions are step inputs no kernel
+    // writes, the frequencies constants.
+    float s = 0.0f, c = 0.0f;
+    if (i < half) sincosf((float)pos[t] * inv_freq[i], &s, &c);
+    PDL_WAIT();
+    if (i < half) {
+        int a = interleaved ? 2 * i : i;
+        int b = interleaved ? 2 * i + 1 : i + half;
+        float o0, o1;
+        rotate_pair(h[a], h[b], s, c, &o0, &o1);
+        h[a] = o0;
+        h[b] = o1;
+        rot[a] = o0;
+        rot[b] = o1;
+    }
+    if (is_q) return;
+    int slot = slots[t];  // after the wait: the tag check clears it
+    if (slot < 0) return;
+    __syncthreads();  // rot complete
+    float kx = rot[i];
+    float vx = v[((size_t)t * kv_heads + kvh) * hd + i];
+    size_t vec = kv_vec(slot / page_size, slot % page_size, kvh, kv_heads, page_size);
+    if (FP8) {
+        fp8_store(kx, red, (unsigned char*)kc + vec * hd + i, ks + vec, hd);
+        fp8_store(vx, red, (unsigned char*)vc + vec * hd + i, vs + vec, hd);
+    } else {
+        ((__nv_bfloat16*)kc)[vec * hd + i] = __float2bfloat16(kx);
+        ((__nv_bfloat16*)vc)[vec * hd + i] = __float2bfloat16(vx);
+    }
+}
+
+extern "C" __global__ void rope_kv_write_bf16(float* q, float* k, const float* v,
+                                               const int* pos, const float* inv_freq,
+                                               const int* slots, void* kc, void* vc, float* ks,
+                                               float* vs, int heads, int kv_heads, int hd,
+                                               int page_size, int interleaved) {
+    PDL_LAUNCH();
+    rope_kv_write<false>(q, k, v, pos, inv_freq, slots, kc, vc, ks, vs, heads, kv_heads, hd,
+                         page_size, interleaved);
+}
+
+extern "C" __global__ void rope_kv_write_fp8(float* q, float* k, const float* v,
+                                              const int* pos, const float* inv_freq,
+                                              const int* slots, void* kc, void* vc, float* ks,
+                                              float* vs, int heads, int kv_heads, int hd,
+                                              int page_size, int interleaved) {
+    PDL_LAUNCH();
+    rope_kv_write<true>(q, k, v, pos, inv_freq, slots, kc, vc, ks, vs, heads, kv_heads, hd,
+                        page_size, interleaved);
 }
 
 // Most tokens per attention partition.

@@ -44,6 +44,21 @@ pub struct PagedKv {
     pub v_scale: CudaSlice<f32>,
 }
 
+impl PagedKv {
+    /// KV heads, head size and page size, when the KV-writing kernels (a
+    /// thread per element of a head's vector) can take the layout.
+    pub(super) fn writable_layout(&self) -> R<(usize, usize, usize)> {
+        let head_dim = self.layout.head_dim;
+        if !head_dim.is_multiple_of(32) || head_dim > 1024 {
+            return Err(KernelError::Shape(format!(
+                "head_dim {head_dim}: a multiple of 32 up to 1024"
+            )));
+        }
+        let l = self.layout;
+        Ok((l.kv_heads, head_dim, l.page_size))
+    }
+}
+
 impl Gpu {
     /// Zeroed pages.
     pub fn paged_kv(&self, format: KvFormat, layout: KvLayout, pages: usize) -> R<PagedKv> {
@@ -91,16 +106,7 @@ impl Gpu {
         slots: &CudaView<'_, i32>,
         tokens: usize,
     ) -> R {
-        let KvLayout {
-            kv_heads,
-            head_dim,
-            page_size,
-        } = kv.layout;
-        if !head_dim.is_multiple_of(32) || head_dim > 1024 {
-            return Err(KernelError::Shape(format!(
-                "head_dim {head_dim}: a multiple of 32 up to 1024"
-            )));
-        }
+        let (kv_heads, head_dim, page_size) = kv.writable_layout()?;
         let (h, d, ps) = (kv_heads as i32, head_dim as i32, page_size as i32);
         let grid = (tokens as u32, kv_heads as u32, 1);
         match kv.format {

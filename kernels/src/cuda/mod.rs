@@ -60,6 +60,8 @@ const KERNELS: &[&str] = &[
     "embed_bf16",
     "kv_write_bf16",
     "kv_write_fp8",
+    "rope_kv_write_bf16",
+    "rope_kv_write_fp8",
     "attention_part_bf16_g1",
     "attention_part_bf16_g2",
     "attention_part_bf16_g3",
@@ -356,5 +358,47 @@ impl Gpu {
     /// Waits for all queued work.
     pub fn synchronize(&self) -> Result<(), KernelError> {
         self.stream.synchronize().map_err(cuda_err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{KERNELS, SOURCE, attention};
+
+    #[test]
+    fn every_kernel_the_source_defines_by_name_is_loaded() {
+        let loaded: Vec<String> = KERNELS
+            .iter()
+            .map(|k| k.to_string())
+            .chain(attention::attention_kernels())
+            .collect();
+        let mut named = 0;
+        for def in SOURCE.split("extern \"C\" __global__").skip(1) {
+            // `void [__launch_bounds__(..)] name(`: the word before the
+            // first parenthesis after the bounds.
+            let head = def.split('{').next().unwrap_or_default();
+            let head = head.trim_start().trim_start_matches("void").trim_start();
+            let head = if head.starts_with("__launch_bounds__") {
+                head.split_once(')').map_or("", |(_, rest)| rest)
+            } else {
+                head
+            };
+            let before = head.split('(').next().unwrap_or_default();
+            let name = before
+                .rsplit(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '#'))
+                .next()
+                .unwrap_or_default();
+            // Macro templates (`NAME`, `gemv_bf16_##M`) name no kernel.
+            if name == "NAME" || name.contains('#') {
+                continue;
+            }
+            named += 1;
+            assert!(
+                loaded.iter().any(|k| k == name),
+                "kernel `{name}` is defined but never loaded"
+            );
+        }
+        assert!(named >= 10, "found only {named} kernels by name");
+        assert!(loaded.iter().any(|k| k == "rope_kv_write_fp8"));
     }
 }

@@ -1,12 +1,14 @@
 //! The per-token kernels around the projections: RMSNorm (with the
-//! residual add), RoPE over queries and keys, SiLU-and-multiply.
+//! residual add), RoPE over queries and keys (alone, or with the keys and
+//! values then written into their pages), SiLU-and-multiply.
 
 use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
 use half::bf16;
 
-use super::launch::{blocks, cfg};
+use super::launch::{PagedKv, blocks, cfg};
 use super::{Gpu, cuda_err};
 use crate::KernelError;
+use crate::kv::KvFormat;
 
 type R<T = ()> = Result<T, KernelError>;
 
@@ -109,6 +111,58 @@ impl Gpu {
             dim,
             interleaved,
         )
+    }
+
+    /// [`Self::rope_qk`] then [`Self::kv_write`] in one launch: rotates the
+    /// step's queries `q` (`tokens x heads x head_dim`) and keys `k`
+    /// (`tokens x kv_heads x head_dim`) in place and writes the rotated
+    /// keys and the values `v` into `kv` at `slots` (a negative slot writes
+    /// nothing), bit for bit what the two launches write.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_kv_write(
+        &self,
+        kv: &mut PagedKv,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        slots: &CudaView<'_, i32>,
+        pos: &CudaView<'_, i32>,
+        inv_freq: &CudaSlice<f32>,
+        tokens: usize,
+        heads: usize,
+        interleaved: bool,
+    ) -> R {
+        let (kv_heads, head_dim, page_size) = kv.writable_layout()?;
+        let kv_len = tokens * kv_heads * head_dim;
+        if q.len() < tokens * heads * head_dim
+            || k.len() < kv_len
+            || v.len() < kv_len
+            || slots.len() < tokens
+            || pos.len() < tokens
+            || inv_freq.len() < head_dim / 2
+        {
+            return Err(KernelError::Shape(format!(
+                "rope and KV write over {tokens} tokens of {heads} + {kv_heads} heads of \
+                 {head_dim}: buffer too small"
+            )));
+        }
+        let name = match kv.format {
+            KvFormat::Bf16 => "rope_kv_write_bf16",
+            KvFormat::Fp8 => "rope_kv_write_fp8",
+        };
+        let f = self.function(name)?;
+        let (h, kvh, d) = (heads as i32, kv_heads as i32, head_dim as i32);
+        let (ps, il) = (page_size as i32, interleaved as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(q).arg(k).arg(v).arg(pos).arg(inv_freq).arg(slots);
+        b.arg(&mut kv.k).arg(&mut kv.v);
+        b.arg(&mut kv.k_scale).arg(&mut kv.v_scale);
+        b.arg(&h).arg(&kvh).arg(&d).arg(&ps).arg(&il);
+        let grid = (tokens as u32, (heads + kv_heads) as u32, 1);
+        // SAFETY: every buffer checked above; slots index vectors inside
+        // the pages.
+        unsafe { b.launch(cfg(grid, head_dim as u32, 0)) }.map_err(cuda_err)?;
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -468,9 +468,19 @@ impl GpuModel {
                 g.add_bias(k, bk, n, kv_dim)?;
                 g.add_bias(v, bv, n, kv_dim)?;
             }
-            let heads = [c.heads, c.kv_heads];
-            g.rope_qk(q, k, &d_pos, &self.inv_freq, n, heads, hd, interleaved)?;
-            g.kv_write(pages, k, v, &d_slots, n)?;
+            let freq = &self.inv_freq;
+            g.rope_kv_write(
+                pages,
+                q,
+                k,
+                v,
+                &d_slots,
+                &d_pos,
+                freq,
+                n,
+                c.heads,
+                interleaved,
+            )?;
             if s.tiles > 0 {
                 let d_tiles = ints(&inputs, l.range(l.tiles, 2 * s.tiles));
                 g.prefill_attention(
