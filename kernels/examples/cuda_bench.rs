@@ -139,7 +139,9 @@ fn main() -> Result<(), E> {
     // Paged decode attention over one Llama-3-8B layer (32 query heads
     // over 8 KV heads of 128): batch 64 x 4096 (bandwidth) and batch 1 x
     // 1024 (latency), each plan checked against the first before timing.
-    for (batch, ctx) in [(64usize, 4096usize), (1, 1024)] {
+    // Then the decode matrix's c=128 and full fp8 batch (232 sequences) at
+    // its mean context.
+    for (batch, ctx) in [(64usize, 4096usize), (1, 1024), (128, 1152), (232, 1152)] {
         for format in [KvFormat::Bf16, KvFormat::Fp8] {
             attention(&gpu, &mut rng, copy, batch, ctx, format)?;
         }
@@ -255,7 +257,7 @@ fn attention(
         );
         let mut scratch = gpu.attention_buffers(batch, heads, 8, 128, ctx)?;
         let mut out: CudaSlice<f32> = s.alloc_zeros(batch * heads * 128)?;
-        let small = partition_len(batch, 8, ctx).min(PARTITION);
+        let small = partition_len(batch, 8, ctx, 1).min(PARTITION);
         // The shuffle kernel in partitions of 256 first: every other plan is
         // checked against it (the tensor-core kernel carries Q and the
         // weights as split halves, so they may differ in the sixth digit).
@@ -266,7 +268,12 @@ fn attention(
             let parts = match kind {
                 AttentionKind::Flash if batch == 1 => vec![64, 128, PARTITION],
                 // Longer partitions: fewer block merges per token.
-                AttentionKind::Flash => vec![PARTITION, 512, 1024],
+                // Else the sequence in 1 to 8 equal partitions (of at
+                // least 256 tokens: what the scratch holds).
+                AttentionKind::Flash => (1..=8)
+                    .map(|p| ctx.div_ceil(p).next_multiple_of(16))
+                    .filter(|len| *len >= PARTITION)
+                    .collect(),
                 AttentionKind::Shuffle => vec![PARTITION, small],
             };
             for part in parts {
@@ -279,6 +286,11 @@ fn attention(
                 }
             }
         }
+        // Then what the engine picks.
+        plans.push(AttentionPlan {
+            part_len: None,
+            kind: Some(AttentionKind::Flash),
+        });
         let mut first: Option<Vec<f32>> = None;
         for plan in plans {
             let mut run = |out: &mut CudaSlice<f32>| {
@@ -315,7 +327,7 @@ fn attention(
             println!(
                 "paged attention {format:?} batch {batch} x ctx {ctx}, {} tokens a part, {}: \
                  {:.4} ms, {bw:.0} GB/s, {:.0}% of copy (rel err {err:.1e})",
-                plan.part_len.unwrap_or(0),
+                plan.part_len.map_or("auto".into(), |p| p.to_string()),
                 plan.kind.map(|k| format!("{k:?}")).unwrap_or_default(),
                 t * 1e3,
                 100.0 * bw / copy

@@ -58,6 +58,9 @@ pub enum AttentionKernel {
     Best,
     /// CUDA: one pass per warp on tensor cores.
     Flash,
+    /// CUDA: the same, each sequence in one partition (the kernel
+    /// normalizes its output; no merge).
+    FlashUnsplit,
     /// CUDA: scores and values summed by warp shuffles on CUDA cores.
     Shuffle,
 }

@@ -252,6 +252,7 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
         for kernel in [
             AttentionKernel::Best,
             AttentionKernel::Flash,
+            AttentionKernel::FlashUnsplit,
             AttentionKernel::Shuffle,
         ] {
             case.kernel = kernel;
@@ -259,13 +260,20 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
             let e = rel_err(&out, &want);
             assert!(e < tol, "{} {format:?} {kernel:?}: rel err {e}", be.name());
             // The kernels read the same stored pages: they may differ only
-            // in the order of their sums.
+            // in the order of their sums, and over fp8 pages in Q's
+            // precision (the flash kernel scores on e4m3 tensor cores with Q
+            // as two e4m3 pieces: bf16's 2^-8, where the shuffle kernel
+            // keeps f32).
+            let agree = match format {
+                KvFormat::Bf16 => 1e-5,
+                KvFormat::Fp8 => 5e-3,
+            };
             match &first {
                 None => first = Some(out.iter().map(|v| *v as f64).collect()),
                 Some(f) => {
                     let e = rel_err(&out, f);
                     assert!(
-                        e < 1e-5,
+                        e < agree,
                         "{} {format:?} {kernel:?} against Best: {e}",
                         be.name()
                     );
@@ -304,12 +312,17 @@ fn causal_prefill_attention_matches_float64_in_bf16_and_fp8() {
         let e = rel_err(&out, &want);
         assert!(e < tol, "{} {format:?}: rel err {e}", be.name());
         // Against the decode kernel, one query per token over the same
-        // stored pages: only the order of the sums may differ.
+        // stored pages: only the order of the sums may differ, and over fp8
+        // pages Q's precision (decode scores on e4m3 tensor cores).
         let per_token = be.paged_attention(&case).unwrap();
         let per_token: Vec<f64> = per_token.iter().map(|v| *v as f64).collect();
         let e = rel_err(&out, &per_token);
+        let agree = match format {
+            KvFormat::Bf16 => 1e-5,
+            KvFormat::Fp8 => 5e-3,
+        };
         assert!(
-            e < 1e-5,
+            e < agree,
             "{} {format:?}: against decode attention, rel err {e}",
             be.name()
         );

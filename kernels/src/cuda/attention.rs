@@ -40,9 +40,13 @@ pub struct AttentionBuffers {
 /// Most tokens per attention partition (`PART` in the source).
 pub const PARTITION: usize = 256;
 
-/// Most tokens per partition of the flash kernel (its shared memory holds
-/// one page index per page of a partition).
+/// Tokens per partition the flash kernel starts from (see
+/// [`partition_len`]).
 pub const FLASH_PARTITION: usize = 1024;
+
+/// Most tokens per partition a plan may ask of the flash kernel (its shared
+/// memory holds one page index per page of a partition).
+pub const FLASH_MAX_PARTITION: usize = 4096;
 
 /// Threads of a decode attention block (`ATT_THREADS` in the source).
 const ATT_THREADS: usize = 128;
@@ -117,14 +121,40 @@ const MIN_PARTITION: usize = 64;
 /// its reads over the whole GPU instead of queueing them in a few blocks.
 const TARGET_BLOCKS: usize = 264;
 
+/// A flash block's fixed cost (setup, the closing merge of its warps), in
+/// tokens' worth of its reading time: the constant of [`partition_len`]'s
+/// model.
+const FLASH_BLOCK_COST: usize = 768;
+
 /// Tokens per flash attention partition for `seqs` sequences of up to
-/// `max_len` over `kv_heads`: [`FLASH_PARTITION`], halved while the launch
-/// would have fewer than [`TARGET_BLOCKS`] blocks, down to
-/// [`MIN_PARTITION`]. Long partitions spread each block's closing merge
-/// over more tokens (H200, batch 64 x 4096: partitions of 256 / 512 / 1024
-/// read fp8 pages at 60 / 72 / 75% of copy, bf16 at 89 / 96 / 99%).
-pub fn partition_len(seqs: usize, kv_heads: usize, max_len: usize) -> usize {
-    split_len(seqs, kv_heads, max_len, FLASH_PARTITION)
+/// `max_len` over `kv_heads`, when `resident` blocks run at once on the
+/// device (blocks per SM times SMs).
+///
+/// A small batch (fewer than [`TARGET_BLOCKS`] blocks in partitions of
+/// [`FLASH_PARTITION`]) halves its partitions until it has that many, down
+/// to [`MIN_PARTITION`]: latency. A big one splits each sequence into
+/// equal partitions, as many as minimize the launch's time modelled as
+/// whole waves of resident blocks times each block's tokens plus
+/// [`FLASH_BLOCK_COST`]: a last wave that leaves most SMs idle costs as
+/// much as a full one. (H200, fp8 with e4m3 scores, batch 64 x 4096, 396
+/// resident blocks: 1, 2, 3, 4 partitions read at 76, 81, 79, 76% of copy;
+/// the model picks 2. bf16, 264 resident: 101, 99, 98, 97%; it picks 1.
+/// Batch 232 x 1152, fp8: 1 and 2 partitions at 79 and 65%; it picks 1.)
+pub fn partition_len(seqs: usize, kv_heads: usize, max_len: usize, resident: usize) -> usize {
+    let pairs = seqs * kv_heads;
+    if pairs * max_len.div_ceil(FLASH_PARTITION) < TARGET_BLOCKS {
+        return split_len(seqs, kv_heads, max_len, FLASH_PARTITION);
+    }
+    let resident = resident.max(1);
+    // At most the partitions of the shuffle kernel (what scratch holds).
+    (1..=max_len.div_ceil(PARTITION).max(1))
+        .map(|p| max_len.div_ceil(p).next_multiple_of(16))
+        .filter(|len| *len <= FLASH_MAX_PARTITION)
+        .min_by_key(|len| {
+            let blocks = pairs * max_len.div_ceil(*len);
+            blocks.div_ceil(resident) * (len + FLASH_BLOCK_COST)
+        })
+        .unwrap_or(FLASH_PARTITION)
 }
 
 /// As [`partition_len`], starting from `most` tokens.
@@ -209,13 +239,37 @@ impl Gpu {
             (None, _) if flash_shape => AttentionKind::Flash,
             (None, _) => AttentionKind::Shuffle,
         };
-        let most = match kind {
-            AttentionKind::Flash => FLASH_PARTITION,
-            AttentionKind::Shuffle => PARTITION,
+        let fmt = match kv.format {
+            KvFormat::Bf16 => "bf16",
+            KvFormat::Fp8 => "fp8",
         };
-        let part_len = plan
-            .part_len
-            .unwrap_or_else(|| split_len(seqs, kv_heads, max_len, most));
+        let flash_name = format!("attention_flash_{fmt}_g{group}_d{head_dim}");
+        let (part_len, most) = match kind {
+            AttentionKind::Flash => {
+                let resident = || -> R<usize> {
+                    let shared = flash_shared(group, head_dim, page_size, FLASH_MAX_PARTITION);
+                    let per_sm = self
+                        .function(&flash_name)?
+                        .occupancy_max_active_blocks_per_multiprocessor(
+                            FLASH_THREADS as u32,
+                            shared,
+                            None,
+                        )
+                        .map_err(cuda_err)?;
+                    Ok(per_sm as usize * self.sms)
+                };
+                let len = match plan.part_len {
+                    Some(len) => len,
+                    None => partition_len(seqs, kv_heads, max_len, resident()?),
+                };
+                (len, FLASH_MAX_PARTITION)
+            }
+            AttentionKind::Shuffle => (
+                plan.part_len
+                    .unwrap_or_else(|| split_len(seqs, kv_heads, max_len, PARTITION)),
+                PARTITION,
+            ),
+        };
         if !(1..=most).contains(&part_len) {
             return Err(KernelError::Shape(format!(
                 "{kind:?} attention takes partitions of 1 to {most} tokens, not {part_len}"
@@ -244,13 +298,9 @@ impl Gpu {
                 (48 << 10) / 4
             )));
         }
-        let fmt = match kv.format {
-            KvFormat::Bf16 => "bf16",
-            KvFormat::Fp8 => "fp8",
-        };
         let (name, threads, shared) = match kind {
             AttentionKind::Flash => (
-                format!("attention_flash_{fmt}_g{group}_d{head_dim}"),
+                flash_name,
                 FLASH_THREADS,
                 flash_shared(group, head_dim, page_size, part_len),
             ),
@@ -278,9 +328,20 @@ impl Gpu {
             b.arg(i);
         }
         b.arg(&scale);
+        // One flash partition: the kernel normalizes its output itself.
+        let direct = kind == AttentionKind::Flash && parts == 1;
+        let null = 0u64;
+        if direct {
+            b.arg(&mut *out);
+        } else if kind == AttentionKind::Flash {
+            b.arg(&null);
+        }
         let grid = (kv_heads as u32, seqs as u32, parts as u32);
         // SAFETY: shared memory as each kernel lays it out, sized above.
         unsafe { b.launch(cfg(grid, threads as u32, shared as u32)) }.map_err(cuda_err)?;
+        if direct {
+            return Ok(());
+        }
         let f = self.function("attention_merge")?;
         let (p, d) = (parts as i32, head_dim as i32);
         let mut b = self.stream.launch_builder(f);
@@ -308,25 +369,53 @@ impl Gpu {
 mod tests {
     use super::*;
 
+    /// Resident fp8 and bf16 flash blocks on an H200 (3 and 2 per SM).
+    const FP8_H200: usize = 396;
+    const BF16_H200: usize = 264;
+
     #[test]
-    fn flash_partitions_stay_long_for_big_batches_and_shrink_to_fill_the_gpu() {
-        // 64 x 4096 over 8 KV heads: 2048 blocks of 1024 tokens.
-        assert_eq!(partition_len(64, 8, 4096), FLASH_PARTITION);
+    fn small_batches_halve_their_partitions_to_fill_the_gpu() {
         // 8 sequences of 1280: halved until 320 blocks.
-        assert_eq!(partition_len(8, 8, 1280), 256);
+        assert_eq!(partition_len(8, 8, 1280, FP8_H200), 256);
         // One sequence never goes below a chunk per warp.
-        assert_eq!(partition_len(1, 8, 1280), MIN_PARTITION);
-        for seqs in [1, 2, 3, 8, 17, 64, 256] {
-            for max_len in [1, 15, 64, 1000, 1280, 4096, 32768] {
-                let p = partition_len(seqs, 8, max_len);
+        assert_eq!(partition_len(1, 8, 1280, FP8_H200), MIN_PARTITION);
+        for seqs in [1, 2, 3, 8] {
+            for max_len in [1, 15, 64, 1000, 1280, 4096] {
+                let p = partition_len(seqs, 8, max_len, FP8_H200);
+                if seqs * 8 * max_len.div_ceil(FLASH_PARTITION) >= TARGET_BLOCKS {
+                    continue;
+                }
                 assert!(p.is_power_of_two() && (MIN_PARTITION..=FLASH_PARTITION).contains(&p));
                 // Shorter only while the launch is below its target.
                 if p < FLASH_PARTITION {
                     assert!(seqs * 8 * max_len.div_ceil(2 * p) < TARGET_BLOCKS);
                 }
-                // The shuffle kernel's split is never longer, so scratch
-                // sized for it covers the flash kernel's.
-                assert!(split_len(seqs, 8, max_len, PARTITION) <= p);
+            }
+        }
+    }
+
+    #[test]
+    fn big_batches_split_sequences_evenly_into_whole_waves() {
+        // 64 x 4096, fp8: 2 partitions (1024 blocks, 2.6 waves of 396), as
+        // measured best; bf16 (264 resident): one (2 waves).
+        assert_eq!(partition_len(64, 8, 4096, FP8_H200), 2048);
+        assert_eq!(partition_len(64, 8, 4096, BF16_H200), 4096);
+        // The full fp8 batch of the decode matrix: one partition a sequence
+        // (4.7 waves) rather than 1024 + 128.
+        assert_eq!(partition_len(232, 8, 1152, FP8_H200), 1152);
+        for seqs in [17, 64, 128, 232, 256] {
+            for max_len in [1000, 1280, 4096, 32768] {
+                for resident in [FP8_H200, BF16_H200, 1] {
+                    let p = partition_len(seqs, 8, max_len, resident);
+                    assert!(p.is_multiple_of(16) && p <= FLASH_MAX_PARTITION, "{p}");
+                    // Equal partitions: the last is shorter than the
+                    // others by less than a 16-token chunk per partition.
+                    let parts = max_len.div_ceil(p);
+                    assert!(parts * p - max_len < 16 * parts, "{max_len} in {p}");
+                    // The shuffle kernel's split is never longer, so
+                    // scratch sized for it covers the flash kernel's.
+                    assert!(split_len(seqs, 8, max_len, PARTITION) <= p);
+                }
             }
         }
     }

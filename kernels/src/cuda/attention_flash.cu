@@ -5,7 +5,9 @@
 // fragments (head `row`, tokens 2j, 2j + 1 of each 8) are exactly the B
 // fragment of the values product O^T = V^T P^T over those 16 tokens, so no
 // scores go through shared memory and warps never wait for each other
-// until the block merges their (max, sum, output) at the end.
+// until the block merges their (max, sum, output) at the end. With `out`
+// (the launch has one partition) the block writes the normalized output
+// itself and no merge runs after it.
 //
 // K and V of the warp's next chunk are loaded while this one is summed.
 //
@@ -15,8 +17,9 @@
 // its sums when cref grows, as it does when the running max grows.
 //
 // Shared memory (flash_shared on the host must agree): Q's fragments
-// (HD / 16 x 32 lanes x 16 bytes), red (WARPS x (G x HD + 2 G)), pg
-// (part_len / page_size + 1 pages). page_size: a power of two, at least 16.
+// (HD / 16 x 32 lanes x 16 bytes; with e4m3 scores HD / 32 x 32 x 16 and
+// 8 head factors, less), red (WARPS x (G x HD + 2 G)), pg (part_len /
+// page_size + 1 pages). page_size: a power of two, at least 16.
 
 #define FLASH_WARPS 4
 
@@ -25,7 +28,7 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
                                 const float* vs, const int* tables, const int* table_off,
                                 const int* lens, float* part_out, float* part_ml, int n_heads,
                                 int kv_heads, int page_size, int parts, int part_len,
-                                float scale) {
+                                float scale, float* out) {
     constexpr int WARPS = FLASH_WARPS;
     constexpr int ELEM = FP8 ? 1 : 2;
     constexpr int NB = HD / 8;
@@ -40,15 +43,23 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     int p0 = t0 / page_size;
     int npages = t1 > t0 ? (t1 - 1) / page_size - p0 + 1 : 0;
     uint4* qfs = (uint4*)smem;  // Q's fragments
-    float* red = (float*)(qfs + Q::STEPS * 32);
+    float* qscale = (float*)(qfs + Q::STEPS * 32);  // E4: per head
+    float* red = qscale + Q::SCALES;
     int* pg = (int*)(red + WARPS * (G * HD + 2 * G));
     const int* table = tables + table_off[s];
     for (int i = threadIdx.x; i < npages; i += WARPS * 32) pg[i] = table[p0 + i];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int j = lane & 3, row = lane >> 2;
     // Q's fragments, the same for every warp: one warp makes them.
-    if (warp == 0) Q(q + ((size_t)s * n_heads + kvh * G) * HD, row, j).store(qfs, lane);
+    if (warp == 0) {
+        Q qf(q + ((size_t)s * n_heads + kvh * G) * HD, row, j);
+        qf.store(qfs, lane);
+        qf.store_scale(qscale, row, j);
+    }
     __syncthreads();
+    // The factor of the lane's head's scores: the softmax scale, and with
+    // e4m3 scores Q's own.
+    float qk_scale = Q::E4 ? scale * qscale[row] : scale;
     auto frag = [&](int st) { return qfs[st * 32 + lane]; };
     int chunks = (t1 - t0 + 15) / 16;
     // Lane-held token x of chunk c (x = 2n + e: tokens 8n + 2j + e), which
@@ -92,8 +103,26 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
 #pragma unroll
                 for (int w = 0; w < WORDS; w++) ch.v[x][w] = 0;
             }
-            ch.ks[x] = (FP8 && ok) ? ks[vec] : 0.0f;
-            ch.vs[x] = (FP8 && ok) ? vs[vec] : 0.0f;
+        }
+        if (FP8) {
+            // The scales of tokens x = 2n, 2n + 1 lie side by side (an even
+            // vector index: chunks start 16-aligned): one 8-byte load each
+            // for K and V; the second of a pair may lie past the sequence's
+            // end (but inside its page) and is dropped.
+#pragma unroll
+            for (int n = 0; n < 2; n++) {
+                int off = 8 * n + 2 * j;
+                bool ok0 = live && cs + off < t1, ok1 = live && cs + off + 1 < t1;
+                float2 k2 = make_float2(0.0f, 0.0f), v2 = k2;
+                if (ok0) {
+                    k2 = *(const float2*)(ks + base + off);
+                    v2 = *(const float2*)(vs + base + off);
+                }
+                ch.ks[2 * n] = k2.x;
+                ch.vs[2 * n] = v2.x;
+                ch.ks[2 * n + 1] = ok1 ? k2.y : 0.0f;
+                ch.vs[2 * n + 1] = ok1 ? v2.y : 0.0f;
+            }
         }
     };
     // O^T = V^T P^T: MMA i's rows are dimensions (row g: g * NB + 2i, row
@@ -113,7 +142,7 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
         float cm = -INFINITY, cv = 0.0f;
 #pragma unroll
         for (int x = 0; x < 4; x++) {
-            sv[x] = token(c, x) < t1 ? sv[x] * scale * (FP8 ? ch.ks[x] : 1.0f) : -INFINITY;
+            sv[x] = token(c, x) < t1 ? sv[x] * qk_scale * (FP8 ? ch.ks[x] : 1.0f) : -INFINITY;
             cm = fmaxf(cm, sv[x]);
             if (FP8) cv = fmaxf(cv, ch.vs[x]);
         }
@@ -207,6 +236,31 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
         wo[G * HD + 2 * row + 1] = l;
     }
     __syncthreads();
+    if (out != nullptr) {
+        // The sequence in one partition: its output, normalized, with no
+        // merge launch after.
+        for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
+            int g = i / HD;
+            float mx = -INFINITY;
+#pragma unroll
+            for (int w = 0; w < WARPS; w++)
+                mx = fmaxf(mx, red[w * (G * HD + 2 * G) + G * HD + 2 * g]);
+            float sum = 0.0f, lsum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; w++) {
+                const float* r = red + w * (G * HD + 2 * G);
+                float mw = r[G * HD + 2 * g];
+                if (mw > -INFINITY) {
+                    float e = __expf(mw - mx);
+                    sum += r[i] * e;
+                    lsum += r[G * HD + 2 * g + 1] * e;
+                }
+            }
+            size_t h = (size_t)s * n_heads + kvh * G + g;
+            out[h * HD + i % HD] = sum * (lsum > 0.0f ? 1.0f / lsum : 0.0f);
+        }
+        return;
+    }
     // The block's partial output: warps merged at their common max.
     for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
         int g = i / HD;
@@ -243,11 +297,11 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
         NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,  \
              const int* tables, const int* table_off, const int* lens, float* part_out,         \
              float* part_ml, int n_heads, int kv_heads, int hd, int page_size, int parts,       \
-             int part_len, float scale) {                                                       \
+             int part_len, float scale, float* out) {                                           \
         PDL_ENTER();                                                                            \
         attention_flash<FP8, G, HD>(q, kc, vc, ks, vs, tables, table_off, lens, part_out,       \
                                     part_ml, n_heads, kv_heads, page_size, parts, part_len,     \
-                                    scale);                                                     \
+                                    scale, out);                                                \
     }
 
 // attention_flash_{fmt}_g{G}_d{HD}: every format, group size (query heads

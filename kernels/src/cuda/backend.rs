@@ -110,10 +110,13 @@ impl Backend for Gpu {
             max_len,
             c.scale,
             super::AttentionPlan {
-                part_len: None,
+                part_len: (c.kernel == AttentionKernel::FlashUnsplit)
+                    .then(|| max_len.next_multiple_of(16)),
                 kind: match c.kernel {
                     AttentionKernel::Best => None,
-                    AttentionKernel::Flash => Some(AttentionKind::Flash),
+                    AttentionKernel::Flash | AttentionKernel::FlashUnsplit => {
+                        Some(AttentionKind::Flash)
+                    }
                     AttentionKernel::Shuffle => Some(AttentionKind::Shuffle),
                 },
             },

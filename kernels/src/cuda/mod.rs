@@ -130,6 +130,8 @@ pub struct Gpu {
     /// Whether captured graphs join our kernels by programmatic edges
     /// (sm_90 and up; [`Gpu::set_programmatic`]).
     programmatic: bool,
+    /// Streaming multiprocessors.
+    sms: usize,
 }
 
 /// Bytes of cuBLAS workspace (NVIDIA's advice for Hopper).
@@ -263,6 +265,12 @@ impl Gpu {
             let ctx = CudaContext::new(ordinal).map_err(cuda_err)?;
             let (major, minor) = ctx.compute_capability().map_err(cuda_err)?;
             let name = ctx.name().map_err(cuda_err)?;
+            let sms = ctx
+                .attribute(
+                    cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                )
+                .map_err(cuda_err)?
+                .max(1) as usize;
             let arch = format!("compute_{major}{minor}");
             let module = ctx.load_module(compile(&arch)?).map_err(cuda_err)?;
             let mut functions = HashMap::new();
@@ -308,6 +316,7 @@ impl Gpu {
                 name: format!("{name} (sm_{major}{minor})"),
                 _module: module,
                 programmatic: major >= 9,
+                sms,
             })
         });
         opened.unwrap_or_else(|p| {
