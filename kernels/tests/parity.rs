@@ -188,17 +188,22 @@ fn attention_reference(c: &AttentionCase, keys: &[Vec<f32>], vals: &[Vec<f32>]) 
     out
 }
 
+/// Query heads, KV heads and head size: SmolLM2's (groups of 3, 64) and
+/// Llama-3-8B's (groups of 4, 128).
+const SMALL: [usize; 3] = [6, 2, 64];
+const LLAMA3: [usize; 3] = [8, 2, 128];
+
 fn attention_case(
     r: &mut ChaCha8Rng,
     format: KvFormat,
     lens: &[usize],
+    [heads, kv_heads, head_dim]: [usize; 3],
 ) -> (AttentionCase, Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let layout = KvLayout {
         page_size: 16,
-        kv_heads: 2,
-        head_dim: 64,
+        kv_heads,
+        head_dim,
     };
-    let heads = 6;
     let row = layout.kv_heads * layout.head_dim;
     let pages_needed: usize = lens.iter().map(|l| l.div_ceil(16)).sum();
     let num_pages = pages_needed + 7;
@@ -245,8 +250,9 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
     let (be, mut r) = (backend(), rng());
     // Lengths across partition boundaries (512) and within one page.
     let lens = [1, 17, 300, 513, 1100];
-    for (format, tol) in [(KvFormat::Bf16, 1e-2), (KvFormat::Fp8, 6e-2)] {
-        let (mut case, keys, vals) = attention_case(&mut r, format, &lens);
+    let cases = [(KvFormat::Bf16, 1e-2), (KvFormat::Fp8, 6e-2)];
+    for ((format, tol), shape) in cases.into_iter().flat_map(|c| [(c, SMALL), (c, LLAMA3)]) {
+        let (mut case, keys, vals) = attention_case(&mut r, format, &lens, shape);
         let want = attention_reference(&case, &keys, &vals);
         let mut first: Option<Vec<f64>> = None;
         for kernel in [
@@ -258,7 +264,8 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
             case.kernel = kernel;
             let out = be.paged_attention(&case).unwrap();
             let e = rel_err(&out, &want);
-            assert!(e < tol, "{} {format:?} {kernel:?}: rel err {e}", be.name());
+            let what = format!("{} {format:?} {kernel:?} {shape:?}", be.name());
+            assert!(e < tol, "{what}: rel err {e}");
             // The kernels read the same stored pages: they may differ only
             // in the order of their sums, and over fp8 pages in Q's
             // precision (the flash kernel scores on e4m3 tensor cores with Q
@@ -272,11 +279,7 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
                 None => first = Some(out.iter().map(|v| *v as f64).collect()),
                 Some(f) => {
                     let e = rel_err(&out, f);
-                    assert!(
-                        e < agree,
-                        "{} {format:?} {kernel:?} against Best: {e}",
-                        be.name()
-                    );
+                    assert!(e < agree, "{what} against Best: {e}");
                 }
             }
         }
@@ -292,7 +295,7 @@ fn causal_prefill_attention_matches_float64_in_bf16_and_fp8() {
     let seqs = [(45, 45), (300, 70), (33, 1), (600, 13)];
     for (format, tol) in [(KvFormat::Bf16, 1e-2), (KvFormat::Fp8, 6e-2)] {
         let lens: Vec<usize> = seqs.iter().map(|(l, _)| *l).collect();
-        let (mut case, keys, vals) = attention_case(&mut r, format, &lens);
+        let (mut case, keys, vals) = attention_case(&mut r, format, &lens, SMALL);
         // One query per new token, attending to its position and before.
         let (mut tables, mut qlens, mut qkeys, mut qvals) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
