@@ -59,15 +59,43 @@ const FLASH_THREADS: usize = 128;
 
 /// Every flash attention kernel, per format, group size and head size.
 pub(crate) fn attention_kernels() -> Vec<String> {
-    let mut names = Vec::new();
+    flash_kernels()
+        .into_iter()
+        .map(|(name, _, _)| name)
+        .collect()
+}
+
+/// Every flash attention kernel with its group and head size.
+fn flash_kernels() -> Vec<(String, usize, usize)> {
+    let mut kernels = Vec::new();
     for fmt in ["bf16", "fp8"] {
         for g in 1..=8 {
             for d in [64, 128] {
-                names.push(format!("attention_flash_{fmt}_g{g}_d{d}"));
+                kernels.push((format!("attention_flash_{fmt}_g{g}_d{d}"), g, d));
             }
         }
     }
-    names
+    kernels
+}
+
+/// Blocks of each flash kernel the device runs at once (blocks per SM, as
+/// the driver computes it for the kernel's registers and the shared memory
+/// of its longest partitions, times `sms`): what [`partition_len`] fills
+/// whole waves of.
+pub(super) fn flash_resident(
+    function: impl Fn(&str) -> R<cudarc::driver::CudaFunction>,
+    sms: usize,
+) -> R<std::collections::HashMap<String, usize>> {
+    flash_kernels()
+        .into_iter()
+        .map(|(name, group, hd)| {
+            let shared = flash_shared(group, hd, 16, FLASH_MAX_PARTITION);
+            let per_sm = function(&name)?
+                .occupancy_max_active_blocks_per_multiprocessor(FLASH_THREADS as u32, shared, None)
+                .map_err(cuda_err)?;
+            Ok((name, per_sm.max(1) as usize * sms))
+        })
+        .collect()
 }
 
 /// Shared memory of a flash launch, as attention_flash.cu lays it out.
@@ -157,6 +185,20 @@ pub fn partition_len(seqs: usize, kv_heads: usize, max_len: usize, resident: usi
         .unwrap_or(FLASH_PARTITION)
 }
 
+/// The most partitions a launch of `seqs` sequences takes at any length up
+/// to `cap` (either kernel). Not the count at `cap` itself: a length a
+/// little past half of it may halve its partitions once more. Where halving
+/// stops at a partition `p`, the launch at `2p` had fewer than
+/// [`TARGET_BLOCKS`] blocks, so `p` gives at most twice that many per
+/// sequence; else partitions are [`PARTITION`] (or, for the flash kernel,
+/// longer) or [`MIN_PARTITION`] long.
+fn max_parts(seqs: usize, kv_heads: usize, cap: usize) -> usize {
+    let halved = 2 * TARGET_BLOCKS.div_ceil((seqs * kv_heads).max(1));
+    cap.div_ceil(PARTITION)
+        .max(halved.min(cap.div_ceil(MIN_PARTITION)))
+        .max(1)
+}
+
 /// As [`partition_len`], starting from `most` tokens.
 fn split_len(seqs: usize, kv_heads: usize, max_len: usize, most: usize) -> usize {
     let mut len = most;
@@ -178,14 +220,9 @@ impl Gpu {
         hd: usize,
         max_len: usize,
     ) -> R<AttentionBuffers> {
-        // Sized for the shuffle kernel's shorter partitions, the most any
-        // launch splits into.
+        // Every batch size up to `seqs` at every length up to `max_len`.
         let rows = (1..=seqs.max(1))
-            .map(|b| {
-                b * max_len
-                    .div_ceil(split_len(b, kv_heads, max_len, PARTITION))
-                    .max(1)
-            })
+            .map(|b| b * max_parts(b, kv_heads, max_len))
             .max()
             .unwrap_or(1);
         let s = &self.stream;
@@ -246,22 +283,10 @@ impl Gpu {
         let flash_name = format!("attention_flash_{fmt}_g{group}_d{head_dim}");
         let (part_len, most) = match kind {
             AttentionKind::Flash => {
-                let resident = || -> R<usize> {
-                    let shared = flash_shared(group, head_dim, page_size, FLASH_MAX_PARTITION);
-                    let per_sm = self
-                        .function(&flash_name)?
-                        .occupancy_max_active_blocks_per_multiprocessor(
-                            FLASH_THREADS as u32,
-                            shared,
-                            None,
-                        )
-                        .map_err(cuda_err)?;
-                    Ok(per_sm as usize * self.sms)
-                };
-                let len = match plan.part_len {
-                    Some(len) => len,
-                    None => partition_len(seqs, kv_heads, max_len, resident()?),
-                };
+                let resident = self.flash_resident.get(&flash_name).copied();
+                let len = plan.part_len.unwrap_or_else(|| {
+                    partition_len(seqs, kv_heads, max_len, resident.unwrap_or(1))
+                });
                 (len, FLASH_MAX_PARTITION)
             }
             AttentionKind::Shuffle => (
@@ -415,6 +440,29 @@ mod tests {
                     // The shuffle kernel's split is never longer, so
                     // scratch sized for it covers the flash kernel's.
                     assert!(split_len(seqs, 8, max_len, PARTITION) <= p);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn scratch_covers_every_length_up_to_its_capacity() {
+        // A context a little past half the capacity can take more
+        // partitions than the capacity itself (4 KV heads, one sequence:
+        // 8193 tokens in 129 partitions of 64, 16384 in 128 of 128).
+        assert!(max_parts(1, 4, 16384) >= 8193usize.div_ceil(64));
+        for kv_heads in [1, 2, 4, 8] {
+            for seqs in [1, 2, 3, 5, 8, 17, 33, 64, 256] {
+                for cap in [1, 63, 100, 1000, 4096, 8200, 16384, 33024] {
+                    let most = max_parts(seqs, kv_heads, cap);
+                    for len in 1..=cap {
+                        for resident in [1, BF16_H200, FP8_H200] {
+                            let flash = partition_len(seqs, kv_heads, len, resident);
+                            assert!(len.div_ceil(flash) <= most, "{seqs} x {len} / {cap}");
+                        }
+                        let shuffle = split_len(seqs, kv_heads, len, PARTITION);
+                        assert!(len.div_ceil(shuffle) <= most, "{seqs} x {len} / {cap}");
+                    }
                 }
             }
         }

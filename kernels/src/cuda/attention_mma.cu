@@ -13,7 +13,9 @@
 // raw key bytes are the B operand as loaded, and Q rides as two e4m3
 // pieces, hi (rows 0..7) and lo (rows 8..15, its residual times 16), so Q
 // keeps ~2^-8 of its value (bf16's precision) with no conversion of K.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// (The instruction needs PTX ISA 8.4: CUDA 12.4 or later.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
 #define FP8_MMA 1
 #else
 #define FP8_MMA 0
@@ -107,7 +109,7 @@ __device__ __forceinline__ void load_words(const unsigned char* p, unsigned* w) 
 // Q's A fragments for scoring against K pieces loaded as in score8_with: lane
 // (row, j) holds head `row` (zero past G) at the dimensions of the pieces a
 // lane j loads, as hi (A rows 0..7) and lo (A rows 8..15) halves: bf16 for
-// bf16 pages, f16 for fp8.
+// bf16 pages; for fp8, e4m3 (E4) or else f16.
 template <bool FP8, int G, int HD>
 struct QFrags {
     static constexpr bool E4 = FP8 && FP8_MMA;   // e4m3 MMAs (m16n8k32)
@@ -146,6 +148,7 @@ struct QFrags {
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 2));
             float sq = amax > 0.0f ? 448.0f / amax : 1.0f;
+            if (!isfinite(sq)) sq = 1.0f;  // a Q below ~1e-36: scores of zero
             inv = 1.0f / sq;
 #pragma unroll
             for (int i = 0; i < PIECES; i++) {

@@ -5,7 +5,7 @@
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use super::{AttentionKind, Gpu};
+use super::{AttentionKind, FLASH_MAX_PARTITION, Gpu};
 use crate::KernelError;
 use crate::backend::{AttentionCase, AttentionKernel, Backend, R};
 use crate::matmul::Weight;
@@ -111,7 +111,7 @@ impl Backend for Gpu {
             c.scale,
             super::AttentionPlan {
                 part_len: (c.kernel == AttentionKernel::FlashUnsplit)
-                    .then(|| max_len.next_multiple_of(16)),
+                    .then(|| max_len.next_multiple_of(16).clamp(16, FLASH_MAX_PARTITION)),
                 kind: match c.kernel {
                     AttentionKernel::Best => None,
                     AttentionKernel::Flash | AttentionKernel::FlashUnsplit => {

@@ -29,7 +29,8 @@ use sha2::{Digest, Sha256};
 use crate::KernelError;
 
 pub use attention::{
-    AttentionBuffers, AttentionKind, AttentionPlan, FLASH_PARTITION, PARTITION, partition_len,
+    AttentionBuffers, AttentionKind, AttentionPlan, FLASH_MAX_PARTITION, FLASH_PARTITION,
+    PARTITION, partition_len,
 };
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
@@ -130,8 +131,9 @@ pub struct Gpu {
     /// Whether captured graphs join our kernels by programmatic edges
     /// (sm_90 and up; [`Gpu::set_programmatic`]).
     programmatic: bool,
-    /// Streaming multiprocessors.
-    sms: usize,
+    /// Resident blocks of each flash attention kernel
+    /// ([`attention::flash_resident`]).
+    flash_resident: HashMap<String, usize>,
 }
 
 /// Bytes of cuBLAS workspace (NVIDIA's advice for Hopper).
@@ -279,6 +281,15 @@ impl Gpu {
                 let f = module.load_function(&name).map_err(cuda_err)?;
                 functions.insert(name, f);
             }
+            let flash_resident = attention::flash_resident(
+                |name| {
+                    functions
+                        .get(name)
+                        .cloned()
+                        .ok_or_else(|| cuda_err(format!("kernel `{name}` is not loaded")))
+                },
+                sms,
+            )?;
             let stream = if own_stream {
                 // SAFETY: every buffer of this context is used on this one
                 // stream only, so no cross-stream synchronization is due.
@@ -316,7 +327,7 @@ impl Gpu {
                 name: format!("{name} (sm_{major}{minor})"),
                 _module: module,
                 programmatic: major >= 9,
-                sms,
+                flash_resident,
             })
         });
         opened.unwrap_or_else(|p| {
