@@ -62,14 +62,14 @@ pub fn sample_with_uniform(logits: &[f32], p: SamplingParams, u: f32) -> u32 {
         // would be "the" k-th is arbitrary, and the device's radix select
         // cannot tell them apart either.
         let kth = logits[idx[k - 1] as usize];
-        let ties = idx[k..]
-            .iter()
-            .filter(|i| logits[**i as usize] == kth)
-            .count();
-        idx.select_nth_unstable_by(k + ties - 1, |a, b| {
-            logits[*b as usize].total_cmp(&logits[*a as usize])
-        });
-        idx.truncate(k + ties);
+        let mut end = k;
+        for i in k..idx.len() {
+            if logits[idx[i] as usize] == kth {
+                idx.swap(end, i);
+                end += 1;
+            }
+        }
+        idx.truncate(end);
     }
     // Largest first; equal logits by index, so a draw is reproducible.
     idx.sort_unstable_by(|a, b| {

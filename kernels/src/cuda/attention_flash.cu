@@ -236,47 +236,33 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
         wo[G * HD + 2 * row + 1] = l;
     }
     __syncthreads();
-    if (out != nullptr) {
-        // The sequence in one partition: its output, normalized, with no
-        // merge launch after.
-        for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
-            int g = i / HD;
-            float mx = -INFINITY;
-#pragma unroll
-            for (int w = 0; w < WARPS; w++)
-                mx = fmaxf(mx, red[w * (G * HD + 2 * G) + G * HD + 2 * g]);
-            float sum = 0.0f, lsum = 0.0f;
-#pragma unroll
-            for (int w = 0; w < WARPS; w++) {
-                const float* r = red + w * (G * HD + 2 * G);
-                float mw = r[G * HD + 2 * g];
-                if (mw > -INFINITY) {
-                    float e = __expf(mw - mx);
-                    sum += r[i] * e;
-                    lsum += r[G * HD + 2 * g + 1] * e;
-                }
-            }
-            size_t h = (size_t)s * n_heads + kvh * G + g;
-            out[h * HD + i % HD] = sum * (lsum > 0.0f ? 1.0f / lsum : 0.0f);
-        }
-        return;
-    }
-    // The block's partial output: warps merged at their common max.
+    // The block's output: warps merged at their common max; with `out`
+    // (the sequence in one partition) normalized into it, no merge launch
+    // after; else partial, for the merge.
     for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
         int g = i / HD;
         float mx = -INFINITY;
 #pragma unroll
         for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, red[w * (G * HD + 2 * G) + G * HD + 2 * g]);
-        float sum = 0.0f;
+        float sum = 0.0f, lsum = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; w++) {
             const float* r = red + w * (G * HD + 2 * G);
             float mw = r[G * HD + 2 * g];
-            if (mw > -INFINITY) sum += r[i] * __expf(mw - mx);
+            if (mw > -INFINITY) {
+                float e = __expf(mw - mx);
+                sum += r[i] * e;
+                lsum += r[G * HD + 2 * g + 1] * e;
+            }
         }
         size_t h = (size_t)s * n_heads + kvh * G + g;
-        part_out[(h * parts + part) * HD + i % HD] = sum;
+        if (out != nullptr) {
+            out[h * HD + i % HD] = sum * (lsum > 0.0f ? 1.0f / lsum : 0.0f);
+        } else {
+            part_out[(h * parts + part) * HD + i % HD] = sum;
+        }
     }
+    if (out != nullptr) return;
     if (threadIdx.x < G) {
         int g = threadIdx.x;
         float mx = -INFINITY, sum = 0.0f;
