@@ -1,6 +1,6 @@
 """Sums Nsight Compute's kernel durations (ncu --csv, gpu__time_duration)
-over the last whole decode step of a `kiln bench` run: a step starts at its
-embedding gather. Prints one row per kernel name and grid."""
+over the largest whole decode step of a `kiln bench` run: a step starts at
+its embedding gather. Prints one row per kernel name and grid."""
 import collections
 import csv
 import sys
@@ -10,9 +10,18 @@ head = rows[0]
 name_i, grid_i, val_i = (head.index(c) for c in ("Kernel Name", "Grid Size", "Metric Value"))
 ks = [(r[name_i], r[grid_i], float(r[val_i].replace(",", ""))) for r in rows[1:]]
 starts = [i for i, k in enumerate(ks) if k[0].startswith("embed_")] + [len(ks)]
-if len(starts) < 3:
-    sys.exit(f"only {len(starts) - 1} steps profiled")
-step = ks[starts[-2] : starts[-1]]
+steps = [ks[a:b] for a, b in zip(starts, starts[1:])]
+# A decode-only step embeds as many tokens as it samples rows: the grids
+# of its embedding gather and its argmax match. Take the last of the
+# largest such steps (a step cut off by the run's end has no argmax).
+def rows(step):
+    grids = [k[1] for k in step if k[0].startswith(("embed_", "argmax_"))]
+    return int(grids[0].strip("()").split(",")[0]) if len(grids) == 2 and grids[0] == grids[1] else 0
+if len(steps) < 2 or max(map(rows, steps)) == 0:
+    sys.exit(f"no whole decode step among {len(steps)} profiled")
+best = max(map(rows, steps))
+step = [s for s in steps if rows(s) == best][-1]
+print(f"decode step of {best} rows ({len(steps)} steps profiled)")
 tot = collections.defaultdict(lambda: [0, 0.0])
 for name, grid, ns in step:
     key = f"{name.split('(')[0]} {grid}"

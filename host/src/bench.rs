@@ -50,6 +50,37 @@ pub struct BenchRow {
     pub step_bytes: f64,
     /// Mean sequences per decode-only step.
     pub mean_batch: f64,
+    /// Every step of the run, in order.
+    pub steps: Vec<StepTrace>,
+}
+
+/// One engine step of a bench run.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct StepTrace {
+    /// Sequences in the step.
+    pub seqs: usize,
+    /// Tokens the step computed (more than `seqs` when it ran a prefill
+    /// chunk).
+    pub tokens: usize,
+    /// Wall time of the step, in ms.
+    pub ms: f64,
+    /// Of which the host waited on the device, in ms.
+    pub device_ms: f64,
+    /// Sequences preempted during the step.
+    pub preempted: u64,
+}
+
+impl StepTrace {
+    /// The CSV header matching [`StepTrace::csv`].
+    pub const CSV_HEADER: &'static str = "step,seqs,tokens,ms,device_ms,preempted";
+
+    /// One CSV line for step `i`.
+    pub fn csv(&self, i: usize) -> String {
+        format!(
+            "{i},{},{},{:.3},{:.3},{}",
+            self.seqs, self.tokens, self.ms, self.device_ms, self.preempted
+        )
+    }
 }
 
 /// What to run.
@@ -123,16 +154,26 @@ pub fn run(
     let mut rates: Vec<(usize, f64)> = Vec::new();
     let (mut generated, mut admitted, mut decode_tokens) = (0usize, 0, 0usize);
     let mut checked = true;
+    let mut trace = Vec::new();
     while engine.has_work() {
         let alternating = integrity_ab && check && first_token_all.is_some();
         if alternating {
             checked = !checked;
             engine.set_integrity(checked);
         }
+        let preempted = engine.stats().preemptions;
         let t = Instant::now();
         let events = engine.step()?;
         let elapsed = t.elapsed().as_secs_f64() * 1e3;
         admitted = admitted.max(engine.running());
+        let stats = engine.stats();
+        trace.push(StepTrace {
+            seqs: stats.last_step_seqs,
+            tokens: stats.last_step_tokens,
+            ms: elapsed,
+            device_ms: stats.last_step_device_us as f64 / 1e3,
+            preempted: stats.preemptions - preempted,
+        });
         let mut decoded = 0;
         for e in events {
             if let Event::Token {
@@ -156,7 +197,6 @@ pub fn run(
             continue;
         }
         itl.push(elapsed);
-        let stats = engine.stats();
         if stats.last_step_tokens == stats.last_step_seqs {
             decode_steps.push(elapsed);
             host.push(elapsed - stats.last_step_device_us as f64 / 1e3);
@@ -192,6 +232,7 @@ pub fn run(
         step_bytes: engine.weight_bytes() as f64
             + mean_batch * context * engine.kv_bytes_per_token() as f64,
         mean_batch,
+        steps: trace,
     };
     Ok((row, engine.into_loaded()))
 }

@@ -241,6 +241,10 @@ struct BenchArgs {
     /// Run every row without CUDA graphs and then with them.
     #[arg(long)]
     compare_graphs: bool,
+    /// Write each row's steps (sequences, tokens, ms, device ms,
+    /// preemptions) to DIR/steps-FORMAT-CONCURRENCY.csv.
+    #[arg(long, value_name = "DIR")]
+    trace: Option<std::path::PathBuf>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -354,6 +358,13 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
             let (row, back) =
                 kiln_host::bench::run(loaded, config, spec).map_err(anyhow::Error::msg)?;
             loaded = back;
+            if let Some(dir) = &args.trace {
+                let name = format!("steps-{:?}-{c}.csv", kv_format(format)).to_lowercase();
+                let mut csv = vec![kiln_host::bench::StepTrace::CSV_HEADER.to_string()];
+                csv.extend(row.steps.iter().enumerate().map(|(i, s)| s.csv(i)));
+                std::fs::create_dir_all(dir)?;
+                std::fs::write(dir.join(name), csv.join("\n") + "\n")?;
+            }
             let check = row.check_on_off_ms.map_or("-".into(), |(on, off)| {
                 format!("{on:.2}/{off:.2} {:+.1}%", (on / off - 1.0) * 100.0)
             });
