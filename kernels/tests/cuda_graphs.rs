@@ -7,7 +7,7 @@
 //! work fails the tests); on the CPU there is nothing to check.
 
 use half::bf16;
-use kiln_kernels::cuda::{CudaSlice, Gpu};
+use kiln_kernels::cuda::{CudaSlice, Gpu, RopeKv};
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use kiln_kernels::ops::{Rope, RopeStyle};
 use rand::{Rng, SeedableRng};
@@ -168,7 +168,7 @@ fn bf16_activations_equal_the_f32_results_rounded() {
 }
 
 #[test]
-fn fused_rope_and_kv_write_write_what_the_two_launches_write() {
+fn fused_rope_and_kv_write_write_what_the_two_launches_write_from_separate_or_stacked_rows() {
     let Some((gpu, seed)) = device() else {
         return;
     };
@@ -199,40 +199,76 @@ fn fused_rope_and_kv_write_write_what_the_two_launches_write() {
                 let il = style == RopeStyle::Interleaved;
                 let (dpos, dslots) = (gpu.upload(&pos).unwrap(), gpu.upload(&slots).unwrap());
                 let dfreq = gpu.upload(&freq).unwrap();
-                let run = |fused: bool| {
+                // How: 0 two launches, 1 fused, 2 fused over stacked rows.
+                let run = |how: u8| {
                     let mut kv = gpu.paged_kv(format, layout, pages).unwrap();
                     let (mut q, mut k) = (gpu.upload(&q0).unwrap(), gpu.upload(&k0).unwrap());
                     let vv = gpu.upload(&v0).unwrap();
                     let (s, p) = (dslots.slice(..), dpos.slice(..));
-                    if fused {
-                        gpu.rope_kv_write(
-                            &mut kv, &mut q, &mut k, &vv, &s, &p, &dfreq, tokens, heads, il,
-                        )
-                        .unwrap();
-                    } else {
-                        let h = [heads, kv_heads];
-                        gpu.rope_qk(&mut q, &mut k, &p, &dfreq, tokens, h, hd, il)
-                            .unwrap();
-                        gpu.kv_write(&mut kv, &k, &vv, &s, tokens).unwrap();
-                    }
-                    let bits =
-                        |x: Vec<f32>| -> Vec<u32> { x.iter().map(|v| v.to_bits()).collect() };
+                    let at = RopeKv {
+                        slots: &s,
+                        pos: &p,
+                        inv_freq: &dfreq,
+                        tokens,
+                        heads,
+                        interleaved: il,
+                    };
+                    let bits = |x: &[f32]| -> Vec<u32> { x.iter().map(|v| v.to_bits()).collect() };
+                    let (qd, kd) = (heads * hd, kv_heads * hd);
+                    let (q_out, k_out) = match how {
+                        0 => {
+                            let h = [heads, kv_heads];
+                            gpu.rope_qk(&mut q, &mut k, &p, &dfreq, tokens, h, hd, il)
+                                .unwrap();
+                            gpu.kv_write(&mut kv, &k, &vv, &s, tokens).unwrap();
+                            (gpu.download(&q).unwrap(), gpu.download(&k).unwrap())
+                        }
+                        1 => {
+                            gpu.rope_kv_write(&mut kv, &mut q, &mut k, &vv, &at)
+                                .unwrap();
+                            (gpu.download(&q).unwrap(), gpu.download(&k).unwrap())
+                        }
+                        _ => {
+                            // Row t: token t's q, k and v side by side.
+                            let rows: Vec<f32> = (0..tokens)
+                                .flat_map(|t| {
+                                    let q = &q0[t * qd..(t + 1) * qd];
+                                    let k = &k0[t * kd..(t + 1) * kd];
+                                    let v = &v0[t * kd..(t + 1) * kd];
+                                    [q, k, v].concat()
+                                })
+                                .collect();
+                            let mut qkv = gpu.upload(&rows).unwrap();
+                            let mut out = gpu.upload(&vec![f32::NAN; tokens * qd]).unwrap();
+                            gpu.rope_kv_write_stacked(&mut kv, &mut qkv, &mut out, &at)
+                                .unwrap();
+                            let rows = gpu.download(&qkv).unwrap();
+                            let ld = qd + 2 * kd;
+                            let keys = (0..tokens)
+                                .flat_map(|t| rows[t * ld + qd..t * ld + qd + kd].to_vec())
+                                .collect();
+                            (gpu.download(&out).unwrap(), keys)
+                        }
+                    };
                     (
-                        bits(gpu.download(&q).unwrap()),
-                        bits(gpu.download(&k).unwrap()),
+                        bits(&q_out),
+                        bits(&k_out),
                         gpu.download(&kv.k).unwrap(),
                         gpu.download(&kv.v).unwrap(),
-                        bits(gpu.download(&kv.k_scale).unwrap()),
-                        bits(gpu.download(&kv.v_scale).unwrap()),
+                        bits(&gpu.download(&kv.k_scale).unwrap()),
+                        bits(&gpu.download(&kv.v_scale).unwrap()),
                     )
                 };
-                let (want, got) = (run(false), run(true));
+                let want = run(0);
+                for (how, got) in [(1, run(1)), (2, run(2))] {
+                    let what = format!("{format:?}, {style:?}, head_dim {hd}, launch {how}");
+                    assert!(got.0 == want.0, "queries differ: {what}");
+                    assert!(got.1 == want.1, "keys differ: {what}");
+                    assert!(got.2 == want.2, "K pages differ: {what}");
+                    assert!(got.3 == want.3, "V pages differ: {what}");
+                    assert!(got.4 == want.4 && got.5 == want.5, "scales differ: {what}");
+                }
                 let what = format!("{format:?}, {style:?}, head_dim {hd}");
-                assert!(got.0 == want.0, "queries differ: {what}");
-                assert!(got.1 == want.1, "keys differ: {what}");
-                assert!(got.2 == want.2, "K pages differ: {what}");
-                assert!(got.3 == want.3, "V pages differ: {what}");
-                assert!(got.4 == want.4 && got.5 == want.5, "scales differ: {what}");
                 assert!(
                     want.2.iter().any(|b| *b != 0),
                     "something was written: {what}"

@@ -269,19 +269,26 @@ extern "C" __global__ void kv_write_fp8(const float* k, const float* v, const in
 // rope over a step's queries and keys, then kv_write, in one launch (a
 // decode step's layer saves a launch and a pass over the keys). Grid:
 // tokens x (heads + kv_heads); threads: dim (a multiple of 32, up to 1024).
-// Block y < heads rotates query head y in place; the others rotate key head
+// Block y < heads rotates query head y into `q_out` (tokens x heads x hd;
+// `q` itself when rotating in place); the others rotate key head
 // y - heads in place and write it, rotated, and its value into the pages.
+// Token t's query heads start at q + t * q_ld, its key and value heads at
+// k + t * kv_ld and v + t * kv_ld: separate buffers, or the rows of one
+// stacked projection [q | k | v].
 template <bool FP8>
-__device__ void rope_kv_write(float* q, float* k, const float* v, const int* pos,
-                              const float* inv_freq, const int* slots, void* kc, void* vc,
-                              float* ks, float* vs, int heads, int kv_heads, int hd,
-                              int page_size, int interleaved) {
+__device__ void rope_kv_write(const float* q, float* k, const float* v, int q_ld, int kv_ld,
+                              float* q_out, const int* pos, const float* inv_freq,
+                              const int* slots, void* kc, void* vc, float* ks, float* vs,
+                              int heads, int kv_heads, int hd, int page_size, int interleaved) {
     __shared__ float rot[1024];
     __shared__ float red[32];
     int t = blockIdx.x, y = blockIdx.y, i = threadIdx.x, half = hd / 2;
     bool is_q = y < heads;
     int kvh = y - heads;
-    float* h = is_q ? q + ((size_t)t * heads + y) * hd : k + ((size_t)t * kv_heads + kvh) * hd;
+    const float* src = is_q ? q + (size_t)t * q_ld + (size_t)y * hd
+                            : k + (size_t)t * kv_ld + (size_t)kvh * hd;
+    float* dst = is_q ? q_out + ((size_t)t * heads + y) * hd
+                      : k + (size_t)t * kv_ld + (size_t)kvh * hd;
     // The angle before the wait: positions are step inputs no kernel
     // writes, the frequencies constants.
     float s = 0.0f, c = 0.0f;
@@ -291,9 +298,9 @@ __device__ void rope_kv_write(float* q, float* k, const float* v, const int* pos
         int a = interleaved ? 2 * i : i;
         int b = interleaved ? 2 * i + 1 : i + half;
         float o0, o1;
-        rotate_pair(h[a], h[b], s, c, &o0, &o1);
-        h[a] = o0;
-        h[b] = o1;
+        rotate_pair(src[a], src[b], s, c, &o0, &o1);
+        dst[a] = o0;
+        dst[b] = o1;
         rot[a] = o0;
         rot[b] = o1;
     }
@@ -302,7 +309,7 @@ __device__ void rope_kv_write(float* q, float* k, const float* v, const int* pos
     if (slot < 0) return;
     __syncthreads();  // rot complete
     float kx = rot[i];
-    float vx = v[((size_t)t * kv_heads + kvh) * hd + i];
+    float vx = v[(size_t)t * kv_ld + (size_t)kvh * hd + i];
     size_t vec = kv_vec(slot / page_size, slot % page_size, kvh, kv_heads, page_size);
     if (FP8) {
         fp8_store(kx, red, (unsigned char*)kc + vec * hd + i, ks + vec, hd);
@@ -313,25 +320,19 @@ __device__ void rope_kv_write(float* q, float* k, const float* v, const int* pos
     }
 }
 
-extern "C" __global__ void rope_kv_write_bf16(float* q, float* k, const float* v,
-                                               const int* pos, const float* inv_freq,
-                                               const int* slots, void* kc, void* vc, float* ks,
-                                               float* vs, int heads, int kv_heads, int hd,
-                                               int page_size, int interleaved) {
-    PDL_LAUNCH();
-    rope_kv_write<false>(q, k, v, pos, inv_freq, slots, kc, vc, ks, vs, heads, kv_heads, hd,
-                         page_size, interleaved);
-}
+#define ROPE_KV_WRITE(NAME, FP8)                                                               \
+    extern "C" __global__ void NAME(const float* q, float* k, const float* v, int q_ld,        \
+                                    int kv_ld, float* q_out, const int* pos,                   \
+                                    const float* inv_freq, const int* slots, void* kc,         \
+                                    void* vc, float* ks, float* vs, int heads, int kv_heads,   \
+                                    int hd, int page_size, int interleaved) {                  \
+        PDL_LAUNCH();                                                                         \
+        rope_kv_write<FP8>(q, k, v, q_ld, kv_ld, q_out, pos, inv_freq, slots, kc, vc, ks, vs,  \
+                           heads, kv_heads, hd, page_size, interleaved);                       \
+    }
 
-extern "C" __global__ void rope_kv_write_fp8(float* q, float* k, const float* v,
-                                              const int* pos, const float* inv_freq,
-                                              const int* slots, void* kc, void* vc, float* ks,
-                                              float* vs, int heads, int kv_heads, int hd,
-                                              int page_size, int interleaved) {
-    PDL_LAUNCH();
-    rope_kv_write<true>(q, k, v, pos, inv_freq, slots, kc, vc, ks, vs, heads, kv_heads, hd,
-                        page_size, interleaved);
-}
+ROPE_KV_WRITE(rope_kv_write_bf16, false)
+ROPE_KV_WRITE(rope_kv_write_fp8, true)
 
 // Most tokens per attention partition.
 #define PART 256

@@ -37,6 +37,7 @@ pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M};
 pub use graph::Graph;
 pub use launch::PagedKv;
+pub use norm::RopeKv;
 pub use prefill::prefill_tiles;
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
 pub use tags::TagLayout;

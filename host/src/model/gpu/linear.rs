@@ -8,6 +8,15 @@ use kiln_kernels::matmul::Weight;
 
 type R<T> = Result<T, KernelError>;
 
+/// The norm before a projection: the hidden rows, the residual to add to
+/// them first (if any), the norm's weights and epsilon.
+pub(super) type NormIn<'a> = (
+    &'a mut CudaSlice<f32>,
+    Option<&'a CudaSlice<f32>>,
+    &'a CudaSlice<f32>,
+    f32,
+);
+
 /// Weights of one input width, each with its own output.
 pub(super) enum Linear {
     /// One stack, row block after row block (`parts` rows each).
@@ -76,12 +85,7 @@ impl Linear {
     pub(super) fn apply_normed(
         &self,
         g: &Gpu,
-        (h, residual, norm_w, eps): (
-            &mut CudaSlice<f32>,
-            Option<&CudaSlice<f32>>,
-            &CudaSlice<f32>,
-            f32,
-        ),
+        (h, residual, norm_w, eps): NormIn<'_>,
         xn: &mut CudaSlice<f32>,
         outs: &mut [&mut CudaSlice<f32>],
         m: usize,
@@ -96,6 +100,39 @@ impl Linear {
         }
         g.rmsnorm_residual(h, residual, norm_w, xn, m, k, eps)?;
         self.apply(g, xn, outs, m, k, scratch)
+    }
+
+    /// Whether the projections are one bf16 stack that runs cuBLAS at `m`
+    /// rows of `k`: then [`Self::apply_normed_stacked`] computes them all
+    /// in one GEMM.
+    pub(super) fn stacks_on_cublas(&self, g: &Gpu, m: usize, k: usize) -> bool {
+        matches!(self, Linear::Stacked { w, .. } if g.takes_bf16_input(w, m, k))
+    }
+
+    /// As [`Self::apply_normed`], in one GEMM over the whole stack: row r of
+    /// `out` is every part's row r side by side (`m x` the stack's rows).
+    /// Only where [`Self::stacks_on_cublas`].
+    pub(super) fn apply_normed_stacked(
+        &self,
+        g: &Gpu,
+        (h, residual, norm_w, eps): NormIn<'_>,
+        out: &mut CudaSlice<f32>,
+        m: usize,
+        k: usize,
+        scratch: &mut GemmScratch,
+    ) -> R<()> {
+        let Linear::Stacked { w, parts } = self else {
+            return Err(KernelError::Shape(
+                "one GEMM over projections of different types".into(),
+            ));
+        };
+        if !g.takes_bf16_input(w, m, k) {
+            return Err(KernelError::Shape(format!(
+                "{m} rows of {k}: the stack runs a GEMV, not cuBLAS"
+            )));
+        }
+        g.rmsnorm_residual_bf16(h, residual, norm_w, scratch, m, k, eps)?;
+        g.matmul_parts_bf16(w, &mut [out], &[parts.iter().sum()], m, k, scratch)
     }
 
     /// Bytes of weights on the device.

@@ -105,6 +105,8 @@ struct Work {
     q: CudaSlice<f32>,
     k: CudaSlice<f32>,
     v: CudaSlice<f32>,
+    /// q, k and v side by side per token, as one stacked GEMM writes them.
+    qkv: CudaSlice<f32>,
     attn: CudaSlice<f32>,
     proj: CudaSlice<f32>,
     gate: CudaSlice<f32>,
@@ -273,6 +275,7 @@ impl GpuModel {
             q: g.zeros(n * q_dim)?,
             k: g.zeros(n * kv_dim)?,
             v: g.zeros(n * kv_dim)?,
+            qkv: g.zeros(n * (q_dim + 2 * kv_dim))?,
             attn: g.zeros(n * q_dim)?,
             proj: g.zeros(n * c.hidden)?,
             gate: g.zeros(n * c.ffn)?,

@@ -16,7 +16,7 @@
 use std::ops::Range;
 
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{CudaView, PARTITION, TagLayout, prefill_tiles};
+use kiln_kernels::cuda::{CudaView, PARTITION, RopeKv, TagLayout, prefill_tiles};
 use kiln_kernels::ops::RopeStyle;
 
 use super::{GpuKv, GpuModel, Work};
@@ -449,6 +449,7 @@ impl GpuModel {
         let d_slots = ints(&inputs, l.range(l.slots, n));
         let (hd, q_dim, kv_dim) = (c.head_dim, c.heads * c.head_dim, c.kv_heads * c.head_dim);
         let (h, xn, q, k, v) = (&mut w.h, &mut w.xn, &mut w.q, &mut w.k, &mut w.v);
+        let qkv = &mut w.qkv;
         let (attn, proj, gate, up) = (&mut w.attn, &mut w.proj, &mut w.gate, &mut w.up);
         let (scratch, abuf) = (&mut w.scratch, &mut w.abuf);
         g.embed_rows(&self.embed, &d_ids, h, n, c.hidden)?;
@@ -458,29 +459,34 @@ impl GpuModel {
             // h += the previous block's output, then the attention norm.
             // From two rows up, bf16 weights run cuBLAS on bf16 activations:
             // the norm and SiLU-mul write those straight into its scratch.
-            let qkv = &mut [&mut *q, &mut *k, &mut *v];
             let norm = (&mut *h, (li > 0).then_some(&*proj), &layer.attn_norm, c.eps);
-            layer
-                .qkv
-                .apply_normed(g, norm, xn, qkv, n, c.hidden, scratch)?;
-            if let Some([bq, bk, bv]) = &layer.bias {
-                g.add_bias(q, bq, n, q_dim)?;
-                g.add_bias(k, bk, n, kv_dim)?;
-                g.add_bias(v, bv, n, kv_dim)?;
-            }
-            let freq = &self.inv_freq;
-            g.rope_kv_write(
-                pages,
-                q,
-                k,
-                v,
-                &d_slots,
-                &d_pos,
-                freq,
-                n,
-                c.heads,
+            let at = RopeKv {
+                slots: &d_slots,
+                pos: &d_pos,
+                inv_freq: &self.inv_freq,
+                tokens: n,
+                heads: c.heads,
                 interleaved,
-            )?;
+            };
+            if layer.bias.is_none() && layer.qkv.stacks_on_cublas(g, n, c.hidden) {
+                // One GEMM for q, k and v (cuBLAS fills the GPU far better
+                // with the stack's 6144 rows than with k's or v's 1024).
+                layer
+                    .qkv
+                    .apply_normed_stacked(g, norm, qkv, n, c.hidden, scratch)?;
+                g.rope_kv_write_stacked(pages, qkv, q, &at)?;
+            } else {
+                let outs = &mut [&mut *q, &mut *k, &mut *v];
+                layer
+                    .qkv
+                    .apply_normed(g, norm, xn, outs, n, c.hidden, scratch)?;
+                if let Some([bq, bk, bv]) = &layer.bias {
+                    g.add_bias(q, bq, n, q_dim)?;
+                    g.add_bias(k, bk, n, kv_dim)?;
+                    g.add_bias(v, bv, n, kv_dim)?;
+                }
+                g.rope_kv_write(pages, q, k, v, &at)?;
+            }
             if s.tiles > 0 {
                 let d_tiles = ints(&inputs, l.range(l.tiles, 2 * s.tiles));
                 g.prefill_attention(
