@@ -132,13 +132,21 @@ fn greedy_tokens_and_teacher_forced_argmax_on_the_test_device_agree_with_the_cpu
 /// corrupted with the third's first page after the prefill when `fault`:
 /// each one's tokens and finish, and the engine.
 fn three_sequences(fault: bool, graphs: bool) -> (Vec<(Vec<u32>, Finish)>, Engine) {
+    sequences(3, fault, graphs)
+}
+
+/// As [`three_sequences`] with `count` sequences of as many tenants (the
+/// prompts repeat, numbered).
+fn sequences(count: usize, fault: bool, graphs: bool) -> (Vec<(Vec<u32>, Finish)>, Engine) {
     let mut e = engine_with(device(), graphs);
     let params = GenerateParams {
         max_tokens: 8,
         temperature: 0.0,
         ..Default::default()
     };
-    let ids: Vec<_> = PROMPTS[..3].iter().map(|p| chat_ids(&e, p)).collect();
+    let ids: Vec<_> = (0..count)
+        .map(|i| chat_ids(&e, &format!("{} ({i})", PROMPTS[i % PROMPTS.len()])))
+        .collect();
     let seqs: Vec<u64> = ids
         .iter()
         .enumerate()
@@ -180,13 +188,14 @@ fn three_sequences(fault: bool, graphs: bool) -> (Vec<(Vec<u32>, Finish)>, Engin
 
 #[test]
 fn a_corrupted_mapping_on_the_test_device_aborts_exactly_the_victim() {
-    // With CUDA graphs the check runs inside replayed steps.
-    for graphs in [false, true] {
-        let (clean, _) = three_sequences(false, graphs);
-        let (faulty, e) = three_sequences(true, graphs);
+    // With CUDA graphs the check runs inside replayed steps; eleven
+    // sequences run there padded to a batch of sixteen.
+    for (count, graphs) in [(3, false), (3, true), (11, true)] {
+        let (clean, _) = sequences(count, false, graphs);
+        let (faulty, e) = sequences(count, true, graphs);
         assert!(matches!(faulty[1].1, Finish::Aborted(_)), "{faulty:?}");
         // The others run as if nothing happened: same tokens, same ending.
-        for i in [0, 2] {
+        for i in (0..count).filter(|i| *i != 1) {
             assert!(!matches!(faulty[i].1, Finish::Aborted(_)), "{faulty:?}");
             assert_eq!(faulty[i], clean[i], "sequence {i}, graphs {graphs}");
         }
@@ -202,6 +211,11 @@ fn cuda_graphs_replay_the_same_tokens_as_launching_each_kernel() {
     let (plain, _) = three_sequences(false, false);
     let (replayed, e) = three_sequences(false, true);
     assert_eq!(plain, replayed);
+    // Eleven sequences, then fewer as they finish: replayed padded to 16.
+    let (plain, _) = sequences(11, false, false);
+    let (replayed, e11) = sequences(11, false, true);
+    assert_eq!(plain, replayed);
+    assert_eq!(e11.free_pages(), e11.total_pages());
     let mut one = engine_with(device(), true);
     for p in &PROMPTS[3..] {
         let ids = chat_ids(&one, p);

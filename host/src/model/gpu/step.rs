@@ -27,6 +27,24 @@ type R<T> = Result<T, KernelError>;
 /// Captured steps kept per engine.
 const MAX_GRAPHS: usize = 128;
 
+/// Captured decode steps above this many sequences run a batch size
+/// rounded up to a multiple of it, so the sizes a full engine passes
+/// through as sequences finish and join share a few captured graphs (and
+/// the cuBLAS kernels picked for their shapes) instead of paying a first
+/// eager run and a capture for each size.
+const GRAPH_BUCKET: usize = 8;
+
+/// The batch size a greedy decode step of `n` sequences runs as when
+/// captured: `n` itself up to [`GRAPH_BUCKET`] (the GEMV's own sizes), then
+/// `n` rounded up to a multiple of it, at most [`GRAPH_MAX_SEQS`].
+fn graph_bucket(n: usize) -> usize {
+    if n <= GRAPH_BUCKET || n > GRAPH_MAX_SEQS {
+        n
+    } else {
+        n.next_multiple_of(GRAPH_BUCKET).min(GRAPH_MAX_SEQS)
+    }
+}
+
 /// Most sequences a captured step may hold (cuBLAS runs on a fixed
 /// workspace, so GEMMs are captured along with the custom kernels).
 const GRAPH_MAX_SEQS: usize = 256;
@@ -194,6 +212,27 @@ fn ints<'a>(inputs: &'a CudaView<'a, u32>, range: Range<usize>) -> CudaView<'a, 
     unsafe { v.transmute::<i32>(len) }.expect("same size")
 }
 
+impl Inputs {
+    /// Pads a decode step to `to` sequences with empty ones: token 0 at
+    /// position 0, no pages, attention over nothing, no KV write (slot -1),
+    /// and a greedy result no one reads. Rows never mix in a decode step,
+    /// so the real sequences compute what they would alone.
+    fn pad_decode(&mut self, to: usize) {
+        let empty = self.tables.len() as u32;
+        while self.ids.len() < to {
+            self.ids.push(0);
+            self.pos.push(0);
+            self.offs.push(empty);
+            self.lens.push(0);
+            self.slots.push(-1);
+            self.seq_tab.push(empty);
+            self.tok_off.push(self.ids.len() as u32);
+            self.wanted.push(self.ids.len() as u32 - 1);
+            self.draws.push(Draw::Greedy);
+        }
+    }
+}
+
 impl GpuModel {
     fn gather(&self, batch: &[BatchSeq<'_>], page_size: usize) -> R<Inputs> {
         let mut x = Inputs {
@@ -267,8 +306,12 @@ impl GpuModel {
         tags: StepTags<'_>,
     ) -> R<StepOut> {
         let ps = kv.page_size;
-        let x = self.gather(batch, ps)?;
-        let (n, seqs, m) = (x.ids.len(), batch.len(), x.wanted.len());
+        let mut x = self.gather(batch, ps)?;
+        let (real_seqs, real_m) = (batch.len(), x.wanted.len());
+        if self.graphs && x.greedy_decode {
+            x.pad_decode(graph_bucket(x.ids.len()));
+        }
+        let (n, seqs, m) = (x.ids.len(), x.seq_tab.len() - 1, x.wanted.len());
         let check = !tags.expected.is_empty();
         if check && tags.expected.len() != x.tables.len() {
             return Err(KernelError::Shape(format!(
@@ -359,7 +402,12 @@ impl GpuModel {
         };
         let result = self.run(kv, &mut work, &words, &step, key, &x.draws);
         kv.work = Some(work);
-        result
+        // The padding's flags and tokens are nobody's.
+        result.map(|mut out| {
+            out.ok.truncate(real_seqs);
+            out.rows.truncate(real_m);
+            out
+        })
     }
 
     /// Uploads the inputs, runs (or replays) the step, downloads results.
@@ -561,4 +609,45 @@ struct Step<'a> {
     sample: bool,
     /// Flash-style prefill tiles (none: decode attention per token).
     tiles: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_batches_round_up_to_a_multiple_of_eight_past_eight() {
+        let got: Vec<usize> = [1, 8, 9, 16, 17, 123, 232, 255, 256, 300]
+            .into_iter()
+            .map(graph_bucket)
+            .collect();
+        assert_eq!(got, [1, 8, 16, 16, 24, 128, 232, 256, 256, 300]);
+    }
+
+    #[test]
+    fn padded_sequences_have_no_pages_no_kv_write_and_nothing_to_attend() {
+        let mut x = Inputs {
+            ids: vec![5, 6],
+            pos: vec![10, 3],
+            offs: vec![0, 2],
+            lens: vec![11, 4],
+            slots: vec![42, 17],
+            tables: vec![7, 8, 9],
+            seq_tab: vec![0, 2, 3],
+            tok_off: vec![0, 1, 2],
+            wanted: vec![0, 1],
+            draws: vec![Draw::Greedy; 2],
+            greedy_decode: true,
+        };
+        x.pad_decode(4);
+        assert_eq!(x.ids, [5, 6, 0, 0]);
+        assert_eq!(x.lens, [11, 4, 0, 0]);
+        assert_eq!(x.slots, [42, 17, -1, -1]);
+        assert_eq!(x.offs, [0, 2, 3, 3]);
+        assert_eq!(x.tables, [7, 8, 9], "no pages added");
+        assert_eq!(x.seq_tab, [0, 2, 3, 3, 3], "empty tables");
+        assert_eq!(x.tok_off, [0, 1, 2, 3, 4], "one token each");
+        assert_eq!(x.wanted, [0, 1, 2, 3]);
+        assert_eq!(x.draws.len(), 4);
+    }
 }
