@@ -7,6 +7,7 @@
 //! Prefill tokens still attend through the decode attention kernel, one
 //! query per token (correct, not yet flash-style).
 
+mod inputs;
 mod linear;
 mod step;
 

@@ -13,12 +13,11 @@
 //! (sequences, attention partitions, check) and replayed: its inputs sit at
 //! offsets fixed by those three, in buffers that live as long as the graph.
 
-use std::ops::Range;
-
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{CudaView, PARTITION, RopeKv, TagLayout, prefill_tiles};
+use kiln_kernels::cuda::{PARTITION, RopeKv, prefill_tiles};
 use kiln_kernels::ops::RopeStyle;
 
+use super::inputs::{Inputs, Layout, graph_bucket, ints};
 use super::{GpuKv, GpuModel, Work};
 use crate::model::llama::{BatchSeq, Draw};
 
@@ -27,27 +26,9 @@ type R<T> = Result<T, KernelError>;
 /// Captured steps kept per engine.
 const MAX_GRAPHS: usize = 128;
 
-/// Captured decode steps above this many sequences run a batch size
-/// rounded up to a multiple of it, so the sizes a full engine passes
-/// through as sequences finish and join share a few captured graphs (and
-/// the cuBLAS kernels picked for their shapes) instead of paying a first
-/// eager run and a capture for each size.
-const GRAPH_BUCKET: usize = 8;
-
-/// The batch size a greedy decode step of `n` sequences runs as when
-/// captured: `n` itself up to [`GRAPH_BUCKET`] (the GEMV's own sizes), then
-/// `n` rounded up to a multiple of it, at most [`GRAPH_MAX_SEQS`].
-fn graph_bucket(n: usize) -> usize {
-    if n <= GRAPH_BUCKET || n > GRAPH_MAX_SEQS {
-        n
-    } else {
-        n.next_multiple_of(GRAPH_BUCKET).min(GRAPH_MAX_SEQS)
-    }
-}
-
 /// Most sequences a captured step may hold (cuBLAS runs on a fixed
 /// workspace, so GEMMs are captured along with the custom kernels).
-const GRAPH_MAX_SEQS: usize = 256;
+pub(super) const GRAPH_MAX_SEQS: usize = 256;
 
 /// Page tags for one step, each tag as (generation, tenant).
 #[derive(Debug, Default, Clone, Copy)]
@@ -88,188 +69,7 @@ pub(super) struct GraphKey {
     check: bool,
 }
 
-/// The step's inputs, gathered from the batch.
-#[derive(Default)]
-struct Inputs {
-    ids: Vec<u32>,
-    pos: Vec<u32>,
-    /// Each token's first block-table entry.
-    offs: Vec<u32>,
-    lens: Vec<u32>,
-    slots: Vec<i32>,
-    tables: Vec<u32>,
-    seq_tab: Vec<u32>,
-    tok_off: Vec<u32>,
-    /// The token of each sequence that wants a result.
-    wanted: Vec<u32>,
-    /// How each of those results is chosen.
-    draws: Vec<Draw>,
-    /// Whether every sequence decodes one token, greedily.
-    greedy_decode: bool,
-}
-
-/// Where each part sits in the step's buffer of 32-bit words. The sizes of
-/// all parts but the last two depend only on the token, sequence and
-/// tag-change counts; the expected tags and the tables, whose lengths vary
-/// from step to step, come last.
-struct Layout {
-    changes: usize,
-    change_cap: usize,
-    ids: usize,
-    pos: usize,
-    offs: usize,
-    lens: usize,
-    slots: usize,
-    seq_tab: usize,
-    tok_off: usize,
-    wanted: usize,
-    params: usize,
-    top_k: usize,
-    expected: usize,
-    tables: usize,
-    tiles: usize,
-    words: usize,
-}
-
-impl Layout {
-    fn new(
-        n: usize,
-        seqs: usize,
-        m: usize,
-        change_cap: usize,
-        table_cap: usize,
-        tiles: usize,
-    ) -> Self {
-        let mut at = 0;
-        let mut take = |len: usize| {
-            let start = at;
-            at += len;
-            start
-        };
-        let changes = take(6 * change_cap);
-        let (ids, pos, offs, lens, slots) = (take(n), take(n), take(n), take(n), take(n));
-        let (seq_tab, tok_off, wanted) = (take(seqs + 1), take(seqs + 1), take(m));
-        let (params, top_k) = (take(3 * m), take(m));
-        // The expected tags are u64 pairs: 8-byte aligned.
-        let odd = take(0) % 2;
-        take(odd);
-        let expected = take(4 * table_cap);
-        let tables = take(table_cap + 1);
-        let tiles = take(2 * tiles);
-        let words = take(0);
-        Self {
-            changes,
-            change_cap,
-            ids,
-            pos,
-            offs,
-            lens,
-            slots,
-            seq_tab,
-            tok_off,
-            wanted,
-            params,
-            top_k,
-            expected,
-            tables,
-            tiles,
-            words,
-        }
-    }
-
-    fn tags(&self, check_masks: bool) -> TagLayout {
-        TagLayout {
-            expected: self.expected,
-            tables: self.tables,
-            seq_tab: self.seq_tab,
-            tok_off: check_masks.then_some(self.tok_off),
-            lens: check_masks.then_some(self.lens),
-            slots: check_masks.then_some(self.slots),
-        }
-    }
-
-    fn range(&self, start: usize, len: usize) -> Range<usize> {
-        start..start + len
-    }
-}
-
-fn u64_words(w: u64) -> [u32; 2] {
-    [w as u32, (w >> 32) as u32]
-}
-
-fn put(words: &mut [u32], at: usize, v: impl IntoIterator<Item = u32>) {
-    for (o, x) in words[at..].iter_mut().zip(v) {
-        *o = x;
-    }
-}
-
-/// `range` of `inputs` as i32.
-fn ints<'a>(inputs: &'a CudaView<'a, u32>, range: Range<usize>) -> CudaView<'a, i32> {
-    let len = range.len();
-    let v = inputs.slice(range);
-    // SAFETY: i32 and u32 have one size and alignment; every bit pattern
-    // is valid in both.
-    unsafe { v.transmute::<i32>(len) }.expect("same size")
-}
-
-impl Inputs {
-    /// Pads a decode step to `to` sequences with empty ones: token 0 at
-    /// position 0, no pages, attention over nothing, no KV write (slot -1),
-    /// and a greedy result no one reads. Rows never mix in a decode step,
-    /// so the real sequences compute what they would alone.
-    fn pad_decode(&mut self, to: usize) {
-        let empty = self.tables.len() as u32;
-        while self.ids.len() < to {
-            self.ids.push(0);
-            self.pos.push(0);
-            self.offs.push(empty);
-            self.lens.push(0);
-            self.slots.push(-1);
-            self.seq_tab.push(empty);
-            self.tok_off.push(self.ids.len() as u32);
-            self.wanted.push(self.ids.len() as u32 - 1);
-            self.draws.push(Draw::Greedy);
-        }
-    }
-}
-
 impl GpuModel {
-    fn gather(&self, batch: &[BatchSeq<'_>], page_size: usize) -> R<Inputs> {
-        let mut x = Inputs {
-            seq_tab: vec![0],
-            tok_off: vec![0],
-            greedy_decode: true,
-            ..Default::default()
-        };
-        for b in batch {
-            let off = x.tables.len() as u32;
-            x.tables.extend(b.pages.iter().copied());
-            for (i, t) in b.tokens.iter().enumerate() {
-                if *t as usize >= self.config.vocab {
-                    return Err(KernelError::Shape(format!(
-                        "token id {t} is outside the vocabulary"
-                    )));
-                }
-                let at = b.start + i;
-                x.ids.push(*t);
-                x.pos.push(at as u32);
-                let slot = b.pages[at / page_size] as usize * page_size + at % page_size;
-                x.slots.push(if b.write_kv { slot as i32 } else { -1 });
-                x.lens.push(at as u32 + 1);
-                x.offs.push(off);
-            }
-            if b.logits && !b.tokens.is_empty() {
-                x.wanted.push(x.ids.len() as u32 - 1);
-                x.draws.push(b.draw);
-            }
-            x.greedy_decode &=
-                b.tokens.len() == 1 && b.logits && b.draw == Draw::Greedy && b.write_kv;
-            x.seq_tab.push(x.tables.len() as u32);
-            x.tok_off.push(x.ids.len() as u32);
-        }
-        Ok(x)
-    }
-
     /// The key to capture this step under, when it can be one: a greedy
     /// decode of at most [`GRAPH_MAX_SEQS`] sequences, with room for its
     /// tag changes.
@@ -306,7 +106,7 @@ impl GpuModel {
         tags: StepTags<'_>,
     ) -> R<StepOut> {
         let ps = kv.page_size;
-        let mut x = self.gather(batch, ps)?;
+        let mut x = Inputs::gather(batch, ps, self.config.vocab)?;
         let (real_seqs, real_m) = (batch.len(), x.wanted.len());
         if self.graphs && x.greedy_decode {
             x.pad_decode(graph_bucket(x.ids.len()));
@@ -351,40 +151,7 @@ impl GpuModel {
             Vec::new()
         };
         let l = Layout::new(n, seqs, m, change_cap, table_cap, tiles.len() / 2);
-        let mut words = vec![0u32; l.words];
-        let mut changes: Vec<u32> = tags
-            .changes
-            .iter()
-            .flat_map(|(page, [g, t])| {
-                let [a, b, d] = [*page as u64, *g, *t].map(u64_words);
-                [a[0], a[1], b[0], b[1], d[0], d[1]]
-            })
-            .collect();
-        // Padding entries name no page.
-        changes.resize(6 * change_cap, u32::MAX);
-        put(&mut words, l.changes, changes);
-        put(&mut words, l.ids, x.ids.iter().copied());
-        put(&mut words, l.pos, x.pos.iter().copied());
-        put(&mut words, l.offs, x.offs.iter().copied());
-        put(&mut words, l.lens, x.lens.iter().copied());
-        put(&mut words, l.slots, x.slots.iter().map(|s| *s as u32));
-        put(&mut words, l.seq_tab, x.seq_tab.iter().copied());
-        put(&mut words, l.tok_off, x.tok_off.iter().copied());
-        put(&mut words, l.wanted, x.wanted.iter().copied());
-        for (i, d) in x.draws.iter().enumerate() {
-            if let Draw::Sample { params, uniform } = d {
-                let p = [params.temperature, params.top_p, *uniform];
-                put(&mut words, l.params + 3 * i, p.map(f32::to_bits));
-                put(&mut words, l.top_k + i, [params.top_k as u32]);
-            }
-        }
-        put(&mut words, l.tiles, tiles.iter().map(|t| *t as u32));
-        let expected = tags.expected.iter().flat_map(|t| {
-            let [a, b] = t.map(u64_words);
-            [a[0], a[1], b[0], b[1]]
-        });
-        put(&mut words, l.expected, expected);
-        put(&mut words, l.tables, x.tables.iter().copied());
+        let words = l.words(&x, &tags, &tiles);
         let mut work = self.work(&mut kv.work, n, max_len, seqs, l.words)?;
         if std::mem::take(&mut work.fresh) {
             // Captured steps point into the buffers just replaced.
@@ -609,45 +376,4 @@ struct Step<'a> {
     sample: bool,
     /// Flash-style prefill tiles (none: decode attention per token).
     tiles: usize,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn decode_batches_round_up_to_a_multiple_of_eight_past_eight() {
-        let got: Vec<usize> = [1, 8, 9, 16, 17, 123, 232, 255, 256, 300]
-            .into_iter()
-            .map(graph_bucket)
-            .collect();
-        assert_eq!(got, [1, 8, 16, 16, 24, 128, 232, 256, 256, 300]);
-    }
-
-    #[test]
-    fn padded_sequences_have_no_pages_no_kv_write_and_nothing_to_attend() {
-        let mut x = Inputs {
-            ids: vec![5, 6],
-            pos: vec![10, 3],
-            offs: vec![0, 2],
-            lens: vec![11, 4],
-            slots: vec![42, 17],
-            tables: vec![7, 8, 9],
-            seq_tab: vec![0, 2, 3],
-            tok_off: vec![0, 1, 2],
-            wanted: vec![0, 1],
-            draws: vec![Draw::Greedy; 2],
-            greedy_decode: true,
-        };
-        x.pad_decode(4);
-        assert_eq!(x.ids, [5, 6, 0, 0]);
-        assert_eq!(x.lens, [11, 4, 0, 0]);
-        assert_eq!(x.slots, [42, 17, -1, -1]);
-        assert_eq!(x.offs, [0, 2, 3, 3]);
-        assert_eq!(x.tables, [7, 8, 9], "no pages added");
-        assert_eq!(x.seq_tab, [0, 2, 3, 3, 3], "empty tables");
-        assert_eq!(x.tok_off, [0, 1, 2, 3, 4], "one token each");
-        assert_eq!(x.wanted, [0, 1, 2, 3]);
-        assert_eq!(x.draws.len(), 4);
-    }
 }
