@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Nsight Compute over one decode step (GPU machine): every kernel's own
-# duration in the last full decode step of `kiln bench` (graphs off, so
-# each launch is its own), summed per kernel name, against the step time
-# the same bench measures without the profiler (graphs with and without
-# programmatic edges, and no graphs). Writes $OUT/ncu-step-KV-CONC.csv and
+# duration in the largest whole decode step of `kiln bench` (graphs off, so
+# each launch is its own and batches run unpadded), summed per kernel name,
+# against the step time the same bench measures without the profiler
+# (graphs with and without programmatic edges, and no graphs). Writes $OUT/ncu-step-KV-CONC.csv and
 # prints the table.
 # Usage: scripts/ncu_step.sh [KV_FORMAT [CONCURRENCY [PROMPT_TOKENS]]]
 # (defaults fp8, 1, 1024; a big batch with a short prompt times the GEMMs

@@ -57,7 +57,7 @@ pub struct BenchRow {
 /// One engine step of a bench run.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct StepTrace {
-    /// Sequences in the step.
+    /// Sequences in the step (0: the call ran no forward pass).
     pub seqs: usize,
     /// Tokens the step computed (more than `seqs` when it ran a prefill
     /// chunk).
@@ -161,18 +161,25 @@ pub fn run(
             checked = !checked;
             engine.set_integrity(checked);
         }
-        let preempted = engine.stats().preemptions;
+        let before = engine.stats();
         let t = Instant::now();
         let events = engine.step()?;
         let elapsed = t.elapsed().as_secs_f64() * 1e3;
         admitted = admitted.max(engine.running());
         let stats = engine.stats();
+        // A call that ran no forward pass leaves the last step's figures.
+        let ran = stats.steps > before.steps;
+        let preempted = stats.preemptions - before.preemptions;
         trace.push(StepTrace {
-            seqs: stats.last_step_seqs,
-            tokens: stats.last_step_tokens,
+            seqs: if ran { stats.last_step_seqs } else { 0 },
+            tokens: if ran { stats.last_step_tokens } else { 0 },
             ms: elapsed,
-            device_ms: stats.last_step_device_us as f64 / 1e3,
-            preempted: stats.preemptions - preempted,
+            device_ms: if ran {
+                stats.last_step_device_us as f64 / 1e3
+            } else {
+                0.0
+            },
+            preempted,
         });
         let mut decoded = 0;
         for e in events {

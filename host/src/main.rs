@@ -242,7 +242,8 @@ struct BenchArgs {
     #[arg(long)]
     compare_graphs: bool,
     /// Write each row's steps (sequences, tokens, ms, device ms,
-    /// preemptions) to DIR/steps-FORMAT-CONCURRENCY.csv.
+    /// preemptions) to DIR/steps-FORMAT[+g]-CONCURRENCY.csv (+g: CUDA
+    /// graphs on).
     #[arg(long, value_name = "DIR")]
     trace: Option<std::path::PathBuf>,
     #[command(flatten)]
@@ -359,7 +360,8 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 kiln_host::bench::run(loaded, config, spec).map_err(anyhow::Error::msg)?;
             loaded = back;
             if let Some(dir) = &args.trace {
-                let name = format!("steps-{:?}-{c}.csv", kv_format(format)).to_lowercase();
+                let mode = if graphs { "+g" } else { "" };
+                let name = format!("steps-{:?}{mode}-{c}.csv", kv_format(format)).to_lowercase();
                 let mut csv = vec![kiln_host::bench::StepTrace::CSV_HEADER.to_string()];
                 csv.extend(row.steps.iter().enumerate().map(|(i, s)| s.csv(i)));
                 std::fs::create_dir_all(dir)?;
