@@ -11,6 +11,8 @@
 #   carry .gpu-model/a:          scripts/gpu.sh stage a
 #   carry .gpu-model/b:          scripts/gpu.sh stage b
 #   carry .gpu, .gpu-bench:      scripts/gpu.sh run
+# For an A/B of two builds: `scripts/gpu.sh baseline [REV]` here, then
+# `scripts/gpu.sh unpack` there, and /tmp/kiln-base runs beside .gpu-bench/kiln.
 # `run` is the single command for every CUDA test and benchmark (kernel
 # parity, the engine tests on the default model, kernel timings, the
 # engine's decode matrix and the PyTorch baseline), writing logs to $OUT
@@ -113,8 +115,36 @@ bench)
     timeout "${TORCH_TIMEOUT:-150}" python3 scripts/torch_baseline.py ${TORCH_ARGS:---batches 1,8,32,64} \
         2>&1 | grep -v Warning | tee "$out/torch-baseline.log"
     ;;
+baseline)
+    # Here: the `kiln` of another revision (default: main), stripped and
+    # xz-compressed into .gpu-bench/kiln-base.xz, so a call can run it side
+    # by side with this tree's (two plain binaries exceed one call's 64
+    # MiB). There: `scripts/gpu.sh unpack` puts it at /tmp/kiln-base.
+    rev="${2:-main}"
+    wt="$(mktemp -d)"
+    git worktree add -q --detach "$wt" "$rev"
+    # The same target directory: the worktree's crates build apart (their
+    # paths differ) and the dependencies are reused.
+    target="$PWD/target"
+    (cd "$wt" && CARGO_TARGET_DIR="$target" cargo build --release -p kiln-host --message-format=json 2>/dev/null |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "kiln" and m.get("executable"):
+        print(m["executable"])' >"$wt/.kiln-path")
+    mkdir -p .gpu-bench
+    strip -o "$wt/kiln" "$(cat "$wt/.kiln-path")"
+    xz -T2 -6 -c "$wt/kiln" >.gpu-bench/kiln-base.xz
+    git worktree remove --force "$wt"
+    echo "$(git rev-parse --short "$rev"): .gpu-bench/kiln-base.xz"
+    ls -l .gpu-bench
+    ;;
+unpack)
+    xz -d -c .gpu-bench/kiln-base.xz >/tmp/kiln-base
+    chmod +x /tmp/kiln-base
+    ;;
 *)
-    echo "usage: scripts/gpu.sh build | stage a|b | run | bench" >&2
+    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench" >&2
     exit 2
     ;;
 esac
