@@ -1,4 +1,5 @@
-//! The `kiln` server: HTTP front end, control plane and function routing.
+//! The `kiln` server: HTTP front end, control plane, function routing and
+//! the inference engine.
 //!
 //! [`server::Server`] binds a listener over an [`app::App`]; requests go
 //! through [`api::handle`], which authenticates, routes, and runs functions
