@@ -102,37 +102,18 @@ impl Linear {
         self.apply(g, xn, outs, m, k, scratch)
     }
 
-    /// Whether the projections are one bf16 stack that runs cuBLAS at `m`
-    /// rows of `k`: then [`Self::apply_normed_stacked`] computes them all
-    /// in one GEMM.
-    pub(super) fn stacks_on_cublas(&self, g: &Gpu, m: usize, k: usize) -> bool {
-        matches!(self, Linear::Stacked { w, .. } if g.takes_bf16_input(w, m, k))
-    }
-
-    /// As [`Self::apply_normed`], in one GEMM over the whole stack: row r of
-    /// `out` is every part's row r side by side (`m x` the stack's rows).
-    /// Only where [`Self::stacks_on_cublas`].
-    pub(super) fn apply_normed_stacked(
-        &self,
-        g: &Gpu,
-        (h, residual, norm_w, eps): NormIn<'_>,
-        out: &mut CudaSlice<f32>,
-        m: usize,
-        k: usize,
-        scratch: &mut GemmScratch,
-    ) -> R<()> {
-        let Linear::Stacked { w, parts } = self else {
-            return Err(KernelError::Shape(
-                "one GEMM over projections of different types".into(),
-            ));
-        };
-        if !g.takes_bf16_input(w, m, k) {
-            return Err(KernelError::Shape(format!(
-                "{m} rows of {k}: the stack runs a GEMV, not cuBLAS"
-            )));
+    /// The stack as one cuBLAS GEMM at `m` rows of `k`, where it is one
+    /// bf16 weight that runs cuBLAS there; else `None`.
+    pub(super) fn cublas_stack(&self, g: &Gpu, m: usize, k: usize) -> Option<CublasStack<'_>> {
+        match self {
+            Linear::Stacked { w, parts } if g.takes_bf16_input(w, m, k) => Some(CublasStack {
+                w,
+                rows: parts.iter().sum(),
+                m,
+                k,
+            }),
+            _ => None,
         }
-        g.rmsnorm_residual_bf16(h, residual, norm_w, scratch, m, k, eps)?;
-        g.matmul_parts_bf16(w, &mut [out], &[parts.iter().sum()], m, k, scratch)
     }
 
     /// Bytes of weights on the device.
@@ -147,5 +128,30 @@ impl Linear {
             Linear::Apart(ws) => (None, &ws[..]),
         };
         one.into_iter().chain(many)
+    }
+}
+
+/// A stack that runs as one cuBLAS GEMM at its rows: only
+/// [`Linear::cublas_stack`] makes one.
+pub(super) struct CublasStack<'a> {
+    w: &'a DeviceWeight,
+    rows: usize,
+    m: usize,
+    k: usize,
+}
+
+impl CublasStack<'_> {
+    /// As [`Linear::apply_normed`], in one GEMM over the whole stack: row r
+    /// of `out` is every part's row r side by side (`m x` the stack's rows).
+    pub(super) fn apply_normed(
+        &self,
+        g: &Gpu,
+        (h, residual, norm_w, eps): NormIn<'_>,
+        out: &mut CudaSlice<f32>,
+        scratch: &mut GemmScratch,
+    ) -> R<()> {
+        let (m, k) = (self.m, self.k);
+        g.rmsnorm_residual_bf16(h, residual, norm_w, scratch, m, k, eps)?;
+        g.matmul_parts_bf16(self.w, &mut [out], &[self.rows], m, k, scratch)
     }
 }

@@ -283,12 +283,11 @@ impl GpuModel {
                 heads: c.heads,
                 interleaved,
             };
-            if layer.bias.is_none() && layer.qkv.stacks_on_cublas(g, n, c.hidden) {
+            let stack = layer.qkv.cublas_stack(g, n, c.hidden);
+            if let Some(stack) = stack.filter(|_| layer.bias.is_none()) {
                 // One GEMM for q, k and v (cuBLAS fills the GPU far better
                 // with the stack's 6144 rows than with k's or v's 1024).
-                layer
-                    .qkv
-                    .apply_normed_stacked(g, norm, qkv, n, c.hidden, scratch)?;
+                stack.apply_normed(g, norm, qkv, scratch)?;
                 g.rope_kv_write_stacked(pages, qkv, q, &at)?;
             } else {
                 let outs = &mut [&mut *q, &mut *k, &mut *v];
