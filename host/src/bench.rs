@@ -54,6 +54,52 @@ pub struct BenchRow {
     pub steps: Vec<StepTrace>,
 }
 
+impl BenchRow {
+    /// The header of [`BenchRow::table_line`]'s columns.
+    pub const TABLE_HEADER: &'static str = "    kv  conc admitted prompt t/s decode t/s   full t/s \
+        output t/s  ITL p50  ITL p95  step ms host ms  batch      check on/off ms ideal ms \
+        roofline";
+
+    /// The row as one line of the bench table, labelled `label` (format and
+    /// mode); with the device's copy bandwidth (GB/s), the roofline: the
+    /// bytes a decode-only step must move over it, against the measured
+    /// decode-only step.
+    pub fn table_line(&self, label: &str, copy_gb_s: Option<f64>) -> String {
+        let check = self.check_on_off_ms.map_or("-".into(), |(on, off)| {
+            format!("{on:.2}/{off:.2} {:+.1}%", (on / off - 1.0) * 100.0)
+        });
+        let ideal = copy_gb_s.map(|b| self.step_bytes / (b * 1e9) * 1e3);
+        format!(
+            "{:>6} {:>5} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>6.1} {:>20} {:>8} {:>8}",
+            label,
+            self.concurrency,
+            self.admitted,
+            self.prompt_tok_s,
+            self.decode_tok_s,
+            self.full_tok_s,
+            self.output_tok_s,
+            self.itl_p50_ms,
+            self.itl_p95_ms,
+            self.decode_step_ms,
+            self.host_ms,
+            self.mean_batch,
+            check,
+            ideal.map_or("-".into(), |i| format!("{i:.2}")),
+            ideal.map_or("-".into(), |i| format!(
+                "{:.0}%",
+                i / self.decode_step_ms * 100.0
+            )),
+        )
+    }
+
+    /// Writes [`BenchRow::steps`] to `path` as CSV.
+    pub fn write_trace(&self, path: &std::path::Path) -> std::io::Result<()> {
+        let mut csv = vec![StepTrace::CSV_HEADER.to_string()];
+        csv.extend(self.steps.iter().enumerate().map(|(i, s)| s.csv(i)));
+        std::fs::write(path, csv.join("\n") + "\n")
+    }
+}
+
 /// One engine step of a bench run.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct StepTrace {
@@ -345,7 +391,31 @@ pub fn ttft(
 
 #[cfg(test)]
 mod tests {
-    use super::full_rate;
+    use super::{BenchRow, full_rate};
+
+    #[test]
+    fn table_lines_line_up_with_the_header() {
+        let row = BenchRow {
+            concurrency: 256,
+            admitted: 232,
+            prompt_tok_s: 20225.0,
+            decode_tok_s: 11297.0,
+            full_tok_s: 15883.4,
+            output_tok_s: 4339.6,
+            itl_p50_ms: 13.21,
+            itl_p95_ms: 74.69,
+            decode_step_ms: 11.26,
+            host_ms: 0.39,
+            check_on_off_ms: Some((6.17, 6.15)),
+            step_bytes: 24e9,
+            mean_batch: 115.9,
+            steps: Vec::new(),
+        };
+        let line = row.table_line("fp8+g", Some(4235.0));
+        assert_eq!(line.len(), BenchRow::TABLE_HEADER.len(), "{line}");
+        assert!(line.ends_with("5.67      50%"), "{line}");
+        assert!(BenchRow::TABLE_HEADER.starts_with("    kv  conc admitted"));
+    }
 
     #[test]
     fn full_rate_counts_only_steps_near_the_largest_batch() {

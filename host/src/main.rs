@@ -319,24 +319,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         bw.map_or("-".into(), |b| format!("{b:.0} GB/s")),
         rayon::current_num_threads()
     );
-    println!(
-        "{:>6} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>7} {:>6} {:>20} {:>8} {:>8}",
-        "kv",
-        "conc",
-        "admitted",
-        "prompt t/s",
-        "decode t/s",
-        "full t/s",
-        "output t/s",
-        "ITL p50",
-        "ITL p95",
-        "step ms",
-        "host ms",
-        "batch",
-        "check on/off ms",
-        "ideal ms",
-        "roofline"
-    );
+    println!("{}", kiln_host::bench::BenchRow::TABLE_HEADER);
     let graph_modes = if args.compare_graphs {
         vec![false, true]
     } else {
@@ -359,41 +342,13 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
             let (row, back) =
                 kiln_host::bench::run(loaded, config, spec).map_err(anyhow::Error::msg)?;
             loaded = back;
+            let mode = if graphs { "+g" } else { "" };
+            let label = format!("{:?}{mode}", kv_format(format)).to_lowercase();
             if let Some(dir) = &args.trace {
-                let mode = if graphs { "+g" } else { "" };
-                let name = format!("steps-{:?}{mode}-{c}.csv", kv_format(format)).to_lowercase();
-                let mut csv = vec![kiln_host::bench::StepTrace::CSV_HEADER.to_string()];
-                csv.extend(row.steps.iter().enumerate().map(|(i, s)| s.csv(i)));
                 std::fs::create_dir_all(dir)?;
-                std::fs::write(dir.join(name), csv.join("\n") + "\n")?;
+                row.write_trace(&dir.join(format!("steps-{label}-{c}.csv")))?;
             }
-            let check = row.check_on_off_ms.map_or("-".into(), |(on, off)| {
-                format!("{on:.2}/{off:.2} {:+.1}%", (on / off - 1.0) * 100.0)
-            });
-            // The roofline: the bytes a decode-only step must move over the
-            // copy bandwidth, against the measured decode-only step.
-            let ideal = bw.map(|b| row.step_bytes / (b * 1e9) * 1e3);
-            println!(
-                "{:>6} {:>5} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>6.1} {:>20} {:>8} {:>8}",
-                format!("{:?}{}", kv_format(format), if graphs { "+g" } else { "" }).to_lowercase(),
-                row.concurrency,
-                row.admitted,
-                row.prompt_tok_s,
-                row.decode_tok_s,
-                row.full_tok_s,
-                row.output_tok_s,
-                row.itl_p50_ms,
-                row.itl_p95_ms,
-                row.decode_step_ms,
-                row.host_ms,
-                row.mean_batch,
-                check,
-                ideal.map_or("-".into(), |i| format!("{i:.2}")),
-                ideal.map_or("-".into(), |i| format!(
-                    "{:.0}%",
-                    i / row.decode_step_ms * 100.0
-                )),
-            );
+            println!("{}", row.table_line(&label, bw));
         }
     }
     Ok(())
