@@ -120,6 +120,10 @@ struct EngineArgs {
     /// while the one before it finishes (programmatic dependent launch).
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     cuda_pdl: OnOff,
+    /// On CUDA, fold the norms and SiLU-and-multiply of one-token steps
+    /// into their GEMVs (bf16 weights).
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    cuda_fold: OnOff,
     /// On CUDA, sample (temperature, top-k, top-p) on the device.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     device_sampling: OnOff,
@@ -148,6 +152,7 @@ impl EngineArgs {
             scheduler,
             cuda_graphs: self.cuda_graphs == OnOff::On,
             cuda_pdl: self.cuda_pdl == OnOff::On,
+            cuda_fold: self.cuda_fold == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,
             flash_prefill: self.flash_prefill,
         })

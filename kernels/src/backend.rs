@@ -112,6 +112,34 @@ pub trait Backend {
         k: usize,
         out: &mut [f32],
     ) -> R;
+    /// A decode row's product before a norm with weights `g`, the norm's
+    /// first half folded in: `h += x * w^T` (bf16 `w` of `h.len() x k`),
+    /// `gh = g * h`; returns the sum of `h^2`.
+    fn matmul_residual(
+        &self,
+        x: &[f32],
+        w: &[bf16],
+        k: usize,
+        h: &mut [f32],
+        g: &[f32],
+        gh: &mut [f32],
+    ) -> R<f32>;
+    /// A decode row's product after that norm, from what
+    /// [`Self::matmul_residual`] left: `out = gh * w^T / sqrt(ss / k + eps)`,
+    /// which is `(rmsnorm(h) * g) * w^T` (bf16 `w` of `out.len() x k`).
+    /// With `silu`, `w` stacks gate over up (`2 out.len() x k`) and
+    /// `out = silu(gate) * up` of the two normed products.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_normed(
+        &self,
+        gh: &[f32],
+        ss: f32,
+        eps: f32,
+        w: &[bf16],
+        k: usize,
+        silu: bool,
+        out: &mut [f32],
+    ) -> R;
     /// GGUF blocks of `n` elements as values (bf16 on CUDA, f32 here).
     fn dequantize(&self, dtype: crate::quant::DType, bytes: &[u8], n: usize) -> R<Vec<f32>>;
     /// `out (m x rows) = x (m x cols) * w^T` for a weight of any type, as
@@ -244,6 +272,56 @@ impl Backend for Cpu {
                         .sum();
                 }
             });
+        Ok(())
+    }
+
+    fn matmul_residual(
+        &self,
+        x: &[f32],
+        w: &[bf16],
+        k: usize,
+        h: &mut [f32],
+        g: &[f32],
+        gh: &mut [f32],
+    ) -> R<f32> {
+        let n = h.len();
+        if g.len() != n || gh.len() != n {
+            return Err(KernelError::Shape(format!(
+                "residual product of {n} rows: g and gh of {n}"
+            )));
+        }
+        let mut y = vec![0.0; n];
+        self.matmul_bf16(x, 1, w, n, k, &mut y)?;
+        let mut ss = 0.0;
+        for ((h, y), (g, gh)) in h.iter_mut().zip(&y).zip(g.iter().zip(gh.iter_mut())) {
+            *h += y;
+            *gh = g * *h;
+            ss += *h * *h;
+        }
+        Ok(ss)
+    }
+
+    fn matmul_normed(
+        &self,
+        gh: &[f32],
+        ss: f32,
+        eps: f32,
+        w: &[bf16],
+        k: usize,
+        silu: bool,
+        out: &mut [f32],
+    ) -> R {
+        let n = out.len();
+        let rows = if silu { 2 * n } else { n };
+        let mut y = vec![0.0; rows];
+        self.matmul_bf16(gh, 1, w, rows, k, &mut y)?;
+        let s = 1.0 / (ss / k as f32 + eps).sqrt();
+        y.iter_mut().for_each(|v| *v *= s);
+        if silu {
+            let (gate, up) = y.split_at_mut(n);
+            crate::ops::silu_mul(gate, up);
+        }
+        out.copy_from_slice(&y[..n]);
         Ok(())
     }
 

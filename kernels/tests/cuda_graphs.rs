@@ -13,6 +13,9 @@ use kiln_kernels::ops::{Rope, RopeStyle};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+#[path = "cuda_graphs/fold.rs"]
+mod fold;
+
 const DIM: usize = 4096;
 const ROUNDS: usize = 6;
 

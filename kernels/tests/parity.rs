@@ -229,6 +229,63 @@ fn bf16_matmul_matches_float64_for_decode_and_prefill_shapes() {
     }
 }
 
+#[test]
+fn decode_products_with_the_norm_folded_in_match_float64() {
+    let (be, mut r) = (backend(), rng());
+    let eps = 1e-5;
+    let bf = |v: Vec<f32>| -> Vec<bf16> { v.into_iter().map(bf16::from_f32).collect() };
+    // Llama-3-8B's o projection into a hidden row of 4096, then SmolLM2's
+    // 576 (rows not a multiple of the kernels' four a block: 1001).
+    for (hidden, k_in, out_rows) in [(4096, 4096, 1024), (576, 1536, 1001)] {
+        let x = random(&mut r, k_in, 1.0);
+        let w = bf(random(&mut r, hidden * k_in, 0.05));
+        let h0 = random(&mut r, hidden, 1.0);
+        let g = random(&mut r, hidden, 2.0);
+        let (mut h, mut gh) = (h0.clone(), vec![f32::NAN; hidden]);
+        let ss = be
+            .matmul_residual(&x, &w, k_in, &mut h, &g, &mut gh)
+            .unwrap();
+        // float64: h + x w^T, g h, the sum of squares.
+        let y = product64(
+            &x,
+            1,
+            &w.iter().map(|v| v.to_f32()).collect::<Vec<_>>(),
+            hidden,
+        );
+        let h64: Vec<f64> = h0.iter().zip(&y).map(|(a, b)| *a as f64 + b).collect();
+        let gh64: Vec<f64> = h64.iter().zip(&g).map(|(a, b)| a * *b as f64).collect();
+        let ss64: f64 = h64.iter().map(|v| v * v).sum();
+        let e = [rel_err(&h, &h64), rel_err(&gh, &gh64)];
+        assert!(e.iter().all(|e| *e < 1e-5), "{} h, gh: {e:?}", be.name());
+        let ess = (ss as f64 - ss64).abs() / ss64;
+        assert!(ess < 1e-5, "{} sum of squares {ss} vs {ss64}", be.name());
+        // What follows the norm: rmsnorm(h) * g times w2, plain and as
+        // gate/up with SiLU-and-multiply.
+        let xn: Vec<f32> = {
+            let s = 1.0 / (ss64 / hidden as f64 + eps as f64).sqrt();
+            gh64.iter().map(|v| (v * s) as f32).collect()
+        };
+        for silu in [false, true] {
+            let rows = if silu { 2 * out_rows } else { out_rows };
+            let w2 = bf(random(&mut r, rows * hidden, 0.05));
+            let w2f: Vec<f32> = w2.iter().map(|v| v.to_f32()).collect();
+            let mut want = product64(&xn, 1, &w2f, rows);
+            if silu {
+                let (gate, up) = want.split_at_mut(out_rows);
+                for (a, b) in gate.iter_mut().zip(up.iter()) {
+                    *a = *a / (1.0 + (-*a).exp()) * b;
+                }
+                want.truncate(out_rows);
+            }
+            let mut out = vec![f32::NAN; out_rows];
+            be.matmul_normed(&gh, ss, eps, &w2, hidden, silu, &mut out)
+                .unwrap();
+            let e = rel_err(&out, &want);
+            assert!(e < 1e-5, "{} silu={silu} {hidden}: rel err {e}", be.name());
+        }
+    }
+}
+
 /// Every value of `w`, row-major.
 fn values_of(w: &Weight) -> Vec<f32> {
     let mut rows = vec![0.0f32; w.rows() * w.cols()];

@@ -306,13 +306,12 @@ fn device_sampling_draws_what_the_host_draws_from_the_same_seed() {
     );
 }
 
-#[test]
-fn bf16_weights_through_cublas_give_the_cpus_logits() {
-    // A synthetic model with bf16 weights: a prompt (more rows than the
-    // bf16 GEMV's one) runs cuBLAS, q, k and v as one stacked GEMM whose
-    // rows the fused RoPE + KV write reads in place, and every later row
-    // reads the pages it wrote. Random weights, so the logits (not their
-    // argmax, often a near tie) are compared.
+/// The synthetic model with bf16 weights (SmolLM2-135M's shapes), and an
+/// engine config on `device` with bf16 pages.
+fn synthetic_bf16() -> (
+    std::sync::Arc<kiln_host::model::Loaded>,
+    impl Fn(Device) -> EngineConfig,
+) {
     let name = "synthetic:smollm2-135m";
     let loaded = std::sync::Arc::new(kiln_host::model::load(name, name).expect(name));
     let config = |device| EngineConfig {
@@ -321,22 +320,78 @@ fn bf16_weights_through_cublas_give_the_cpus_logits() {
         kv_format: kiln_kernels::kv::KvFormat::Bf16,
         ..Default::default()
     };
+    (loaded, config)
+}
+
+/// A 48-token prompt of the model's vocabulary.
+fn synthetic_ids(loaded: &kiln_host::model::Loaded) -> Vec<u32> {
+    let vocab = loaded.model.config.vocab as u32;
+    (0..48u32)
+        .map(|i| vocab / 8 + i * 997 % (vocab / 4))
+        .collect()
+}
+
+/// ‖x − y‖ / ‖x‖.
+fn rel_diff(x: &[f32], y: &[f32]) -> f64 {
+    let num: f64 = x.iter().zip(y).map(|(u, v)| ((u - v) as f64).powi(2)).sum();
+    let den: f64 = x.iter().map(|u| (*u as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+#[test]
+fn bf16_weights_through_cublas_give_the_cpus_logits() {
+    // A synthetic model with bf16 weights: a prompt (more rows than the
+    // bf16 GEMV's one) runs cuBLAS, q, k and v as one stacked GEMM whose
+    // rows the fused RoPE + KV write reads in place, and every later row
+    // (one token a step: the GEMVs with the norms folded in) reads the
+    // pages it wrote. Random weights, so the logits (not their argmax,
+    // often a near tie) are compared.
+    let (loaded, config) = synthetic_bf16();
     let mut cpu = Engine::new(loaded.clone(), config(Device::Cpu)).unwrap();
     let mut dev = Engine::new(loaded.clone(), config(device())).unwrap();
-    let vocab = loaded.model.config.vocab as u32;
-    let ids: Vec<u32> = (0..48u32)
-        .map(|i| vocab / 8 + i * 997 % (vocab / 4))
-        .collect();
+    let ids = synthetic_ids(&loaded);
     let a = cpu.teacher_forced_logits(TenantId(0), &ids, 36).unwrap();
     let b = dev.teacher_forced_logits(TenantId(0), &ids, 36).unwrap();
     assert_eq!(a.len(), 13, "positions 36..=48");
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        let num: f64 = x.iter().zip(y).map(|(u, v)| ((u - v) as f64).powi(2)).sum();
-        let den: f64 = x.iter().map(|u| (*u as f64).powi(2)).sum();
-        let rel = (num / den).sqrt();
+        let rel = rel_diff(x, y);
         eprintln!("{}: row {i}: logits differ by {rel:.2e}", device().name());
         // The GPU rounds the GEMMs' activations to bf16 (the CPU keeps
         // f32): relative error 2^-9 per element, carried through 30 layers.
         assert!(rel < 3e-2, "row {i}: logits differ by {rel}");
     }
+}
+
+#[test]
+fn folded_norms_give_the_logits_and_tokens_of_the_separate_launches() {
+    // On CUDA, one-token steps of a bf16 model fold the norms and SiLU
+    // into their GEMVs; with the fold off they launch them apart. Both
+    // keep f32 activations, so the logits agree to f32 rounding; greedy
+    // decode replayed from graphs gives what eager launches give.
+    let (loaded, config) = synthetic_bf16();
+    let unfolded = |device| EngineConfig {
+        cuda_fold: false,
+        ..config(device)
+    };
+    let mut on = Engine::new(loaded.clone(), config(device())).unwrap();
+    let mut off = Engine::new(loaded.clone(), unfolded(device())).unwrap();
+    let ids = synthetic_ids(&loaded);
+    let a = off.teacher_forced_logits(TenantId(0), &ids, 36).unwrap();
+    let b = on.teacher_forced_logits(TenantId(0), &ids, 36).unwrap();
+    for (i, (x, y)) in a.iter().zip(&b).enumerate().skip(1) {
+        let rel = rel_diff(x, y);
+        eprintln!(
+            "{}: row {i}: folded logits differ by {rel:.2e}",
+            device().name()
+        );
+        assert!(rel < 1e-4, "row {i}: folded logits differ by {rel}");
+    }
+    let eager = EngineConfig {
+        cuda_graphs: false,
+        ..config(device())
+    };
+    let mut eager = Engine::new(loaded.clone(), eager).unwrap();
+    let mut replayed = Engine::new(loaded, config(device())).unwrap();
+    let want = greedy(&mut eager, &ids, 24);
+    assert_eq!(greedy(&mut replayed, &ids, 24), want);
 }

@@ -58,6 +58,9 @@ pub struct EngineConfig {
     /// On CUDA (sm_90 and up): captured graphs let each kernel start while
     /// the one before it finishes (programmatic dependent launch).
     pub cuda_pdl: bool,
+    /// On CUDA: steps of one token with bf16 weights fold the norms and
+    /// SiLU-and-multiply into their GEMVs (no norm or SiLU launches).
+    pub cuda_fold: bool,
     /// On CUDA: sample (temperature, top-k, top-p) on the device with the
     /// request's own draws, instead of downloading logits.
     pub device_sampling: bool,
@@ -76,6 +79,7 @@ impl Default for EngineConfig {
             device: Device::Cpu,
             cuda_graphs: true,
             cuda_pdl: true,
+            cuda_fold: true,
             device_sampling: true,
             flash_prefill: false,
         }

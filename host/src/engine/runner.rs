@@ -42,6 +42,7 @@ impl Runner {
                     ),
                 };
                 model.set_programmatic(config.cuda_pdl);
+                model.set_fold(config.cuda_fold);
                 tracing::info!(device = model.device_name(), "model weights on the GPU");
                 let mut kv = model
                     .kv(config.kv_format, PAGE_SIZE, num_pages)

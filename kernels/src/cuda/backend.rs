@@ -192,6 +192,49 @@ impl Backend for Gpu {
         Ok(())
     }
 
+    fn matmul_residual(
+        &self,
+        x: &[f32],
+        w: &[bf16],
+        k: usize,
+        h: &mut [f32],
+        g: &[f32],
+        gh: &mut [f32],
+    ) -> R<f32> {
+        let n = h.len();
+        let (dx, dw, dg) = (self.upload(x)?, self.upload(w)?, self.upload(g)?);
+        let mut dh = self.upload(h)?;
+        let mut dgh = self.poisoned(n)?;
+        let mut sum = self.norm_sum(n)?;
+        self.gemv_bf16_resid(&dx, &dw, &mut dh, &dg, &mut dgh, &mut sum, n, k)?;
+        h.copy_from_slice(&self.download(&dh)?);
+        gh.copy_from_slice(&self.download(&dgh)?[..n]);
+        Ok(self.download(sum.total())?[0])
+    }
+
+    fn matmul_normed(
+        &self,
+        gh: &[f32],
+        ss: f32,
+        eps: f32,
+        w: &[bf16],
+        k: usize,
+        silu: bool,
+        out: &mut [f32],
+    ) -> R {
+        let n = out.len();
+        let (dgh, dw) = (self.upload(gh)?, self.upload(w)?);
+        let sum = self.norm_sum_of(ss)?;
+        let mut dout = self.poisoned(n)?;
+        if silu {
+            self.gemv_bf16_normed_silu(&dgh, &dw, &sum, &mut dout, n, k, eps)?;
+        } else {
+            self.gemv_bf16_normed(&dgh, &dw, &sum, &mut [&mut dout], &[n], k, eps)?;
+        }
+        out.copy_from_slice(&self.download(&dout)?[..n]);
+        Ok(())
+    }
+
     fn dequantize(&self, dtype: crate::quant::DType, bytes: &[u8], n: usize) -> R<Vec<f32>> {
         let mut out = self.poisoned(n)?;
         self.dequantize(dtype, &self.upload(bytes)?, &mut out, n)?;

@@ -26,11 +26,11 @@ const BF16_ROWS_PER_BLOCK: usize = 4;
 
 /// Device pointers of up to three outputs and the row counts of the
 /// first two, as the GEMV kernels take them (absent parts: null, 0 rows).
-struct OutPtrs {
-    ptrs: [u64; 3],
-    n0: i32,
-    n1: i32,
-    n: i32,
+pub(super) struct OutPtrs {
+    pub(super) ptrs: [u64; 3],
+    pub(super) n0: i32,
+    pub(super) n1: i32,
+    pub(super) n: i32,
 }
 
 /// Checks one output per part, each big enough for `m` rows of its part;
@@ -174,7 +174,7 @@ impl Gpu {
         Ok(())
     }
 
-    fn out_ptrs(&self, outs: &mut [&mut CudaSlice<f32>], parts: &[usize]) -> OutPtrs {
+    pub(super) fn out_ptrs(&self, outs: &mut [&mut CudaSlice<f32>], parts: &[usize]) -> OutPtrs {
         let mut ptrs = [0u64; 3];
         for (p, o) in ptrs.iter_mut().zip(outs.iter_mut()) {
             // The launch is queued on this same stream, so no guard is

@@ -9,6 +9,7 @@
 mod act;
 mod attention;
 mod backend;
+mod fold;
 mod gemv;
 mod graph;
 mod launch;
@@ -34,6 +35,7 @@ pub use attention::{
 };
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
+pub use fold::NormSum;
 pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M};
 pub use graph::Graph;
 pub use launch::PagedKv;
@@ -49,6 +51,7 @@ pub const SOURCE: &str = concat!(
     include_str!("attention.cu"),
     include_str!("attention_flash.cu"),
     include_str!("gemv.cu"),
+    include_str!("gemv_norm.cu"),
     include_str!("quant.cu"),
     include_str!("sample.cu"),
     include_str!("prefill.cu")
@@ -103,6 +106,9 @@ const KERNELS: &[&str] = &[
     "gemv_bf16_6_u4",
     "gemv_bf16_7_u4",
     "gemv_bf16_8_u4",
+    "gemv_bf16_resid",
+    "gemv_bf16_normed",
+    "gemv_bf16_normed_silu",
     "to_bf16",
     "to_f32",
     "gemv_q8_0",

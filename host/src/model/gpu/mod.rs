@@ -7,6 +7,7 @@
 //! Prefill tokens still attend through the decode attention kernel, one
 //! query per token (correct, not yet flash-style).
 
+mod fold;
 mod inputs;
 mod linear;
 mod step;
@@ -21,7 +22,9 @@ use kiln_kernels::cuda::Graph;
 use step::GraphKey;
 
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{AttentionBuffers, CudaSlice, DeviceWeight, GemmScratch, Gpu, PagedKv};
+use kiln_kernels::cuda::{
+    AttentionBuffers, CudaSlice, DeviceWeight, GemmScratch, Gpu, NormSum, PagedKv,
+};
 use kiln_kernels::kv::{KvFormat, KvLayout};
 
 #[cfg(doc)]
@@ -58,6 +61,9 @@ pub struct GpuModel {
     blocks: bool,
     /// Whether greedy decode steps are captured as CUDA graphs.
     graphs: bool,
+    /// Whether one-token steps fold their norms into the GEMVs (`fold.rs`;
+    /// only for a model whose weights allow it).
+    fold: bool,
 }
 
 /// Every layer's KV pages on the GPU, and the step's working buffers,
@@ -112,6 +118,8 @@ struct Work {
     proj: CudaSlice<f32>,
     gate: CudaSlice<f32>,
     up: CudaSlice<f32>,
+    /// The sum of squares a folded step's products pass on (`fold.rs`).
+    norm_sum: NormSum,
     scratch: GemmScratch,
     abuf: AttentionBuffers,
 }
@@ -159,7 +167,7 @@ impl GpuModel {
                     .chain(l.gate_up.weights())
             }))
             .any(|w| matches!(w, DeviceWeight::Blocks { .. }));
-        Ok(Self {
+        let mut uploaded = Self {
             output,
             norm: gpu.upload(&model.norm).map_err(e)?,
             embed,
@@ -170,7 +178,16 @@ impl GpuModel {
             config: model.config.clone(),
             gpu,
             ordinal,
-        })
+            fold: false,
+        };
+        uploaded.fold = uploaded.foldable();
+        Ok(uploaded)
+    }
+
+    /// Whether one-token steps fold their norms into the GEMVs, where the
+    /// model's weights allow it (they do by default).
+    pub fn set_fold(&mut self, on: bool) {
+        self.fold = on && self.foldable();
     }
 
     /// Whether graphs captured from now on join consecutive kernels by
@@ -281,6 +298,7 @@ impl GpuModel {
             proj: g.zeros(n * c.hidden)?,
             gate: g.zeros(n * c.ffn)?,
             up: g.zeros(n * c.ffn)?,
+            norm_sum: g.norm_sum(c.hidden)?,
             scratch: g.gemm_scratch(n, widest, self.blocks)?,
             abuf: g.attention_buffers(n, c.heads, c.kv_heads, c.head_dim, max_len)?,
         })

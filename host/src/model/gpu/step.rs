@@ -266,15 +266,16 @@ impl GpuModel {
         let (h, xn, q, k, v) = (&mut w.h, &mut w.xn, &mut w.q, &mut w.k, &mut w.v);
         let qkv = &mut w.qkv;
         let (attn, proj, gate, up) = (&mut w.attn, &mut w.proj, &mut w.gate, &mut w.up);
-        let (scratch, abuf) = (&mut w.scratch, &mut w.abuf);
+        let (scratch, abuf, sum) = (&mut w.scratch, &mut w.abuf, &mut w.norm_sum);
         g.embed_rows(&self.embed, &d_ids, h, n, c.hidden)?;
         let interleaved = c.rope_style == RopeStyle::Interleaved;
         let scale = 1.0 / (hd as f32).sqrt();
+        // Folded (one token, bf16 weights): past layer 0, xn holds the
+        // hidden row times the norm's weights and `sum` its sum of squares,
+        // and h is always up to date (see fold.rs).
+        let folds = self.folds(n);
         for (li, (layer, pages)) in self.layers.iter().zip(kv.layers.iter_mut()).enumerate() {
-            // h += the previous block's output, then the attention norm.
-            // From two rows up, bf16 weights run cuBLAS on bf16 activations:
-            // the norm and SiLU-mul write those straight into its scratch.
-            let norm = (&mut *h, (li > 0).then_some(&*proj), &layer.attn_norm, c.eps);
+            let folded = layer.folded(c).filter(|_| folds);
             let at = RopeKv {
                 slots: &d_slots,
                 pos: &d_pos,
@@ -283,8 +284,17 @@ impl GpuModel {
                 heads: c.heads,
                 interleaved,
             };
+            // h += the previous block's output, then the attention norm.
+            // From two rows up, bf16 weights run cuBLAS on bf16 activations:
+            // the norm and SiLU-mul write those straight into its scratch.
+            let residual = (li > 0 && folded.is_none()).then_some(&*proj);
+            let norm = (&mut *h, residual, &layer.attn_norm, c.eps);
             let stack = layer.qkv.cublas_stack(g, n, c.hidden);
-            if let Some(stack) = stack.filter(|_| layer.bias.is_none()) {
+            if let Some(f) = folded.as_ref().filter(|_| li > 0) {
+                let outs = &mut [&mut *q, &mut *k, &mut *v];
+                g.gemv_bf16_normed(xn, f.qkv, sum, outs, f.qkv_parts, c.hidden, c.eps)?;
+                g.rope_kv_write(pages, q, k, v, &at)?;
+            } else if let Some(stack) = stack.filter(|_| layer.bias.is_none()) {
                 // One GEMM for q, k and v (cuBLAS fills the GPU far better
                 // with the stack's 6144 rows than with k's or v's 1024).
                 stack.apply_normed(g, norm, qkv, scratch)?;
@@ -322,6 +332,16 @@ impl GpuModel {
                     Default::default(),
                 )?;
             }
+            if let Some(f) = &folded {
+                // h += o, then the FFN norm folded into gate/up, and the
+                // next norm (the next layer's, or the final one) into down.
+                let ffn_norm = &layer.ffn_norm;
+                g.gemv_bf16_resid(attn, f.wo, h, ffn_norm, xn, sum, c.hidden, q_dim)?;
+                g.gemv_bf16_normed_silu(xn, f.gate_up, sum, gate, c.ffn, c.hidden, c.eps)?;
+                let next = self.layers.get(li + 1).map_or(&self.norm, |l| &l.attn_norm);
+                g.gemv_bf16_resid(gate, f.down, h, next, xn, sum, c.hidden, c.ffn)?;
+                continue;
+            }
             g.matmul(attn, &layer.wo, proj, n, c.hidden, q_dim, scratch)?;
             let gate_up = &mut [&mut *gate, &mut *up];
             let norm = (&mut *h, Some(&*proj), &layer.ffn_norm, c.eps);
@@ -338,16 +358,21 @@ impl GpuModel {
             }
         }
         if m > 0 {
-            g.rmsnorm_residual(h, Some(&*proj), &self.norm, xn, n, c.hidden, c.eps)?;
-            // Decode wants every token's row, already in place.
-            let rows = if m == n {
-                &*xn
+            if folds {
+                // One token, so its row is the one wanted.
+                self.folded_head(g, xn, sum, &mut w.logits)?;
             } else {
-                g.gather_rows(xn, &d_wanted, &mut w.last, m, c.hidden)?;
-                &w.last
-            };
-            let out_w = self.output.as_ref().unwrap_or(&self.embed);
-            g.matmul(rows, out_w, &mut w.logits, m, c.vocab, c.hidden, scratch)?;
+                g.rmsnorm_residual(h, Some(&*proj), &self.norm, xn, n, c.hidden, c.eps)?;
+                // Decode wants every token's row, already in place.
+                let rows = if m == n {
+                    &*xn
+                } else {
+                    g.gather_rows(xn, &d_wanted, &mut w.last, m, c.hidden)?;
+                    &w.last
+                };
+                let out_w = self.output.as_ref().unwrap_or(&self.embed);
+                g.matmul(rows, out_w, &mut w.logits, m, c.vocab, c.hidden, scratch)?;
+            }
             let mut picks = w.small.slice_mut(seqs..seqs + m);
             if s.sample {
                 let params = inputs.slice(l.range(l.params, 3 * m));

@@ -1,0 +1,165 @@
+//! One-row decode products with the RMSNorm between them folded in (the
+//! kernels of `gemv_norm.cu`). A decode step of one token otherwise runs a
+//! one-block norm kernel before each of a layer's two stacks and the head,
+//! and a SiLU-and-multiply kernel before the down projection, each a
+//! launch whose latency the GEMVs around it wait out. Here the product
+//! that adds into the hidden row (o, down) also writes the row times the
+//! next norm's weights and its sum of squares ([`NormSum`]); the products
+//! after the norm scale their sums by the norm's factor, and the gate/up
+//! product applies SiLU-and-multiply as it writes.
+
+use cudarc::driver::{CudaSlice, PushKernelArg};
+use half::bf16;
+
+use super::gemv::{OutPtrs, check_parts};
+use super::{Gpu, cuda_err, grid_1d};
+use crate::KernelError;
+
+type R<T = ()> = Result<T, KernelError>;
+
+/// Weight rows (warps) per block of the folded GEMVs (`FOLD_WARPS`).
+const ROWS_PER_BLOCK: usize = 4;
+
+/// What a folded norm carries from the product that writes the hidden row
+/// to the products after the norm: each block's sum of squares, their
+/// total, and the count of blocks done (zero between launches).
+pub struct NormSum {
+    partials: CudaSlice<f32>,
+    ss: CudaSlice<f32>,
+    done: CudaSlice<u32>,
+}
+
+impl NormSum {
+    /// The sum of squares the last residual product wrote (one element).
+    pub fn total(&self) -> &CudaSlice<f32> {
+        &self.ss
+    }
+}
+
+/// Checks a one-row GEMV's sizes: `k` a multiple of 8, `x` of `k`, `w` of
+/// `n x k`.
+fn check(x: &CudaSlice<f32>, w: &CudaSlice<bf16>, n: usize, k: usize) -> R {
+    if n == 0 || !k.is_multiple_of(8) || x.len() < k || w.len() < n * k {
+        return Err(KernelError::Shape(format!(
+            "one-row GEMV of {k} over {n} weight rows: k a multiple of 8, x of k, w of n x k"
+        )));
+    }
+    Ok(())
+}
+
+impl Gpu {
+    /// A [`NormSum`] for products of up to `rows` output rows.
+    pub fn norm_sum(&self, rows: usize) -> R<NormSum> {
+        let s = &self.stream;
+        Ok(NormSum {
+            partials: s
+                .alloc_zeros(rows.div_ceil(ROWS_PER_BLOCK).max(1))
+                .map_err(cuda_err)?,
+            ss: s.alloc_zeros(1).map_err(cuda_err)?,
+            done: s.alloc_zeros(1).map_err(cuda_err)?,
+        })
+    }
+
+    /// A [`NormSum`] whose total is `ss` (for products after a norm tested
+    /// on their own).
+    pub fn norm_sum_of(&self, ss: f32) -> R<NormSum> {
+        let mut sum = self.norm_sum(1)?;
+        sum.ss = self.upload(&[ss])?;
+        Ok(sum)
+    }
+
+    /// `h += x * w^T` for one row (`w`: bf16, `n x k`), then `gh = g * h`
+    /// and the sum of `h^2` into `sum`: the product before a norm with
+    /// weights `g`, with the norm's first half folded in.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_bf16_resid(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        h: &mut CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        gh: &mut CudaSlice<f32>,
+        sum: &mut NormSum,
+        n: usize,
+        k: usize,
+    ) -> R {
+        check(x, w, n, k)?;
+        let grid = n.div_ceil(ROWS_PER_BLOCK);
+        if h.len() < n || g.len() < n || gh.len() < n || sum.partials.len() < grid {
+            return Err(KernelError::Shape(format!(
+                "residual GEMV of {n} rows: h, g, gh or the norm's sum too small"
+            )));
+        }
+        let f = self.function("gemv_bf16_resid")?;
+        let (ni, ki) = (n as i32, k as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(w).arg(h).arg(g).arg(gh);
+        b.arg(&mut sum.partials).arg(&mut sum.ss).arg(&mut sum.done);
+        b.arg(&ni).arg(&ki);
+        // SAFETY: one warp per weight row, a partial per block; sizes
+        // checked above.
+        unsafe { b.launch(grid_1d(grid as u32, 32 * ROWS_PER_BLOCK as u32)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// `outs[i] = (rmsnorm(h) * g) * w_i^T` for the parts of the stack `w`
+    /// (bf16, `parts[i] x k` each), from the `gh` and `sum` that
+    /// [`Self::gemv_bf16_resid`] wrote.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_bf16_normed(
+        &self,
+        gh: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        sum: &NormSum,
+        outs: &mut [&mut CudaSlice<f32>],
+        parts: &[usize],
+        k: usize,
+        eps: f32,
+    ) -> R {
+        let n = check_parts(outs, parts, 1)?;
+        check(gh, w, n, k)?;
+        let f = self.function("gemv_bf16_normed")?;
+        let o: OutPtrs = self.out_ptrs(outs, parts);
+        let ki = k as i32;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(gh).arg(w).arg(&sum.ss);
+        b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
+        b.arg(&o.n0).arg(&o.n1).arg(&o.n).arg(&ki).arg(&eps);
+        let grid = n.div_ceil(ROWS_PER_BLOCK) as u32;
+        // SAFETY: one warp per weight row; sizes checked above.
+        unsafe { b.launch(grid_1d(grid, 32 * ROWS_PER_BLOCK as u32)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// `out = silu(gate) * up` after the norm, where `w` stacks gate over
+    /// up (bf16, `2f x k`) and gate and up are the normed products of
+    /// [`Self::gemv_bf16_normed`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_bf16_normed_silu(
+        &self,
+        gh: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        sum: &NormSum,
+        out: &mut CudaSlice<f32>,
+        f: usize,
+        k: usize,
+        eps: f32,
+    ) -> R {
+        check(gh, w, 2 * f, k)?;
+        if out.len() < f {
+            return Err(KernelError::Shape(format!(
+                "SiLU GEMV output of {} for {f}",
+                out.len()
+            )));
+        }
+        let func = self.function("gemv_bf16_normed_silu")?;
+        let (fi, ki) = (f as i32, k as i32);
+        let mut b = self.stream.launch_builder(func);
+        b.arg(gh).arg(w).arg(&sum.ss).arg(out);
+        b.arg(&fi).arg(&ki).arg(&eps);
+        let grid = f.div_ceil(ROWS_PER_BLOCK) as u32;
+        // SAFETY: one warp per gate row (and its up row); sizes checked.
+        unsafe { b.launch(grid_1d(grid, 32 * ROWS_PER_BLOCK as u32)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+}
