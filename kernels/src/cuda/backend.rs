@@ -209,7 +209,7 @@ impl Backend for Gpu {
         self.gemv_bf16_resid(&dx, &dw, &mut dh, &dg, &mut dgh, &mut sum, n, k)?;
         h.copy_from_slice(&self.download(&dh)?);
         gh.copy_from_slice(&self.download(&dgh)?[..n]);
-        Ok(self.download(sum.total())?[0])
+        self.norm_sum_total(&sum)
     }
 
     fn matmul_normed(

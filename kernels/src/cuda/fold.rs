@@ -17,23 +17,30 @@ use crate::KernelError;
 
 type R<T = ()> = Result<T, KernelError>;
 
-/// Weight rows (warps) per block of the folded GEMVs (`FOLD_WARPS`).
-const ROWS_PER_BLOCK: usize = 4;
+/// Weight rows (warps) per block of the residual GEMV (`RESID_WARPS`):
+/// each block writes one partial sum of squares.
+const RESID_ROWS: usize = 8;
+
+/// Weight rows (warps) per block of the GEMVs after a norm
+/// (`NORMED_WARPS`).
+const NORMED_ROWS: usize = 4;
 
 /// What a folded norm carries from the product that writes the hidden row
-/// to the products after the norm: each block's sum of squares, their
-/// total, and the count of blocks done (zero between launches).
+/// to the products after the norm: each of its blocks' sum of squares.
 pub struct NormSum {
     partials: CudaSlice<f32>,
-    ss: CudaSlice<f32>,
-    done: CudaSlice<u32>,
+    /// How many the last residual product wrote.
+    parts: usize,
 }
 
-impl NormSum {
-    /// The sum of squares the last residual product wrote (one element).
-    pub fn total(&self) -> &CudaSlice<f32> {
-        &self.ss
+/// The partial sums a residual product left, as a kernel argument.
+fn summed(sum: &NormSum) -> R<i32> {
+    if sum.parts == 0 {
+        return Err(KernelError::Shape(
+            "a product after a folded norm with no residual product before it".into(),
+        ));
     }
+    Ok(sum.parts as i32)
 }
 
 /// Checks a one-row GEMV's sizes: `k` a multiple of 8, `x` of `k`, `w` of
@@ -50,22 +57,29 @@ fn check(x: &CudaSlice<f32>, w: &CudaSlice<bf16>, n: usize, k: usize) -> R {
 impl Gpu {
     /// A [`NormSum`] for products of up to `rows` output rows.
     pub fn norm_sum(&self, rows: usize) -> R<NormSum> {
-        let s = &self.stream;
+        let blocks = rows.div_ceil(RESID_ROWS).max(1);
         Ok(NormSum {
-            partials: s
-                .alloc_zeros(rows.div_ceil(ROWS_PER_BLOCK).max(1))
-                .map_err(cuda_err)?,
-            ss: s.alloc_zeros(1).map_err(cuda_err)?,
-            done: s.alloc_zeros(1).map_err(cuda_err)?,
+            partials: self.stream.alloc_zeros(blocks).map_err(cuda_err)?,
+            parts: 0,
         })
+    }
+
+    /// The hidden row's sum of squares that `sum` carries, downloaded and
+    /// added up (for tests).
+    pub fn norm_sum_total(&self, sum: &NormSum) -> R<f32> {
+        Ok(self
+            .download_range(&sum.partials, 0..sum.parts)?
+            .iter()
+            .sum())
     }
 
     /// A [`NormSum`] whose total is `ss` (for products after a norm tested
     /// on their own).
     pub fn norm_sum_of(&self, ss: f32) -> R<NormSum> {
-        let mut sum = self.norm_sum(1)?;
-        sum.ss = self.upload(&[ss])?;
-        Ok(sum)
+        Ok(NormSum {
+            partials: self.upload(&[ss])?,
+            parts: 1,
+        })
     }
 
     /// `h += x * w^T` for one row (`w`: bf16, `n x k`), then `gh = g * h`
@@ -84,7 +98,7 @@ impl Gpu {
         k: usize,
     ) -> R {
         check(x, w, n, k)?;
-        let grid = n.div_ceil(ROWS_PER_BLOCK);
+        let grid = n.div_ceil(RESID_ROWS);
         if h.len() < n || g.len() < n || gh.len() < n || sum.partials.len() < grid {
             return Err(KernelError::Shape(format!(
                 "residual GEMV of {n} rows: h, g, gh or the norm's sum too small"
@@ -93,12 +107,12 @@ impl Gpu {
         let f = self.function("gemv_bf16_resid")?;
         let (ni, ki) = (n as i32, k as i32);
         let mut b = self.stream.launch_builder(f);
-        b.arg(x).arg(w).arg(h).arg(g).arg(gh);
-        b.arg(&mut sum.partials).arg(&mut sum.ss).arg(&mut sum.done);
+        b.arg(x).arg(w).arg(h).arg(g).arg(gh).arg(&mut sum.partials);
         b.arg(&ni).arg(&ki);
         // SAFETY: one warp per weight row, a partial per block; sizes
         // checked above.
-        unsafe { b.launch(grid_1d(grid as u32, 32 * ROWS_PER_BLOCK as u32)) }.map_err(cuda_err)?;
+        unsafe { b.launch(grid_1d(grid as u32, 32 * RESID_ROWS as u32)) }.map_err(cuda_err)?;
+        sum.parts = grid;
         Ok(())
     }
 
@@ -120,14 +134,14 @@ impl Gpu {
         check(gh, w, n, k)?;
         let f = self.function("gemv_bf16_normed")?;
         let o: OutPtrs = self.out_ptrs(outs, parts);
-        let ki = k as i32;
+        let (ki, pi) = (k as i32, summed(sum)?);
         let mut b = self.stream.launch_builder(f);
-        b.arg(gh).arg(w).arg(&sum.ss);
+        b.arg(gh).arg(w).arg(&sum.partials).arg(&pi);
         b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
         b.arg(&o.n0).arg(&o.n1).arg(&o.n).arg(&ki).arg(&eps);
-        let grid = n.div_ceil(ROWS_PER_BLOCK) as u32;
+        let grid = n.div_ceil(NORMED_ROWS) as u32;
         // SAFETY: one warp per weight row; sizes checked above.
-        unsafe { b.launch(grid_1d(grid, 32 * ROWS_PER_BLOCK as u32)) }.map_err(cuda_err)?;
+        unsafe { b.launch(grid_1d(grid, 32 * NORMED_ROWS as u32)) }.map_err(cuda_err)?;
         Ok(())
     }
 
@@ -153,13 +167,13 @@ impl Gpu {
             )));
         }
         let func = self.function("gemv_bf16_normed_silu")?;
-        let (fi, ki) = (f as i32, k as i32);
+        let (fi, ki, pi) = (f as i32, k as i32, summed(sum)?);
         let mut b = self.stream.launch_builder(func);
-        b.arg(gh).arg(w).arg(&sum.ss).arg(out);
+        b.arg(gh).arg(w).arg(&sum.partials).arg(&pi).arg(out);
         b.arg(&fi).arg(&ki).arg(&eps);
-        let grid = f.div_ceil(ROWS_PER_BLOCK) as u32;
+        let grid = f.div_ceil(NORMED_ROWS) as u32;
         // SAFETY: one warp per gate row (and its up row); sizes checked.
-        unsafe { b.launch(grid_1d(grid, 32 * ROWS_PER_BLOCK as u32)) }.map_err(cuda_err)?;
+        unsafe { b.launch(grid_1d(grid, 32 * NORMED_ROWS as u32)) }.map_err(cuda_err)?;
         Ok(())
     }
 }

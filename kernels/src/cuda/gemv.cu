@@ -51,16 +51,22 @@ __device__ __forceinline__ void fma8(float* acc, uint4 pack, const float* x, int
     }
 }
 
+// Does nothing: gemv_bf16_acc's default work after the wait.
+struct NoHook {
+    __device__ __forceinline__ void operator()() const {}
+};
+
 // acc[r][m] (this lane's share) += x[m] . wr[r] over the K / 8 pieces of
 // each of R weight rows (the M rows of x a compile-time constant, so the
 // sums live in registers): each lane keeps U 16-byte loads of every row in
 // flight before it uses any of them. The first U load before the wait for
-// the kernel that writes x (weights are never written by a step); every
-// lane passes PDL_WAIT once. Each row's pieces are summed in the same
-// order whatever R is.
-template <int M, int U, int R>
+// the kernel that writes x (weights are never written by a step). Every
+// lane passes PDL_WAIT once, then runs `after` (loads of what the kernels
+// before wrote, to overlap with the weights). Each row's pieces are summed
+// in the same order whatever R is.
+template <int M, int U, int R, typename After = NoHook>
 __device__ __forceinline__ void gemv_bf16_acc(const float* x, const uint4* const (&wr)[R], int K,
-                                              float (&acc)[R][M]) {
+                                              float (&acc)[R][M], After&& after = After()) {
     int lane = threadIdx.x & 31;
     int chunks = K / 8;
 #pragma unroll
@@ -75,6 +81,7 @@ __device__ __forceinline__ void gemv_bf16_acc(const float* x, const uint4* const
 #pragma unroll
             for (int u = 0; u < U; u++) p[r][u] = ld_stream(wr[r] + c + 32 * u);
         PDL_WAIT();
+        after();
 #pragma unroll
         for (int r = 0; r < R; r++)
 #pragma unroll
@@ -82,6 +89,7 @@ __device__ __forceinline__ void gemv_bf16_acc(const float* x, const uint4* const
         c += 32 * U;
     } else {
         PDL_WAIT();
+        after();
     }
     for (; c + 32 * (U - 1) < chunks; c += 32 * U) {
         uint4 p[R][U];
@@ -126,9 +134,12 @@ __device__ void gemv_bf16_rows(const float* x, const __nv_bfloat16* __restrict__
 }
 
 // One entry point per batch size (1..8), 4 loads in flight per lane (8
-// measured slower on the H200 at one row). Blocks of 4 warps, a row each.
+// measured slower on the H200 at one row). Blocks of 4 warps, a row each;
+// at one row at most 40 registers, so 12 blocks share an SM and
+// Llama-3-8B's q/k/v stack (1536 blocks) runs in one wave of an H200
+// (see gemv_norm.cu).
 #define GEMV_BF16(M, U)                                                                         \
-    extern "C" __global__ void __launch_bounds__(128)                                          \
+    extern "C" __global__ void __launch_bounds__(128, M == 1 ? 12 : 1)                         \
         gemv_bf16_##M##_u##U(const float* x, const __nv_bfloat16* __restrict__ w,              \
                              float* o0, float* o1, float* o2, int n0, int n1, int n, int K) {  \
         PDL_LAUNCH();                                                                         \

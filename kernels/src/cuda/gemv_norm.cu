@@ -3,14 +3,22 @@
 //   (rmsnorm(h) * g) . w = ((g * h) . w) / sqrt(mean(h^2) + eps),
 // so no norm kernel runs between two products of a decode step:
 // - the product that adds into h (the o and down projections; `resid`)
-//   also writes gh = g * h for the next norm's g and the sum of h^2,
+//   also writes gh = g * h for the next norm's g, and each block the sum
+//   of its rows' h^2,
 // - the products after the norm (q/k/v, gate/up, the head; `normed`) read
-//   gh as their input and scale each sum by the norm's factor.
-// The sum of squares is reduced in a fixed order (each block's rows, then
-// the blocks' sums by whichever block finishes last), so it is the same
-// on every run; the last block also resets the count for the next launch.
+//   gh as their input; each block sums those partial sums (loaded after
+//   the wait, while its weights stream) and scales its rows by the norm's
+//   factor. The sums run in a fixed order, so every run gives the same
+//   bits, and no block waits for another's.
+//
+// Blocks are sized so Llama-3-8B's products run in whole waves on an H200
+// (132 SMs): at most 40 registers, so 12 blocks of 4 warps share an SM and
+// the q/k/v stack (1536 blocks) runs in one wave of 1584 (at 44 registers,
+// 11 a SM, 84 blocks were left for a second); the residual products' 512
+// blocks of 8 warps in one wave of 5 a SM.
 
-#define FOLD_WARPS 4
+#define RESID_WARPS 8
+#define NORMED_WARPS 4
 
 // The norm's factor for a sum of squares ss over K elements, as
 // rmsnorm_residual computes it.
@@ -19,19 +27,12 @@ __device__ __forceinline__ float norm_factor(float ss, int K, float eps) {
 }
 
 // h[row] += x . w[row] for the n rows of w; gh[row] = g[row] * h[row];
-// ss[0] = sum over rows of h[row]^2. partials holds a float per block and
-// done counts the blocks that wrote theirs (zero before the launch, zero
-// after it). One warp per row, FOLD_WARPS rows per block.
-extern "C" __global__ void __launch_bounds__(32 * FOLD_WARPS)
-    gemv_bf16_resid(const float* x, const __nv_bfloat16* __restrict__ w, float* h,
-                    const float* g, float* gh, float* partials, float* ss, unsigned* done,
-                    int n, int K) {
-    PDL_LAUNCH();
-    __shared__ float sq[FOLD_WARPS];
-    __shared__ float red[32];
-    __shared__ bool last;
+// partials[block] = the sum of its rows' h[row]^2. One warp per row.
+__device__ void gemv_resid(const float* x, const __nv_bfloat16* __restrict__ w, float* h,
+                           const float* g, float* gh, float* partials, int n, int K) {
+    __shared__ float sq[RESID_WARPS];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row = blockIdx.x * FOLD_WARPS + warp;
+    int row = blockIdx.x * RESID_WARPS + warp;
     float s = 0.0f;
     if (row < n) {
         const uint4* wr[1] = {bf16_row(w, row, K)};
@@ -52,63 +53,82 @@ extern "C" __global__ void __launch_bounds__(32 * FOLD_WARPS)
     if (threadIdx.x == 0) {
         float p = 0.0f;
 #pragma unroll
-        for (int i = 0; i < FOLD_WARPS; i++) p += sq[i];
+        for (int i = 0; i < RESID_WARPS; i++) p += sq[i];
         partials[blockIdx.x] = p;
-        // The partial is visible to every block before the count says so.
-        __threadfence();
-        last = atomicAdd(done, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    float t = 0.0f;
-    // Past L1: other blocks wrote these.
-    for (int i = threadIdx.x; i < (int)gridDim.x; i += blockDim.x) t += __ldcg(partials + i);
-    t = block_sum(t, red);
-    if (threadIdx.x == 0) {
-        *ss = t;
-        *done = 0;
     }
 }
 
-// out = (gh . w[row]) * norm_factor(ss[0]) for each row of the stack,
-// rows going to the parts of o as in gemv.cu.
-extern "C" __global__ void __launch_bounds__(32 * FOLD_WARPS)
-    gemv_bf16_normed(const float* gh, const __nv_bfloat16* __restrict__ w, const float* ss,
-                     float* o0, float* o1, float* o2, int n0, int n1, int n, int K, float eps) {
-    PDL_LAUNCH();
+// Loads this thread's share of the resid launch's `parts` partial sums
+// (after the wait: the kernel before wrote them).
+struct PartialLoad {
+    const float* partials;
+    int parts;
+    float t;
+    __device__ __forceinline__ void operator()() {
+        float v = 0.0f;
+        for (int i = 4 * threadIdx.x; i < parts; i += 4 * blockDim.x) {
+            float4 p = *(const float4*)(partials + i);
+            v += p.x + (i + 1 < parts ? p.y : 0.0f) + (i + 2 < parts ? p.z : 0.0f) +
+                 (i + 3 < parts ? p.w : 0.0f);
+        }
+        t = v;
+    }
+};
+
+// out = (gh . w[row]) * the norm's factor, for each row of the stack
+// (rows going to the parts of o as in gemv.cu); with SILU the stack is
+// gate (rows 0..n) over up (n..2n), one warp streams both of its rows, and
+// out[row] = silu(gate) * up of the normed products, into o.o0.
+template <int U, bool SILU>
+__device__ void gemv_normed(const float* gh, const __nv_bfloat16* __restrict__ w,
+                            const float* partials, int parts, Outs o, int K, float eps) {
+    __shared__ float red[32];
+    constexpr int R = SILU ? 2 : 1;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row = blockIdx.x * FOLD_WARPS + warp;
-    if (row >= n) {
+    int row = blockIdx.x * NORMED_WARPS + warp;
+    PartialLoad load{partials, parts, 0.0f};
+    float acc[R][1];
+    bool active = row < o.n;
+    if (active) {
+        const uint4* wr[R];
+        wr[0] = bf16_row(w, row, K);
+        if (SILU) wr[R - 1] = bf16_row(w, row + o.n, K);
+        gemv_bf16_acc<1, U, R>(gh, wr, K, acc, load);
+    } else {
         PDL_WAIT();
-        return;
+        load();
     }
-    const uint4* wr[1] = {bf16_row(w, row, K)};
-    float acc[1][1];
-    gemv_bf16_acc<1, 4, 1>(gh, wr, K, acc);
-    float v = warp_sum(acc[0][0]);
-    if (lane == 0) put_out(Outs{o0, o1, o2, n0, n1, n}, 0, row, v * norm_factor(*ss, K, eps));
+    float f = norm_factor(block_sum(load.t, red), K, eps);
+    if (!active) return;
+    float v = warp_sum(acc[0][0]) * f;
+    if (SILU) {
+        float up = warp_sum(acc[R - 1][0]) * f;
+        if (lane == 0) o.o0[row] = silu_times(v, up);
+    } else if (lane == 0) {
+        put_out(o, 0, row, v);
+    }
 }
 
-// The gate/up stack (gate rows 0..f, up rows f..2f) after the norm, with
-// SiLU-and-multiply: out[row] = silu(gate) * up of the normed products. One
-// warp streams gate row `row` and up row `row` together.
-extern "C" __global__ void __launch_bounds__(32 * FOLD_WARPS)
+extern "C" __global__ void __launch_bounds__(32 * RESID_WARPS, 5)
+    gemv_bf16_resid(const float* x, const __nv_bfloat16* __restrict__ w, float* h,
+                    const float* g, float* gh, float* partials, int n, int K) {
+    PDL_LAUNCH();
+    gemv_resid(x, w, h, g, gh, partials, n, K);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * NORMED_WARPS, 12)
+    gemv_bf16_normed(const float* gh, const __nv_bfloat16* __restrict__ w,
+                     const float* partials, int parts, float* o0, float* o1, float* o2, int n0,
+                     int n1, int n, int K, float eps) {
+    PDL_LAUNCH();
+    gemv_normed<4, false>(gh, w, partials, parts, Outs{o0, o1, o2, n0, n1, n}, K, eps);
+}
+
+// The gate/up stack after the norm with SiLU-and-multiply (f gate rows):
+// two loads of each row in flight per lane, as many as one row's four.
+extern "C" __global__ void __launch_bounds__(32 * NORMED_WARPS, 12)
     gemv_bf16_normed_silu(const float* gh, const __nv_bfloat16* __restrict__ w,
-                          const float* ss, float* out, int f, int K, float eps) {
+                          const float* partials, int parts, float* out, int f, int K, float eps) {
     PDL_LAUNCH();
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row = blockIdx.x * FOLD_WARPS + warp;
-    if (row >= f) {
-        PDL_WAIT();
-        return;
-    }
-    const uint4* wr[2] = {bf16_row(w, row, K), bf16_row(w, row + f, K)};
-    float acc[2][1];
-    gemv_bf16_acc<1, 4, 2>(gh, wr, K, acc);
-    float gate = warp_sum(acc[0][0]), up = warp_sum(acc[1][0]);
-    if (lane == 0) {
-        float s = norm_factor(*ss, K, eps);
-        out[row] = silu_times(gate * s, up * s);
-    }
+    gemv_normed<2, true>(gh, w, partials, parts, Outs{out, nullptr, nullptr, f, 0, f}, K, eps);
 }

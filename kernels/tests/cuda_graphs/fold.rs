@@ -3,7 +3,8 @@
 //! the separate norm, GEMV and SiLU launches they replace (to rounding),
 //! and bit for bit the same whether launched one by one, replayed from a
 //! plain graph or from one with programmatic edges, replay after replay
-//! (the sum of squares' block count must be back at zero each time).
+//! (each product after the norm reads the partial sums of squares the
+//! product before it wrote, while that one may still be finishing).
 
 use half::bf16;
 use kiln_kernels::KernelError;
@@ -106,7 +107,7 @@ fn folded_norm_gemvs_match_the_launches_they_replace_and_replay_exactly() {
     apart.apart(&gpu).unwrap();
     let want = apart.results(&gpu);
     // Launched one by one, twice (the second pass starts where the first
-    // ended, so a block count left above zero shows as a stale sum).
+    // ended).
     let mut eager = Chain::new(&gpu, seed);
     eager.folded(&gpu).unwrap();
     let once = eager.results(&gpu);
