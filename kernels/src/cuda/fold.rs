@@ -4,9 +4,10 @@
 //! and a SiLU-and-multiply kernel before the down projection, each a
 //! launch whose latency the GEMVs around it wait out. Here the product
 //! that adds into the hidden row (o, down) also writes the row times the
-//! next norm's weights and its sum of squares ([`NormSum`]); the products
-//! after the norm scale their sums by the norm's factor, and the gate/up
-//! product applies SiLU-and-multiply as it writes.
+//! next norm's weights and its blocks' partial sums of squares
+//! ([`NormSum`]); the products after the norm add those up and scale their
+//! sums by the norm's factor, and the gate/up product applies
+//! SiLU-and-multiply as it writes.
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;

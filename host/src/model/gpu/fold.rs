@@ -1,15 +1,16 @@
 //! A step of one token with the norms folded into its GEMVs
 //! (`kiln_kernels::cuda` `gemv_bf16_resid` / `gemv_bf16_normed`): where every
-//! product of the model is a bf16 weight and the batch is one row (the
-//! bf16 GEMV's), the o and down projections add into the hidden row and
-//! write it times the next norm's weights with its sum of squares, and the
-//! products after each norm (q/k/v, gate/up with SiLU-and-multiply, the
-//! head) scale by the norm's factor. A layer then runs no norm and no
-//! SiLU kernel: five launches of eight fewer than at other batch sizes.
+//! product of the model is a bf16 weight and the batch is one row, the o
+//! and down projections add into the hidden row and write it times the
+//! next norm's weights with partial sums of squares, and the products
+//! after each norm (q/k/v, gate/up with SiLU-and-multiply, the head) scale
+//! by the norm's factor. A layer then runs no norm and no SiLU kernel: five
+//! launches instead of eight (on the H200 the c=1 step of Llama-3-8B went
+//! 4.21 -> 4.12 ms; docs/perf.md, session 9).
 
 use half::bf16;
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{BF16_GEMV_ROWS, CudaSlice, DeviceWeight, Gpu, NormSum};
+use kiln_kernels::cuda::{CudaSlice, DeviceWeight, Gpu, NormSum};
 
 use super::linear::Linear;
 use super::{GpuLayer, GpuModel};
@@ -74,9 +75,9 @@ impl GpuLayer {
 impl GpuModel {
     /// Whether a step of `tokens` tokens runs folded: switched on (for a
     /// model [`Self::foldable`]) and one row, the folded kernels' only
-    /// batch (the bf16 GEMV's).
+    /// batch.
     pub(super) fn folds(&self, tokens: usize) -> bool {
-        self.fold && tokens == 1 && BF16_GEMV_ROWS >= 1
+        self.fold && tokens == 1
     }
 
     /// Whether the model's weights allow the folded step at all.
