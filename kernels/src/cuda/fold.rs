@@ -58,7 +58,8 @@ fn check(x: &CudaSlice<f32>, w: &CudaSlice<bf16>, n: usize, k: usize) -> R {
 impl Gpu {
     /// A [`NormSum`] for products of up to `rows` output rows.
     pub fn norm_sum(&self, rows: usize) -> R<NormSum> {
-        let blocks = rows.div_ceil(RESID_ROWS).max(1);
+        // Whole 16-byte pieces: the products after the norm load them so.
+        let blocks = rows.div_ceil(RESID_ROWS).max(1).next_multiple_of(4);
         Ok(NormSum {
             partials: self.stream.alloc_zeros(blocks).map_err(cuda_err)?,
             parts: 0,
@@ -78,7 +79,7 @@ impl Gpu {
     /// on their own).
     pub fn norm_sum_of(&self, ss: f32) -> R<NormSum> {
         Ok(NormSum {
-            partials: self.upload(&[ss])?,
+            partials: self.upload(&[ss, 0.0, 0.0, 0.0])?,
             parts: 1,
         })
     }
@@ -172,8 +173,9 @@ impl Gpu {
         let mut b = self.stream.launch_builder(func);
         b.arg(gh).arg(w).arg(&sum.partials).arg(&pi).arg(out);
         b.arg(&fi).arg(&ki).arg(&eps);
-        let grid = f.div_ceil(NORMED_ROWS) as u32;
-        // SAFETY: one warp per gate row (and its up row); sizes checked.
+        let grid = f.div_ceil(NORMED_ROWS / 2) as u32;
+        // SAFETY: a warp per gate row and one per its up row, half a block
+        // each; sizes checked.
         unsafe { b.launch(grid_1d(grid, 32 * NORMED_ROWS as u32)) }.map_err(cuda_err)?;
         Ok(())
     }

@@ -76,37 +76,58 @@ struct PartialLoad {
 };
 
 // out = (gh . w[row]) * the norm's factor, for each row of the stack
-// (rows going to the parts of o as in gemv.cu); with SILU the stack is
-// gate (rows 0..n) over up (n..2n), one warp streams both of its rows, and
-// out[row] = silu(gate) * up of the normed products, into o.o0.
-template <int U, bool SILU>
+// (rows going to the parts of o as in gemv.cu). One warp per row.
 __device__ void gemv_normed(const float* gh, const __nv_bfloat16* __restrict__ w,
                             const float* partials, int parts, Outs o, int K, float eps) {
     __shared__ float red[32];
-    constexpr int R = SILU ? 2 : 1;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int row = blockIdx.x * NORMED_WARPS + warp;
     PartialLoad load{partials, parts, 0.0f};
-    float acc[R][1];
+    float acc[1][1];
     bool active = row < o.n;
     if (active) {
-        const uint4* wr[R];
-        wr[0] = bf16_row(w, row, K);
-        if (SILU) wr[R - 1] = bf16_row(w, row + o.n, K);
-        gemv_bf16_acc<1, U, R>(gh, wr, K, acc, load);
+        const uint4* wr[1] = {bf16_row(w, row, K)};
+        gemv_bf16_acc<1, 4, 1>(gh, wr, K, acc, load);
     } else {
         PDL_WAIT();
         load();
     }
     float f = norm_factor(block_sum(load.t, red), K, eps);
-    if (!active) return;
-    float v = warp_sum(acc[0][0]) * f;
-    if (SILU) {
-        float up = warp_sum(acc[R - 1][0]) * f;
-        if (lane == 0) o.o0[row] = silu_times(v, up);
-    } else if (lane == 0) {
-        put_out(o, 0, row, v);
+    if (active) {
+        float v = warp_sum(acc[0][0]) * f;
+        if (lane == 0) put_out(o, 0, row, v);
     }
+}
+
+// The gate/up stack (gate rows 0..f over up rows f..2f) after the norm,
+// with SiLU-and-multiply: out[row] = silu(gate) * up of the normed
+// products. A block takes NORMED_WARPS / 2 rows: its first warps their
+// gate rows, the others their up rows, one weight row a warp as in the
+// plain GEMV; the up sums meet the gate sums in shared memory.
+__device__ void gemv_normed_silu(const float* gh, const __nv_bfloat16* __restrict__ w,
+                                 const float* partials, int parts, float* out, int f, int K,
+                                 float eps) {
+    constexpr int PAIRS = NORMED_WARPS / 2;
+    __shared__ float red[32];
+    __shared__ float ups[PAIRS];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    bool up = warp >= PAIRS;
+    int row = blockIdx.x * PAIRS + warp % PAIRS;
+    PartialLoad load{partials, parts, 0.0f};
+    float acc[1][1];
+    bool active = row < f;
+    if (active) {
+        const uint4* wr[1] = {bf16_row(w, up ? row + f : row, K)};
+        gemv_bf16_acc<1, 4, 1>(gh, wr, K, acc, load);
+    } else {
+        PDL_WAIT();
+        load();
+    }
+    float v = active ? warp_sum(acc[0][0]) : 0.0f;
+    if (up && lane == 0) ups[warp - PAIRS] = v;
+    // block_sum's barriers also publish ups.
+    float s = norm_factor(block_sum(load.t, red), K, eps);
+    if (active && !up && lane == 0) out[row] = silu_times(v * s, ups[warp] * s);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * RESID_WARPS, 5)
@@ -121,14 +142,12 @@ extern "C" __global__ void __launch_bounds__(32 * NORMED_WARPS, 12)
                      const float* partials, int parts, float* o0, float* o1, float* o2, int n0,
                      int n1, int n, int K, float eps) {
     PDL_LAUNCH();
-    gemv_normed<4, false>(gh, w, partials, parts, Outs{o0, o1, o2, n0, n1, n}, K, eps);
+    gemv_normed(gh, w, partials, parts, Outs{o0, o1, o2, n0, n1, n}, K, eps);
 }
 
-// The gate/up stack after the norm with SiLU-and-multiply (f gate rows):
-// two loads of each row in flight per lane, as many as one row's four.
 extern "C" __global__ void __launch_bounds__(32 * NORMED_WARPS, 12)
     gemv_bf16_normed_silu(const float* gh, const __nv_bfloat16* __restrict__ w,
                           const float* partials, int parts, float* out, int f, int K, float eps) {
     PDL_LAUNCH();
-    gemv_normed<2, true>(gh, w, partials, parts, Outs{out, nullptr, nullptr, f, 0, f}, K, eps);
+    gemv_normed_silu(gh, w, partials, parts, out, f, K, eps);
 }
