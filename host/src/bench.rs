@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
 
-use crate::engine::{Engine, EngineConfig, Event, GenerateParams, TenantId};
+use crate::engine::{Engine, EngineConfig, Event, GenerateParams, PAGE_SIZE, TenantId};
 use crate::model::Loaded;
 
 /// One concurrency's figures.
@@ -18,6 +18,11 @@ pub struct BenchRow {
     /// Most sequences the engine ran at once (what its KV memory and
     /// limits admitted).
     pub admitted: usize,
+    /// Requests of the run's full length (prompt and every generated
+    /// token) the KV pool holds at once: its pages over the pages of one.
+    /// Unlike `admitted`, it does not move with the order in which the
+    /// sequences prefill and grow.
+    pub holds: usize,
     /// Prompt tokens per second (all prompts, until every sequence has its
     /// first token).
     pub prompt_tok_s: f64,
@@ -56,7 +61,7 @@ pub struct BenchRow {
 
 impl BenchRow {
     /// The header of [`BenchRow::table_line`]'s columns.
-    pub const TABLE_HEADER: &'static str = "    kv  conc admitted prompt t/s decode t/s   full t/s \
+    pub const TABLE_HEADER: &'static str = "    kv  conc admitted holds prompt t/s decode t/s   full t/s \
         output t/s  ITL p50  ITL p95  step ms host ms  batch      check on/off ms ideal ms \
         roofline";
 
@@ -70,10 +75,11 @@ impl BenchRow {
         });
         let ideal = copy_gb_s.map(|b| self.step_bytes / (b * 1e9) * 1e3);
         format!(
-            "{:>6} {:>5} {:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>6.1} {:>20} {:>8} {:>8}",
+            "{:>6} {:>5} {:>8} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>8.2} {:>7.2} {:>6.1} {:>20} {:>8} {:>8}",
             label,
             self.concurrency,
             self.admitted,
+            self.holds,
             self.prompt_tok_s,
             self.decode_tok_s,
             self.full_tok_s,
@@ -272,6 +278,7 @@ pub fn run(
     let row = BenchRow {
         concurrency,
         admitted,
+        holds: engine.total_pages() / (prompt_tokens + gen_tokens).div_ceil(PAGE_SIZE),
         prompt_tok_s: (concurrency * prompt_tokens) as f64 / prefill.as_secs_f64(),
         decode_tok_s: decode_tokens as f64 / decode_time.max(1e-9),
         full_tok_s,
@@ -398,6 +405,7 @@ mod tests {
         let row = BenchRow {
             concurrency: 256,
             admitted: 232,
+            holds: 198,
             prompt_tok_s: 20225.0,
             decode_tok_s: 11297.0,
             full_tok_s: 15883.4,
@@ -414,7 +422,7 @@ mod tests {
         let line = row.table_line("fp8+g", Some(4235.0));
         assert_eq!(line.len(), BenchRow::TABLE_HEADER.len(), "{line}");
         assert!(line.ends_with("5.67      50%"), "{line}");
-        assert!(BenchRow::TABLE_HEADER.starts_with("    kv  conc admitted"));
+        assert!(BenchRow::TABLE_HEADER.starts_with("    kv  conc admitted holds"));
     }
 
     #[test]
