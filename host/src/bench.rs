@@ -18,8 +18,9 @@ pub struct BenchRow {
     /// Most sequences the engine ran at once (what its KV memory and
     /// limits admitted).
     pub admitted: usize,
-    /// Requests of the run's full length (prompt and every generated
-    /// token) the KV pool holds at once: its pages over the pages of one.
+    /// Requests of the run's full length (the KV of the prompt and of every
+    /// generated token but the last) the KV pool holds at once: its pages
+    /// over the pages of one.
     /// Unlike `admitted`, it does not move with the order in which the
     /// sequences prefill and grow.
     pub holds: usize,
@@ -278,7 +279,12 @@ pub fn run(
     let row = BenchRow {
         concurrency,
         admitted,
-        holds: engine.total_pages() / (prompt_tokens + gen_tokens).div_ceil(PAGE_SIZE),
+        // KV for every token but the last generated, which is never fed.
+        holds: engine.total_pages()
+            / (prompt_tokens + gen_tokens)
+                .saturating_sub(1)
+                .div_ceil(PAGE_SIZE)
+                .max(1),
         prompt_tok_s: (concurrency * prompt_tokens) as f64 / prefill.as_secs_f64(),
         decode_tok_s: decode_tokens as f64 / decode_time.max(1e-9),
         full_tok_s,

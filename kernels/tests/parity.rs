@@ -234,9 +234,10 @@ fn decode_products_with_the_norm_folded_in_match_float64() {
     let (be, mut r) = (backend(), rng());
     let eps = 1e-5;
     let bf = |v: Vec<f32>| -> Vec<bf16> { v.into_iter().map(bf16::from_f32).collect() };
-    // Llama-3-8B's o projection into a hidden row of 4096, then SmolLM2's
-    // 576 (rows not a multiple of the kernels' four a block: 1001).
-    for (hidden, k_in, out_rows) in [(4096, 4096, 1024), (576, 1536, 1001)] {
+    // Llama-3-8B's o projection into a hidden row of 4096, then a row of
+    // 1000 (125 partial sums of squares, not whole 16-byte pieces) and
+    // output rows not a multiple of the kernels' blocks (1001).
+    for (hidden, k_in, out_rows) in [(4096, 4096, 1024), (1000, 1536, 1001)] {
         let x = random(&mut r, k_in, 1.0);
         let w = bf(random(&mut r, hidden * k_in, 0.05));
         let h0 = random(&mut r, hidden, 1.0);

@@ -224,7 +224,7 @@ impl Backend for Gpu {
     ) -> R {
         let n = out.len();
         let (dgh, dw) = (self.upload(gh)?, self.upload(w)?);
-        let sum = self.norm_sum_of(ss)?;
+        let sum = self.norm_sum_of(ss, k)?;
         let mut dout = self.poisoned(n)?;
         if silu {
             self.gemv_bf16_normed_silu(&dgh, &dw, &sum, &mut dout, n, k, eps)?;

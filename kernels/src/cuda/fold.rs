@@ -34,11 +34,12 @@ pub struct NormSum {
     parts: usize,
 }
 
-/// The partial sums a residual product left, as a kernel argument.
+/// The partial sums a residual product left, as a kernel argument
+/// (refused before any residual product ran on `sum`).
 fn summed(sum: &NormSum) -> R<i32> {
     if sum.parts == 0 {
         return Err(KernelError::Shape(
-            "a product after a folded norm with no residual product before it".into(),
+            "a product after a folded norm before any residual product".into(),
         ));
     }
     Ok(sum.parts as i32)
@@ -75,12 +76,18 @@ impl Gpu {
             .sum())
     }
 
-    /// A [`NormSum`] whose total is `ss` (for products after a norm tested
-    /// on their own).
-    pub fn norm_sum_of(&self, ss: f32) -> R<NormSum> {
+    /// A [`NormSum`] whose total is `ss`, in as many partial sums as a
+    /// residual product of `rows` rows writes (`ss` then zeros), the
+    /// padding past them NaN, so a product that reads past its partials
+    /// fails (for products after a norm tested on their own).
+    pub fn norm_sum_of(&self, ss: f32, rows: usize) -> R<NormSum> {
+        let parts = rows.div_ceil(RESID_ROWS).max(1);
+        let mut partials = vec![f32::NAN; parts.next_multiple_of(4)];
+        partials[..parts].fill(0.0);
+        partials[0] = ss;
         Ok(NormSum {
-            partials: self.upload(&[ss, 0.0, 0.0, 0.0])?,
-            parts: 1,
+            partials: self.upload(&partials)?,
+            parts,
         })
     }
 

@@ -56,56 +56,42 @@ struct NoHook {
     __device__ __forceinline__ void operator()() const {}
 };
 
-// acc[r][m] (this lane's share) += x[m] . wr[r] over the K / 8 pieces of
-// each of R weight rows (the M rows of x a compile-time constant, so the
-// sums live in registers): each lane keeps U 16-byte loads of every row in
-// flight before it uses any of them. The first U load before the wait for
-// the kernel that writes x (weights are never written by a step). Every
-// lane passes PDL_WAIT once, then runs `after` (loads of what the kernels
-// before wrote, to overlap with the weights). Each row's pieces are summed
-// in the same order whatever R is.
-template <int M, int U, int R, typename After = NoHook>
-__device__ __forceinline__ void gemv_bf16_acc(const float* x, const uint4* const (&wr)[R], int K,
-                                              float (&acc)[R][M], After&& after = After()) {
+// acc[m] (this lane's share) += x[m] . wrow over the row's K / 8 pieces
+// (the M rows of x a compile-time constant, so the sums live in
+// registers): each lane keeps U 16-byte loads in flight before it uses any
+// of them. The first U load before the wait for the kernel that writes x
+// (weights are never written by a step). Every lane passes PDL_WAIT once,
+// then runs `after` (loads of what the kernels before wrote, to overlap
+// with the weights).
+template <int M, int U, typename After = NoHook>
+__device__ __forceinline__ void gemv_bf16_acc(const float* x, const uint4* wrow, int K,
+                                              float (&acc)[M], After&& after = After()) {
     int lane = threadIdx.x & 31;
     int chunks = K / 8;
 #pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int m = 0; m < M; m++) acc[r][m] = 0.0f;
+    for (int m = 0; m < M; m++) acc[m] = 0.0f;
     int c = lane;
     if (c + 32 * (U - 1) < chunks) {
-        uint4 p[R][U];
+        uint4 p[U];
 #pragma unroll
-        for (int r = 0; r < R; r++)
-#pragma unroll
-            for (int u = 0; u < U; u++) p[r][u] = ld_stream(wr[r] + c + 32 * u);
+        for (int u = 0; u < U; u++) p[u] = ld_stream(wrow + c + 32 * u);
         PDL_WAIT();
         after();
 #pragma unroll
-        for (int r = 0; r < R; r++)
-#pragma unroll
-            for (int u = 0; u < U; u++) fma8<M>(acc[r], p[r][u], x, K, (c + 32 * u) * 8);
+        for (int u = 0; u < U; u++) fma8<M>(acc, p[u], x, K, (c + 32 * u) * 8);
         c += 32 * U;
     } else {
         PDL_WAIT();
         after();
     }
     for (; c + 32 * (U - 1) < chunks; c += 32 * U) {
-        uint4 p[R][U];
+        uint4 p[U];
 #pragma unroll
-        for (int r = 0; r < R; r++)
+        for (int u = 0; u < U; u++) p[u] = ld_stream(wrow + c + 32 * u);
 #pragma unroll
-            for (int u = 0; u < U; u++) p[r][u] = ld_stream(wr[r] + c + 32 * u);
-#pragma unroll
-        for (int r = 0; r < R; r++)
-#pragma unroll
-            for (int u = 0; u < U; u++) fma8<M>(acc[r], p[r][u], x, K, (c + 32 * u) * 8);
+        for (int u = 0; u < U; u++) fma8<M>(acc, p[u], x, K, (c + 32 * u) * 8);
     }
-    for (; c < chunks; c += 32) {
-#pragma unroll
-        for (int r = 0; r < R; r++) fma8<M>(acc[r], ld_stream(wr[r] + c), x, K, c * 8);
-    }
+    for (; c < chunks; c += 32) fma8<M>(acc, ld_stream(wrow + c), x, K, c * 8);
 }
 
 // A bf16 weight's row as 16-byte pieces.
@@ -123,12 +109,11 @@ __device__ void gemv_bf16_rows(const float* x, const __nv_bfloat16* __restrict__
         PDL_WAIT();
         return;
     }
-    const uint4* wr[1] = {bf16_row(w, row, K)};
-    float acc[1][M];
-    gemv_bf16_acc<M, U, 1>(x, wr, K, acc);
+    float acc[M];
+    gemv_bf16_acc<M, U>(x, bf16_row(w, row, K), K, acc);
 #pragma unroll
     for (int m = 0; m < M; m++) {
-        float v = warp_sum(acc[0][m]);
+        float v = warp_sum(acc[m]);
         if (lane == 0) put_out(o, m, row, v);
     }
 }

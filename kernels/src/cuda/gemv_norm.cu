@@ -35,10 +35,9 @@ __device__ void gemv_resid(const float* x, const __nv_bfloat16* __restrict__ w, 
     int row = blockIdx.x * RESID_WARPS + warp;
     float s = 0.0f;
     if (row < n) {
-        const uint4* wr[1] = {bf16_row(w, row, K)};
-        float acc[1][1];
-        gemv_bf16_acc<1, 4, 1>(x, wr, K, acc);
-        float v = warp_sum(acc[0][0]);
+        float acc[1];
+        gemv_bf16_acc<1, 4>(x, bf16_row(w, row, K), K, acc);
+        float v = warp_sum(acc[0]);
         if (lane == 0) {
             float hn = h[row] + v;
             h[row] = hn;
@@ -83,18 +82,17 @@ __device__ void gemv_normed(const float* gh, const __nv_bfloat16* __restrict__ w
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int row = blockIdx.x * NORMED_WARPS + warp;
     PartialLoad load{partials, parts, 0.0f};
-    float acc[1][1];
+    float acc[1];
     bool active = row < o.n;
     if (active) {
-        const uint4* wr[1] = {bf16_row(w, row, K)};
-        gemv_bf16_acc<1, 4, 1>(gh, wr, K, acc, load);
+        gemv_bf16_acc<1, 4>(gh, bf16_row(w, row, K), K, acc, load);
     } else {
         PDL_WAIT();
         load();
     }
     float f = norm_factor(block_sum(load.t, red), K, eps);
     if (active) {
-        float v = warp_sum(acc[0][0]) * f;
+        float v = warp_sum(acc[0]) * f;
         if (lane == 0) put_out(o, 0, row, v);
     }
 }
@@ -114,16 +112,15 @@ __device__ void gemv_normed_silu(const float* gh, const __nv_bfloat16* __restric
     bool up = warp >= PAIRS;
     int row = blockIdx.x * PAIRS + warp % PAIRS;
     PartialLoad load{partials, parts, 0.0f};
-    float acc[1][1];
+    float acc[1];
     bool active = row < f;
     if (active) {
-        const uint4* wr[1] = {bf16_row(w, up ? row + f : row, K)};
-        gemv_bf16_acc<1, 4, 1>(gh, wr, K, acc, load);
+        gemv_bf16_acc<1, 4>(gh, bf16_row(w, up ? row + f : row, K), K, acc, load);
     } else {
         PDL_WAIT();
         load();
     }
-    float v = active ? warp_sum(acc[0][0]) : 0.0f;
+    float v = active ? warp_sum(acc[0]) : 0.0f;
     if (up && lane == 0) ups[warp - PAIRS] = v;
     // block_sum's barriers also publish ups.
     float s = norm_factor(block_sum(load.t, red), K, eps);

@@ -185,7 +185,9 @@ impl GpuModel {
     }
 
     /// Whether one-token steps fold their norms into the GEMVs, where the
-    /// model's weights allow it (they do by default).
+    /// model's weights allow it (they do by default). Set it before
+    /// [`Self::kv`]: a step captured as a graph keeps the path it was
+    /// captured with.
     pub fn set_fold(&mut self, on: bool) {
         self.fold = on && self.foldable();
     }
