@@ -315,7 +315,7 @@ impl Backend for Cpu {
         let rows = if silu { 2 * n } else { n };
         let mut y = vec![0.0; rows];
         self.matmul_bf16(gh, 1, w, rows, k, &mut y)?;
-        let s = 1.0 / (ss / k as f32 + eps).sqrt();
+        let s = crate::ops::norm_factor(ss, k, eps);
         y.iter_mut().for_each(|v| *v *= s);
         if silu {
             let (gate, up) = y.split_at_mut(n);

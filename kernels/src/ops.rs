@@ -1,11 +1,16 @@
 //! Element-wise and per-row kernels of a llama-family forward pass.
 
+/// The RMSNorm's factor `1 / sqrt(ss / d + eps)` for a row of `d` whose
+/// squares sum to `ss`.
+pub fn norm_factor(ss: f32, d: usize, eps: f32) -> f32 {
+    1.0 / (ss / d as f32 + eps).sqrt()
+}
+
 /// `out = x / rms(x) * weight`, per row of `weight.len()`.
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
     for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
-        let inv = 1.0 / (ms + eps).sqrt();
+        let inv = norm_factor(xr.iter().map(|v| v * v).sum::<f32>(), d, eps);
         for ((o, v), w) in or.iter_mut().zip(xr).zip(weight) {
             *o = v * inv * w;
         }

@@ -20,12 +20,6 @@
 #define RESID_WARPS 8
 #define NORMED_WARPS 4
 
-// The norm's factor for a sum of squares ss over K elements, as
-// rmsnorm_residual computes it.
-__device__ __forceinline__ float norm_factor(float ss, int K, float eps) {
-    return rsqrtf(ss / K + eps);
-}
-
 // h[row] += x . w[row] for the n rows of w; gh[row] = g[row] * h[row];
 // partials[block] = the sum of its rows' h[row]^2. One warp per row.
 __device__ void gemv_resid(const float* x, const __nv_bfloat16* __restrict__ w, float* h,

@@ -83,6 +83,12 @@ __device__ __forceinline__ void store4(float* out, __nv_bfloat16* outb, int i, f
     }
 }
 
+// The RMSNorm's factor for a row of K elements whose squares sum to ss
+// (rmsnorm_residual, and the GEMVs with the norm folded in).
+__device__ __forceinline__ float norm_factor(float ss, int K, float eps) {
+    return rsqrtf(ss / K + eps);
+}
+
 // x[row] += residual[row] (if residual is not null), then
 // out[row] = x[row] / sqrt(mean(x[row]^2) + eps) * w (into outb as bf16
 // instead where outb is not null). One block per row;
@@ -124,7 +130,7 @@ extern "C" __global__ void rmsnorm_residual(float* x, const float* residual, con
                 ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
             }
         }
-        float inv = rsqrtf(block_sum(ss, red) / dim + eps);
+        float inv = norm_factor(block_sum(ss, red), dim, eps);
 #pragma unroll
         for (int k = 0; k < NORM_PIECES; k++) {
             int i = threadIdx.x + k * blockDim.x;
@@ -141,7 +147,7 @@ extern "C" __global__ void rmsnorm_residual(float* x, const float* residual, con
         if (rr) { v += rr[i]; xr[i] = v; }
         ss += v * v;
     }
-    float inv = rsqrtf(block_sum(ss, red) / dim + eps);
+    float inv = norm_factor(block_sum(ss, red), dim, eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         float v = xr[i] * inv * w[i];
         if (ob) {
