@@ -95,7 +95,7 @@ bench)
     set +e
     # shellcheck disable=SC2086
     timeout "${BENCH_TIMEOUT:-420}" .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda \
-        ${BENCH_ARGS:---concurrency 1,8,16,32,64,128,256 --prompt-tokens 1024 --gen-tokens 256 --kv-formats bf16,fp8 --kv-memory 16GiB --integrity-ab} \
+        ${BENCH_ARGS:---concurrency 1,8,16,32,64,128,256 --prompt-tokens 1024 --gen-tokens 256 --kv-formats bf16,fp8,fp8-static --kv-memory 16GiB --integrity-ab} \
         2>&1 | tee "$out/kiln-bench.log"
     # CUDA graphs against launching each kernel, side by side.
     # shellcheck disable=SC2086

@@ -162,7 +162,11 @@ impl EngineArgs {
 /// KV page formats.
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum KvArg {
+    /// fp8 e4m3, a scale per vector: the closest to bf16.
     Fp8,
+    /// fp8 e4m3, one static scale, keys Hadamard-rotated: half of bf16.
+    Fp8Static,
+    /// bfloat16.
     Bf16,
 }
 
@@ -277,6 +281,7 @@ fn parse_size(s: &str) -> Result<usize, String> {
 fn kv_format(kv: KvArg) -> kiln_kernels::kv::KvFormat {
     match kv {
         KvArg::Fp8 => kiln_kernels::kv::KvFormat::Fp8,
+        KvArg::Fp8Static => kiln_kernels::kv::KvFormat::Fp8Static,
         KvArg::Bf16 => kiln_kernels::kv::KvFormat::Bf16,
     }
 }

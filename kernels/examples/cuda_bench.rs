@@ -142,7 +142,7 @@ fn main() -> Result<(), E> {
     // Then the decode matrix's c=128 and full fp8 batch (232 sequences) at
     // its mean context.
     for (batch, ctx) in [(64usize, 4096usize), (1, 1024), (128, 1152), (232, 1152)] {
-        for format in [KvFormat::Bf16, KvFormat::Fp8] {
+        for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Fp8Static] {
             attention(&gpu, &mut rng, copy, batch, ctx, format)?;
         }
     }
@@ -227,7 +227,7 @@ fn attention(
                 .flat_map(|_| bf16::from_f32(rng.random_range(-1.0..1.0)).to_le_bytes())
                 .collect(),
             // e4m3 bytes with exponent bits kept small: ordinary values.
-            KvFormat::Fp8 => (0..elems)
+            KvFormat::Fp8 | KvFormat::Fp8Static => (0..elems)
                 .map(|_| rng.random::<u8>() & 0b1011_0111)
                 .collect(),
         };

@@ -1,5 +1,6 @@
 //! FP8 e4m3 ("e4m3fn": no infinities, max 448) with one f32 scale per
-//! vector.
+//! vector ([`crate::kv::KvFormat::Fp8`]), or with none
+//! ([`crate::kv::KvFormat::Fp8Static`], [`encode_unit`]).
 //!
 //! Scaling scheme for KV pages: each (token, KV head) vector of `head_dim`
 //! values gets its own scale `s = amax / 448`, stored as f32 beside the
@@ -41,6 +42,14 @@ pub fn encode(x: &[f32], out: &mut [u8]) -> f32 {
         *o = F8E4M3::from_f32((v * inv).clamp(-E4M3_MAX, E4M3_MAX)).to_bits();
     }
     scale
+}
+
+/// Encodes `x` into `out` with the unit scale of
+/// [`crate::kv::KvFormat::Fp8Static`]: `e4m3(x)`, saturating at +-448.
+pub fn encode_unit(x: &[f32], out: &mut [u8]) {
+    for (o, v) in out.iter_mut().zip(x) {
+        *o = F8E4M3::from_f32(v.clamp(-E4M3_MAX, E4M3_MAX)).to_bits();
+    }
 }
 
 /// Decodes `bytes` with `scale` into `out`.

@@ -19,6 +19,12 @@ pub enum KvFormat {
     Bf16,
     /// FP8 e4m3 with a per-vector f32 scale: 1 byte an element + 4 per vector.
     Fp8,
+    /// FP8 e4m3 with one static scale, 1 (vLLM's fp8 KV without checkpoint
+    /// scales): 1 byte an element and nothing else, exactly half of bf16.
+    /// Queries and keys are rotated by [`crate::hadamard`] after RoPE (the
+    /// model does it, before it writes K: see [`KvFormat::rotates`]), which
+    /// spreads the keys' outlier channels so one scale serves every token.
+    Fp8Static,
 }
 
 impl KvFormat {
@@ -27,7 +33,28 @@ impl KvFormat {
         match self {
             KvFormat::Bf16 => head_dim * 2,
             KvFormat::Fp8 => head_dim + 4,
+            KvFormat::Fp8Static => head_dim,
         }
+    }
+
+    /// Bytes one element takes.
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            KvFormat::Bf16 => 2,
+            KvFormat::Fp8 | KvFormat::Fp8Static => 1,
+        }
+    }
+
+    /// Whether elements are e4m3 codes (either fp8 format).
+    pub fn is_fp8(self) -> bool {
+        self.elem_bytes() == 1
+    }
+
+    /// Whether queries and keys go through [`crate::hadamard::rotate_heads`]
+    /// after RoPE, before K is written: the contract between a model and
+    /// pages of this format.
+    pub fn rotates(self) -> bool {
+        self == KvFormat::Fp8Static
     }
 }
 
@@ -64,10 +91,7 @@ impl KvPages {
     /// `num_pages` zeroed pages.
     pub fn new(format: KvFormat, layout: KvLayout, num_pages: usize) -> Self {
         let vectors = num_pages * layout.page_size * layout.kv_heads;
-        let elem = match format {
-            KvFormat::Bf16 => 2,
-            KvFormat::Fp8 => 1,
-        };
+        let elem = format.elem_bytes();
         let scales = if format == KvFormat::Fp8 { vectors } else { 0 };
         Self {
             format,
@@ -108,6 +132,7 @@ impl KvPages {
             KvFormat::Fp8 => {
                 scales[vec] = fp8::encode(x, &mut data[vec * hd..(vec + 1) * hd]);
             }
+            KvFormat::Fp8Static => fp8::encode_unit(x, &mut data[vec * hd..(vec + 1) * hd]),
         }
     }
 
@@ -120,6 +145,7 @@ impl KvPages {
                 }
             }
             KvFormat::Fp8 => fp8::decode(&data[vec * hd..(vec + 1) * hd], scales[vec], out),
+            KvFormat::Fp8Static => fp8::decode(&data[vec * hd..(vec + 1) * hd], 1.0, out),
         }
     }
 
@@ -296,5 +322,25 @@ mod tests {
     #[test]
     fn paged_attention_matches_reference_in_fp8() {
         check(KvFormat::Fp8, 0.15);
+    }
+
+    #[test]
+    fn paged_attention_matches_reference_in_static_fp8() {
+        check(KvFormat::Fp8Static, 0.15);
+    }
+
+    #[test]
+    fn static_fp8_pages_take_exactly_half_the_bytes_of_bf16() {
+        let layout = KvLayout {
+            page_size: 16,
+            kv_heads: 8,
+            head_dim: 128,
+        };
+        let bf16 = layout.page_bytes(KvFormat::Bf16);
+        assert_eq!(bf16, 2 * layout.page_bytes(KvFormat::Fp8Static));
+        assert!(
+            bf16 < 2 * layout.page_bytes(KvFormat::Fp8),
+            "per-vector scales cost bytes"
+        );
     }
 }

@@ -17,6 +17,7 @@
 pub mod backend;
 pub mod cuda;
 pub mod fp8;
+pub mod hadamard;
 pub mod kv;
 pub mod matmul;
 pub mod ops;

@@ -183,7 +183,7 @@ fn fused_rope_and_kv_write_write_what_the_two_launches_write_from_separate_or_st
             kv_heads,
             head_dim: hd,
         };
-        for format in [KvFormat::Bf16, KvFormat::Fp8] {
+        for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Fp8Static] {
             for style in [RopeStyle::Interleaved, RopeStyle::Half] {
                 let mut v = |n: usize| -> Vec<f32> {
                     (0..n).map(|_| rng.random_range(-4.0..4.0)).collect()
@@ -223,6 +223,10 @@ fn fused_rope_and_kv_write_write_what_the_two_launches_write_from_separate_or_st
                             let h = [heads, kv_heads];
                             gpu.rope_qk(&mut q, &mut k, &p, &dfreq, tokens, h, hd, il)
                                 .unwrap();
+                            if format.rotates() {
+                                gpu.hadamard_rows(&mut q, tokens * heads, hd).unwrap();
+                                gpu.hadamard_rows(&mut k, tokens * kv_heads, hd).unwrap();
+                            }
                             gpu.kv_write(&mut kv, &k, &vv, &s, tokens).unwrap();
                             (gpu.download(&q).unwrap(), gpu.download(&k).unwrap())
                         }
@@ -272,6 +276,23 @@ fn fused_rope_and_kv_write_write_what_the_two_launches_write_from_separate_or_st
                     assert!(got.4 == want.4 && got.5 == want.5, "scales differ: {what}");
                 }
                 let what = format!("{format:?}, {style:?}, head_dim {hd}");
+                // The CPU's rope (and rotation) of the queries, which the
+                // model's forward pass applies.
+                let rope = Rope::new(hd, 500000.0, None, style);
+                let mut cpu_q = q0.clone();
+                for (t, row) in cpu_q.chunks_exact_mut(heads * hd).enumerate() {
+                    rope.apply(row, pos[t] as usize);
+                    if format.rotates() {
+                        kiln_kernels::hadamard::rotate_heads(row, hd);
+                    }
+                }
+                let err = want
+                    .0
+                    .iter()
+                    .zip(&cpu_q)
+                    .map(|(a, b)| (f32::from_bits(*a) - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(err < 1e-2, "queries against the CPU's, {what}: {err}");
                 assert!(
                     want.2.iter().any(|b| *b != 0),
                     "something was written: {what}"

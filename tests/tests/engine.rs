@@ -245,14 +245,15 @@ fn log_softmax(l: &[f32]) -> Vec<f64> {
     l.iter().map(|v| *v as f64 - lse).collect()
 }
 
-#[test]
-fn fp8_kv_agrees_with_bf16_kv_under_teacher_forcing() {
+/// Teacher-forced next-token argmax of `format`'s pages against bf16
+/// pages over `prompts` (each forced through the bf16 engine's own greedy
+/// 32 tokens): (agreeing positions, positions, mean KL in nats).
+fn teacher_forced_against_bf16(format: KvFormat, prompts: &[&str]) -> (usize, usize, f64) {
     let mut bf = engine(KvFormat::Bf16, 64 << 20);
-    let mut f8 = engine(KvFormat::Fp8, 64 << 20);
+    let mut other = engine(format, 64 << 20);
     let (mut agree, mut total, mut kl_sum) = (0usize, 0usize, 0f64);
-    for p in &PROMPTS[..6] {
+    for p in prompts {
         let prompt = chat_ids(&bf, p);
-        // The bf16 engine's own greedy continuation is the forced text.
         let cont = bf
             .generate(TenantId(1), prompt.clone(), greedy(32))
             .unwrap()
@@ -261,7 +262,7 @@ fn fp8_kv_agrees_with_bf16_kv_under_teacher_forcing() {
         let a = bf
             .teacher_forced_logits(TenantId(1), &seq, prompt.len())
             .unwrap();
-        let b = f8
+        let b = other
             .teacher_forced_logits(TenantId(1), &seq, prompt.len())
             .unwrap();
         for (la, lb) in a.iter().zip(&b) {
@@ -276,12 +277,33 @@ fn fp8_kv_agrees_with_bf16_kv_under_teacher_forcing() {
                 .sum::<f64>();
         }
     }
-    let rate = agree as f64 / total as f64;
+    let kl = kl_sum / total as f64;
     eprintln!(
-        "fp8 vs bf16 KV: argmax agreement {agree}/{total} = {rate:.4}, mean KL {:.5} nats",
-        kl_sum / total as f64
+        "{format:?} vs bf16 KV: argmax agreement {agree}/{total} = {:.4}, mean KL {kl:.5} nats",
+        agree as f64 / total as f64
     );
+    (agree, total, kl)
+}
+
+#[test]
+fn fp8_kv_agrees_with_bf16_kv_under_teacher_forcing() {
+    let (agree, total, _) = teacher_forced_against_bf16(KvFormat::Fp8, &PROMPTS[..6]);
+    let rate = agree as f64 / total as f64;
     assert!(rate >= 0.97, "agreement {rate}");
+}
+
+/// Static fp8 pages keep half of bf16's bytes and pay for it in accuracy:
+/// measured on all sixteen prompts (380 positions), 363/380 and a mean KL
+/// of 0.0081 nats, where per-vector scales give 369/380 and 0.0063 and the
+/// same pages without the Hadamard rotation 0.0094 (docs/perf.md, session
+/// 10). The KL bound sits between the rotated and the unrotated figure, so
+/// losing the rotation fails it.
+#[test]
+fn static_fp8_kv_agrees_with_bf16_kv_under_teacher_forcing() {
+    let (agree, total, kl) = teacher_forced_against_bf16(KvFormat::Fp8Static, &PROMPTS);
+    let rate = agree as f64 / total as f64;
+    assert!(rate >= 0.94, "agreement {rate}");
+    assert!(kl <= 0.009, "mean KL {kl}");
 }
 
 /// Runs one request alone; its tokens and the prompt tokens it found cached.

@@ -2,6 +2,7 @@
 //! in pages.
 
 use kiln_kernels::KernelError;
+use kiln_kernels::hadamard;
 use kiln_kernels::kv::{KvFormat, KvLayout, KvPages};
 use kiln_kernels::matmul::{Weight, matmul};
 use kiln_kernels::ops::{Rope, add_assign, rmsnorm, silu_mul};
@@ -160,6 +161,7 @@ impl Model {
         let mut proj = vec![0.0f32; n * c.hidden];
         let (mut gate, mut up) = (vec![0.0f32; n * c.ffn], vec![0.0f32; n * c.ffn]);
         let scale = 1.0 / (hd as f32).sqrt();
+        let rotates = kv.layers.first().is_some_and(|p| p.format().rotates());
         for (layer, pages) in self.layers.iter().zip(kv.layers.iter_mut()) {
             rmsnorm(&x, &layer.attn_norm, c.eps, &mut xn);
             matmul(&xn, n, &layer.wq, &mut q)?;
@@ -173,6 +175,10 @@ impl Model {
             for (t, (s, pos)) in owners.iter().enumerate() {
                 self.rope.apply(&mut q[t * q_dim..(t + 1) * q_dim], *pos);
                 self.rope.apply(&mut k[t * kv_dim..(t + 1) * kv_dim], *pos);
+                if rotates {
+                    hadamard::rotate_heads(&mut q[t * q_dim..(t + 1) * q_dim], hd);
+                    hadamard::rotate_heads(&mut k[t * kv_dim..(t + 1) * kv_dim], hd);
+                }
                 if !batch[*s].write_kv {
                     continue;
                 }

@@ -154,7 +154,10 @@ __device__ void attention_part(const float* q, const void* kc, const void* vc, c
             size_t vec = vec_of(t);
             int slot = (r % ATT_STAGES) * ATT_THREADS + threadIdx.x;
             cp_async<BYTES>(&ring[slot], (const unsigned char*)base + (vec * hd + sub * V) * ELEM);
-            if (FP8) cp_async<4>(&sring[slot], scales + vec);
+            // Static fp8 pages have no scales: 1 (a plain store the same
+            // barrier publishes).
+            if (FP8 && scales) cp_async<4>(&sring[slot], scales + vec);
+            if (FP8 && !scales) sring[slot] = 1.0f;
         }
         cp_commit();
     };

@@ -111,11 +111,7 @@ fn flash_shared(group: usize, hd: usize, page_size: usize, part: usize) -> usize
 fn shuffle_shared(format: KvFormat, group: usize, head_dim: usize, page_size: usize) -> R<usize> {
     // Elements per 16-byte piece (8 for fp8 groups above 4), as in
     // attention.cu; the threads of one vector must divide a warp.
-    let piece = if format == KvFormat::Fp8 && group <= 4 {
-        16
-    } else {
-        8
-    };
+    let piece = if format.is_fp8() && group <= 4 { 16 } else { 8 };
     let tpv = head_dim / piece;
     if !head_dim.is_multiple_of(piece) || tpv == 0 || !32usize.is_multiple_of(tpv) {
         return Err(KernelError::Shape(format!(
@@ -278,7 +274,7 @@ impl Gpu {
         };
         let fmt = match kv.format {
             KvFormat::Bf16 => "bf16",
-            KvFormat::Fp8 => "fp8",
+            KvFormat::Fp8 | KvFormat::Fp8Static => "fp8",
         };
         let flash_name = format!("attention_flash_{fmt}_g{group}_d{head_dim}");
         let (part_len, most) = match kind {

@@ -260,7 +260,14 @@ __device__ void fp8_store(float x, float* red, unsigned char* out, float* scale_
     if (threadIdx.x == 0) *scale_out = scale;
 }
 
-// As kv_write_bf16, in fp8 e4m3 with one scale per vector.
+// The static fp8 format's store: e4m3(x), saturating, no scale.
+__device__ __forceinline__ void fp8_store_unit(float x, unsigned char* out) {
+    __nv_fp8_e4m3 q(fminf(fmaxf(x, -FP8_MAX), FP8_MAX));
+    *out = q.__x;
+}
+
+// As kv_write_bf16, in fp8 e4m3 with one scale per vector; with no scale
+// buffers (ks null: the static format), with none.
 extern "C" __global__ void kv_write_fp8(const float* k, const float* v, const int* slots,
                                         unsigned char* kc, unsigned char* vc, float* ks,
                                         float* vs, int kv_heads, int hd, int page_size) {
@@ -270,8 +277,41 @@ extern "C" __global__ void kv_write_fp8(const float* k, const float* v, const in
     if (slot < 0) return;
     size_t src = ((size_t)blockIdx.x * kv_heads + blockIdx.y) * hd + threadIdx.x;
     size_t vec = kv_vec(slot / page_size, slot % page_size, blockIdx.y, kv_heads, page_size);
+    if (!ks) {
+        fp8_store_unit(k[src], kc + vec * hd + threadIdx.x);
+        fp8_store_unit(v[src], vc + vec * hd + threadIdx.x);
+        return;
+    }
     fp8_store(k[src], red, kc + vec * hd + threadIdx.x, ks + vec, hd);
     fp8_store(v[src], red, vc + vec * hd + threadIdx.x, vs + vec, hd);
+}
+
+// Rotates x (n elements in shared memory, thread i holding element i, n
+// threads) by the orthonormal Walsh-Hadamard transform, as
+// kiln_kernels::hadamard::rotate does and in its order: stage h pairs i
+// with i ^ h.
+__device__ void hadamard_shared(float* x, int n) {
+    int i = threadIdx.x;
+    for (int h = 1; h < n; h <<= 1) {
+        float a = x[i], b = x[i ^ h];
+        __syncthreads();
+        x[i] = (i & h) ? b - a : a + b;
+        __syncthreads();
+    }
+    x[i] *= 1.0f / sqrtf((float)n);
+}
+
+// Rotates each row of hd (a power of two up to 1024) of x in place by
+// hadamard_shared: grid rows, threads hd. The reference rope_kv_write's
+// rotation is checked against.
+extern "C" __global__ void hadamard_rows(float* x, int hd) {
+    PDL_ENTER();
+    __shared__ float r[1024];
+    float* row = x + (size_t)blockIdx.x * hd;
+    r[threadIdx.x] = row[threadIdx.x];
+    __syncthreads();
+    hadamard_shared(r, hd);
+    row[threadIdx.x] = r[threadIdx.x];
 }
 
 // rope over a step's queries and keys, then kv_write, in one launch (a
@@ -283,7 +323,11 @@ extern "C" __global__ void kv_write_fp8(const float* k, const float* v, const in
 // Token t's query heads start at q + t * q_ld, its key and value heads at
 // k + t * kv_ld and v + t * kv_ld: separate buffers, or the rows of one
 // stacked projection [q | k | v].
-template <bool FP8>
+//
+// MODE 0: bf16 pages; 1: fp8 with a scale per vector; 2: static fp8 (no
+// scales), queries and keys rotated by hadamard_shared after RoPE, the
+// rotated values what q_out, k and the pages get.
+template <int MODE>
 __device__ void rope_kv_write(const float* q, float* k, const float* v, int q_ld, int kv_ld,
                               float* q_out, const int* pos, const float* inv_freq,
                               const int* slots, void* kc, void* vc, float* ks, float* vs,
@@ -307,10 +351,17 @@ __device__ void rope_kv_write(const float* q, float* k, const float* v, int q_ld
         int b = interleaved ? 2 * i + 1 : i + half;
         float o0, o1;
         rotate_pair(src[a], src[b], s, c, &o0, &o1);
-        dst[a] = o0;
-        dst[b] = o1;
+        if (MODE != 2) {
+            dst[a] = o0;
+            dst[b] = o1;
+        }
         rot[a] = o0;
         rot[b] = o1;
+    }
+    if (MODE == 2) {
+        __syncthreads();  // rot complete
+        hadamard_shared(rot, hd);
+        dst[i] = rot[i];
     }
     if (is_q) return;
     int slot = slots[t];  // after the wait: the tag check clears it
@@ -319,7 +370,10 @@ __device__ void rope_kv_write(const float* q, float* k, const float* v, int q_ld
     float kx = rot[i];
     float vx = v[(size_t)t * kv_ld + (size_t)kvh * hd + i];
     size_t vec = kv_vec(slot / page_size, slot % page_size, kvh, kv_heads, page_size);
-    if (FP8) {
+    if (MODE == 2) {
+        fp8_store_unit(kx, (unsigned char*)kc + vec * hd + i);
+        fp8_store_unit(vx, (unsigned char*)vc + vec * hd + i);
+    } else if (MODE == 1) {
         fp8_store(kx, red, (unsigned char*)kc + vec * hd + i, ks + vec, hd);
         fp8_store(vx, red, (unsigned char*)vc + vec * hd + i, vs + vec, hd);
     } else {
@@ -328,19 +382,20 @@ __device__ void rope_kv_write(const float* q, float* k, const float* v, int q_ld
     }
 }
 
-#define ROPE_KV_WRITE(NAME, FP8)                                                               \
+#define ROPE_KV_WRITE(NAME, MODE)                                                              \
     extern "C" __global__ void NAME(const float* q, float* k, const float* v, int q_ld,        \
                                     int kv_ld, float* q_out, const int* pos,                   \
                                     const float* inv_freq, const int* slots, void* kc,         \
                                     void* vc, float* ks, float* vs, int heads, int kv_heads,   \
                                     int hd, int page_size, int interleaved) {                  \
         PDL_LAUNCH();                                                                         \
-        rope_kv_write<FP8>(q, k, v, q_ld, kv_ld, q_out, pos, inv_freq, slots, kc, vc, ks, vs,  \
+        rope_kv_write<MODE>(q, k, v, q_ld, kv_ld, q_out, pos, inv_freq, slots, kc, vc, ks, vs,  \
                            heads, kv_heads, hd, page_size, interleaved);                       \
     }
 
-ROPE_KV_WRITE(rope_kv_write_bf16, false)
-ROPE_KV_WRITE(rope_kv_write_fp8, true)
+ROPE_KV_WRITE(rope_kv_write_bf16, 0)
+ROPE_KV_WRITE(rope_kv_write_fp8, 1)
+ROPE_KV_WRITE(rope_kv_write_fp8s, 2)
 
 // Most tokens per attention partition.
 #define PART 256

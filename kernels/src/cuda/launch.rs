@@ -13,8 +13,24 @@ type R<T = ()> = Result<T, KernelError>;
 
 /// Pushes a layer's pages as kernel arguments: K, V, K scales, V scales.
 pub(super) fn push_pages<'a>(b: &mut LaunchArgs<'a>, kv: &'a PagedKv) {
-    b.arg(&kv.k).arg(&kv.v).arg(&kv.k_scale).arg(&kv.v_scale);
+    b.arg(&kv.k).arg(&kv.v);
+    push_scales(b, kv);
 }
+
+/// Pushes the K and V scale buffers of pages with a scale per vector, and
+/// two null pointers for the other formats: the fp8 kernels read a null
+/// scale buffer as the static format's scale of 1.
+fn push_scales<'a>(b: &mut LaunchArgs<'a>, kv: &'a PagedKv) {
+    if kv.format == KvFormat::Fp8 {
+        b.arg(&kv.k_scale).arg(&kv.v_scale);
+    } else {
+        b.arg(&NULL_SCALES).arg(&NULL_SCALES);
+    }
+}
+
+/// A null device pointer, passed for the scale buffers of formats without
+/// them.
+pub(super) static NULL_SCALES: u64 = 0;
 
 pub(super) fn cfg(grid: (u32, u32, u32), block: u32, shared: u32) -> LaunchConfig {
     LaunchConfig {
@@ -63,7 +79,7 @@ impl Gpu {
     /// Zeroed pages.
     pub fn paged_kv(&self, format: KvFormat, layout: KvLayout, pages: usize) -> R<PagedKv> {
         let vectors = pages * layout.page_size * layout.kv_heads;
-        let elem = if format == KvFormat::Bf16 { 2 } else { 1 };
+        let elem = format.elem_bytes();
         let bytes = vectors * layout.head_dim * elem;
         let scales = if format == KvFormat::Fp8 { vectors } else { 1 };
         let s = &self.stream;
@@ -124,15 +140,16 @@ impl Gpu {
                 // SAFETY: slots index vectors inside the pages.
                 unsafe { b.launch(cfg(grid, head_dim as u32, 0)) }.map_err(cuda_err)?;
             }
-            KvFormat::Fp8 => {
+            KvFormat::Fp8 | KvFormat::Fp8Static => {
                 let f = self.function("kv_write_fp8")?;
                 let mut b = self.stream.launch_builder(f);
                 b.arg(k).arg(v).arg(slots).arg(&mut kv.k).arg(&mut kv.v);
-                b.arg(&mut kv.k_scale)
-                    .arg(&mut kv.v_scale)
-                    .arg(&h)
-                    .arg(&d)
-                    .arg(&ps);
+                if kv.format == KvFormat::Fp8 {
+                    b.arg(&mut kv.k_scale).arg(&mut kv.v_scale);
+                } else {
+                    b.arg(&NULL_SCALES).arg(&NULL_SCALES);
+                }
+                b.arg(&h).arg(&d).arg(&ps);
                 // SAFETY: as above.
                 unsafe { b.launch(cfg(grid, head_dim as u32, 0)) }.map_err(cuda_err)?;
             }

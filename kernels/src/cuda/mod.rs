@@ -67,6 +67,8 @@ const KERNELS: &[&str] = &[
     "kv_write_fp8",
     "rope_kv_write_bf16",
     "rope_kv_write_fp8",
+    "rope_kv_write_fp8s",
+    "hadamard_rows",
     "attention_part_bf16_g1",
     "attention_part_bf16_g2",
     "attention_part_bf16_g3",

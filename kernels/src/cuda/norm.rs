@@ -5,7 +5,7 @@
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
 
-use super::launch::{PagedKv, blocks, cfg};
+use super::launch::{NULL_SCALES, PagedKv, blocks, cfg};
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::KvFormat;
@@ -240,6 +240,14 @@ impl Gpu {
         let name = match kv.format {
             KvFormat::Bf16 => "rope_kv_write_bf16",
             KvFormat::Fp8 => "rope_kv_write_fp8",
+            KvFormat::Fp8Static => {
+                if !head_dim.is_power_of_two() {
+                    return Err(KernelError::Shape(format!(
+                        "head_dim {head_dim}: static fp8 pages rotate heads of a power of two"
+                    )));
+                }
+                "rope_kv_write_fp8s"
+            }
         };
         let f = self.function(name)?;
         let (h, kvh, d) = (heads as i32, kv_heads as i32, head_dim as i32);
@@ -253,12 +261,37 @@ impl Gpu {
             .arg(&kv_ld);
         b.arg(&rows.q_out).arg(pos).arg(inv_freq).arg(slots);
         b.arg(&mut kv.k).arg(&mut kv.v);
-        b.arg(&mut kv.k_scale).arg(&mut kv.v_scale);
+        if kv.format == KvFormat::Fp8 {
+            b.arg(&mut kv.k_scale).arg(&mut kv.v_scale);
+        } else {
+            b.arg(&NULL_SCALES).arg(&NULL_SCALES);
+        }
         b.arg(&h).arg(&kvh).arg(&d).arg(&ps).arg(&il);
         let grid = (tokens as u32, (heads + kv_heads) as u32, 1);
         // SAFETY: the caller vouches for the rows; slots index vectors
         // inside the pages.
         unsafe { b.launch(cfg(grid, head_dim as u32, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// Rotates each of `rows` rows of `head_dim` (a power of two up to
+    /// 1024) of `x` in place by the orthonormal Walsh-Hadamard transform,
+    /// in [`crate::hadamard::rotate`]'s order and with the device function
+    /// `rope_kv_write` uses for static fp8 pages.
+    pub fn hadamard_rows(&self, x: &mut CudaSlice<f32>, rows: usize, head_dim: usize) -> R {
+        if !head_dim.is_power_of_two() || head_dim > 1024 || x.len() < rows * head_dim {
+            return Err(KernelError::Shape(format!(
+                "hadamard over {rows} rows of {head_dim}: a power of two up to 1024, in a buffer \
+                 of {}",
+                x.len()
+            )));
+        }
+        let f = self.function("hadamard_rows")?;
+        let d = head_dim as i32;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(&d);
+        // SAFETY: rows x head_dim floats (checked above), a thread each.
+        unsafe { b.launch(cfg((rows as u32, 1, 1), head_dim as u32, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
 

@@ -83,8 +83,9 @@ __device__ void prefill_attention(const float* q, const void* kc, const void* vc
                     tile.v[j * vstride + d * ELEM + b] = vp[b];
                 }
                 if (FP8 && d == 0) {
-                    tile.ks[j] = ks[vec];
-                    tile.vs[j] = vs[vec];
+                    // Static fp8 pages have no scales: 1.
+                    tile.ks[j] = ks ? ks[vec] : 1.0f;
+                    tile.vs[j] = vs ? vs[vec] : 1.0f;
                 }
             }
         }

@@ -71,7 +71,7 @@ impl Gpu {
         }
         let name = match kv.format {
             KvFormat::Bf16 => format!("prefill_bf16_g{group}"),
-            KvFormat::Fp8 => format!("prefill_fp8_g{group}"),
+            KvFormat::Fp8 | KvFormat::Fp8Static => format!("prefill_fp8_g{group}"),
         };
         let f = self.function(&name)?;
         let ints = [

@@ -103,7 +103,11 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
     let (be, mut r) = (backend(), rng());
     // Lengths across partition boundaries (512) and within one page.
     let lens = [1, 17, 300, 513, 1100];
-    let cases = [(KvFormat::Bf16, 1e-2), (KvFormat::Fp8, 6e-2)];
+    let cases = [
+        (KvFormat::Bf16, 1e-2),
+        (KvFormat::Fp8, 6e-2),
+        (KvFormat::Fp8Static, 6e-2),
+    ];
     for ((format, tol), shape) in cases.into_iter().flat_map(|c| [(c, SMALL), (c, LLAMA3)]) {
         let (mut case, keys, vals) = attention_case(&mut r, format, &lens, shape);
         let want = attention_reference(&case, &keys, &vals);
@@ -126,7 +130,7 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
             // keeps f32).
             let agree = match format {
                 KvFormat::Bf16 => 1e-5,
-                KvFormat::Fp8 => 5e-3,
+                KvFormat::Fp8 | KvFormat::Fp8Static => 5e-3,
             };
             match &first {
                 None => first = Some(out.iter().map(|v| *v as f64).collect()),
@@ -146,7 +150,12 @@ fn causal_prefill_attention_matches_float64_in_bf16_and_fp8() {
     // chunk (the rest cached before): chunks across tiles, pages and a
     // key tile of 32, and a whole prompt from position 0.
     let seqs = [(45, 45), (300, 70), (33, 1), (600, 13)];
-    for (format, tol) in [(KvFormat::Bf16, 1e-2), (KvFormat::Fp8, 6e-2)] {
+    let cases = [
+        (KvFormat::Bf16, 1e-2),
+        (KvFormat::Fp8, 6e-2),
+        (KvFormat::Fp8Static, 6e-2),
+    ];
+    for (format, tol) in cases {
         let lens: Vec<usize> = seqs.iter().map(|(l, _)| *l).collect();
         let (mut case, keys, vals) = attention_case(&mut r, format, &lens, SMALL);
         // One query per new token, attending to its position and before.
@@ -175,7 +184,7 @@ fn causal_prefill_attention_matches_float64_in_bf16_and_fp8() {
         let e = rel_err(&out, &per_token);
         let agree = match format {
             KvFormat::Bf16 => 1e-5,
-            KvFormat::Fp8 => 5e-3,
+            KvFormat::Fp8 | KvFormat::Fp8Static => 5e-3,
         };
         assert!(
             e < agree,
