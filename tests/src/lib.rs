@@ -405,3 +405,14 @@ pub fn default_model() -> kiln_host::model::Loaded {
         Err(e) => panic!("fetching the default model failed: {e}"),
     }
 }
+
+/// KL(softmax(a) || softmax(b)) in nats, for two rows of logits.
+pub fn kl_nats(a: &[f32], b: &[f32]) -> f64 {
+    let log_softmax = |l: &[f32]| -> Vec<f64> {
+        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let lse = l.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln() + max;
+        l.iter().map(|v| *v as f64 - lse).collect()
+    };
+    let (pa, pb) = (log_softmax(a), log_softmax(b));
+    pa.iter().zip(&pb).map(|(x, y)| x.exp() * (x - y)).sum()
+}

@@ -239,12 +239,6 @@ fn stop_strings_and_max_tokens_end_generation() {
     assert_eq!((short.tokens.len(), short.finish), (3, Finish::Length));
 }
 
-fn log_softmax(l: &[f32]) -> Vec<f64> {
-    let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = l.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln() + max;
-    l.iter().map(|v| *v as f64 - lse).collect()
-}
-
 /// Teacher-forced next-token argmax of `format`'s pages against bf16
 /// pages over `prompts` (each forced through the bf16 engine's own greedy
 /// 32 tokens): (agreeing positions, positions, mean KL in nats).
@@ -269,12 +263,7 @@ fn teacher_forced_against_bf16(format: KvFormat, prompts: &[&str]) -> (usize, us
             total += 1;
             agree +=
                 usize::from(kiln_kernels::sample::argmax(la) == kiln_kernels::sample::argmax(lb));
-            let (pa, pb) = (log_softmax(la), log_softmax(lb));
-            kl_sum += pa
-                .iter()
-                .zip(&pb)
-                .map(|(x, y)| x.exp() * (x - y))
-                .sum::<f64>();
+            kl_sum += kiln_tests::kl_nats(la, lb);
         }
     }
     let kl = kl_sum / total as f64;

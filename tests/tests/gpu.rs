@@ -442,7 +442,7 @@ fn static_fp8_pages_on_the_test_device_score_as_on_the_cpu() {
             total += 1;
             same += usize::from(argmax(a) == argmax(b));
             worst = worst.max(rel_diff(a, b));
-            kl += kl_nats(a, b);
+            kl += kiln_tests::kl_nats(a, b);
         }
     }
     let (agree, kl) = (same as f64 / total as f64, kl / total as f64);
@@ -453,15 +453,4 @@ fn static_fp8_pages_on_the_test_device_score_as_on_the_cpu() {
     );
     assert!(agree >= 0.96, "agreement {agree}");
     assert!(kl < 0.008, "mean KL {kl}");
-}
-
-/// KL(softmax(a) || softmax(b)) in nats.
-fn kl_nats(a: &[f32], b: &[f32]) -> f64 {
-    let log_softmax = |l: &[f32]| -> Vec<f64> {
-        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let lse = l.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln() + max;
-        l.iter().map(|v| *v as f64 - lse).collect()
-    };
-    let (pa, pb) = (log_softmax(a), log_softmax(b));
-    pa.iter().zip(&pb).map(|(x, y)| x.exp() * (x - y)).sum()
 }
