@@ -12,6 +12,7 @@ use crate::api::ApiError;
 use crate::auth;
 use crate::config::ServeConfig;
 use crate::db::{Db, FunctionRow};
+use crate::fairness::{InstanceCaps, InstanceSlot, default_cap};
 use crate::metrics::Metrics;
 use crate::serving::policy::{Gateway, TenantPolicy};
 
@@ -32,8 +33,10 @@ pub struct App {
     pub(crate) ai: Arc<Gateway>,
     pub(crate) config: ServeConfig,
     admin_hash: [u8; 32],
+    metrics_hash: Option<[u8; 32]>,
     components_dir: PathBuf,
     routes: RwLock<HashMap<(String, String), Arc<Route>>>,
+    instances: InstanceCaps,
 }
 
 /// Names of tenants and functions: `[a-z0-9-]{1,63}`.
@@ -98,11 +101,20 @@ impl App {
             runtime,
             metrics,
             ai,
+            metrics_hash: config.metrics_token.as_deref().map(auth::hash),
             config,
             admin_hash: auth::hash(admin_token),
             components_dir,
             routes: RwLock::new(routes),
+            instances: InstanceCaps::default(),
         })
+    }
+
+    /// Whether `token` is the metrics token.
+    pub fn is_metrics_reader(&self, token: &str) -> bool {
+        self.metrics_hash
+            .as_ref()
+            .is_some_and(|h| auth::verify(token, h))
     }
 
     /// Whether `token` is the admin token.
@@ -149,6 +161,25 @@ impl App {
             return Err(ApiError::not_found(format!("no tenant named `{tenant}`")));
         }
         Ok(self.ai.policy(tenant))
+    }
+
+    /// One of `tenant`'s function instance slots, or a 429 when it holds
+    /// its share of the pool already.
+    pub fn instance_slot(&self, tenant: &str) -> Result<InstanceSlot, ApiError> {
+        let cap = self.ai.policy(tenant).max_instances.unwrap_or_else(|| {
+            default_cap(
+                self.config.limits.max_instances,
+                self.config.tenant_instance_share,
+            )
+        });
+        self.instances.try_acquire(tenant, cap).ok_or_else(|| {
+            ApiError::too_many_requests(format!(
+                "tenant `{tenant}` already runs {cap} function instances, its share of the \
+                 server; retry when some finish, or ask the operator to raise `max_instances` \
+                 (PUT /v1/tenants/{tenant}/policy)"
+            ))
+            .with_code("tenant_instances_exceeded")
+        })
     }
 
     fn component_path(&self, digest: &str) -> PathBuf {

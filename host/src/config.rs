@@ -28,12 +28,49 @@ pub struct ServeConfig {
     /// Model calls a tenant may have in flight unless its policy says
     /// otherwise.
     pub max_concurrent_calls: u32,
+    /// The share of the instance pool one tenant may hold unless its
+    /// policy says otherwise.
+    pub tenant_instance_share: f64,
+    /// A token that may read `/metrics` besides the admin token.
+    pub metrics_token: Option<String>,
+    /// Limits of connections and request bodies.
+    pub net: NetLimits,
+}
+
+/// Limits that keep slow or greedy clients from holding the server.
+#[derive(Debug, Clone)]
+pub struct NetLimits {
+    /// Time a connection has to send a request's head (HTTP/1; the clock
+    /// also runs while a kept-alive connection waits for its next request).
+    pub header_read_timeout: Duration,
+    /// Time a TLS client has to finish its handshake.
+    pub tls_handshake_timeout: Duration,
+    /// How often an idle HTTP/2 connection is pinged, and how long the
+    /// client has to answer before the connection is closed.
+    pub keep_alive: Duration,
+    /// Connections open at once; past it new ones get a 503 and are closed.
+    pub max_connections: usize,
+    /// Largest request body a function is given; past it, 413.
+    pub max_body_bytes: u64,
+}
+
+impl Default for NetLimits {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(10),
+            tls_handshake_timeout: Duration::from_secs(10),
+            keep_alive: Duration::from_secs(60),
+            max_connections: 10_000,
+            max_body_bytes: 16 << 20,
+        }
+    }
 }
 
 impl ServeConfig {
     /// Defaults for a data directory: loopback:8080, 32 MiB uploads, the
     /// runtime's default limits, a 10 s drain, 120 s model calls, 32 calls
-    /// in flight per tenant.
+    /// and a quarter of the instance pool in flight per tenant, and the
+    /// default [`NetLimits`].
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
@@ -44,7 +81,54 @@ impl ServeConfig {
             drain_timeout: Duration::from_secs(10),
             model_deadline: Duration::from_secs(120),
             max_concurrent_calls: 32,
+            tenant_instance_share: 0.25,
+            metrics_token: None,
+            net: NetLimits::default(),
         }
+    }
+}
+
+/// `kiln serve`'s flags for the limits that protect the server from
+/// clients and tenants.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LimitArgs {
+    /// Seconds a connection has to send a request's head (HTTP/1); also how
+    /// long a kept-alive connection may wait idle for its next request.
+    #[arg(long, default_value_t = 10)]
+    pub header_read_timeout_s: u64,
+    /// Seconds a TLS client has to finish its handshake.
+    #[arg(long, default_value_t = 10)]
+    pub tls_handshake_timeout_s: u64,
+    /// Seconds between pings of an idle HTTP/2 connection, and to answer one.
+    #[arg(long, default_value_t = 60)]
+    pub keep_alive_s: u64,
+    /// Connections open at once; past it, new ones get a 503 and are closed.
+    #[arg(long, default_value_t = 10_000)]
+    pub max_connections: usize,
+    /// Largest request body a function is given, in bytes; past it, 413.
+    #[arg(long, default_value_t = 16 << 20)]
+    pub max_body_bytes: u64,
+    /// The share of --max-instances one tenant may hold at once, unless its
+    /// policy sets `max_instances`; past it, that tenant gets 429.
+    #[arg(long, default_value_t = 0.25)]
+    pub tenant_instance_share: f64,
+    /// A bearer token that may read /metrics (the admin token always may).
+    #[arg(long, env = "KILN_METRICS_TOKEN", hide_env_values = true)]
+    pub metrics_token: Option<String>,
+}
+
+impl LimitArgs {
+    /// Sets these limits in `config`.
+    pub fn apply(&self, config: &mut ServeConfig) {
+        config.net = NetLimits {
+            header_read_timeout: Duration::from_secs(self.header_read_timeout_s),
+            tls_handshake_timeout: Duration::from_secs(self.tls_handshake_timeout_s),
+            keep_alive: Duration::from_secs(self.keep_alive_s),
+            max_connections: self.max_connections,
+            max_body_bytes: self.max_body_bytes,
+        };
+        config.tenant_instance_share = self.tenant_instance_share;
+        config.metrics_token = self.metrics_token.clone().filter(|t| !t.is_empty());
     }
 }
 

@@ -13,6 +13,7 @@ pub mod client;
 pub mod config;
 pub mod db;
 pub mod engine;
+pub mod fairness;
 pub mod metrics;
 pub mod model;
 pub mod server;

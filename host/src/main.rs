@@ -437,6 +437,8 @@ struct ServeArgs {
     #[arg(long, default_value_t = 32)]
     max_concurrent_calls: u32,
     #[command(flatten)]
+    limits: kiln_host::config::LimitArgs,
+    #[command(flatten)]
     engine: EngineArgs,
 }
 
@@ -507,6 +509,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.drain_timeout = Duration::from_secs(args.drain_timeout_s);
     config.model_deadline = Duration::from_secs(args.model_deadline_s);
     config.max_concurrent_calls = args.max_concurrent_calls;
+    args.limits.apply(&mut config);
     let admin = std::env::var("KILN_ADMIN_TOKEN")
         .ok()
         .filter(|t| !t.is_empty());

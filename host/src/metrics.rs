@@ -109,6 +109,8 @@ pub struct EngineMetrics {
     pub tokens: Family<TokenLabels, Counter>,
     /// Model calls refused by tenant policy.
     pub policy_rejections: Family<RejectLabels, Counter>,
+    /// Engines rebuilt after a failure inside a step, by pool.
+    pub engine_restarts: Family<PoolLabels, Counter>,
 }
 
 impl EngineMetrics {
@@ -148,6 +150,11 @@ impl EngineMetrics {
             "Model calls refused by tenant policy, by reason",
             self.policy_rejections.clone(),
         );
+        r.register(
+            "engine_restarts",
+            "Engines rebuilt after a panic or error inside a step, by pool",
+            self.engine_restarts.clone(),
+        );
     }
 }
 
@@ -167,6 +174,8 @@ pub struct Metrics {
     pub handler: Family<FnLabels, Histogram, fn() -> Histogram>,
     /// Limit violations by kind.
     pub limits: Family<LimitLabels, Counter>,
+    /// Connections refused because --max-connections were open.
+    pub connections_refused: Counter,
     /// The engines' metrics (shared with the engine threads).
     pub engine: EngineMetrics,
 }
@@ -198,6 +207,12 @@ impl Default for Metrics {
             "Requests stopped by a resource limit, by kind",
             limits.clone(),
         );
+        let connections_refused = Counter::default();
+        registry.register(
+            "connections_refused",
+            "Connections refused because the server had --max-connections open",
+            connections_refused.clone(),
+        );
         let engine = EngineMetrics::default();
         engine.register(&mut registry);
         Self {
@@ -206,6 +221,7 @@ impl Default for Metrics {
             instantiate,
             handler,
             limits,
+            connections_refused,
             engine,
         }
     }

@@ -4,14 +4,16 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use kiln_runtime::Inference;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 
 use crate::app::App;
@@ -105,7 +107,19 @@ impl Server {
     /// to the drain timeout for connections in flight.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
         let graceful = GracefulShutdown::new();
-        let builder = auto::Builder::new(TokioExecutor::new());
+        let net = self.app.config.net.clone();
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(net.header_read_timeout);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .keep_alive_interval(net.keep_alive)
+            .keep_alive_timeout(net.keep_alive)
+            .max_concurrent_streams(MAX_STREAMS);
+        let connections = Arc::new(Semaphore::new(net.max_connections));
         tokio::pin!(shutdown);
         loop {
             let (stream, peer) = tokio::select! {
@@ -113,12 +127,21 @@ impl Server {
                     Ok(a) => a,
                     Err(e) => {
                         tracing::warn!("accept failed: {e}");
+                        // Out of file descriptors, say: let some close.
+                        tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
                 },
                 () = &mut shutdown => break,
             };
             let _ = stream.set_nodelay(true);
+            let Ok(permit) = connections.clone().try_acquire_owned() else {
+                self.app.metrics.connections_refused.inc();
+                if self.tls.is_none() {
+                    tokio::spawn(refuse(stream));
+                }
+                continue;
+            };
             let app = self.app.clone();
             let service = service_fn(move |req| {
                 let app = app.clone();
@@ -126,11 +149,16 @@ impl Server {
             });
             match &self.tls {
                 None => {
-                    let conn =
-                        builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                    let conn = graceful.watch(conn.into_owned());
+                    let builder = builder.clone();
+                    let watcher = graceful.watcher();
                     tokio::spawn(async move {
-                        if let Err(e) = conn.await {
+                        let _permit = permit;
+                        if !first_bytes(&stream, net.header_read_timeout).await {
+                            return;
+                        }
+                        let conn =
+                            builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                        if let Err(e) = watcher.watch(conn.into_owned()).await {
                             tracing::debug!(%peer, "connection error: {e}");
                         }
                     });
@@ -140,10 +168,21 @@ impl Server {
                     let builder = builder.clone();
                     let watcher = graceful.watcher();
                     tokio::spawn(async move {
-                        let stream = match acceptor.accept(stream).await {
-                            Ok(s) => s,
-                            Err(e) => {
+                        let _permit = permit;
+                        let handshake = acceptor.accept(stream);
+                        let stream = match tokio::time::timeout(
+                            net.tls_handshake_timeout,
+                            handshake,
+                        )
+                        .await
+                        {
+                            Ok(Ok(s)) => s,
+                            Ok(Err(e)) => {
                                 tracing::debug!(%peer, "TLS handshake failed: {e}");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::debug!(%peer, "TLS handshake timed out");
                                 return;
                             }
                         };
@@ -167,6 +206,53 @@ impl Server {
         }
         Ok(())
     }
+}
+
+/// Streams one HTTP/2 connection may have open at once.
+const MAX_STREAMS: u32 = 256;
+
+/// The HTTP/2 connection preface, which a client may send in pieces.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Waits, up to `timeout`, until the client has sent enough to tell its
+/// protocol: one byte that is not the HTTP/2 preface's, or all of the
+/// preface. (Telling them apart otherwise waits for the client without a
+/// deadline; after this, hyper's header timeout takes over.)
+async fn first_bytes(stream: &TcpStream, timeout: Duration) -> bool {
+    let settled = async {
+        let mut buf = [0u8; H2_PREFACE.len()];
+        loop {
+            match stream.peek(&mut buf).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) if n == buf.len() || buf[..n] != H2_PREFACE[..n] => return true,
+                // A piece of the preface: wait for more.
+                Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    };
+    tokio::time::timeout(timeout, settled)
+        .await
+        .unwrap_or(false)
+}
+
+/// Answers a connection over the limit with a 503 and closes it.
+async fn refuse(mut stream: TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = crate::api::ApiError::unavailable(
+        "the server has as many connections open as it allows (--max-connections); retry shortly",
+    )
+    .body();
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\nretry-after: 1\r\n\r\n",
+        body.len()
+    );
+    let write = async {
+        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(body.as_bytes()).await?;
+        stream.shutdown().await
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -295,6 +295,7 @@ impl TestServer {
         let text = self
             .http
             .get(format!("{}/metrics", self.url))
+            .bearer_auth(&self.admin)
             .send()
             .await
             .expect("request")

@@ -136,6 +136,7 @@ async fn infinite_loop_is_stopped_by_cpu_limit_while_others_succeed() {
     let metrics = s
         .http
         .get(format!("{}/metrics", s.url))
+        .bearer_auth(&s.admin)
         .send()
         .await
         .unwrap();

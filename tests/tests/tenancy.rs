@@ -23,11 +23,13 @@ async fn quota_exceeded_is_429_on_the_api_and_quota_exceeded_in_a_guest() {
     let b = s.tenant("b").await;
     s.deploy(&a, "bad", "misbehave").await;
     s.deploy(&b, "bad", "misbehave").await;
-    let resp = s.set_policy("a", json!({"tokens_per_minute": 1})).await;
+    let resp = s.set_policy("a", json!({"tokens_per_minute": 20})).await;
     assert_eq!(resp.status(), 200);
     let policy = s.get_json(&s.admin, "/v1/tenants/a/policy").await;
-    assert_eq!(policy["tokens_per_minute"], 1);
-    // The first call fits (nothing used yet) and uses up the minute.
+    assert_eq!(policy["tokens_per_minute"], 20);
+    // The first call's reservation (a prompt estimate of 11 and max_tokens
+    // 2) fits; what it really uses (the chat template's ~30 prompt tokens)
+    // uses up the minute.
     let (st, _) = s.openai(&a, "/v1/chat/completions", None, &ask(2)).await;
     assert_eq!(st, 200);
     let (st, e) = s.openai(&a, "/v1/chat/completions", None, &ask(2)).await;

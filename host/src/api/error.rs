@@ -92,6 +92,25 @@ impl ApiError {
         )
     }
 
+    /// 429: the caller is over one of its limits for now.
+    pub fn too_many_requests(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+    }
+
+    /// 413: a function's request body is over the limit.
+    pub fn body_too_large(limit: u64) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!("the request body exceeds the limit of {limit} bytes (see --max-body-bytes)"),
+        )
+    }
+
+    /// 503: the server is at capacity.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", message)
+    }
+
     /// 500: a bug or failure on our side.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)
@@ -130,6 +149,10 @@ impl From<AiError> for ApiError {
             }
             AiError::Overloaded(m) => Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", m)
                 .with_code("overloaded"),
+            AiError::Aborted(m) if m.starts_with(crate::serving::ENGINE_RESTARTED) => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m)
+                    .with_code(crate::serving::ENGINE_RESTARTED)
+            }
             AiError::Aborted(m) => {
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m).with_code("aborted")
             }

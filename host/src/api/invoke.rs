@@ -1,14 +1,19 @@
 //! `ANY /fn/{tenant}/{function}/{*path}`: run a function.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use http_body::Frame;
 use http_body_util::BodyExt;
 use hyper::{Request, Response, Uri};
 use kiln_runtime::{Invocation, InvokeError};
 
 use super::{ApiError, Body, BoxError};
 use crate::app::{App, name_error, valid_name};
+use crate::fairness::InstanceSlot;
 use crate::metrics::{FnLabels, InvokeLabels, LimitLabels};
 
 /// Splits `/fn/{tenant}/{function}/{rest}` into its parts; `rest` keeps no
@@ -84,6 +89,16 @@ where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
+    let limit = app.config.net.max_body_bytes;
+    let declared = req
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(ApiError::body_too_large(limit));
+    }
+    let slot = app.instance_slot(&route.row.tenant)?;
     let deployment = app.deployment(route)?;
     let (mut parts, body) = req.into_parts();
     parts.uri = guest_uri(&parts.uri, rest)?;
@@ -98,10 +113,17 @@ where
         .get("x-session-affinity")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let body = body.map_err(|e| {
-        let e: BoxError = e.into();
-        wasmtime_wasi_http_error(e)
-    });
+    let over = Arc::new(AtomicBool::new(false));
+    let body = Capped {
+        inner: body
+            .map_err(|e| {
+                let e: BoxError = e.into();
+                wasmtime_wasi_http_error(e)
+            })
+            .boxed_unsync(),
+        left: limit,
+        over: over.clone(),
+    };
     let invocation = Invocation {
         tenant: route.row.tenant.clone(),
         function: route.row.name.clone(),
@@ -125,8 +147,17 @@ where
         .handler
         .get_or_create(&labels)
         .observe(outcome.elapsed.as_secs_f64());
+    if over.load(Ordering::Acquire) {
+        return Err(ApiError::body_too_large(limit));
+    }
     match outcome.result {
-        Ok(resp) => Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed_unsync())),
+        Ok(resp) => Ok(resp.map(|b| {
+            Held {
+                inner: b.map_err(|e| Box::new(e) as BoxError),
+                _slot: slot,
+            }
+            .boxed_unsync()
+        })),
         Err(e) => {
             if let InvokeError::Limit { kind, .. } = &e {
                 app.metrics
@@ -144,6 +175,77 @@ where
 
 fn wasmtime_wasi_http_error(e: BoxError) -> kiln_runtime::BodyError {
     kiln_runtime::BodyError::InternalError(Some(e.to_string()))
+}
+
+/// A request body that ends in an error past `left` bytes, and says so.
+struct Capped<B> {
+    inner: B,
+    left: u64,
+    over: Arc<AtomicBool>,
+}
+
+impl<B> http_body::Body for Capped<B>
+where
+    B: http_body::Body<Data = Bytes, Error = kiln_runtime::BodyError> + Unpin,
+{
+    type Data = Bytes;
+    type Error = kiln_runtime::BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        if let Some(Ok(f)) = &frame
+            && let Some(data) = f.data_ref()
+        {
+            let n = data.len() as u64;
+            if n > self.left {
+                self.over.store(true, Ordering::Release);
+                let limit = Some(self.left);
+                return Poll::Ready(Some(Err(kiln_runtime::BodyError::HttpRequestBodySize(
+                    limit,
+                ))));
+            }
+            self.left -= n;
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A response body that holds the tenant's instance slot until the guest
+/// has written all of it (or the client has gone).
+struct Held<B> {
+    inner: B,
+    _slot: InstanceSlot,
+}
+
+impl<B: http_body::Body + Unpin> http_body::Body for Held<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 #[cfg(test)]

@@ -79,6 +79,19 @@ fn require_admin<B>(app: &App, req: &Request<B>) -> Result<(), ApiError> {
     }
 }
 
+/// Requires the admin token or the metrics token: metrics name every
+/// tenant and function, so they are for the operator only.
+fn require_metrics_reader<B>(app: &App, req: &Request<B>) -> Result<(), ApiError> {
+    match bearer(req) {
+        Some(t) if app.is_admin(t) || app.is_metrics_reader(t) => Ok(()),
+        Some(_) => Err(ApiError::unauthorized("invalid metrics token")),
+        None => Err(ApiError::unauthorized(
+            "missing token: /metrics needs `Authorization: Bearer <token>` with the admin \
+             token or the --metrics-token (Prometheus: `authorization: {credentials: ...}`)",
+        )),
+    }
+}
+
 /// Routes one request. Every failure becomes a JSON error response; this
 /// never panics on bad input.
 pub async fn handle<B>(app: Arc<App>, req: Request<B>) -> Response<Body>
@@ -96,11 +109,20 @@ where
         (["healthz"], &Method::GET) => {
             Ok(json(StatusCode::OK, serde_json::json!({"status": "ok"})))
         }
-        (["metrics"], &Method::GET) => Ok(full(
-            StatusCode::OK,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            app.metrics.encode(),
-        )),
+        (["metrics"], &Method::GET) => require_metrics_reader(&app, &req).map(|()| {
+            full(
+                StatusCode::OK,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                app.metrics.encode(),
+            )
+        }),
+        (["v1", "usage"], &Method::GET) => tenant_of(&app, &req).map(|tenant| {
+            let usage = app.ai.usage(&tenant);
+            json(
+                StatusCode::OK,
+                serde_json::json!({"tenant": tenant, "usage": usage}),
+            )
+        }),
         (["v1", "tenants"], &Method::POST) => control::create_tenant(&app, req).await,
         (["v1", "tenants", tenant, "policy"], &Method::PUT) => {
             let tenant = tenant.to_string();
@@ -119,7 +141,7 @@ where
             control::deploy(&app, req, &name).await
         }
         (["v1", "functions", name], &Method::DELETE) => control::delete_function(&app, &req, name),
-        (["healthz"] | ["metrics"] | ["v1", "functions"], _) => {
+        (["healthz"] | ["metrics"] | ["v1", "functions"] | ["v1", "usage"], _) => {
             Err(ApiError::method_not_allowed("GET"))
         }
         (["v1", "tenants"] | ["v1", "chat", "completions"] | ["v1", "completions"], _) => {

@@ -14,6 +14,7 @@ pub mod prefix;
 mod request;
 mod runner;
 pub mod scheduler;
+mod text;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -159,6 +160,12 @@ pub struct Engine {
     checker: Box<dyn IntegrityCheck>,
     next_id: SeqId,
     stats: EngineStats,
+    /// The sequences of the step in progress: after a failure inside a
+    /// step, the requests it concerns.
+    stepping: Vec<SeqId>,
+    /// Test-only: the next step panics once it has its batch.
+    #[cfg(any(test, feature = "fault-injection"))]
+    panic_next_step: bool,
 }
 
 impl Engine {
@@ -191,6 +198,9 @@ impl Engine {
             checker,
             next_id: 1,
             stats: EngineStats::default(),
+            stepping: Vec::new(),
+            #[cfg(any(test, feature = "fault-injection"))]
+            panic_next_step: false,
         })
     }
 
@@ -326,6 +336,19 @@ impl Engine {
         self.kv.corrupt_mapping(victim, donor, 0)
     }
 
+    /// Test-only: the next step panics once it has scheduled its batch, as
+    /// a bug inside a step would.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn inject_panic(&mut self) {
+        self.panic_next_step = true;
+    }
+
+    /// The sequences of the last step begun: after [`Engine::step`] failed
+    /// or panicked, the requests the failure concerns.
+    pub fn in_step(&self) -> &[SeqId] {
+        &self.stepping
+    }
+
     fn finish(&mut self, seq: SeqId, finish: Finish, events: &mut Vec<Event>) {
         self.scheduler.remove(seq);
         self.kv.free(seq);
@@ -369,7 +392,14 @@ impl Engine {
     /// Runs one step: schedule, check page tags, forward, sample.
     pub fn step(&mut self) -> Result<Vec<Event>, String> {
         let mut events = Vec::new();
+        self.stepping.clear();
         let plan = self.scheduler.schedule(&mut self.kv);
+        self.stepping.extend(plan.scheduled.iter().map(|s| s.seq));
+        #[cfg(any(test, feature = "fault-injection"))]
+        if self.panic_next_step && !self.stepping.is_empty() {
+            self.panic_next_step = false;
+            panic!("injected engine fault");
+        }
         self.stats.preemptions += plan.preempted.len() as u64;
         for (seq, hit) in &plan.prefix_hits {
             if let Some(r) = self.requests.get_mut(seq) {
@@ -483,21 +513,28 @@ impl Engine {
                 SeqOut::Logits(l) => sample(&l, r.sampling(), &mut r.rng),
                 SeqOut::Token(t) => t,
             };
-            let eos = self.loaded.tokenizer.is_eos(token) && !r.params.ignore_eos;
+            let tokenizer = &self.loaded.tokenizer;
+            let decode = |t: &[u32]| tokenizer.decode(t);
+            let eos = tokenizer.is_eos(token) && !r.params.ignore_eos;
             let mut finish = None;
             if eos {
                 finish = Some(Finish::Stop);
             } else {
                 r.tokens.push(token);
                 self.scheduler.append_token(s.seq);
-                let text = self.loaded.tokenizer.decode(r.generated());
-                if r.update_text(text) {
+                let generated = &r.tokens[r.prompt_len..];
+                if r.text.push(generated, decode) {
                     finish = Some(Finish::Stop);
-                } else if r.generated().len() >= r.params.max_tokens || r.tokens.len() >= ctx {
+                } else if generated.len() >= r.params.max_tokens || r.tokens.len() >= ctx {
                     finish = Some(Finish::Length);
                 }
             }
-            let text = r.take_delta(finish.is_some());
+            // At the end, text held for an incomplete character is final
+            // (and may still complete a stop string).
+            if finish.is_some() && r.text.flush(&r.tokens[r.prompt_len..], decode) {
+                finish = Some(Finish::Stop);
+            }
+            let text = r.text.take_delta(finish.is_some());
             if !eos {
                 events.push(Event::Token {
                     seq: s.seq,

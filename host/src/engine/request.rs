@@ -4,6 +4,7 @@
 use kiln_kernels::sample::SamplingParams;
 
 use super::prefix::{PageHash, Salt};
+use super::text::TextStream;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -57,10 +58,8 @@ pub(super) struct Request {
     pub(super) tokens: Vec<u32>,
     pub(super) params: GenerateParams,
     pub(super) rng: ChaCha8Rng,
-    /// Text of the generated tokens decoded so far.
-    pub(super) text: String,
-    /// Bytes of `text` already handed out.
-    pub(super) emitted: usize,
+    /// The generated text and what of it has gone out.
+    pub(super) text: TextStream,
     /// Prefix-cache salt; `None` bypasses the cache.
     pub(super) salt: Option<Salt>,
     /// Hashes of the full pages of `tokens` named so far.
@@ -78,10 +77,9 @@ impl Request {
         Self {
             prompt_len: prompt.len(),
             tokens: prompt,
+            text: TextStream::new(&params.stop),
             params,
             rng,
-            text: String::new(),
-            emitted: 0,
             salt: None,
             hashes: Vec::new(),
             cached_tokens: None,
@@ -98,69 +96,5 @@ impl Request {
 
     pub(super) fn generated(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
-    }
-
-    /// Updates the text with the newest decode; returns whether a stop
-    /// string was hit (the text is then cut before it).
-    pub(super) fn update_text(&mut self, decoded: String) -> bool {
-        self.text = decoded;
-        let hit = self
-            .params
-            .stop
-            .iter()
-            .filter(|s| !s.is_empty())
-            .filter_map(|s| self.text.find(s.as_str()))
-            .min();
-        if let Some(at) = hit {
-            self.text.truncate(at);
-            return true;
-        }
-        false
-    }
-
-    /// Text that can be handed out now: everything new, except an
-    /// incomplete UTF-8 tail and a tail that might start a stop string.
-    pub(super) fn take_delta(&mut self, finished: bool) -> String {
-        let mut end = self.text.len();
-        if !finished {
-            if self.text.ends_with('\u{FFFD}') {
-                end -= '\u{FFFD}'.len_utf8();
-            }
-            for s in &self.params.stop {
-                for k in (1..s.len()).rev() {
-                    if s.is_char_boundary(k) && self.text[..end].ends_with(&s[..k]) {
-                        end = end.min(self.text.len() - k);
-                        break;
-                    }
-                }
-            }
-        }
-        if end <= self.emitted {
-            return String::new();
-        }
-        let d = self.text[self.emitted..end].to_owned();
-        self.emitted = end;
-        d
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stop_strings_cut_the_text_and_hold_back_partial_matches() {
-        let params = GenerateParams {
-            stop: vec!["END".into()],
-            ..Default::default()
-        };
-        let mut r = Request::new(vec![1], params);
-        assert!(!r.update_text("hello E".into()));
-        assert_eq!(r.take_delta(false), "hello ");
-        assert!(!r.update_text("hello EN".into()));
-        assert_eq!(r.take_delta(false), "");
-        assert!(r.update_text("hello ENDING".into()));
-        assert_eq!(r.take_delta(true), "");
-        assert_eq!(r.text, "hello ");
     }
 }

@@ -21,10 +21,10 @@ use kiln_runtime::{
 use rand::RngCore;
 use tokio::sync::mpsc as tmpsc;
 
-use crate::engine::{Engine, EngineConfig, Finish, GenerateParams, PAGE_SIZE, Salt, prefix};
+use crate::engine::{EngineConfig, Finish, GenerateParams, PAGE_SIZE, Salt, prefix};
 use crate::metrics::{EngineMetrics, ModelLabels, PoolLabels};
 use crate::model::{ChatMessage, Loaded};
-use engine_thread::{Out, PoolHandle, Submit};
+use engine_thread::{Msg, Out, PoolHandle, Submit};
 use router::{PoolLoad, Route};
 
 /// A snapshot of one model's engines, summed over its pools.
@@ -92,11 +92,9 @@ impl ServedModels {
                     kv_memory: config.kv_memory / pools,
                     ..config.clone()
                 };
-                let scheduler = config.scheduler;
-                let engine = Engine::new(loaded.clone(), config).map_err(std::io::Error::other)?;
                 handles.push(engine_thread::spawn(
-                    engine,
-                    scheduler,
+                    loaded.clone(),
+                    config,
                     &info.id,
                     i,
                     threads,
@@ -119,6 +117,16 @@ impl ServedModels {
             secret,
             metrics,
         })
+    }
+
+    /// Test-only: makes the next step of `model`'s pool `pool` panic.
+    /// False if there is no such pool.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_panic(&self, model: &str, pool: usize) -> bool {
+        self.models
+            .get(model)
+            .and_then(|m| m.pools.get(pool))
+            .is_some_and(|p| p.tx.send(Msg::InjectPanic).is_ok())
     }
 
     /// The latest figures of `model`'s engines.
@@ -195,13 +203,13 @@ impl ServedModels {
             .inc();
         let (out, rx) = tmpsc::unbounded_channel();
         pool.load.fetch_add(1, Ordering::Relaxed);
-        let sent = pool.tx.send(Submit {
+        let sent = pool.tx.send(Msg::Submit(Submit {
             tenant: tenant.into(),
             salt,
             ids,
             params: generate,
             out,
-        });
+        }));
         if sent.is_err() {
             pool.load.fetch_sub(1, Ordering::Relaxed);
             return Err(AiError::RuntimeError(
@@ -211,6 +219,9 @@ impl ServedModels {
         Ok(rx)
     }
 }
+
+/// Tokens a call may generate when it does not say.
+pub const DEFAULT_MAX_TOKENS: u32 = 256;
 
 /// The WIT params with the host's defaults, validated.
 fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
@@ -227,7 +238,7 @@ fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
             "top-p {top_p} is out of range: use a value in (0, 1]"
         ));
     }
-    let max_tokens = p.max_tokens.unwrap_or(256);
+    let max_tokens = p.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
     if max_tokens == 0 {
         return bad("max-tokens must be at least 1".into());
     }
@@ -256,6 +267,19 @@ fn usage(prompt: usize, completion: usize, cached: usize) -> Usage {
         completion_tokens: completion as u32,
         cached_prompt_tokens: cached as u32,
     }
+}
+
+/// The code that starts the message of a call failed by an engine restart
+/// (the API answers it as its error code).
+pub const ENGINE_RESTARTED: &str = "engine_restarted";
+
+/// The error of a request failed by a panic or error inside its engine's
+/// step; the engine was rebuilt and takes new requests.
+fn engine_restarted(why: &str) -> AiError {
+    AiError::Aborted(format!(
+        "{ENGINE_RESTARTED}: the model's engine {why}; it has been restarted and this request \
+         was stopped. Retry it; if it fails again, report it to the operator"
+    ))
 }
 
 fn dropped() -> AiError {

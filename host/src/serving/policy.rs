@@ -29,15 +29,75 @@ pub struct TenantPolicy {
     pub tokens_per_minute: Option<u64>,
     /// Model calls in flight at once (default: the server's cap).
     pub max_concurrent: Option<u32>,
+    /// Function instances in flight at once (default: the server's share
+    /// of its instance pool, `--tenant-instance-share`).
+    pub max_instances: Option<u32>,
 }
 
 /// A tenant's policy and what it has used.
 #[derive(Debug, Default)]
 struct TenantState {
     policy: RwLock<TenantPolicy>,
-    /// Tokens charged, with when.
-    window: Mutex<VecDeque<(Instant, u64)>>,
+    quota: Mutex<Quota>,
     inflight: AtomicU32,
+}
+
+/// Tokens charged in the window, and tokens reserved by calls in flight.
+#[derive(Debug, Default)]
+struct Quota {
+    /// Tokens charged, with when.
+    window: VecDeque<(Instant, u64)>,
+    reserved: u64,
+}
+
+impl Quota {
+    /// Tokens charged in the last minute, dropping older charges.
+    fn used(&mut self, now: Instant) -> u64 {
+        while self.window.front().is_some_and(|(t, _)| now - *t >= WINDOW) {
+            self.window.pop_front();
+        }
+        self.window.iter().map(|(_, n)| n).sum()
+    }
+
+    /// Seconds until the oldest charge leaves the window.
+    fn wait(&self, now: Instant) -> u64 {
+        self.window
+            .front()
+            .map_or(0, |(t, _)| (WINDOW - (now - *t)).as_secs() + 1)
+    }
+}
+
+/// What one call may cost, reserved against the quota when it starts.
+#[derive(Debug, Clone, Copy)]
+struct Cost {
+    /// An estimate of the prompt's tokens (a little over for most text).
+    prompt: u64,
+    /// The most tokens it may generate.
+    completion: u64,
+}
+
+impl Cost {
+    fn of(prompt_bytes: usize, messages: usize, max_tokens: Option<u32>) -> Self {
+        // Byte-level BPE tokens average three to four bytes of text; the
+        // chat template adds a few tokens around each message.
+        Self {
+            prompt: prompt_bytes.div_ceil(3) as u64 + 8 * messages as u64,
+            completion: u64::from(max_tokens.unwrap_or(super::DEFAULT_MAX_TOKENS)),
+        }
+    }
+
+    fn total(self) -> u64 {
+        self.prompt + self.completion
+    }
+
+    fn of_chat(req: &ChatRequest) -> Self {
+        let bytes = req.messages.iter().map(|m| m.content.len()).sum();
+        Self::of(bytes, req.messages.len(), req.params.max_tokens)
+    }
+
+    fn of_completion(req: &CompleteRequest) -> Self {
+        Self::of(req.prompt.len(), 1, req.params.max_tokens)
+    }
 }
 
 /// Wraps a model backend with tenant policy and deadlines.
@@ -50,18 +110,27 @@ pub struct Gateway {
 }
 
 /// A call admitted by policy: holds one of the tenant's in-flight slots
-/// until dropped, and charges the tokens the call used.
+/// and its reservation against the quota until it is settled with what
+/// the call used. Dropped unsettled, the call pays its prompt estimate.
 struct Permit {
     state: Arc<TenantState>,
     tenant: String,
     model: String,
     metrics: EngineMetrics,
+    cost: Cost,
+    settled: bool,
 }
 
 impl Permit {
-    fn charge(&self, prompt: u64, completion: u64) {
-        let mut w = self.state.window.lock().unwrap_or_else(|p| p.into_inner());
-        w.push_back((Instant::now(), prompt + completion));
+    /// Releases the reservation and charges `prompt + completion` tokens.
+    fn settle(&mut self, prompt: u64, completion: u64) {
+        if std::mem::replace(&mut self.settled, true) {
+            return;
+        }
+        let mut q = self.state.quota.lock().unwrap_or_else(|p| p.into_inner());
+        q.reserved = q.reserved.saturating_sub(self.cost.total());
+        q.window.push_back((Instant::now(), prompt + completion));
+        drop(q);
         for (kind, n) in [("prompt", prompt), ("completion", completion)] {
             self.metrics
                 .tokens
@@ -74,15 +143,55 @@ impl Permit {
         }
     }
 
-    fn charge_usage(&self, u: &Usage) {
-        self.charge(u64::from(u.prompt_tokens), u64::from(u.completion_tokens));
+    fn settle_usage(&mut self, u: &Usage) {
+        self.settle(u64::from(u.prompt_tokens), u64::from(u.completion_tokens));
+    }
+
+    /// Settles a call that failed with `e`: refused before any work, it is
+    /// free; otherwise its prompt was read.
+    fn settle_error(&mut self, e: &AiError) {
+        match e {
+            AiError::ModelNotFound(_) | AiError::InvalidInput(_) | AiError::Overloaded(_) => {
+                self.settle(0, 0)
+            }
+            _ => self.settle(self.cost.prompt, 0),
+        }
     }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
+        self.settle(self.cost.prompt, 0);
         self.state.inflight.fetch_sub(1, Ordering::AcqRel);
     }
+}
+
+/// What a tenant has used, as `GET /v1/usage` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct TenantUsage {
+    /// Tokens charged in the last minute.
+    pub tokens_last_minute: u64,
+    /// Tokens reserved by calls in flight.
+    pub tokens_reserved: u64,
+    /// The tenant's tokens-per-minute quota, if it has one.
+    pub tokens_per_minute: Option<u64>,
+    /// Model calls in flight.
+    pub calls_in_flight: u32,
+    /// Its cap on calls in flight.
+    pub max_concurrent: u32,
+    /// Tokens used since the server started, by model.
+    pub models: Vec<ModelUsage>,
+}
+
+/// Tokens one tenant used on one model.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ModelUsage {
+    /// The model.
+    pub model: String,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    pub completion_tokens: u64,
 }
 
 impl Gateway {
@@ -132,8 +241,9 @@ impl Gateway {
         e
     }
 
-    /// The policy check every call starts with.
-    fn admit(&self, tenant: &str, model: &str) -> Result<Permit, AiError> {
+    /// The policy check every call starts with: the model, the cap on
+    /// calls in flight, then the quota, against which `cost` is reserved.
+    fn admit(&self, tenant: &str, model: &str, cost: Cost) -> Result<Permit, AiError> {
         let state = self.state(tenant);
         let policy = state
             .policy
@@ -150,35 +260,9 @@ impl Gateway {
             ));
             return Err(self.reject(tenant, "model_not_allowed", e));
         }
-        if let Some(tpm) = policy.tokens_per_minute {
-            let now = Instant::now();
-            let mut w = state.window.lock().unwrap_or_else(|p| p.into_inner());
-            while w.front().is_some_and(|(t, _)| now - *t >= WINDOW) {
-                w.pop_front();
-            }
-            let used: u64 = w.iter().map(|(_, n)| n).sum();
-            if used >= tpm {
-                let wait = w
-                    .front()
-                    .map_or(0, |(t, _)| (WINDOW - (now - *t)).as_secs() + 1);
-                let e = AiError::QuotaExceeded(format!(
-                    "tenant `{tenant}` has used {used} of its {tpm} tokens per minute; retry in \
-                     {wait} s, or ask the operator to raise `tokens_per_minute` \
-                     (PUT /v1/tenants/{tenant}/policy)"
-                ));
-                return Err(self.reject(tenant, "tokens_per_minute", e));
-            }
-        }
         let cap = policy.max_concurrent.unwrap_or(self.default_concurrency);
-        let before = state.inflight.fetch_add(1, Ordering::AcqRel);
-        let permit = Permit {
-            state,
-            tenant: tenant.to_owned(),
-            model: model.to_owned(),
-            metrics: self.metrics.clone(),
-        };
-        if before >= cap {
-            drop(permit);
+        if state.inflight.fetch_add(1, Ordering::AcqRel) >= cap {
+            state.inflight.fetch_sub(1, Ordering::AcqRel);
             let e = AiError::QuotaExceeded(format!(
                 "tenant `{tenant}` already has {cap} model calls in flight, its cap; wait for \
                  one to finish, or ask the operator to raise `max_concurrent` \
@@ -186,7 +270,92 @@ impl Gateway {
             ));
             return Err(self.reject(tenant, "concurrency", e));
         }
-        Ok(permit)
+        if let Some(tpm) = policy.tokens_per_minute
+            && let Err(e) = Self::reserve(&state, tenant, tpm, cost)
+        {
+            state.inflight.fetch_sub(1, Ordering::AcqRel);
+            return Err(self.reject(tenant, "tokens_per_minute", e));
+        }
+        if policy.tokens_per_minute.is_none() {
+            let mut q = state.quota.lock().unwrap_or_else(|p| p.into_inner());
+            q.reserved += cost.total();
+        }
+        Ok(Permit {
+            state,
+            tenant: tenant.to_owned(),
+            model: model.to_owned(),
+            metrics: self.metrics.clone(),
+            cost,
+            settled: false,
+        })
+    }
+
+    /// Reserves `cost` if the tokens charged in the last minute, those
+    /// reserved by calls in flight and `cost` fit in `tpm`.
+    fn reserve(state: &TenantState, tenant: &str, tpm: u64, cost: Cost) -> Result<(), AiError> {
+        let now = Instant::now();
+        let mut q = state.quota.lock().unwrap_or_else(|p| p.into_inner());
+        let used = q.used(now);
+        let need = cost.total();
+        if need > tpm {
+            return Err(AiError::QuotaExceeded(format!(
+                "this call may use {need} tokens (about {} of prompt and max-tokens {}), more \
+                 than tenant `{tenant}`'s whole quota of {tpm} tokens per minute; ask for fewer \
+                 tokens, or ask the operator to raise `tokens_per_minute` \
+                 (PUT /v1/tenants/{tenant}/policy)",
+                cost.prompt, cost.completion
+            )));
+        }
+        if used + q.reserved + need > tpm {
+            return Err(AiError::QuotaExceeded(format!(
+                "tenant `{tenant}` has used {used} and reserved {} of its {tpm} tokens per \
+                 minute, and this call may use {need} (prompt and max-tokens); retry in {} s, \
+                 ask for fewer tokens, or ask the operator to raise `tokens_per_minute` \
+                 (PUT /v1/tenants/{tenant}/policy)",
+                q.reserved,
+                q.wait(now)
+            )));
+        }
+        q.reserved += need;
+        Ok(())
+    }
+
+    /// What `tenant` has used: its quota window, reservations, calls in
+    /// flight and tokens by model since start.
+    pub fn usage(&self, tenant: &str) -> TenantUsage {
+        let state = self.state(tenant);
+        let policy = self.policy(tenant);
+        let (used, reserved) = {
+            let mut q = state.quota.lock().unwrap_or_else(|p| p.into_inner());
+            (q.used(Instant::now()), q.reserved)
+        };
+        let count = |model: &str, kind: &str| {
+            self.metrics
+                .tokens
+                .get_or_create(&TokenLabels {
+                    tenant: tenant.to_owned(),
+                    model: model.to_owned(),
+                    kind: kind.into(),
+                })
+                .get()
+        };
+        let models = self
+            .list_models(tenant)
+            .into_iter()
+            .map(|m| ModelUsage {
+                prompt_tokens: count(&m.id, "prompt"),
+                completion_tokens: count(&m.id, "completion"),
+                model: m.id,
+            })
+            .collect();
+        TenantUsage {
+            tokens_last_minute: used,
+            tokens_reserved: reserved,
+            tokens_per_minute: policy.tokens_per_minute,
+            calls_in_flight: state.inflight.load(Ordering::Acquire),
+            max_concurrent: policy.max_concurrent.unwrap_or(self.default_concurrency),
+            models,
+        }
     }
 
     fn deadline_error(&self) -> AiError {
@@ -199,34 +368,41 @@ impl Gateway {
 
     async fn finish(
         &self,
-        permit: Permit,
+        mut permit: Permit,
         call: BoxFuture<'_, Result<Completion, AiError>>,
     ) -> Result<Completion, AiError> {
-        let out = tokio::time::timeout(self.deadline, call)
-            .await
-            .map_err(|_| self.deadline_error())?;
-        if let Ok(c) = &out {
-            permit.charge_usage(&c.usage);
+        let Ok(out) = tokio::time::timeout(self.deadline, call).await else {
+            // It ran until the deadline: it may have used all it reserved.
+            permit.settle(permit.cost.prompt, permit.cost.completion);
+            return Err(self.deadline_error());
+        };
+        match &out {
+            Ok(c) => permit.settle_usage(&c.usage),
+            Err(e) => permit.settle_error(e),
         }
         out
     }
 
     async fn stream(
         &self,
-        permit: Permit,
+        mut permit: Permit,
         call: BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>>,
     ) -> Result<Box<dyn TokenStream>, AiError> {
         let until = tokio::time::Instant::now() + self.deadline;
-        let inner = tokio::time::timeout_at(until, call)
-            .await
-            .map_err(|_| self.deadline_error())??;
+        let inner = match tokio::time::timeout_at(until, call).await {
+            Ok(Ok(inner)) => inner,
+            Ok(Err(e)) => {
+                permit.settle_error(&e);
+                return Err(e);
+            }
+            Err(_) => return Err(self.deadline_error()),
+        };
         Ok(Box::new(Guarded {
             inner,
             permit,
             until,
             expired: self.deadline_error(),
             deltas: 0,
-            charged: false,
         }))
     }
 }
@@ -237,9 +413,9 @@ struct Guarded {
     permit: Permit,
     until: tokio::time::Instant,
     expired: AiError,
-    /// Deltas seen: the charge if the stream is dropped before its end.
+    /// Deltas seen (each carries at least one token): what an unfinished
+    /// stream is charged for besides its prompt.
     deltas: u64,
-    charged: bool,
 }
 
 impl TokenStream for Guarded {
@@ -247,14 +423,12 @@ impl TokenStream for Guarded {
         Box::pin(async move {
             let ev = tokio::time::timeout_at(self.until, self.inner.next())
                 .await
-                .map_err(|_| self.expired.clone())?;
+                .map_err(|_| self.expired.clone())
+                .and_then(|ev| ev);
             match &ev {
                 Ok(StreamEvent::Delta(_)) => self.deltas += 1,
-                Ok(StreamEvent::Done(end)) if !self.charged => {
-                    self.charged = true;
-                    self.permit.charge_usage(&end.usage);
-                }
-                _ => {}
+                Ok(StreamEvent::Done(end)) => self.permit.settle_usage(&end.usage),
+                Err(_) => self.permit.settle(self.permit.cost.prompt, self.deltas),
             }
             ev
         })
@@ -263,17 +437,15 @@ impl TokenStream for Guarded {
 
 impl Drop for Guarded {
     fn drop(&mut self) {
-        if !self.charged {
-            // Ended early: charge the tokens that were generated.
-            self.permit.charge(0, self.deltas);
-        }
+        // Ended early: the prompt and the tokens that went out.
+        self.permit.settle(self.permit.cost.prompt, self.deltas);
     }
 }
 
 impl Inference for Gateway {
     fn chat(&self, req: ChatRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
         Box::pin(async move {
-            let permit = self.admit(&req.tenant, &req.model)?;
+            let permit = self.admit(&req.tenant, &req.model, Cost::of_chat(&req))?;
             self.finish(permit, self.inner.chat(req)).await
         })
     }
@@ -283,14 +455,14 @@ impl Inference for Gateway {
         req: ChatRequest,
     ) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
         Box::pin(async move {
-            let permit = self.admit(&req.tenant, &req.model)?;
+            let permit = self.admit(&req.tenant, &req.model, Cost::of_chat(&req))?;
             self.stream(permit, self.inner.stream_chat(req)).await
         })
     }
 
     fn complete(&self, req: CompleteRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
         Box::pin(async move {
-            let permit = self.admit(&req.tenant, &req.model)?;
+            let permit = self.admit(&req.tenant, &req.model, Cost::of_completion(&req))?;
             self.finish(permit, self.inner.complete(req)).await
         })
     }
@@ -300,7 +472,7 @@ impl Inference for Gateway {
         req: CompleteRequest,
     ) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
         Box::pin(async move {
-            let permit = self.admit(&req.tenant, &req.model)?;
+            let permit = self.admit(&req.tenant, &req.model, Cost::of_completion(&req))?;
             self.stream(permit, self.inner.stream_complete(req)).await
         })
     }
@@ -316,121 +488,5 @@ impl Inference for Gateway {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use kiln_runtime::{FinishReason, NoModels, Params};
-
-    /// Answers every call with `tokens` completion tokens.
-    struct Fixed(u32);
-
-    impl Inference for Fixed {
-        fn chat(&self, _: ChatRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
-            let n = self.0;
-            Box::pin(async move {
-                Ok(Completion {
-                    text: "ok".into(),
-                    finish_reason: FinishReason::Stop,
-                    usage: Usage {
-                        prompt_tokens: 0,
-                        completion_tokens: n,
-                        cached_prompt_tokens: 0,
-                    },
-                })
-            })
-        }
-        fn stream_chat(
-            &self,
-            r: ChatRequest,
-        ) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
-            NoModels.stream_chat(r)
-        }
-        fn complete(&self, r: CompleteRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
-            NoModels.complete(r)
-        }
-        fn list_models(&self, _: &str) -> Vec<ModelInfo> {
-            ["a", "b"]
-                .map(|id| ModelInfo {
-                    id: id.into(),
-                    context_length: 1,
-                })
-                .to_vec()
-        }
-    }
-
-    fn req(tenant: &str, model: &str) -> ChatRequest {
-        ChatRequest {
-            tenant: tenant.into(),
-            model: model.into(),
-            messages: Vec::new(),
-            params: Params {
-                max_tokens: None,
-                temperature: None,
-                top_p: None,
-                top_k: None,
-                seed: None,
-                stop: Vec::new(),
-                session: None,
-            },
-        }
-    }
-
-    fn gateway(tokens: u32, cap: u32) -> Gateway {
-        Gateway::new(
-            Arc::new(Fixed(tokens)),
-            Duration::from_secs(5),
-            cap,
-            EngineMetrics::default(),
-        )
-    }
-
-    #[tokio::test]
-    async fn tokens_per_minute_quota_refuses_calls_once_used_up() {
-        let g = gateway(30, 8);
-        g.set_policy(
-            "a",
-            TenantPolicy {
-                tokens_per_minute: Some(50),
-                ..Default::default()
-            },
-        );
-        assert!(g.chat(req("a", "a")).await.is_ok());
-        assert!(g.chat(req("a", "a")).await.is_ok(), "30 < 50: admitted");
-        let e = g.chat(req("a", "a")).await.unwrap_err();
-        assert!(
-            matches!(&e, AiError::QuotaExceeded(m) if m.contains("tokens_per_minute")),
-            "{e:?}"
-        );
-        assert!(
-            g.chat(req("b", "a")).await.is_ok(),
-            "other tenants are unaffected"
-        );
-    }
-
-    #[tokio::test]
-    async fn allowed_models_limit_calls_and_the_model_list() {
-        let g = gateway(1, 8);
-        g.set_policy(
-            "a",
-            TenantPolicy {
-                allowed_models: Some(vec!["b".into()]),
-                ..Default::default()
-            },
-        );
-        let e = g.chat(req("a", "a")).await.unwrap_err();
-        assert!(matches!(e, AiError::ModelNotFound(_)));
-        assert!(g.chat(req("a", "b")).await.is_ok());
-        let ids: Vec<String> = g.list_models("a").into_iter().map(|m| m.id).collect();
-        assert_eq!(ids, vec!["b".to_owned()]);
-        assert_eq!(g.list_models("c").len(), 2, "default: every model");
-    }
-
-    #[tokio::test]
-    async fn concurrency_cap_counts_calls_in_flight_and_frees_on_drop() {
-        let g = gateway(1, 2);
-        let p1 = g.admit("a", "m").unwrap();
-        let _p2 = g.admit("a", "m").unwrap();
-        assert!(matches!(g.admit("a", "m"), Err(AiError::QuotaExceeded(_))));
-        drop(p1);
-        assert!(g.admit("a", "m").is_ok());
-    }
-}
+#[path = "policy_tests.rs"]
+mod tests;

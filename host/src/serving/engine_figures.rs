@@ -1,0 +1,68 @@
+//! What a pool's thread publishes after each step: page counts, integrity
+//! aborts, prefix-cache hits and the prefix hashes the router reads.
+
+use std::sync::atomic::Ordering;
+
+use crate::engine::{Engine, PrefixChange};
+use crate::metrics::{PoolLabels, PrefixLabels};
+
+use super::PoolThread;
+
+impl PoolThread {
+    pub(super) fn count_prefix(&self, tenant: &str, prompt: usize, cached: usize) {
+        for (result, n) in [("hit", cached), ("miss", prompt.saturating_sub(cached))] {
+            self.metrics
+                .prefix_tokens
+                .get_or_create(&PrefixLabels {
+                    tenant: tenant.to_owned(),
+                    model: self.model.clone(),
+                    result: result.into(),
+                })
+                .inc_by(n as u64);
+        }
+    }
+
+    /// Publishes page counts, integrity aborts and prefix-cache changes.
+    pub(super) fn publish(&mut self, engine: &mut Engine) {
+        let (free, cached, total) = (
+            engine.free_pages(),
+            engine.cached_pages(),
+            engine.total_pages(),
+        );
+        let aborts = engine.stats().integrity_aborts;
+        for (slot, v) in self
+            .figures
+            .iter()
+            .zip([free, cached, total, aborts as usize])
+        {
+            slot.store(v, Ordering::Relaxed);
+        }
+        for (gauge, n) in self
+            .page_gauges
+            .iter()
+            .zip([total - free, cached, free - cached])
+        {
+            gauge.set(n as i64);
+        }
+        if aborts > self.aborts_seen {
+            self.metrics
+                .integrity_aborts
+                .get_or_create(&PoolLabels {
+                    model: self.model.clone(),
+                    pool: self.pool.clone(),
+                })
+                .inc_by(aborts - self.aborts_seen);
+            self.aborts_seen = aborts;
+        }
+        let changes = engine.take_prefix_changes();
+        if !changes.is_empty() {
+            let mut set = self.prefixes.write().unwrap_or_else(|p| p.into_inner());
+            for c in changes {
+                match c {
+                    PrefixChange::Added(h) => set.insert(h),
+                    PrefixChange::Removed(h) => set.remove(&h),
+                };
+            }
+        }
+    }
+}

@@ -1,0 +1,245 @@
+use super::*;
+use kiln_runtime::{FinishReason, NoModels, Params};
+
+/// Answers every chat with `tokens` completion tokens (after `gate`
+/// opens, when there is one); streams deltas of one token without end.
+struct Fixed {
+    tokens: u32,
+    gate: Option<Arc<tokio::sync::Semaphore>>,
+}
+
+struct Endless;
+
+impl TokenStream for Endless {
+    fn next(&mut self) -> BoxFuture<'_, Result<StreamEvent, AiError>> {
+        Box::pin(async { Ok(StreamEvent::Delta("x".into())) })
+    }
+}
+
+impl Inference for Fixed {
+    fn chat(&self, _: ChatRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
+        let n = self.tokens;
+        Box::pin(async move {
+            if let Some(gate) = &self.gate {
+                let _ = gate.acquire().await;
+            }
+            Ok(Completion {
+                text: "ok".into(),
+                finish_reason: FinishReason::Stop,
+                usage: Usage {
+                    prompt_tokens: 0,
+                    completion_tokens: n,
+                    cached_prompt_tokens: 0,
+                },
+            })
+        })
+    }
+    fn stream_chat(&self, _: ChatRequest) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
+        Box::pin(async { Ok(Box::new(Endless) as Box<dyn TokenStream>) })
+    }
+    fn complete(&self, r: CompleteRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
+        NoModels.complete(r)
+    }
+    fn list_models(&self, _: &str) -> Vec<ModelInfo> {
+        ["a", "b"]
+            .map(|id| ModelInfo {
+                id: id.into(),
+                context_length: 1,
+            })
+            .to_vec()
+    }
+}
+
+fn req(tenant: &str, model: &str) -> ChatRequest {
+    ChatRequest {
+        tenant: tenant.into(),
+        model: model.into(),
+        messages: Vec::new(),
+        params: Params {
+            max_tokens: None,
+            temperature: None,
+            top_p: None,
+            top_k: None,
+            seed: None,
+            stop: Vec::new(),
+            session: None,
+        },
+    }
+}
+
+fn with_max_tokens(mut r: ChatRequest, n: u32) -> ChatRequest {
+    r.params.max_tokens = Some(n);
+    r
+}
+
+fn quota(g: &Gateway, tenant: &str, tpm: u64) {
+    g.set_policy(
+        tenant,
+        TenantPolicy {
+            tokens_per_minute: Some(tpm),
+            ..Default::default()
+        },
+    );
+}
+
+fn gateway(tokens: u32, cap: u32) -> Gateway {
+    Gateway::new(
+        Arc::new(Fixed { tokens, gate: None }),
+        Duration::from_secs(5),
+        cap,
+        EngineMetrics::default(),
+    )
+}
+
+#[tokio::test]
+async fn tokens_per_minute_quota_refuses_calls_once_used_up() {
+    let g = gateway(30, 8);
+    g.set_policy(
+        "a",
+        TenantPolicy {
+            tokens_per_minute: Some(50),
+            ..Default::default()
+        },
+    );
+    let call = || with_max_tokens(req("a", "a"), 20);
+    assert!(g.chat(call()).await.is_ok());
+    assert!(
+        g.chat(call()).await.is_ok(),
+        "30 used + 20 reserved <= 50: admitted"
+    );
+    let e = g.chat(call()).await.unwrap_err();
+    assert!(
+        matches!(&e, AiError::QuotaExceeded(m) if m.contains("tokens_per_minute")),
+        "{e:?}"
+    );
+    assert!(
+        g.chat(with_max_tokens(req("b", "a"), 20)).await.is_ok(),
+        "other tenants are unaffected"
+    );
+}
+
+#[tokio::test]
+async fn allowed_models_limit_calls_and_the_model_list() {
+    let g = gateway(1, 8);
+    g.set_policy(
+        "a",
+        TenantPolicy {
+            allowed_models: Some(vec!["b".into()]),
+            ..Default::default()
+        },
+    );
+    let e = g.chat(req("a", "a")).await.unwrap_err();
+    assert!(matches!(e, AiError::ModelNotFound(_)));
+    assert!(g.chat(req("a", "b")).await.is_ok());
+    let ids: Vec<String> = g.list_models("a").into_iter().map(|m| m.id).collect();
+    assert_eq!(ids, vec!["b".to_owned()]);
+    assert_eq!(g.list_models("c").len(), 2, "default: every model");
+}
+
+#[tokio::test]
+async fn concurrency_cap_counts_calls_in_flight_and_frees_on_drop() {
+    let g = gateway(1, 2);
+    let cost = Cost::of(0, 0, Some(1));
+    let p1 = g.admit("a", "m", cost).unwrap();
+    let _p2 = g.admit("a", "m", cost).unwrap();
+    assert!(matches!(
+        g.admit("a", "m", cost),
+        Err(AiError::QuotaExceeded(_))
+    ));
+    drop(p1);
+    assert!(g.admit("a", "m", cost).is_ok());
+}
+
+#[tokio::test]
+async fn calls_in_flight_hold_their_reservation_against_the_quota() {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let g = Arc::new(Gateway::new(
+        Arc::new(Fixed {
+            tokens: 30,
+            gate: Some(gate.clone()),
+        }),
+        Duration::from_secs(5),
+        8,
+        EngineMetrics::default(),
+    ));
+    quota(&g, "a", 100);
+    let first = tokio::spawn({
+        let g = g.clone();
+        async move { g.chat(with_max_tokens(req("a", "a"), 60)).await }
+    });
+    while g.usage("a").calls_in_flight == 0 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(g.usage("a").tokens_reserved, 60);
+    let e = g
+        .chat(with_max_tokens(req("a", "a"), 60))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, AiError::QuotaExceeded(m) if m.contains("reserved 60")),
+        "{e:?}"
+    );
+    gate.add_permits(8);
+    first.await.unwrap().unwrap();
+    let u = g.usage("a");
+    assert_eq!(
+        (u.tokens_last_minute, u.tokens_reserved),
+        (30, 0),
+        "settled at what it used"
+    );
+    assert!(g.chat(with_max_tokens(req("a", "a"), 60)).await.is_ok());
+}
+
+#[tokio::test]
+async fn a_call_larger_than_the_whole_quota_is_refused_naming_max_tokens() {
+    let g = gateway(1, 8);
+    quota(&g, "a", 100);
+    let e = g.chat(req("a", "a")).await.unwrap_err();
+    assert!(
+        matches!(&e, AiError::QuotaExceeded(m) if m.contains("max-tokens 256")),
+        "{e:?}"
+    );
+    assert_eq!(g.usage("a").tokens_reserved, 0);
+}
+
+#[tokio::test]
+async fn a_stream_dropped_early_pays_its_prompt_and_the_tokens_it_received() {
+    let g = gateway(1, 8);
+    let mut r = with_max_tokens(req("a", "a"), 100);
+    r.messages.push(kiln_runtime::Message {
+        role: kiln_runtime::Role::User,
+        content: "x".repeat(30),
+    });
+    let prompt = Cost::of_chat(&r).prompt;
+    let mut s = g.stream_chat(r).await.unwrap();
+    for _ in 0..3 {
+        assert!(matches!(s.next().await, Ok(StreamEvent::Delta(_))));
+    }
+    drop(s);
+    let u = g.usage("a");
+    assert_eq!(u.tokens_last_minute, prompt + 3);
+    assert_eq!(u.tokens_reserved, 0);
+    assert_eq!(u.calls_in_flight, 0);
+    assert_eq!(u.models[0].completion_tokens, 3);
+}
+
+#[tokio::test]
+async fn a_call_past_its_deadline_pays_all_it_reserved() {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let g = Gateway::new(
+        Arc::new(Fixed {
+            tokens: 1,
+            gate: Some(gate),
+        }),
+        Duration::from_millis(20),
+        8,
+        EngineMetrics::default(),
+    );
+    let e = g
+        .chat(with_max_tokens(req("a", "a"), 40))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, AiError::Aborted(_)), "{e:?}");
+    let u = g.usage("a");
+    assert_eq!((u.tokens_last_minute, u.tokens_reserved), (40, 0));
+}

@@ -1,0 +1,293 @@
+//! No tenant, client or fault takes the server down: engines restart after a
+//! panic, slow clients time out, connections and instances are capped, and
+//! metrics are for the operator.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kiln_host::engine::{EngineConfig, SchedulerConfig};
+use kiln_host::metrics::Metrics;
+use kiln_host::model::DEFAULT_MODEL;
+use kiln_host::serving::ServedModels;
+use kiln_runtime::{AiError, ChatRequest, Inference, Message, Params, Role};
+use kiln_tests::{TestServer, default_model, error_of};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn chat(content: &str, max_tokens: u32) -> ChatRequest {
+    ChatRequest {
+        tenant: "t".into(),
+        model: DEFAULT_MODEL.into(),
+        messages: vec![Message {
+            role: Role::User,
+            content: content.into(),
+        }],
+        params: Params {
+            max_tokens: Some(max_tokens),
+            temperature: Some(0.0),
+            top_p: None,
+            top_k: None,
+            seed: None,
+            stop: Vec::new(),
+            session: None,
+        },
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_panic_fails_the_step_it_hit_and_replays_requests_still_waiting() {
+    // One sequence at a time: the second request waits, outside the step.
+    let config = EngineConfig {
+        kv_memory: 32 << 20,
+        scheduler: SchedulerConfig {
+            max_running: 1,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let metrics = Metrics::default();
+    let served = Arc::new(
+        ServedModels::start(vec![(default_model(), config)], 1, metrics.engine.clone()).unwrap(),
+    );
+    let mut running = served
+        .stream_chat(chat("Count from 1 to 100.", 200))
+        .await
+        .unwrap();
+    // Its first text has gone out, so it cannot be replayed.
+    assert!(running.next().await.is_ok());
+    let waiting = tokio::spawn({
+        let served = served.clone();
+        async move { served.chat(chat("Say hi.", 4)).await }
+    });
+    while served.snapshot(DEFAULT_MODEL).unwrap().requests < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(served.inject_panic(DEFAULT_MODEL, 0));
+    let failed = loop {
+        match running.next().await {
+            Ok(kiln_runtime::StreamEvent::Delta(_)) => continue,
+            other => break other,
+        }
+    };
+    match failed {
+        Err(AiError::Aborted(m)) => assert!(m.starts_with("engine_restarted"), "{m}"),
+        other => panic!("the running request should fail with engine_restarted: {other:?}"),
+    }
+    let replayed = waiting
+        .await
+        .unwrap()
+        .expect("the waiting request runs on the new engine");
+    assert!(!replayed.text.is_empty());
+    let after = served.chat(chat("Say hi.", 4)).await;
+    assert!(after.is_ok(), "{after:?}");
+    let restarts = metrics
+        .engine
+        .engine_restarts
+        .get_or_create(&kiln_host::metrics::PoolLabels {
+            model: DEFAULT_MODEL.into(),
+            pool: "0".into(),
+        })
+        .get();
+    assert_eq!(restarts, 1);
+    assert_eq!(served.snapshot(DEFAULT_MODEL).unwrap().requests, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_panic_is_a_500_engine_restarted_and_the_model_keeps_serving() {
+    let s = TestServer::start_with_models().await;
+    let key = s.tenant("a").await;
+    let resp = s
+        .http
+        .post(format!("{}/v1/chat/completions", s.url))
+        .bearer_auth(&key)
+        .json(&json!({
+            "model": DEFAULT_MODEL,
+            "messages": [{"role": "user", "content": "Count from 1 to 100."}],
+            "max_tokens": 200, "temperature": 0, "stream": true,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.bytes_stream();
+    let mut seen = String::new();
+    while !seen.contains("\"content\"") {
+        seen += &String::from_utf8_lossy(&body.next().await.unwrap().unwrap());
+    }
+    assert!(s.models.as_ref().unwrap().inject_panic(DEFAULT_MODEL, 0));
+    while let Some(chunk) = body.next().await {
+        seen += &String::from_utf8_lossy(&chunk.unwrap());
+    }
+    assert!(seen.contains("\"code\":\"engine_restarted\""), "{seen}");
+    let ask = json!({
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 4,
+    });
+    let (status, answer) = s.openai(&key, "/v1/chat/completions", None, &ask).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(s.metric(&["kiln_engine_restarts_total{"]).await, 1.0);
+}
+
+/// Reads from `stream` until the server closes it; what it sent.
+async fn read_to_close(stream: &mut tokio::net::TcpStream) -> String {
+    let mut buf = Vec::new();
+    let _ = stream.read_to_end(&mut buf).await;
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_time_out_and_connections_past_the_cap_get_503() {
+    let s = TestServer::start_with(|c| {
+        c.net.header_read_timeout = Duration::from_millis(500);
+        c.net.max_connections = 8;
+    })
+    .await;
+    let addr = s.url.trim_start_matches("http://").to_owned();
+    let mut slow = Vec::new();
+    for prefix in [&b"GET /healthz HT"[..], b"PRI * HTTP/2"] {
+        for _ in 0..4 {
+            let mut c = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            c.write_all(prefix).await.unwrap();
+            slow.push(c);
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut extra = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let refused = tokio::time::timeout(Duration::from_secs(5), read_to_close(&mut extra))
+        .await
+        .expect("the server answers at once");
+    assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
+    assert!(refused.contains("--max-connections"), "{refused}");
+    // Every half-sent request is dropped within its header timeout.
+    for mut c in slow {
+        tokio::time::timeout(Duration::from_secs(5), read_to_close(&mut c))
+            .await
+            .expect("a stalled connection is closed by the server");
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let ok = s
+        .http
+        .get(format!("{}/healthz", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    assert!(s.metric(&["kiln_connections_refused_total"]).await >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_one_tenants_slow_function_leaves_other_tenants_answered() {
+    let s = TestServer::start_with(|c| {
+        c.limits.max_instances = 8;
+        c.limits.wall_time = Duration::from_secs(3);
+        c.tenant_instance_share = 0.5;
+    })
+    .await;
+    let a = s.tenant("a").await;
+    let b = s.tenant("b").await;
+    s.deploy(&a, "slow", "misbehave").await;
+    s.deploy(&b, "hello", "hello").await;
+    let flood: Vec<_> = (0..12)
+        .map(|_| {
+            let http = s.http.clone();
+            let url = format!("{}/fn/a/slow/sleep", s.url);
+            tokio::spawn(async move { http.get(url).send().await.unwrap() })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for _ in 0..5 {
+        assert_eq!(s.call("b", "hello", "/").await.status(), 200);
+    }
+    let mut refused = 0;
+    for r in flood {
+        let r = r.await.unwrap();
+        if r.status() == 429 {
+            let v: serde_json::Value = r.json().await.unwrap();
+            assert_eq!(v["error"]["code"], "tenant_instances_exceeded", "{v}");
+            refused += 1;
+        } else {
+            assert_eq!(r.status(), 504, "the rest sleep into the wall-time limit");
+        }
+    }
+    assert_eq!(
+        refused, 8,
+        "a holds 4 of 8 slots; its other 8 requests are refused"
+    );
+    // A policy override raises one tenant's cap.
+    let set = s.set_policy("a", json!({"max_instances": 1})).await;
+    assert_eq!(set.status(), 200);
+    let one = s.call("a", "slow", "/nap");
+    let two = s.call("a", "slow", "/nap");
+    let (one, two) = tokio::join!(one, two);
+    let mut statuses = [one.status().as_u16(), two.status().as_u16()];
+    statuses.sort();
+    assert_eq!(statuses, [200, 429]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_for_the_operator_and_a_tenant_reads_its_own_usage() {
+    let s = TestServer::start_with(|c| c.metrics_token = Some("scrape-me".into())).await;
+    let key = s.tenant("acme").await;
+    let get = |token: Option<&str>| {
+        let mut r = s.http.get(format!("{}/metrics", s.url));
+        if let Some(t) = token {
+            r = r.bearer_auth(t);
+        }
+        r.send()
+    };
+    let (status, _, msg) = error_of(get(None).await.unwrap()).await;
+    assert_eq!(status, 401);
+    assert!(msg.contains("--metrics-token"), "{msg}");
+    assert_eq!(get(Some(&key)).await.unwrap().status(), 401);
+    assert_eq!(get(Some("scrape-me")).await.unwrap().status(), 200);
+    assert_eq!(get(Some(&s.admin)).await.unwrap().status(), 200);
+    let usage = s.get_json(&key, "/v1/usage").await;
+    assert_eq!(usage["tenant"], "acme");
+    assert_eq!(usage["usage"]["tokens_last_minute"], 0);
+    let anon = s
+        .http
+        .get(format!("{}/v1/usage", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anon.status(), 401);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_function_body_over_the_limit_gets_413_declared_or_streamed() {
+    let s = TestServer::start_with(|c| c.net.max_body_bytes = 1024).await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "echo", "misbehave").await;
+    let url = format!("{}/fn/acme/echo/echo", s.url);
+    let small = s
+        .http
+        .post(&url)
+        .body(vec![b'x'; 1024])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(small.status(), 200);
+    assert_eq!(small.bytes().await.unwrap().len(), 1024);
+    let declared = s
+        .http
+        .post(&url)
+        .body(vec![b'x'; 4096])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(declared.status(), 413);
+    let chunks = futures::stream::iter(
+        (0..8).map(|_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'y'; 512]))),
+    );
+    let streamed = s
+        .http
+        .post(&url)
+        .body(reqwest::Body::wrap_stream(chunks))
+        .send()
+        .await
+        .unwrap();
+    let (status, kind, msg) = error_of(streamed).await;
+    assert_eq!((status, kind.as_str()), (413, "payload_too_large"), "{msg}");
+}
