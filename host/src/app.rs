@@ -2,7 +2,6 @@
 //! the routing table of deployed functions.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock, RwLock};
 
 use kiln_runtime::{Deployment, Inference, Runtime};
@@ -10,6 +9,7 @@ use sha2::{Digest, Sha256};
 
 use crate::api::ApiError;
 use crate::auth;
+use crate::components::ComponentStore;
 use crate::config::ServeConfig;
 use crate::db::{Db, FunctionRow};
 use crate::fairness::{InstanceCaps, InstanceSlot, default_cap};
@@ -34,7 +34,7 @@ pub struct App {
     pub(crate) config: ServeConfig,
     admin_hash: [u8; 32],
     metrics_hash: Option<[u8; 32]>,
-    components_dir: PathBuf,
+    components: ComponentStore,
     routes: RwLock<HashMap<(String, String), Arc<Route>>>,
     instances: InstanceCaps,
 }
@@ -65,9 +65,13 @@ impl App {
         backend: Arc<dyn Inference>,
         metrics: Metrics,
     ) -> anyhow::Result<Self> {
-        let components_dir = config.data_dir.join("components");
-        std::fs::create_dir_all(&components_dir)?;
+        let components = ComponentStore::open(config.data_dir.join("components"))?;
         let db = Db::open(&config.data_dir.join("kiln.db"))?;
+        let in_use = db.digests()?;
+        let removed = components.collect_orphans(|d| in_use.contains(d))?;
+        if removed > 0 {
+            tracing::info!("removed {removed} component files that no function refers to");
+        }
         let ai = Arc::new(Gateway::new(
             backend,
             config.model_deadline,
@@ -104,7 +108,7 @@ impl App {
             metrics_hash: config.metrics_token.as_deref().map(auth::hash),
             config,
             admin_hash: auth::hash(admin_token),
-            components_dir,
+            components,
             routes: RwLock::new(routes),
             instances: InstanceCaps::default(),
         })
@@ -182,12 +186,10 @@ impl App {
         })
     }
 
-    fn component_path(&self, digest: &str) -> PathBuf {
-        self.components_dir.join(format!("{digest}.wasm"))
-    }
-
     /// Validates, stores and routes a component; replaces any previous
     /// version atomically (requests in flight finish on the old one).
+    /// Deploys and deletes are ordered, so the file, the row and the route
+    /// always agree.
     pub fn deploy(&self, tenant: &str, name: &str, bytes: &[u8]) -> Result<FunctionRow, ApiError> {
         if !valid_name(name) {
             return Err(name_error("function", name));
@@ -195,13 +197,10 @@ impl App {
         let digest = hex::encode(Sha256::digest(bytes));
         // Validation first: nothing is stored for a component we reject.
         let deployment = self.runtime.load(&digest, bytes)?;
-        let path = self.component_path(&digest);
-        if !path.exists() {
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            std::fs::write(&tmp, bytes)
-                .and_then(|()| std::fs::rename(&tmp, &path))
-                .map_err(|e| ApiError::internal(format!("storing the component failed: {e}")))?;
-        }
+        let guard = self.components.lock();
+        self.components
+            .put(&guard, &digest, bytes)
+            .map_err(|e| ApiError::internal(format!("storing the component failed: {e}")))?;
         let row = FunctionRow {
             tenant: tenant.to_owned(),
             name: name.to_owned(),
@@ -209,37 +208,31 @@ impl App {
             size: bytes.len() as u64,
             created: Db::now(),
         };
-        let previous = self.db.function(tenant, name)?;
-        self.db.upsert_function(&row)?;
+        let unused = self.db.upsert_function(&row)?;
         let route = Route {
             row: row.clone(),
             deployment: OnceLock::from(deployment),
         };
         self.routes_mut()
             .insert((tenant.to_owned(), name.to_owned()), Arc::new(route));
-        if let Some(old) = previous.filter(|old| old.digest != row.digest) {
-            self.collect_component(&old.digest);
+        if let Some(old) = unused {
+            self.components.remove(&guard, &old);
         }
         Ok(row)
     }
 
     /// Deletes a function; false if the tenant has no such function.
     pub fn delete(&self, tenant: &str, name: &str) -> Result<bool, ApiError> {
-        let Some(row) = self.db.function(tenant, name)? else {
+        let guard = self.components.lock();
+        let Some((row, shared)) = self.db.delete_function(tenant, name)? else {
             return Ok(false);
         };
-        self.db.delete_function(tenant, name)?;
         self.routes_mut()
             .remove(&(tenant.to_owned(), name.to_owned()));
-        self.collect_component(&row.digest);
-        Ok(true)
-    }
-
-    /// Removes a stored component no function refers to any more.
-    fn collect_component(&self, digest: &str) {
-        if let Ok(false) = self.db.digest_in_use(digest) {
-            let _ = std::fs::remove_file(self.component_path(digest));
+        if !shared {
+            self.components.remove(&guard, &row.digest);
         }
+        Ok(true)
     }
 
     fn routes_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<(String, String), Arc<Route>>> {
@@ -258,7 +251,7 @@ impl App {
         if let Some(d) = route.deployment.get() {
             return Ok(d.clone());
         }
-        let bytes = std::fs::read(self.component_path(&route.row.digest)).map_err(|e| {
+        let bytes = std::fs::read(self.components.path(&route.row.digest)).map_err(|e| {
             ApiError::internal(format!(
                 "component {} of function `{}` is missing from the data dir: {e}",
                 route.row.digest, route.row.name

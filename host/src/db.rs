@@ -40,7 +40,7 @@ pub struct Db {
 
 const SCHEMA: &str = "
 PRAGMA journal_mode = WAL;
-PRAGMA synchronous = NORMAL;
+PRAGMA synchronous = FULL;
 PRAGMA foreign_keys = ON;
 CREATE TABLE IF NOT EXISTS tenants (
     name TEXT PRIMARY KEY,
@@ -120,9 +120,20 @@ impl Db {
             .optional()?)
     }
 
-    /// Creates or atomically replaces a function.
-    pub fn upsert_function(&self, row: &FunctionRow) -> Result<(), DbError> {
-        self.conn().execute(
+    /// Creates or replaces a function in one transaction; returns the
+    /// digest it had before if no row refers to that any more (its file
+    /// may go).
+    pub fn upsert_function(&self, row: &FunctionRow) -> Result<Option<String>, DbError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let previous: Option<String> = tx
+            .query_row(
+                "SELECT digest FROM functions WHERE tenant = ?1 AND name = ?2",
+                params![row.tenant, row.name],
+                |r| r.get(0),
+            )
+            .optional()?;
+        tx.execute(
             "INSERT INTO functions (tenant, name, digest, size, created)
              VALUES (?1, ?2, ?3, ?4, ?5)
              ON CONFLICT (tenant, name) DO UPDATE SET
@@ -135,7 +146,12 @@ impl Db {
                 row.created
             ],
         )?;
-        Ok(())
+        let unused = match previous {
+            Some(old) if !digest_in_use(&tx, &old)? => Some(old),
+            _ => None,
+        };
+        tx.commit()?;
+        Ok(unused)
     }
 
     /// One tenant's function.
@@ -163,26 +179,41 @@ impl Db {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
-    /// Deletes a function; false if it did not exist.
-    pub fn delete_function(&self, tenant: &str, name: &str) -> Result<bool, DbError> {
-        let n = self.conn().execute(
+    /// Deletes a function in one transaction: `None` if it did not exist,
+    /// else its row and whether any row still refers to its digest.
+    pub fn delete_function(
+        &self,
+        tenant: &str,
+        name: &str,
+    ) -> Result<Option<(FunctionRow, bool)>, DbError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let row = tx
+            .query_row(
+                "SELECT tenant, name, digest, size, created FROM functions
+                 WHERE tenant = ?1 AND name = ?2",
+                params![tenant, name],
+                row_to_function,
+            )
+            .optional()?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        tx.execute(
             "DELETE FROM functions WHERE tenant = ?1 AND name = ?2",
             params![tenant, name],
         )?;
-        Ok(n > 0)
+        let shared = digest_in_use(&tx, &row.digest)?;
+        tx.commit()?;
+        Ok(Some((row, shared)))
     }
 
-    /// Whether any function still refers to `digest`.
-    pub fn digest_in_use(&self, digest: &str) -> Result<bool, DbError> {
-        Ok(self
-            .conn()
-            .query_row(
-                "SELECT 1 FROM functions WHERE digest = ?1 LIMIT 1",
-                params![digest],
-                |_| Ok(()),
-            )
-            .optional()?
-            .is_some())
+    /// Every digest some function refers to.
+    pub fn digests(&self) -> Result<std::collections::HashSet<String>, DbError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT DISTINCT digest FROM functions")?;
+        let rows = stmt.query_map([], |r| r.get(0))?;
+        Ok(rows.collect::<Result<_, _>>()?)
     }
 
     /// Whether tenant `name` exists.
@@ -220,6 +251,18 @@ impl Db {
     pub fn now() -> i64 {
         now()
     }
+}
+
+/// Whether any function refers to `digest`.
+fn digest_in_use(conn: &Connection, digest: &str) -> rusqlite::Result<bool> {
+    Ok(conn
+        .query_row(
+            "SELECT 1 FROM functions WHERE digest = ?1 LIMIT 1",
+            params![digest],
+            |_| Ok(()),
+        )
+        .optional()?
+        .is_some())
 }
 
 fn row_to_function(r: &rusqlite::Row<'_>) -> rusqlite::Result<FunctionRow> {
@@ -264,12 +307,41 @@ mod tests {
             size: 1,
             created: 1,
         };
-        db.upsert_function(&row).unwrap();
+        assert_eq!(db.upsert_function(&row).unwrap(), None);
         row.digest = "bb".into();
-        db.upsert_function(&row).unwrap();
-        assert_eq!(db.functions(Some("acme")).unwrap(), vec![row]);
-        assert!(!db.digest_in_use("aa").unwrap());
-        assert!(db.delete_function("acme", "f").unwrap());
-        assert!(!db.delete_function("acme", "f").unwrap());
+        assert_eq!(
+            db.upsert_function(&row).unwrap(),
+            Some("aa".into()),
+            "aa unused"
+        );
+        assert_eq!(db.functions(Some("acme")).unwrap(), vec![row.clone()]);
+        let (gone, shared) = db.delete_function("acme", "f").unwrap().unwrap();
+        assert_eq!((gone, shared), (row, false));
+        assert!(db.delete_function("acme", "f").unwrap().is_none());
+    }
+
+    #[test]
+    fn a_digest_shared_by_two_tenants_stays_in_use_until_both_let_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("kiln.db")).unwrap();
+        let row = |tenant: &str, digest: &str| FunctionRow {
+            tenant: tenant.into(),
+            name: "f".into(),
+            digest: digest.into(),
+            size: 1,
+            created: 1,
+        };
+        for (t, k) in [("a", "ka"), ("b", "kb")] {
+            db.create_tenant(t, k, b"h").unwrap();
+            db.upsert_function(&row(t, "dd")).unwrap();
+        }
+        assert_eq!(
+            db.upsert_function(&row("a", "ee")).unwrap(),
+            None,
+            "b has dd"
+        );
+        let (_, shared) = db.delete_function("b", "f").unwrap().unwrap();
+        assert!(!shared, "nobody has dd now");
+        assert_eq!(db.digests().unwrap(), ["ee".to_owned()].into());
     }
 }

@@ -10,6 +10,7 @@ pub mod app;
 pub mod auth;
 pub mod bench;
 pub mod client;
+pub mod components;
 pub mod config;
 pub mod db;
 pub mod engine;

@@ -3,7 +3,7 @@
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use wasmtime::component::{Component, Linker};
 use wasmtime::{Config, Enabled, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
@@ -153,10 +153,19 @@ impl Runtime {
             .map_err(|e| RuntimeError::InvalidComponent(format!("{e:#}")))?;
         match component.serialize() {
             Ok(art) => {
-                let tmp = path.with_extension("tmp");
-                if let Err(e) =
-                    std::fs::write(&tmp, art).and_then(|()| std::fs::rename(&tmp, &path))
-                {
+                // A name of its own: two compiles of one digest at once must
+                // not write into the same file, which is later trusted.
+                static NEXT: AtomicU64 = AtomicU64::new(0);
+                let n = NEXT.fetch_add(1, Ordering::Relaxed);
+                let tmp = path.with_extension(format!("tmp{}-{n}", std::process::id()));
+                let written = std::fs::File::create(&tmp)
+                    .and_then(|mut f| {
+                        std::io::Write::write_all(&mut f, &art)?;
+                        f.sync_all()
+                    })
+                    .and_then(|()| std::fs::rename(&tmp, &path));
+                if let Err(e) = written {
+                    let _ = std::fs::remove_file(&tmp);
                     tracing::warn!("could not cache compiled artifact: {e}");
                 }
             }

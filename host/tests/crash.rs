@@ -1,0 +1,209 @@
+//! SIGKILL in the middle of concurrent deploys and deletes: after a restart
+//! every acknowledged function answers, every deleted one is gone, and the
+//! component files match the database's rows exactly.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const ADMIN: &str = "crash-test-admin";
+
+/// One HTTP/1.1 exchange on a fresh connection; the status and body, or
+/// `None` if the server did not answer (it was killed, say).
+fn http(port: u16, method: &str, path: &str, token: &str, body: &[u8]) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {token}\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).ok()?;
+    s.write_all(body).ok()?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).ok()?;
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text.split(' ').nth(1)?.parse().ok()?;
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
+    Some((status, body))
+}
+
+fn serve(dir: &std::path::Path, port: u16) -> Child {
+    let child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "serve",
+            "--no-models",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .arg("--data-dir")
+        .arg(dir)
+        .env("KILN_ADMIN_TOKEN", ADMIN)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawning kiln serve");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while http(port, "GET", "/healthz", "", b"").is_none() {
+        assert!(Instant::now() < deadline, "the server did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child
+}
+
+/// `component` with a custom section carrying `tag`: the same function,
+/// another digest.
+fn variant(component: &[u8], tag: u8) -> Vec<u8> {
+    let name = b"kiln-crash-test";
+    let payload_len = 1 + name.len() + 1;
+    let mut out = component.to_vec();
+    out.push(0); // custom section
+    out.push(payload_len as u8);
+    out.push(name.len() as u8);
+    out.extend_from_slice(name);
+    out.push(tag);
+    out
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Op {
+    Deploy,
+    Delete,
+}
+
+#[test]
+fn sigkill_amid_deploys_and_deletes_keeps_every_acknowledged_change_and_no_orphan() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut server = serve(dir.path(), port);
+    let hello = std::fs::read(kiln_tests::guest("hello")).unwrap();
+    let variants: Arc<Vec<Vec<u8>>> = Arc::new((0..3).map(|t| variant(&hello, t)).collect());
+    let keys: Vec<String> = (0..3)
+        .map(|t| {
+            let body = format!(r#"{{"name": "t{t}"}}"#);
+            let (status, answer) =
+                http(port, "POST", "/v1/tenants", ADMIN, body.as_bytes()).unwrap();
+            assert_eq!(status, 201, "{answer}");
+            let v: serde_json::Value = serde_json::from_str(&answer).unwrap();
+            v["api_key"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    // 25 writers, each the only one to change its own function, so its
+    // operations have an order; the digests are shared across tenants.
+    let stop = Arc::new(AtomicBool::new(false));
+    let acked = Arc::new(AtomicUsize::new(0));
+    let logs: Vec<Arc<Mutex<Vec<(Op, Option<u16>)>>>> = (0..25).map(|_| Arc::default()).collect();
+    let writers: Vec<_> = (0..25)
+        .map(|w| {
+            let (stop, acked, log) = (stop.clone(), acked.clone(), logs[w].clone());
+            let (variants, key) = (variants.clone(), keys[w % 3].clone());
+            std::thread::spawn(move || {
+                let path = format!("/v1/functions/f{w}");
+                // The first dozen run a short script and stop (a settled
+                // state to check); the rest run until the server dies.
+                let script: &[Op] = match w {
+                    0..12 if w % 2 == 0 => &[Op::Deploy, Op::Deploy, Op::Delete, Op::Deploy],
+                    0..12 => &[Op::Deploy, Op::Delete],
+                    _ => &[],
+                };
+                for k in 0.. {
+                    if stop.load(Ordering::Relaxed) || (!script.is_empty() && k == script.len()) {
+                        break;
+                    }
+                    let op = match script.get(k) {
+                        Some(op) => *op,
+                        None if k % 3 == 2 => Op::Delete,
+                        None => Op::Deploy,
+                    };
+                    log.lock().unwrap().push((op, None));
+                    let answer = match op {
+                        Op::Deploy => {
+                            let bytes = &variants[(w + k) % 3];
+                            http(port, "PUT", &path, &key, bytes)
+                        }
+                        Op::Delete => http(port, "DELETE", &path, &key, b""),
+                    };
+                    let Some((status, _)) = answer else { break };
+                    log.lock().unwrap().last_mut().unwrap().1 = Some(status);
+                    acked.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let scripted: usize = (0..12).map(|w| if w % 2 == 0 { 4 } else { 2 }).sum();
+    let settled = || {
+        logs[..12]
+            .iter()
+            .map(|l| {
+                l.lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|(_, s)| s.is_some())
+                    .count()
+            })
+            .sum::<usize>()
+    };
+    while acked.load(Ordering::Relaxed) < 100 || settled() < scripted {
+        assert!(Instant::now() < deadline, "the writers made no progress");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    server.kill().unwrap(); // SIGKILL
+    server.wait().unwrap();
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.join().unwrap();
+    }
+
+    let mut server = serve(dir.path(), port);
+    let (mut present, mut absent) = (0, 0);
+    for (w, log) in logs.iter().enumerate() {
+        let log = log.lock().unwrap();
+        let Some(last) = log.iter().rposition(|(_, s)| s.is_some()) else {
+            continue;
+        };
+        let (op, status) = log[last];
+        let status = status.unwrap();
+        // An operation sent but unanswered may or may not have happened.
+        let pending = log.get(last + 1).map(|(op, _)| *op);
+        let path = format!("/fn/t{}/f{w}/", w % 3);
+        let (now, body) = http(port, "GET", &path, "", b"").unwrap();
+        match op {
+            Op::Deploy if pending != Some(Op::Delete) => {
+                assert_eq!(status, 201, "writer {w}'s deploy");
+                assert_eq!(now, 200, "acknowledged f{w} of t{} is lost: {body}", w % 3);
+                present += 1;
+            }
+            Op::Delete if pending != Some(Op::Deploy) && status == 204 => {
+                assert_eq!(now, 404, "deleted f{w} of t{} is back: {body}", w % 3);
+                absent += 1;
+            }
+            _ => {}
+        }
+    }
+    assert!(
+        present + absent >= 10,
+        "too few functions settled: {present} + {absent}"
+    );
+
+    // Every row's file is there, and every file belongs to a row.
+    let db = kiln_host::db::Db::open(&dir.path().join("kiln.db")).unwrap();
+    let digests = db.digests().unwrap();
+    let mut files: Vec<String> = std::fs::read_dir(dir.path().join("components"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    files.sort();
+    let mut expected: Vec<String> = digests.iter().map(|d| format!("{d}.wasm")).collect();
+    expected.sort();
+    assert_eq!(files, expected);
+    server.kill().unwrap();
+    server.wait().unwrap();
+}
