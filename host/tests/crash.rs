@@ -74,6 +74,9 @@ enum Op {
     Delete,
 }
 
+/// A writer's operations in order, each with the status it got, if any.
+type Log = Arc<Mutex<Vec<(Op, Option<u16>)>>>;
+
 #[test]
 fn sigkill_amid_deploys_and_deletes_keeps_every_acknowledged_change_and_no_orphan() {
     let dir = tempfile::tempdir().unwrap();
@@ -99,7 +102,7 @@ fn sigkill_amid_deploys_and_deletes_keeps_every_acknowledged_change_and_no_orpha
     // operations have an order; the digests are shared across tenants.
     let stop = Arc::new(AtomicBool::new(false));
     let acked = Arc::new(AtomicUsize::new(0));
-    let logs: Vec<Arc<Mutex<Vec<(Op, Option<u16>)>>>> = (0..25).map(|_| Arc::default()).collect();
+    let logs: Vec<Log> = (0..25).map(|_| Log::default()).collect();
     let writers: Vec<_> = (0..25)
         .map(|w| {
             let (stop, acked, log) = (stop.clone(), acked.clone(), logs[w].clone());
