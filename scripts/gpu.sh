@@ -16,7 +16,9 @@
 # `run` is the single command for every CUDA test and benchmark (kernel
 # parity, the engine tests on the default model, kernel timings, the
 # engine's decode matrix and the PyTorch baseline), writing logs to $OUT
-# (or ./gpu-out); `scripts/gpu.sh bench` runs only the last two.
+# (or ./gpu-out), and fails if a parity or engine test fails;
+# `scripts/gpu.sh bench` runs only the last two, `scripts/gpu.sh shutdown`
+# checks SIGTERM under load (carry .gpu-bench).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -75,15 +77,31 @@ run)
         cat /tmp/kiln-model/a /tmp/kiln-model/b >"$KILN_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
         set +e
         KILN_TEST_DEVICE=cuda timeout 300 .gpu/engine --test-threads 1 --nocapture 2>&1 | tee "$out/engine.log"
+        engine=${PIPESTATUS[0]}
         set -e
     else
         echo "no staged model: skipping the end-to-end engine tests" | tee "$out/engine.log"
+        engine=0
     fi
     # GPU_BENCH=0 leaves the engine benchmark to a call of its own (one
     # call may run ten minutes at most).
     if [ -x .gpu-bench/kiln ] && [ "${GPU_BENCH:-1}" != 0 ]; then
         "$0" bench
     fi
+    if [ "$engine" -ne 0 ]; then
+        echo "engine tests FAILED"
+        exit 1
+    fi
+    ;;
+shutdown)
+    # SIGTERM under load on CUDA: 200 streams whose clients went away, 8
+    # that stay, then SIGTERM; kiln must end the streams cleanly and exit 0.
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    python3 scripts/shutdown_check.py .gpu-bench/kiln big synthetic:llama-3-8b \
+        --device cuda --kv-memory 16GiB 2>&1 | tee "$out/shutdown.log"
+    exit "${PIPESTATUS[0]}"
     ;;
 bench)
     # The decode matrix of issue 5 and the PyTorch baseline, same GPU, one
@@ -144,7 +162,7 @@ unpack)
     chmod +x /tmp/kiln-base
     ;;
 *)
-    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench" >&2
+    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | shutdown" >&2
     exit 2
     ;;
 esac

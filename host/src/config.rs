@@ -48,7 +48,8 @@ pub struct NetLimits {
     /// How often an idle HTTP/2 connection is pinged, and how long the
     /// client has to answer before the connection is closed.
     pub keep_alive: Duration,
-    /// Connections open at once; past it new ones get a 503 and are closed.
+    /// Connections open at once; past it a new plaintext connection gets a
+    /// 503 and is closed (a TLS one is closed).
     pub max_connections: usize,
     /// Largest request body a function is given; past it, 413.
     pub max_body_bytes: u64,
@@ -102,7 +103,8 @@ pub struct LimitArgs {
     /// Seconds between pings of an idle HTTP/2 connection, and to answer one.
     #[arg(long, default_value_t = 60)]
     pub keep_alive_s: u64,
-    /// Connections open at once; past it, new ones get a 503 and are closed.
+    /// Connections open at once; past it, a new plaintext connection gets a
+    /// 503 and is closed (a TLS one is closed).
     #[arg(long, default_value_t = 10_000)]
     pub max_connections: usize,
     /// Largest request body a function is given, in bytes; past it, 413.

@@ -111,6 +111,8 @@ pub struct EngineMetrics {
     pub policy_rejections: Family<RejectLabels, Counter>,
     /// Engines rebuilt after a failure inside a step, by pool.
     pub engine_restarts: Family<PoolLabels, Counter>,
+    /// Requests given to a rebuilt engine after a failure, by pool.
+    pub engine_replays: Family<PoolLabels, Counter>,
 }
 
 impl EngineMetrics {
@@ -154,6 +156,11 @@ impl EngineMetrics {
             "engine_restarts",
             "Engines rebuilt after a panic or error inside a step, by pool",
             self.engine_restarts.clone(),
+        );
+        r.register(
+            "engine_replays",
+            "Requests given to a rebuilt engine after a failure, by pool",
+            self.engine_replays.clone(),
         );
     }
 }

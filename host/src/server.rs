@@ -186,6 +186,14 @@ impl Server {
                                 return;
                             }
                         };
+                        // ALPN has chosen the protocol: serving HTTP/1 as
+                        // such puts it under the header timeout at once.
+                        let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+                        let builder = if h2 {
+                            builder.http2_only()
+                        } else {
+                            builder.http1_only()
+                        };
                         let conn =
                             builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
                         if let Err(e) = watcher.watch(conn.into_owned()).await {
@@ -198,15 +206,34 @@ impl Server {
         drop(self.listener);
         let drain = self.app.config.drain_timeout;
         tracing::info!("shutting down; draining for up to {drain:?}");
-        if tokio::time::timeout(drain, graceful.shutdown())
-            .await
-            .is_err()
-        {
-            tracing::warn!("drain timeout reached; closing remaining connections");
+        let drained = graceful.shutdown();
+        tokio::pin!(drained);
+        let done = tokio::time::timeout(drain, &mut drained).await.is_ok();
+        if !done {
+            tracing::warn!("drain timeout reached; ending the model calls still in flight");
+        }
+        // Model calls still running end with an error their clients see
+        // (a last SSE event), and the engines free their devices on their
+        // own threads before the process exits.
+        let ai = self.app.ai.clone();
+        match tokio::time::timeout(CLOSE, tokio::task::spawn_blocking(move || ai.close())).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!("stopping the engines failed: {e}"),
+            Err(_) => tracing::error!("the engines did not stop within {CLOSE:?}; exiting anyway"),
+        }
+        if !done && tokio::time::timeout(FLUSH, &mut drained).await.is_err() {
+            tracing::warn!("closing the connections that remain");
         }
         Ok(())
     }
 }
+
+/// How long connections get to send their last bytes once the engines
+/// have ended their calls.
+const FLUSH: Duration = Duration::from_secs(2);
+
+/// How long the engines get to finish their step and free their devices.
+const CLOSE: Duration = Duration::from_secs(30);
 
 /// Streams one HTTP/2 connection may have open at once.
 const MAX_STREAMS: u32 = 256;
@@ -237,7 +264,11 @@ async fn first_bytes(stream: &TcpStream, timeout: Duration) -> bool {
 
 /// Answers a connection over the limit with a 503 and closes it.
 async fn refuse(mut stream: TcpStream) {
-    use tokio::io::AsyncWriteExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // Take what the client has sent already: closing a socket with unread
+    // bytes resets it, and the client would see that instead of the 503.
+    let mut sink = [0u8; 4096];
+    let _ = tokio::time::timeout(Duration::from_millis(50), stream.read(&mut sink)).await;
     let body = crate::api::ApiError::unavailable(
         "the server has as many connections open as it allows (--max-connections); retry shortly",
     )

@@ -85,6 +85,10 @@ pub trait Inference: Send + Sync + 'static {
     }
     /// The models `tenant` may call.
     fn list_models(&self, tenant: &str) -> Vec<ModelInfo>;
+    /// Ends every call in flight with an error, refuses new ones and
+    /// releases the backend's devices; returns once they are released. The
+    /// server calls it when it shuts down, after draining.
+    fn close(&self) {}
 }
 
 /// The backend of a server that serves no models: every call says so.

@@ -1,9 +1,10 @@
 //! The wasmtime engine, its linker, and components compiled once per digest.
 
+use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use wasmtime::component::{Component, Linker};
 use wasmtime::{Config, Enabled, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
@@ -45,6 +46,9 @@ pub struct Runtime {
     cache_dir: PathBuf,
     engine_key: String,
     ticker_stop: Arc<AtomicBool>,
+    /// One lock per digest being compiled: loads of one component at once
+    /// compile it once, and the rest read the artifact it leaves.
+    compiling: Mutex<HashMap<String, Arc<Mutex<()>>>>,
 }
 
 impl Runtime {
@@ -104,6 +108,7 @@ impl Runtime {
             cache_dir: cache_dir.to_owned(),
             engine_key,
             ticker_stop,
+            compiling: Mutex::default(),
         })
     }
 
@@ -139,10 +144,26 @@ impl Runtime {
         let path = self
             .cache_dir
             .join(format!("{digest}-{}.cwasm", self.engine_key));
+        let lock = {
+            let mut map = self.compiling.lock().unwrap_or_else(|p| p.into_inner());
+            map.entry(digest.to_owned()).or_default().clone()
+        };
+        let compiled = {
+            let _one_at_a_time = lock.lock().unwrap_or_else(|p| p.into_inner());
+            self.compile_or_read(&path, bytes)
+        };
+        let mut map = self.compiling.lock().unwrap_or_else(|p| p.into_inner());
+        if Arc::strong_count(&lock) == 2 {
+            map.remove(digest);
+        }
+        compiled
+    }
+
+    fn compile_or_read(&self, path: &Path, bytes: &[u8]) -> Result<Component, RuntimeError> {
         if path.exists() {
             // SAFETY: the file was written by `Component::serialize` of an
             // engine with the same compatibility hash, under our data dir.
-            match unsafe { Component::deserialize_file(&self.engine, &path) } {
+            match unsafe { Component::deserialize_file(&self.engine, path) } {
                 Ok(c) => return Ok(c),
                 Err(e) => {
                     tracing::warn!(path = %path.display(), "stale artifact, recompiling: {e}")
@@ -163,7 +184,7 @@ impl Runtime {
                         std::io::Write::write_all(&mut f, &art)?;
                         f.sync_all()
                     })
-                    .and_then(|()| std::fs::rename(&tmp, &path));
+                    .and_then(|()| std::fs::rename(&tmp, path));
                 if let Err(e) = written {
                     let _ = std::fs::remove_file(&tmp);
                     tracing::warn!("could not cache compiled artifact: {e}");

@@ -63,6 +63,8 @@ async fn an_engine_panic_fails_the_step_it_hit_and_replays_requests_still_waitin
     while served.snapshot(DEFAULT_MODEL).unwrap().requests < 2 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    // Its submission is sent right after the count rises: let it land.
+    tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(served.inject_panic(DEFAULT_MODEL, 0));
     let failed = loop {
         match running.next().await {
@@ -81,15 +83,14 @@ async fn an_engine_panic_fails_the_step_it_hit_and_replays_requests_still_waitin
     assert!(!replayed.text.is_empty());
     let after = served.chat(chat("Say hi.", 4)).await;
     assert!(after.is_ok(), "{after:?}");
-    let restarts = metrics
-        .engine
-        .engine_restarts
-        .get_or_create(&kiln_host::metrics::PoolLabels {
-            model: DEFAULT_MODEL.into(),
-            pool: "0".into(),
-        })
-        .get();
+    let labels = kiln_host::metrics::PoolLabels {
+        model: DEFAULT_MODEL.into(),
+        pool: "0".into(),
+    };
+    let restarts = metrics.engine.engine_restarts.get_or_create(&labels).get();
+    let replays = metrics.engine.engine_replays.get_or_create(&labels).get();
     assert_eq!(restarts, 1);
+    assert_eq!(replays, 1, "the waiting request was replayed");
     assert_eq!(served.snapshot(DEFAULT_MODEL).unwrap().requests, 0);
 }
 
@@ -215,15 +216,16 @@ async fn a_flood_of_one_tenants_slow_function_leaves_other_tenants_answered() {
         refused, 8,
         "a holds 4 of 8 slots; its other 8 requests are refused"
     );
-    // A policy override raises one tenant's cap.
+    // A policy override sets one tenant's cap (here to a single instance).
     let set = s.set_policy("a", json!({"max_instances": 1})).await;
     assert_eq!(set.status(), 200);
-    let one = s.call("a", "slow", "/nap");
-    let two = s.call("a", "slow", "/nap");
+    let one = s.call("a", "slow", "/sleep");
+    let two = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        s.call("a", "slow", "/sleep").await
+    };
     let (one, two) = tokio::join!(one, two);
-    let mut statuses = [one.status().as_u16(), two.status().as_u16()];
-    statuses.sort();
-    assert_eq!(statuses, [200, 429]);
+    assert_eq!((one.status().as_u16(), two.status().as_u16()), (504, 429));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

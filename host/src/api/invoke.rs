@@ -122,6 +122,7 @@ where
             })
             .boxed_unsync(),
         left: limit,
+        limit,
         over: over.clone(),
     };
     let invocation = Invocation {
@@ -177,10 +178,14 @@ fn wasmtime_wasi_http_error(e: BoxError) -> kiln_runtime::BodyError {
     kiln_runtime::BodyError::InternalError(Some(e.to_string()))
 }
 
-/// A request body that ends in an error past `left` bytes, and says so.
+/// A request body that ends in an error past `limit` bytes, and says so.
+/// (A guest that answers before reading all of its body has its answer
+/// sent; the limit then only cuts what it reads.)
 struct Capped<B> {
     inner: B,
+    /// Bytes it may still pass on.
     left: u64,
+    limit: u64,
     over: Arc<AtomicBool>,
 }
 
@@ -202,7 +207,7 @@ where
             let n = data.len() as u64;
             if n > self.left {
                 self.over.store(true, Ordering::Release);
-                let limit = Some(self.left);
+                let limit = Some(self.limit);
                 return Poll::Ready(Some(Err(kiln_runtime::BodyError::HttpRequestBodySize(
                     limit,
                 ))));

@@ -44,6 +44,9 @@ pub struct Gguf {
     data_start: usize,
 }
 
+/// How deep metadata arrays may nest.
+const MAX_NESTING: usize = 8;
+
 struct Cursor<'a> {
     b: &'a [u8],
     pos: usize,
@@ -89,6 +92,12 @@ impl<'a> Cursor<'a> {
         Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
     }
     fn value(&mut self, ty: u32) -> Result<Value, ModelError> {
+        self.value_in(ty, 0)
+    }
+
+    /// A value `depth` arrays down: nesting is bounded, so a crafted file
+    /// cannot exhaust the stack.
+    fn value_in(&mut self, ty: u32, depth: usize) -> Result<Value, ModelError> {
         let mut fixed = |n: usize| -> Result<[u8; 8], ModelError> {
             let mut a = [0u8; 8];
             a[..n].copy_from_slice(self.take(n)?);
@@ -116,10 +125,15 @@ impl<'a> Cursor<'a> {
             8 => Value::Str(self.string()?),
             9 => {
                 let inner = self.u32()?;
+                if inner == 9 && depth >= MAX_NESTING {
+                    return Err(ModelError::Format(format!(
+                        "GGUF arrays nested more than {MAX_NESTING} deep"
+                    )));
+                }
                 let n = self.len()?;
                 let mut items = Vec::with_capacity(n.min(1 << 20));
                 for _ in 0..n {
-                    items.push(self.value(inner)?);
+                    items.push(self.value_in(inner, depth + 1)?);
                 }
                 Value::Array(items)
             }
@@ -205,12 +219,18 @@ impl Gguf {
             .tensors
             .get(name)
             .ok_or_else(|| ModelError::Format(format!("tensor {name} is missing")))?;
-        let n: usize = t.dims.iter().product();
+        let past = || ModelError::Format(format!("tensor {name} runs past the end of the file"));
+        let n = t
+            .dims
+            .iter()
+            .try_fold(1usize, |n, d| n.checked_mul(*d))
+            .ok_or_else(past)?;
+        // No type takes more than 34 bytes a 32-element block or 4 an element.
+        n.checked_mul(34).ok_or_else(past)?;
         let len = t.dtype.bytes_for(n);
-        let start = self.data_start + t.offset;
-        let bytes = self.map.get(start..start + len).ok_or_else(|| {
-            ModelError::Format(format!("tensor {name} runs past the end of the file"))
-        })?;
+        let start = self.data_start.checked_add(t.offset).ok_or_else(past)?;
+        let end = start.checked_add(len).ok_or_else(past)?;
+        let bytes = self.map.get(start..end).ok_or_else(past)?;
         Ok((t, bytes))
     }
 
@@ -267,3 +287,7 @@ impl Gguf {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "gguf_fuzz.rs"]
+mod fuzz;

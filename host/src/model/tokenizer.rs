@@ -13,6 +13,10 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 use super::ModelError;
 use super::gguf::Gguf;
 
+/// Instructions a chat template may run for one prompt: far more than
+/// any real template needs for a long conversation.
+const TEMPLATE_FUEL: u64 = 10_000_000;
+
 /// One chat message, as templates see it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ChatMessage {
@@ -249,6 +253,9 @@ impl Tokenizer {
             return Ok(s);
         };
         let mut env = minijinja::Environment::new();
+        // A template that loops without end (or for very long) fails
+        // instead of holding the request's thread.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
@@ -271,3 +278,7 @@ impl Tokenizer {
         .map_err(tok_err)
     }
 }
+
+#[cfg(test)]
+#[path = "template_fuzz.rs"]
+mod fuzz;

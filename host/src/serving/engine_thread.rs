@@ -5,27 +5,29 @@
 //! freeing its pages.
 //!
 //! A panic or an error inside the engine fails only the requests of the
-//! step it happened in (and any that already streamed text, which cannot be
-//! replayed); the thread rebuilds the engine on the same weights and gives
-//! it the other requests again, as if they had just arrived.
+//! step it happened in, or the request being admitted (and any that already
+//! streamed text, which cannot be replayed); the thread rebuilds the engine
+//! (on the same weights after a panic, on weights loaded again after a
+//! device error) and gives it the other requests again, as if they had just
+//! arrived.
 
 #[path = "engine_figures.rs"]
 mod figures;
+#[path = "engine_restart.rs"]
+mod restart;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock, mpsc};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, RwLock, mpsc};
 
 use kiln_runtime::AiError;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::mpsc as tmpsc;
 
-use super::engine_restarted;
 use crate::engine::TenantId;
 use crate::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, PageHash, Salt, SeqId};
-use crate::metrics::{EngineMetrics, PoolLabels, PoolPagesLabels};
+use crate::metrics::{EngineMetrics, PoolPagesLabels};
 use crate::model::Loaded;
 
 /// A tokenized request for one pool.
@@ -35,12 +37,17 @@ pub(super) struct Submit {
     pub(super) ids: Vec<u32>,
     pub(super) params: GenerateParams,
     pub(super) out: tmpsc::UnboundedSender<Out>,
+    /// Engine failures the request has lived through (0 when new).
+    pub(super) restarts: u32,
 }
 
 /// Messages to a pool's thread.
 pub(super) enum Msg {
     /// A new request.
     Submit(Submit),
+    /// The server is shutting down: end every request and the thread, and
+    /// free the engine's device state on this thread.
+    Close,
     /// Test-only: the engine panics in its next step.
     #[cfg(feature = "fault-injection")]
     InjectPanic,
@@ -71,6 +78,8 @@ pub(super) struct PoolHandle {
     /// Free (cached included), cached and total pages, and integrity
     /// aborts, as last published.
     pub(super) figures: Arc<[AtomicUsize; 4]>,
+    /// The engine's thread, until joined.
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl PoolHandle {
@@ -78,6 +87,16 @@ impl PoolHandle {
     pub(super) fn cached_prefix(&self, hashes: &[PageHash]) -> usize {
         let set = self.prefixes.read().unwrap_or_else(|p| p.into_inner());
         hashes.iter().take_while(|h| set.contains(h)).count()
+    }
+
+    /// Waits for the engine's thread to end (after [`Msg::Close`]).
+    pub(super) fn join(&self) {
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = thread
+            && t.join().is_err()
+        {
+            tracing::error!("an engine thread ended in a panic");
+        }
     }
 }
 
@@ -108,6 +127,13 @@ struct PoolThread {
     tenants: HashMap<Arc<str>, TenantId>,
     outs: HashMap<SeqId, Live>,
     aborts_seen: u64,
+    /// Messages taken from the channel and not yet handled (a failure
+    /// leaves the rest here for the rebuilt engine).
+    inbox: VecDeque<Msg>,
+    /// The request being admitted: a failure now is its doing.
+    admitting: Option<Live>,
+    /// A step is running: a failure now concerns its sequences.
+    stepping: bool,
 }
 
 /// Why an engine is rebuilt.
@@ -134,6 +160,7 @@ pub(super) fn spawn(
         capacity: config.scheduler.max_running,
         prefixes: Arc::default(),
         figures: Arc::default(),
+        thread: Mutex::new(None),
     };
     let page_gauges = ["in_use", "cached", "free"].map(|state| {
         metrics
@@ -158,6 +185,9 @@ pub(super) fn spawn(
         tenants: HashMap::new(),
         outs: HashMap::new(),
         aborts_seen: 0,
+        inbox: VecDeque::new(),
+        admitting: None,
+        stepping: false,
     };
     let compute = match threads {
         0 => None,
@@ -169,12 +199,13 @@ pub(super) fn spawn(
                 .map_err(std::io::Error::other)?,
         ),
     };
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name(format!("kiln-engine-{model}-{index}"))
         .spawn(move || match compute {
             Some(c) => c.install(|| state.run(engine, rx)),
             None => state.run(engine, rx),
         })?;
+    *handle.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);
     Ok(handle)
 }
 
@@ -190,37 +221,44 @@ impl PoolThread {
         loop {
             self.publish(&mut engine);
             // Block for work when idle; otherwise take what has arrived.
-            let first = if engine.has_work() {
-                rx.try_recv().ok()
-            } else {
+            if !engine.has_work() && self.inbox.is_empty() {
                 match rx.recv() {
-                    Ok(msg) => Some(msg),
+                    Ok(msg) => self.inbox.push_back(msg),
                     // Every handle is gone: the server is shutting down.
                     Err(_) => return,
                 }
-            };
-            let msgs: Vec<Msg> = first
-                .into_iter()
-                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
-                .collect();
-            let turn = std::panic::catch_unwind(AssertUnwindSafe(|| self.turn(&mut engine, msgs)));
+            }
+            self.inbox.extend(std::iter::from_fn(|| rx.try_recv().ok()));
+            if self.inbox.iter().any(|m| matches!(m, Msg::Close)) {
+                self.close();
+                // The engine (and its device memory) goes with this thread.
+                drop(engine);
+                tracing::info!(model = %self.model, pool = %self.pool, "engine stopped");
+                return;
+            }
+            let turn = std::panic::catch_unwind(AssertUnwindSafe(|| self.turn(&mut engine)));
             let failure = match turn {
                 Ok(Ok(())) => continue,
                 Ok(Err(e)) => Failure::Error(e),
                 Err(p) => Failure::Panic(panic_message(p.as_ref())),
             };
-            engine = self.restart(engine, failure, &rx);
+            match self.restart(engine, failure, &rx) {
+                Some(e) => engine = e,
+                // Closed while it could not be rebuilt.
+                None => return,
+            }
         }
     }
 
     /// Admits what arrived, cancels requests whose callers left, and runs
     /// a step if there is work.
-    fn turn(&mut self, engine: &mut Engine, msgs: Vec<Msg>) -> Result<(), String> {
-        for msg in msgs {
+    fn turn(&mut self, engine: &mut Engine) -> Result<(), String> {
+        while let Some(msg) = self.inbox.pop_front() {
             match msg {
                 Msg::Submit(sub) => self.admit(engine, sub),
                 #[cfg(feature = "fault-injection")]
                 Msg::InjectPanic => engine.inject_panic(),
+                Msg::Close => {}
             }
         }
         let gone: Vec<SeqId> = self
@@ -234,7 +272,10 @@ impl PoolThread {
             self.leave(seq);
         }
         if engine.has_work() {
-            self.step(engine)?;
+            self.stepping = true;
+            let stepped = self.step(engine);
+            self.stepping = false;
+            stepped?;
         }
         Ok(())
     }
@@ -245,25 +286,18 @@ impl PoolThread {
     }
 
     fn admit(&mut self, engine: &mut Engine, sub: Submit) {
-        let live = Live {
+        let tenant = self.tenant_id(&sub.tenant);
+        self.admitting = Some(Live {
             out: sub.out,
             tenant: sub.tenant,
             replay: Some((sub.salt, sub.ids.clone(), sub.params.clone())),
-            restarts: 0,
+            restarts: sub.restarts,
+        });
+        let added = engine.add_salted(tenant, sub.salt, sub.ids, sub.params);
+        let Some(live) = self.admitting.take() else {
+            return;
         };
-        self.readmit(engine, live, sub.salt, sub.ids, sub.params);
-    }
-
-    fn readmit(
-        &mut self,
-        engine: &mut Engine,
-        live: Live,
-        salt: Salt,
-        ids: Vec<u32>,
-        params: GenerateParams,
-    ) {
-        let tenant = self.tenant_id(&live.tenant);
-        match engine.add_salted(tenant, salt, ids, params) {
+        match added {
             Ok(seq) => {
                 self.outs.insert(seq, live);
             }
@@ -318,84 +352,5 @@ impl PoolThread {
             }
         }
         Ok(())
-    }
-
-    /// Replaces a failed engine: fails the requests the failure concerns,
-    /// builds a new engine (on the same weights after a panic; after a
-    /// device error, on weights loaded again) and gives it the rest.
-    fn restart(&mut self, old: Engine, failure: Failure, rx: &mpsc::Receiver<Msg>) -> Engine {
-        let blamed: HashSet<SeqId> = old.in_step().iter().copied().collect();
-        let (why, keep_weights) = match failure {
-            Failure::Panic(m) => (format!("panicked: {m}"), true),
-            Failure::Error(e) => (format!("failed: {e}"), false),
-        };
-        let mut failed = Vec::new();
-        let mut again = Vec::new();
-        // The caller hears no detail: a panic's message may quote another
-        // tenant's text from the same batch. The log has it.
-        let told = "failed inside a step";
-        for (seq, mut live) in std::mem::take(&mut self.outs) {
-            match live.replay.take() {
-                Some(replay) if !blamed.contains(&seq) && live.restarts == 0 => {
-                    live.restarts += 1;
-                    again.push((live, replay));
-                }
-                _ => {
-                    failed.push((seq, live.tenant.clone()));
-                    let _ = live.out.send(Out::Error(engine_restarted(told)));
-                    self.load.fetch_sub(1, Ordering::Relaxed);
-                }
-            }
-        }
-        tracing::error!(
-            model = %self.model,
-            pool = %self.pool,
-            failed = ?failed,
-            replayed = again.len(),
-            "the engine {why}; failing the requests of its step (sequence, tenant) and restarting it"
-        );
-        self.metrics
-            .engine_restarts
-            .get_or_create(&PoolLabels {
-                model: self.model.clone(),
-                pool: self.pool.clone(),
-            })
-            .inc();
-        if keep_weights {
-            old.into_loaded();
-        } else {
-            drop(old);
-        }
-        let mut engine = loop {
-            match Engine::new(self.loaded.clone(), self.config.clone()) {
-                Ok(e) => break e,
-                Err(e) => {
-                    tracing::error!(model = %self.model, pool = %self.pool, "rebuilding the engine failed: {e}; retrying");
-                    self.refuse_waiting(rx);
-                    std::thread::sleep(Duration::from_secs(1));
-                }
-            }
-        };
-        self.aborts_seen = 0;
-        for (live, (salt, ids, params)) in again {
-            self.readmit(&mut engine, live, salt, ids, params);
-        }
-        tracing::info!(model = %self.model, pool = %self.pool, "engine restarted");
-        engine
-    }
-
-    /// While no engine runs, answers what arrives with an error.
-    fn refuse_waiting(&mut self, rx: &mpsc::Receiver<Msg>) {
-        for msg in std::iter::from_fn(|| rx.try_recv().ok()) {
-            match msg {
-                Msg::Submit(sub) => {
-                    let e = "the model's engine is restarting; retry shortly".to_owned();
-                    let _ = sub.out.send(Out::Error(AiError::Overloaded(e)));
-                    self.load.fetch_sub(1, Ordering::Relaxed);
-                }
-                #[cfg(feature = "fault-injection")]
-                Msg::InjectPanic => {}
-            }
-        }
     }
 }

@@ -209,6 +209,7 @@ impl ServedModels {
             ids,
             params: generate,
             out,
+            restarts: 0,
         }));
         if sent.is_err() {
             pool.load.fetch_sub(1, Ordering::Relaxed);
@@ -371,9 +372,22 @@ impl Inference for ServedModels {
         Box::pin(async move { Ok(Box::new(Stream(rx?)) as Box<dyn TokenStream>) })
     }
 
+    fn close(&self) {
+        for pool in self.models.values().flat_map(|m| &m.pools) {
+            let _ = pool.tx.send(Msg::Close);
+        }
+        for pool in self.models.values().flat_map(|m| &m.pools) {
+            pool.join();
+        }
+    }
+
     fn list_models(&self, _tenant: &str) -> Vec<ModelInfo> {
         let mut v: Vec<ModelInfo> = self.models.values().map(|s| s.info.clone()).collect();
         v.sort_by(|a, b| a.id.cmp(&b.id));
         v
     }
 }
+
+#[cfg(test)]
+#[path = "params_fuzz.rs"]
+mod fuzz;

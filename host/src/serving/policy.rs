@@ -59,11 +59,12 @@ impl Quota {
         self.window.iter().map(|(_, n)| n).sum()
     }
 
-    /// Seconds until the oldest charge leaves the window.
+    /// Seconds until the oldest charge leaves the window (at least one: a
+    /// call blocked by reservations alone waits for calls in flight).
     fn wait(&self, now: Instant) -> u64 {
         self.window
             .front()
-            .map_or(0, |(t, _)| (WINDOW - (now - *t)).as_secs() + 1)
+            .map_or(1, |(t, _)| (WINDOW - (now - *t)).as_secs() + 1)
     }
 }
 
@@ -475,6 +476,10 @@ impl Inference for Gateway {
             let permit = self.admit(&req.tenant, &req.model, Cost::of_completion(&req))?;
             self.stream(permit, self.inner.stream_complete(req)).await
         })
+    }
+
+    fn close(&self) {
+        self.inner.close();
     }
 
     fn list_models(&self, tenant: &str) -> Vec<ModelInfo> {

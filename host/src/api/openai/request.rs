@@ -265,6 +265,10 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
 }
 
 #[cfg(test)]
+#[path = "request_fuzz.rs"]
+mod fuzz;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
