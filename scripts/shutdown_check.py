@@ -78,14 +78,17 @@ def main():
                 return 1
             time.sleep(0.5)
     print(f"up in {time.time() - start:.1f} s")
-    status, answer = exchange(port, "POST", "/v1/tenants", ADMIN, b'{"name": "flood"}')
-    assert status == 201, answer
-    key = answer["api_key"]
+    keys = {}
+    for name in ["flood", "keep"]:
+        status, answer = exchange(port, "POST", "/v1/tenants", ADMIN, f'{{"name": "{name}"}}'.encode())
+        assert status == 201, answer
+        keys[name] = answer["api_key"]
 
-    # 200 clients that start a stream and go away.
+    # 200 clients that start a stream and go away (past the tenant's cap of
+    # 32 calls in flight, the rest are refused: a flood all the same).
     def walk_away():
         try:
-            s = request(port, "POST", "/v1/chat/completions", key, stream_body(model, 512))
+            s = request(port, "POST", "/v1/chat/completions", keys["flood"], stream_body(model, 512))
             s.recv(1024)
             s.close()
         except OSError:
@@ -100,7 +103,7 @@ def main():
     # Streams that stay until the signal.
     kept = []
     for _ in range(8):
-        s = request(port, "POST", "/v1/chat/completions", key, stream_body(model, 4000))
+        s = request(port, "POST", "/v1/chat/completions", keys["keep"], stream_body(model, 4000))
         got = b""
         while b'"content"' not in got:
             chunk = s.recv(65536)
@@ -128,6 +131,8 @@ def main():
         closed = got.endswith(b"0\r\n\r\n")
         print(f"{'ok  ' if clean and closed else 'FAIL'} stream {i} ended "
               f"({'last event' if clean else 'cut'}, {'closed' if closed else 'unterminated'})")
+        if not (clean and closed):
+            print("   its last bytes:", got[-300:])
         ok &= clean and closed
     try:
         code = proc.wait(timeout=120)
