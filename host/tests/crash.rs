@@ -30,6 +30,10 @@ enum Op {
     Delete,
 }
 
+/// Writers at once, and how many of them run a short script and stop.
+const WRITERS: usize = 100;
+const SCRIPTED: usize = 24;
+
 /// A writer's operations in order, each with the status it got, if any.
 type Log = Arc<Mutex<Vec<(Op, Option<u16>)>>>;
 
@@ -56,22 +60,22 @@ fn sigkill_amid_deploys_and_deletes_keeps_every_acknowledged_change_and_no_orpha
         .expect("the server answers");
         assert_eq!(status, 201, "{answer}");
     }
-    // 25 writers, each the only one to change its own function, so its
+    // 100 writers at once, each the only one to change its own function, so its
     // operations have an order; the digests are shared across tenants.
     let stop = Arc::new(AtomicBool::new(false));
     let acked = Arc::new(AtomicUsize::new(0));
-    let logs: Vec<Log> = (0..25).map(|_| Log::default()).collect();
-    let writers: Vec<_> = (0..25)
+    let logs: Vec<Log> = (0..WRITERS).map(|_| Log::default()).collect();
+    let writers: Vec<_> = (0..WRITERS)
         .map(|w| {
             let (stop, acked, log) = (stop.clone(), acked.clone(), logs[w].clone());
             let (variants, key) = (variants.clone(), keys[w % 3].clone());
             std::thread::spawn(move || {
                 let path = format!("/v1/functions/f{w}");
-                // The first dozen run a short script and stop (a settled
+                // The first SCRIPTED run a short script and stop (a settled
                 // state to check); the rest run until the server dies.
                 let script: &[Op] = match w {
-                    0..12 if w % 2 == 0 => &[Op::Deploy, Op::Deploy, Op::Delete, Op::Deploy],
-                    0..12 => &[Op::Deploy, Op::Delete],
+                    0..SCRIPTED if w % 2 == 0 => &[Op::Deploy, Op::Deploy, Op::Delete, Op::Deploy],
+                    0..SCRIPTED => &[Op::Deploy, Op::Delete],
                     _ => &[],
                 };
                 for k in 0.. {
@@ -99,9 +103,9 @@ fn sigkill_amid_deploys_and_deletes_keeps_every_acknowledged_change_and_no_orpha
         })
         .collect();
     let deadline = Instant::now() + Duration::from_secs(120);
-    let scripted: usize = (0..12).map(|w| if w % 2 == 0 { 4 } else { 2 }).sum();
+    let scripted: usize = (0..SCRIPTED).map(|w| if w % 2 == 0 { 4 } else { 2 }).sum();
     let settled = || {
-        logs[..12]
+        logs[..SCRIPTED]
             .iter()
             .map(|l| {
                 l.lock()
@@ -112,7 +116,7 @@ fn sigkill_amid_deploys_and_deletes_keeps_every_acknowledged_change_and_no_orpha
             })
             .sum::<usize>()
     };
-    while acked.load(Ordering::Relaxed) < 100 || settled() < scripted {
+    while acked.load(Ordering::Relaxed) < 2 * WRITERS || settled() < scripted {
         assert!(
             Instant::now() < deadline,
             "the writers made no progress: {} acked; {:?}; log:\n{}",

@@ -44,10 +44,11 @@ impl Weight {
                 "{dtype:?} rows must be a multiple of {QK} long, got {cols}"
             )));
         }
-        let want = dtype.bytes_for(cols) * rows;
-        if bytes.len() != want {
+        let want = dtype.bytes_for(cols).checked_mul(rows);
+        if want != Some(bytes.len()) {
             return Err(KernelError::Shape(format!(
-                "{dtype:?} {rows}x{cols} needs {want} bytes, got {}",
+                "{dtype:?} {rows}x{cols} needs {} bytes, got {}",
+                want.map_or("more than usize".to_owned(), |w| w.to_string()),
                 bytes.len()
             )));
         }

@@ -95,6 +95,66 @@ async fn an_engine_panic_fails_the_step_it_hit_and_replays_requests_still_waitin
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_panic_in_one_pool_leaves_the_other_pools_streams_running() {
+    let config = EngineConfig {
+        kv_memory: 64 << 20,
+        ..Default::default()
+    };
+    let metrics = Metrics::default();
+    let served = Arc::new(
+        ServedModels::start(vec![(default_model(), config)], 2, metrics.engine.clone()).unwrap(),
+    );
+    let routed = |pool: usize| {
+        let labels = kiln_host::metrics::PoolLabels {
+            model: DEFAULT_MODEL.into(),
+            pool: pool.to_string(),
+        };
+        metrics.engine.pool_requests.get_or_create(&labels).get()
+    };
+    let with_session = |content: &str, max_tokens: u32, session: &str| {
+        let mut r = chat(content, max_tokens);
+        r.params.session = Some(session.into());
+        r
+    };
+    // A session key for each pool, found by where one-token calls land.
+    let mut sessions: [Option<String>; 2] = [None, None];
+    for i in 0..64 {
+        let key = format!("s{i}");
+        let before = [routed(0), routed(1)];
+        served.chat(with_session("Hi", 1, &key)).await.unwrap();
+        let pool = usize::from(routed(1) > before[1]);
+        sessions[pool].get_or_insert(key);
+        if sessions.iter().all(Option::is_some) {
+            break;
+        }
+    }
+    let [Some(calm), Some(failing)] = sessions else {
+        panic!("no session key reached both pools: {sessions:?}");
+    };
+    let mut stream = served
+        .stream_chat(with_session("Count from 1 to 100.", 200, &calm))
+        .await
+        .unwrap();
+    assert!(stream.next().await.is_ok());
+    assert!(served.inject_panic(DEFAULT_MODEL, 1));
+    let hit = served.chat(with_session("Say hi.", 4, &failing)).await;
+    assert!(
+        matches!(&hit, Err(AiError::Aborted(m)) if m.starts_with("engine_restarted")),
+        "{hit:?}"
+    );
+    // The other pool's stream runs to its end.
+    loop {
+        match stream.next().await {
+            Ok(kiln_runtime::StreamEvent::Delta(_)) => continue,
+            Ok(kiln_runtime::StreamEvent::Done(_)) => break,
+            Err(e) => panic!("pool 0's stream failed: {e:?}"),
+        }
+    }
+    let after = served.chat(with_session("Say hi.", 4, &failing)).await;
+    assert!(after.is_ok(), "{after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_panic_is_a_500_engine_restarted_and_the_model_keeps_serving() {
     let s = TestServer::start_with_models().await;
     let key = s.tenant("a").await;

@@ -300,22 +300,7 @@ fn safetensors_dir(dir: &Path) -> Result<(Model, Tokenizer), ModelError> {
     let get = |name: &str| -> Result<Option<Weight>, ModelError> {
         for st in &parsed {
             if let Ok(t) = st.tensor(name) {
-                let dtype = match t.dtype() {
-                    safetensors::Dtype::F32 => DType::F32,
-                    safetensors::Dtype::F16 => DType::F16,
-                    safetensors::Dtype::BF16 => DType::BF16,
-                    other => {
-                        return Err(ModelError::Unsupported(format!(
-                            "tensor {name} has dtype {other:?}"
-                        )));
-                    }
-                };
-                let shape = t.shape();
-                let cols = *shape.last().unwrap_or(&1);
-                let rows = shape.iter().rev().skip(1).product::<usize>().max(1);
-                return Weight::from_bytes(dtype, rows, cols, t.data().to_vec())
-                    .map(Some)
-                    .map_err(kernel);
+                return safetensors_weight(name, &t).map(Some);
             }
         }
         Ok(None)
@@ -323,6 +308,34 @@ fn safetensors_dir(dir: &Path) -> Result<(Model, Tokenizer), ModelError> {
     let model = build(config, get, &HF_NAMES)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     Ok((model, tokenizer))
+}
+
+/// One safetensors tensor as a weight matrix (its last dimension the
+/// row length).
+fn safetensors_weight(
+    name: &str,
+    t: &safetensors::tensor::TensorView<'_>,
+) -> Result<Weight, ModelError> {
+    let dtype = match t.dtype() {
+        safetensors::Dtype::F32 => DType::F32,
+        safetensors::Dtype::F16 => DType::F16,
+        safetensors::Dtype::BF16 => DType::BF16,
+        other => {
+            return Err(ModelError::Unsupported(format!(
+                "tensor {name} has dtype {other:?}"
+            )));
+        }
+    };
+    let shape = t.shape();
+    let cols = *shape.last().unwrap_or(&1);
+    let rows = shape
+        .iter()
+        .rev()
+        .skip(1)
+        .try_fold(1usize, |n, d| n.checked_mul(*d))
+        .ok_or_else(|| ModelError::Format(format!("tensor {name}'s shape overflows")))?
+        .max(1);
+    Weight::from_bytes(dtype, rows, cols, t.data().to_vec()).map_err(kernel)
 }
 
 /// Real shapes with seeded random bf16 weights, for benchmarks.
@@ -404,3 +417,7 @@ fn synthetic(spec: &str) -> Result<(Model, Tokenizer), ModelError> {
     };
     Ok((model, Tokenizer::bytes(vocab)))
 }
+
+#[cfg(test)]
+#[path = "safetensors_fuzz.rs"]
+mod fuzz;
