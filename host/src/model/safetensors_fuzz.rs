@@ -9,8 +9,14 @@ fn sample() -> Vec<u8> {
     let a: Vec<u8> = (0..24).collect();
     let b: Vec<u8> = (0..8).collect();
     let tensors = [
-        ("a", TensorView::new(safetensors::Dtype::F32, vec![2, 3], &a).unwrap()),
-        ("b", TensorView::new(safetensors::Dtype::BF16, vec![4], &b).unwrap()),
+        (
+            "a",
+            TensorView::new(safetensors::Dtype::F32, vec![2, 3], &a).unwrap(),
+        ),
+        (
+            "b",
+            TensorView::new(safetensors::Dtype::BF16, vec![4], &b).unwrap(),
+        ),
     ];
     safetensors::serialize(tensors, None).unwrap()
 }
