@@ -21,3 +21,13 @@ pub mod server;
 pub mod serving;
 /// The model backend of a server that serves none.
 pub use kiln_runtime::NoModels;
+
+/// Cases a property test of untrusted input runs: `default`, or
+/// `PROPTEST_CASES` for a longer run.
+#[cfg(test)]
+pub(crate) fn fuzz_cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(default)
+}

@@ -22,12 +22,7 @@ where
     B::Error: Into<BoxError>,
 {
     let drain_cap = limit.saturating_mul(2).max(limit + (1 << 20)) as u64;
-    let declared = req
-        .headers()
-        .get(hyper::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > drain_cap) {
+    if super::declared_length(&req).is_some_and(|n| n > drain_cap) {
         return Err(ApiError::too_large(limit));
     }
     let mut body = std::pin::pin!(req.into_body());

@@ -90,12 +90,7 @@ where
     B::Error: Into<BoxError>,
 {
     let limit = app.config.net.max_body_bytes;
-    let declared = req
-        .headers()
-        .get(hyper::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit) {
+    if super::declared_length(&req).is_some_and(|n| n > limit) {
         return Err(ApiError::body_too_large(limit));
     }
     let slot = app.instance_slot(&route.row.tenant)?;

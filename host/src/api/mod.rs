@@ -51,6 +51,14 @@ impl ApiError {
     }
 }
 
+/// The body length a request declares, if it declares one.
+fn declared_length<B>(req: &Request<B>) -> Option<u64> {
+    req.headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
 /// The bearer token of a request, if any.
 fn bearer<B>(req: &Request<B>) -> Option<&str> {
     let v = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;

@@ -77,7 +77,7 @@ fn stops() -> impl Strategy<Value = Vec<String>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(2000))]
+    #![proptest_config(ProptestConfig::with_cases(crate::fuzz_cases(2000)))]
 
     /// Against the plain reference (decode everything at once): the text
     /// streamed out is the reference's prefix, ends exactly where a stop

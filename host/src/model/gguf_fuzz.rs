@@ -97,9 +97,7 @@ fn deeply_nested_arrays_are_an_error_not_a_stack_overflow() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(
-        std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(500)
-    ))]
+    #![proptest_config(ProptestConfig::with_cases(crate::fuzz_cases(500)))]
 
     /// Bytes flipped, cut off or inserted anywhere: an error or a model.
     #[test]

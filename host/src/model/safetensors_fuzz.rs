@@ -30,9 +30,7 @@ fn the_sample_gives_its_weights() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(
-        std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(1000)
-    ))]
+    #![proptest_config(ProptestConfig::with_cases(crate::fuzz_cases(1000)))]
 
     #[test]
     fn damaged_files_never_panic(

@@ -51,9 +51,7 @@ fn messages() -> impl Strategy<Value = Vec<ChatMessage>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(
-        std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(500)
-    ))]
+    #![proptest_config(ProptestConfig::with_cases(crate::fuzz_cases(500)))]
 
     #[test]
     fn any_template_renders_or_errors(template in template(), messages in messages()) {

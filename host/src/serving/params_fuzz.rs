@@ -23,9 +23,7 @@ fn float() -> impl Strategy<Value = Option<f32>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(
-        std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(2000)
-    ))]
+    #![proptest_config(ProptestConfig::with_cases(crate::fuzz_cases(2000)))]
 
     #[test]
     fn any_guest_params_are_valid_settings_or_invalid_input(

@@ -59,9 +59,7 @@ fn json() -> impl Strategy<Value = Value> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(
-        std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(2000)
-    ))]
+    #![proptest_config(ProptestConfig::with_cases(crate::fuzz_cases(2000)))]
 
     #[test]
     fn any_json_body_validates_in_range_or_is_a_400(body in json()) {
