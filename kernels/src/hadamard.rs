@@ -9,9 +9,9 @@
 //! must leave room for them, so it spends the fp8 grid badly on the rest;
 //! the rotation spreads each outlier over all `n` channels (a channel of
 //! size `a` becomes `n` of size `a / sqrt(n)`), and the largest element of a
-//! rotated key is a few times its RMS. Measured on the default model, the
-//! rotated keys' largest element is 1.2-3x smaller than the raw keys', by layer (see
-//! docs/perf.md, session 10).
+//! rotated key is a few times its RMS. On the default model the rotated
+//! keys' largest element is 1.2-3x smaller than the raw keys', by layer
+//! (docs/perf.md, static fp8 pages).
 
 /// Rotates `x` in place by `H / sqrt(n)`, `n = x.len()` a power of two; the
 /// transform is its own inverse. Stage `h` (1, 2, 4, ...) pairs element `j`

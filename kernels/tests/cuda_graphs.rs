@@ -2,9 +2,9 @@
 //! start early (programmatic edges) computes exactly what the same launches
 //! compute one after another, and kernels that write a bf16 GEMM's input
 //! give exactly their f32 results rounded, and fused launches write
-//! exactly what the launches they replace write. CUDA only: with
-//! `KILN_TEST_DEVICE=cuda` (the GPU machine, where a CUDA that does not
-//! work fails the tests); on the CPU there is nothing to check.
+//! exactly what the launches they replace write. CUDA only, so ignored
+//! unless asked for: `KILN_TEST_DEVICE=cuda` with `--include-ignored` (the
+//! GPU machine, where a CUDA that does not work fails the tests).
 
 use half::bf16;
 use kiln_kernels::cuda::{CudaSlice, Gpu, RopeKv};
@@ -76,24 +76,24 @@ impl Chain {
     }
 }
 
-/// The GPU and a fresh seed (printed), with `KILN_TEST_DEVICE=cuda`; else
-/// none (there is nothing to check on the CPU).
-fn device() -> Option<(Gpu, u64)> {
+/// The GPU and a fresh seed (printed). The tests here are ignored unless
+/// asked for (`KILN_TEST_DEVICE=cuda`, `--include-ignored`): there is
+/// nothing to check on the CPU, so asked for without CUDA they fail.
+fn device() -> (Gpu, u64) {
     if std::env::var("KILN_TEST_DEVICE").as_deref() != Ok("cuda") {
-        return None;
+        panic!("needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored (scripts/gpu.sh run)");
     }
     let gpu = Gpu::open(0, true)
         .unwrap_or_else(|e| panic!("KILN_TEST_DEVICE=cuda, but CUDA does not work: {e}"));
     let seed: u64 = rand::rng().random();
     eprintln!("seed {seed}");
-    Some((gpu, seed))
+    (gpu, seed)
 }
 
 #[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn programmatic_graph_replays_exactly_what_eager_launches_compute() {
-    let Some((mut gpu, seed)) = device() else {
-        return;
-    };
+    let (mut gpu, seed) = device();
     let mut eager = Chain::new(&gpu, &mut ChaCha8Rng::seed_from_u64(seed));
     eager.launch(&gpu).unwrap();
     let want = eager.results(&gpu);
@@ -122,10 +122,9 @@ fn programmatic_graph_replays_exactly_what_eager_launches_compute() {
 }
 
 #[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn bf16_activations_equal_the_f32_results_rounded() {
-    let Some((gpu, seed)) = device() else {
-        return;
-    };
+    let (gpu, seed) = device();
     let rng = &mut ChaCha8Rng::seed_from_u64(seed);
     let mut v = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-3.0..3.0)).collect() };
     let rounded =
@@ -171,10 +170,9 @@ fn bf16_activations_equal_the_f32_results_rounded() {
 }
 
 #[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn fused_rope_and_kv_write_write_what_the_two_launches_write_from_separate_or_stacked_rows() {
-    let Some((gpu, seed)) = device() else {
-        return;
-    };
+    let (gpu, seed) = device();
     let rng = &mut ChaCha8Rng::seed_from_u64(seed);
     let (tokens, heads, kv_heads, pages) = (6usize, 8usize, 2usize, 4usize);
     for hd in [64usize, 128] {

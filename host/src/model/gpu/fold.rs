@@ -5,8 +5,8 @@
 //! next norm's weights with partial sums of squares, and the products
 //! after each norm (q/k/v, gate/up with SiLU-and-multiply, the head) scale
 //! by the norm's factor. A layer then runs no norm and no SiLU kernel: five
-//! launches instead of eight (on the H200 the c=1 step of Llama-3-8B went
-//! 4.21 -> 4.12 ms; docs/perf.md, session 9).
+//! launches instead of eight, which matters most when one row's GEMVs are
+//! short (docs/perf.md has the measured step times).
 
 use half::bf16;
 use kiln_kernels::KernelError;
