@@ -272,10 +272,10 @@ impl PoolThread {
             self.leave(seq);
         }
         if engine.has_work() {
+            // Left set by a failure, for `restart` to read.
             self.stepping = true;
-            let stepped = self.step(engine);
+            self.step(engine)?;
             self.stepping = false;
-            stepped?;
         }
         Ok(())
     }
