@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use kiln_host::engine::{EngineConfig, SchedulerConfig};
+use kiln_host::engine::{EngineConfig, Fault, SchedulerConfig};
 use kiln_host::metrics::Metrics;
 use kiln_host::model::DEFAULT_MODEL;
 use kiln_host::serving::ServedModels;
@@ -56,15 +56,9 @@ async fn an_engine_panic_fails_the_step_it_hit_and_replays_requests_still_waitin
         .unwrap();
     // Its first text has gone out, so it cannot be replayed.
     assert!(running.next().await.is_ok());
-    let waiting = tokio::spawn({
-        let served = served.clone();
-        async move { served.chat(chat("Say hi.", 4)).await }
-    });
-    while served.snapshot(DEFAULT_MODEL).unwrap().requests < 2 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    // Its submission is sent right after the count rises: let it land.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The call submits at once (its future only collects the answer), so
+    // the pool gets it before the fault.
+    let waiting = served.chat(chat("Say hi.", 4));
     assert!(served.inject_panic(DEFAULT_MODEL, 0));
     let failed = loop {
         match running.next().await {
@@ -78,7 +72,6 @@ async fn an_engine_panic_fails_the_step_it_hit_and_replays_requests_still_waitin
     }
     let replayed = waiting
         .await
-        .unwrap()
         .expect("the waiting request runs on the new engine");
     assert!(!replayed.text.is_empty());
     let after = served.chat(chat("Say hi.", 4)).await;
@@ -142,15 +135,62 @@ async fn an_engine_panic_in_one_pool_leaves_the_other_pools_streams_running() {
         matches!(&hit, Err(AiError::Aborted(m)) if m.starts_with("engine_restarted")),
         "{hit:?}"
     );
-    // The other pool's stream runs to its end.
+    // The other pool's stream runs on, to its end.
+    let mut later = 0;
     loop {
         match stream.next().await {
-            Ok(kiln_runtime::StreamEvent::Delta(_)) => continue,
+            Ok(kiln_runtime::StreamEvent::Delta(_)) => later += 1,
             Ok(kiln_runtime::StreamEvent::Done(_)) => break,
             Err(e) => panic!("pool 0's stream failed: {e:?}"),
         }
     }
+    assert!(later > 1, "pool 0's stream had ended before pool 1 failed");
     let after = served.chat(with_session("Say hi.", 4, &failing)).await;
+    assert!(after.is_ok(), "{after:?}");
+    let restarts = |pool: &str| {
+        let labels = kiln_host::metrics::PoolLabels {
+            model: DEFAULT_MODEL.into(),
+            pool: pool.into(),
+        };
+        metrics.engine.engine_restarts.get_or_create(&labels).get()
+    };
+    assert_eq!((restarts("0"), restarts("1")), (0, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_that_returns_an_error_fails_the_requests_in_it() {
+    // Prefill in chunks of 8 tokens: the fault lands before the request's
+    // first token, when it could still be replayed, but it was in the step.
+    let config = EngineConfig {
+        kv_memory: 32 << 20,
+        scheduler: SchedulerConfig {
+            max_running: 1,
+            max_tokens_per_step: 8,
+        },
+        ..Default::default()
+    };
+    let metrics = Metrics::default();
+    let served =
+        ServedModels::start(vec![(default_model(), config)], 1, metrics.engine.clone()).unwrap();
+    let call = served.chat(chat("Count from 1 to 100.", 8));
+    assert!(served.inject_fault(DEFAULT_MODEL, 0, Fault::Error));
+    match call.await {
+        Err(AiError::Aborted(m)) => assert!(m.starts_with("engine_restarted"), "{m}"),
+        other => panic!("the request in the failed step should fail: {other:?}"),
+    }
+    let labels = kiln_host::metrics::PoolLabels {
+        model: DEFAULT_MODEL.into(),
+        pool: "0".into(),
+    };
+    assert_eq!(
+        metrics.engine.engine_restarts.get_or_create(&labels).get(),
+        1
+    );
+    assert_eq!(
+        metrics.engine.engine_replays.get_or_create(&labels).get(),
+        0
+    );
+    let after = served.chat(chat("Say hi.", 4)).await;
     assert!(after.is_ok(), "{after:?}");
 }
 
@@ -203,7 +243,7 @@ async fn slow_clients_time_out_and_connections_past_the_cap_get_503() {
     let s = TestServer::start_with(|c| {
         // Long enough that every slow connection is still held when the
         // one past the cap arrives, even on a busy machine.
-        c.net.header_read_timeout = Duration::from_secs(2);
+        c.net.header_read_timeout = Duration::from_secs(5);
         c.net.max_connections = 8;
     })
     .await;

@@ -41,6 +41,16 @@ use scheduler::Scheduler;
 /// Tokens per KV page.
 pub const PAGE_SIZE: usize = 16;
 
+/// Test-only: how an injected fault fails a step.
+#[cfg(any(test, feature = "fault-injection"))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The step panics.
+    Panic,
+    /// The step returns an error.
+    Error,
+}
+
 /// Engine settings.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -163,9 +173,10 @@ pub struct Engine {
     /// The sequences of the step in progress: after a failure inside a
     /// step, the requests it concerns.
     stepping: Vec<SeqId>,
-    /// Test-only: the next step panics once it has its batch.
+    /// Test-only: the next step fails once it has its batch (a panic, or
+    /// an error as a device would return).
     #[cfg(any(test, feature = "fault-injection"))]
-    panic_next_step: bool,
+    fault_next_step: Option<Fault>,
 }
 
 impl Engine {
@@ -200,7 +211,7 @@ impl Engine {
             stats: EngineStats::default(),
             stepping: Vec::new(),
             #[cfg(any(test, feature = "fault-injection"))]
-            panic_next_step: false,
+            fault_next_step: None,
         })
     }
 
@@ -336,11 +347,11 @@ impl Engine {
         self.kv.corrupt_mapping(victim, donor, 0)
     }
 
-    /// Test-only: the next step panics once it has scheduled its batch, as
-    /// a bug inside a step would.
+    /// Test-only: the next step fails once it has scheduled its batch, as
+    /// a bug (a panic) or a device (an error) inside a step would.
     #[cfg(any(test, feature = "fault-injection"))]
-    pub fn inject_panic(&mut self) {
-        self.panic_next_step = true;
+    pub fn inject_fault(&mut self, fault: Fault) {
+        self.fault_next_step = Some(fault);
     }
 
     /// The sequences of the last step begun: after [`Engine::step`] failed
@@ -396,9 +407,12 @@ impl Engine {
         let plan = self.scheduler.schedule(&mut self.kv);
         self.stepping.extend(plan.scheduled.iter().map(|s| s.seq));
         #[cfg(any(test, feature = "fault-injection"))]
-        if self.panic_next_step && !self.stepping.is_empty() {
-            self.panic_next_step = false;
-            panic!("injected engine fault");
+        if !self.stepping.is_empty() {
+            match self.fault_next_step.take() {
+                Some(Fault::Panic) => panic!("injected engine fault"),
+                Some(Fault::Error) => return Err("injected device error".into()),
+                None => {}
+            }
         }
         self.stats.preemptions += plan.preempted.len() as u64;
         for (seq, hit) in &plan.prefix_hits {

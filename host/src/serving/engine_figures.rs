@@ -37,11 +37,11 @@ impl PoolThread {
         {
             slot.store(v, Ordering::Relaxed);
         }
-        for (gauge, n) in self
-            .page_gauges
-            .iter()
-            .zip([total - free, cached, free - cached])
-        {
+        for (gauge, n) in self.page_gauges.iter().zip([
+            total.saturating_sub(free),
+            cached,
+            free.saturating_sub(cached),
+        ]) {
             gauge.set(n as i64);
         }
         if aborts > self.aborts_seen {

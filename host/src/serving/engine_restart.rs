@@ -139,7 +139,7 @@ impl PoolThread {
                     self.load.fetch_sub(1, Ordering::Relaxed);
                 }
                 #[cfg(feature = "fault-injection")]
-                Msg::InjectPanic => {}
+                Msg::InjectFault(_) => {}
                 Msg::Close => closing = true,
             }
         }

@@ -48,9 +48,9 @@ pub(super) enum Msg {
     /// The server is shutting down: end every request and the thread, and
     /// free the engine's device state on this thread.
     Close,
-    /// Test-only: the engine panics in its next step.
+    /// Test-only: the engine fails in its next step.
     #[cfg(feature = "fault-injection")]
-    InjectPanic,
+    InjectFault(crate::engine::Fault),
 }
 
 /// Messages from the engine thread to one request.
@@ -219,7 +219,6 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 impl PoolThread {
     fn run(&mut self, mut engine: Engine, rx: mpsc::Receiver<Msg>) {
         loop {
-            self.publish(&mut engine);
             // Block for work when idle; otherwise take what has arrived.
             if !engine.has_work() && self.inbox.is_empty() {
                 match rx.recv() {
@@ -242,10 +241,18 @@ impl PoolThread {
                 Ok(Err(e)) => Failure::Error(e),
                 Err(p) => Failure::Panic(panic_message(p.as_ref())),
             };
-            match self.restart(engine, failure, &rx) {
-                Some(e) => engine = e,
+            let restarted =
+                std::panic::catch_unwind(AssertUnwindSafe(|| self.restart(engine, failure, &rx)));
+            match restarted {
+                Ok(Some(e)) => engine = e,
                 // Closed while it could not be rebuilt.
-                None => return,
+                Ok(None) => return,
+                Err(p) => {
+                    let m = panic_message(p.as_ref());
+                    tracing::error!(model = %self.model, pool = %self.pool, "restarting the engine panicked: {m}; the pool stops");
+                    self.close();
+                    return;
+                }
             }
         }
     }
@@ -257,7 +264,7 @@ impl PoolThread {
             match msg {
                 Msg::Submit(sub) => self.admit(engine, sub),
                 #[cfg(feature = "fault-injection")]
-                Msg::InjectPanic => engine.inject_panic(),
+                Msg::InjectFault(f) => engine.inject_fault(f),
                 Msg::Close => {}
             }
         }
@@ -277,6 +284,8 @@ impl PoolThread {
             self.step(engine)?;
             self.stepping = false;
         }
+        // Figures before the thread may block waiting for work.
+        self.publish(engine);
         Ok(())
     }
 

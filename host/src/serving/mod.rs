@@ -123,10 +123,17 @@ impl ServedModels {
     /// False if there is no such pool.
     #[cfg(feature = "fault-injection")]
     pub fn inject_panic(&self, model: &str, pool: usize) -> bool {
+        self.inject_fault(model, pool, crate::engine::Fault::Panic)
+    }
+
+    /// Test-only: makes the next step of `model`'s pool `pool` fail with
+    /// `fault`. False if there is no such pool.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_fault(&self, model: &str, pool: usize, fault: crate::engine::Fault) -> bool {
         self.models
             .get(model)
             .and_then(|m| m.pools.get(pool))
-            .is_some_and(|p| p.tx.send(Msg::InjectPanic).is_ok())
+            .is_some_and(|p| p.tx.send(Msg::InjectFault(fault)).is_ok())
     }
 
     /// The latest figures of `model`'s engines.
