@@ -7,13 +7,24 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use kiln_host::engine::{EngineConfig, Fault, SchedulerConfig};
-use kiln_host::metrics::Metrics;
+use kiln_host::metrics::{Metrics, PoolLabels};
 use kiln_host::model::DEFAULT_MODEL;
 use kiln_host::serving::ServedModels;
 use kiln_runtime::{AiError, ChatRequest, Inference, Message, Params, Role};
 use kiln_tests::{TestServer, default_model, error_of};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The default model's counter `family` for `pool`.
+fn pool_count(family: &Family<PoolLabels, Counter>, pool: usize) -> u64 {
+    let labels = PoolLabels {
+        model: DEFAULT_MODEL.into(),
+        pool: pool.to_string(),
+    };
+    family.get_or_create(&labels).get()
+}
 
 fn chat(content: &str, max_tokens: u32) -> ChatRequest {
     ChatRequest {
@@ -76,12 +87,8 @@ async fn an_engine_panic_fails_the_step_it_hit_and_replays_requests_still_waitin
     assert!(!replayed.text.is_empty());
     let after = served.chat(chat("Say hi.", 4)).await;
     assert!(after.is_ok(), "{after:?}");
-    let labels = kiln_host::metrics::PoolLabels {
-        model: DEFAULT_MODEL.into(),
-        pool: "0".into(),
-    };
-    let restarts = metrics.engine.engine_restarts.get_or_create(&labels).get();
-    let replays = metrics.engine.engine_replays.get_or_create(&labels).get();
+    let restarts = pool_count(&metrics.engine.engine_restarts, 0);
+    let replays = pool_count(&metrics.engine.engine_replays, 0);
     assert_eq!(restarts, 1);
     assert_eq!(replays, 1, "the waiting request was replayed");
     assert_eq!(served.snapshot(DEFAULT_MODEL).unwrap().requests, 0);
@@ -97,13 +104,7 @@ async fn an_engine_panic_in_one_pool_leaves_the_other_pools_streams_running() {
     let served = Arc::new(
         ServedModels::start(vec![(default_model(), config)], 2, metrics.engine.clone()).unwrap(),
     );
-    let routed = |pool: usize| {
-        let labels = kiln_host::metrics::PoolLabels {
-            model: DEFAULT_MODEL.into(),
-            pool: pool.to_string(),
-        };
-        metrics.engine.pool_requests.get_or_create(&labels).get()
-    };
+    let routed = |pool: usize| pool_count(&metrics.engine.pool_requests, pool);
     let with_session = |content: &str, max_tokens: u32, session: &str| {
         let mut r = chat(content, max_tokens);
         r.params.session = Some(session.into());
@@ -147,14 +148,8 @@ async fn an_engine_panic_in_one_pool_leaves_the_other_pools_streams_running() {
     assert!(later > 1, "pool 0's stream had ended before pool 1 failed");
     let after = served.chat(with_session("Say hi.", 4, &failing)).await;
     assert!(after.is_ok(), "{after:?}");
-    let restarts = |pool: &str| {
-        let labels = kiln_host::metrics::PoolLabels {
-            model: DEFAULT_MODEL.into(),
-            pool: pool.into(),
-        };
-        metrics.engine.engine_restarts.get_or_create(&labels).get()
-    };
-    assert_eq!((restarts("0"), restarts("1")), (0, 1));
+    let restarts = |pool| pool_count(&metrics.engine.engine_restarts, pool);
+    assert_eq!((restarts(0), restarts(1)), (0, 1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -178,18 +173,8 @@ async fn a_step_that_returns_an_error_fails_the_requests_in_it() {
         Err(AiError::Aborted(m)) => assert!(m.starts_with("engine_restarted"), "{m}"),
         other => panic!("the request in the failed step should fail: {other:?}"),
     }
-    let labels = kiln_host::metrics::PoolLabels {
-        model: DEFAULT_MODEL.into(),
-        pool: "0".into(),
-    };
-    assert_eq!(
-        metrics.engine.engine_restarts.get_or_create(&labels).get(),
-        1
-    );
-    assert_eq!(
-        metrics.engine.engine_replays.get_or_create(&labels).get(),
-        0
-    );
+    assert_eq!(pool_count(&metrics.engine.engine_restarts, 0), 1);
+    assert_eq!(pool_count(&metrics.engine.engine_replays, 0), 0);
     let after = served.chat(chat("Say hi.", 4)).await;
     assert!(after.is_ok(), "{after:?}");
 }

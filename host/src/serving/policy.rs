@@ -271,15 +271,9 @@ impl Gateway {
             ));
             return Err(self.reject(tenant, "concurrency", e));
         }
-        if let Some(tpm) = policy.tokens_per_minute
-            && let Err(e) = Self::reserve(&state, tenant, tpm, cost)
-        {
+        if let Err(e) = Self::reserve(&state, tenant, policy.tokens_per_minute, cost) {
             state.inflight.fetch_sub(1, Ordering::AcqRel);
             return Err(self.reject(tenant, "tokens_per_minute", e));
-        }
-        if policy.tokens_per_minute.is_none() {
-            let mut q = state.quota.lock().unwrap_or_else(|p| p.into_inner());
-            q.reserved += cost.total();
         }
         Ok(Permit {
             state,
@@ -291,31 +285,39 @@ impl Gateway {
         })
     }
 
-    /// Reserves `cost` if the tokens charged in the last minute, those
-    /// reserved by calls in flight and `cost` fit in `tpm`.
-    fn reserve(state: &TenantState, tenant: &str, tpm: u64, cost: Cost) -> Result<(), AiError> {
+    /// Reserves `cost`: always without a quota, and with one (`tpm`) if
+    /// the tokens charged in the last minute, those reserved by calls in
+    /// flight and `cost` fit in it.
+    fn reserve(
+        state: &TenantState,
+        tenant: &str,
+        tpm: Option<u64>,
+        cost: Cost,
+    ) -> Result<(), AiError> {
         let now = Instant::now();
         let mut q = state.quota.lock().unwrap_or_else(|p| p.into_inner());
-        let used = q.used(now);
         let need = cost.total();
-        if need > tpm {
-            return Err(AiError::QuotaExceeded(format!(
-                "this call may use {need} tokens (about {} of prompt and max-tokens {}), more \
-                 than tenant `{tenant}`'s whole quota of {tpm} tokens per minute; ask for fewer \
-                 tokens, or ask the operator to raise `tokens_per_minute` \
-                 (PUT /v1/tenants/{tenant}/policy)",
-                cost.prompt, cost.completion
-            )));
-        }
-        if used + q.reserved + need > tpm {
-            return Err(AiError::QuotaExceeded(format!(
-                "tenant `{tenant}` has used {used} and reserved {} of its {tpm} tokens per \
-                 minute, and this call may use {need} (prompt and max-tokens); retry in {} s, \
-                 ask for fewer tokens, or ask the operator to raise `tokens_per_minute` \
-                 (PUT /v1/tenants/{tenant}/policy)",
-                q.reserved,
-                q.wait(now)
-            )));
+        if let Some(tpm) = tpm {
+            let used = q.used(now);
+            if need > tpm {
+                return Err(AiError::QuotaExceeded(format!(
+                    "this call may use {need} tokens (about {} of prompt and max-tokens {}), more \
+                     than tenant `{tenant}`'s whole quota of {tpm} tokens per minute; ask for fewer \
+                     tokens, or ask the operator to raise `tokens_per_minute` \
+                     (PUT /v1/tenants/{tenant}/policy)",
+                    cost.prompt, cost.completion
+                )));
+            }
+            if used + q.reserved + need > tpm {
+                return Err(AiError::QuotaExceeded(format!(
+                    "tenant `{tenant}` has used {used} and reserved {} of its {tpm} tokens per \
+                     minute, and this call may use {need} (prompt and max-tokens); retry in {} s, \
+                     ask for fewer tokens, or ask the operator to raise `tokens_per_minute` \
+                     (PUT /v1/tenants/{tenant}/policy)",
+                    q.reserved,
+                    q.wait(now)
+                )));
+            }
         }
         q.reserved += need;
         Ok(())
