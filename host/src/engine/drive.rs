@@ -1,10 +1,9 @@
 //! Driving an engine outside the serving loop: one prompt to its end (for
 //! `kiln run` and tests) and teacher-forced logits (for parity checks).
 
-use super::runner::tag_words;
+use super::step::tag_words;
 use super::{Engine, Event, Finish, GenerateParams, Generation, TenantId};
-use crate::model::gpu::{SeqOut, StepTags};
-use crate::model::{BatchSeq, Draw};
+use crate::model::step::{Draw, SeqOut, Step, StepSeq, StepTags};
 
 impl Engine {
     /// Runs `prompt` alone to the end (for `kiln run` and tests): the
@@ -76,7 +75,7 @@ impl Engine {
             let chunks = std::iter::once((0, from)).chain((from..tokens.len()).map(|i| (i, i + 1)));
             let mut out = Vec::with_capacity(tokens.len() - from + 1);
             for (start, end) in chunks {
-                let seq = BatchSeq {
+                let seq = StepSeq {
                     tokens: &tokens[start..end],
                     start,
                     pages: &pages,
@@ -87,11 +86,14 @@ impl Engine {
                 let tags = self.kv.take_retagged();
                 let changes: Vec<(u32, [u64; 2])> =
                     tags.iter().map(|(p, t)| (*p, tag_words(t))).collect();
-                let step = StepTags {
-                    expected: &[],
-                    changes: &changes,
+                let step = Step {
+                    seqs: vec![seq],
+                    tags: StepTags {
+                        expected: &[],
+                        changes: &changes,
+                    },
                 };
-                let rows = self.runner.forward(&self.loaded, &[seq], step)?.rows;
+                let rows = self.runner.forward(&self.loaded, &step)?.rows;
                 out.extend(rows.into_iter().filter_map(|r| match r {
                     SeqOut::Logits(l) => Some(l),
                     SeqOut::Token(_) => None,

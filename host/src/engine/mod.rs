@@ -1,9 +1,10 @@
 //! The inference engine: continuous batching over a paged KV cache with
 //! per-page tags checked before every step.
 //!
-//! Plain synchronous code: [`Engine::step`] runs one scheduler step and one
-//! forward pass. Layers: scheduler → KV cache manager → block pool → free
-//! queue; the scheduler's output is the only contract with the model.
+//! Plain synchronous code: [`Engine::step`] plans with the scheduler,
+//! builds the model's [`Step`](crate::model::step::Step), runs it and
+//! applies its output. Layers: scheduler → KV cache manager → block pool →
+//! free queue; `model::step` holds the only types that cross to the model.
 
 pub mod block_pool;
 mod drive;
@@ -12,8 +13,8 @@ pub mod kv_manager;
 mod lru;
 pub mod prefix;
 mod request;
-mod runner;
 pub mod scheduler;
+mod step;
 mod text;
 
 use std::collections::HashMap;
@@ -21,8 +22,6 @@ use std::sync::Arc;
 
 use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
-use kiln_kernels::sample::sample;
-use rand::Rng;
 
 pub use block_pool::{PrefixChange, TenantId};
 pub use kv_manager::SeqId;
@@ -30,12 +29,10 @@ pub use prefix::{PageHash, Salt};
 pub use request::{Finish, GenerateParams};
 pub use scheduler::SchedulerConfig;
 
-use crate::model::gpu::{SeqOut, StepOut, StepTags};
-use crate::model::{BatchSeq, Draw, KvCache, Loaded};
+use crate::model::{KvCache, Loaded, Runner, RunnerOptions};
 use integrity::{IntegrityCheck, NoCheck, TagCheck};
 use kv_manager::KvCacheManager;
 use request::Request;
-use runner::{Runner, tag_words};
 use scheduler::Scheduler;
 
 /// Tokens per KV page.
@@ -187,7 +184,19 @@ impl Engine {
         let loaded = loaded.into();
         let page_bytes = KvCache::page_bytes(&loaded.model.config, config.kv_format, PAGE_SIZE);
         let num_pages = (config.kv_memory / page_bytes).max(1);
-        let runner = Runner::new(&loaded, &config, num_pages)?;
+        let runner = Runner::new(
+            &loaded,
+            RunnerOptions {
+                device: config.device,
+                kv_format: config.kv_format,
+                page_size: PAGE_SIZE,
+                num_pages,
+                graphs: config.cuda_graphs,
+                programmatic: config.cuda_pdl,
+                fold: config.cuda_fold,
+                flash_prefill: config.flash_prefill,
+            },
+        )?;
         let checker: Box<dyn IntegrityCheck> = if config.integrity {
             Box::new(TagCheck)
         } else {
@@ -234,18 +243,12 @@ impl Engine {
     /// Bytes of weights a decode step reads (every layer's matrices and the
     /// output head) where the forward pass runs.
     pub fn weight_bytes(&self) -> usize {
-        match &self.runner {
-            Runner::Gpu(model, _) => model.weight_bytes(),
-            Runner::Cpu(_) => self.loaded.model.weight_bytes(),
-        }
+        self.runner.weight_bytes(&self.loaded)
     }
 
     /// The device's copy bandwidth in GB/s, on a GPU.
     pub fn copy_bandwidth(&self) -> Option<f64> {
-        match &self.runner {
-            Runner::Gpu(model, _) => model.copy_bandwidth().ok(),
-            Runner::Cpu(_) => None,
-        }
+        self.runner.copy_bandwidth()
     }
 
     /// Free KV pages.
@@ -398,174 +401,5 @@ impl Engine {
     /// Sequences admitted and not finished (holding KV pages).
     pub fn running(&self) -> usize {
         self.scheduler.running()
-    }
-
-    /// Runs one step: schedule, check page tags, forward, sample.
-    pub fn step(&mut self) -> Result<Vec<Event>, String> {
-        let mut events = Vec::new();
-        self.stepping.clear();
-        let plan = self.scheduler.schedule(&mut self.kv);
-        self.stepping.extend(plan.scheduled.iter().map(|s| s.seq));
-        #[cfg(any(test, feature = "fault-injection"))]
-        if !self.stepping.is_empty() {
-            match self.fault_next_step.take() {
-                Some(Fault::Panic) => panic!("injected engine fault"),
-                Some(Fault::Error) => return Err("injected device error".into()),
-                None => {}
-            }
-        }
-        self.stats.preemptions += plan.preempted.len() as u64;
-        for (seq, hit) in &plan.prefix_hits {
-            if let Some(r) = self.requests.get_mut(seq) {
-                // The first admission counts; a readmission after
-                // preemption finds its own pages, which is no saving.
-                r.cached_tokens.get_or_insert(*hit);
-            }
-        }
-        if plan.scheduled.is_empty() {
-            return Ok(events);
-        }
-        let ids: Vec<SeqId> = plan.scheduled.iter().map(|s| s.seq).collect();
-        // On a GPU the check runs inside the step; on the CPU, here.
-        let device_check = self.runner.on_gpu() && self.checker.enabled();
-        let ok = if device_check {
-            vec![true; ids.len()]
-        } else {
-            self.kv.check(&ids, self.checker.as_ref())
-        };
-        let mut run = Vec::with_capacity(ids.len());
-        for (sch, ok) in plan.scheduled.iter().zip(ok) {
-            if ok {
-                run.push(sch.clone());
-            } else {
-                self.integrity_abort(sch.seq, &mut events);
-            }
-        }
-        let changes: Vec<(u32, [u64; 2])> = self
-            .kv
-            .take_retagged()
-            .iter()
-            .map(|(p, t)| (*p, tag_words(t)))
-            .collect();
-        // A device samples with the request's own next draw, so the
-        // request's generator advances as it does on the host.
-        let device_draws = self.runner.on_gpu() && self.device_sampling;
-        let draws: Vec<Draw> = run
-            .iter()
-            .map(|s| match self.requests.get_mut(&s.seq) {
-                Some(r) if s.sample && r.sampling().is_greedy() => Draw::Greedy,
-                Some(r) if s.sample && device_draws => Draw::Sample {
-                    params: r.sampling(),
-                    uniform: r.rng.random::<f32>(),
-                },
-                _ => Draw::Logits,
-            })
-            .collect();
-        let mut expected = Vec::new();
-        let batch: Vec<BatchSeq<'_>> = run
-            .iter()
-            .zip(&draws)
-            .map(|(s, draw)| {
-                let r = &self.requests[&s.seq];
-                let table = self.kv.table(s.seq);
-                if device_check && let Some(t) = table {
-                    expected.extend(t.expected.iter().map(tag_words));
-                }
-                BatchSeq {
-                    tokens: &r.tokens[s.start..s.start + s.count],
-                    start: s.start,
-                    pages: table.map(|t| t.pages.as_slice()).unwrap_or(&[]),
-                    logits: s.sample,
-                    write_kv: s.write_kv,
-                    draw: *draw,
-                }
-            })
-            .collect();
-        let tags = StepTags {
-            expected: &expected,
-            changes: &changes,
-        };
-        let StepOut { rows, ok, device } = self.runner.forward(&self.loaded, &batch, tags)?;
-        self.stats.last_step_device_us = device.as_micros() as u64;
-        self.stats.steps += 1;
-        self.stats.last_step_seqs = batch.len();
-        self.stats.last_step_tokens = batch.iter().map(|b| b.tokens.len()).sum();
-        // Sequences the device's check stopped: their results are void.
-        let mut failed = std::collections::HashSet::new();
-        for (s, ok) in run.iter().zip(ok) {
-            if !ok {
-                failed.insert(s.seq);
-                self.integrity_abort(s.seq, &mut events);
-            }
-        }
-        // Name the pages this step filled, before any of them is released.
-        for s in run.iter().filter(|s| !failed.contains(&s.seq)) {
-            if let Some(r) = self.requests.get_mut(&s.seq)
-                && let Some(salt) = r.salt
-            {
-                let computed = s.start + s.count;
-                prefix::extend_hashes(&mut r.hashes, &salt, &r.tokens[..computed], PAGE_SIZE);
-                self.kv.cache_pages(s.seq, &r.hashes, computed);
-            }
-        }
-        let ctx = self
-            .loaded
-            .model
-            .config
-            .context_length
-            .min(self.kv.num_pages() * PAGE_SIZE);
-        let mut rows = rows.into_iter();
-        for s in run.iter().filter(|s| s.sample) {
-            let Some(row) = rows.next() else { break };
-            if failed.contains(&s.seq) {
-                continue;
-            }
-            let Some(r) = self.requests.get_mut(&s.seq) else {
-                continue;
-            };
-            let token = match row {
-                SeqOut::Logits(l) => sample(&l, r.sampling(), &mut r.rng),
-                SeqOut::Token(t) => t,
-            };
-            let tokenizer = &self.loaded.tokenizer;
-            let decode = |t: &[u32]| tokenizer.decode(t);
-            let eos = tokenizer.is_eos(token) && !r.params.ignore_eos;
-            let mut finish = None;
-            if eos {
-                finish = Some(Finish::Stop);
-            } else {
-                r.tokens.push(token);
-                self.scheduler.append_token(s.seq);
-                let generated = &r.tokens[r.prompt_len..];
-                if r.text.push(generated, decode) {
-                    finish = Some(Finish::Stop);
-                } else if generated.len() >= r.params.max_tokens || r.tokens.len() >= ctx {
-                    finish = Some(Finish::Length);
-                }
-            }
-            // At the end, text held for an incomplete character is final
-            // (and may still complete a stop string).
-            if finish.is_some() && r.text.flush(&r.tokens[r.prompt_len..], decode) {
-                finish = Some(Finish::Stop);
-            }
-            let text = r.text.take_delta(finish.is_some());
-            if !eos {
-                events.push(Event::Token {
-                    seq: s.seq,
-                    token: Some(token),
-                    text,
-                });
-            } else if !text.is_empty() {
-                events.push(Event::Token {
-                    seq: s.seq,
-                    token: None,
-                    text,
-                });
-            }
-            if let Some(f) = finish {
-                self.finish(s.seq, f, &mut events);
-            }
-        }
-        Ok(events)
     }
 }

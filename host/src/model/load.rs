@@ -5,18 +5,18 @@ use std::path::Path;
 
 use kiln_kernels::matmul::Weight;
 use kiln_kernels::ops::{Llama3Scaling, Rope, RopeStyle};
-use kiln_kernels::quant::{DType, quantize};
-use rand::{Rng, SeedableRng};
+use kiln_kernels::quant::DType;
 
+use super::arch::{self, Block, Decoder};
+use super::cpu::{Host, Model};
 use super::gguf::Gguf;
-use super::llama::{Layer, Model};
-use super::{Arch, Loaded, ModelConfig, ModelError, Tokenizer};
+use super::{Loaded, ModelConfig, ModelError, Tokenizer};
 
 /// Loads `source`: a `.gguf` file, a Hugging Face directory (config.json,
 /// *.safetensors, tokenizer.json) or `synthetic:NAME`.
 pub fn load(name: &str, source: &str) -> Result<Loaded, ModelError> {
     let (model, tokenizer) = if let Some(spec) = source.strip_prefix("synthetic:") {
-        synthetic(spec)?
+        super::synthetic::synthetic(spec)?
     } else {
         let path = Path::new(source);
         if path.is_dir() {
@@ -33,7 +33,7 @@ pub fn load(name: &str, source: &str) -> Result<Loaded, ModelError> {
     })
 }
 
-fn kernel(e: kiln_kernels::KernelError) -> ModelError {
+pub(super) fn kernel(e: kiln_kernels::KernelError) -> ModelError {
     ModelError::Format(e.to_string())
 }
 
@@ -53,10 +53,10 @@ fn build(
     };
     let embed = need(names.embed.into())?;
     let norm = vector(need(names.norm.into())?);
-    let mut layers = Vec::with_capacity(config.layers);
+    let mut blocks = Vec::with_capacity(config.layers);
     for i in 0..config.layers {
         let t = |suffix: &str| (names.layer)(i, suffix);
-        let bias = if config.arch == Arch::Qwen2 {
+        let qkv_bias = if config.arch.qkv_bias() {
             Some([
                 vector(need(t("q_bias"))?),
                 vector(need(t("k_bias"))?),
@@ -65,17 +65,14 @@ fn build(
         } else {
             None
         };
-        layers.push(Layer {
+        blocks.push(Block::<Host> {
             attn_norm: vector(need(t("attn_norm"))?),
-            wq: need(t("q"))?,
-            wk: need(t("k"))?,
-            wv: need(t("v"))?,
+            qkv: vec![need(t("q"))?, need(t("k"))?, need(t("v"))?],
+            qkv_bias,
             wo: need(t("o"))?,
-            bias,
             ffn_norm: vector(need(t("ffn_norm"))?),
-            w_gate: need(t("gate"))?,
-            w_up: need(t("up"))?,
-            w_down: need(t("down"))?,
+            gate_up: vec![need(t("gate"))?, need(t("up"))?],
+            down: need(t("down"))?,
         });
     }
     let output = get(names.output)?;
@@ -87,10 +84,12 @@ fn build(
     );
     Ok(Model {
         config,
-        embed,
-        layers,
-        norm,
-        output,
+        weights: Decoder {
+            embed,
+            blocks,
+            norm,
+            output,
+        },
         rope,
     })
 }
@@ -155,15 +154,11 @@ const HF_NAMES: Names = Names {
 fn gguf(path: &Path) -> Result<(Model, Tokenizer), ModelError> {
     let g = Gguf::open(path)?;
     let arch_name = g.str("general.architecture").unwrap_or("?").to_owned();
-    let arch = match arch_name.as_str() {
-        "llama" => Arch::Llama,
-        "qwen2" => Arch::Qwen2,
-        other => {
-            return Err(ModelError::Unsupported(format!(
-                "architecture `{other}`; Kiln runs llama-family models (llama, qwen2)"
-            )));
-        }
-    };
+    let arch = arch::from_gguf(&arch_name).ok_or_else(|| {
+        ModelError::Unsupported(format!(
+            "architecture `{arch_name}`; Kiln runs llama-family models (llama, qwen2)"
+        ))
+    })?;
     let key = |k: &str| format!("{arch_name}.{k}");
     let int = |k: &str| {
         g.int(&key(k))
@@ -194,13 +189,7 @@ fn gguf(path: &Path) -> Result<(Model, Tokenizer), ModelError> {
             .unwrap_or(1e-5) as f32,
         rope_theta: g.float(&key("rope.freq_base")).unwrap_or(10000.0) as f32,
         rope_scaling: None,
-        // ggml's llama rotates interleaved pairs (the converter permutes
-        // q and k for that); qwen2 uses the "neox" halves.
-        rope_style: if arch == Arch::Llama {
-            RopeStyle::Interleaved
-        } else {
-            RopeStyle::Half
-        },
+        rope_style: arch.gguf_rope_style(),
         context_length: int("context_length").unwrap_or(4096),
     };
     let get = |name: &str| -> Result<Option<Weight>, ModelError> {
@@ -233,15 +222,11 @@ fn safetensors_dir(dir: &Path) -> Result<(Model, Tokenizer), ModelError> {
     let cfg: serde_json::Value = serde_json::from_slice(&read(&dir.join("config.json"))?)
         .map_err(|e| ModelError::Format(format!("config.json: {e}")))?;
     let arch_name = cfg["architectures"][0].as_str().unwrap_or("?");
-    let arch = match arch_name {
-        "LlamaForCausalLM" | "MistralForCausalLM" => Arch::Llama,
-        "Qwen2ForCausalLM" => Arch::Qwen2,
-        other => {
-            return Err(ModelError::Unsupported(format!(
-                "architecture `{other}`; Kiln runs Llama, Mistral and Qwen2"
-            )));
-        }
-    };
+    let arch = arch::from_hf(arch_name).ok_or_else(|| {
+        ModelError::Unsupported(format!(
+            "architecture `{arch_name}`; Kiln runs Llama, Mistral and Qwen2"
+        ))
+    })?;
     let u = |k: &str| {
         cfg[k]
             .as_u64()
@@ -336,86 +321,6 @@ fn safetensors_weight(
         .ok_or_else(|| ModelError::Format(format!("tensor {name}'s shape overflows")))?
         .max(1);
     Weight::from_bytes(dtype, rows, cols, t.data().to_vec()).map_err(kernel)
-}
-
-/// Real shapes with seeded random bf16 weights, for benchmarks.
-fn synthetic(spec: &str) -> Result<(Model, Tokenizer), ModelError> {
-    // (hidden, layers, heads, kv_heads, ffn, vocab, theta)
-    let (hidden, layers, heads, kv_heads, ffn, vocab, theta) = match spec {
-        "llama-3-8b" => (4096, 32, 32, 8, 14336, 128256, 500000.0),
-        "llama-3.2-1b" => (2048, 16, 32, 8, 8192, 128256, 500000.0),
-        "smollm2-135m" => (576, 30, 9, 3, 1536, 49152, 100000.0),
-        other => {
-            return Err(ModelError::Unsupported(format!(
-                "unknown synthetic model `{other}`; try synthetic:llama-3-8b, synthetic:llama-3.2-1b or synthetic:smollm2-135m"
-            )));
-        }
-    };
-    let config = ModelConfig {
-        arch: Arch::Llama,
-        vocab,
-        hidden,
-        layers,
-        heads,
-        kv_heads,
-        head_dim: hidden / heads,
-        ffn,
-        eps: 1e-5,
-        rope_theta: theta,
-        rope_scaling: None,
-        rope_style: RopeStyle::Half,
-        context_length: 8192,
-    };
-    // Each matrix from its own seed, its rows in parallel (a generator per
-    // 64-row band), so an 8B model builds in seconds on a many-core host
-    // and is the same whatever the thread count.
-    let mut next = 0x6b696c6e_u64;
-    let mut weight = |rows: usize, cols: usize| {
-        use rayon::prelude::*;
-        next += 1;
-        let seed = next;
-        // Uniform with the std of N(0, 0.02), the usual init scale.
-        let a = 0.02 * 3f32.sqrt();
-        let mut bytes = vec![0u8; rows * cols * 2];
-        bytes
-            .par_chunks_mut(64 * cols * 2)
-            .enumerate()
-            .for_each(|(band, out)| {
-                let mut rng = rand::rngs::StdRng::seed_from_u64(seed << 20 ^ band as u64);
-                let values: Vec<f32> = (0..out.len() / 2)
-                    .map(|_| rng.random_range(-a..a))
-                    .collect();
-                out.copy_from_slice(&quantize(DType::BF16, &values));
-            });
-        Weight::from_bytes(DType::BF16, rows, cols, bytes)
-    };
-    let hd = hidden / heads;
-    let mut layer_list = Vec::with_capacity(layers);
-    for _ in 0..layers {
-        layer_list.push(Layer {
-            attn_norm: vec![1.0; hidden],
-            wq: weight(heads * hd, hidden).map_err(kernel)?,
-            wk: weight(kv_heads * hd, hidden).map_err(kernel)?,
-            wv: weight(kv_heads * hd, hidden).map_err(kernel)?,
-            wo: weight(hidden, heads * hd).map_err(kernel)?,
-            bias: None,
-            ffn_norm: vec![1.0; hidden],
-            w_gate: weight(ffn, hidden).map_err(kernel)?,
-            w_up: weight(ffn, hidden).map_err(kernel)?,
-            w_down: weight(hidden, ffn).map_err(kernel)?,
-        });
-    }
-    let embed = weight(vocab, hidden).map_err(kernel)?;
-    let rope = Rope::new(hd, theta, None, RopeStyle::Half);
-    let model = Model {
-        config,
-        embed,
-        layers: layer_list,
-        norm: vec![1.0; hidden],
-        output: None,
-        rope,
-    };
-    Ok((model, Tokenizer::bytes(vocab)))
 }
 
 #[cfg(test)]

@@ -1,18 +1,25 @@
 //! Models: loading (GGUF, safetensors, synthetic), tokenizers and chat
-//! templates, and the llama-family forward pass over paged KV.
+//! templates, each architecture's forward pass written once over the
+//! operations two backends implement (the CPU and CUDA), and the step
+//! contract with the engine.
 
+mod arch;
 mod config;
+mod cpu;
 mod fetch;
 pub mod gguf;
 pub mod gpu;
-mod llama;
 mod load;
+mod runner;
+pub mod step;
+mod synthetic;
 mod tokenizer;
 
 pub use config::{Arch, ModelConfig};
+pub use cpu::{KvCache, Model};
 pub use fetch::{DEFAULT_MODEL, default_cache_dir, resolve_model};
-pub use llama::{BatchSeq, Draw, KvCache, Model};
 pub use load::load;
+pub use runner::{Runner, RunnerOptions};
 pub use tokenizer::{ChatMessage, Tokenizer};
 
 /// Errors of loading a model or its tokenizer.

@@ -7,10 +7,13 @@ use std::ops::Range;
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{CudaView, TagLayout};
 
-use super::step::{GRAPH_MAX_SEQS, StepTags};
-use crate::model::llama::{BatchSeq, Draw};
+use crate::model::step::{Draw, StepSeq, StepTags};
 
 type R<T> = Result<T, KernelError>;
+
+/// Most sequences a captured step may hold (cuBLAS runs on a fixed
+/// workspace, so GEMMs are captured along with the custom kernels).
+pub(super) const GRAPH_MAX_SEQS: usize = 256;
 
 /// Captured decode steps above this many sequences run a batch size
 /// rounded up to a multiple of it, so the sizes a full engine passes
@@ -208,7 +211,7 @@ pub(super) fn ints<'a>(inputs: &'a CudaView<'a, u32>, range: Range<usize>) -> Cu
 impl Inputs {
     /// The step's inputs for `batch`, with pages of `page_size` tokens and a
     /// vocabulary of `vocab` token ids.
-    pub(super) fn gather(batch: &[BatchSeq<'_>], page_size: usize, vocab: usize) -> R<Inputs> {
+    pub(super) fn gather(batch: &[StepSeq<'_>], page_size: usize, vocab: usize) -> R<Inputs> {
         let mut x = Self {
             seq_tab: vec![0],
             tok_off: vec![0],
@@ -304,8 +307,8 @@ mod tests {
         assert_eq!(x.draws.len(), 4);
     }
 
-    fn seq<'a>(tokens: &'a [u32], start: usize, pages: &'a [u32]) -> BatchSeq<'a> {
-        BatchSeq {
+    fn seq<'a>(tokens: &'a [u32], start: usize, pages: &'a [u32]) -> StepSeq<'a> {
+        StepSeq {
             tokens,
             start,
             pages,

@@ -18,7 +18,7 @@ pub(super) type NormIn<'a> = (
 );
 
 /// Weights of one input width, each with its own output.
-pub(super) enum Linear {
+pub(crate) enum Linear {
     /// One stack, row block after row block (`parts` rows each).
     Stacked {
         /// The stacked rows.

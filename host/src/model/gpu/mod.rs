@@ -1,20 +1,17 @@
-//! The llama forward pass on a CUDA GPU: weights resident on the device
-//! (GGUF blocks as stored, anything else as bf16), paged KV (bf16 or fp8)
-//! on the device, the same [`BatchSeq`] contract as the CPU path. The
-//! page-tag check runs inside the step (see [`step`]); greedy sequences get
-//! their token from an argmax on the device, others their logits.
-//!
-//! Prefill tokens still attend through the decode attention kernel, one
-//! query per token (correct, not yet flash-style).
+//! The CUDA backend: weights resident on the device (GGUF blocks as
+//! stored, anything else as bf16), paged KV (bf16 or fp8) on the device,
+//! the operations of [`Ops`](super::arch::Ops) as kernel launches
+//! ([`ops`]). The page-tag check runs inside the step (see [`step`]);
+//! greedy sequences get their token from an argmax on the device, sampled
+//! ones from a sampler on the device, others their logits.
 
 mod fold;
 mod inputs;
 mod linear;
+mod ops;
 mod step;
 
 use linear::Linear;
-
-pub use step::{SeqOut, StepOut, StepTags};
 
 use std::collections::{HashMap, HashSet};
 
@@ -26,25 +23,60 @@ use kiln_kernels::cuda::{
     AttentionBuffers, CudaSlice, DeviceWeight, GemmScratch, Gpu, NormSum, PagedKv,
 };
 use kiln_kernels::kv::{KvFormat, KvLayout};
+use kiln_kernels::matmul::Weight;
 
-#[cfg(doc)]
-use super::llama::BatchSeq;
-use super::llama::Model;
+use super::arch::{Backend, Convert, Decoder};
+use super::cpu::{Host, Model};
 use super::{ModelConfig, ModelError};
 
 type R<T> = Result<T, KernelError>;
 
-/// One block's weights on the device.
-struct GpuLayer {
-    attn_norm: CudaSlice<f32>,
-    /// q, k and v.
-    qkv: Linear,
-    wo: DeviceWeight,
-    bias: Option<[CudaSlice<f32>; 3]>,
-    ffn_norm: CudaSlice<f32>,
-    /// gate and up.
-    gate_up: Linear,
-    w_down: DeviceWeight,
+/// Weights on a CUDA device.
+pub(crate) struct Cuda;
+
+impl Backend for Cuda {
+    type Vector = CudaSlice<f32>;
+    type Matrix = DeviceWeight;
+    type Stack = Linear;
+
+    fn matrix_bytes(m: &DeviceWeight) -> usize {
+        m.size_bytes()
+    }
+
+    fn stack_bytes(s: &Linear) -> usize {
+        s.size_bytes()
+    }
+}
+
+/// Uploads host weights, noting whether any is block-quantized.
+struct Upload<'a> {
+    gpu: &'a Gpu,
+    blocks: bool,
+}
+
+impl Upload<'_> {
+    fn note(&mut self, w: &DeviceWeight) {
+        self.blocks |= matches!(w, DeviceWeight::Blocks { .. });
+    }
+}
+
+impl Convert<Host, Cuda> for Upload<'_> {
+    fn vector(&mut self, v: &Vec<f32>) -> R<CudaSlice<f32>> {
+        self.gpu.upload(v)
+    }
+
+    fn matrix(&mut self, m: &Weight) -> R<DeviceWeight> {
+        let w = self.gpu.weight(m)?;
+        self.note(&w);
+        Ok(w)
+    }
+
+    fn stack(&mut self, s: &Vec<Weight>) -> R<Linear> {
+        let ws: Vec<&Weight> = s.iter().collect();
+        let l = Linear::upload(self.gpu, &ws)?;
+        l.weights().for_each(|w| self.note(w));
+        Ok(l)
+    }
 }
 
 /// A model's weights on a GPU.
@@ -52,10 +84,7 @@ pub struct GpuModel {
     gpu: Gpu,
     ordinal: usize,
     config: ModelConfig,
-    embed: DeviceWeight,
-    layers: Vec<GpuLayer>,
-    norm: CudaSlice<f32>,
-    output: Option<DeviceWeight>,
+    weights: Decoder<Cuda>,
     inv_freq: CudaSlice<f32>,
     /// Whether any weight is block-quantized (its GEMMs need f32 scratch).
     blocks: bool,
@@ -101,27 +130,45 @@ struct Work {
     rows: usize,
     /// The step's inputs (32-bit words), one upload per step.
     inputs: CudaSlice<u32>,
+    /// The buffers the launches write.
+    b: Buffers,
+}
+
+/// The buffers a step's launches write, a row per token (`h` to `up`) or
+/// per result (`last`, `logits`).
+pub(super) struct Buffers {
     /// Final hidden rows of the sequences that want a result.
-    last: CudaSlice<f32>,
+    pub last: CudaSlice<f32>,
     /// Their logits.
-    logits: CudaSlice<f32>,
-    /// Per sequence: its tag-check flag; then each result row's argmax.
-    small: CudaSlice<u32>,
-    h: CudaSlice<f32>,
-    xn: CudaSlice<f32>,
-    q: CudaSlice<f32>,
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
+    pub logits: CudaSlice<f32>,
+    /// Per sequence: its tag-check flag; then each result row's token.
+    pub small: CudaSlice<u32>,
+    /// The residual stream.
+    pub h: CudaSlice<f32>,
+    /// The normed rows the next projection reads.
+    pub xn: CudaSlice<f32>,
+    /// Queries (after RoPE).
+    pub q: CudaSlice<f32>,
+    /// Keys.
+    pub k: CudaSlice<f32>,
+    /// Values.
+    pub v: CudaSlice<f32>,
     /// q, k and v side by side per token, as one stacked GEMM writes them.
-    qkv: CudaSlice<f32>,
-    attn: CudaSlice<f32>,
-    proj: CudaSlice<f32>,
-    gate: CudaSlice<f32>,
-    up: CudaSlice<f32>,
+    pub qkv: CudaSlice<f32>,
+    /// The attention's output.
+    pub attn: CudaSlice<f32>,
+    /// A projection's output, added to `h` by the next norm.
+    pub proj: CudaSlice<f32>,
+    /// The MLP's gate (then its activation).
+    pub gate: CudaSlice<f32>,
+    /// The MLP's up projection.
+    pub up: CudaSlice<f32>,
     /// The sum of squares a folded step's products pass on (`fold.rs`).
-    norm_sum: NormSum,
-    scratch: GemmScratch,
-    abuf: AttentionBuffers,
+    pub norm_sum: NormSum,
+    /// GEMM scratch (bf16 activations, dequantized blocks).
+    pub scratch: GemmScratch,
+    /// Attention partitions' partial results.
+    pub abuf: AttentionBuffers,
 }
 
 impl GpuModel {
@@ -131,50 +178,17 @@ impl GpuModel {
     pub fn upload(model: &Model, ordinal: usize, graphs: bool) -> Result<Self, ModelError> {
         let e = |e: KernelError| ModelError::Unsupported(e.to_string());
         let gpu = Gpu::open(ordinal, graphs).map_err(e)?;
-        let layers = model
-            .layers
-            .iter()
-            .map(|l| -> R<GpuLayer> {
-                Ok(GpuLayer {
-                    attn_norm: gpu.upload(&l.attn_norm)?,
-                    qkv: Linear::upload(&gpu, &[&l.wq, &l.wk, &l.wv])?,
-                    wo: gpu.weight(&l.wo)?,
-                    bias: match &l.bias {
-                        Some([q, k, v]) => Some([gpu.upload(q)?, gpu.upload(k)?, gpu.upload(v)?]),
-                        None => None,
-                    },
-                    ffn_norm: gpu.upload(&l.ffn_norm)?,
-                    gate_up: Linear::upload(&gpu, &[&l.w_gate, &l.w_up])?,
-                    w_down: gpu.weight(&l.w_down)?,
-                })
-            })
-            .collect::<R<Vec<_>>>()
-            .map_err(e)?;
-        let embed = gpu.weight(&model.embed).map_err(e)?;
-        let output = model
-            .output
-            .as_ref()
-            .map(|w| gpu.weight(w))
-            .transpose()
-            .map_err(e)?;
-        let blocks = [&embed]
-            .into_iter()
-            .chain(output.as_ref())
-            .chain(layers.iter().flat_map(|l| {
-                [&l.wo, &l.w_down]
-                    .into_iter()
-                    .chain(l.qkv.weights())
-                    .chain(l.gate_up.weights())
-            }))
-            .any(|w| matches!(w, DeviceWeight::Blocks { .. }));
+        let mut up = Upload {
+            gpu: &gpu,
+            blocks: false,
+        };
+        let weights = model.weights.convert(&mut up).map_err(e)?;
+        let blocks = up.blocks;
         let mut uploaded = Self {
-            output,
-            norm: gpu.upload(&model.norm).map_err(e)?,
-            embed,
+            weights,
             inv_freq: gpu.upload(model.rope.inv_freq()).map_err(e)?,
             blocks,
             graphs,
-            layers,
             config: model.config.clone(),
             gpu,
             ordinal,
@@ -211,17 +225,7 @@ impl GpuModel {
 
     /// Bytes of weights on the device.
     pub fn weight_bytes(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                l.qkv.size_bytes()
-                    + l.gate_up.size_bytes()
-                    + l.wo.size_bytes()
-                    + l.w_down.size_bytes()
-            })
-            .sum();
-        layers + self.output.as_ref().unwrap_or(&self.embed).size_bytes()
+        self.weights.weight_bytes()
     }
 
     /// Device-to-device copy bandwidth in GB/s (bytes read plus written).
@@ -287,22 +291,24 @@ impl GpuModel {
             max_len,
             rows,
             inputs: g.zeros(words.next_power_of_two())?,
-            last: g.zeros(rows * c.hidden)?,
-            logits: g.zeros(rows * c.vocab)?,
-            small: g.zeros(2 * rows)?,
-            h: g.zeros(n * c.hidden)?,
-            xn: g.zeros(n * c.hidden)?,
-            q: g.zeros(n * q_dim)?,
-            k: g.zeros(n * kv_dim)?,
-            v: g.zeros(n * kv_dim)?,
-            qkv: g.zeros(n * (q_dim + 2 * kv_dim))?,
-            attn: g.zeros(n * q_dim)?,
-            proj: g.zeros(n * c.hidden)?,
-            gate: g.zeros(n * c.ffn)?,
-            up: g.zeros(n * c.ffn)?,
-            norm_sum: g.norm_sum(c.hidden)?,
-            scratch: g.gemm_scratch(n, widest, self.blocks)?,
-            abuf: g.attention_buffers(n, c.heads, c.kv_heads, c.head_dim, max_len)?,
+            b: Buffers {
+                last: g.zeros(rows * c.hidden)?,
+                logits: g.zeros(rows * c.vocab)?,
+                small: g.zeros(2 * rows)?,
+                h: g.zeros(n * c.hidden)?,
+                xn: g.zeros(n * c.hidden)?,
+                q: g.zeros(n * q_dim)?,
+                k: g.zeros(n * kv_dim)?,
+                v: g.zeros(n * kv_dim)?,
+                qkv: g.zeros(n * (q_dim + 2 * kv_dim))?,
+                attn: g.zeros(n * q_dim)?,
+                proj: g.zeros(n * c.hidden)?,
+                gate: g.zeros(n * c.ffn)?,
+                up: g.zeros(n * c.ffn)?,
+                norm_sum: g.norm_sum(c.hidden)?,
+                scratch: g.gemm_scratch(n, widest, self.blocks)?,
+                abuf: g.attention_buffers(n, c.heads, c.kv_heads, c.head_dim, max_len)?,
+            },
         })
     }
 

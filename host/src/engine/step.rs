@@ -1,0 +1,241 @@
+//! One engine step in four parts: plan (the scheduler's batch, the host's
+//! tag check), build (the model's [`Step`]), run (the runner), apply (the
+//! model's output to the requests).
+
+use std::collections::{HashMap, HashSet};
+
+use kiln_kernels::sample::sample;
+use rand::Rng;
+
+use super::block_pool::PageTag;
+use super::kv_manager::{KvCacheManager, SeqId};
+use super::request::Request;
+use super::scheduler::Scheduled;
+use super::{Engine, Event, Finish, PAGE_SIZE};
+use crate::model::step::{Draw, SeqOut, Step, StepOut, StepSeq, StepTags};
+
+#[cfg(any(test, feature = "fault-injection"))]
+use super::Fault;
+
+/// A page tag as the device stores it: (generation, tenant).
+pub(super) fn tag_words(t: &PageTag) -> [u64; 2] {
+    [t.generation, t.tenant.0 as u64]
+}
+
+/// The device's part of the page-tag check for one step.
+struct DeviceTags {
+    expected: Vec<[u64; 2]>,
+    changes: Vec<(u32, [u64; 2])>,
+}
+
+impl Engine {
+    /// Runs one step: plan, build, run, apply.
+    pub fn step(&mut self) -> Result<Vec<Event>, String> {
+        let mut events = Vec::new();
+        let run = self.plan(&mut events)?;
+        if run.is_empty() {
+            return Ok(events);
+        }
+        let draws = self.draws(&run);
+        let device_check = self.device_checks();
+        let mut tags = DeviceTags {
+            expected: Vec::new(),
+            changes: self
+                .kv
+                .take_retagged()
+                .iter()
+                .map(|(p, t)| (*p, tag_words(t)))
+                .collect(),
+        };
+        let expected = device_check.then_some(&mut tags.expected);
+        let seqs = build(&self.requests, &self.kv, &run, &draws, expected);
+        let step = Step {
+            seqs,
+            tags: StepTags {
+                expected: &tags.expected,
+                changes: &tags.changes,
+            },
+        };
+        let out = self.runner.forward(&self.loaded, &step)?;
+        self.stats.steps += 1;
+        self.stats.last_step_seqs = step.seqs.len();
+        self.stats.last_step_tokens = step.seqs.iter().map(|b| b.tokens.len()).sum();
+        self.apply(&run, out, &mut events);
+        Ok(events)
+    }
+
+    /// Whether the page-tag check runs inside the step, on the device.
+    fn device_checks(&self) -> bool {
+        self.runner.on_gpu() && self.checker.enabled()
+    }
+
+    /// The scheduler's batch, less the sequences the host's tag check
+    /// stops (on the CPU; a GPU checks inside the step).
+    fn plan(&mut self, events: &mut Vec<Event>) -> Result<Vec<Scheduled>, String> {
+        self.stepping.clear();
+        let plan = self.scheduler.schedule(&mut self.kv);
+        self.stepping.extend(plan.scheduled.iter().map(|s| s.seq));
+        #[cfg(any(test, feature = "fault-injection"))]
+        if !self.stepping.is_empty() {
+            match self.fault_next_step.take() {
+                Some(Fault::Panic) => panic!("injected engine fault"),
+                Some(Fault::Error) => return Err("injected device error".into()),
+                None => {}
+            }
+        }
+        self.stats.preemptions += plan.preempted.len() as u64;
+        for (seq, hit) in &plan.prefix_hits {
+            if let Some(r) = self.requests.get_mut(seq) {
+                // The first admission counts; a readmission after
+                // preemption finds its own pages, which is no saving.
+                r.cached_tokens.get_or_insert(*hit);
+            }
+        }
+        if plan.scheduled.is_empty() || self.device_checks() {
+            return Ok(plan.scheduled);
+        }
+        let ids: Vec<_> = plan.scheduled.iter().map(|s| s.seq).collect();
+        let ok = self.kv.check(&ids, self.checker.as_ref());
+        let mut run = Vec::with_capacity(ids.len());
+        for (sch, ok) in plan.scheduled.into_iter().zip(ok) {
+            if ok {
+                run.push(sch);
+            } else {
+                self.integrity_abort(sch.seq, events);
+            }
+        }
+        Ok(run)
+    }
+
+    /// How each sequence's next token is chosen. A device samples with the
+    /// request's own next draw, so its generator advances as on the host.
+    fn draws(&mut self, run: &[Scheduled]) -> Vec<Draw> {
+        let device_draws = self.runner.on_gpu() && self.device_sampling;
+        run.iter()
+            .map(|s| match self.requests.get_mut(&s.seq) {
+                Some(r) if s.sample && r.sampling().is_greedy() => Draw::Greedy,
+                Some(r) if s.sample && device_draws => Draw::Sample {
+                    params: r.sampling(),
+                    uniform: r.rng.random::<f32>(),
+                },
+                _ => Draw::Logits,
+            })
+            .collect()
+    }
+
+    /// The step's output: aborts for failed tag checks, the prefix cache's
+    /// new pages, and each sampled sequence's token, text and end.
+    fn apply(&mut self, run: &[Scheduled], out: StepOut, events: &mut Vec<Event>) {
+        let StepOut { rows, ok, device } = out;
+        self.stats.last_step_device_us = device.as_micros() as u64;
+        // Sequences the device's check stopped: their results are void.
+        let mut failed = HashSet::new();
+        for (s, ok) in run.iter().zip(ok) {
+            if !ok {
+                failed.insert(s.seq);
+                self.integrity_abort(s.seq, events);
+            }
+        }
+        // Name the pages this step filled, before any of them is released.
+        for s in run.iter().filter(|s| !failed.contains(&s.seq)) {
+            if let Some(r) = self.requests.get_mut(&s.seq)
+                && let Some(salt) = r.salt
+            {
+                let computed = s.start + s.count;
+                super::prefix::extend_hashes(
+                    &mut r.hashes,
+                    &salt,
+                    &r.tokens[..computed],
+                    PAGE_SIZE,
+                );
+                self.kv.cache_pages(s.seq, &r.hashes, computed);
+            }
+        }
+        let mut rows = rows.into_iter();
+        for s in run.iter().filter(|s| s.sample) {
+            let Some(row) = rows.next() else { break };
+            if !failed.contains(&s.seq) {
+                self.take_token(s.seq, row, events);
+            }
+        }
+    }
+
+    /// Appends the token `row` gives `seq`, with its text, and ends the
+    /// request at EOS, a stop string or its length.
+    fn take_token(&mut self, seq: SeqId, row: SeqOut, events: &mut Vec<Event>) {
+        let ctx = self
+            .loaded
+            .model
+            .config
+            .context_length
+            .min(self.kv.num_pages() * PAGE_SIZE);
+        let Some(r) = self.requests.get_mut(&seq) else {
+            return;
+        };
+        let token = match row {
+            SeqOut::Logits(l) => sample(&l, r.sampling(), &mut r.rng),
+            SeqOut::Token(t) => t,
+        };
+        let tokenizer = &self.loaded.tokenizer;
+        let decode = |t: &[u32]| tokenizer.decode(t);
+        let eos = tokenizer.is_eos(token) && !r.params.ignore_eos;
+        let mut finish = None;
+        if eos {
+            finish = Some(Finish::Stop);
+        } else {
+            r.tokens.push(token);
+            self.scheduler.append_token(seq);
+            let generated = &r.tokens[r.prompt_len..];
+            if r.text.push(generated, decode) {
+                finish = Some(Finish::Stop);
+            } else if generated.len() >= r.params.max_tokens || r.tokens.len() >= ctx {
+                finish = Some(Finish::Length);
+            }
+        }
+        // At the end, text held for an incomplete character is final (and
+        // may still complete a stop string).
+        if finish.is_some() && r.text.flush(&r.tokens[r.prompt_len..], decode) {
+            finish = Some(Finish::Stop);
+        }
+        let text = r.text.take_delta(finish.is_some());
+        if !eos || !text.is_empty() {
+            events.push(Event::Token {
+                seq,
+                token: (!eos).then_some(token),
+                text,
+            });
+        }
+        if let Some(f) = finish {
+            self.finish(seq, f, events);
+        }
+    }
+}
+
+/// The model's view of each scheduled sequence; with `expected`, each
+/// block-table entry's tag for the device's check.
+fn build<'a>(
+    requests: &'a HashMap<SeqId, Request>,
+    kv: &'a KvCacheManager,
+    run: &[Scheduled],
+    draws: &[Draw],
+    mut expected: Option<&mut Vec<[u64; 2]>>,
+) -> Vec<StepSeq<'a>> {
+    run.iter()
+        .zip(draws)
+        .map(|(s, draw)| {
+            let r = &requests[&s.seq];
+            let table = kv.table(s.seq);
+            if let (Some(e), Some(t)) = (expected.as_deref_mut(), table) {
+                e.extend(t.expected.iter().map(tag_words));
+            }
+            StepSeq {
+                tokens: &r.tokens[s.start..s.start + s.count],
+                start: s.start,
+                pages: table.map(|t| t.pages.as_slice()).unwrap_or(&[]),
+                logits: s.sample,
+                write_kv: s.write_kv,
+                draw: *draw,
+            }
+        })
+        .collect()
+}

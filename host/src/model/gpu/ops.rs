@@ -1,0 +1,313 @@
+//! The operations of a decoder step as CUDA launches. Launches only (no
+//! copy, allocation or wait), so a step can be captured as a graph.
+//!
+//! A norm runs late, fused with the projection that reads it: from two
+//! rows up with bf16 weights it writes cuBLAS's bf16 input directly, and a
+//! stacked q/k/v runs as one GEMM whose rows the fused RoPE + KV write
+//! reads in place. A step of one row with bf16 weights folds the norms
+//! into the GEMVs instead (`fold.rs`). The MLP's SiLU-and-multiply runs
+//! with the down projection's input conversion.
+
+use kiln_kernels::KernelError;
+use kiln_kernels::cuda::{CudaSlice, CudaView, DeviceWeight, Gpu, PagedKv, RopeKv};
+use kiln_kernels::ops::RopeStyle;
+
+use super::fold::{bf16, bf16_stack};
+use super::inputs::{Layout, ints};
+use super::linear::Linear;
+use super::{Buffers, Cuda, GpuModel, Work};
+use crate::model::ModelConfig;
+use crate::model::arch::{Input, Ops, R};
+
+/// A step's shape, as the launches see it.
+pub(super) struct Shape<'a> {
+    /// Where each input sits in the step's buffer.
+    pub l: &'a Layout,
+    /// Tokens.
+    pub n: usize,
+    /// Sequences.
+    pub seqs: usize,
+    /// Results wanted.
+    pub m: usize,
+    /// The longest attention span.
+    pub max_len: usize,
+    /// Whether page tags are checked.
+    pub check: bool,
+    /// Whether some result is sampled on the device (else argmax).
+    pub sample: bool,
+    /// Flash-style prefill tiles (none: decode attention per token).
+    pub tiles: usize,
+}
+
+/// What the next projection reads.
+#[derive(Clone, Copy)]
+enum Pending<'w> {
+    /// Nothing yet.
+    Nothing,
+    /// `rmsnorm(h (+= proj first, if `residual`)) * w`, not yet run.
+    Norm {
+        w: &'w CudaSlice<f32>,
+        residual: bool,
+    },
+    /// `xn` holds `h * w` of the last norm and `sum` its sums of squares:
+    /// the projection scales by the norm's factor (a folded step).
+    Folded,
+}
+
+fn no_norm() -> KernelError {
+    KernelError::Shape("a projection without its norm".into())
+}
+
+/// One step's launches on a GPU.
+pub(super) struct CudaStep<'a, 'w> {
+    g: &'a Gpu,
+    c: &'a ModelConfig,
+    s: &'a Shape<'a>,
+    inv_freq: &'a CudaSlice<f32>,
+    pages: &'a mut [PagedKv],
+    inputs: CudaView<'a, u32>,
+    b: &'a mut Buffers,
+    /// One row with bf16 weights: norms folded into the GEMVs.
+    fold: bool,
+    pending: Pending<'w>,
+}
+
+impl<'a> CudaStep<'a, '_> {
+    pub(super) fn new(
+        model: &'a GpuModel,
+        pages: &'a mut [PagedKv],
+        w: &'a mut Work,
+        s: &'a Shape<'a>,
+    ) -> Self {
+        Self {
+            g: &model.gpu,
+            c: &model.config,
+            s,
+            inv_freq: &model.inv_freq,
+            pages,
+            inputs: w.inputs.slice(..),
+            b: &mut w.b,
+            fold: model.folds(s.n),
+            pending: Pending::Nothing,
+        }
+    }
+}
+
+impl<'w> Ops<'w> for CudaStep<'_, 'w> {
+    type W = Cuda;
+
+    fn embed(&mut self, table: &'w DeviceWeight) -> R {
+        let (l, n) = (self.s.l, self.s.n);
+        let ids = self.inputs.slice(l.range(l.ids, n));
+        self.g
+            .embed_rows(table, &ids, &mut self.b.h, n, self.c.hidden)
+    }
+
+    fn norm(&mut self, w: &'w CudaSlice<f32>) -> R {
+        self.pending = Pending::Norm { w, residual: false };
+        Ok(())
+    }
+
+    fn attention(
+        &mut self,
+        layer: usize,
+        qkv: &'w Linear,
+        bias: Option<&'w [CudaSlice<f32>; 3]>,
+    ) -> R {
+        let (g, c, s) = (self.g, self.c, self.s);
+        let (l, n) = (s.l, s.n);
+        let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let inputs = &self.inputs;
+        let (slots, pos) = (
+            ints(inputs, l.range(l.slots, n)),
+            ints(inputs, l.range(l.pos, n)),
+        );
+        let at = RopeKv {
+            slots: &slots,
+            pos: &pos,
+            inv_freq: self.inv_freq,
+            tokens: n,
+            heads: c.heads,
+            interleaved: c.rope_style == RopeStyle::Interleaved,
+        };
+        let b = &mut self.b;
+        let pages = &mut self.pages[layer];
+        match self.pending {
+            Pending::Folded => {
+                let (w, parts) = bf16_stack(qkv, &[q_dim, kv_dim, kv_dim])?;
+                let outs = &mut [&mut b.q, &mut b.k, &mut b.v];
+                g.gemv_bf16_normed(&b.xn, w, &b.norm_sum, outs, parts, c.hidden, c.eps)?;
+                g.rope_kv_write(pages, &mut b.q, &mut b.k, &b.v, &at)?;
+            }
+            Pending::Norm { w, residual } => {
+                let norm = (&mut b.h, residual.then_some(&b.proj), w, c.eps);
+                let stack = qkv.cublas_stack(g, n, c.hidden).filter(|_| bias.is_none());
+                if let Some(stack) = stack {
+                    // One GEMM for q, k and v (cuBLAS fills the GPU far
+                    // better with the stack's 6144 rows than with k's or
+                    // v's 1024).
+                    stack.apply_normed(g, norm, &mut b.qkv, &mut b.scratch)?;
+                    g.rope_kv_write_stacked(pages, &mut b.qkv, &mut b.q, &at)?;
+                } else {
+                    let outs = &mut [&mut b.q, &mut b.k, &mut b.v];
+                    qkv.apply_normed(g, norm, &mut b.xn, outs, n, c.hidden, &mut b.scratch)?;
+                    if let Some([bq, bk, bv]) = bias {
+                        g.add_bias(&mut b.q, bq, n, q_dim)?;
+                        g.add_bias(&mut b.k, bk, n, kv_dim)?;
+                        g.add_bias(&mut b.v, bv, n, kv_dim)?;
+                    }
+                    g.rope_kv_write(pages, &mut b.q, &mut b.k, &b.v, &at)?;
+                }
+            }
+            Pending::Nothing => return Err(no_norm()),
+        }
+        let (tables, offs, lens) = (
+            ints(inputs, l.tables..l.words),
+            ints(inputs, l.range(l.offs, n)),
+            ints(inputs, l.range(l.lens, n)),
+        );
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        if s.tiles > 0 {
+            let tiles = ints(inputs, l.range(l.tiles, 2 * s.tiles));
+            g.prefill_attention(
+                pages,
+                &b.q,
+                &tables,
+                &offs,
+                &lens,
+                &tiles,
+                &mut b.attn,
+                c.heads,
+                scale,
+            )
+        } else {
+            g.paged_attention(
+                pages,
+                &b.q,
+                &tables,
+                &offs,
+                &lens,
+                &mut b.abuf,
+                &mut b.attn,
+                n,
+                c.heads,
+                s.max_len,
+                scale,
+                Default::default(),
+            )
+        }
+    }
+
+    fn gated_mlp(&mut self, gate_up: &'w Linear) -> R {
+        let (g, c, n) = (self.g, self.c, self.s.n);
+        let b = &mut self.b;
+        match self.pending {
+            Pending::Folded => {
+                let (w, _) = bf16_stack(gate_up, &[c.ffn, c.ffn])?;
+                g.gemv_bf16_normed_silu(&b.xn, w, &b.norm_sum, &mut b.gate, c.ffn, c.hidden, c.eps)
+            }
+            Pending::Norm { w, residual } => {
+                // SiLU-and-multiply runs with the down projection.
+                let norm = (&mut b.h, residual.then_some(&b.proj), w, c.eps);
+                let outs = &mut [&mut b.gate, &mut b.up];
+                gate_up.apply_normed(g, norm, &mut b.xn, outs, n, c.hidden, &mut b.scratch)
+            }
+            Pending::Nothing => Err(no_norm()),
+        }
+    }
+
+    fn add_projection(&mut self, input: Input, w: &'w DeviceWeight, next: &'w CudaSlice<f32>) -> R {
+        let (g, c, n) = (self.g, self.c, self.s.n);
+        let q_dim = c.heads * c.head_dim;
+        let b = &mut self.b;
+        let (x, k) = match input {
+            Input::Attention => (&b.attn, q_dim),
+            Input::Mlp => (&b.gate, c.ffn),
+        };
+        if self.fold {
+            // h += x * w, then xn = h * next with its sums of squares.
+            g.gemv_bf16_resid(
+                x,
+                bf16(w)?,
+                &mut b.h,
+                next,
+                &mut b.xn,
+                &mut b.norm_sum,
+                c.hidden,
+                k,
+            )?;
+            self.pending = Pending::Folded;
+            return Ok(());
+        }
+        match input {
+            Input::Attention => {
+                g.matmul(&b.attn, w, &mut b.proj, n, c.hidden, k, &mut b.scratch)?
+            }
+            Input::Mlp if g.takes_bf16_input(w, n, k) => {
+                g.silu_mul_bf16(&b.gate, &b.up, &mut b.scratch, n * k)?;
+                g.matmul_parts_bf16(w, &mut [&mut b.proj], &[c.hidden], n, k, &b.scratch)?;
+            }
+            Input::Mlp => {
+                g.silu_mul(&mut b.gate, &b.up, n * k)?;
+                g.matmul(&b.gate, w, &mut b.proj, n, c.hidden, k, &mut b.scratch)?;
+            }
+        }
+        // The residual add runs with the next norm.
+        self.pending = Pending::Norm {
+            w: next,
+            residual: true,
+        };
+        Ok(())
+    }
+
+    fn head(&mut self, w: &'w DeviceWeight) -> R {
+        let (g, c, s) = (self.g, self.c, self.s);
+        let (l, n, m) = (s.l, s.n, s.m);
+        if m == 0 {
+            return Ok(());
+        }
+        let b = &mut self.b;
+        match self.pending {
+            Pending::Folded => {
+                // One token, so its row is the one wanted.
+                let outs = &mut [&mut b.logits];
+                g.gemv_bf16_normed(
+                    &b.xn,
+                    bf16(w)?,
+                    &b.norm_sum,
+                    outs,
+                    &[c.vocab],
+                    c.hidden,
+                    c.eps,
+                )?;
+            }
+            Pending::Norm {
+                w: norm_w,
+                residual,
+            } => {
+                let residual = residual.then_some(&b.proj);
+                g.rmsnorm_residual(&mut b.h, residual, norm_w, &mut b.xn, n, c.hidden, c.eps)?;
+                // Decode wants every token's row, already in place.
+                let rows = if m == n {
+                    &b.xn
+                } else {
+                    let wanted = self.inputs.slice(l.range(l.wanted, m));
+                    g.gather_rows(&b.xn, &wanted, &mut b.last, m, c.hidden)?;
+                    &b.last
+                };
+                g.matmul(rows, w, &mut b.logits, m, c.vocab, c.hidden, &mut b.scratch)?;
+            }
+            Pending::Nothing => return Err(no_norm()),
+        }
+        let mut picks = b.small.slice_mut(s.seqs..s.seqs + m);
+        if s.sample {
+            let params = self.inputs.slice(l.range(l.params, 3 * m));
+            // SAFETY: the words hold f32 bit patterns (`f32::to_bits`).
+            let params = unsafe { params.transmute::<f32>(3 * m) }.expect("same size");
+            let top_k = ints(&self.inputs, l.range(l.top_k, m));
+            g.sample_rows(&b.logits, m, c.vocab, &params, &top_k, &mut picks)
+        } else {
+            g.argmax_rows(&b.logits, m, c.vocab, &mut picks)
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! Where a step runs: the CPU with its KV cache, or a GPU with its weights
+//! and KV pages. Both take a [`Step`] and return a [`StepOut`].
+
+use kiln_kernels::Device;
+use kiln_kernels::kv::KvFormat;
+
+use super::gpu::{GpuKv, GpuModel};
+use super::step::{SeqOut, Step, StepOut};
+use super::{KvCache, Loaded};
+
+/// How a runner uses its device.
+#[derive(Debug, Clone, Copy)]
+pub struct RunnerOptions {
+    /// Where the forward pass runs.
+    pub device: Device,
+    /// KV page format.
+    pub kv_format: KvFormat,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Pages in the pool.
+    pub num_pages: usize,
+    /// On CUDA: capture greedy decode steps as graphs and replay them.
+    pub graphs: bool,
+    /// On CUDA (sm_90 and up): graph kernels start while the one before
+    /// them finishes.
+    pub programmatic: bool,
+    /// On CUDA: one-token steps with bf16 weights fold the norms into
+    /// their GEMVs.
+    pub fold: bool,
+    /// On CUDA: prefill chunks attend with the flash-style prefill kernel.
+    pub flash_prefill: bool,
+}
+
+/// Where the KV pages live and the forward pass runs.
+pub enum Runner {
+    /// The CPU, with its KV cache.
+    Cpu(KvCache),
+    /// A GPU, with the weights and KV pages on it.
+    Gpu(Box<GpuModel>, Box<GpuKv>),
+}
+
+impl Runner {
+    /// The runner `o` asks for. On a GPU it takes the weights a previous
+    /// runner gave back, if they match.
+    pub fn new(loaded: &Loaded, o: RunnerOptions) -> Result<Self, String> {
+        Ok(match o.device {
+            Device::Cpu => Runner::Cpu(KvCache::new(
+                &loaded.model.config,
+                o.kv_format,
+                o.page_size,
+                o.num_pages,
+            )),
+            Device::Cuda(n) => {
+                let kept = loaded.gpu_weights.lock().ok().and_then(|mut s| s.take());
+                let mut model = match kept {
+                    Some((ordinal, model)) if ordinal == n && model.uses_graphs() == o.graphs => {
+                        model
+                    }
+                    _ => Box::new(
+                        GpuModel::upload(&loaded.model, n, o.graphs).map_err(|e| e.to_string())?,
+                    ),
+                };
+                model.set_programmatic(o.programmatic);
+                model.set_fold(o.fold);
+                tracing::info!(device = model.device_name(), "model weights on the GPU");
+                let mut kv = model
+                    .kv(o.kv_format, o.page_size, o.num_pages)
+                    .map_err(|e| e.to_string())?;
+                kv.set_flash_prefill(o.flash_prefill);
+                Runner::Gpu(model, Box::new(kv))
+            }
+        })
+    }
+
+    /// Keeps a GPU's weights in `loaded` for the next runner.
+    pub fn give_back(self, loaded: &Loaded) {
+        if let Runner::Gpu(model, _) = self
+            && let Ok(mut slot) = loaded.gpu_weights.lock()
+        {
+            *slot = Some((model.ordinal(), model));
+        }
+    }
+
+    /// Whether it runs on a GPU (which checks page tags inside the step).
+    pub fn on_gpu(&self) -> bool {
+        matches!(self, Runner::Gpu(..))
+    }
+
+    /// Bytes of weights a decode step reads where the forward pass runs.
+    pub fn weight_bytes(&self, loaded: &Loaded) -> usize {
+        match self {
+            Runner::Gpu(model, _) => model.weight_bytes(),
+            Runner::Cpu(_) => loaded.model.weight_bytes(),
+        }
+    }
+
+    /// The device's copy bandwidth in GB/s, on a GPU.
+    pub fn copy_bandwidth(&self) -> Option<f64> {
+        match self {
+            Runner::Gpu(model, _) => model.copy_bandwidth().ok(),
+            Runner::Cpu(_) => None,
+        }
+    }
+
+    /// Runs one step.
+    pub fn forward(&mut self, loaded: &Loaded, step: &Step<'_>) -> Result<StepOut, String> {
+        match self {
+            Runner::Cpu(cache) => {
+                // The CPU is the device: all of the forward is its time.
+                let start = std::time::Instant::now();
+                let logits = loaded
+                    .model
+                    .forward(cache, &step.seqs)
+                    .map_err(|e| e.to_string())?;
+                Ok(StepOut {
+                    rows: logits.into_iter().map(SeqOut::Logits).collect(),
+                    ok: vec![true; step.seqs.len()],
+                    device: start.elapsed(),
+                })
+            }
+            Runner::Gpu(model, kv) => model.forward(kv, step).map_err(|e| e.to_string()),
+        }
+    }
+}
