@@ -99,7 +99,7 @@ where
 {
     require_admin(app, &req)?;
     if !valid_name(tenant) {
-        return Err(name_error("tenant", tenant));
+        return Err(name_error("tenant", tenant).into());
     }
     let body = read_body(req, 64 << 10).await?;
     let policy: TenantPolicy = serde_json::from_slice(&body).map_err(|e| {
@@ -120,7 +120,7 @@ pub(super) fn get_policy<B>(
 ) -> Result<Response<Body>, ApiError> {
     require_admin(app, req)?;
     if !valid_name(tenant) {
-        return Err(name_error("tenant", tenant));
+        return Err(name_error("tenant", tenant).into());
     }
     let policy = app.policy(tenant)?;
     Ok(json(StatusCode::OK, policy_json(tenant, &policy)))
@@ -147,7 +147,7 @@ where
 {
     let tenant = tenant_of(app, &req)?;
     if !valid_name(name) {
-        return Err(name_error("function", name));
+        return Err(name_error("function", name).into());
     }
     if let Some(claimed) = req.headers().get("kiln-tenant")
         && claimed.as_bytes() != tenant.as_bytes()
@@ -190,7 +190,7 @@ pub(super) fn get_function<B>(
 ) -> Result<Response<Body>, ApiError> {
     let tenant = tenant_of(app, req)?;
     if !valid_name(name) {
-        return Err(name_error("function", name));
+        return Err(name_error("function", name).into());
     }
     let row = app
         .db
@@ -207,7 +207,7 @@ pub(super) fn delete_function<B>(
 ) -> Result<Response<Body>, ApiError> {
     let tenant = tenant_of(app, req)?;
     if !valid_name(name) {
-        return Err(name_error("function", name));
+        return Err(name_error("function", name).into());
     }
     if !app.delete(&tenant, name)? {
         return Err(not_found(name));

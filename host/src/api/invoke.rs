@@ -51,10 +51,10 @@ where
         return ApiError::not_found("no route").into_response();
     };
     if !valid_name(tenant) {
-        return name_error("tenant", tenant).into_response();
+        return ApiError::from(name_error("tenant", tenant)).into_response();
     }
     if !valid_name(function) {
-        return name_error("function", function).into_response();
+        return ApiError::from(name_error("function", function)).into_response();
     }
     let Some(route) = app.route(tenant, function) else {
         return ApiError::not_found(format!("no function `{function}` for tenant `{tenant}`"))
