@@ -13,6 +13,7 @@ use crate::config::ServeConfig;
 use crate::db::{Db, DbError, FunctionRow};
 use crate::fairness::{InstanceCaps, InstanceSlot, default_cap};
 use crate::metrics::Metrics;
+use crate::names::Name;
 use crate::serving::policy::{Gateway, TenantPolicy};
 
 /// A deployed function as the router sees it. Replaced whole on redeploy,
@@ -38,32 +39,13 @@ pub struct App {
     instances: InstanceCaps,
 }
 
-/// Names of tenants and functions: `[a-z0-9-]{1,63}`.
-pub fn valid_name(name: &str) -> bool {
-    (1..=63).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-}
-
-/// The error for a name that breaks the rule.
-pub fn name_error(what: &str, name: &str) -> AppError {
-    AppError::InvalidName(format!(
-        "invalid {what} name `{}`: names must match [a-z0-9-]{{1,63}}",
-        name.escape_default()
-    ))
-}
-
 /// Why an [`App`] operation failed. The HTTP status and JSON body of each
 /// are chosen in one place, `api/error.rs`.
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
-    /// A tenant or function name breaks the naming rule.
-    #[error("{0}")]
-    InvalidName(String),
     /// No tenant has this name.
     #[error("no tenant named `{0}`")]
-    NoTenant(String),
+    NoTenant(Name),
     /// The tenant already runs its share of the server's function instances.
     #[error(
         "tenant `{tenant}` already runs {cap} function instances, its share of the server; \
@@ -170,33 +152,30 @@ impl App {
     }
 
     /// Creates a tenant; returns its first API key.
-    pub fn create_tenant(&self, name: &str) -> Result<String, AppError> {
-        if !valid_name(name) {
-            return Err(name_error("tenant", name));
-        }
+    pub fn create_tenant(&self, name: &Name) -> Result<String, AppError> {
         let key = auth::new_key();
-        self.db.create_tenant(name, &key.id, &key.hash)?;
+        self.db.create_tenant(name.as_str(), &key.id, &key.hash)?;
         Ok(key.key)
     }
 
     /// Sets a tenant's model policy, stored and in force at once.
-    pub fn set_policy(&self, tenant: &str, policy: TenantPolicy) -> Result<(), AppError> {
-        if !self.db.tenant_exists(tenant)? {
-            return Err(AppError::NoTenant(tenant.to_owned()));
+    pub fn set_policy(&self, tenant: &Name, policy: TenantPolicy) -> Result<(), AppError> {
+        if !self.db.tenant_exists(tenant.as_str())? {
+            return Err(AppError::NoTenant(tenant.clone()));
         }
         let json = serde_json::to_string(&policy)
             .map_err(|e| AppError::Internal(format!("encoding the policy: {e}")))?;
-        self.db.set_policy(tenant, &json)?;
-        self.ai.set_policy(tenant, policy);
+        self.db.set_policy(tenant.as_str(), &json)?;
+        self.ai.set_policy(tenant.as_str(), policy);
         Ok(())
     }
 
     /// A tenant's model policy.
-    pub fn policy(&self, tenant: &str) -> Result<TenantPolicy, AppError> {
-        if !self.db.tenant_exists(tenant)? {
-            return Err(AppError::NoTenant(tenant.to_owned()));
+    pub fn policy(&self, tenant: &Name) -> Result<TenantPolicy, AppError> {
+        if !self.db.tenant_exists(tenant.as_str())? {
+            return Err(AppError::NoTenant(tenant.clone()));
         }
-        Ok(self.ai.policy(tenant))
+        Ok(self.ai.policy(tenant.as_str()))
     }
 
     /// One of `tenant`'s function instance slots, or
@@ -221,10 +200,12 @@ impl App {
     /// version atomically (requests in flight finish on the old one).
     /// Deploys and deletes are ordered, so the file, the row and the route
     /// always agree.
-    pub fn deploy(&self, tenant: &str, name: &str, bytes: &[u8]) -> Result<FunctionRow, AppError> {
-        if !valid_name(name) {
-            return Err(name_error("function", name));
-        }
+    pub fn deploy(
+        &self,
+        tenant: &str,
+        name: &Name,
+        bytes: &[u8],
+    ) -> Result<FunctionRow, AppError> {
         let digest = hex::encode(Sha256::digest(bytes));
         // Validation first: nothing is stored for a component we reject.
         let deployment = self.runtime.load(&digest, bytes)?;
@@ -234,7 +215,7 @@ impl App {
             .map_err(|e| AppError::Internal(format!("storing the component failed: {e}")))?;
         let row = FunctionRow {
             tenant: tenant.to_owned(),
-            name: name.to_owned(),
+            name: name.as_str().to_owned(),
             digest,
             size: bytes.len() as u64,
             created: Db::now(),
@@ -245,7 +226,7 @@ impl App {
             deployment: OnceLock::from(deployment),
         };
         self.routes_mut()
-            .insert((tenant.to_owned(), name.to_owned()), Arc::new(route));
+            .insert((tenant.to_owned(), name.as_str().to_owned()), Arc::new(route));
         if let Some(old) = unused {
             self.components.remove(&guard, &old);
         }
@@ -253,13 +234,13 @@ impl App {
     }
 
     /// Deletes a function; false if the tenant has no such function.
-    pub fn delete(&self, tenant: &str, name: &str) -> Result<bool, AppError> {
+    pub fn delete(&self, tenant: &str, name: &Name) -> Result<bool, AppError> {
         let guard = self.components.lock();
-        let Some((row, shared)) = self.db.delete_function(tenant, name)? else {
+        let Some((row, shared)) = self.db.delete_function(tenant, name.as_str())? else {
             return Ok(false);
         };
         self.routes_mut()
-            .remove(&(tenant.to_owned(), name.to_owned()));
+            .remove(&(tenant.to_owned(), name.as_str().to_owned()));
         if !shared {
             self.components.remove(&guard, &row.digest);
         }
@@ -271,9 +252,10 @@ impl App {
     }
 
     /// The route of `tenant`'s function `name`, if deployed.
-    pub fn route(&self, tenant: &str, name: &str) -> Option<Arc<Route>> {
+    pub fn route(&self, tenant: &Name, name: &Name) -> Option<Arc<Route>> {
         let routes = self.routes.read().unwrap_or_else(|p| p.into_inner());
-        routes.get(&(tenant.to_owned(), name.to_owned())).cloned()
+        let key = (tenant.as_str().to_owned(), name.as_str().to_owned());
+        routes.get(&key).cloned()
     }
 
     /// The route's deployment, compiling it (or loading the cached

@@ -5,6 +5,7 @@ use kiln_runtime::{AiError, InvokeError, RuntimeError};
 
 use crate::app::AppError;
 use crate::db::DbError;
+use crate::names::NameError;
 
 /// An error answered as OpenAI's error object,
 /// `{"error": {"message", "type", "param", "code"}}`, with a status.
@@ -165,7 +166,6 @@ impl From<AiError> for ApiError {
 impl From<AppError> for ApiError {
     fn from(e: AppError) -> Self {
         match e {
-            AppError::InvalidName(_) => Self::bad_request(e.to_string()),
             AppError::NoTenant(_) => Self::not_found(e.to_string()),
             AppError::InstancesExceeded { .. } => {
                 Self::too_many_requests(e.to_string()).with_code("tenant_instances_exceeded")
@@ -174,6 +174,12 @@ impl From<AppError> for ApiError {
             AppError::Db(e) => Self::from(e),
             AppError::Internal(m) => Self::internal(m),
         }
+    }
+}
+
+impl From<NameError> for ApiError {
+    fn from(e: NameError) -> Self {
+        Self::bad_request(e.to_string())
     }
 }
 
@@ -271,7 +277,7 @@ mod tests {
         assert_eq!(instances.status, StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(instances.code, Some("tenant_instances_exceeded"));
         assert_eq!(
-            ApiError::from(AppError::NoTenant("a".into())).status,
+            ApiError::from(AppError::NoTenant(crate::names::Name::tenant("a").unwrap())).status,
             StatusCode::NOT_FOUND
         );
         assert_eq!(
