@@ -7,6 +7,8 @@ use std::sync::Arc;
 
 use wasmtime::component::{HasData, Resource, ResourceTable};
 
+use crate::session::SessionAffinity;
+
 mod generated {
     wasmtime::component::bindgen!({
         path: "../wit",
@@ -137,7 +139,7 @@ pub struct ChatStreamHandle {
 /// Per-invocation `kiln:ai` state: who is calling and which backend serves.
 pub(crate) struct AiCtx {
     pub(crate) tenant: String,
-    pub(crate) session: Option<String>,
+    pub(crate) session: SessionAffinity,
     pub(crate) backend: Arc<dyn Inference>,
     /// Restarts the CPU meter when a model call returns: waiting for the
     /// model is not guest CPU time.
@@ -145,11 +147,10 @@ pub(crate) struct AiCtx {
 }
 
 impl AiCtx {
-    /// Fills in the session from the invocation when the guest set none.
+    /// The guest's params with the session key that [`SessionAffinity`]'s
+    /// precedence gives the call.
     fn params(&self, mut params: Params) -> Params {
-        if params.session.is_none() {
-            params.session = self.session.clone();
-        }
+        self.session.apply(&mut params);
         params
     }
 }

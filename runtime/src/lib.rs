@@ -13,6 +13,7 @@ mod compile;
 mod error;
 mod invoke;
 mod limits;
+mod session;
 mod state;
 
 pub use ai::{
@@ -23,5 +24,6 @@ pub use compile::{Deployment, Runtime};
 pub use error::{InvokeError, LimitKind, RuntimeError};
 pub use invoke::{Invocation, InvokeOutcome, ResponseBody};
 pub use limits::Limits;
+pub use session::{SESSION_HEADER, SessionAffinity};
 /// The error type of request and response bodies crossing into guests.
 pub use wasmtime_wasi_http::Error as BodyError;

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http_body::Frame;
 use http_body_util::BodyExt;
 use hyper::{Request, Response, Uri};
-use kiln_runtime::{Invocation, InvokeError};
+use kiln_runtime::{Invocation, InvokeError, SessionAffinity};
 
 use super::{ApiError, Body, BoxError};
 use crate::app::App;
@@ -102,11 +102,7 @@ where
             hyper::header::HeaderValue::from_static("localhost"),
         );
     }
-    let session = parts
-        .headers
-        .get("x-session-affinity")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
+    let session = SessionAffinity::from_headers(&parts.headers);
     let over = Arc::new(AtomicBool::new(false));
     let body = Capped {
         inner: body

@@ -2,8 +2,9 @@
 //! `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`.
 //!
 //! Calls go through the same policy gateway as guests' calls. The tenant
-//! comes from the key; the session from `x-session-affinity` (else
-//! `prompt_cache_key`).
+//! comes from the key; the session from `x-session-affinity`, else
+//! `prompt_cache_key` (the precedence of [`SessionAffinity`], the same as
+//! for guests).
 
 mod request;
 mod sse;
@@ -12,7 +13,9 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use hyper::{Request, Response, StatusCode};
-use kiln_runtime::{ChatRequest, CompleteRequest, Completion, FinishReason, Inference, Usage};
+use kiln_runtime::{
+    ChatRequest, CompleteRequest, Completion, FinishReason, Inference, SessionAffinity, Usage,
+};
 use rand::RngCore;
 
 use super::control::read_body;
@@ -62,16 +65,10 @@ where
     B::Error: Into<BoxError>,
 {
     let tenant = tenant_of(app, &req)?;
-    let header = req
-        .headers()
-        .get("x-session-affinity")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
+    let affinity = SessionAffinity::from_headers(req.headers());
     let body = read_body(req, MAX_BODY).await?;
     let mut v = validate(&body)?;
-    if header.is_some() {
-        v.params.session = header;
-    }
+    affinity.apply(&mut v.params);
     let mut id = [0u8; 12];
     rand::rng().fill_bytes(&mut id);
     let created = std::time::SystemTime::now()
