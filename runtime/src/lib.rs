@@ -17,8 +17,8 @@ mod session;
 mod state;
 
 pub use ai::{
-    AiError, BoxFuture, ChatRequest, CompleteRequest, Completion, FinishReason, Inference, Message,
-    ModelInfo, NoModels, Params, Role, StreamEnd, StreamEvent, TokenStream, Usage,
+    AiError, BoxFuture, Completion, FinishReason, Inference, Message, ModelCall, ModelInfo,
+    NoModels, Params, Prompt, Role, StreamEnd, StreamEvent, TokenStream, Usage,
 };
 pub use compile::{Deployment, Runtime};
 pub use error::{InvokeError, LimitKind, RuntimeError};

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use kiln_runtime::{
-    AiError, ChatRequest, CompleteRequest, Completion, FinishReason, Inference, ModelInfo, Params,
-    StreamEnd, StreamEvent, TokenStream, Usage,
+    AiError, Completion, FinishReason, Inference, ModelCall, ModelInfo, Params, Prompt, StreamEnd,
+    StreamEvent, TokenStream, Usage,
 };
 use rand::RngCore;
 use tokio::sync::mpsc as tmpsc;
@@ -56,12 +56,6 @@ pub struct ServedModels {
     /// lives in memory).
     secret: [u8; 32],
     metrics: EngineMetrics,
-}
-
-/// What a request asks for.
-enum Prompt {
-    Chat(Vec<ChatMessage>),
-    Raw(String),
 }
 
 impl ServedModels {
@@ -173,8 +167,8 @@ impl ServedModels {
         let generate = generate_params(params)?;
         let tk = &served.loaded.tokenizer;
         let text = match prompt {
-            Prompt::Chat(m) => tk.chat_prompt(&m),
-            Prompt::Raw(p) => Ok(p),
+            Prompt::Chat(m) => tk.chat_prompt(&messages(m)),
+            Prompt::Text(p) => Ok(p),
         };
         let ids = text
             .and_then(|t| tk.encode(&t, true))
@@ -357,25 +351,13 @@ fn messages(m: Vec<kiln_runtime::Message>) -> Vec<ChatMessage> {
 type Fut<'a, T> = kiln_runtime::BoxFuture<'a, Result<T, AiError>>;
 
 impl Inference for ServedModels {
-    fn chat(&self, req: ChatRequest) -> Fut<'_, Completion> {
-        let prompt = Prompt::Chat(messages(req.messages));
-        let rx = self.submit(&req.tenant, &req.model, prompt, req.params);
+    fn call(&self, call: ModelCall) -> Fut<'_, Completion> {
+        let rx = self.submit(&call.tenant, &call.model, call.prompt, call.params);
         Box::pin(async move { collect(rx?).await })
     }
 
-    fn stream_chat(&self, req: ChatRequest) -> Fut<'_, Box<dyn TokenStream>> {
-        let prompt = Prompt::Chat(messages(req.messages));
-        let rx = self.submit(&req.tenant, &req.model, prompt, req.params);
-        Box::pin(async move { Ok(Box::new(Stream(rx?)) as Box<dyn TokenStream>) })
-    }
-
-    fn complete(&self, req: CompleteRequest) -> Fut<'_, Completion> {
-        let rx = self.submit(&req.tenant, &req.model, Prompt::Raw(req.prompt), req.params);
-        Box::pin(async move { collect(rx?).await })
-    }
-
-    fn stream_complete(&self, req: CompleteRequest) -> Fut<'_, Box<dyn TokenStream>> {
-        let rx = self.submit(&req.tenant, &req.model, Prompt::Raw(req.prompt), req.params);
+    fn stream(&self, call: ModelCall) -> Fut<'_, Box<dyn TokenStream>> {
+        let rx = self.submit(&call.tenant, &call.model, call.prompt, call.params);
         Box::pin(async move { Ok(Box::new(Stream(rx?)) as Box<dyn TokenStream>) })
     }
 

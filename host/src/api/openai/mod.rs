@@ -13,15 +13,13 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use hyper::{Request, Response, StatusCode};
-use kiln_runtime::{
-    ChatRequest, CompleteRequest, Completion, FinishReason, Inference, SessionAffinity, Usage,
-};
+use kiln_runtime::{Completion, FinishReason, Inference, ModelCall, SessionAffinity, Usage};
 use rand::RngCore;
 
 use super::control::read_body;
 use super::{ApiError, Body, BoxError, json, tenant_of};
 use crate::app::App;
-use request::{Input, Validated};
+use request::Validated;
 
 /// Largest request body accepted.
 const MAX_BODY: usize = 4 << 20;
@@ -52,6 +50,18 @@ struct Call {
     id: String,
     created: u64,
     v: Validated,
+}
+
+impl Call {
+    /// The call as the model backend takes it.
+    fn model_call(&self) -> ModelCall {
+        ModelCall {
+            tenant: self.tenant.clone(),
+            model: self.v.model.clone(),
+            prompt: self.v.input.clone(),
+            params: self.v.params.clone(),
+        }
+    }
 }
 
 async fn prepare<B>(
@@ -105,20 +115,11 @@ where
     B::Error: Into<BoxError>,
 {
     let call = prepare(&app, req, request::chat, "chatcmpl").await?;
-    let Input::Chat(messages) = call.v.input.clone() else {
-        return Err(ApiError::internal("a chat request without messages"));
-    };
-    let r = ChatRequest {
-        tenant: call.tenant.clone(),
-        model: call.v.model.clone(),
-        messages,
-        params: call.v.params.clone(),
-    };
     if call.v.stream {
-        let stream = app.ai.stream_chat(r).await?;
+        let stream = app.ai.stream(call.model_call()).await?;
         return Ok(sse::respond(stream, sse::Shape::chat(&call)));
     }
-    let c = app.ai.chat(r).await?;
+    let c = app.ai.call(call.model_call()).await?;
     Ok(json(StatusCode::OK, chat_json(&call, &c)))
 }
 
@@ -146,20 +147,11 @@ where
     B::Error: Into<BoxError>,
 {
     let call = prepare(&app, req, request::completion, "cmpl").await?;
-    let Input::Prompt(prompt) = call.v.input.clone() else {
-        return Err(ApiError::internal("a completion request without a prompt"));
-    };
-    let r = CompleteRequest {
-        tenant: call.tenant.clone(),
-        model: call.v.model.clone(),
-        prompt,
-        params: call.v.params.clone(),
-    };
     if call.v.stream {
-        let stream = app.ai.stream_complete(r).await?;
+        let stream = app.ai.stream(call.model_call()).await?;
         return Ok(sse::respond(stream, sse::Shape::completion(&call)));
     }
-    let c = app.ai.complete(r).await?;
+    let c = app.ai.call(call.model_call()).await?;
     Ok(json(
         StatusCode::OK,
         serde_json::json!({
