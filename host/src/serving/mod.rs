@@ -222,30 +222,29 @@ impl ServedModels {
     }
 }
 
-/// Tokens a call may generate when it does not say.
-pub const DEFAULT_MAX_TOKENS: u32 = 256;
-
 /// The WIT params with the host's defaults, validated.
 fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
     let bad = |m: String| Err(AiError::InvalidInput(m));
-    let temperature = p.temperature.unwrap_or(0.7);
+    let temperature = p.temperature.unwrap_or(GenerateParams::DEFAULT_TEMPERATURE);
     if !(0.0..=2.0).contains(&temperature) {
         return bad(format!(
             "temperature {temperature} is out of range: use 0 (greedy) to 2"
         ));
     }
-    let top_p = p.top_p.unwrap_or(0.9);
+    let top_p = p.top_p.unwrap_or(GenerateParams::DEFAULT_TOP_P);
     if !(top_p > 0.0 && top_p <= 1.0) {
         return bad(format!(
             "top-p {top_p} is out of range: use a value in (0, 1]"
         ));
     }
-    let max_tokens = p.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    let max_tokens = p
+        .max_tokens
+        .map_or(GenerateParams::DEFAULT_MAX_TOKENS, |n| n as usize);
     if max_tokens == 0 {
         return bad("max-tokens must be at least 1".into());
     }
     Ok(GenerateParams {
-        max_tokens: max_tokens as usize,
+        max_tokens,
         temperature,
         top_k: p.top_k.unwrap_or(0) as usize,
         top_p,

@@ -13,6 +13,7 @@ use kiln_runtime::{
     TokenStream, Usage,
 };
 
+use crate::engine::GenerateParams;
 use crate::metrics::{EngineMetrics, RejectLabels, TokenLabels};
 
 /// The quota window.
@@ -83,7 +84,7 @@ impl Cost {
         // chat template adds a few tokens around each message.
         Self {
             prompt: prompt_bytes.div_ceil(3) as u64 + 8 * messages as u64,
-            completion: u64::from(max_tokens.unwrap_or(super::DEFAULT_MAX_TOKENS)),
+            completion: max_tokens.map_or(GenerateParams::DEFAULT_MAX_TOKENS as u64, u64::from),
         }
     }
 
