@@ -200,12 +200,7 @@ impl App {
     /// version atomically (requests in flight finish on the old one).
     /// Deploys and deletes are ordered, so the file, the row and the route
     /// always agree.
-    pub fn deploy(
-        &self,
-        tenant: &str,
-        name: &Name,
-        bytes: &[u8],
-    ) -> Result<FunctionRow, AppError> {
+    pub fn deploy(&self, tenant: &str, name: &Name, bytes: &[u8]) -> Result<FunctionRow, AppError> {
         let digest = hex::encode(Sha256::digest(bytes));
         // Validation first: nothing is stored for a component we reject.
         let deployment = self.runtime.load(&digest, bytes)?;
@@ -225,8 +220,10 @@ impl App {
             row: row.clone(),
             deployment: OnceLock::from(deployment),
         };
-        self.routes_mut()
-            .insert((tenant.to_owned(), name.as_str().to_owned()), Arc::new(route));
+        self.routes_mut().insert(
+            (tenant.to_owned(), name.as_str().to_owned()),
+            Arc::new(route),
+        );
         if let Some(old) = unused {
             self.components.remove(&guard, &old);
         }

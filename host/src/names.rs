@@ -105,7 +105,10 @@ mod tests {
     #[test]
     fn the_error_names_what_was_named_and_the_rule() {
         let msg = Name::function("Bad.Name\n").unwrap_err().to_string();
-        assert!(msg.starts_with("invalid function name `Bad.Name\\n`"), "{msg}");
+        assert!(
+            msg.starts_with("invalid function name `Bad.Name\\n`"),
+            "{msg}"
+        );
         assert!(msg.contains("[a-z0-9-]{1,63}"), "{msg}");
         let msg = Name::tenant("").unwrap_err().to_string();
         assert!(msg.starts_with("invalid tenant name ``"), "{msg}");
