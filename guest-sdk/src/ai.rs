@@ -1,8 +1,14 @@
 //! Model calls: builders over `kiln:ai/inference` with the host's defaults.
 //!
-//! Parameters left unset are filled in by the host (max-tokens 256,
-//! temperature 0.7, top-p 0.9). The session defaults to the invocation's
-//! `x-session-affinity` header.
+//! Parameters left unset are filled in by the host: max-tokens 256,
+//! temperature 0.7, top-p 0.9 (the host defines them once, as
+//! `GenerateParams::DEFAULT_*` in `host/src/engine/request.rs`; this crate
+//! cannot depend on the host, so keep these numbers in step).
+//!
+//! A request's `x-session-affinity` header is the session of every model
+//! call made for it; a session set here counts only for requests without
+//! that header (the host's one precedence, the same as for
+//! `prompt_cache_key` on its OpenAI-compatible API).
 
 use crate::bindings::kiln::ai::inference as wit;
 pub use crate::bindings::kiln::ai::inference::{
@@ -59,7 +65,8 @@ macro_rules! param_setters {
             self.params.stop.push(s.into());
             self
         }
-        /// Session-affinity key (defaults to the invocation's header).
+        /// Session-affinity key, for requests without an
+        /// `x-session-affinity` header (the header wins).
         pub fn session(mut self, key: impl Into<String>) -> Self {
             self.params.session = Some(key.into());
             self

@@ -4,16 +4,16 @@
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, RwLock};
 
-use kiln_runtime::{Deployment, Inference, Runtime};
+use kiln_runtime::{Deployment, Inference, Runtime, RuntimeError};
 use sha2::{Digest, Sha256};
 
-use crate::api::ApiError;
 use crate::auth;
 use crate::components::ComponentStore;
 use crate::config::ServeConfig;
-use crate::db::{Db, FunctionRow};
+use crate::db::{Db, DbError, FunctionRow};
 use crate::fairness::{InstanceCaps, InstanceSlot, default_cap};
 use crate::metrics::Metrics;
+use crate::names::Name;
 use crate::serving::policy::{Gateway, TenantPolicy};
 
 /// A deployed function as the router sees it. Replaced whole on redeploy,
@@ -39,20 +39,34 @@ pub struct App {
     instances: InstanceCaps,
 }
 
-/// Names of tenants and functions: `[a-z0-9-]{1,63}`.
-pub fn valid_name(name: &str) -> bool {
-    (1..=63).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-}
-
-/// The error for a name that breaks the rule.
-pub fn name_error(what: &str, name: &str) -> ApiError {
-    ApiError::bad_request(format!(
-        "invalid {what} name `{}`: names must match [a-z0-9-]{{1,63}}",
-        name.escape_default()
-    ))
+/// Why an [`App`] operation failed. The HTTP status and JSON body of each
+/// are chosen in one place, `api/error.rs`.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    /// No tenant has this name.
+    #[error("no tenant named `{0}`")]
+    NoTenant(Name),
+    /// The tenant already runs its share of the server's function instances.
+    #[error(
+        "tenant `{tenant}` already runs {cap} function instances, its share of the server; \
+         retry when some finish, or ask the operator to raise `max_instances` \
+         (PUT /v1/tenants/{tenant}/policy)"
+    )]
+    InstancesExceeded {
+        /// The tenant.
+        tenant: String,
+        /// Its cap on instances in flight.
+        cap: u32,
+    },
+    /// The component was refused, or could not be compiled.
+    #[error(transparent)]
+    Component(#[from] RuntimeError),
+    /// The control-plane database refused or failed.
+    #[error(transparent)]
+    Db(#[from] DbError),
+    /// A failure on the server's side, explained.
+    #[error("{0}")]
+    Internal(String),
 }
 
 impl App {
@@ -127,7 +141,7 @@ impl App {
     }
 
     /// The tenant owning API key `key`, if it is valid.
-    pub fn tenant_for_key(&self, key: &str) -> Result<Option<String>, ApiError> {
+    pub fn tenant_for_key(&self, key: &str) -> Result<Option<String>, AppError> {
         let Some(id) = auth::key_id(key) else {
             return Ok(None);
         };
@@ -138,72 +152,65 @@ impl App {
     }
 
     /// Creates a tenant; returns its first API key.
-    pub fn create_tenant(&self, name: &str) -> Result<String, ApiError> {
-        if !valid_name(name) {
-            return Err(name_error("tenant", name));
-        }
+    pub fn create_tenant(&self, name: &Name) -> Result<String, AppError> {
         let key = auth::new_key();
-        self.db.create_tenant(name, &key.id, &key.hash)?;
+        self.db.create_tenant(name.as_str(), &key.id, &key.hash)?;
         Ok(key.key)
     }
 
     /// Sets a tenant's model policy, stored and in force at once.
-    pub fn set_policy(&self, tenant: &str, policy: TenantPolicy) -> Result<(), ApiError> {
-        if !self.db.tenant_exists(tenant)? {
-            return Err(ApiError::not_found(format!("no tenant named `{tenant}`")));
+    pub fn set_policy(&self, tenant: &Name, policy: TenantPolicy) -> Result<(), AppError> {
+        if !self.db.tenant_exists(tenant.as_str())? {
+            return Err(AppError::NoTenant(tenant.clone()));
         }
         let json = serde_json::to_string(&policy)
-            .map_err(|e| ApiError::internal(format!("encoding the policy: {e}")))?;
-        self.db.set_policy(tenant, &json)?;
-        self.ai.set_policy(tenant, policy);
+            .map_err(|e| AppError::Internal(format!("encoding the policy: {e}")))?;
+        self.db.set_policy(tenant.as_str(), &json)?;
+        self.ai.set_policy(tenant.as_str(), policy);
         Ok(())
     }
 
     /// A tenant's model policy.
-    pub fn policy(&self, tenant: &str) -> Result<TenantPolicy, ApiError> {
-        if !self.db.tenant_exists(tenant)? {
-            return Err(ApiError::not_found(format!("no tenant named `{tenant}`")));
+    pub fn policy(&self, tenant: &Name) -> Result<TenantPolicy, AppError> {
+        if !self.db.tenant_exists(tenant.as_str())? {
+            return Err(AppError::NoTenant(tenant.clone()));
         }
-        Ok(self.ai.policy(tenant))
+        Ok(self.ai.policy(tenant.as_str()))
     }
 
-    /// One of `tenant`'s function instance slots, or a 429 when it holds
-    /// its share of the pool already.
-    pub fn instance_slot(&self, tenant: &str) -> Result<InstanceSlot, ApiError> {
+    /// One of `tenant`'s function instance slots, or
+    /// [`AppError::InstancesExceeded`] when it holds its share of the pool
+    /// already.
+    pub fn instance_slot(&self, tenant: &str) -> Result<InstanceSlot, AppError> {
         let cap = self.ai.policy(tenant).max_instances.unwrap_or_else(|| {
             default_cap(
                 self.config.limits.max_instances,
                 self.config.tenant_instance_share,
             )
         });
-        self.instances.try_acquire(tenant, cap).ok_or_else(|| {
-            ApiError::too_many_requests(format!(
-                "tenant `{tenant}` already runs {cap} function instances, its share of the \
-                 server; retry when some finish, or ask the operator to raise `max_instances` \
-                 (PUT /v1/tenants/{tenant}/policy)"
-            ))
-            .with_code("tenant_instances_exceeded")
-        })
+        self.instances
+            .try_acquire(tenant, cap)
+            .ok_or_else(|| AppError::InstancesExceeded {
+                tenant: tenant.to_owned(),
+                cap,
+            })
     }
 
     /// Validates, stores and routes a component; replaces any previous
     /// version atomically (requests in flight finish on the old one).
     /// Deploys and deletes are ordered, so the file, the row and the route
     /// always agree.
-    pub fn deploy(&self, tenant: &str, name: &str, bytes: &[u8]) -> Result<FunctionRow, ApiError> {
-        if !valid_name(name) {
-            return Err(name_error("function", name));
-        }
+    pub fn deploy(&self, tenant: &str, name: &Name, bytes: &[u8]) -> Result<FunctionRow, AppError> {
         let digest = hex::encode(Sha256::digest(bytes));
         // Validation first: nothing is stored for a component we reject.
         let deployment = self.runtime.load(&digest, bytes)?;
         let guard = self.components.lock();
         self.components
             .put(&guard, &digest, bytes)
-            .map_err(|e| ApiError::internal(format!("storing the component failed: {e}")))?;
+            .map_err(|e| AppError::Internal(format!("storing the component failed: {e}")))?;
         let row = FunctionRow {
             tenant: tenant.to_owned(),
-            name: name.to_owned(),
+            name: name.as_str().to_owned(),
             digest,
             size: bytes.len() as u64,
             created: Db::now(),
@@ -213,8 +220,10 @@ impl App {
             row: row.clone(),
             deployment: OnceLock::from(deployment),
         };
-        self.routes_mut()
-            .insert((tenant.to_owned(), name.to_owned()), Arc::new(route));
+        self.routes_mut().insert(
+            (tenant.to_owned(), name.as_str().to_owned()),
+            Arc::new(route),
+        );
         if let Some(old) = unused {
             self.components.remove(&guard, &old);
         }
@@ -222,13 +231,13 @@ impl App {
     }
 
     /// Deletes a function; false if the tenant has no such function.
-    pub fn delete(&self, tenant: &str, name: &str) -> Result<bool, ApiError> {
+    pub fn delete(&self, tenant: &str, name: &Name) -> Result<bool, AppError> {
         let guard = self.components.lock();
-        let Some((row, shared)) = self.db.delete_function(tenant, name)? else {
+        let Some((row, shared)) = self.db.delete_function(tenant, name.as_str())? else {
             return Ok(false);
         };
         self.routes_mut()
-            .remove(&(tenant.to_owned(), name.to_owned()));
+            .remove(&(tenant.to_owned(), name.as_str().to_owned()));
         if !shared {
             self.components.remove(&guard, &row.digest);
         }
@@ -240,19 +249,20 @@ impl App {
     }
 
     /// The route of `tenant`'s function `name`, if deployed.
-    pub fn route(&self, tenant: &str, name: &str) -> Option<Arc<Route>> {
+    pub fn route(&self, tenant: &Name, name: &Name) -> Option<Arc<Route>> {
         let routes = self.routes.read().unwrap_or_else(|p| p.into_inner());
-        routes.get(&(tenant.to_owned(), name.to_owned())).cloned()
+        let key = (tenant.as_str().to_owned(), name.as_str().to_owned());
+        routes.get(&key).cloned()
     }
 
     /// The route's deployment, compiling it (or loading the cached
     /// artifact) on first use.
-    pub fn deployment(&self, route: &Route) -> Result<Deployment, ApiError> {
+    pub fn deployment(&self, route: &Route) -> Result<Deployment, AppError> {
         if let Some(d) = route.deployment.get() {
             return Ok(d.clone());
         }
         let bytes = std::fs::read(self.components.path(&route.row.digest)).map_err(|e| {
-            ApiError::internal(format!(
+            AppError::Internal(format!(
                 "component {} of function `{}` is missing from the data dir: {e}",
                 route.row.digest, route.row.name
             ))

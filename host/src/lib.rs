@@ -17,6 +17,7 @@ pub mod engine;
 pub mod fairness;
 pub mod metrics;
 pub mod model;
+pub mod names;
 pub mod server;
 pub mod serving;
 /// The model backend of a server that serves none.

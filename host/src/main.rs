@@ -10,6 +10,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kiln_host::client::Client;
 use kiln_host::config::ServeConfig;
+use kiln_host::engine::GenerateParams;
 use kiln_host::server::{Server, shutdown_signal};
 
 /// Kiln: serverless WebAssembly functions that call language models.
@@ -66,13 +67,13 @@ struct RunArgs {
     #[arg(long)]
     chat: bool,
     /// Most tokens to generate.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = GenerateParams::DEFAULT_MAX_TOKENS)]
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.7)]
+    #[arg(long, default_value_t = GenerateParams::DEFAULT_TEMPERATURE)]
     temperature: f32,
     /// Nucleus-sampling threshold.
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = GenerateParams::DEFAULT_TOP_P)]
     top_p: f32,
     /// Keep only the k most likely tokens (0 = all).
     #[arg(long, default_value_t = 0)]
@@ -178,7 +179,7 @@ enum OnOff {
 }
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
-    use kiln_host::engine::{Engine, GenerateParams, TenantId};
+    use kiln_host::engine::{Engine, TenantId};
     use kiln_host::model::{self, ChatMessage};
     let config = args.engine.config()?;
     let source = model::resolve_model(&args.model, &model::default_cache_dir())?;

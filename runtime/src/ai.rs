@@ -7,6 +7,8 @@ use std::sync::Arc;
 
 use wasmtime::component::{HasData, Resource, ResourceTable};
 
+use crate::session::SessionAffinity;
+
 mod generated {
     wasmtime::component::bindgen!({
         path: "../wit",
@@ -28,29 +30,28 @@ pub use wit::{
 /// A boxed, sendable future, as returned by [`Inference`] methods.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// A chat call, with the tenant the host attached to it.
+/// What a model is asked to continue.
 #[derive(Debug, Clone)]
-pub struct ChatRequest {
-    /// Tenant that owns the call (from the invoking route, never the guest).
-    pub tenant: String,
-    /// Model name.
-    pub model: String,
-    /// The conversation.
-    pub messages: Vec<Message>,
-    /// Sampling parameters as the guest gave them.
-    pub params: Params,
+pub enum Prompt {
+    /// A conversation, formatted by the model's chat template.
+    Chat(Vec<Message>),
+    /// Text, used verbatim.
+    Text(String),
 }
 
-/// A raw completion call, with the tenant the host attached to it.
+/// One model call, from a guest or from the HTTP API, with the tenant the
+/// host attached to it.
 #[derive(Debug, Clone)]
-pub struct CompleteRequest {
-    /// Tenant that owns the call.
+pub struct ModelCall {
+    /// Tenant that owns the call (from the invoking route or the API key,
+    /// never from the guest).
     pub tenant: String,
     /// Model name.
     pub model: String,
-    /// The prompt, used verbatim.
-    pub prompt: String,
-    /// Sampling parameters as the guest gave them.
+    /// What the model continues.
+    pub prompt: Prompt,
+    /// Sampling parameters as the caller gave them, with the session key
+    /// that [`SessionAffinity`] gives the call.
     pub params: Params,
 }
 
@@ -61,28 +62,13 @@ pub trait TokenStream: Send {
     fn next(&mut self) -> BoxFuture<'_, Result<StreamEvent, AiError>>;
 }
 
-/// The model backend behind `kiln:ai/inference`, implemented by the host.
+/// The model backend behind `kiln:ai/inference` and the OpenAI-compatible
+/// API, implemented by the host.
 pub trait Inference: Send + Sync + 'static {
-    /// Runs a chat completion to the end.
-    fn chat(&self, req: ChatRequest) -> BoxFuture<'_, Result<Completion, AiError>>;
-    /// Starts a chat completion whose text arrives as it is decoded.
-    fn stream_chat(&self, req: ChatRequest)
-    -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>>;
-    /// Continues a raw prompt.
-    fn complete(&self, req: CompleteRequest) -> BoxFuture<'_, Result<Completion, AiError>>;
-    /// Continues a raw prompt, text arriving as it is decoded (the HTTP
-    /// API's streaming completions; guests have no such import).
-    fn stream_complete(
-        &self,
-        req: CompleteRequest,
-    ) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
-        let _ = req;
-        Box::pin(async {
-            Err(AiError::RuntimeError(
-                "this model backend does not stream raw completions; use `stream: false`".into(),
-            ))
-        })
-    }
+    /// Runs a call to the end.
+    fn call(&self, call: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>>;
+    /// Starts a call whose text arrives as it is decoded.
+    fn stream(&self, call: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>>;
     /// The models `tenant` may call.
     fn list_models(&self, tenant: &str) -> Vec<ModelInfo>;
     /// Ends every call in flight with an error, refuses new ones and
@@ -105,23 +91,11 @@ impl NoModels {
 }
 
 impl Inference for NoModels {
-    fn chat(&self, req: ChatRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
-        Box::pin(async move { Err(Self::error(&req.model)) })
+    fn call(&self, call: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
+        Box::pin(async move { Err(Self::error(&call.model)) })
     }
-    fn stream_chat(
-        &self,
-        req: ChatRequest,
-    ) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
-        Box::pin(async move { Err(Self::error(&req.model)) })
-    }
-    fn complete(&self, req: CompleteRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
-        Box::pin(async move { Err(Self::error(&req.model)) })
-    }
-    fn stream_complete(
-        &self,
-        req: CompleteRequest,
-    ) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
-        Box::pin(async move { Err(Self::error(&req.model)) })
+    fn stream(&self, call: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
+        Box::pin(async move { Err(Self::error(&call.model)) })
     }
     fn list_models(&self, _tenant: &str) -> Vec<ModelInfo> {
         Vec::new()
@@ -137,7 +111,7 @@ pub struct ChatStreamHandle {
 /// Per-invocation `kiln:ai` state: who is calling and which backend serves.
 pub(crate) struct AiCtx {
     pub(crate) tenant: String,
-    pub(crate) session: Option<String>,
+    pub(crate) session: SessionAffinity,
     pub(crate) backend: Arc<dyn Inference>,
     /// Restarts the CPU meter when a model call returns: waiting for the
     /// model is not guest CPU time.
@@ -145,12 +119,16 @@ pub(crate) struct AiCtx {
 }
 
 impl AiCtx {
-    /// Fills in the session from the invocation when the guest set none.
-    fn params(&self, mut params: Params) -> Params {
-        if params.session.is_none() {
-            params.session = self.session.clone();
+    /// A guest's call as the backend gets it: the invocation's tenant, and
+    /// the session key that [`SessionAffinity`]'s precedence gives it.
+    fn model_call(&self, model: String, prompt: Prompt, mut params: Params) -> ModelCall {
+        self.session.apply(&mut params);
+        ModelCall {
+            tenant: self.tenant.clone(),
+            model,
+            prompt,
+            params,
         }
-        params
     }
 }
 
@@ -182,13 +160,8 @@ impl wit::Host for AiView<'_> {
         messages: Vec<Message>,
         params: Params,
     ) -> wasmtime::Result<Result<Completion, AiError>> {
-        let req = ChatRequest {
-            tenant: self.ctx.tenant.clone(),
-            model,
-            messages,
-            params: self.ctx.params(params),
-        };
-        let out = self.ctx.backend.chat(req).await;
+        let call = self.ctx.model_call(model, Prompt::Chat(messages), params);
+        let out = self.ctx.backend.call(call).await;
         self.ctx.cpu.resume();
         Ok(out)
     }
@@ -199,13 +172,8 @@ impl wit::Host for AiView<'_> {
         messages: Vec<Message>,
         params: Params,
     ) -> wasmtime::Result<Result<Resource<ChatStreamHandle>, AiError>> {
-        let req = ChatRequest {
-            tenant: self.ctx.tenant.clone(),
-            model,
-            messages,
-            params: self.ctx.params(params),
-        };
-        let started = self.ctx.backend.stream_chat(req).await;
+        let call = self.ctx.model_call(model, Prompt::Chat(messages), params);
+        let started = self.ctx.backend.stream(call).await;
         self.ctx.cpu.resume();
         match started {
             Ok(stream) => {
@@ -225,13 +193,8 @@ impl wit::Host for AiView<'_> {
         prompt: String,
         params: Params,
     ) -> wasmtime::Result<Result<Completion, AiError>> {
-        let req = CompleteRequest {
-            tenant: self.ctx.tenant.clone(),
-            model,
-            prompt,
-            params: self.ctx.params(params),
-        };
-        let out = self.ctx.backend.complete(req).await;
+        let call = self.ctx.model_call(model, Prompt::Text(prompt), params);
+        let out = self.ctx.backend.call(call).await;
         self.ctx.cpu.resume();
         Ok(out)
     }

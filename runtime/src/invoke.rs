@@ -12,6 +12,7 @@ use crate::ai::AiCtx;
 use crate::compile::{Deployment, Runtime};
 use crate::error::{InvokeError, LimitKind};
 use crate::limits::StoreLimits;
+use crate::session::SessionAffinity;
 use crate::state::State;
 
 /// The body of a guest's response, streamed as the guest writes it.
@@ -25,9 +26,9 @@ pub struct Invocation {
     pub tenant: String,
     /// The function's name.
     pub function: String,
-    /// The request's `x-session-affinity` header, the default session of the
-    /// guest's model calls.
-    pub session: Option<String>,
+    /// The request's `x-session-affinity` header, which gives the guest's
+    /// model calls their session key (see [`SessionAffinity`]).
+    pub session: SessionAffinity,
 }
 
 /// What became of one invocation.

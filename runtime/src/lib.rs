@@ -13,15 +13,17 @@ mod compile;
 mod error;
 mod invoke;
 mod limits;
+mod session;
 mod state;
 
 pub use ai::{
-    AiError, BoxFuture, ChatRequest, CompleteRequest, Completion, FinishReason, Inference, Message,
-    ModelInfo, NoModels, Params, Role, StreamEnd, StreamEvent, TokenStream, Usage,
+    AiError, BoxFuture, Completion, FinishReason, Inference, Message, ModelCall, ModelInfo,
+    NoModels, Params, Prompt, Role, StreamEnd, StreamEvent, TokenStream, Usage,
 };
 pub use compile::{Deployment, Runtime};
 pub use error::{InvokeError, LimitKind, RuntimeError};
 pub use invoke::{Invocation, InvokeOutcome, ResponseBody};
 pub use limits::Limits;
+pub use session::{SESSION_HEADER, SessionAffinity};
 /// The error type of request and response bodies crossing into guests.
 pub use wasmtime_wasi_http::Error as BodyError;

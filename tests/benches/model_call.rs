@@ -15,16 +15,16 @@ use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
 use http_body_util::{BodyExt, Full};
 use kiln_runtime::{
-    AiError, BoxFuture, ChatRequest, CompleteRequest, Completion, FinishReason, Inference,
-    ModelInfo, TokenStream, Usage,
+    AiError, BoxFuture, Completion, FinishReason, Inference, ModelCall, ModelInfo, TokenStream,
+    Usage,
 };
 use kiln_tests::TestServer;
 
-/// Answers every chat at once.
+/// Answers every call at once; streams nothing.
 struct Instant0;
 
 impl Inference for Instant0 {
-    fn chat(&self, _: ChatRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
+    fn call(&self, _: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
         Box::pin(async {
             Ok(Completion {
                 text: "hi".into(),
@@ -37,11 +37,8 @@ impl Inference for Instant0 {
             })
         })
     }
-    fn stream_chat(&self, r: ChatRequest) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
-        kiln_runtime::NoModels.stream_chat(r)
-    }
-    fn complete(&self, r: CompleteRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
-        kiln_runtime::NoModels.complete(r)
+    fn stream(&self, c: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
+        kiln_runtime::NoModels.stream(c)
     }
     fn list_models(&self, _: &str) -> Vec<ModelInfo> {
         Vec::new()

@@ -453,26 +453,20 @@ impl kiln_runtime::TokenStream for SlowStream {
 }
 
 impl kiln_runtime::Inference for SlowModel {
-    fn chat(
+    fn call(
         &self,
-        _: kiln_runtime::ChatRequest,
+        _: kiln_runtime::ModelCall,
     ) -> kiln_runtime::BoxFuture<'_, Result<kiln_runtime::Completion, kiln_runtime::AiError>> {
         Box::pin(async { Err(kiln_runtime::AiError::RuntimeError("only streams".into())) })
     }
-    fn stream_chat(
+    fn stream(
         &self,
-        _: kiln_runtime::ChatRequest,
+        _: kiln_runtime::ModelCall,
     ) -> kiln_runtime::BoxFuture<
         '_,
         Result<Box<dyn kiln_runtime::TokenStream>, kiln_runtime::AiError>,
     > {
         Box::pin(async { Ok(Box::new(SlowStream(0)) as Box<dyn kiln_runtime::TokenStream>) })
-    }
-    fn complete(
-        &self,
-        _: kiln_runtime::CompleteRequest,
-    ) -> kiln_runtime::BoxFuture<'_, Result<kiln_runtime::Completion, kiln_runtime::AiError>> {
-        Box::pin(async { Err(kiln_runtime::AiError::RuntimeError("only streams".into())) })
     }
     fn list_models(&self, _: &str) -> Vec<kiln_runtime::ModelInfo> {
         Vec::new()

@@ -10,7 +10,7 @@ use kiln_host::engine::{EngineConfig, Fault, SchedulerConfig};
 use kiln_host::metrics::{Metrics, PoolLabels};
 use kiln_host::model::DEFAULT_MODEL;
 use kiln_host::serving::ServedModels;
-use kiln_runtime::{AiError, ChatRequest, Inference, Message, Params, Role};
+use kiln_runtime::{AiError, Inference, Message, ModelCall, Params, Prompt, Role};
 use kiln_tests::{TestServer, default_model, error_of};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -26,14 +26,14 @@ fn pool_count(family: &Family<PoolLabels, Counter>, pool: usize) -> u64 {
     family.get_or_create(&labels).get()
 }
 
-fn chat(content: &str, max_tokens: u32) -> ChatRequest {
-    ChatRequest {
+fn chat(content: &str, max_tokens: u32) -> ModelCall {
+    ModelCall {
         tenant: "t".into(),
         model: DEFAULT_MODEL.into(),
-        messages: vec![Message {
+        prompt: Prompt::Chat(vec![Message {
             role: Role::User,
             content: content.into(),
-        }],
+        }]),
         params: Params {
             max_tokens: Some(max_tokens),
             temperature: Some(0.0),
@@ -62,14 +62,14 @@ async fn an_engine_panic_fails_the_step_it_hit_and_replays_requests_still_waitin
         ServedModels::start(vec![(default_model(), config)], 1, metrics.engine.clone()).unwrap(),
     );
     let mut running = served
-        .stream_chat(chat("Count from 1 to 100.", 200))
+        .stream(chat("Count from 1 to 100.", 200))
         .await
         .unwrap();
     // Its first text has gone out, so it cannot be replayed.
     assert!(running.next().await.is_ok());
     // The call submits at once (its future only collects the answer), so
     // the pool gets it before the fault.
-    let waiting = served.chat(chat("Say hi.", 4));
+    let waiting = served.call(chat("Say hi.", 4));
     assert!(served.inject_panic(DEFAULT_MODEL, 0));
     let failed = loop {
         match running.next().await {
@@ -85,7 +85,7 @@ async fn an_engine_panic_fails_the_step_it_hit_and_replays_requests_still_waitin
         .await
         .expect("the waiting request runs on the new engine");
     assert!(!replayed.text.is_empty());
-    let after = served.chat(chat("Say hi.", 4)).await;
+    let after = served.call(chat("Say hi.", 4)).await;
     assert!(after.is_ok(), "{after:?}");
     let restarts = pool_count(&metrics.engine.engine_restarts, 0);
     let replays = pool_count(&metrics.engine.engine_replays, 0);
@@ -115,7 +115,7 @@ async fn an_engine_panic_in_one_pool_leaves_the_other_pools_streams_running() {
     for i in 0..64 {
         let key = format!("s{i}");
         let before = [routed(0), routed(1)];
-        served.chat(with_session("Hi", 1, &key)).await.unwrap();
+        served.call(with_session("Hi", 1, &key)).await.unwrap();
         let pool = usize::from(routed(1) > before[1]);
         sessions[pool].get_or_insert(key);
         if sessions.iter().all(Option::is_some) {
@@ -126,12 +126,12 @@ async fn an_engine_panic_in_one_pool_leaves_the_other_pools_streams_running() {
         panic!("no session key reached both pools: {sessions:?}");
     };
     let mut stream = served
-        .stream_chat(with_session("Count from 1 to 100.", 200, &calm))
+        .stream(with_session("Count from 1 to 100.", 200, &calm))
         .await
         .unwrap();
     assert!(stream.next().await.is_ok());
     assert!(served.inject_panic(DEFAULT_MODEL, 1));
-    let hit = served.chat(with_session("Say hi.", 4, &failing)).await;
+    let hit = served.call(with_session("Say hi.", 4, &failing)).await;
     assert!(
         matches!(&hit, Err(AiError::Aborted(m)) if m.starts_with("engine_restarted")),
         "{hit:?}"
@@ -146,7 +146,7 @@ async fn an_engine_panic_in_one_pool_leaves_the_other_pools_streams_running() {
         }
     }
     assert!(later > 1, "pool 0's stream had ended before pool 1 failed");
-    let after = served.chat(with_session("Say hi.", 4, &failing)).await;
+    let after = served.call(with_session("Say hi.", 4, &failing)).await;
     assert!(after.is_ok(), "{after:?}");
     let restarts = |pool| pool_count(&metrics.engine.engine_restarts, pool);
     assert_eq!((restarts(0), restarts(1)), (0, 1));
@@ -167,7 +167,7 @@ async fn a_step_that_returns_an_error_fails_the_requests_in_it() {
     let metrics = Metrics::default();
     let served =
         ServedModels::start(vec![(default_model(), config)], 1, metrics.engine.clone()).unwrap();
-    let call = served.chat(chat("Count from 1 to 100.", 8));
+    let call = served.call(chat("Count from 1 to 100.", 8));
     assert!(served.inject_fault(DEFAULT_MODEL, 0, Fault::Error));
     match call.await {
         Err(AiError::Aborted(m)) => assert!(m.starts_with("engine_restarted"), "{m}"),
@@ -175,7 +175,7 @@ async fn a_step_that_returns_an_error_fails_the_requests_in_it() {
     }
     assert_eq!(pool_count(&metrics.engine.engine_restarts, 0), 1);
     assert_eq!(pool_count(&metrics.engine.engine_replays, 0), 0);
-    let after = served.chat(chat("Say hi.", 4)).await;
+    let after = served.call(chat("Say hi.", 4)).await;
     assert!(after.is_ok(), "{after:?}");
 }
 

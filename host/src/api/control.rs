@@ -7,8 +7,9 @@ use http_body_util::BodyExt;
 use hyper::{Request, Response, StatusCode};
 
 use super::{ApiError, Body, BoxError, json, require_admin, tenant_of};
-use crate::app::{App, name_error, valid_name};
+use crate::app::App;
 use crate::db::FunctionRow;
+use crate::names::Name;
 use crate::serving::policy::TenantPolicy;
 
 /// Reads a whole body, refusing more than `limit` bytes with a 413.
@@ -79,7 +80,7 @@ where
     let new: NewTenant = serde_json::from_slice(&body).map_err(|e| {
         ApiError::bad_request(format!("expected a JSON body {{\"name\": \"...\"}}: {e}"))
     })?;
-    let key = app.create_tenant(&new.name)?;
+    let key = app.create_tenant(&Name::tenant(&new.name)?)?;
     Ok(json(
         StatusCode::CREATED,
         serde_json::json!({"name": new.name, "api_key": key}),
@@ -98,9 +99,7 @@ where
     B::Error: Into<BoxError>,
 {
     require_admin(app, &req)?;
-    if !valid_name(tenant) {
-        return Err(name_error("tenant", tenant));
-    }
+    let tenant = Name::tenant(tenant)?;
     let body = read_body(req, 64 << 10).await?;
     let policy: TenantPolicy = serde_json::from_slice(&body).map_err(|e| {
         ApiError::bad_request(format!(
@@ -108,8 +107,8 @@ where
              \"max_concurrent\": N}} (each optional): {e}"
         ))
     })?;
-    app.set_policy(tenant, policy.clone())?;
-    Ok(json(StatusCode::OK, policy_json(tenant, &policy)))
+    app.set_policy(&tenant, policy.clone())?;
+    Ok(json(StatusCode::OK, policy_json(&tenant, &policy)))
 }
 
 /// `GET /v1/tenants/{name}/policy` (admin).
@@ -119,16 +118,14 @@ pub(super) fn get_policy<B>(
     tenant: &str,
 ) -> Result<Response<Body>, ApiError> {
     require_admin(app, req)?;
-    if !valid_name(tenant) {
-        return Err(name_error("tenant", tenant));
-    }
-    let policy = app.policy(tenant)?;
-    Ok(json(StatusCode::OK, policy_json(tenant, &policy)))
+    let tenant = Name::tenant(tenant)?;
+    let policy = app.policy(&tenant)?;
+    Ok(json(StatusCode::OK, policy_json(&tenant, &policy)))
 }
 
-fn policy_json(tenant: &str, p: &TenantPolicy) -> serde_json::Value {
+fn policy_json(tenant: &Name, p: &TenantPolicy) -> serde_json::Value {
     serde_json::json!({
-        "tenant": tenant,
+        "tenant": tenant.as_str(),
         "allowed_models": p.allowed_models,
         "tokens_per_minute": p.tokens_per_minute,
         "max_concurrent": p.max_concurrent,
@@ -146,9 +143,7 @@ where
     B::Error: Into<BoxError>,
 {
     let tenant = tenant_of(app, &req)?;
-    if !valid_name(name) {
-        return Err(name_error("function", name));
-    }
+    let name = Name::function(name)?;
     if let Some(claimed) = req.headers().get("kiln-tenant")
         && claimed.as_bytes() != tenant.as_bytes()
     {
@@ -163,7 +158,7 @@ where
         ));
     }
     // Compiling a component takes a while: keep it off the I/O threads.
-    let (app2, name2) = (app.clone(), name.to_owned());
+    let (app2, name2) = (app.clone(), name.clone());
     let row = tokio::task::spawn_blocking(move || app2.deploy(&tenant, &name2, &bytes))
         .await
         .map_err(|e| ApiError::internal(format!("deploy task failed: {e}")))??;
@@ -178,7 +173,7 @@ pub(super) fn list_functions<B>(app: &App, req: &Request<B>) -> Result<Response<
     Ok(json(StatusCode::OK, serde_json::json!({"functions": list})))
 }
 
-fn not_found(name: &str) -> ApiError {
+fn not_found(name: &Name) -> ApiError {
     ApiError::not_found(format!("no function named `{name}`"))
 }
 
@@ -189,13 +184,11 @@ pub(super) fn get_function<B>(
     name: &str,
 ) -> Result<Response<Body>, ApiError> {
     let tenant = tenant_of(app, req)?;
-    if !valid_name(name) {
-        return Err(name_error("function", name));
-    }
+    let name = Name::function(name)?;
     let row = app
         .db
-        .function(&tenant, name)?
-        .ok_or_else(|| not_found(name))?;
+        .function(&tenant, name.as_str())?
+        .ok_or_else(|| not_found(&name))?;
     Ok(json(StatusCode::OK, function_json(app, &row)))
 }
 
@@ -206,11 +199,9 @@ pub(super) fn delete_function<B>(
     name: &str,
 ) -> Result<Response<Body>, ApiError> {
     let tenant = tenant_of(app, req)?;
-    if !valid_name(name) {
-        return Err(name_error("function", name));
-    }
-    if !app.delete(&tenant, name)? {
-        return Err(not_found(name));
+    let name = Name::function(name)?;
+    if !app.delete(&tenant, &name)? {
+        return Err(not_found(&name));
     }
     let mut resp = super::full(StatusCode::NO_CONTENT, "application/json", Bytes::new());
     resp.headers_mut().remove(hyper::header::CONTENT_TYPE);

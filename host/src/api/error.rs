@@ -3,7 +3,9 @@
 use hyper::StatusCode;
 use kiln_runtime::{AiError, InvokeError, RuntimeError};
 
+use crate::app::AppError;
 use crate::db::DbError;
+use crate::names::NameError;
 
 /// An error answered as OpenAI's error object,
 /// `{"error": {"message", "type", "param", "code"}}`, with a status.
@@ -161,6 +163,26 @@ impl From<AiError> for ApiError {
     }
 }
 
+impl From<AppError> for ApiError {
+    fn from(e: AppError) -> Self {
+        match e {
+            AppError::NoTenant(_) => Self::not_found(e.to_string()),
+            AppError::InstancesExceeded { .. } => {
+                Self::too_many_requests(e.to_string()).with_code("tenant_instances_exceeded")
+            }
+            AppError::Component(e) => Self::from(e),
+            AppError::Db(e) => Self::from(e),
+            AppError::Internal(m) => Self::internal(m),
+        }
+    }
+}
+
+impl From<NameError> for ApiError {
+    fn from(e: NameError) -> Self {
+        Self::bad_request(e.to_string())
+    }
+}
+
 impl From<DbError> for ApiError {
     fn from(e: DbError) -> Self {
         match e {
@@ -244,6 +266,24 @@ mod tests {
         assert_eq!(v["error"]["type"], "not_found");
         assert_eq!(v["error"]["message"], "no function `x`");
         assert!(v["error"]["param"].is_null() && v["error"]["code"].is_null());
+    }
+
+    #[test]
+    fn app_errors_keep_their_statuses_and_codes() {
+        let instances = ApiError::from(AppError::InstancesExceeded {
+            tenant: "a".into(),
+            cap: 2,
+        });
+        assert_eq!(instances.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(instances.code, Some("tenant_instances_exceeded"));
+        assert_eq!(
+            ApiError::from(AppError::NoTenant(crate::names::Name::tenant("a").unwrap())).status,
+            StatusCode::NOT_FOUND
+        );
+        assert_eq!(
+            ApiError::from(AppError::Internal(String::new())).status,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
     }
 
     #[test]

@@ -9,12 +9,13 @@ use bytes::Bytes;
 use http_body::Frame;
 use http_body_util::BodyExt;
 use hyper::{Request, Response, Uri};
-use kiln_runtime::{Invocation, InvokeError};
+use kiln_runtime::{Invocation, InvokeError, SessionAffinity};
 
 use super::{ApiError, Body, BoxError};
-use crate::app::{App, name_error, valid_name};
+use crate::app::App;
 use crate::fairness::InstanceSlot;
 use crate::metrics::{FnLabels, InvokeLabels, LimitLabels};
+use crate::names::Name;
 
 /// Splits `/fn/{tenant}/{function}/{rest}` into its parts; `rest` keeps no
 /// leading slash.
@@ -50,19 +51,17 @@ where
     let Some((tenant, function, rest)) = parse(&path) else {
         return ApiError::not_found("no route").into_response();
     };
-    if !valid_name(tenant) {
-        return name_error("tenant", tenant).into_response();
-    }
-    if !valid_name(function) {
-        return name_error("function", function).into_response();
-    }
-    let Some(route) = app.route(tenant, function) else {
+    let (tenant, function) = match (Name::tenant(tenant), Name::function(function)) {
+        (Ok(tenant), Ok(function)) => (tenant, function),
+        (Err(e), _) | (_, Err(e)) => return ApiError::from(e).into_response(),
+    };
+    let Some(route) = app.route(&tenant, &function) else {
         return ApiError::not_found(format!("no function `{function}` for tenant `{tenant}`"))
             .into_response();
     };
     let fn_labels = FnLabels {
-        tenant: tenant.to_owned(),
-        function: function.to_owned(),
+        tenant: tenant.as_str().to_owned(),
+        function: function.as_str().to_owned(),
     };
     let response = match run(&app, &route, req, rest).await {
         Ok(resp) => resp,
@@ -103,11 +102,7 @@ where
             hyper::header::HeaderValue::from_static("localhost"),
         );
     }
-    let session = parts
-        .headers
-        .get("x-session-affinity")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
+    let session = SessionAffinity::from_headers(&parts.headers);
     let over = Arc::new(AtomicBool::new(false));
     let body = Capped {
         inner: body

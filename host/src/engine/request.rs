@@ -27,13 +27,25 @@ pub struct GenerateParams {
     pub ignore_eos: bool,
 }
 
+/// The server's defaults, defined here and nowhere else: `kiln run`'s flags,
+/// guests' `kiln:ai` calls and the OpenAI-compatible API all fill in what a
+/// caller leaves out with these.
+impl GenerateParams {
+    /// Tokens a call may generate when it does not say.
+    pub const DEFAULT_MAX_TOKENS: usize = 256;
+    /// Sampling temperature when a call does not say.
+    pub const DEFAULT_TEMPERATURE: f32 = 0.7;
+    /// Nucleus-sampling threshold when a call does not say.
+    pub const DEFAULT_TOP_P: f32 = 0.9;
+}
+
 impl Default for GenerateParams {
     fn default() -> Self {
         Self {
-            max_tokens: 256,
-            temperature: 0.7,
+            max_tokens: Self::DEFAULT_MAX_TOKENS,
+            temperature: Self::DEFAULT_TEMPERATURE,
             top_k: 0,
-            top_p: 0.9,
+            top_p: Self::DEFAULT_TOP_P,
             seed: None,
             stop: Vec::new(),
             ignore_eos: false,

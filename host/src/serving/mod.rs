@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use kiln_runtime::{
-    AiError, ChatRequest, CompleteRequest, Completion, FinishReason, Inference, ModelInfo, Params,
-    StreamEnd, StreamEvent, TokenStream, Usage,
+    AiError, Completion, FinishReason, Inference, ModelCall, ModelInfo, Params, Prompt, StreamEnd,
+    StreamEvent, TokenStream, Usage,
 };
 use rand::RngCore;
 use tokio::sync::mpsc as tmpsc;
@@ -56,12 +56,6 @@ pub struct ServedModels {
     /// lives in memory).
     secret: [u8; 32],
     metrics: EngineMetrics,
-}
-
-/// What a request asks for.
-enum Prompt {
-    Chat(Vec<ChatMessage>),
-    Raw(String),
 }
 
 impl ServedModels {
@@ -173,8 +167,8 @@ impl ServedModels {
         let generate = generate_params(params)?;
         let tk = &served.loaded.tokenizer;
         let text = match prompt {
-            Prompt::Chat(m) => tk.chat_prompt(&m),
-            Prompt::Raw(p) => Ok(p),
+            Prompt::Chat(m) => tk.chat_prompt(&messages(m)),
+            Prompt::Text(p) => Ok(p),
         };
         let ids = text
             .and_then(|t| tk.encode(&t, true))
@@ -228,30 +222,29 @@ impl ServedModels {
     }
 }
 
-/// Tokens a call may generate when it does not say.
-pub const DEFAULT_MAX_TOKENS: u32 = 256;
-
 /// The WIT params with the host's defaults, validated.
 fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
     let bad = |m: String| Err(AiError::InvalidInput(m));
-    let temperature = p.temperature.unwrap_or(0.7);
+    let temperature = p.temperature.unwrap_or(GenerateParams::DEFAULT_TEMPERATURE);
     if !(0.0..=2.0).contains(&temperature) {
         return bad(format!(
             "temperature {temperature} is out of range: use 0 (greedy) to 2"
         ));
     }
-    let top_p = p.top_p.unwrap_or(0.9);
+    let top_p = p.top_p.unwrap_or(GenerateParams::DEFAULT_TOP_P);
     if !(top_p > 0.0 && top_p <= 1.0) {
         return bad(format!(
             "top-p {top_p} is out of range: use a value in (0, 1]"
         ));
     }
-    let max_tokens = p.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    let max_tokens = p
+        .max_tokens
+        .map_or(GenerateParams::DEFAULT_MAX_TOKENS, |n| n as usize);
     if max_tokens == 0 {
         return bad("max-tokens must be at least 1".into());
     }
     Ok(GenerateParams {
-        max_tokens: max_tokens as usize,
+        max_tokens,
         temperature,
         top_k: p.top_k.unwrap_or(0) as usize,
         top_p,
@@ -357,25 +350,13 @@ fn messages(m: Vec<kiln_runtime::Message>) -> Vec<ChatMessage> {
 type Fut<'a, T> = kiln_runtime::BoxFuture<'a, Result<T, AiError>>;
 
 impl Inference for ServedModels {
-    fn chat(&self, req: ChatRequest) -> Fut<'_, Completion> {
-        let prompt = Prompt::Chat(messages(req.messages));
-        let rx = self.submit(&req.tenant, &req.model, prompt, req.params);
+    fn call(&self, call: ModelCall) -> Fut<'_, Completion> {
+        let rx = self.submit(&call.tenant, &call.model, call.prompt, call.params);
         Box::pin(async move { collect(rx?).await })
     }
 
-    fn stream_chat(&self, req: ChatRequest) -> Fut<'_, Box<dyn TokenStream>> {
-        let prompt = Prompt::Chat(messages(req.messages));
-        let rx = self.submit(&req.tenant, &req.model, prompt, req.params);
-        Box::pin(async move { Ok(Box::new(Stream(rx?)) as Box<dyn TokenStream>) })
-    }
-
-    fn complete(&self, req: CompleteRequest) -> Fut<'_, Completion> {
-        let rx = self.submit(&req.tenant, &req.model, Prompt::Raw(req.prompt), req.params);
-        Box::pin(async move { collect(rx?).await })
-    }
-
-    fn stream_complete(&self, req: CompleteRequest) -> Fut<'_, Box<dyn TokenStream>> {
-        let rx = self.submit(&req.tenant, &req.model, Prompt::Raw(req.prompt), req.params);
+    fn stream(&self, call: ModelCall) -> Fut<'_, Box<dyn TokenStream>> {
+        let rx = self.submit(&call.tenant, &call.model, call.prompt, call.params);
         Box::pin(async move { Ok(Box::new(Stream(rx?)) as Box<dyn TokenStream>) })
     }
 

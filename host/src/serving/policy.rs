@@ -9,10 +9,11 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use kiln_runtime::{
-    AiError, BoxFuture, ChatRequest, CompleteRequest, Completion, Inference, ModelInfo,
-    StreamEvent, TokenStream, Usage,
+    AiError, BoxFuture, Completion, Inference, ModelCall, ModelInfo, Prompt, StreamEvent,
+    TokenStream, Usage,
 };
 
+use crate::engine::GenerateParams;
 use crate::metrics::{EngineMetrics, RejectLabels, TokenLabels};
 
 /// The quota window.
@@ -83,7 +84,7 @@ impl Cost {
         // chat template adds a few tokens around each message.
         Self {
             prompt: prompt_bytes.div_ceil(3) as u64 + 8 * messages as u64,
-            completion: u64::from(max_tokens.unwrap_or(super::DEFAULT_MAX_TOKENS)),
+            completion: max_tokens.map_or(GenerateParams::DEFAULT_MAX_TOKENS as u64, u64::from),
         }
     }
 
@@ -91,13 +92,15 @@ impl Cost {
         self.prompt + self.completion
     }
 
-    fn of_chat(req: &ChatRequest) -> Self {
-        let bytes = req.messages.iter().map(|m| m.content.len()).sum();
-        Self::of(bytes, req.messages.len(), req.params.max_tokens)
-    }
-
-    fn of_completion(req: &CompleteRequest) -> Self {
-        Self::of(req.prompt.len(), 1, req.params.max_tokens)
+    fn of_call(call: &ModelCall) -> Self {
+        let (bytes, pieces): (usize, usize) = match &call.prompt {
+            Prompt::Chat(messages) => (
+                messages.iter().map(|m| m.content.len()).sum(),
+                messages.len(),
+            ),
+            Prompt::Text(text) => (text.len(), 1),
+        };
+        Self::of(bytes, pieces, call.params.max_tokens)
     }
 }
 
@@ -369,6 +372,8 @@ impl Gateway {
         ))
     }
 
+    /// Runs `call` under the deadline and settles `permit` with what it
+    /// used.
     async fn finish(
         &self,
         mut permit: Permit,
@@ -386,7 +391,9 @@ impl Gateway {
         out
     }
 
-    async fn stream(
+    /// Starts `call` under the deadline; the stream holds `permit` and
+    /// settles it when it ends.
+    async fn guard(
         &self,
         mut permit: Permit,
         call: BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>>,
@@ -446,37 +453,17 @@ impl Drop for Guarded {
 }
 
 impl Inference for Gateway {
-    fn chat(&self, req: ChatRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
+    fn call(&self, call: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
         Box::pin(async move {
-            let permit = self.admit(&req.tenant, &req.model, Cost::of_chat(&req))?;
-            self.finish(permit, self.inner.chat(req)).await
+            let permit = self.admit(&call.tenant, &call.model, Cost::of_call(&call))?;
+            self.finish(permit, self.inner.call(call)).await
         })
     }
 
-    fn stream_chat(
-        &self,
-        req: ChatRequest,
-    ) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
+    fn stream(&self, call: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
         Box::pin(async move {
-            let permit = self.admit(&req.tenant, &req.model, Cost::of_chat(&req))?;
-            self.stream(permit, self.inner.stream_chat(req)).await
-        })
-    }
-
-    fn complete(&self, req: CompleteRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
-        Box::pin(async move {
-            let permit = self.admit(&req.tenant, &req.model, Cost::of_completion(&req))?;
-            self.finish(permit, self.inner.complete(req)).await
-        })
-    }
-
-    fn stream_complete(
-        &self,
-        req: CompleteRequest,
-    ) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
-        Box::pin(async move {
-            let permit = self.admit(&req.tenant, &req.model, Cost::of_completion(&req))?;
-            self.stream(permit, self.inner.stream_complete(req)).await
+            let permit = self.admit(&call.tenant, &call.model, Cost::of_call(&call))?;
+            self.guard(permit, self.inner.stream(call)).await
         })
     }
 

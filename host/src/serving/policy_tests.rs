@@ -1,7 +1,7 @@
 use super::*;
-use kiln_runtime::{FinishReason, NoModels, Params};
+use kiln_runtime::{FinishReason, Message, Params, Role};
 
-/// Answers every chat with `tokens` completion tokens (after `gate`
+/// Answers every call with `tokens` completion tokens (after `gate`
 /// opens, when there is one); streams deltas of one token without end.
 struct Fixed {
     tokens: u32,
@@ -17,7 +17,7 @@ impl TokenStream for Endless {
 }
 
 impl Inference for Fixed {
-    fn chat(&self, _: ChatRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
+    fn call(&self, _: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
         let n = self.tokens;
         Box::pin(async move {
             if let Some(gate) = &self.gate {
@@ -34,11 +34,8 @@ impl Inference for Fixed {
             })
         })
     }
-    fn stream_chat(&self, _: ChatRequest) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
+    fn stream(&self, _: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
         Box::pin(async { Ok(Box::new(Endless) as Box<dyn TokenStream>) })
-    }
-    fn complete(&self, r: CompleteRequest) -> BoxFuture<'_, Result<Completion, AiError>> {
-        NoModels.complete(r)
     }
     fn list_models(&self, _: &str) -> Vec<ModelInfo> {
         ["a", "b"]
@@ -50,11 +47,11 @@ impl Inference for Fixed {
     }
 }
 
-fn req(tenant: &str, model: &str) -> ChatRequest {
-    ChatRequest {
+fn req(tenant: &str, model: &str) -> ModelCall {
+    ModelCall {
         tenant: tenant.into(),
         model: model.into(),
-        messages: Vec::new(),
+        prompt: Prompt::Chat(Vec::new()),
         params: Params {
             max_tokens: None,
             temperature: None,
@@ -67,7 +64,7 @@ fn req(tenant: &str, model: &str) -> ChatRequest {
     }
 }
 
-fn with_max_tokens(mut r: ChatRequest, n: u32) -> ChatRequest {
+fn with_max_tokens(mut r: ModelCall, n: u32) -> ModelCall {
     r.params.max_tokens = Some(n);
     r
 }
@@ -102,18 +99,18 @@ async fn tokens_per_minute_quota_refuses_calls_once_used_up() {
         },
     );
     let call = || with_max_tokens(req("a", "a"), 20);
-    assert!(g.chat(call()).await.is_ok());
+    assert!(g.call(call()).await.is_ok());
     assert!(
-        g.chat(call()).await.is_ok(),
+        g.call(call()).await.is_ok(),
         "30 used + 20 reserved <= 50: admitted"
     );
-    let e = g.chat(call()).await.unwrap_err();
+    let e = g.call(call()).await.unwrap_err();
     assert!(
         matches!(&e, AiError::QuotaExceeded(m) if m.contains("tokens_per_minute")),
         "{e:?}"
     );
     assert!(
-        g.chat(with_max_tokens(req("b", "a"), 20)).await.is_ok(),
+        g.call(with_max_tokens(req("b", "a"), 20)).await.is_ok(),
         "other tenants are unaffected"
     );
 }
@@ -128,9 +125,9 @@ async fn allowed_models_limit_calls_and_the_model_list() {
             ..Default::default()
         },
     );
-    let e = g.chat(req("a", "a")).await.unwrap_err();
+    let e = g.call(req("a", "a")).await.unwrap_err();
     assert!(matches!(e, AiError::ModelNotFound(_)));
-    assert!(g.chat(req("a", "b")).await.is_ok());
+    assert!(g.call(req("a", "b")).await.is_ok());
     let ids: Vec<String> = g.list_models("a").into_iter().map(|m| m.id).collect();
     assert_eq!(ids, vec!["b".to_owned()]);
     assert_eq!(g.list_models("c").len(), 2, "default: every model");
@@ -165,14 +162,14 @@ async fn calls_in_flight_hold_their_reservation_against_the_quota() {
     quota(&g, "a", 100);
     let first = tokio::spawn({
         let g = g.clone();
-        async move { g.chat(with_max_tokens(req("a", "a"), 60)).await }
+        async move { g.call(with_max_tokens(req("a", "a"), 60)).await }
     });
     while g.usage("a").calls_in_flight == 0 {
         tokio::task::yield_now().await;
     }
     assert_eq!(g.usage("a").tokens_reserved, 60);
     let e = g
-        .chat(with_max_tokens(req("a", "a"), 60))
+        .call(with_max_tokens(req("a", "a"), 60))
         .await
         .unwrap_err();
     assert!(
@@ -187,14 +184,14 @@ async fn calls_in_flight_hold_their_reservation_against_the_quota() {
         (30, 0),
         "settled at what it used"
     );
-    assert!(g.chat(with_max_tokens(req("a", "a"), 60)).await.is_ok());
+    assert!(g.call(with_max_tokens(req("a", "a"), 60)).await.is_ok());
 }
 
 #[tokio::test]
 async fn a_call_larger_than_the_whole_quota_is_refused_naming_max_tokens() {
     let g = gateway(1, 8);
     quota(&g, "a", 100);
-    let e = g.chat(req("a", "a")).await.unwrap_err();
+    let e = g.call(req("a", "a")).await.unwrap_err();
     assert!(
         matches!(&e, AiError::QuotaExceeded(m) if m.contains("max-tokens 256")),
         "{e:?}"
@@ -206,12 +203,12 @@ async fn a_call_larger_than_the_whole_quota_is_refused_naming_max_tokens() {
 async fn a_stream_dropped_early_pays_its_prompt_and_the_tokens_it_received() {
     let g = gateway(1, 8);
     let mut r = with_max_tokens(req("a", "a"), 100);
-    r.messages.push(kiln_runtime::Message {
-        role: kiln_runtime::Role::User,
+    r.prompt = Prompt::Chat(vec![Message {
+        role: Role::User,
         content: "x".repeat(30),
-    });
-    let prompt = Cost::of_chat(&r).prompt;
-    let mut s = g.stream_chat(r).await.unwrap();
+    }]);
+    let prompt = Cost::of_call(&r).prompt;
+    let mut s = g.stream(r).await.unwrap();
     for _ in 0..3 {
         assert!(matches!(s.next().await, Ok(StreamEvent::Delta(_))));
     }
@@ -236,7 +233,7 @@ async fn a_call_past_its_deadline_pays_all_it_reserved() {
         EngineMetrics::default(),
     );
     let e = g
-        .chat(with_max_tokens(req("a", "a"), 40))
+        .call(with_max_tokens(req("a", "a"), 40))
         .await
         .unwrap_err();
     assert!(matches!(e, AiError::Aborted(_)), "{e:?}");

@@ -2,8 +2,9 @@
 //! `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`.
 //!
 //! Calls go through the same policy gateway as guests' calls. The tenant
-//! comes from the key; the session from `x-session-affinity` (else
-//! `prompt_cache_key`).
+//! comes from the key; the session from `x-session-affinity`, else
+//! `prompt_cache_key` (the precedence of [`SessionAffinity`], the same as
+//! for guests).
 
 mod request;
 mod sse;
@@ -12,13 +13,13 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use hyper::{Request, Response, StatusCode};
-use kiln_runtime::{ChatRequest, CompleteRequest, Completion, FinishReason, Inference, Usage};
+use kiln_runtime::{Completion, FinishReason, Inference, ModelCall, SessionAffinity, Usage};
 use rand::RngCore;
 
 use super::control::read_body;
 use super::{ApiError, Body, BoxError, json, tenant_of};
 use crate::app::App;
-use request::{Input, Validated};
+use request::Validated;
 
 /// Largest request body accepted.
 const MAX_BODY: usize = 4 << 20;
@@ -51,6 +52,18 @@ struct Call {
     v: Validated,
 }
 
+impl Call {
+    /// The call as the model backend takes it.
+    fn model_call(&self) -> ModelCall {
+        ModelCall {
+            tenant: self.tenant.clone(),
+            model: self.v.model.clone(),
+            prompt: self.v.input.clone(),
+            params: self.v.params.clone(),
+        }
+    }
+}
+
 async fn prepare<B>(
     app: &App,
     req: Request<B>,
@@ -62,16 +75,10 @@ where
     B::Error: Into<BoxError>,
 {
     let tenant = tenant_of(app, &req)?;
-    let header = req
-        .headers()
-        .get("x-session-affinity")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
+    let affinity = SessionAffinity::from_headers(req.headers());
     let body = read_body(req, MAX_BODY).await?;
     let mut v = validate(&body)?;
-    if header.is_some() {
-        v.params.session = header;
-    }
+    affinity.apply(&mut v.params);
     let mut id = [0u8; 12];
     rand::rng().fill_bytes(&mut id);
     let created = std::time::SystemTime::now()
@@ -108,20 +115,11 @@ where
     B::Error: Into<BoxError>,
 {
     let call = prepare(&app, req, request::chat, "chatcmpl").await?;
-    let Input::Chat(messages) = call.v.input.clone() else {
-        return Err(ApiError::internal("a chat request without messages"));
-    };
-    let r = ChatRequest {
-        tenant: call.tenant.clone(),
-        model: call.v.model.clone(),
-        messages,
-        params: call.v.params.clone(),
-    };
     if call.v.stream {
-        let stream = app.ai.stream_chat(r).await?;
+        let stream = app.ai.stream(call.model_call()).await?;
         return Ok(sse::respond(stream, sse::Shape::chat(&call)));
     }
-    let c = app.ai.chat(r).await?;
+    let c = app.ai.call(call.model_call()).await?;
     Ok(json(StatusCode::OK, chat_json(&call, &c)))
 }
 
@@ -149,20 +147,11 @@ where
     B::Error: Into<BoxError>,
 {
     let call = prepare(&app, req, request::completion, "cmpl").await?;
-    let Input::Prompt(prompt) = call.v.input.clone() else {
-        return Err(ApiError::internal("a completion request without a prompt"));
-    };
-    let r = CompleteRequest {
-        tenant: call.tenant.clone(),
-        model: call.v.model.clone(),
-        prompt,
-        params: call.v.params.clone(),
-    };
     if call.v.stream {
-        let stream = app.ai.stream_complete(r).await?;
+        let stream = app.ai.stream(call.model_call()).await?;
         return Ok(sse::respond(stream, sse::Shape::completion(&call)));
     }
-    let c = app.ai.complete(r).await?;
+    let c = app.ai.call(call.model_call()).await?;
     Ok(json(
         StatusCode::OK,
         serde_json::json!({

@@ -1,19 +1,10 @@
 //! Validation of OpenAI-style request bodies. A [`Validated`] request can
 //! only be built here, so a handler holding one knows every field passed.
 
-use kiln_runtime::{Message, Params, Role};
+use kiln_runtime::{Message, Params, Prompt, Role};
 use serde_json::{Map, Value};
 
 use crate::api::ApiError;
-
-/// What the model is asked to continue.
-#[derive(Debug, Clone)]
-pub(super) enum Input {
-    /// `/v1/chat/completions`: a conversation.
-    Chat(Vec<Message>),
-    /// `/v1/completions`: a raw prompt.
-    Prompt(String),
-}
 
 /// Proof that a body was validated; only this module can make one.
 #[derive(Debug, Clone)]
@@ -24,8 +15,9 @@ struct Sealed;
 pub(super) struct Validated {
     /// The model name.
     pub(super) model: String,
-    /// Messages or prompt.
-    pub(super) input: Input,
+    /// Messages (`/v1/chat/completions`) or a raw prompt
+    /// (`/v1/completions`).
+    pub(super) input: Prompt,
     /// Sampling parameters (session from `prompt_cache_key`, if given).
     pub(super) params: Params,
     /// Whether to answer with server-sent events.
@@ -174,9 +166,9 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
         }
         match k {
             "model" => model = Some(string(k, v)?),
-            "messages" if chat => input = Some(Input::Chat(messages(v)?)),
+            "messages" if chat => input = Some(Prompt::Chat(messages(v)?)),
             "prompt" if !chat => {
-                input = Some(Input::Prompt(match v {
+                input = Some(Prompt::Text(match v {
                     Value::String(s) => s.clone(),
                     Value::Array(a) if a.len() == 1 && a[0].is_string() => string(k, &a[0])?,
                     _ => return Err(bad(k, "expected a string (or an array holding one string)")),
@@ -329,11 +321,11 @@ mod tests {
         assert_eq!(v.params.stop, vec!["END".to_owned()]);
         assert_eq!(v.params.session.as_deref(), Some("s"));
         assert!(v.stream && v.include_usage);
-        let Input::Chat(m) = v.input else { panic!() };
+        let Prompt::Chat(m) = v.input else { panic!() };
         assert_eq!(m[0].role, Role::System);
         assert_eq!(m[0].content, "be brief");
         let c = completion(br#"{"model": "m", "prompt": ["once upon"]}"#).unwrap();
-        assert!(matches!(c.input, Input::Prompt(p) if p == "once upon"));
+        assert!(matches!(c.input, Prompt::Text(p) if p == "once upon"));
         assert!(completion(br#"{"model": "m", "messages": []}"#).is_err());
     }
 }

@@ -1,0 +1,98 @@
+//! The session-affinity key of a model call: read once from the HTTP
+//! request, applied by one rule to guests' calls and to API calls alike.
+
+use crate::ai::Params;
+
+/// The HTTP header that names a request's session.
+pub const SESSION_HEADER: &str = "x-session-affinity";
+
+/// A request's `x-session-affinity` header, and the one rule that gives a
+/// model call its session key (which picks the decode pool holding the
+/// session's cached prefix).
+///
+/// Precedence, the same for a guest's `kiln:ai` call and for the
+/// OpenAI-compatible API: the request's header wins; a key the call names
+/// itself (a guest's `params.session`, the API's `prompt_cache_key`)
+/// counts only when the request has no header. The header is the one key
+/// that a client, or a proxy in front of Kiln, sets the same way for every
+/// route, so it decides where all of a request's model calls land.
+///
+/// A header value that is not visible ASCII counts as no header.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SessionAffinity(Option<String>);
+
+impl SessionAffinity {
+    /// The session that `headers` name, if they name one.
+    pub fn from_headers(headers: &http::HeaderMap) -> Self {
+        Self(
+            headers
+                .get(SESSION_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned),
+        )
+    }
+
+    /// The header's value, if the request had one.
+    pub fn header(&self) -> Option<&str> {
+        self.0.as_deref()
+    }
+
+    /// Sets `params.session` by the precedence above: the header's value
+    /// if there is one, else the call's own key.
+    pub fn apply(&self, params: &mut Params) {
+        if let Some(session) = &self.0 {
+            params.session = Some(session.clone());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(session: Option<&str>) -> Params {
+        Params {
+            max_tokens: None,
+            temperature: None,
+            top_p: None,
+            top_k: None,
+            seed: None,
+            stop: Vec::new(),
+            session: session.map(str::to_owned),
+        }
+    }
+
+    fn affinity(value: Option<&'static [u8]>) -> SessionAffinity {
+        let mut headers = http::HeaderMap::new();
+        if let Some(v) = value {
+            let v = http::HeaderValue::from_bytes(v).expect("a header value");
+            headers.insert(SESSION_HEADER, v);
+        }
+        SessionAffinity::from_headers(&headers)
+    }
+
+    #[test]
+    fn the_header_wins_over_the_calls_own_key() {
+        let mut p = params(Some("own"));
+        affinity(Some(b"header")).apply(&mut p);
+        assert_eq!(p.session.as_deref(), Some("header"));
+    }
+
+    #[test]
+    fn without_a_header_the_calls_own_key_or_none_stays() {
+        for own in [Some("own"), None] {
+            let mut p = params(own);
+            affinity(None).apply(&mut p);
+            assert_eq!(p.session.as_deref(), own);
+        }
+    }
+
+    #[test]
+    fn a_header_that_is_not_visible_ascii_counts_as_none() {
+        let a = affinity(Some(b"caf\xe9"));
+        assert_eq!(a.header(), None);
+        let mut p = params(Some("own"));
+        a.apply(&mut p);
+        assert_eq!(p.session.as_deref(), Some("own"));
+    }
+}
