@@ -13,22 +13,14 @@ pub mod client;
 pub mod components;
 pub mod config;
 pub mod db;
-pub mod engine;
 pub mod fairness;
 pub mod metrics;
-pub mod model;
 pub mod names;
 pub mod server;
 pub mod serving;
+pub use kiln_engine::{engine, model};
 /// The model backend of a server that serves none.
 pub use kiln_runtime::NoModels;
 
-/// Cases a property test of untrusted input runs: `default`, or
-/// `PROPTEST_CASES` for a longer run.
 #[cfg(test)]
-pub(crate) fn fuzz_cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(default)
-}
+pub(crate) use kiln_engine::fuzz_cases;
