@@ -3,7 +3,8 @@
 
 use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
 
-use super::launch::{PagedKv, cfg, push_pages};
+use super::kv::PagedKv;
+use super::launch::{cfg, push_pages};
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout};

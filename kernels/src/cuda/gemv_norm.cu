@@ -1,5 +1,5 @@
-// One-row decode GEMVs with the RMSNorm between them folded in (appended
-// after gemv.cu). For a norm with weights g over a hidden row h of K,
+// One-row decode GEMVs with the RMSNorm between them folded in (see
+// fold.rs; uses gemv.cu, norm.cu and act.cu). For a norm with weights g over a hidden row h of K,
 //   (rmsnorm(h) * g) . w = ((g * h) . w) / sqrt(mean(h^2) + eps),
 // so no norm kernel runs between two products of a decode step:
 // - the product that adds into h (the o and down projections; `resid`)

@@ -3,7 +3,8 @@
 
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
-use super::launch::{PagedKv, push_pages};
+use super::kv::PagedKv;
+use super::launch::push_pages;
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout};
