@@ -12,6 +12,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
 
+use super::gemv::{GemmShape, StackShape};
 use super::launch::{blocks, cfg};
 use super::{DeviceWeight, GemmScratch, Gpu, cuda_err};
 use crate::KernelError;
@@ -46,11 +47,10 @@ impl Gpu {
         &self,
         w: &DeviceWeight,
         outs: &mut [&mut CudaSlice<f32>],
-        parts: &[usize],
-        m: usize,
-        k: usize,
+        shape: StackShape<'_>,
         scratch: &GemmScratch,
     ) -> R {
+        let StackShape { m, parts, k } = shape;
         let DeviceWeight::Bf16(wb) = w else {
             return Err(KernelError::Shape(
                 "bf16 activations need a bf16 weight".into(),
@@ -72,7 +72,7 @@ impl Gpu {
             let a = wp + (row0 * k * std::mem::size_of::<bf16>()) as u64;
             // SAFETY: rows row0.. of the stack and an output of m x rows,
             // sizes checked above (guards held).
-            unsafe { self.gemm(a, xp, ty, op, m, rows, k, rows) }?;
+            unsafe { self.gemm(a, xp, ty, op, GemmShape { m, n: rows, k }, rows) }?;
             row0 += rows;
         }
         Ok(())
@@ -81,21 +81,19 @@ impl Gpu {
     /// `out (m x n) = x (m x k) * w^T` with bf16 `w` (`n x k`): the custom
     /// GEMV up to [`super::gemv::BF16_GEMV_ROWS`] rows, cuBLAS (bf16 in,
     /// f32 accumulate and out) above.
-    #[allow(clippy::too_many_arguments)]
     pub fn matmul_bf16(
         &self,
         x: &CudaSlice<f32>,
         w: &CudaSlice<bf16>,
         out: &mut CudaSlice<f32>,
-        m: usize,
-        n: usize,
-        k: usize,
+        shape: GemmShape,
         scratch: &mut CudaSlice<bf16>,
     ) -> R {
+        let GemmShape { m, n, k } = shape;
         if m <= super::gemv::BF16_GEMV_ROWS && k.is_multiple_of(8) {
-            return self.gemv_bf16_parts(x, w, &mut [out], &[n], m, k);
+            return self.gemv_bf16_parts(x, w, &mut [out], StackShape { m, parts: &[n], k });
         }
-        self.cublas_bf16(x, w, out, m, n, k, scratch)
+        self.cublas_bf16(x, w, out, shape, scratch)
     }
 
     /// The first `len` activations rounded to bf16 into `scratch`, as
@@ -124,48 +122,44 @@ impl Gpu {
 
     /// The cuBLAS path of [`Self::matmul_bf16`]; `scratch` holds `m x k`
     /// bf16 activations.
-    #[allow(clippy::too_many_arguments)]
     pub fn cublas_bf16(
         &self,
         x: &CudaSlice<f32>,
         w: &CudaSlice<bf16>,
         out: &mut CudaSlice<f32>,
-        m: usize,
-        n: usize,
-        k: usize,
+        shape: GemmShape,
         scratch: &mut CudaSlice<bf16>,
     ) -> R {
         use cudarc::cublas::sys::cudaDataType_t;
+        let GemmShape { m, n, k } = shape;
         self.to_bf16_scratch(x, scratch, m * k)?;
         let (a, _ra) = w.device_ptr(&self.stream);
         let (bp, _rb) = scratch.device_ptr(&self.stream);
         let (c, _rc) = out.device_ptr(&self.stream);
         // SAFETY: live device buffers of the stated sizes (guards held).
-        unsafe { self.gemm(a, bp, cudaDataType_t::CUDA_R_16BF, c, m, n, k, n) }?;
+        unsafe { self.gemm(a, bp, cudaDataType_t::CUDA_R_16BF, c, shape, n) }?;
         Ok(())
     }
 
-    /// cuBLAS, f32 accumulation and output: row-major `out (m x rows)`,
-    /// leading dimension `ldc`, `= x (m x k) * w^T` for `w` (`rows x k`);
+    /// cuBLAS, f32 accumulation and output: row-major `out (m x n)`,
+    /// leading dimension `ldc`, `= x (m x k) * w^T` for `w` (`n x k`);
     /// `w` and `x` both of type `ty`.
     ///
     /// # Safety
     /// The pointers are live device buffers of those sizes.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn gemm(
         &self,
         w: u64,
         x: u64,
         ty: cudarc::cublas::sys::cudaDataType_t,
         out: u64,
-        m: usize,
-        rows: usize,
-        k: usize,
+        shape: GemmShape,
         ldc: usize,
     ) -> R {
         use cudarc::cublas::sys::{
             cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
         };
+        let GemmShape { m, n: rows, k } = shape;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Row-major out (m x rows) is column-major rows x m: out^T = w x^T.
         // SAFETY: the caller vouches for the pointers.
@@ -195,20 +189,18 @@ impl Gpu {
         .map_err(cuda_err)
     }
 
-    /// `out[:, r0..r0 + rows] = x * w^T` with f32 `w` (`rows x k`), by
-    /// cuBLAS in full f32.
-    #[allow(clippy::too_many_arguments)]
+    /// Columns `cols` of `out` (`m x n`) `= x (m x k) * w^T` with f32 `w`
+    /// (`cols.len() x k`), by cuBLAS in full f32.
     pub(super) fn gemm_f32(
         &self,
         x: &CudaSlice<f32>,
         w: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
-        m: usize,
-        n: usize,
-        k: usize,
-        r0: usize,
-        rows: usize,
+        shape: GemmShape,
+        cols: std::ops::Range<usize>,
     ) -> R {
+        let GemmShape { m, n, k } = shape;
+        let (r0, rows) = (cols.start, cols.len());
         let (a, _ra) = w.device_ptr(&self.stream);
         let (bp, _rb) = x.device_ptr(&self.stream);
         let (c, _rc) = out.device_ptr(&self.stream);
@@ -216,6 +208,6 @@ impl Gpu {
         let c = c + (r0 * std::mem::size_of::<f32>()) as u64;
         let f32_ty = cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
         // SAFETY: live device buffers of the stated sizes (guards held).
-        unsafe { self.gemm(a, bp, f32_ty, c, m, rows, k, n) }
+        unsafe { self.gemm(a, bp, f32_ty, c, GemmShape { m, n: rows, k }, n) }
     }
 }

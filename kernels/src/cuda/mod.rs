@@ -36,18 +36,19 @@ use sha2::{Digest, Sha256};
 use crate::KernelError;
 
 pub use attention::{
-    AttentionBuffers, AttentionKind, AttentionPlan, FLASH_MAX_PARTITION, FLASH_PARTITION,
-    PARTITION, partition_len,
+    AttentionBuffers, AttentionKind, AttentionPlan, DecodeBatch, FLASH_MAX_PARTITION,
+    FLASH_PARTITION, PARTITION, PagedQuery, partition_len,
 };
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
-pub use fold::NormSum;
-pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M};
+pub use fold::{NextNorm, NormSum, Normed};
+pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M, GemmShape, StackShape};
 pub use graph::Graph;
 pub use kv::PagedKv;
+pub use norm::NormArgs;
 pub use prefill::prefill_tiles;
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
-pub use rope::RopeKv;
+pub use rope::{RopeArgs, RopeKv};
 pub use tags::TagLayout;
 
 /// The CUDA C source of every kernel: one file per operation, its

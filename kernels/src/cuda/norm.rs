@@ -11,6 +11,22 @@ use crate::KernelError;
 
 type R<T = ()> = Result<T, KernelError>;
 
+/// An RMSNorm over `rows` rows of `cols`, with the residual add before it:
+/// `x += residual` (when given), then `rmsnorm(x) * w` with `eps`.
+#[derive(Clone, Copy)]
+pub struct NormArgs<'a> {
+    /// Added into the rows first, when given (`rows x cols`).
+    pub residual: Option<&'a CudaSlice<f32>>,
+    /// The norm's weights (`cols`).
+    pub w: &'a CudaSlice<f32>,
+    /// Rows.
+    pub rows: usize,
+    /// Elements per row.
+    pub cols: usize,
+    /// Added to each row's mean square.
+    pub eps: f32,
+}
+
 /// Where the norm writes: f32 activations, or bf16 ones for a GEMM.
 pub(super) enum NormOut<'a> {
     /// f32.
@@ -21,33 +37,30 @@ pub(super) enum NormOut<'a> {
 
 impl Gpu {
     /// `x += residual` (if given), then `out = rmsnorm(x) * w`, per row.
-    #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_residual(
         &self,
         x: &mut CudaSlice<f32>,
-        residual: Option<&CudaSlice<f32>>,
-        w: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
+        norm: &NormArgs<'_>,
     ) -> R {
-        self.rmsnorm_launch(x, residual, w, NormOut::F32(out), rows, dim, eps)
+        self.rmsnorm_launch(x, NormOut::F32(out), norm)
     }
 
     /// The norm's launch, into f32 or into bf16 (the caller checked that
-    /// `out` holds `rows x dim`).
-    #[allow(clippy::too_many_arguments)]
+    /// `out` holds `rows x cols`).
     pub(super) fn rmsnorm_launch(
         &self,
         x: &mut CudaSlice<f32>,
-        residual: Option<&CudaSlice<f32>>,
-        w: &CudaSlice<f32>,
         out: NormOut<'_>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
+        norm: &NormArgs<'_>,
     ) -> R {
+        let NormArgs {
+            residual,
+            w,
+            rows,
+            cols: dim,
+            eps,
+        } = *norm;
         let f = self.function("rmsnorm_residual")?;
         let mut b = self.stream.launch_builder(f);
         let null = 0u64;
@@ -73,19 +86,14 @@ impl Gpu {
 
     /// [`Self::rmsnorm_residual`] with its output rounded to bf16 into
     /// `scratch`, ready for [`Self::matmul_parts_bf16`].
-    #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_residual_bf16(
         &self,
         x: &mut CudaSlice<f32>,
-        residual: Option<&CudaSlice<f32>>,
-        w: &CudaSlice<f32>,
         scratch: &mut GemmScratch,
-        rows: usize,
-        dim: usize,
-        eps: f32,
+        norm: &NormArgs<'_>,
     ) -> R {
-        room(scratch, rows * dim)?;
+        room(scratch, norm.rows * norm.cols)?;
         let out = NormOut::Bf16(&mut scratch.act);
-        self.rmsnorm_launch(x, residual, w, out, rows, dim, eps)
+        self.rmsnorm_launch(x, out, norm)
     }
 }

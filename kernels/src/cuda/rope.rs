@@ -28,6 +28,23 @@ pub struct RopeKv<'a> {
     pub interleaved: bool,
 }
 
+/// Where and how [`Gpu::rope`] and [`Gpu::rope_qk`] rotate a step's tokens.
+#[derive(Clone, Copy)]
+pub struct RopeArgs<'a> {
+    /// Each token's position.
+    pub pos: &'a CudaView<'a, i32>,
+    /// The rotary frequencies (`dim / 2`).
+    pub inv_freq: &'a CudaSlice<f32>,
+    /// Tokens in the step.
+    pub tokens: usize,
+    /// Heads of each token (its query heads, for [`Gpu::rope_qk`]).
+    pub heads: usize,
+    /// Elements per head.
+    pub dim: usize,
+    /// Pairs (2i, 2i + 1) rather than (i, i + half).
+    pub interleaved: bool,
+}
+
 /// Device addresses of a step's queries, keys and values, each token's
 /// row at its stride (in floats), and where the rotated queries go.
 struct QkvRows {
@@ -41,44 +58,20 @@ struct QkvRows {
 
 impl Gpu {
     /// Rotates `x` (`tokens x heads x dim`) at `pos` with `inv_freq`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rope(
-        &self,
-        x: &mut CudaSlice<f32>,
-        pos: &CudaView<'_, i32>,
-        inv_freq: &CudaSlice<f32>,
-        tokens: usize,
-        heads: usize,
-        dim: usize,
-        interleaved: bool,
-    ) -> R {
-        self.rope_launch(x, None, pos, inv_freq, tokens, [heads, 0], dim, interleaved)
+    pub fn rope(&self, x: &mut CudaSlice<f32>, at: &RopeArgs<'_>) -> R {
+        self.rope_launch(x, None, at)
     }
 
     /// [`Self::rope`] over a step's queries `q` (`tokens x heads x dim`) and
     /// keys `k` (`tokens x kv_heads x dim`) in one launch.
-    #[allow(clippy::too_many_arguments)]
     pub fn rope_qk(
         &self,
         q: &mut CudaSlice<f32>,
         k: &mut CudaSlice<f32>,
-        pos: &CudaView<'_, i32>,
-        inv_freq: &CudaSlice<f32>,
-        tokens: usize,
-        [heads, kv_heads]: [usize; 2],
-        dim: usize,
-        interleaved: bool,
+        kv_heads: usize,
+        at: &RopeArgs<'_>,
     ) -> R {
-        self.rope_launch(
-            q,
-            Some(k),
-            pos,
-            inv_freq,
-            tokens,
-            [heads, kv_heads],
-            dim,
-            interleaved,
-        )
+        self.rope_launch(q, Some((k, kv_heads)), at)
     }
 
     /// [`Self::rope_qk`] then [`Self::kv_write`] in one launch: rotates the
@@ -214,18 +207,27 @@ impl Gpu {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Rotates `x` (`tokens x at.heads x dim`) and, in the same launch,
+    /// `keys`: a second buffer with its heads per token (`tokens x heads2 x
+    /// dim`).
     fn rope_launch(
         &self,
         x: &mut CudaSlice<f32>,
-        x2: Option<&mut CudaSlice<f32>>,
-        pos: &CudaView<'_, i32>,
-        inv_freq: &CudaSlice<f32>,
-        tokens: usize,
-        [heads, heads2]: [usize; 2],
-        dim: usize,
-        interleaved: bool,
+        keys: Option<(&mut CudaSlice<f32>, usize)>,
+        at: &RopeArgs<'_>,
     ) -> R {
+        let RopeArgs {
+            pos,
+            inv_freq,
+            tokens,
+            heads,
+            dim,
+            interleaved,
+        } = *at;
+        let (x2, heads2) = match keys {
+            Some((k, h)) => (Some(k), h),
+            None => (None, 0),
+        };
         if x.len() < tokens * heads * dim
             || x2.as_ref().is_some_and(|k| k.len() < tokens * heads2 * dim)
         {
