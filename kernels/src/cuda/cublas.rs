@@ -81,6 +81,10 @@ impl Gpu {
     /// `out (m x n) = x (m x k) * w^T` with bf16 `w` (`n x k`): the custom
     /// GEMV up to [`super::gemv::BF16_GEMV_ROWS`] rows, cuBLAS (bf16 in,
     /// f32 accumulate and out) above.
+    ///
+    /// Reference path: the engine's step uses [`Self::matmul`] and
+    /// [`Self::matmul_parts`]; kept for the parity tests of the bf16
+    /// product.
     pub fn matmul_bf16(
         &self,
         x: &CudaSlice<f32>,
@@ -122,6 +126,10 @@ impl Gpu {
 
     /// The cuBLAS path of [`Self::matmul_bf16`]; `scratch` holds `m x k`
     /// bf16 activations.
+    ///
+    /// Reference path: the engine's step runs cuBLAS through
+    /// [`Self::matmul_parts_bf16`]; kept for [`Self::matmul_bf16`] and for
+    /// `cuda_bench`'s GEMV-against-cuBLAS table.
     pub fn cublas_bf16(
         &self,
         x: &CudaSlice<f32>,

@@ -14,7 +14,7 @@
 // Blocks are sized so Llama-3-8B's products run in whole waves on an H200
 // (132 SMs): at most 40 registers, so 12 blocks of 4 warps share an SM and
 // the q/k/v stack (1536 blocks) runs in one wave of 1584 (at 44 registers,
-// 11 a SM, 84 blocks were left for a second); the residual products' 512
+// 11 a SM would leave 84 blocks for a second); the residual products' 512
 // blocks of 8 warps in one wave of 5 a SM.
 
 #define RESID_WARPS 8

@@ -17,8 +17,8 @@ __device__ void hadamard_shared(float* x, int n) {
 }
 
 // Rotates each row of hd (a power of two up to 1024) of x in place by
-// hadamard_shared: grid rows, threads hd. The reference rope_kv_write's
-// rotation is checked against.
+// hadamard_shared: grid rows, threads hd. Reference path: the engine's
+// step rotates inside rope_kv_write; kept for the test of that rotation.
 extern "C" __global__ void hadamard_rows(float* x, int hd) {
     PDL_ENTER();
     __shared__ float r[1024];

@@ -13,6 +13,9 @@ impl Gpu {
     /// 1024) of `x` in place by the orthonormal Walsh-Hadamard transform,
     /// in [`crate::hadamard::rotate`]'s order and with the device function
     /// `rope_kv_write` uses for static fp8 pages.
+    ///
+    /// Reference path: the engine's step rotates inside
+    /// [`Self::rope_kv_write`]; kept for the test of that rotation.
     pub fn hadamard_rows(&self, x: &mut CudaSlice<f32>, rows: usize, head_dim: usize) -> R {
         if !head_dim.is_power_of_two() || head_dim > 1024 || x.len() < rows * head_dim {
             return Err(KernelError::Shape(format!(

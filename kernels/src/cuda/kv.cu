@@ -3,7 +3,10 @@
 
 // Writes one token's K and V per block (grid: tokens x kv_heads; threads:
 // head_dim, a multiple of 32) at global slot slots[t] (page * page_size +
-// slot in page); a token whose slot is negative writes nothing.
+// slot in page); a token whose slot is negative writes nothing. Reference
+// path (with kv_write_fp8): the engine's step writes K and V in
+// rope_kv_write; kept for the parity tests, which fill pages with it, and
+// for the test of the fused launch.
 extern "C" __global__ void kv_write_bf16(const float* k, const float* v, const int* slots,
                                          __nv_bfloat16* kc, __nv_bfloat16* vc, int kv_heads,
                                          int hd, int page_size) {

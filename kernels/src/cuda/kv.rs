@@ -62,6 +62,10 @@ impl Gpu {
     /// Writes `tokens` K and V rows (`kv_heads x head_dim` each) at slots
     /// `page * page_size + slot` (each head's vector where
     /// [`crate::kv`]'s layout puts it); a negative slot writes nothing.
+    ///
+    /// Reference path: the engine's step writes K and V in
+    /// [`Self::rope_kv_write`]; kept for the parity tests, which fill pages
+    /// with it, and for the test of the fused launch.
     pub fn kv_write(
         &self,
         kv: &mut PagedKv,

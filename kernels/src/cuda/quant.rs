@@ -157,6 +157,10 @@ impl Gpu {
     }
 
     /// Dequantizes `n` elements of GGUF blocks to f32.
+    ///
+    /// Reference path: the engine's step dequantizes inside
+    /// [`Self::matmul_parts`]; kept for the parity tests of the block
+    /// formats.
     pub fn dequantize(
         &self,
         dtype: DType,

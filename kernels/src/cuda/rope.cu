@@ -14,7 +14,8 @@ __device__ __forceinline__ void rotate_pair(float x0, float x1, float s, float c
 // x dim: a step's keys beside its queries, in the same launch) at its
 // token's position. interleaved: pairs (2i, 2i+1) (GGUF llama); else (i,
 // i + dim/2) (HF). Grid: (tokens, heads + heads2); threads over the dim/2
-// pairs.
+// pairs. Reference path: the engine's step uses rope_kv_write; kept for
+// the parity tests of RoPE and of the fused launch.
 extern "C" __global__ void rope(float* x, float* x2, const int* pos, const float* inv_freq,
                                 int heads, int heads2, int dim, int interleaved) {
     PDL_LAUNCH();

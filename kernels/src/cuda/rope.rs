@@ -58,12 +58,19 @@ struct QkvRows {
 
 impl Gpu {
     /// Rotates `x` (`tokens x heads x dim`) at `pos` with `inv_freq`.
+    ///
+    /// Reference path: the engine's step uses [`Self::rope_kv_write`]; kept
+    /// for the parity tests of RoPE against the CPU.
     pub fn rope(&self, x: &mut CudaSlice<f32>, at: &RopeArgs<'_>) -> R {
         self.rope_launch(x, None, at)
     }
 
     /// [`Self::rope`] over a step's queries `q` (`tokens x heads x dim`) and
     /// keys `k` (`tokens x kv_heads x dim`) in one launch.
+    ///
+    /// Reference path: the engine's step uses [`Self::rope_kv_write`]; kept
+    /// for the test that the fused launch writes what this and
+    /// [`Self::kv_write`] write.
     pub fn rope_qk(
         &self,
         q: &mut CudaSlice<f32>,
