@@ -8,7 +8,10 @@ use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use kiln_kernels::cuda::{AttentionKind, AttentionPlan, Gpu, PARTITION, TagLayout, partition_len};
+use kiln_kernels::cuda::{
+    AttentionKind, AttentionPlan, DecodeBatch, GemmShape, Gpu, PARTITION, PagedQuery, StackShape,
+    TagLayout, partition_len,
+};
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use rand::{Rng, SeedableRng};
 
@@ -34,7 +37,6 @@ fn time(gpu: &Gpu, reps: usize, mut f: impl FnMut() -> Result<(), E>) -> Result<
     Ok(v[reps / 2])
 }
 
-/// ‖a − b‖ / ‖b‖.
 /// Median seconds of one run of `f`, from a CUDA graph of 20 runs replayed
 /// `reps` times: the kernels' own time, without the host's launch cost
 /// (which bounds small launches timed from the host).
@@ -54,6 +56,7 @@ fn time_graph(gpu: &Gpu, reps: usize, mut f: impl FnMut() -> Result<(), E>) -> R
     time(gpu, reps, || Ok(gpu.replay(&graph)?)).map(|t| t / 20.0)
 }
 
+/// ‖a − b‖ / ‖b‖.
 fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
@@ -103,10 +106,12 @@ fn main() -> Result<(), E> {
             let mut out: CudaSlice<f32> = s.alloc_zeros(m * nn)?;
             let mut scratch: CudaSlice<bf16> = s.alloc_zeros(m * k)?;
             let bytes = (nn * k * 2) as f64;
+            let shape = GemmShape { m, n: nn, k };
+            let stack = StackShape { m, parts: &[nn], k };
             // Check the GEMV against cuBLAS (bf16 activations) first.
-            gpu.cublas_bf16(&x, &w, &mut out, m, nn, k, &mut scratch)?;
+            gpu.cublas_bf16(&x, &w, &mut out, shape, &mut scratch)?;
             let theirs = s.clone_dtoh(&out)?;
-            gpu.gemv_bf16_parts(&x, &w, &mut [&mut out], &[nn], m, k)?;
+            gpu.gemv_bf16_parts(&x, &w, &mut [&mut out], stack)?;
             let err = rel_diff(&s.clone_dtoh(&out)?, &theirs);
             if err.is_nan() || err >= 1e-2 {
                 return Err(format!("GEMV {nn}x{k} m={m} vs cuBLAS: rel err {err}").into());
@@ -116,10 +121,10 @@ fn main() -> Result<(), E> {
                 format!("{g:.0} ({:.0}%)", 100.0 * g / copy)
             };
             let tg = time(&gpu, 50, || {
-                Ok(gpu.gemv_bf16_parts(&x, &w, &mut [&mut out], &[nn], m, k)?)
+                Ok(gpu.gemv_bf16_parts(&x, &w, &mut [&mut out], stack)?)
             })?;
             let tc = time(&gpu, 50, || {
-                Ok(gpu.cublas_bf16(&x, &w, &mut out, m, nn, k, &mut scratch)?)
+                Ok(gpu.cublas_bf16(&x, &w, &mut out, shape, &mut scratch)?)
             })?;
             println!(
                 "{:>14} {m:>3} {:>14} {:>14}",
@@ -292,22 +297,21 @@ fn attention(
             kind: Some(AttentionKind::Flash),
         });
         let mut first: Option<Vec<f32>> = None;
+        let query = PagedQuery {
+            q: &q,
+            tables: &tables.slice(..),
+            table_off: &offs.slice(..),
+            lens: &lens.slice(..),
+            heads,
+            scale: 0.088,
+        };
+        let seqs = DecodeBatch {
+            seqs: batch,
+            max_len: ctx,
+        };
         for plan in plans {
             let mut run = |out: &mut CudaSlice<f32>| {
-                gpu.paged_attention(
-                    &kv,
-                    &q,
-                    &tables.slice(..),
-                    &offs.slice(..),
-                    &lens.slice(..),
-                    &mut scratch,
-                    out,
-                    batch,
-                    heads,
-                    ctx,
-                    0.088,
-                    plan,
-                )
+                gpu.paged_attention(&kv, &query, seqs, plan, &mut scratch, out)
             };
             run(&mut out)?;
             let got = s.clone_dtoh(&out)?;

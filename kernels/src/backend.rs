@@ -65,6 +65,19 @@ pub enum AttentionKernel {
     Shuffle,
 }
 
+/// A decode row after a folded norm, as [`Backend::matmul_residual`] left
+/// it: the row times the norm's weights, its sum of squares, and the
+/// norm's epsilon.
+#[derive(Debug, Clone, Copy)]
+pub struct NormedRow<'a> {
+    /// `g * h`.
+    pub gh: &'a [f32],
+    /// The sum of `h^2`.
+    pub ss: f32,
+    /// Added to the row's mean square.
+    pub eps: f32,
+}
+
 /// Every kernel, over host memory.
 pub trait Backend {
     /// The device's name.
@@ -129,12 +142,9 @@ pub trait Backend {
     /// which is `(rmsnorm(h) * g) * w^T` (bf16 `w` of `out.len() x k`).
     /// With `silu`, `w` stacks gate over up (`2 out.len() x k`) and
     /// `out = silu(gate) * up` of the two normed products.
-    #[allow(clippy::too_many_arguments)]
     fn matmul_normed(
         &self,
-        gh: &[f32],
-        ss: f32,
-        eps: f32,
+        row: &NormedRow<'_>,
         w: &[bf16],
         k: usize,
         silu: bool,
@@ -303,14 +313,13 @@ impl Backend for Cpu {
 
     fn matmul_normed(
         &self,
-        gh: &[f32],
-        ss: f32,
-        eps: f32,
+        row: &NormedRow<'_>,
         w: &[bf16],
         k: usize,
         silu: bool,
         out: &mut [f32],
     ) -> R {
+        let NormedRow { gh, ss, eps } = *row;
         let n = out.len();
         let rows = if silu { 2 * n } else { n };
         let mut y = vec![0.0; rows];

@@ -7,7 +7,7 @@
 //! GPU machine, where a CUDA that does not work fails the tests).
 
 use half::bf16;
-use kiln_kernels::cuda::{CudaSlice, Gpu, RopeKv};
+use kiln_kernels::cuda::{CudaSlice, Gpu, NormArgs, RopeArgs, RopeKv, StackShape};
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use kiln_kernels::ops::{Rope, RopeStyle};
 use rand::{Rng, SeedableRng};
@@ -51,17 +51,21 @@ impl Chain {
     }
 
     fn launch(&mut self, gpu: &Gpu) -> Result<(), kiln_kernels::KernelError> {
+        let shape = StackShape {
+            m: 1,
+            parts: &[DIM],
+            k: DIM,
+        };
         for _ in 0..ROUNDS {
-            gpu.rmsnorm_residual(
-                &mut self.h,
-                Some(&self.y),
-                &self.norm,
-                &mut self.xn,
-                1,
-                DIM,
-                1e-5,
-            )?;
-            gpu.gemv_bf16_parts(&self.xn, &self.w, &mut [&mut self.y], &[DIM], 1, DIM)?;
+            let norm = NormArgs {
+                residual: Some(&self.y),
+                w: &self.norm,
+                rows: 1,
+                cols: DIM,
+                eps: 1e-5,
+            };
+            gpu.rmsnorm_residual(&mut self.h, &mut self.xn, &norm)?;
+            gpu.gemv_bf16_parts(&self.xn, &self.w, &mut [&mut self.y], shape)?;
         }
         gpu.argmax_rows(&self.y, 1, DIM, &mut self.pick.slice_mut(..))
     }
@@ -137,16 +141,20 @@ fn bf16_activations_equal_the_f32_results_rounded() {
         for with_residual in [false, true] {
             let (x0, r, w) = (v(rows * dim), v(rows * dim), v(dim));
             let (r, w) = (gpu.upload(&r).unwrap(), gpu.upload(&w).unwrap());
-            let residual = with_residual.then_some(&r);
+            let norm = NormArgs {
+                residual: with_residual.then_some(&r),
+                w: &w,
+                rows,
+                cols: dim,
+                eps: 1e-5,
+            };
             let mut x = gpu.upload(&x0).unwrap();
             let mut out = gpu.upload(&vec![f32::NAN; rows * dim]).unwrap();
-            gpu.rmsnorm_residual(&mut x, residual, &w, &mut out, rows, dim, 1e-5)
-                .unwrap();
+            gpu.rmsnorm_residual(&mut x, &mut out, &norm).unwrap();
             let want = rounded(&gpu.download(&out).unwrap());
             let mut x = gpu.upload(&x0).unwrap();
             let (s, n) = (&mut scratch, rows * dim);
-            gpu.rmsnorm_residual_bf16(&mut x, residual, &w, s, rows, dim, 1e-5)
-                .unwrap();
+            gpu.rmsnorm_residual_bf16(&mut x, s, &norm).unwrap();
             let got = bits(&gpu.download(scratch.activations()).unwrap(), n);
             assert_eq!(
                 got, want,
@@ -218,9 +226,15 @@ fn fused_rope_and_kv_write_write_what_the_two_launches_write_from_separate_or_st
                     let (qd, kd) = (heads * hd, kv_heads * hd);
                     let (q_out, k_out) = match how {
                         0 => {
-                            let h = [heads, kv_heads];
-                            gpu.rope_qk(&mut q, &mut k, &p, &dfreq, tokens, h, hd, il)
-                                .unwrap();
+                            let rope = RopeArgs {
+                                pos: &p,
+                                inv_freq: &dfreq,
+                                tokens,
+                                heads,
+                                dim: hd,
+                                interleaved: il,
+                            };
+                            gpu.rope_qk(&mut q, &mut k, kv_heads, &rope).unwrap();
                             if format.rotates() {
                                 gpu.hadamard_rows(&mut q, tokens * heads, hd).unwrap();
                                 gpu.hadamard_rows(&mut k, tokens * kv_heads, hd).unwrap();

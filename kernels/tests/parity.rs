@@ -8,7 +8,7 @@
 )]
 
 use half::bf16;
-use kiln_kernels::backend::{Backend, Cpu};
+use kiln_kernels::backend::{Backend, Cpu, NormedRow};
 use kiln_kernels::matmul::Weight;
 use kiln_kernels::ops::{Rope, RopeStyle};
 use kiln_kernels::quant::{self, DType};
@@ -279,8 +279,8 @@ fn decode_products_with_the_norm_folded_in_match_float64() {
                 want.truncate(out_rows);
             }
             let mut out = vec![f32::NAN; out_rows];
-            be.matmul_normed(&gh, ss, eps, &w2, hidden, silu, &mut out)
-                .unwrap();
+            let row = NormedRow { gh: &gh, ss, eps };
+            be.matmul_normed(&row, &w2, hidden, silu, &mut out).unwrap();
             let e = rel_err(&out, &want);
             assert!(e < 1e-5, "{} silu={silu} {hidden}: rel err {e}", be.name());
         }

@@ -15,6 +15,9 @@
 // q: seqs x n_heads x hd. tables: the concatenated block tables, seq s's at
 // table_off[s]. part_out: seqs x n_heads x parts x hd; part_ml: ... x 2.
 
+// Most tokens per attention partition.
+#define PART 256
+
 #define ATT_THREADS 128  // threads of a decode attention block
 #define ATT_STAGES 4     // slots per thread of the cp.async ring
 
@@ -266,3 +269,38 @@ ATTENTION_ENTRY(attention_part_fp8_g5, true, 5)
 ATTENTION_ENTRY(attention_part_fp8_g6, true, 6)
 ATTENTION_ENTRY(attention_part_fp8_g7, true, 7)
 ATTENTION_ENTRY(attention_part_fp8_g8, true, 8)
+
+// Merges the partitions of each (seq, head): grid seqs x n_heads; threads
+// over hd; `parts` floats of dynamic shared memory hold each partition's
+// weight exp(m_p - m), computed once for the block.
+extern "C" __global__ void attention_merge(const float* part_out, const float* part_ml,
+                                           float* out, int parts, int hd) {
+    PDL_ENTER();
+    extern __shared__ float wts[];
+    __shared__ float red[32];
+    size_t h = blockIdx.x;
+    const float* ml = part_ml + h * parts * 2;
+    float m = -INFINITY;
+    for (int p = threadIdx.x; p < parts; p += blockDim.x) m = fmaxf(m, ml[2 * p]);
+    m = block_max(m, red);
+    float l = 0.0f;
+    for (int p = threadIdx.x; p < parts; p += blockDim.x) {
+        float mp = ml[2 * p];
+        float e = mp > -INFINITY ? __expf(mp - m) : 0.0f;
+        wts[p] = e;
+        l += e * ml[2 * p + 1];
+    }
+    l = block_sum(l, red);  // its barriers also publish wts
+    float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float* po = part_out + h * parts * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int p = 0;
+        for (; p + 4 <= parts; p += 4) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[k] += wts[p + k] * po[(size_t)(p + k) * hd + d];
+        }
+        for (; p < parts; p++) acc[0] += wts[p] * po[(size_t)p * hd + d];
+        out[h * hd + d] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) * inv;
+    }
+}

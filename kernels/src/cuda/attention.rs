@@ -3,7 +3,8 @@
 
 use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
 
-use super::launch::{PagedKv, cfg, push_pages};
+use super::kv::PagedKv;
+use super::launch::{cfg, push_pages};
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout};
@@ -29,6 +30,33 @@ pub enum AttentionKind {
     /// Scores and values summed by warp shuffles on CUDA cores (any head
     /// size and page size).
     Shuffle,
+}
+
+/// The queries of a paged attention launch (decode or prefill) and the
+/// pages each reads.
+#[derive(Clone, Copy)]
+pub struct PagedQuery<'a> {
+    /// The queries (`queries x heads x head_dim`).
+    pub q: &'a CudaSlice<f32>,
+    /// Every block table the queries read, concatenated.
+    pub tables: &'a CudaView<'a, i32>,
+    /// Where each query's block table starts in `tables`.
+    pub table_off: &'a CudaView<'a, i32>,
+    /// How many keys each query attends to (from the first).
+    pub lens: &'a CudaView<'a, i32>,
+    /// Query heads.
+    pub heads: usize,
+    /// The scores' scale.
+    pub scale: f32,
+}
+
+/// A decode attention batch: one query per sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeBatch {
+    /// Sequences (queries).
+    pub seqs: usize,
+    /// The longest sequence's length: what the partitions cover.
+    pub max_len: usize,
 }
 
 /// Scratch for split attention, sized for `seqs x heads x parts x head_dim`.
@@ -229,27 +257,29 @@ impl Gpu {
     }
 
     /// Decode attention of one query token per sequence over its pages:
-    /// `q` is `seqs x heads x head_dim`; sequence `s`'s block table is
-    /// `tables[table_off[s]..]`, its length `lens[s]` (at most `max_len`).
-    /// `plan` says how to split and which kernel runs (the default:
-    /// partitions sized for the batch, the flash kernel where the shape
-    /// allows it).
-    #[allow(clippy::too_many_arguments)]
+    /// `query.q` is `seqs x heads x head_dim`; sequence `s`'s block table
+    /// is `tables[table_off[s]..]`, its length `lens[s]` (at most
+    /// `max_len`). `plan` says how to split and which kernel runs (the
+    /// default: partitions sized for the batch, the flash kernel where the
+    /// shape allows it).
     pub fn paged_attention(
         &self,
         kv: &PagedKv,
-        q: &CudaSlice<f32>,
-        tables: &CudaView<'_, i32>,
-        table_off: &CudaView<'_, i32>,
-        lens: &CudaView<'_, i32>,
+        query: &PagedQuery<'_>,
+        batch: DecodeBatch,
+        plan: AttentionPlan,
         scratch: &mut AttentionBuffers,
         out: &mut CudaSlice<f32>,
-        seqs: usize,
-        heads: usize,
-        max_len: usize,
-        scale: f32,
-        plan: AttentionPlan,
     ) -> R {
+        let PagedQuery {
+            q,
+            tables,
+            table_off,
+            lens,
+            heads,
+            scale,
+        } = *query;
+        let DecodeBatch { seqs, max_len } = batch;
         let KvLayout {
             kv_heads,
             head_dim,

@@ -1,13 +1,13 @@
-// Paged decode attention, one pass per warp (appended after attention.cu;
-// head sizes 64 and 128). Each warp takes 16 tokens of the partition at a
-// time and runs them through scores (QFrags::score8_with, twice), an online
-// softmax and the values MMAs without leaving registers: the scores' C
-// fragments (head `row`, tokens 2j, 2j + 1 of each 8) are exactly the B
-// fragment of the values product O^T = V^T P^T over those 16 tokens, so no
-// scores go through shared memory and warps never wait for each other
-// until the block merges their (max, sum, output) at the end. With `out`
-// (the launch has one partition) the block writes the normalized output
-// itself and no merge runs after it.
+// Paged decode attention, one pass per warp (see attention.rs; uses
+// attention_mma.cu; head sizes 64 and 128). Each warp takes 16 tokens of
+// the partition at a time and runs them through scores
+// (QFrags::score8_with, twice), an online softmax and the values MMAs
+// without leaving registers: the scores' C fragments (head `row`, tokens
+// 2j, 2j + 1 of each 8) are exactly the B fragment of the values product
+// O^T = V^T P^T over those 16 tokens, so no scores go through shared memory
+// and warps never wait for each other until the block merges their (max,
+// sum, output) at the end. With `out` (the launch has one partition) the
+// block writes the normalized output itself and no merge runs after it.
 //
 // K and V of the warp's next chunk are loaded while this one is summed.
 //

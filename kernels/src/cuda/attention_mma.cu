@@ -1,13 +1,12 @@
-// Tensor-core pieces of decode attention (appended after kernels.cu; used
-// by attention_flash.cu): m16n8k16 MMAs. For the scores, the G <= 8 query
-// heads of one KV head are the A rows 0..7 as the high halves of Q and rows
-// 8..15 as their low halves (hi + lo carry Q to ~2^-16 or better), so one
-// MMA gives both terms of every score and all 16 rows work. Each lane
-// loads whole 16-byte (or 8-byte) pieces straight from the pages; because
-// the order of a reduction is free and the columns of a product may be any
-// permutation we can undo, no data is shuffled between lanes. The f32 side
-// of the values product (P) runs as two or three bf16 / f16 terms, so the
-// results stay within ~2^-22 of f32 arithmetic.
+// Tensor-core pieces of decode attention (used by attention_flash.cu): m16n8k16
+// MMAs. For the scores, the G <= 8 query heads of one KV head are the A rows
+// 0..7 as the high halves of Q and rows 8..15 as their low halves (hi + lo
+// carry Q to ~2^-16 or better), so one MMA gives both terms of every score and
+// all 16 rows work. Each lane loads whole 16-byte (or 8-byte) pieces straight
+// from the pages; because the order of a reduction is free and the columns of a
+// product may be any permutation we can undo, no data is shuffled between
+// lanes. The f32 side of the values product (P) runs as two or three bf16 / f16
+// terms, so the results stay within ~2^-22 of f32 arithmetic.
 
 // fp8 pages on sm_89 and up score on e4m3 tensor cores (m16n8k32): the
 // raw key bytes are the B operand as loaded, and Q rides as two e4m3

@@ -5,9 +5,12 @@
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use super::{AttentionKind, FLASH_MAX_PARTITION, Gpu};
+use super::{
+    AttentionKind, DecodeBatch, FLASH_MAX_PARTITION, GemmShape, Gpu, NextNorm, NormArgs, Normed,
+    PagedQuery, RopeArgs, StackShape,
+};
 use crate::KernelError;
-use crate::backend::{AttentionCase, AttentionKernel, Backend, R};
+use crate::backend::{AttentionCase, AttentionKernel, Backend, NormedRow, R};
 use crate::matmul::Weight;
 use crate::ops::{Rope, RopeStyle};
 use crate::sample::SamplingParams;
@@ -39,15 +42,14 @@ impl Backend for Gpu {
         let dr = residual.map(|r| self.upload(r)).transpose()?;
         let dw = self.upload(w)?;
         let mut dout = self.poisoned(out.len())?;
-        self.rmsnorm_residual(
-            &mut dx,
-            dr.as_ref(),
-            &dw,
-            &mut dout,
-            x.len() / w.len(),
-            w.len(),
+        let norm = NormArgs {
+            residual: dr.as_ref(),
+            w: &dw,
+            rows: x.len() / w.len(),
+            cols: w.len(),
             eps,
-        )?;
+        };
+        self.rmsnorm_residual(&mut dx, &mut dout, &norm)?;
         x.copy_from_slice(&self.download(&dx)?);
         out.copy_from_slice(&self.download(&dout)?[..out.len()]);
         Ok(())
@@ -59,8 +61,15 @@ impl Backend for Gpu {
         let mut dx = self.upload(x)?;
         let dp = self.upload(&ints(pos.iter().copied()))?;
         let df = self.upload(rope.inv_freq())?;
-        let il = rope.style() == RopeStyle::Interleaved;
-        self.rope(&mut dx, &dp.slice(..), &df, pos.len(), heads, dim, il)?;
+        let at = RopeArgs {
+            pos: &dp.slice(..),
+            inv_freq: &df,
+            tokens: pos.len(),
+            heads,
+            dim,
+            interleaved: rope.style() == RopeStyle::Interleaved,
+        };
+        self.rope(&mut dx, &at)?;
         x.copy_from_slice(&self.download(&dx)?);
         Ok(())
     }
@@ -97,30 +106,32 @@ impl Backend for Gpu {
         let hd = c.layout.head_dim;
         let mut scratch = self.attention_buffers(seqs, c.heads, c.layout.kv_heads, hd, max_len)?;
         let mut out = self.poisoned(c.q.len())?;
-        self.paged_attention(
-            &kv,
-            &self.upload(&c.q)?,
-            &self.upload(&flat)?.slice(..),
-            &self.upload(&offsets)?.slice(..),
-            &self.upload(&ints(c.lens.iter().copied()))?.slice(..),
-            &mut scratch,
-            &mut out,
-            seqs,
-            c.heads,
-            max_len,
-            c.scale,
-            super::AttentionPlan {
-                part_len: (c.kernel == AttentionKernel::FlashUnsplit)
-                    .then(|| max_len.next_multiple_of(16).clamp(16, FLASH_MAX_PARTITION)),
-                kind: match c.kernel {
-                    AttentionKernel::Best => None,
-                    AttentionKernel::Flash | AttentionKernel::FlashUnsplit => {
-                        Some(AttentionKind::Flash)
-                    }
-                    AttentionKernel::Shuffle => Some(AttentionKind::Shuffle),
-                },
+        let (dq, dt) = (self.upload(&c.q)?, self.upload(&flat)?);
+        let (doff, dl) = (
+            self.upload(&offsets)?,
+            self.upload(&ints(c.lens.iter().copied()))?,
+        );
+        let query = PagedQuery {
+            q: &dq,
+            tables: &dt.slice(..),
+            table_off: &doff.slice(..),
+            lens: &dl.slice(..),
+            heads: c.heads,
+            scale: c.scale,
+        };
+        let plan = super::AttentionPlan {
+            part_len: (c.kernel == AttentionKernel::FlashUnsplit)
+                .then(|| max_len.next_multiple_of(16).clamp(16, FLASH_MAX_PARTITION)),
+            kind: match c.kernel {
+                AttentionKernel::Best => None,
+                AttentionKernel::Flash | AttentionKernel::FlashUnsplit => {
+                    Some(AttentionKind::Flash)
+                }
+                AttentionKernel::Shuffle => Some(AttentionKind::Shuffle),
             },
-        )?;
+        };
+        let batch = DecodeBatch { seqs, max_len };
+        self.paged_attention(&kv, &query, batch, plan, &mut scratch, &mut out)?;
         Ok(self.download(&out)?[..c.q.len()].to_vec())
     }
 
@@ -183,9 +194,7 @@ impl Backend for Gpu {
             &self.upload(x)?,
             &self.upload(w)?,
             &mut dout,
-            m,
-            n,
-            k,
+            GemmShape { m, n, k },
             &mut scratch,
         )?;
         out[..m * n].copy_from_slice(&self.download(&dout)?[..m * n]);
@@ -206,7 +215,12 @@ impl Backend for Gpu {
         let mut dh = self.upload(h)?;
         let mut dgh = self.poisoned(n)?;
         let mut sum = self.norm_sum(n)?;
-        self.gemv_bf16_resid(&dx, &dw, &mut dh, &dg, &mut dgh, &mut sum, n, k)?;
+        let next = NextNorm {
+            g: &dg,
+            gh: &mut dgh,
+            sum: &mut sum,
+        };
+        self.gemv_bf16_resid(&dx, &dw, &mut dh, next, n, k)?;
         h.copy_from_slice(&self.download(&dh)?);
         gh.copy_from_slice(&self.download(&dgh)?[..n]);
         self.norm_sum_total(&sum)
@@ -214,22 +228,25 @@ impl Backend for Gpu {
 
     fn matmul_normed(
         &self,
-        gh: &[f32],
-        ss: f32,
-        eps: f32,
+        row: &NormedRow<'_>,
         w: &[bf16],
         k: usize,
         silu: bool,
         out: &mut [f32],
     ) -> R {
         let n = out.len();
-        let (dgh, dw) = (self.upload(gh)?, self.upload(w)?);
-        let sum = self.norm_sum_of(ss, k)?;
+        let (dgh, dw) = (self.upload(row.gh)?, self.upload(w)?);
+        let sum = self.norm_sum_of(row.ss, k)?;
         let mut dout = self.poisoned(n)?;
+        let input = Normed {
+            gh: &dgh,
+            sum: &sum,
+            eps: row.eps,
+        };
         if silu {
-            self.gemv_bf16_normed_silu(&dgh, &dw, &sum, &mut dout, n, k, eps)?;
+            self.gemv_bf16_normed_silu(&input, &dw, &mut dout, n, k)?;
         } else {
-            self.gemv_bf16_normed(&dgh, &dw, &sum, &mut [&mut dout], &[n], k, eps)?;
+            self.gemv_bf16_normed(&input, &dw, &mut [&mut dout], &[n], k)?;
         }
         out.copy_from_slice(&self.download(&dout)?[..n]);
         Ok(())
@@ -248,7 +265,7 @@ impl Backend for Gpu {
         let mut dout = self.poisoned(m * n)?;
         let blocks = matches!(dw, super::DeviceWeight::Blocks { .. });
         let mut scratch = self.gemm_scratch(m, k, blocks)?;
-        self.matmul(&dx, &dw, &mut dout, m, n, k, &mut scratch)?;
+        self.matmul(&dx, &dw, &mut dout, GemmShape { m, n, k }, &mut scratch)?;
         out[..m * n].copy_from_slice(&self.download(&dout)?[..m * n]);
         Ok(())
     }
@@ -266,7 +283,12 @@ impl Backend for Gpu {
             .collect::<R<Vec<_>>>()?;
         let mut refs: Vec<&mut CudaSlice<f32>> = douts.iter_mut().collect();
         let mut scratch = self.gemm_scratch(m, k, blocks)?;
-        self.matmul_parts(&self.upload(x)?, &dw, &mut refs, &parts, m, k, &mut scratch)?;
+        let shape = StackShape {
+            m,
+            parts: &parts,
+            k,
+        };
+        self.matmul_parts(&self.upload(x)?, &dw, &mut refs, shape, &mut scratch)?;
         for ((out, d), rows) in outs.iter_mut().zip(&douts).zip(&parts) {
             out[..m * rows].copy_from_slice(&self.download(d)?[..m * rows]);
         }
@@ -332,17 +354,18 @@ impl Backend for Gpu {
         let group = c.heads / c.layout.kv_heads.max(1);
         let tiles = crate::cuda::prefill_tiles(&off, &lens, group);
         let mut out = self.poisoned(c.q.len())?;
-        self.prefill_attention(
-            &kv,
-            &self.upload(&c.q)?,
-            &self.upload(&flat)?.slice(..),
-            &self.upload(&off)?.slice(..),
-            &self.upload(&lens)?.slice(..),
-            &self.upload(&tiles)?.slice(..),
-            &mut out,
-            c.heads,
-            c.scale,
-        )?;
+        let (dq, dt) = (self.upload(&c.q)?, self.upload(&flat)?);
+        let (doff, dl) = (self.upload(&off)?, self.upload(&lens)?);
+        let query = PagedQuery {
+            q: &dq,
+            tables: &dt.slice(..),
+            table_off: &doff.slice(..),
+            lens: &dl.slice(..),
+            heads: c.heads,
+            scale: c.scale,
+        };
+        let dtiles = self.upload(&tiles)?;
+        self.prefill_attention(&kv, &query, &dtiles.slice(..), &mut out)?;
         Ok(self.download(&out)?[..c.q.len()].to_vec())
     }
 }

@@ -34,6 +34,30 @@ pub struct NormSum {
     parts: usize,
 }
 
+/// The norm after a residual product, whose first half
+/// [`Gpu::gemv_bf16_resid`] folds in: the norm's weights, and where the
+/// product writes the row times them and its partial sums of squares.
+pub struct NextNorm<'a> {
+    /// The norm's weights (`n`).
+    pub g: &'a CudaSlice<f32>,
+    /// `g * h` (`n`): the input of the products after the norm.
+    pub gh: &'a mut CudaSlice<f32>,
+    /// The partial sums of `h^2`.
+    pub sum: &'a mut NormSum,
+}
+
+/// The input of a product after a folded norm, as a residual product left
+/// it ([`NextNorm`]), and the norm's epsilon.
+#[derive(Clone, Copy)]
+pub struct Normed<'a> {
+    /// The hidden row times the norm's weights (`k`).
+    pub gh: &'a CudaSlice<f32>,
+    /// The partial sums of the row's squares.
+    pub sum: &'a NormSum,
+    /// Added to the row's mean square.
+    pub eps: f32,
+}
+
 /// The partial sums a residual product left, as a kernel argument
 /// (refused before any residual product ran on `sum`).
 fn summed(sum: &NormSum) -> R<i32> {
@@ -94,18 +118,16 @@ impl Gpu {
     /// `h += x * w^T` for one row (`w`: bf16, `n x k`), then `gh = g * h`
     /// and the sum of `h^2` into `sum`: the product before a norm with
     /// weights `g`, with the norm's first half folded in.
-    #[allow(clippy::too_many_arguments)]
     pub fn gemv_bf16_resid(
         &self,
         x: &CudaSlice<f32>,
         w: &CudaSlice<bf16>,
         h: &mut CudaSlice<f32>,
-        g: &CudaSlice<f32>,
-        gh: &mut CudaSlice<f32>,
-        sum: &mut NormSum,
+        next: NextNorm<'_>,
         n: usize,
         k: usize,
     ) -> R {
+        let NextNorm { g, gh, sum } = next;
         check(x, w, n, k)?;
         let grid = n.div_ceil(RESID_ROWS);
         if h.len() < n || g.len() < n || gh.len() < n || sum.partials.len() < grid {
@@ -128,17 +150,15 @@ impl Gpu {
     /// `outs[i] = (rmsnorm(h) * g) * w_i^T` for the parts of the stack `w`
     /// (bf16, `parts[i] x k` each), from the `gh` and `sum` that
     /// [`Self::gemv_bf16_resid`] wrote.
-    #[allow(clippy::too_many_arguments)]
     pub fn gemv_bf16_normed(
         &self,
-        gh: &CudaSlice<f32>,
+        input: &Normed<'_>,
         w: &CudaSlice<bf16>,
-        sum: &NormSum,
         outs: &mut [&mut CudaSlice<f32>],
         parts: &[usize],
         k: usize,
-        eps: f32,
     ) -> R {
+        let Normed { gh, sum, eps } = *input;
         let n = check_parts(outs, parts, 1)?;
         check(gh, w, n, k)?;
         let f = self.function("gemv_bf16_normed")?;
@@ -157,17 +177,15 @@ impl Gpu {
     /// `out = silu(gate) * up` after the norm, where `w` stacks gate over
     /// up (bf16, `2f x k`) and gate and up are the normed products of
     /// [`Self::gemv_bf16_normed`].
-    #[allow(clippy::too_many_arguments)]
     pub fn gemv_bf16_normed_silu(
         &self,
-        gh: &CudaSlice<f32>,
+        input: &Normed<'_>,
         w: &CudaSlice<bf16>,
-        sum: &NormSum,
         out: &mut CudaSlice<f32>,
         f: usize,
         k: usize,
-        eps: f32,
     ) -> R {
+        let Normed { gh, sum, eps } = *input;
         check(gh, w, 2 * f, k)?;
         if out.len() < f {
             return Err(KernelError::Shape(format!(

@@ -1,4 +1,4 @@
-// Decode GEMVs (appended to kernels.cu after quant.cu).
+// Decode GEMVs (see gemv.rs).
 //
 // A stacked weight is several matrices of the same input width one under
 // the other (q, k and v; gate and up), so one launch streams them all and

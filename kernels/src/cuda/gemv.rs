@@ -24,6 +24,31 @@ pub const BF16_GEMV_ROWS: usize = 1;
 /// Weight rows (warps) per block of the bf16 GEMV.
 const BF16_ROWS_PER_BLOCK: usize = 4;
 
+/// The shape of a product `out (m x n) = x (m x k) * w^T`: `m` activation
+/// rows of `k` times a weight of `n` rows of `k`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmShape {
+    /// Activation rows.
+    pub m: usize,
+    /// Weight rows: the output's columns.
+    pub n: usize,
+    /// The width activations and weight rows share.
+    pub k: usize,
+}
+
+/// The shape of a product with a stacked weight: `m` activation rows of
+/// `k` times row blocks of `parts[i]` rows of `k`, block `i` into output
+/// `i` (`m x parts[i]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackShape<'a> {
+    /// Activation rows.
+    pub m: usize,
+    /// Rows of each block of the stack, in output order.
+    pub parts: &'a [usize],
+    /// The width activations and weight rows share.
+    pub k: usize,
+}
+
 /// Device pointers of up to three outputs and the row counts of the
 /// first two, as the GEMV kernels take them (absent parts: null, 0 rows).
 pub(super) struct OutPtrs {
@@ -60,17 +85,15 @@ pub(super) fn check_parts(outs: &[&mut CudaSlice<f32>], parts: &[usize], m: usiz
 impl Gpu {
     /// `outs[i] (m x parts[i]) = x (m x k) * w_i^T`, where `w` stacks the
     /// `w_i` (`parts[i] x k` each) row block after row block.
-    #[allow(clippy::too_many_arguments)]
     pub fn matmul_parts(
         &self,
         x: &CudaSlice<f32>,
         w: &DeviceWeight,
         outs: &mut [&mut CudaSlice<f32>],
-        parts: &[usize],
-        m: usize,
-        k: usize,
+        shape: StackShape<'_>,
         scratch: &mut GemmScratch,
     ) -> R {
+        let StackShape { m, parts, k } = shape;
         let n = check_parts(outs, parts, m)?;
         if x.len() < m * k || w.size_bytes() < w.row_bytes(k)? * n {
             return Err(KernelError::Shape(format!(
@@ -79,11 +102,11 @@ impl Gpu {
         }
         match w {
             DeviceWeight::Bf16(wb) if !self.takes_bf16_input(w, m, k) => {
-                self.gemv_bf16_parts(x, wb, outs, parts, m, k)
+                self.gemv_bf16_parts(x, wb, outs, shape)
             }
             DeviceWeight::Bf16(_) => {
                 self.to_bf16_scratch(x, &mut scratch.act, m * k)?;
-                self.matmul_parts_bf16(w, outs, parts, m, k, scratch)
+                self.matmul_parts_bf16(w, outs, shape, scratch)
             }
             DeviceWeight::Blocks { dtype, bytes } => {
                 if !k.is_multiple_of(32) {
@@ -117,7 +140,7 @@ impl Gpu {
                         let r1 = (r0 + rows_per_chunk).min(rows);
                         let src = bytes.slice((base + r0) * row_bytes..(base + r1) * row_bytes);
                         self.dequantize_view(*dtype, &src, deq, (r1 - r0) * k)?;
-                        self.gemm_f32(x, deq, o, m, rows, k, r0, r1 - r0)?;
+                        self.gemm_f32(x, deq, o, GemmShape { m, n: rows, k }, r0..r1)?;
                         r0 = r1;
                     }
                     base += rows;
@@ -128,32 +151,28 @@ impl Gpu {
     }
 
     /// `out (m x n) = x (m x k) * w^T` for any [`DeviceWeight`].
-    #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
         x: &CudaSlice<f32>,
         w: &DeviceWeight,
         out: &mut CudaSlice<f32>,
-        m: usize,
-        n: usize,
-        k: usize,
+        shape: GemmShape,
         scratch: &mut GemmScratch,
     ) -> R {
-        self.matmul_parts(x, w, &mut [out], &[n], m, k, scratch)
+        let GemmShape { m, n, k } = shape;
+        self.matmul_parts(x, w, &mut [out], StackShape { m, parts: &[n], k }, scratch)
     }
 
     /// The bf16 decode GEMV over a stack (`m <= 8` rows, `k` a multiple of
     /// 8): one warp per weight row, four 16-byte loads in flight per lane.
-    #[allow(clippy::too_many_arguments)]
     pub fn gemv_bf16_parts(
         &self,
         x: &CudaSlice<f32>,
         w: &CudaSlice<bf16>,
         outs: &mut [&mut CudaSlice<f32>],
-        parts: &[usize],
-        m: usize,
-        k: usize,
+        shape: StackShape<'_>,
     ) -> R {
+        let StackShape { m, parts, k } = shape;
         let n = check_parts(outs, parts, m)?;
         if m > GEMV_MAX_M || !k.is_multiple_of(8) || x.len() < m * k || w.len() < n * k {
             return Err(KernelError::Shape(format!(

@@ -1,5 +1,5 @@
-// One-row decode GEMVs with the RMSNorm between them folded in (appended
-// after gemv.cu). For a norm with weights g over a hidden row h of K,
+// One-row decode GEMVs with the RMSNorm between them folded in (see
+// fold.rs; uses gemv.cu, norm.cu and act.cu). For a norm with weights g over a hidden row h of K,
 //   (rmsnorm(h) * g) . w = ((g * h) . w) / sqrt(mean(h^2) + eps),
 // so no norm kernel runs between two products of a decode step:
 // - the product that adds into h (the o and down projections; `resid`)
@@ -14,7 +14,7 @@
 // Blocks are sized so Llama-3-8B's products run in whole waves on an H200
 // (132 SMs): at most 40 registers, so 12 blocks of 4 warps share an SM and
 // the q/k/v stack (1536 blocks) runs in one wave of 1584 (at 44 registers,
-// 11 a SM, 84 blocks were left for a second); the residual products' 512
+// 11 a SM would leave 84 blocks for a second); the residual products' 512
 // blocks of 8 warps in one wave of 5 a SM.
 
 #define RESID_WARPS 8

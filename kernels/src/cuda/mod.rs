@@ -1,4 +1,4 @@
-//! The CUDA backend: the kernels of `kernels.cu`, compiled at run time by
+//! The CUDA backend: the kernels of [`SOURCE`], compiled at run time by
 //! NVRTC (through cudarc, which loads the CUDA libraries dynamically, so
 //! this builds and links on machines without CUDA) and cached per device
 //! architecture and source digest; cuBLAS for large GEMMs.
@@ -9,15 +9,21 @@
 mod act;
 mod attention;
 mod backend;
+mod convert;
+mod cublas;
+mod embed;
 mod fold;
 mod gemv;
 mod graph;
+mod hadamard;
+mod kv;
 mod launch;
 mod memory;
 mod norm;
 mod prefill;
 mod quant;
-mod sampling;
+mod rope;
+mod sample;
 mod tags;
 
 use std::collections::HashMap;
@@ -30,23 +36,35 @@ use sha2::{Digest, Sha256};
 use crate::KernelError;
 
 pub use attention::{
-    AttentionBuffers, AttentionKind, AttentionPlan, FLASH_MAX_PARTITION, FLASH_PARTITION,
-    PARTITION, partition_len,
+    AttentionBuffers, AttentionKind, AttentionPlan, DecodeBatch, FLASH_MAX_PARTITION,
+    FLASH_PARTITION, PARTITION, PagedQuery, partition_len,
 };
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
-pub use fold::NormSum;
-pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M};
+pub use fold::{NextNorm, NormSum, Normed};
+pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M, GemmShape, StackShape};
 pub use graph::Graph;
-pub use launch::PagedKv;
-pub use norm::RopeKv;
+pub use kv::PagedKv;
+pub use norm::NormArgs;
 pub use prefill::prefill_tiles;
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
+pub use rope::{RopeArgs, RopeKv};
 pub use tags::TagLayout;
 
-/// The CUDA C source of every kernel.
+/// The CUDA C source of every kernel: one file per operation, its
+/// launchers in the `.rs` file of the same name. `common.cu` (includes,
+/// macros, reductions, the KV layout) comes first; each file after it uses
+/// only what the files before it define.
 pub const SOURCE: &str = concat!(
-    include_str!("kernels.cu"),
+    include_str!("common.cu"),
+    include_str!("norm.cu"),
+    include_str!("act.cu"),
+    include_str!("embed.cu"),
+    include_str!("kv.cu"),
+    include_str!("hadamard.cu"),
+    include_str!("rope.cu"),
+    include_str!("tags.cu"),
+    include_str!("convert.cu"),
     include_str!("attention_mma.cu"),
     include_str!("attention.cu"),
     include_str!("attention_flash.cu"),
@@ -57,18 +75,30 @@ pub const SOURCE: &str = concat!(
     include_str!("prefill.cu")
 );
 
-/// Every kernel the source defines.
+/// Every kernel the source defines by name, file by file (the flash
+/// attention kernels are listed by [`attention::attention_kernels`]).
 const KERNELS: &[&str] = &[
+    // norm.cu, act.cu, embed.cu
     "rmsnorm_residual",
-    "rope",
     "silu_mul",
     "embed_bf16",
+    // kv.cu, hadamard.cu, rope.cu
     "kv_write_bf16",
     "kv_write_fp8",
+    "hadamard_rows",
+    "rope",
     "rope_kv_write_bf16",
     "rope_kv_write_fp8",
     "rope_kv_write_fp8s",
-    "hadamard_rows",
+    // tags.cu
+    "tag_check",
+    "tag_scatter",
+    // convert.cu
+    "to_bf16",
+    "to_f32",
+    "add_bias",
+    "gather_rows",
+    // attention.cu
     "attention_part_bf16_g1",
     "attention_part_bf16_g2",
     "attention_part_bf16_g3",
@@ -86,20 +116,7 @@ const KERNELS: &[&str] = &[
     "attention_part_fp8_g7",
     "attention_part_fp8_g8",
     "attention_merge",
-    "tag_check",
-    "tag_scatter",
-    "sample_rows",
-    "prefill_bf16_g1",
-    "prefill_bf16_g2",
-    "prefill_bf16_g3",
-    "prefill_bf16_g4",
-    "prefill_bf16_g8",
-    "prefill_fp8_g1",
-    "prefill_fp8_g2",
-    "prefill_fp8_g3",
-    "prefill_fp8_g4",
-    "prefill_fp8_g8",
-    "argmax_rows",
+    // gemv.cu, gemv_norm.cu
     "gemv_bf16_1_u4",
     "gemv_bf16_2_u4",
     "gemv_bf16_3_u4",
@@ -111,8 +128,7 @@ const KERNELS: &[&str] = &[
     "gemv_bf16_resid",
     "gemv_bf16_normed",
     "gemv_bf16_normed_silu",
-    "to_bf16",
-    "to_f32",
+    // quant.cu
     "gemv_q8_0",
     "gemv_q4_0",
     "gemv_q4_1",
@@ -122,8 +138,20 @@ const KERNELS: &[&str] = &[
     "embed_q8_0",
     "embed_q4_0",
     "embed_q4_1",
-    "add_bias",
-    "gather_rows",
+    // sample.cu
+    "sample_rows",
+    "argmax_rows",
+    // prefill.cu
+    "prefill_bf16_g1",
+    "prefill_bf16_g2",
+    "prefill_bf16_g3",
+    "prefill_bf16_g4",
+    "prefill_bf16_g8",
+    "prefill_fp8_g1",
+    "prefill_fp8_g2",
+    "prefill_fp8_g3",
+    "prefill_fp8_g4",
+    "prefill_fp8_g8",
 ];
 
 /// One GPU with Kiln's kernels loaded.

@@ -1,43 +1,30 @@
-//! The per-token kernels around the projections: RMSNorm (with the
-//! residual add), RoPE over queries and keys (alone, or with the keys and
-//! values then written into their pages), SiLU-and-multiply.
+//! RMSNorm with the residual add before it (`norm.cu`), into f32
+//! activations or straight into a bf16 GEMM's input.
 
-use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
 
-use super::launch::{NULL_SCALES, PagedKv, blocks, cfg};
-use super::{Gpu, cuda_err};
+use super::cublas::room;
+use super::launch::cfg;
+use super::{GemmScratch, Gpu, cuda_err};
 use crate::KernelError;
-use crate::kv::KvFormat;
 
 type R<T = ()> = Result<T, KernelError>;
 
-/// Where and how [`Gpu::rope_kv_write`] rotates and writes a step's tokens.
+/// An RMSNorm over `rows` rows of `cols`, with the residual add before it:
+/// `x += residual` (when given), then `rmsnorm(x) * w` with `eps`.
 #[derive(Clone, Copy)]
-pub struct RopeKv<'a> {
-    /// Each token's KV slot (a negative one writes nothing).
-    pub slots: &'a CudaView<'a, i32>,
-    /// Each token's position.
-    pub pos: &'a CudaView<'a, i32>,
-    /// The rotary frequencies (`head_dim / 2`).
-    pub inv_freq: &'a CudaSlice<f32>,
-    /// Tokens in the step.
-    pub tokens: usize,
-    /// Query heads.
-    pub heads: usize,
-    /// Pairs (2i, 2i + 1) rather than (i, i + half).
-    pub interleaved: bool,
-}
-
-/// Device addresses of a step's queries, keys and values, each token's
-/// row at its stride (in floats), and where the rotated queries go.
-struct QkvRows {
-    q: u64,
-    k: u64,
-    v: u64,
-    q_ld: usize,
-    kv_ld: usize,
-    q_out: u64,
+pub struct NormArgs<'a> {
+    /// Added into the rows first, when given (`rows x cols`).
+    pub residual: Option<&'a CudaSlice<f32>>,
+    /// The norm's weights (`cols`).
+    pub w: &'a CudaSlice<f32>,
+    /// Rows.
+    pub rows: usize,
+    /// Elements per row.
+    pub cols: usize,
+    /// Added to each row's mean square.
+    pub eps: f32,
 }
 
 /// Where the norm writes: f32 activations, or bf16 ones for a GEMM.
@@ -50,33 +37,30 @@ pub(super) enum NormOut<'a> {
 
 impl Gpu {
     /// `x += residual` (if given), then `out = rmsnorm(x) * w`, per row.
-    #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_residual(
         &self,
         x: &mut CudaSlice<f32>,
-        residual: Option<&CudaSlice<f32>>,
-        w: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
+        norm: &NormArgs<'_>,
     ) -> R {
-        self.rmsnorm_launch(x, residual, w, NormOut::F32(out), rows, dim, eps)
+        self.rmsnorm_launch(x, NormOut::F32(out), norm)
     }
 
     /// The norm's launch, into f32 or into bf16 (the caller checked that
-    /// `out` holds `rows x dim`).
-    #[allow(clippy::too_many_arguments)]
+    /// `out` holds `rows x cols`).
     pub(super) fn rmsnorm_launch(
         &self,
         x: &mut CudaSlice<f32>,
-        residual: Option<&CudaSlice<f32>>,
-        w: &CudaSlice<f32>,
         out: NormOut<'_>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
+        norm: &NormArgs<'_>,
     ) -> R {
+        let NormArgs {
+            residual,
+            w,
+            rows,
+            cols: dim,
+            eps,
+        } = *norm;
         let f = self.function("rmsnorm_residual")?;
         let mut b = self.stream.launch_builder(f);
         let null = 0u64;
@@ -100,247 +84,16 @@ impl Gpu {
         Ok(())
     }
 
-    /// Rotates `x` (`tokens x heads x dim`) at `pos` with `inv_freq`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rope(
+    /// [`Self::rmsnorm_residual`] with its output rounded to bf16 into
+    /// `scratch`, ready for [`Self::matmul_parts_bf16`].
+    pub fn rmsnorm_residual_bf16(
         &self,
         x: &mut CudaSlice<f32>,
-        pos: &CudaView<'_, i32>,
-        inv_freq: &CudaSlice<f32>,
-        tokens: usize,
-        heads: usize,
-        dim: usize,
-        interleaved: bool,
+        scratch: &mut GemmScratch,
+        norm: &NormArgs<'_>,
     ) -> R {
-        self.rope_launch(x, None, pos, inv_freq, tokens, [heads, 0], dim, interleaved)
-    }
-
-    /// [`Self::rope`] over a step's queries `q` (`tokens x heads x dim`) and
-    /// keys `k` (`tokens x kv_heads x dim`) in one launch.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rope_qk(
-        &self,
-        q: &mut CudaSlice<f32>,
-        k: &mut CudaSlice<f32>,
-        pos: &CudaView<'_, i32>,
-        inv_freq: &CudaSlice<f32>,
-        tokens: usize,
-        [heads, kv_heads]: [usize; 2],
-        dim: usize,
-        interleaved: bool,
-    ) -> R {
-        self.rope_launch(
-            q,
-            Some(k),
-            pos,
-            inv_freq,
-            tokens,
-            [heads, kv_heads],
-            dim,
-            interleaved,
-        )
-    }
-
-    /// [`Self::rope_qk`] then [`Self::kv_write`] in one launch: rotates the
-    /// step's queries `q` (`tokens x heads x head_dim`) and keys `k`
-    /// (`tokens x kv_heads x head_dim`) in place and writes the rotated
-    /// keys and the values `v` into `kv` at `slots` (a negative slot writes
-    /// nothing), bit for bit what the two launches write.
-    pub fn rope_kv_write(
-        &self,
-        kv: &mut PagedKv,
-        q: &mut CudaSlice<f32>,
-        k: &mut CudaSlice<f32>,
-        v: &CudaSlice<f32>,
-        at: &RopeKv<'_>,
-    ) -> R {
-        let (kv_heads, head_dim, _) = kv.writable_layout()?;
-        let (tokens, heads) = (at.tokens, at.heads);
-        let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
-        if q.len() < tokens * q_dim || k.len() < tokens * kv_dim || v.len() < tokens * kv_dim {
-            return Err(KernelError::Shape(format!(
-                "rope and KV write over {tokens} tokens of {heads} + {kv_heads} heads of \
-                 {head_dim}: buffer too small"
-            )));
-        }
-        let (qp, _rq) = q.device_ptr_mut(&self.stream);
-        let (kp, _rk) = k.device_ptr_mut(&self.stream);
-        let (vp, _rv) = v.device_ptr(&self.stream);
-        let rows = QkvRows {
-            q: qp,
-            k: kp,
-            v: vp,
-            q_ld: q_dim,
-            kv_ld: kv_dim,
-            q_out: qp,
-        };
-        // SAFETY: q, k and v hold `tokens` rows of their widths (checked
-        // above); the queries rotate in place.
-        unsafe { self.rope_kv_launch(kv, rows, at) }
-    }
-
-    /// [`Self::rope_kv_write`] over one stacked projection: row t of `qkv`
-    /// is token t's queries, keys and values side by side (`heads + 2 x
-    /// kv_heads` heads of `head_dim`), as one GEMM over the stacked q, k and
-    /// v weights writes them. The rotated queries go to `q_out` (`tokens x
-    /// heads x head_dim`), the rotated keys back into `qkv`, the keys and
-    /// values into `kv`: what [`Self::rope_kv_write`] writes from three
-    /// separate buffers, bit for bit.
-    pub fn rope_kv_write_stacked(
-        &self,
-        kv: &mut PagedKv,
-        qkv: &mut CudaSlice<f32>,
-        q_out: &mut CudaSlice<f32>,
-        at: &RopeKv<'_>,
-    ) -> R {
-        let (kv_heads, head_dim, _) = kv.writable_layout()?;
-        let (tokens, heads) = (at.tokens, at.heads);
-        let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
-        let ld = q_dim + 2 * kv_dim;
-        if qkv.len() < tokens * ld || q_out.len() < tokens * q_dim {
-            return Err(KernelError::Shape(format!(
-                "rope and KV write over {tokens} stacked rows of {heads} + 2 x {kv_heads} heads \
-                 of {head_dim}: buffer too small"
-            )));
-        }
-        let (p, _r) = qkv.device_ptr_mut(&self.stream);
-        let (qo, _ro) = q_out.device_ptr_mut(&self.stream);
-        let f32s = std::mem::size_of::<f32>() as u64;
-        let rows = QkvRows {
-            q: p,
-            k: p + q_dim as u64 * f32s,
-            v: p + (q_dim + kv_dim) as u64 * f32s,
-            q_ld: ld,
-            kv_ld: ld,
-            q_out: qo,
-        };
-        // SAFETY: `tokens` rows of `ld` in qkv and of q_dim in q_out
-        // (checked above), separate allocations.
-        unsafe { self.rope_kv_launch(kv, rows, at) }
-    }
-
-    /// # Safety
-    /// `rows` must point at `at.tokens` rows of queries, keys and values at
-    /// their strides, and `q_out` at `tokens x heads x head_dim` floats.
-    unsafe fn rope_kv_launch(&self, kv: &mut PagedKv, rows: QkvRows, at: &RopeKv<'_>) -> R {
-        let (kv_heads, head_dim, page_size) = kv.writable_layout()?;
-        let RopeKv {
-            slots,
-            pos,
-            inv_freq,
-            tokens,
-            heads,
-            interleaved,
-        } = *at;
-        if slots.len() < tokens || pos.len() < tokens || inv_freq.len() < head_dim / 2 {
-            return Err(KernelError::Shape(format!(
-                "rope and KV write over {tokens} tokens: slots, positions or frequencies too short"
-            )));
-        }
-        let name = match kv.format {
-            KvFormat::Bf16 => "rope_kv_write_bf16",
-            KvFormat::Fp8 => "rope_kv_write_fp8",
-            KvFormat::Fp8Static => {
-                if !head_dim.is_power_of_two() {
-                    return Err(KernelError::Shape(format!(
-                        "head_dim {head_dim}: static fp8 pages rotate heads of a power of two"
-                    )));
-                }
-                "rope_kv_write_fp8s"
-            }
-        };
-        let f = self.function(name)?;
-        let (h, kvh, d) = (heads as i32, kv_heads as i32, head_dim as i32);
-        let (ps, il) = (page_size as i32, interleaved as i32);
-        let (q_ld, kv_ld) = (rows.q_ld as i32, rows.kv_ld as i32);
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&rows.q)
-            .arg(&rows.k)
-            .arg(&rows.v)
-            .arg(&q_ld)
-            .arg(&kv_ld);
-        b.arg(&rows.q_out).arg(pos).arg(inv_freq).arg(slots);
-        b.arg(&mut kv.k).arg(&mut kv.v);
-        if kv.format == KvFormat::Fp8 {
-            b.arg(&mut kv.k_scale).arg(&mut kv.v_scale);
-        } else {
-            b.arg(&NULL_SCALES).arg(&NULL_SCALES);
-        }
-        b.arg(&h).arg(&kvh).arg(&d).arg(&ps).arg(&il);
-        let grid = (tokens as u32, (heads + kv_heads) as u32, 1);
-        // SAFETY: the caller vouches for the rows; slots index vectors
-        // inside the pages.
-        unsafe { b.launch(cfg(grid, head_dim as u32, 0)) }.map_err(cuda_err)?;
-        Ok(())
-    }
-
-    /// Rotates each of `rows` rows of `head_dim` (a power of two up to
-    /// 1024) of `x` in place by the orthonormal Walsh-Hadamard transform,
-    /// in [`crate::hadamard::rotate`]'s order and with the device function
-    /// `rope_kv_write` uses for static fp8 pages.
-    pub fn hadamard_rows(&self, x: &mut CudaSlice<f32>, rows: usize, head_dim: usize) -> R {
-        if !head_dim.is_power_of_two() || head_dim > 1024 || x.len() < rows * head_dim {
-            return Err(KernelError::Shape(format!(
-                "hadamard over {rows} rows of {head_dim}: a power of two up to 1024, in a buffer \
-                 of {}",
-                x.len()
-            )));
-        }
-        let f = self.function("hadamard_rows")?;
-        let d = head_dim as i32;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(x).arg(&d);
-        // SAFETY: rows x head_dim floats (checked above), a thread each.
-        unsafe { b.launch(cfg((rows as u32, 1, 1), head_dim as u32, 0)) }.map_err(cuda_err)?;
-        Ok(())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn rope_launch(
-        &self,
-        x: &mut CudaSlice<f32>,
-        x2: Option<&mut CudaSlice<f32>>,
-        pos: &CudaView<'_, i32>,
-        inv_freq: &CudaSlice<f32>,
-        tokens: usize,
-        [heads, heads2]: [usize; 2],
-        dim: usize,
-        interleaved: bool,
-    ) -> R {
-        if x.len() < tokens * heads * dim
-            || x2.as_ref().is_some_and(|k| k.len() < tokens * heads2 * dim)
-        {
-            return Err(KernelError::Shape(format!(
-                "rope over {tokens} tokens of {heads} + {heads2} heads of {dim}: buffer too small"
-            )));
-        }
-        let f = self.function("rope")?;
-        let (h, h2, d, il) = (heads as i32, heads2 as i32, dim as i32, interleaved as i32);
-        let mut b = self.stream.launch_builder(f);
-        let null = 0u64;
-        b.arg(x);
-        match x2 {
-            Some(k) => b.arg(k),
-            None => b.arg(&null),
-        };
-        b.arg(pos).arg(inv_freq).arg(&h).arg(&h2).arg(&d).arg(&il);
-        let threads = (dim / 2).clamp(32, 256) as u32;
-        let grid = (tokens as u32, (heads + heads2) as u32, 1);
-        // SAFETY: grid covers tokens x (heads + heads2) rows of `dim`, each
-        // buffer checked above.
-        unsafe { b.launch(cfg(grid, threads, 0)) }.map_err(cuda_err)?;
-        Ok(())
-    }
-
-    /// `gate = silu(gate) * up` over `n` elements.
-    pub fn silu_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>, n: usize) -> R {
-        let f = self.function("silu_mul")?;
-        let n_i = n as i32;
-        let mut b = self.stream.launch_builder(f);
-        let null = 0u64;
-        b.arg(gate).arg(up).arg(&null).arg(&n_i);
-        // SAFETY: one thread per element, bounds-checked.
-        unsafe { b.launch(cfg((blocks(n, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
-        Ok(())
+        room(scratch, norm.rows * norm.cols)?;
+        let out = NormOut::Bf16(&mut scratch.act);
+        self.rmsnorm_launch(x, out, norm)
     }
 }

@@ -1,4 +1,4 @@
-// Causal prefill attention over paged KV (appended to kernels.cu), flash
+// Causal prefill attention over paged KV (see prefill.rs), flash
 // style: one block takes a tile of consecutive query tokens of one sequence
 // and all query heads of one KV head, and streams that sequence's keys and
 // values through shared memory PF_KT at a time, so each K and V vector is

@@ -3,7 +3,9 @@
 
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
-use super::launch::{PagedKv, push_pages};
+use super::attention::PagedQuery;
+use super::kv::PagedKv;
+use super::launch::push_pages;
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout};
@@ -37,22 +39,25 @@ pub fn prefill_tiles(table_off: &[i32], lens: &[i32], group: usize) -> Vec<i32> 
 }
 
 impl Gpu {
-    /// Attention of `tokens` query tokens (`q`: tokens x heads x head_dim)
-    /// over their pages, token `t` over keys `0..lens[t]` of the table at
-    /// `tables[table_off[t]..]`, in the tiles of [`prefill_tiles`].
-    #[allow(clippy::too_many_arguments)]
+    /// Attention of `tokens` query tokens (`query.q`: tokens x heads x
+    /// head_dim) over their pages, token `t` over keys `0..lens[t]` of the
+    /// table at `tables[table_off[t]..]`, in the tiles of
+    /// [`prefill_tiles`].
     pub fn prefill_attention(
         &self,
         kv: &PagedKv,
-        q: &CudaSlice<f32>,
-        tables: &CudaView<'_, i32>,
-        table_off: &CudaView<'_, i32>,
-        lens: &CudaView<'_, i32>,
+        query: &PagedQuery<'_>,
         tiles: &CudaView<'_, i32>,
         out: &mut CudaSlice<f32>,
-        heads: usize,
-        scale: f32,
     ) -> Result<(), KernelError> {
+        let PagedQuery {
+            q,
+            tables,
+            table_off,
+            lens,
+            heads,
+            scale,
+        } = *query;
         let KvLayout {
             kv_heads,
             head_dim,

@@ -1,8 +1,11 @@
-// GGUF block-quantized weights on the device (appended to kernels.cu).
+// GGUF block-quantized weights on the device (see quant.rs).
 // Blocks of 32 elements: Q8_0 = f16 d, 32 int8 (w = d q); Q4_0 = f16 d, 16
 // bytes of nibbles (w = d (q - 8)); Q4_1 = f16 d, f16 m, 16 bytes of
 // nibbles (w = d q + m). Nibble j < 16 is the low half of byte j, j >= 16
 // the high half of byte j - 16. DT: 0 = Q8_0, 1 = Q4_0, 2 = Q4_1.
+
+// Most activation rows of a decode GEMV (`GEMV_MAX_M` in gemv.rs).
+#define GEMV_MAX_M 8
 
 template <int DT> struct QBlock;
 template <> struct QBlock<0> { static const int bytes = 34; };

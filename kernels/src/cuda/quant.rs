@@ -4,7 +4,7 @@
 //! bytes: decode GEMVs read the blocks directly; larger batches dequantize
 //! a bounded chunk of rows at a time into f32 for a cuBLAS f32 GEMM.
 
-use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -156,55 +156,11 @@ impl Gpu {
         })
     }
 
-    /// `out[:, r0..r0 + rows] = x * w^T` with f32 `w` (`rows x k`), by
-    /// cuBLAS in full f32.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn gemm_f32(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
-        m: usize,
-        n: usize,
-        k: usize,
-        r0: usize,
-        rows: usize,
-    ) -> R {
-        let (a, _ra) = w.device_ptr(&self.stream);
-        let (bp, _rb) = x.device_ptr(&self.stream);
-        let (c, _rc) = out.device_ptr(&self.stream);
-        // This chunk is columns r0.. of the row-major output.
-        let c = c + (r0 * std::mem::size_of::<f32>()) as u64;
-        let f32_ty = cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
-        // SAFETY: live device buffers of the stated sizes (guards held).
-        unsafe { self.gemm(a, bp, f32_ty, c, m, rows, k, n) }
-    }
-
-    /// `out[t] = table[ids[t]]`, rows of `hidden`, for any [`DeviceWeight`].
-    pub fn embed_rows(
-        &self,
-        table: &DeviceWeight,
-        ids: &cudarc::driver::CudaView<'_, u32>,
-        out: &mut CudaSlice<f32>,
-        tokens: usize,
-        hidden: usize,
-    ) -> R {
-        let (name, src) = match table {
-            DeviceWeight::Bf16(t) => return self.embed(t, ids, out, tokens, hidden),
-            DeviceWeight::Blocks { dtype, bytes } => {
-                (format!("embed_{}", kernel_suffix(*dtype)?), bytes)
-            }
-        };
-        let f = self.function(&name)?;
-        let h = hidden as i32;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(src).arg(ids).arg(out).arg(&h);
-        // SAFETY: ids are checked against the vocabulary by the caller.
-        unsafe { b.launch(cfg(tokens as u32, 256)) }.map_err(cuda_err)?;
-        Ok(())
-    }
-
     /// Dequantizes `n` elements of GGUF blocks to f32.
+    ///
+    /// Reference path: the engine's step dequantizes inside
+    /// [`Self::matmul_parts`]; kept for the parity tests of the block
+    /// formats.
     pub fn dequantize(
         &self,
         dtype: DType,

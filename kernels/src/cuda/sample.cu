@@ -1,10 +1,10 @@
-// Sampling on the device (appended to kernels.cu): temperature, top-k and
-// top-p over a whole logits row without sorting it, with the uniform draw
-// made by the host from the request's seeded generator. What it picks is
-// what kernels/src/sample.rs picks for the same draw: the candidates are the
-// top-k logits, their softmax at temperature T, the nucleus the shortest
-// prefix (largest first) whose mass reaches top_p, and the token the first
-// in that order where the running mass reaches u times the nucleus's mass.
+// Sampling on the device (launched from cuda/sample.rs): temperature, top-k and
+// top-p over a whole logits row without sorting it, with the uniform draw made
+// by the host from the request's seeded generator. What it picks is what
+// kernels/src/sample.rs picks for the same draw: the candidates are the top-k
+// logits, their softmax at temperature T, the nucleus the shortest prefix
+// (largest first) whose mass reaches top_p, and the token the first in that
+// order where the running mass reaches u times the nucleus's mass.
 //
 // Each "first prefix reaching a mass" is a radix select on order-preserving
 // keys of the logits: four passes of 8 bits, each a 256-bin histogram of
@@ -129,4 +129,74 @@ extern "C" __global__ void sample_rows(const float* logits, int n, const float* 
         if (order_key(row[i]) == pick) atomicMin(&best, i);
     __syncthreads();
     if (threadIdx.x == 0) out[blockIdx.x] = best == 0x7fffffff ? (unsigned)arg : best;
+}
+
+// Keeps (v, i) in (bv, bi) when v is larger, or equal at a lower index
+// (NaN never wins).
+__device__ __forceinline__ void arg_take(float& bv, int& bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+
+// Greedy sampling: the index of each row's largest logit (the lowest index
+// on ties, as on the CPU). Grid: rows; threads: a multiple of 32. Rows of
+// a multiple of 4 are read as 16-byte pieces, four pieces in flight per
+// thread.
+extern "C" __global__ void argmax_rows(const float* logits, int n, unsigned* out) {
+    PDL_ENTER();
+    __shared__ float wv[32];
+    __shared__ int wi[32];
+    const float* row = logits + (size_t)blockIdx.x * n;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    int bd = blockDim.x;
+    if ((n & 3) == 0) {
+        const float4* r4 = (const float4*)row;
+        int n4 = n >> 2, i = threadIdx.x;
+        for (; i + 3 * bd < n4; i += 4 * bd) {
+            float4 a[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) a[k] = r4[i + k * bd];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                int e = 4 * (i + k * bd);
+                arg_take(bv, bi, a[k].x, e);
+                arg_take(bv, bi, a[k].y, e + 1);
+                arg_take(bv, bi, a[k].z, e + 2);
+                arg_take(bv, bi, a[k].w, e + 3);
+            }
+        }
+        for (; i < n4; i += bd) {
+            float4 a = r4[i];
+            arg_take(bv, bi, a.x, 4 * i);
+            arg_take(bv, bi, a.y, 4 * i + 1);
+            arg_take(bv, bi, a.z, 4 * i + 2);
+            arg_take(bv, bi, a.w, 4 * i + 3);
+        }
+    } else {
+        for (int i = threadIdx.x; i < n; i += bd) arg_take(bv, bi, row[i], i);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float v = __shfl_xor_sync(0xffffffff, bv, o);
+        int j = __shfl_xor_sync(0xffffffff, bi, o);
+        arg_take(bv, bi, v, j);
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        wv[warp] = bv;
+        wi[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < (bd >> 5) ? wv[lane] : -INFINITY;
+        bi = lane < (bd >> 5) ? wi[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            float v = __shfl_xor_sync(0xffffffff, bv, o);
+            int j = __shfl_xor_sync(0xffffffff, bi, o);
+            arg_take(bv, bi, v, j);
+        }
+        if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+    }
 }

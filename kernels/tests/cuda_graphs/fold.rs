@@ -8,7 +8,7 @@
 
 use half::bf16;
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{CudaSlice, Gpu, NormSum};
+use kiln_kernels::cuda::{CudaSlice, Gpu, NextNorm, NormArgs, NormSum, Normed, StackShape};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -63,10 +63,18 @@ impl Chain {
     fn folded(&mut self, gpu: &Gpu) -> Result<(), KernelError> {
         for _ in 0..ROUNDS {
             let c = &mut *self;
-            gpu.gemv_bf16_resid(
-                &c.u, &c.down, &mut c.h, &c.g, &mut c.gh, &mut c.sum, DIM, FFN,
-            )?;
-            gpu.gemv_bf16_normed_silu(&c.gh, &c.gate_up, &c.sum, &mut c.u, FFN, DIM, EPS)?;
+            let next = NextNorm {
+                g: &c.g,
+                gh: &mut c.gh,
+                sum: &mut c.sum,
+            };
+            gpu.gemv_bf16_resid(&c.u, &c.down, &mut c.h, next, DIM, FFN)?;
+            let normed = Normed {
+                gh: &c.gh,
+                sum: &c.sum,
+                eps: EPS,
+            };
+            gpu.gemv_bf16_normed_silu(&normed, &c.gate_up, &mut c.u, FFN, DIM)?;
         }
         Ok(())
     }
@@ -74,10 +82,27 @@ impl Chain {
     fn apart(&mut self, gpu: &Gpu) -> Result<(), KernelError> {
         for _ in 0..ROUNDS {
             let c = &mut *self;
-            gpu.gemv_bf16_parts(&c.u, &c.down, &mut [&mut c.p], &[DIM], 1, FFN)?;
-            gpu.rmsnorm_residual(&mut c.h, Some(&c.p), &c.g, &mut c.xn, 1, DIM, EPS)?;
+            let down = StackShape {
+                m: 1,
+                parts: &[DIM],
+                k: FFN,
+            };
+            gpu.gemv_bf16_parts(&c.u, &c.down, &mut [&mut c.p], down)?;
+            let norm = NormArgs {
+                residual: Some(&c.p),
+                w: &c.g,
+                rows: 1,
+                cols: DIM,
+                eps: EPS,
+            };
+            gpu.rmsnorm_residual(&mut c.h, &mut c.xn, &norm)?;
             let outs = &mut [&mut c.gate, &mut c.up];
-            gpu.gemv_bf16_parts(&c.xn, &c.gate_up, outs, &[FFN, FFN], 1, DIM)?;
+            let gate_up = StackShape {
+                m: 1,
+                parts: &[FFN, FFN],
+                k: DIM,
+            };
+            gpu.gemv_bf16_parts(&c.xn, &c.gate_up, outs, gate_up)?;
             gpu.silu_mul(&mut c.gate, &c.up, FFN)?;
             std::mem::swap(&mut c.u, &mut c.gate);
         }

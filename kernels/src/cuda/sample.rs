@@ -1,10 +1,14 @@
 //! Sampling on the device: temperature, top-k and top-p with the host's
-//! uniform draw (see `sample.cu`), so a step need not download logits.
+//! uniform draw, and greedy argmax (see `sample.cu`), so a step need not
+//! download logits.
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
 
+use super::launch::cfg;
 use super::{Gpu, cuda_err, grid_1d};
 use crate::KernelError;
+
+type R<T = ()> = Result<T, KernelError>;
 
 /// Threads per row (`SAMPLE_THREADS` in the source).
 const THREADS: u32 = 1024;
@@ -33,6 +37,23 @@ impl Gpu {
         b.arg(logits).arg(&ni).arg(params).arg(top_k).arg(out);
         // SAFETY: one block per row, bounds checked above.
         unsafe { b.launch(grid_1d(rows as u32, THREADS)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// The index of each row's largest value.
+    pub fn argmax_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        n: usize,
+        out: &mut CudaViewMut<'_, u32>,
+    ) -> R {
+        let f = self.function("argmax_rows")?;
+        let n_i = n as i32;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(&n_i).arg(out);
+        // SAFETY: one block per row of n (a vocabulary: 1024 threads).
+        unsafe { b.launch(cfg((rows as u32, 1, 1), 1024, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
 }

@@ -1,0 +1,221 @@
+//! GEMMs through cuBLAS, f32 accumulation and output: bf16 weights on
+//! bf16 activations (from two rows up, where the decode GEMV stops), and
+//! f32 weights dequantized from GGUF blocks.
+//!
+//! A bf16 GEMM reads its activations as bf16 from [`GemmScratch`]. The
+//! kernels that make those activations (the norm before q/k/v and
+//! gate/up, SiLU-and-multiply before the down projection) can round their
+//! results to bf16 into the scratch themselves, so no separate f32 -> bf16
+//! pass reads and writes them again. The values are the ones the f32
+//! kernel and that pass would give, bit for bit.
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use half::bf16;
+
+use super::gemv::{GemmShape, StackShape};
+use super::launch::{blocks, cfg};
+use super::{DeviceWeight, GemmScratch, Gpu, cuda_err};
+use crate::KernelError;
+
+type R<T = ()> = Result<T, KernelError>;
+
+/// Checks that `scratch` holds `len` bf16 activations.
+pub(super) fn room(scratch: &GemmScratch, len: usize) -> R {
+    if scratch.act.len() < len {
+        return Err(KernelError::Shape(format!(
+            "bf16 scratch of {} for {len} activations",
+            scratch.act.len()
+        )));
+    }
+    Ok(())
+}
+
+impl Gpu {
+    /// Whether a product of `m` rows of `k` with `w` runs cuBLAS on bf16
+    /// activations from its scratch (a bf16 weight the decode GEMV does not
+    /// take), so [`Self::rmsnorm_residual_bf16`] and [`Self::silu_mul_bf16`]
+    /// can feed [`Self::matmul_parts_bf16`]. [`Self::matmul_parts`] routes
+    /// by it too.
+    pub fn takes_bf16_input(&self, w: &DeviceWeight, m: usize, k: usize) -> bool {
+        let gemv = m <= super::BF16_GEMV_ROWS && k.is_multiple_of(8);
+        matches!(w, DeviceWeight::Bf16(_)) && !gemv
+    }
+
+    /// As [`Self::matmul_parts`] with a bf16 weight through cuBLAS, on the
+    /// `m x k` bf16 activations already in `scratch`.
+    pub fn matmul_parts_bf16(
+        &self,
+        w: &DeviceWeight,
+        outs: &mut [&mut CudaSlice<f32>],
+        shape: StackShape<'_>,
+        scratch: &GemmScratch,
+    ) -> R {
+        let StackShape { m, parts, k } = shape;
+        let DeviceWeight::Bf16(wb) = w else {
+            return Err(KernelError::Shape(
+                "bf16 activations need a bf16 weight".into(),
+            ));
+        };
+        let n = super::gemv::check_parts(outs, parts, m)?;
+        room(scratch, m * k)?;
+        if wb.len() < n * k {
+            return Err(KernelError::Shape(format!(
+                "{n} stacked rows of {k}: weight too small"
+            )));
+        }
+        let (wp, _rw) = wb.device_ptr(&self.stream);
+        let (xp, _rx) = scratch.act.device_ptr(&self.stream);
+        let ty = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
+        let mut row0 = 0;
+        for (o, &rows) in outs.iter_mut().zip(parts) {
+            let (op, _ro) = o.device_ptr_mut(&self.stream);
+            let a = wp + (row0 * k * std::mem::size_of::<bf16>()) as u64;
+            // SAFETY: rows row0.. of the stack and an output of m x rows,
+            // sizes checked above (guards held).
+            unsafe { self.gemm(a, xp, ty, op, GemmShape { m, n: rows, k }, rows) }?;
+            row0 += rows;
+        }
+        Ok(())
+    }
+
+    /// `out (m x n) = x (m x k) * w^T` with bf16 `w` (`n x k`): the custom
+    /// GEMV up to [`super::gemv::BF16_GEMV_ROWS`] rows, cuBLAS (bf16 in,
+    /// f32 accumulate and out) above.
+    ///
+    /// Reference path: the engine's step uses [`Self::matmul`] and
+    /// [`Self::matmul_parts`]; kept for the parity tests of the bf16
+    /// product.
+    pub fn matmul_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        out: &mut CudaSlice<f32>,
+        shape: GemmShape,
+        scratch: &mut CudaSlice<bf16>,
+    ) -> R {
+        let GemmShape { m, n, k } = shape;
+        if m <= super::gemv::BF16_GEMV_ROWS && k.is_multiple_of(8) {
+            return self.gemv_bf16_parts(x, w, &mut [out], StackShape { m, parts: &[n], k });
+        }
+        self.cublas_bf16(x, w, out, shape, scratch)
+    }
+
+    /// The first `len` activations rounded to bf16 into `scratch`, as
+    /// every bf16 engine runs a GEMM (the CPU reference keeps f32; models
+    /// stored as GGUF blocks take the f32 path of `Gpu::matmul` instead).
+    pub(super) fn to_bf16_scratch(
+        &self,
+        x: &CudaSlice<f32>,
+        scratch: &mut CudaSlice<bf16>,
+        len: usize,
+    ) -> R {
+        if scratch.len() < len || x.len() < len {
+            return Err(KernelError::Shape(format!(
+                "bf16 scratch of {} for {len} activations",
+                scratch.len()
+            )));
+        }
+        let total = len as i64;
+        let f = self.function("to_bf16")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(&mut *scratch).arg(&total);
+        // SAFETY: one thread per element, bounds-checked.
+        unsafe { b.launch(cfg((blocks(len, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// The cuBLAS path of [`Self::matmul_bf16`]; `scratch` holds `m x k`
+    /// bf16 activations.
+    ///
+    /// Reference path: the engine's step runs cuBLAS through
+    /// [`Self::matmul_parts_bf16`]; kept for [`Self::matmul_bf16`] and for
+    /// `cuda_bench`'s GEMV-against-cuBLAS table.
+    pub fn cublas_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        out: &mut CudaSlice<f32>,
+        shape: GemmShape,
+        scratch: &mut CudaSlice<bf16>,
+    ) -> R {
+        use cudarc::cublas::sys::cudaDataType_t;
+        let GemmShape { m, n, k } = shape;
+        self.to_bf16_scratch(x, scratch, m * k)?;
+        let (a, _ra) = w.device_ptr(&self.stream);
+        let (bp, _rb) = scratch.device_ptr(&self.stream);
+        let (c, _rc) = out.device_ptr(&self.stream);
+        // SAFETY: live device buffers of the stated sizes (guards held).
+        unsafe { self.gemm(a, bp, cudaDataType_t::CUDA_R_16BF, c, shape, n) }?;
+        Ok(())
+    }
+
+    /// cuBLAS, f32 accumulation and output: row-major `out (m x n)`,
+    /// leading dimension `ldc`, `= x (m x k) * w^T` for `w` (`n x k`);
+    /// `w` and `x` both of type `ty`.
+    ///
+    /// # Safety
+    /// The pointers are live device buffers of those sizes.
+    pub(crate) unsafe fn gemm(
+        &self,
+        w: u64,
+        x: u64,
+        ty: cudarc::cublas::sys::cudaDataType_t,
+        out: u64,
+        shape: GemmShape,
+        ldc: usize,
+    ) -> R {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+        };
+        let GemmShape { m, n: rows, k } = shape;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Row-major out (m x rows) is column-major rows x m: out^T = w x^T.
+        // SAFETY: the caller vouches for the pointers.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                rows as i32,
+                m as i32,
+                k as i32,
+                (&alpha) as *const f32 as *const _,
+                w as *const _,
+                ty,
+                k as i32,
+                x as *const _,
+                ty,
+                k as i32,
+                (&beta) as *const f32 as *const _,
+                out as *mut _,
+                cudaDataType_t::CUDA_R_32F,
+                ldc as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(cuda_err)
+    }
+
+    /// Columns `cols` of `out` (`m x n`) `= x (m x k) * w^T` with f32 `w`
+    /// (`cols.len() x k`), by cuBLAS in full f32.
+    pub(super) fn gemm_f32(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        shape: GemmShape,
+        cols: std::ops::Range<usize>,
+    ) -> R {
+        let GemmShape { m, n, k } = shape;
+        let (r0, rows) = (cols.start, cols.len());
+        let (a, _ra) = w.device_ptr(&self.stream);
+        let (bp, _rb) = x.device_ptr(&self.stream);
+        let (c, _rc) = out.device_ptr(&self.stream);
+        // This chunk is columns r0.. of the row-major output.
+        let c = c + (r0 * std::mem::size_of::<f32>()) as u64;
+        let f32_ty = cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
+        // SAFETY: live device buffers of the stated sizes (guards held).
+        unsafe { self.gemm(a, bp, f32_ty, c, GemmShape { m, n: rows, k }, n) }
+    }
+}
