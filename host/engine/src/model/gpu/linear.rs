@@ -3,19 +3,20 @@
 //! them in one GEMV launch instead of one each.
 
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{CudaSlice, DeviceWeight, GemmScratch, Gpu};
+use kiln_kernels::cuda::{CudaSlice, DeviceWeight, GemmScratch, Gpu, NormArgs, StackShape};
 use kiln_kernels::matmul::Weight;
 
 type R<T> = Result<T, KernelError>;
 
-/// The norm before a projection: the hidden rows, the residual to add to
-/// them first (if any), the norm's weights and epsilon.
-pub(super) type NormIn<'a> = (
-    &'a mut CudaSlice<f32>,
-    Option<&'a CudaSlice<f32>>,
-    &'a CudaSlice<f32>,
-    f32,
-);
+/// The norm before a projection: the hidden rows `h` (`norm.rows` of
+/// `norm.cols`), with the residual to add to them first, the norm's
+/// weights and epsilon.
+pub(super) struct NormIn<'a> {
+    /// The hidden rows.
+    pub h: &'a mut CudaSlice<f32>,
+    /// The norm.
+    pub norm: NormArgs<'a>,
+}
 
 /// Weights of one input width, each with its own output.
 pub(crate) enum Linear {
@@ -53,7 +54,7 @@ impl Linear {
         scratch: &mut GemmScratch,
     ) -> R<()> {
         self.each_stack(k, outs, |w, outs, parts| {
-            g.matmul_parts(x, w, outs, parts, m, k, scratch)
+            g.matmul_parts(x, w, outs, StackShape { m, parts, k }, scratch)
         })
     }
 
@@ -77,28 +78,26 @@ impl Linear {
         }
     }
 
-    /// `outs[i] = rmsnorm(h += residual) * norm_w * w_i^T` over `m` rows of
-    /// `k`. Where every weight runs cuBLAS on bf16 activations (two rows up,
-    /// bf16 weights), the norm writes them straight into the GEMM's scratch;
-    /// otherwise into `xn` as f32 for [`Self::apply`].
-    #[allow(clippy::too_many_arguments)]
+    /// `outs[i] = rmsnorm(h += residual) * norm_w * w_i^T` over the norm's
+    /// rows. Where every weight runs cuBLAS on bf16 activations (two rows
+    /// up, bf16 weights), the norm writes them straight into the GEMM's
+    /// scratch; otherwise into `xn` as f32 for [`Self::apply`].
     pub(super) fn apply_normed(
         &self,
         g: &Gpu,
-        (h, residual, norm_w, eps): NormIn<'_>,
+        NormIn { h, norm }: NormIn<'_>,
         xn: &mut CudaSlice<f32>,
         outs: &mut [&mut CudaSlice<f32>],
-        m: usize,
-        k: usize,
         scratch: &mut GemmScratch,
     ) -> R<()> {
+        let (m, k) = (norm.rows, norm.cols);
         if self.weights().all(|w| g.takes_bf16_input(w, m, k)) {
-            g.rmsnorm_residual_bf16(h, residual, norm_w, scratch, m, k, eps)?;
+            g.rmsnorm_residual_bf16(h, scratch, &norm)?;
             return self.each_stack(k, outs, |w, outs, parts| {
-                g.matmul_parts_bf16(w, outs, parts, m, k, scratch)
+                g.matmul_parts_bf16(w, outs, StackShape { m, parts, k }, scratch)
             });
         }
-        g.rmsnorm_residual(h, residual, norm_w, xn, m, k, eps)?;
+        g.rmsnorm_residual(h, xn, &norm)?;
         self.apply(g, xn, outs, m, k, scratch)
     }
 
@@ -109,8 +108,6 @@ impl Linear {
             Linear::Stacked { w, parts } if g.takes_bf16_input(w, m, k) => Some(CublasStack {
                 w,
                 rows: parts.iter().sum(),
-                m,
-                k,
             }),
             _ => None,
         }
@@ -136,8 +133,6 @@ impl Linear {
 pub(super) struct CublasStack<'a> {
     w: &'a DeviceWeight,
     rows: usize,
-    m: usize,
-    k: usize,
 }
 
 impl CublasStack<'_> {
@@ -146,12 +141,12 @@ impl CublasStack<'_> {
     pub(super) fn apply_normed(
         &self,
         g: &Gpu,
-        (h, residual, norm_w, eps): NormIn<'_>,
+        NormIn { h, norm }: NormIn<'_>,
         out: &mut CudaSlice<f32>,
         scratch: &mut GemmScratch,
     ) -> R<()> {
-        let (m, k) = (self.m, self.k);
-        g.rmsnorm_residual_bf16(h, residual, norm_w, scratch, m, k, eps)?;
-        g.matmul_parts_bf16(self.w, &mut [out], &[self.rows], m, k, scratch)
+        let (m, k, parts) = (norm.rows, norm.cols, &[self.rows][..]);
+        g.rmsnorm_residual_bf16(h, scratch, &norm)?;
+        g.matmul_parts_bf16(self.w, &mut [out], StackShape { m, parts, k }, scratch)
     }
 }

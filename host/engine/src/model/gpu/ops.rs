@@ -9,12 +9,15 @@
 //! with the down projection's input conversion.
 
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{CudaSlice, CudaView, DeviceWeight, Gpu, PagedKv, RopeKv};
+use kiln_kernels::cuda::{
+    CudaSlice, CudaView, DecodeBatch, DeviceWeight, GemmShape, Gpu, NextNorm, NormArgs, Normed,
+    PagedKv, PagedQuery, RopeKv, StackShape,
+};
 use kiln_kernels::ops::RopeStyle;
 
 use super::fold::{bf16, bf16_stack};
 use super::inputs::{Layout, ints};
-use super::linear::Linear;
+use super::linear::{Linear, NormIn};
 use super::{Buffers, Cuda, GpuModel, Work};
 use crate::model::ModelConfig;
 use crate::model::arch::{Input, Ops, R};
@@ -52,6 +55,33 @@ enum Pending<'w> {
     /// `xn` holds `h * w` of the last norm and `sum` its sums of squares:
     /// the projection scales by the norm's factor (a folded step).
     Folded,
+}
+
+/// The pending norm over the step's `n` rows, adding `proj` first when
+/// `residual`.
+fn norm_in<'a>(
+    h: &'a mut CudaSlice<f32>,
+    proj: &'a CudaSlice<f32>,
+    w: &'a CudaSlice<f32>,
+    residual: bool,
+    c: &ModelConfig,
+    n: usize,
+) -> NormIn<'a> {
+    NormIn {
+        h,
+        norm: NormArgs {
+            residual: residual.then_some(proj),
+            w,
+            rows: n,
+            cols: c.hidden,
+            eps: c.eps,
+        },
+    }
+}
+
+/// An `m x n` product over `k`.
+fn gemm(m: usize, n: usize, k: usize) -> GemmShape {
+    GemmShape { m, n, k }
 }
 
 fn no_norm() -> KernelError {
@@ -136,11 +166,16 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
             Pending::Folded => {
                 let (w, parts) = bf16_stack(qkv, &[q_dim, kv_dim, kv_dim])?;
                 let outs = &mut [&mut b.q, &mut b.k, &mut b.v];
-                g.gemv_bf16_normed(&b.xn, w, &b.norm_sum, outs, parts, c.hidden, c.eps)?;
+                let input = Normed {
+                    gh: &b.xn,
+                    sum: &b.norm_sum,
+                    eps: c.eps,
+                };
+                g.gemv_bf16_normed(&input, w, outs, parts, c.hidden)?;
                 g.rope_kv_write(pages, &mut b.q, &mut b.k, &b.v, &at)?;
             }
             Pending::Norm { w, residual } => {
-                let norm = (&mut b.h, residual.then_some(&b.proj), w, c.eps);
+                let norm = norm_in(&mut b.h, &b.proj, w, residual, c, n);
                 let stack = qkv.cublas_stack(g, n, c.hidden).filter(|_| bias.is_none());
                 if let Some(stack) = stack {
                     // One GEMM for q, k and v (cuBLAS fills the GPU far
@@ -150,7 +185,7 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                     g.rope_kv_write_stacked(pages, &mut b.qkv, &mut b.q, &at)?;
                 } else {
                     let outs = &mut [&mut b.q, &mut b.k, &mut b.v];
-                    qkv.apply_normed(g, norm, &mut b.xn, outs, n, c.hidden, &mut b.scratch)?;
+                    qkv.apply_normed(g, norm, &mut b.xn, outs, &mut b.scratch)?;
                     if let Some([bq, bk, bv]) = bias {
                         g.add_bias(&mut b.q, bq, n, q_dim)?;
                         g.add_bias(&mut b.k, bk, n, kv_dim)?;
@@ -166,34 +201,29 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
             ints(inputs, l.range(l.offs, n)),
             ints(inputs, l.range(l.lens, n)),
         );
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let query = PagedQuery {
+            q: &b.q,
+            tables: &tables,
+            table_off: &offs,
+            lens: &lens,
+            heads: c.heads,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+        };
         if s.tiles > 0 {
             let tiles = ints(inputs, l.range(l.tiles, 2 * s.tiles));
-            g.prefill_attention(
-                pages,
-                &b.q,
-                &tables,
-                &offs,
-                &lens,
-                &tiles,
-                &mut b.attn,
-                c.heads,
-                scale,
-            )
+            g.prefill_attention(pages, &query, &tiles, &mut b.attn)
         } else {
+            let batch = DecodeBatch {
+                seqs: n,
+                max_len: s.max_len,
+            };
             g.paged_attention(
                 pages,
-                &b.q,
-                &tables,
-                &offs,
-                &lens,
+                &query,
+                batch,
+                Default::default(),
                 &mut b.abuf,
                 &mut b.attn,
-                n,
-                c.heads,
-                s.max_len,
-                scale,
-                Default::default(),
             )
         }
     }
@@ -204,13 +234,18 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
         match self.pending {
             Pending::Folded => {
                 let (w, _) = bf16_stack(gate_up, &[c.ffn, c.ffn])?;
-                g.gemv_bf16_normed_silu(&b.xn, w, &b.norm_sum, &mut b.gate, c.ffn, c.hidden, c.eps)
+                let input = Normed {
+                    gh: &b.xn,
+                    sum: &b.norm_sum,
+                    eps: c.eps,
+                };
+                g.gemv_bf16_normed_silu(&input, w, &mut b.gate, c.ffn, c.hidden)
             }
             Pending::Norm { w, residual } => {
                 // SiLU-and-multiply runs with the down projection.
-                let norm = (&mut b.h, residual.then_some(&b.proj), w, c.eps);
+                let norm = norm_in(&mut b.h, &b.proj, w, residual, c, n);
                 let outs = &mut [&mut b.gate, &mut b.up];
-                gate_up.apply_normed(g, norm, &mut b.xn, outs, n, c.hidden, &mut b.scratch)
+                gate_up.apply_normed(g, norm, &mut b.xn, outs, &mut b.scratch)
             }
             Pending::Nothing => Err(no_norm()),
         }
@@ -226,30 +261,41 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
         };
         if self.fold {
             // h += x * w, then xn = h * next with its sums of squares.
-            g.gemv_bf16_resid(
-                x,
-                bf16(w)?,
-                &mut b.h,
-                next,
-                &mut b.xn,
-                &mut b.norm_sum,
-                c.hidden,
-                k,
-            )?;
+            let next = NextNorm {
+                g: next,
+                gh: &mut b.xn,
+                sum: &mut b.norm_sum,
+            };
+            g.gemv_bf16_resid(x, bf16(w)?, &mut b.h, next, c.hidden, k)?;
             self.pending = Pending::Folded;
             return Ok(());
         }
         match input {
-            Input::Attention => {
-                g.matmul(&b.attn, w, &mut b.proj, n, c.hidden, k, &mut b.scratch)?
-            }
+            Input::Attention => g.matmul(
+                &b.attn,
+                w,
+                &mut b.proj,
+                gemm(n, c.hidden, k),
+                &mut b.scratch,
+            )?,
             Input::Mlp if g.takes_bf16_input(w, n, k) => {
                 g.silu_mul_bf16(&b.gate, &b.up, &mut b.scratch, n * k)?;
-                g.matmul_parts_bf16(w, &mut [&mut b.proj], &[c.hidden], n, k, &b.scratch)?;
+                let shape = StackShape {
+                    m: n,
+                    parts: &[c.hidden],
+                    k,
+                };
+                g.matmul_parts_bf16(w, &mut [&mut b.proj], shape, &b.scratch)?;
             }
             Input::Mlp => {
                 g.silu_mul(&mut b.gate, &b.up, n * k)?;
-                g.matmul(&b.gate, w, &mut b.proj, n, c.hidden, k, &mut b.scratch)?;
+                g.matmul(
+                    &b.gate,
+                    w,
+                    &mut b.proj,
+                    gemm(n, c.hidden, k),
+                    &mut b.scratch,
+                )?;
             }
         }
         // The residual add runs with the next norm.
@@ -271,22 +317,25 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
             Pending::Folded => {
                 // One token, so its row is the one wanted.
                 let outs = &mut [&mut b.logits];
-                g.gemv_bf16_normed(
-                    &b.xn,
-                    bf16(w)?,
-                    &b.norm_sum,
-                    outs,
-                    &[c.vocab],
-                    c.hidden,
-                    c.eps,
-                )?;
+                let input = Normed {
+                    gh: &b.xn,
+                    sum: &b.norm_sum,
+                    eps: c.eps,
+                };
+                g.gemv_bf16_normed(&input, bf16(w)?, outs, &[c.vocab], c.hidden)?;
             }
             Pending::Norm {
                 w: norm_w,
                 residual,
             } => {
-                let residual = residual.then_some(&b.proj);
-                g.rmsnorm_residual(&mut b.h, residual, norm_w, &mut b.xn, n, c.hidden, c.eps)?;
+                let norm = NormArgs {
+                    residual: residual.then_some(&b.proj),
+                    w: norm_w,
+                    rows: n,
+                    cols: c.hidden,
+                    eps: c.eps,
+                };
+                g.rmsnorm_residual(&mut b.h, &mut b.xn, &norm)?;
                 // Decode wants every token's row, already in place.
                 let rows = if m == n {
                     &b.xn
@@ -295,7 +344,13 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                     g.gather_rows(&b.xn, &wanted, &mut b.last, m, c.hidden)?;
                     &b.last
                 };
-                g.matmul(rows, w, &mut b.logits, m, c.vocab, c.hidden, &mut b.scratch)?;
+                g.matmul(
+                    rows,
+                    w,
+                    &mut b.logits,
+                    gemm(m, c.vocab, c.hidden),
+                    &mut b.scratch,
+                )?;
             }
             Pending::Nothing => return Err(no_norm()),
         }
