@@ -106,7 +106,7 @@ shutdown)
     exit "${PIPESTATUS[0]}"
     ;;
 bench)
-    # The decode matrix of issue 5 and the PyTorch baseline, same GPU, one
+    # The decode matrix (concurrency x KV format) and the PyTorch baseline, same GPU, one
     # call. BENCH_ARGS / TORCH_ARGS override the matrices.
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
