@@ -12,7 +12,8 @@
 #   carry .gpu-model/b:          scripts/gpu.sh stage b
 #   carry .gpu, .gpu-bench:      scripts/gpu.sh run
 # For an A/B of two builds: `scripts/gpu.sh baseline [REV]` here, then
-# `scripts/gpu.sh unpack` there, and /tmp/kiln-base runs beside .gpu-bench/kiln.
+# `scripts/gpu.sh ab` there (carry .gpu-bench): /tmp/kiln-base runs beside
+# .gpu-bench/kiln on the same benchmark.
 # `run` is the single command for every CUDA test and benchmark (kernel
 # parity, the engine tests on the default model, kernel timings, the
 # engine's decode matrix and the PyTorch baseline), writing logs to $OUT
@@ -163,8 +164,49 @@ unpack)
     xz -d -c .gpu-bench/kiln-base.xz >/tmp/kiln-base
     chmod +x /tmp/kiln-base
     ;;
+ab)
+    # The base build (`baseline` here) and this tree's, the same decode
+    # benchmark side by side, ROUNDS times in turn (AB_ARGS overrides it).
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    "$0" unpack
+    # Same tokens first: greedy and seeded sampling, on the default model
+    # (GGUF blocks) and a bf16 one (stacked GEMMs, folded norms, graphs).
+    same=0
+    for case in "smollm2-135m-instruct --kv bf16 --temperature 0" \
+        "smollm2-135m-instruct --kv fp8 --temperature 0.8 --seed 7" \
+        "synthetic:llama-3.2-1b --kv fp8 --temperature 0"; do
+        # shellcheck disable=SC2086
+        set -- $case
+        model="$1"
+        shift
+        for bin in /tmp/kiln-base .gpu-bench/kiln; do
+            timeout 120 "$bin" run --model "$model" --prompt "The three primary colors are" \
+                --max-tokens 48 --device cuda --json "$@" 2>/dev/null |
+                python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])' >"/tmp/tokens-$(basename "$bin")"
+        done
+        if cmp -s /tmp/tokens-kiln-base /tmp/tokens-kiln; then
+            echo "same tokens: $case: $(cat /tmp/tokens-kiln)" | tee -a "$out/ab.log"
+        else
+            same=1
+            echo "DIFFERENT tokens: $case" | tee -a "$out/ab.log"
+            cat /tmp/tokens-kiln-base /tmp/tokens-kiln | tee -a "$out/ab.log"
+        fi
+    done
+    for round in $(seq "${ROUNDS:-1}"); do
+        for bin in /tmp/kiln-base .gpu-bench/kiln; do
+            echo "== round $round: $bin" | tee -a "$out/ab.log"
+            # shellcheck disable=SC2086
+            timeout "${AB_TIMEOUT:-280}" "$bin" bench --model synthetic:llama-3-8b --device cuda \
+                ${AB_ARGS:---concurrency 1,64,256 --prompt-tokens 1024 --gen-tokens 256 --kv-formats bf16,fp8 --kv-memory 16GiB} \
+                2>&1 | tee -a "$out/ab.log"
+        done
+    done
+    exit "$same"
+    ;;
 *)
-    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | shutdown" >&2
+    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | shutdown" >&2
     exit 2
     ;;
 esac
