@@ -122,7 +122,7 @@ impl AiCtx {
     /// A guest's call as the backend gets it: the invocation's tenant, and
     /// the session key that [`SessionAffinity`]'s precedence gives it.
     fn model_call(&self, model: String, prompt: Prompt, mut params: Params) -> ModelCall {
-        self.session.apply(&mut params);
+        params.session = self.session.session(params.session.take());
         ModelCall {
             tenant: self.tenant.clone(),
             model,

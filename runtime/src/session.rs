@@ -1,8 +1,6 @@
 //! The session-affinity key of a model call: read once from the HTTP
 //! request, applied by one rule to guests' calls and to API calls alike.
 
-use crate::ai::Params;
-
 /// The HTTP header that names a request's session.
 pub const SESSION_HEADER: &str = "x-session-affinity";
 
@@ -37,30 +35,16 @@ impl SessionAffinity {
         self.0.as_deref()
     }
 
-    /// Sets `params.session` by the precedence above: the header's value
-    /// if there is one, else the call's own key.
-    pub fn apply(&self, params: &mut Params) {
-        if let Some(session) = &self.0 {
-            params.session = Some(session.clone());
-        }
+    /// A call's session key by the precedence above: the header's value if
+    /// there is one, else the call's own key `own`.
+    pub fn session(&self, own: Option<String>) -> Option<String> {
+        self.0.clone().or(own)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn params(session: Option<&str>) -> Params {
-        Params {
-            max_tokens: None,
-            temperature: None,
-            top_p: None,
-            top_k: None,
-            seed: None,
-            stop: Vec::new(),
-            session: session.map(str::to_owned),
-        }
-    }
 
     fn affinity(value: Option<&'static [u8]>) -> SessionAffinity {
         let mut headers = http::HeaderMap::new();
@@ -73,17 +57,15 @@ mod tests {
 
     #[test]
     fn the_header_wins_over_the_calls_own_key() {
-        let mut p = params(Some("own"));
-        affinity(Some(b"header")).apply(&mut p);
-        assert_eq!(p.session.as_deref(), Some("header"));
+        let got = affinity(Some(b"header")).session(Some("own".into()));
+        assert_eq!(got.as_deref(), Some("header"));
     }
 
     #[test]
     fn without_a_header_the_calls_own_key_or_none_stays() {
         for own in [Some("own"), None] {
-            let mut p = params(own);
-            affinity(None).apply(&mut p);
-            assert_eq!(p.session.as_deref(), own);
+            let got = affinity(None).session(own.map(str::to_owned));
+            assert_eq!(got.as_deref(), own);
         }
     }
 
@@ -91,8 +73,6 @@ mod tests {
     fn a_header_that_is_not_visible_ascii_counts_as_none() {
         let a = affinity(Some(b"caf\xe9"));
         assert_eq!(a.header(), None);
-        let mut p = params(Some("own"));
-        a.apply(&mut p);
-        assert_eq!(p.session.as_deref(), Some("own"));
+        assert_eq!(a.session(Some("own".into())).as_deref(), Some("own"));
     }
 }

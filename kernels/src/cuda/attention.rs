@@ -4,7 +4,8 @@
 use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
 
 use super::kv::PagedKv;
-use super::launch::{cfg, push_pages};
+use super::kv::push_pages;
+use super::launch::cfg;
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout};

@@ -7,13 +7,6 @@ extern "C" __global__ void to_bf16(const float* x, __nv_bfloat16* y, long long n
     if (i < n) y[i] = __float2bfloat16(x[i]);
 }
 
-// bf16 to f32, element-wise.
-extern "C" __global__ void to_f32(const __nv_bfloat16* x, float* y, long long n) {
-    PDL_ENTER();
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = __bfloat162float(x[i]);
-}
-
 // x[r][c] += b[c] over rows x cols (the q/k/v biases of Qwen2).
 extern "C" __global__ void add_bias(float* x, const float* b, long long n, int cols) {
     PDL_ENTER();

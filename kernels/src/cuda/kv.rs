@@ -1,9 +1,9 @@
 //! A layer's KV pages on the device, and the plain write of K and V rows
 //! into them (the kernels of `kv.cu`).
 
-use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchArgs, PushKernelArg};
 
-use super::launch::{NULL_SCALES, cfg};
+use super::launch::cfg;
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout};
@@ -109,3 +109,24 @@ impl Gpu {
         Ok(())
     }
 }
+
+/// Pushes a layer's pages as kernel arguments: K, V, K scales, V scales.
+pub(super) fn push_pages<'a>(b: &mut LaunchArgs<'a>, kv: &'a PagedKv) {
+    b.arg(&kv.k).arg(&kv.v);
+    push_scales(b, kv);
+}
+
+/// Pushes the K and V scale buffers of pages with a scale per vector, and
+/// two null pointers for the other formats: the fp8 kernels read a null
+/// scale buffer as the static format's scale of 1.
+fn push_scales<'a>(b: &mut LaunchArgs<'a>, kv: &'a PagedKv) {
+    if kv.format == KvFormat::Fp8 {
+        b.arg(&kv.k_scale).arg(&kv.v_scale);
+    } else {
+        b.arg(&NULL_SCALES).arg(&NULL_SCALES);
+    }
+}
+
+/// A null device pointer, passed for the scale buffers of formats without
+/// them.
+pub(super) static NULL_SCALES: u64 = 0;

@@ -95,7 +95,6 @@ const KERNELS: &[&str] = &[
     "tag_scatter",
     // convert.cu
     "to_bf16",
-    "to_f32",
     "add_bias",
     "gather_rows",
     // attention.cu

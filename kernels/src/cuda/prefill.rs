@@ -5,7 +5,7 @@ use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
 use super::attention::PagedQuery;
 use super::kv::PagedKv;
-use super::launch::push_pages;
+use super::kv::push_pages;
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout};

@@ -3,8 +3,9 @@
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut, PushKernelArg};
 
+use super::kv::NULL_SCALES;
 use super::kv::PagedKv;
-use super::launch::{NULL_SCALES, cfg};
+use super::launch::cfg;
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::KvFormat;

@@ -33,10 +33,6 @@ pub fn load(name: &str, source: &str) -> Result<Loaded, ModelError> {
     })
 }
 
-pub(super) fn kernel(e: kiln_kernels::KernelError) -> ModelError {
-    ModelError::Format(e.to_string())
-}
-
 fn build(
     config: ModelConfig,
     mut get: impl FnMut(&str) -> Result<Option<Weight>, ModelError>,
@@ -201,7 +197,7 @@ fn gguf(path: &Path) -> Result<(Model, Tokenizer), ModelError> {
         let rows = t.dims.iter().skip(1).product::<usize>().max(1);
         Weight::from_bytes(t.dtype, rows, cols, bytes.to_vec())
             .map(Some)
-            .map_err(kernel)
+            .map_err(ModelError::from)
     };
     let mut model = build(config, get, &GGUF_NAMES)?;
     // Llama 3.1+ GGUF files carry the llama3 RoPE scaling as per-frequency
@@ -209,7 +205,10 @@ fn gguf(path: &Path) -> Result<(Model, Tokenizer), ModelError> {
     if let Some(w) = get("rope_freqs.weight")? {
         let mut factors = vec![0.0; w.cols() * w.rows()];
         w.row(0, &mut factors[..w.cols()]);
-        model.rope = model.rope.with_freq_factors(&factors).map_err(kernel)?;
+        model.rope = model
+            .rope
+            .with_freq_factors(&factors)
+            .map_err(ModelError::from)?;
     }
     let tokenizer = Tokenizer::from_gguf(&g)?;
     Ok((model, tokenizer))
@@ -320,7 +319,7 @@ fn safetensors_weight(
         .try_fold(1usize, |n, d| n.checked_mul(*d))
         .ok_or_else(|| ModelError::Format(format!("tensor {name}'s shape overflows")))?
         .max(1);
-    Weight::from_bytes(dtype, rows, cols, t.data().to_vec()).map_err(kernel)
+    Weight::from_bytes(dtype, rows, cols, t.data().to_vec()).map_err(ModelError::from)
 }
 
 #[cfg(test)]

@@ -42,6 +42,14 @@ pub enum ModelError {
     Fetch(String),
 }
 
+/// A kernel's shape check failing while weights are built: the file's
+/// tensors do not fit together.
+impl From<kiln_kernels::KernelError> for ModelError {
+    fn from(e: kiln_kernels::KernelError) -> Self {
+        ModelError::Format(e.to_string())
+    }
+}
+
 /// A loaded model with its tokenizer.
 pub struct Loaded {
     /// The name it is served under.

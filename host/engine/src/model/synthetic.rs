@@ -9,7 +9,6 @@ use rayon::prelude::*;
 
 use super::arch::{Block, Decoder};
 use super::cpu::{Host, Model};
-use super::load::kernel;
 use super::{Arch, ModelConfig, ModelError, Tokenizer};
 
 /// The shapes, by name: architecture, (hidden, layers, heads, kv heads,
@@ -78,7 +77,7 @@ pub(super) fn synthetic(spec: &str) -> Result<(Model, Tokenizer), ModelError> {
     let (q_dim, kv_dim) = (heads * hd, kv_heads * hd);
     let mut blocks = Vec::with_capacity(layers);
     for _ in 0..layers {
-        let mut w = |rows, cols| seeds.weight(rows, cols).map_err(kernel);
+        let mut w = |rows, cols| seeds.weight(rows, cols).map_err(ModelError::from);
         let qkv = vec![w(q_dim, hidden)?, w(kv_dim, hidden)?, w(kv_dim, hidden)?];
         let wo = w(hidden, q_dim)?;
         let gate_up = vec![w(ffn, hidden)?, w(ffn, hidden)?];
@@ -96,7 +95,7 @@ pub(super) fn synthetic(spec: &str) -> Result<(Model, Tokenizer), ModelError> {
             down,
         });
     }
-    let embed = seeds.weight(vocab, hidden).map_err(kernel)?;
+    let embed = seeds.weight(vocab, hidden).map_err(ModelError::from)?;
     let model = Model {
         config,
         weights: Decoder {

@@ -78,7 +78,7 @@ where
     let affinity = SessionAffinity::from_headers(req.headers());
     let body = read_body(req, MAX_BODY).await?;
     let mut v = validate(&body)?;
-    affinity.apply(&mut v.params);
+    v.params.session = affinity.session(v.params.session.take());
     let mut id = [0u8; 12];
     rand::rng().fill_bytes(&mut id);
     let created = std::time::SystemTime::now()
