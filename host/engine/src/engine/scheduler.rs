@@ -1,7 +1,11 @@
 //! The scheduler: waiting and running sequences, a token budget per step,
-//! chunked prefill, preemption by recompute, and fairness across tenants.
+//! chunked prefill, preemption by recompute, and fairness across tenants:
+//! decodes run before prompt chunks, prompt tokens are shared max-min
+//! fairly among the tenants with prompts, and a tenant past its even share
+//! of the running slots waits while another tenant waits (planning in
+//! `scheduler_plan.rs`).
 //!
-//! Its [`SchedulerOutput`] is the only contract with the model runner.
+//! Its [`SchedulerOutput`] is the engine's plan for a step.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -188,206 +192,12 @@ impl Scheduler {
         }
         out.preempted.push(seq);
     }
-
-    /// Plans the next step, allocating KV pages for everything planned.
-    pub fn schedule(&mut self, kv: &mut KvCacheManager) -> SchedulerOutput {
-        let mut out = SchedulerOutput::default();
-        let mut budget = self.config.max_tokens_per_step;
-        let mut planned: Vec<SeqId> = Vec::new();
-        // 1. Running sequences, oldest first: decodes and prefill chunks.
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            let id = self.running[i];
-            let s = self.seqs[&id].clone();
-            let count = (s.len - s.computed).min(budget);
-            if count == 0 {
-                i += 1;
-                continue;
-            }
-            let mut fits = kv.allocate(id, s.tenant, s.computed + count);
-            while !fits {
-                match self.victim(&planned) {
-                    Some(v) if v != id => {
-                        self.preempt(v, kv, &mut out);
-                        fits = kv.allocate(id, s.tenant, s.computed + count);
-                    }
-                    _ => break,
-                }
-            }
-            if !fits {
-                // Not even alone does it fit: preempt it and move on.
-                self.preempt(id, kv, &mut out);
-                continue;
-            }
-            // Preemption may have removed sequences before `i`.
-            i = self
-                .running
-                .iter()
-                .position(|r| *r == id)
-                .map_or(i, |p| p + 1);
-            planned.push(id);
-            out.scheduled.push(s.plan(id, count));
-            budget -= count;
-        }
-        // 2. Admit waiting sequences, one tenant at a time in rotation, so
-        // one tenant's flood cannot starve another's single request.
-        while budget > 0 && self.running.len() < self.config.max_running {
-            let Some(tenant) = self.next_waiting_tenant() else {
-                break;
-            };
-            let Some(&id) = self.waiting[&tenant].front() else {
-                break;
-            };
-            let mut s = self.seqs[&id].clone();
-            let hit = kv.attach_prefix(id, s.tenant, &s.prefix) * kv.page_size();
-            s.present = hit.min(s.len);
-            // Every token cached: recompute the last one for its logits.
-            s.computed = s.present.min(s.len - 1);
-            let count = (s.len - s.computed).min(budget);
-            if !kv.allocate(id, s.tenant, s.computed + count) {
-                kv.free(id);
-                break;
-            }
-            if let Some(seq) = self.seqs.get_mut(&id) {
-                seq.present = s.present;
-            }
-            out.prefix_hits.push((id, s.computed));
-            if let Some(q) = self.waiting.get_mut(&tenant) {
-                q.pop_front();
-            }
-            self.next_tenant = TenantId(tenant.0.wrapping_add(1));
-            self.running.push(id);
-            out.scheduled.push(s.plan(id, count));
-            budget -= count;
-        }
-        for sch in &out.scheduled {
-            if let Some(s) = self.seqs.get_mut(&sch.seq) {
-                s.computed = sch.start + sch.count;
-            }
-        }
-        out
-    }
-
-    /// The first tenant at or after `next_tenant` (wrapping) with waiters.
-    fn next_waiting_tenant(&self) -> Option<TenantId> {
-        let has = |(t, q): (&TenantId, &VecDeque<SeqId>)| (!q.is_empty()).then_some(*t);
-        self.waiting
-            .range(self.next_tenant..)
-            .find_map(has)
-            .or_else(|| self.waiting.range(..self.next_tenant).find_map(has))
-    }
 }
+
+#[path = "scheduler_plan.rs"]
+mod plan;
+pub use plan::fair_shares;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn cfg(tokens: usize, running: usize) -> SchedulerConfig {
-        SchedulerConfig {
-            max_tokens_per_step: tokens,
-            max_running: running,
-        }
-    }
-
-    #[test]
-    fn long_prompts_are_prefilled_in_chunks_then_decoded() {
-        let mut kv = KvCacheManager::new(16, 16);
-        let mut s = Scheduler::new(cfg(32, 8));
-        s.add(1, TenantId(0), 70, Vec::new());
-        let plan: Vec<_> = (0..3)
-            .map(|_| s.schedule(&mut kv).scheduled[0].clone())
-            .collect();
-        assert_eq!(
-            plan.iter()
-                .map(|p| (p.start, p.count, p.sample))
-                .collect::<Vec<_>>(),
-            vec![(0, 32, false), (32, 32, false), (64, 6, true)]
-        );
-        s.append_token(1);
-        let next = s.schedule(&mut kv).scheduled[0].clone();
-        assert_eq!((next.start, next.count, next.sample), (70, 1, true));
-    }
-
-    #[test]
-    fn flooding_tenant_cannot_starve_another_tenants_single_request() {
-        let mut kv = KvCacheManager::new(64, 16);
-        let mut s = Scheduler::new(cfg(64, 4));
-        for i in 0..20 {
-            s.add(i, TenantId(1), 16, Vec::new());
-        }
-        s.add(100, TenantId(2), 16, Vec::new());
-        let first = s.schedule(&mut kv);
-        let ids: Vec<_> = first.scheduled.iter().map(|x| x.seq).collect();
-        assert!(
-            ids.contains(&100),
-            "tenant 2 admitted in the first step: {ids:?}"
-        );
-    }
-
-    #[test]
-    fn cached_prompt_pages_are_skipped_and_a_full_hit_recomputes_only_the_last_token() {
-        let mut kv = KvCacheManager::new(8, 16);
-        let mut s = Scheduler::new(cfg(256, 8));
-        let t = TenantId(1);
-        s.add(1, t, 32, vec![5, 6]);
-        let first = s.schedule(&mut kv);
-        assert_eq!(first.prefix_hits, vec![(1, 0)]);
-        kv.cache_pages(1, &[5, 6], 32);
-        s.remove(1);
-        kv.free(1);
-        // Same 32-token prompt: both pages hit, only position 31 is run,
-        // and its KV is not rewritten into the shared page.
-        s.add(2, t, 32, vec![5, 6]);
-        let full = s.schedule(&mut kv);
-        assert_eq!(full.prefix_hits, vec![(2, 31)]);
-        assert_eq!(
-            full.scheduled,
-            vec![Scheduled {
-                seq: 2,
-                start: 31,
-                count: 1,
-                sample: true,
-                write_kv: false
-            }]
-        );
-        // A longer prompt sharing the first page computes from token 16.
-        s.add(3, t, 40, vec![5, 9]);
-        let part = s.schedule(&mut kv);
-        let p = &part.scheduled[0];
-        assert_eq!((p.seq, p.start, p.count, p.write_kv), (3, 16, 24, true));
-    }
-
-    #[test]
-    fn pool_exhaustion_preempts_and_readmits_by_recompute() {
-        let mut kv = KvCacheManager::new(2, 16);
-        let mut s = Scheduler::new(cfg(64, 8));
-        s.add(1, TenantId(1), 16, Vec::new());
-        s.add(2, TenantId(2), 16, Vec::new());
-        let out = s.schedule(&mut kv);
-        assert_eq!(out.scheduled.len(), 2);
-        assert_eq!(kv.num_free(), 0);
-        // Both grow past their page: the newer one is preempted.
-        s.append_token(1);
-        s.append_token(2);
-        let out = s.schedule(&mut kv);
-        assert_eq!(out.preempted, vec![2]);
-        assert_eq!(
-            out.scheduled.iter().map(|x| x.seq).collect::<Vec<_>>(),
-            vec![1]
-        );
-        s.remove(1);
-        kv.free(1);
-        let out = s.schedule(&mut kv);
-        // Recompute from scratch: prompt and the generated token.
-        assert_eq!(
-            out.scheduled,
-            vec![Scheduled {
-                seq: 2,
-                start: 0,
-                count: 17,
-                sample: true,
-                write_kv: true,
-            }]
-        );
-    }
-}
+#[path = "scheduler_tests.rs"]
+mod tests;

@@ -1,0 +1,265 @@
+//! Planning a step: decodes first, then prompt tokens shared fairly among
+//! tenants, admissions within each tenant's share of the running slots.
+
+use std::collections::{BTreeSet, VecDeque};
+
+use super::{Scheduler, SchedulerOutput, TenantId};
+use crate::engine::kv_manager::{KvCacheManager, SeqId};
+
+impl Scheduler {
+    /// Plans the next step, allocating KV pages for everything planned:
+    /// every running sequence's decode token first, so arriving prompts
+    /// never stall a stream; then prompt tokens, the rest of the budget
+    /// shared evenly among the tenants with prompts to compute (what one
+    /// cannot use goes to the others), admitting waiting sequences within
+    /// each tenant's share of the running slots.
+    pub fn schedule(&mut self, kv: &mut KvCacheManager) -> SchedulerOutput {
+        let mut step = Planning {
+            out: SchedulerOutput::default(),
+            budget: self.config.max_tokens_per_step,
+            planned: Vec::new(),
+        };
+        // 1. Decodes, oldest first.
+        for id in self.running.clone() {
+            if step.budget == 0 {
+                break;
+            }
+            if self.running.contains(&id) && self.remaining(id) == 1 {
+                self.run_chunk(id, 1, kv, &mut step);
+            }
+        }
+        // 2. Prompt tokens: each tenant's fair share of the rest, then what
+        // a share left unused (a prefix hit, a full pool) to the others in
+        // turn.
+        let tenants = self.prompt_tenants(&step.planned);
+        if let Some(first) = tenants.first() {
+            self.next_tenant = TenantId(first.0.wrapping_add(1));
+        }
+        let demands: Vec<usize> = tenants
+            .iter()
+            .map(|t| self.prompt_demand(*t, &step.planned))
+            .collect();
+        for (tenant, share) in tenants.iter().zip(fair_shares(step.budget, &demands)) {
+            if share > 0 {
+                self.prefill(*tenant, share, kv, &mut step);
+            }
+        }
+        for tenant in &tenants {
+            if step.budget == 0 {
+                break;
+            }
+            self.prefill(*tenant, step.budget, kv, &mut step);
+        }
+        for sch in &step.out.scheduled {
+            if let Some(s) = self.seqs.get_mut(&sch.seq) {
+                s.computed = sch.start + sch.count;
+            }
+        }
+        step.out
+    }
+
+    /// Tokens `id` has left to compute.
+    fn remaining(&self, id: SeqId) -> usize {
+        self.seqs.get(&id).map_or(0, |s| s.len - s.computed)
+    }
+
+    /// Up to `allowance` prompt tokens of `tenant`: its running prompts,
+    /// oldest first, then admissions from its queue.
+    fn prefill(
+        &mut self,
+        tenant: TenantId,
+        allowance: usize,
+        kv: &mut KvCacheManager,
+        step: &mut Planning,
+    ) {
+        let start = step.budget;
+        let used = |step: &Planning| start - step.budget;
+        let running: Vec<SeqId> = self
+            .running
+            .iter()
+            .copied()
+            .filter(|id| self.seqs[id].tenant == tenant && !step.planned.contains(id))
+            .collect();
+        for id in running {
+            let left = allowance - used(step);
+            if left == 0 {
+                return;
+            }
+            if self.running.contains(&id) && self.remaining(id) > 0 {
+                let count = self.remaining(id).min(left);
+                self.run_chunk(id, count, kv, step);
+            }
+        }
+        while used(step) < allowance && self.may_admit(tenant) {
+            if !self.admit(tenant, allowance - used(step), kv, step) {
+                return;
+            }
+        }
+    }
+
+    /// Plans `count` tokens of running sequence `id`, preempting the busiest
+    /// tenant's newest sequences if its pages do not fit (or `id` itself
+    /// when nothing else frees enough).
+    fn run_chunk(&mut self, id: SeqId, count: usize, kv: &mut KvCacheManager, step: &mut Planning) {
+        let s = self.seqs[&id].clone();
+        let mut fits = kv.allocate(id, s.tenant, s.computed + count);
+        while !fits {
+            match self.victim(&step.planned) {
+                Some(v) if v != id => {
+                    self.preempt(v, kv, &mut step.out);
+                    fits = kv.allocate(id, s.tenant, s.computed + count);
+                }
+                _ => break,
+            }
+        }
+        if !fits {
+            self.preempt(id, kv, &mut step.out);
+            return;
+        }
+        step.planned.push(id);
+        step.out.scheduled.push(s.plan(id, count));
+        step.budget -= count;
+    }
+
+    /// Admits the head of `tenant`'s queue with up to `allowance` tokens of
+    /// its prompt (after the prefix cache's hit); false when it does not
+    /// fit the pool.
+    fn admit(
+        &mut self,
+        tenant: TenantId,
+        allowance: usize,
+        kv: &mut KvCacheManager,
+        step: &mut Planning,
+    ) -> bool {
+        let Some(&id) = self.waiting.get(&tenant).and_then(VecDeque::front) else {
+            return false;
+        };
+        let mut s = self.seqs[&id].clone();
+        let hit = kv.attach_prefix(id, s.tenant, &s.prefix) * kv.page_size();
+        s.present = hit.min(s.len);
+        // Every token cached: recompute the last one for its logits.
+        s.computed = s.present.min(s.len - 1);
+        let count = (s.len - s.computed).min(allowance);
+        if !kv.allocate(id, s.tenant, s.computed + count) {
+            kv.free(id);
+            return false;
+        }
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.present = s.present;
+        }
+        step.out.prefix_hits.push((id, s.computed));
+        if let Some(q) = self.waiting.get_mut(&tenant) {
+            q.pop_front();
+        }
+        self.running.push(id);
+        step.planned.push(id);
+        step.out.scheduled.push(s.plan(id, count));
+        step.budget -= count;
+        true
+    }
+
+    /// Whether `tenant` may take a running slot: one is free, and the
+    /// tenant holds fewer than its even share of them or no other tenant
+    /// is waiting.
+    fn may_admit(&self, tenant: TenantId) -> bool {
+        if self.running.len() >= self.config.max_running {
+            return false;
+        }
+        if self.waiting.get(&tenant).is_none_or(|q| q.is_empty()) {
+            return false;
+        }
+        let others_wait = self
+            .waiting
+            .iter()
+            .any(|(t, q)| *t != tenant && !q.is_empty());
+        let active: BTreeSet<TenantId> = self
+            .running
+            .iter()
+            .map(|r| self.seqs[r].tenant)
+            .chain(
+                self.waiting
+                    .iter()
+                    .filter(|(_, q)| !q.is_empty())
+                    .map(|(t, _)| *t),
+            )
+            .collect();
+        let share = self.config.max_running.div_ceil(active.len().max(1));
+        !others_wait || self.running_of(tenant) < share
+    }
+
+    /// Prompt tokens `tenant` could use this step: what its running
+    /// sequences not yet planned have left, and its waiting prompts (before
+    /// any prefix-cache hit).
+    fn prompt_demand(&self, tenant: TenantId, planned: &[SeqId]) -> usize {
+        let running: usize = self
+            .running
+            .iter()
+            .filter(|r| self.seqs[*r].tenant == tenant && !planned.contains(r))
+            .map(|r| self.remaining(*r))
+            .sum();
+        let waiting: usize = self
+            .waiting
+            .get(&tenant)
+            .map_or(0, |q| q.iter().map(|w| self.seqs[w].len).sum());
+        running + waiting
+    }
+
+    /// Tenants with prompt tokens to compute (a running sequence not yet
+    /// planned this step, or a waiting one), starting from the one whose
+    /// turn it is.
+    fn prompt_tenants(&self, planned: &[SeqId]) -> Vec<TenantId> {
+        let mut tenants: BTreeSet<TenantId> = self
+            .waiting
+            .iter()
+            .filter(|(_, q)| !q.is_empty())
+            .map(|(t, _)| *t)
+            .collect();
+        for r in &self.running {
+            if !planned.contains(r) && self.remaining(*r) > 0 {
+                tenants.insert(self.seqs[r].tenant);
+            }
+        }
+        let (before, from): (Vec<TenantId>, Vec<TenantId>) =
+            tenants.into_iter().partition(|t| *t < self.next_tenant);
+        from.into_iter().chain(before).collect()
+    }
+}
+
+/// `budget` shared among claims of `demands` tokens: max-min fair (a
+/// claim below the even share gets all it asks, the rest is split evenly
+/// among the others), the remainder of an uneven split to the first in
+/// order.
+pub fn fair_shares(budget: usize, demands: &[usize]) -> Vec<usize> {
+    let n = demands.len();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|i| demands[*i]);
+    let mut shares = vec![0; n];
+    let mut left = budget;
+    // Claims that fit under the water level get what they ask; the rest
+    // get the level.
+    let mut k = 0;
+    while k < n && demands[order[k]].saturating_mul(n - k) <= left {
+        shares[order[k]] = demands[order[k]];
+        left -= demands[order[k]];
+        k += 1;
+    }
+    if k < n {
+        let level = left / (n - k);
+        order[k..].iter().for_each(|i| shares[*i] = level);
+        left -= level * (n - k);
+    }
+    for (share, demand) in shares.iter_mut().zip(demands) {
+        let extra = (demand - *share).min(left);
+        *share += extra;
+        left -= extra;
+    }
+    shares
+}
+
+/// A step being planned.
+struct Planning {
+    out: SchedulerOutput,
+    budget: usize,
+    /// Sequences in the step so far (never preempted by it).
+    planned: Vec<SeqId>,
+}
