@@ -136,6 +136,22 @@ bench)
     timeout "${TORCH_TIMEOUT:-150}" python3 scripts/torch_baseline.py ${TORCH_ARGS:---batches 1,8,32,64} \
         2>&1 | grep -v Warning | tee "$out/torch-baseline.log"
     ;;
+prefill)
+    # Prefill against the plain-PyTorch reference, same GPU, one call:
+    # prompt tokens/s at 1x1024, 8x1024, 32x1024 and 1x4096 (carry
+    # .gpu-bench).
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    set +e
+    for case in "1,8,32 --prompt-tokens 1024" "1 --prompt-tokens 4096"; do
+        # shellcheck disable=SC2086
+        timeout 200 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --gen-tokens 2 \
+            --kv-formats bf16,fp8-static --kv-memory 16GiB --concurrency $case 2>&1 |
+            grep -v INFO | tee -a "$out/kiln-prefill.log"
+    done
+    timeout 200 python3 scripts/torch_prefill.py 2>&1 | grep -v Warning | tee "$out/torch-prefill.log"
+    ;;
 baseline)
     # Here: the `kiln` of another revision (default: main), stripped and
     # xz-compressed into .gpu-bench/kiln-base.xz, so a call can run it side
@@ -206,7 +222,7 @@ ab)
     exit "$same"
     ;;
 *)
-    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | shutdown" >&2
+    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | prefill | shutdown" >&2
     exit 2
     ;;
 esac
