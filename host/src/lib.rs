@@ -14,6 +14,7 @@ pub mod components;
 pub mod config;
 pub mod db;
 pub mod fairness;
+pub mod loadgen;
 pub mod metrics;
 pub mod names;
 pub mod server;

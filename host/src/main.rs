@@ -29,6 +29,9 @@ enum Command {
     Run(RunArgs),
     /// Measure prompt and decode throughput at several concurrencies.
     Bench(BenchArgs),
+    /// Load a running server's API with several tenants and report each
+    /// one's output tokens/s, time to first token and inter-token latency.
+    Loadgen(kiln_host::loadgen::LoadArgs),
     /// Manage tenants on a running server (admin token).
     Tenant {
         #[command(subcommand)]
@@ -545,6 +548,11 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve(args) => serve(args).await,
         Command::Run(args) => tokio::task::spawn_blocking(move || run(args)).await?,
         Command::Bench(args) => tokio::task::spawn_blocking(move || bench(args)).await?,
+        Command::Loadgen(args) => {
+            let reports = kiln_host::loadgen::run(args).await?;
+            print!("{}", kiln_host::loadgen::table(&reports));
+            Ok(())
+        }
         Command::Tenant {
             command:
                 TenantCommand::Create {

@@ -1,0 +1,40 @@
+//! `kiln loadgen` against a real server with the default model: two
+//! tenants' streams, each measured apart.
+
+use kiln_host::loadgen::{self, LoadArgs};
+use kiln_host::model::DEFAULT_MODEL;
+use kiln_tests::TestServer;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loadgen_reports_each_tenants_tokens_and_latencies() {
+    let s = TestServer::start_with_models().await;
+    let a = s.tenant("a").await;
+    let b = s.tenant("b").await;
+    let args = LoadArgs {
+        server: s.url.clone(),
+        model: DEFAULT_MODEL.into(),
+        tenants: vec![
+            format!("a={a},clients=2,prompt=40,max=6").parse().unwrap(),
+            format!("b={b},prompt=20,max=4").parse().unwrap(),
+            "c=not-a-key,max=2".parse().unwrap(),
+        ],
+        duration_s: 2.0,
+    };
+    let reports = loadgen::run(args).await.unwrap();
+    let names: Vec<_> = reports.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["a", "b", "c"]);
+    for r in &reports[..2] {
+        assert!(r.requests >= 1 && r.errors == 0, "{r:?}");
+        assert!(r.output_tok_s > 0.0, "{r:?}");
+        assert!(r.ttft_ms[0] > 0.0 && r.ttft_ms[1] >= r.ttft_ms[0], "{r:?}");
+        assert!(r.itl_ms[1] >= r.itl_ms[0], "{r:?}");
+    }
+    // A bad key fails every request, and says so.
+    assert!(
+        reports[2].requests == 0 && reports[2].errors >= 1,
+        "{:?}",
+        reports[2]
+    );
+    let table = loadgen::table(&reports);
+    assert_eq!(table.lines().count(), 4, "{table}");
+}
