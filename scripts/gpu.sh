@@ -152,6 +152,19 @@ prefill)
     done
     timeout 200 python3 scripts/torch_prefill.py 2>&1 | grep -v Warning | tee "$out/torch-prefill.log"
     ;;
+neighbour)
+    # One tenant's burst against another's stream, through the API, on the
+    # base build's server and this tree's (carry .gpu-bench; this tree's
+    # `kiln loadgen` drives both).
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    "$0" unpack
+    for server in ${SERVERS:-/tmp/kiln-base .gpu-bench/kiln}; do
+        timeout 280 python3 scripts/noisy_neighbour.py "$server" .gpu-bench/kiln big synthetic:llama-3-8b \
+            --device cuda --kv fp8-static --kv-memory 16GiB 2>&1 | grep -v INFO | tee -a "$out/neighbour.log"
+    done
+    ;;
 baseline)
     # Here: the `kiln` of another revision (default: main), stripped and
     # xz-compressed into .gpu-bench/kiln-base.xz, so a call can run it side
@@ -222,7 +235,7 @@ ab)
     exit "$same"
     ;;
 *)
-    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | prefill | shutdown" >&2
+    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | prefill | neighbour | shutdown" >&2
     exit 2
     ;;
 esac

@@ -29,6 +29,12 @@ async fn loadgen_reports_each_tenants_tokens_and_latencies() {
         assert!(r.ttft_ms[0] > 0.0 && r.ttft_ms[1] >= r.ttft_ms[0], "{r:?}");
         assert!(r.itl_ms[1] >= r.itl_ms[0], "{r:?}");
     }
+    // Prompts are sized in the server's tokens (40 and 20 asked for).
+    let sized = |r: &loadgen::TenantReport, want: f64| (r.prompt_tokens_mean - want).abs() <= 2.0;
+    assert!(
+        sized(&reports[0], 40.0) && sized(&reports[1], 20.0),
+        "{reports:?}"
+    );
     // A bad key fails every request, and says so.
     assert!(
         reports[2].requests == 0 && reports[2].errors >= 1,

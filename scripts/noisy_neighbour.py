@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Noisy neighbour: what one tenant's burst costs another, through the API.
+
+Starts SERVER (a `kiln` binary) with the given serve arguments, creates
+tenants `a` (allowed 256 calls at once) and `b`, then runs LOADGEN's
+`kiln loadgen` twice: tenant b alone (one client, 512-word prompts, 64
+tokens), then b beside tenant a's burst (200 clients, 1024-token prompts,
+256 tokens); A_LOAD, B_LOAD, ALONE_S and BURST_S change them. Prints both reports; b's TTFT and ITL in the second against
+the first are the measure. The server is stopped with SIGTERM.
+
+    scripts/noisy_neighbour.py SERVER LOADGEN NAME SOURCE [serve args...]
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ADMIN = "noisy-neighbour-admin"
+ALONE_S = int(os.environ.get("ALONE_S", "20"))
+BURST_S = int(os.environ.get("BURST_S", "40"))
+A_LOAD = os.environ.get("A_LOAD", "clients=200,prompt=1024,max=256")
+B_LOAD = os.environ.get("B_LOAD", "prompt=512,max=64")
+
+
+def call(port, method, path, body):
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    data = json.dumps(body).encode()
+    s.sendall(
+        f"{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {ADMIN}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(data)}\r\n"
+        f"connection: close\r\n\r\n".encode() + data
+    )
+    reply = b""
+    while chunk := s.recv(65536):
+        reply += chunk
+    s.close()
+    head, rest = reply.split(b"\r\n\r\n", 1)
+    status = int(head.split(b" ")[1])
+    if status >= 300:
+        raise SystemExit(f"{method} {path}: {status} {rest[:300]!r}")
+    return json.loads(rest) if rest.strip() else {}
+
+
+def main():
+    server, loadgen, model, source, serve_args = (
+        sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
+    data = tempfile.mkdtemp()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = open(os.path.join(data, "server.log"), "wb")
+    proc = subprocess.Popen(
+        [server, "serve", "--listen", f"127.0.0.1:{port}", "--data-dir", data,
+         "--drain-timeout-s", "3", "--model", f"{model}={source}", *serve_args],
+        stdout=log, stderr=log, env=dict(os.environ, KILN_ADMIN_TOKEN=ADMIN))
+    start = time.time()
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() - start > 300:
+                print(open(os.path.join(data, "server.log")).read()[-3000:])
+                raise SystemExit("the server did not come up")
+            time.sleep(0.5)
+    print(f"{server}: up in {time.time() - start:.1f} s", flush=True)
+    keys = {t: call(port, "POST", "/v1/tenants", {"name": t})["api_key"] for t in ("a", "b")}
+    call(port, "PUT", "/v1/tenants/a/policy", {"max_concurrent": 256})
+    url = f"http://127.0.0.1:{port}"
+    b = f"b={keys['b']},{B_LOAD}"
+    a = f"a={keys['a']},{A_LOAD}"
+    for name, tenants, secs in (("b alone", [b], ALONE_S), ("b beside a's burst", [a, b], BURST_S)):
+        args = [loadgen, "loadgen", "--server", url, "--model", model, "--duration-s", str(secs)]
+        for t in tenants:
+            args += ["--tenant", t]
+        print(f"== {name}", flush=True)
+        subprocess.run(args, check=True)
+    proc.send_signal(signal.SIGTERM)
+    print(f"server exit {proc.wait(timeout=60)}")
+
+
+if __name__ == "__main__":
+    main()
