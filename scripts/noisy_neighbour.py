@@ -3,10 +3,11 @@
 
 Starts SERVER (a `kiln` binary) with the given serve arguments, creates
 tenants `a` (allowed 256 calls at once) and `b`, then runs LOADGEN's
-`kiln loadgen` twice: tenant b alone (one client, 512-word prompts, 64
+`kiln loadgen` twice: tenant b alone (one client, 512-token prompts, 64
 tokens), then b beside tenant a's burst (200 clients, 1024-token prompts,
-256 tokens); A_LOAD, B_LOAD, ALONE_S and BURST_S change them. Prints both reports; b's TTFT and ITL in the second against
-the first are the measure. The server is stopped with SIGTERM.
+256 tokens); A_LOAD, B_LOAD, ALONE_S and BURST_S change them. Prints both
+reports; b's TTFT and ITL in the second against the first are the measure.
+The server is stopped with SIGTERM.
 
     scripts/noisy_neighbour.py SERVER LOADGEN NAME SOURCE [serve args...]
 """
