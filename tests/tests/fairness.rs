@@ -32,6 +32,7 @@ fn a_burst_of_prompts_from_one_tenant_never_delays_another_tenants_tokens() {
             scheduler: SchedulerConfig {
                 max_tokens_per_step: 64,
                 max_running: 16,
+                step_target: 0.0,
             },
             ..Default::default()
         },

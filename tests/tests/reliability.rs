@@ -161,6 +161,7 @@ async fn a_step_that_returns_an_error_fails_the_requests_in_it() {
         scheduler: SchedulerConfig {
             max_running: 1,
             max_tokens_per_step: 8,
+            ..Default::default()
         },
         ..Default::default()
     };

@@ -15,6 +15,7 @@ pub mod prefix;
 mod request;
 pub mod scheduler;
 mod step;
+pub mod step_budget;
 mod text;
 
 use std::collections::HashMap;
@@ -163,6 +164,8 @@ pub struct Engine {
     runner: Runner,
     kv: KvCacheManager,
     scheduler: Scheduler,
+    /// Prompt tokens a step may carry under the step time target.
+    step_budget: step_budget::StepBudget,
     requests: HashMap<SeqId, Request>,
     checker: Box<dyn IntegrityCheck>,
     next_id: SeqId,
@@ -214,6 +217,10 @@ impl Engine {
             runner,
             kv,
             scheduler: Scheduler::new(config.scheduler),
+            step_budget: step_budget::StepBudget::new(
+                config.scheduler.step_target,
+                config.scheduler.max_tokens_per_step,
+            ),
             requests: HashMap::new(),
             checker,
             next_id: 1,

@@ -20,6 +20,9 @@ pub struct SchedulerConfig {
     pub max_tokens_per_step: usize,
     /// Most sequences running at once.
     pub max_running: usize,
+    /// While streams decode, a step's time at most this many decode steps'
+    /// (prompt tokens cut to fit; 0 or 1: no limit but the token budget).
+    pub step_target: f64,
 }
 
 impl Default for SchedulerConfig {
@@ -27,6 +30,7 @@ impl Default for SchedulerConfig {
         Self {
             max_tokens_per_step: 256,
             max_running: 64,
+            step_target: 0.0,
         }
     }
 }

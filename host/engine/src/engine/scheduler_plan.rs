@@ -13,7 +13,10 @@ impl Scheduler {
     /// shared evenly among the tenants with prompts to compute (what one
     /// cannot use goes to the others), admitting waiting sequences within
     /// each tenant's share of the running slots.
-    pub fn schedule(&mut self, kv: &mut KvCacheManager) -> SchedulerOutput {
+    ///
+    /// At most `prompt_cap` prompt tokens are planned (the engine's step
+    /// time target).
+    pub fn schedule(&mut self, kv: &mut KvCacheManager, prompt_cap: usize) -> SchedulerOutput {
         let mut step = Planning {
             out: SchedulerOutput::default(),
             budget: self.config.max_tokens_per_step,
@@ -31,6 +34,8 @@ impl Scheduler {
         // 2. Prompt tokens: each tenant's fair share of the rest, then what
         // a share left unused (a prefix hit, a full pool) to the others in
         // turn.
+        let after = step.budget.saturating_sub(prompt_cap);
+        step.budget -= after;
         let tenants = self.prompt_tenants(&step.planned);
         if let Some(first) = tenants.first() {
             self.next_tenant = TenantId(first.0.wrapping_add(1));
@@ -50,12 +55,18 @@ impl Scheduler {
             }
             self.prefill(*tenant, step.budget, kv, &mut step);
         }
+        step.budget += after;
         for sch in &step.out.scheduled {
             if let Some(s) = self.seqs.get_mut(&sch.seq) {
                 s.computed = sch.start + sch.count;
             }
         }
         step.out
+    }
+
+    /// Whether a running sequence decodes (has one token left to compute).
+    pub fn decoding(&self) -> bool {
+        self.running.iter().any(|id| self.remaining(*id) == 1)
     }
 
     /// Tokens `id` has left to compute.

@@ -8,6 +8,7 @@ fn cfg(tokens: usize, running: usize) -> SchedulerConfig {
     SchedulerConfig {
         max_tokens_per_step: tokens,
         max_running: running,
+        step_target: 0.0,
     }
 }
 
@@ -17,7 +18,7 @@ fn long_prompts_are_prefilled_in_chunks_then_decoded() {
     let mut s = Scheduler::new(cfg(32, 8));
     s.add(1, TenantId(0), 70, Vec::new());
     let plan: Vec<_> = (0..3)
-        .map(|_| s.schedule(&mut kv).scheduled[0].clone())
+        .map(|_| s.schedule(&mut kv, usize::MAX).scheduled[0].clone())
         .collect();
     assert_eq!(
         plan.iter()
@@ -26,7 +27,7 @@ fn long_prompts_are_prefilled_in_chunks_then_decoded() {
         vec![(0, 32, false), (32, 32, false), (64, 6, true)]
     );
     s.append_token(1);
-    let next = s.schedule(&mut kv).scheduled[0].clone();
+    let next = s.schedule(&mut kv, usize::MAX).scheduled[0].clone();
     assert_eq!((next.start, next.count, next.sample), (70, 1, true));
 }
 
@@ -38,7 +39,7 @@ fn flooding_tenant_cannot_starve_another_tenants_single_request() {
         s.add(i, TenantId(1), 16, Vec::new());
     }
     s.add(100, TenantId(2), 16, Vec::new());
-    let first = s.schedule(&mut kv);
+    let first = s.schedule(&mut kv, usize::MAX);
     let ids: Vec<_> = first.scheduled.iter().map(|x| x.seq).collect();
     assert!(
         ids.contains(&100),
@@ -52,7 +53,7 @@ fn cached_prompt_pages_are_skipped_and_a_full_hit_recomputes_only_the_last_token
     let mut s = Scheduler::new(cfg(256, 8));
     let t = TenantId(1);
     s.add(1, t, 32, vec![5, 6]);
-    let first = s.schedule(&mut kv);
+    let first = s.schedule(&mut kv, usize::MAX);
     assert_eq!(first.prefix_hits, vec![(1, 0)]);
     kv.cache_pages(1, &[5, 6], 32);
     s.remove(1);
@@ -60,7 +61,7 @@ fn cached_prompt_pages_are_skipped_and_a_full_hit_recomputes_only_the_last_token
     // Same 32-token prompt: both pages hit, only position 31 is run,
     // and its KV is not rewritten into the shared page.
     s.add(2, t, 32, vec![5, 6]);
-    let full = s.schedule(&mut kv);
+    let full = s.schedule(&mut kv, usize::MAX);
     assert_eq!(full.prefix_hits, vec![(2, 31)]);
     assert_eq!(
         full.scheduled,
@@ -74,7 +75,7 @@ fn cached_prompt_pages_are_skipped_and_a_full_hit_recomputes_only_the_last_token
     );
     // A longer prompt sharing the first page computes from token 16.
     s.add(3, t, 40, vec![5, 9]);
-    let part = s.schedule(&mut kv);
+    let part = s.schedule(&mut kv, usize::MAX);
     let p = &part.scheduled[0];
     assert_eq!((p.seq, p.start, p.count, p.write_kv), (3, 16, 24, true));
 }
@@ -85,13 +86,13 @@ fn pool_exhaustion_preempts_and_readmits_by_recompute() {
     let mut s = Scheduler::new(cfg(64, 8));
     s.add(1, TenantId(1), 16, Vec::new());
     s.add(2, TenantId(2), 16, Vec::new());
-    let out = s.schedule(&mut kv);
+    let out = s.schedule(&mut kv, usize::MAX);
     assert_eq!(out.scheduled.len(), 2);
     assert_eq!(kv.num_free(), 0);
     // Both grow past their page: the newer one is preempted.
     s.append_token(1);
     s.append_token(2);
-    let out = s.schedule(&mut kv);
+    let out = s.schedule(&mut kv, usize::MAX);
     assert_eq!(out.preempted, vec![2]);
     assert_eq!(
         out.scheduled.iter().map(|x| x.seq).collect::<Vec<_>>(),
@@ -99,7 +100,7 @@ fn pool_exhaustion_preempts_and_readmits_by_recompute() {
     );
     s.remove(1);
     kv.free(1);
-    let out = s.schedule(&mut kv);
+    let out = s.schedule(&mut kv, usize::MAX);
     // Recompute from scratch: prompt and the generated token.
     assert_eq!(
         out.scheduled,
@@ -144,14 +145,14 @@ fn decodes_run_before_any_prompt_chunk() {
     for id in 1..=3 {
         s.add(id, TenantId(1), 4, Vec::new());
     }
-    s.schedule(&mut kv);
+    s.schedule(&mut kv, usize::MAX);
     for id in 1..=3 {
         s.append_token(id);
     }
     // A long prompt arrives from an older-numbered tenant with the same
     // budget: the three decodes still run, the prompt gets what is left.
     s.add(9, TenantId(0), 100, Vec::new());
-    let out = s.schedule(&mut kv);
+    let out = s.schedule(&mut kv, usize::MAX);
     let plan: Vec<_> = out.scheduled.iter().map(|x| (x.seq, x.count)).collect();
     assert_eq!(plan, [(1, 1), (2, 1), (3, 1), (9, 13)]);
 }
@@ -164,13 +165,13 @@ fn a_flood_of_prompts_gets_half_the_prompt_budget_when_another_tenant_has_one() 
         s.add(id, TenantId(1), 200, Vec::new());
     }
     s.add(100, TenantId(2), 200, Vec::new());
-    let out = s.schedule(&mut kv);
+    let out = s.schedule(&mut kv, usize::MAX);
     assert_eq!(
         tokens_by_tenant(&s, &out),
         BTreeMap::from([(1, 32), (2, 32)])
     );
     // Next step: each continues its running prompt with half the budget.
-    let out = s.schedule(&mut kv);
+    let out = s.schedule(&mut kv, usize::MAX);
     assert_eq!(
         tokens_by_tenant(&s, &out),
         BTreeMap::from([(1, 32), (2, 32)])
@@ -182,10 +183,10 @@ fn a_tenant_alone_gets_the_whole_budget_and_a_short_prompt_leaves_the_rest() {
     let mut kv = KvCacheManager::new(256, 16);
     let mut s = Scheduler::new(cfg(64, 64));
     s.add(1, TenantId(1), 500, Vec::new());
-    let out = s.schedule(&mut kv);
+    let out = s.schedule(&mut kv, usize::MAX);
     assert_eq!(tokens_by_tenant(&s, &out), BTreeMap::from([(1, 64)]));
     s.add(2, TenantId(2), 10, Vec::new());
-    let out = s.schedule(&mut kv);
+    let out = s.schedule(&mut kv, usize::MAX);
     assert_eq!(
         tokens_by_tenant(&s, &out),
         BTreeMap::from([(1, 54), (2, 10)])
@@ -199,13 +200,13 @@ fn a_tenant_over_its_share_of_running_slots_waits_while_another_tenant_waits() {
     for id in 0..10 {
         s.add(id, TenantId(1), 8, Vec::new());
     }
-    s.schedule(&mut kv);
+    s.schedule(&mut kv, usize::MAX);
     assert_eq!(s.running(), 4, "alone, tenant 1 takes every slot");
     s.add(100, TenantId(2), 8, Vec::new());
     // A slot frees: tenant 2's request takes it, not tenant 1's next.
     s.remove(0);
     kv.free(0);
-    let out = s.schedule(&mut kv);
+    let out = s.schedule(&mut kv, usize::MAX);
     let admitted: Vec<_> = out.prefix_hits.iter().map(|(id, _)| *id).collect();
     assert_eq!(admitted, [100]);
     // With both waiting, tenant 1 is held to half the slots.
@@ -214,7 +215,7 @@ fn a_tenant_over_its_share_of_running_slots_waits_while_another_tenant_waits() {
         s.remove(id);
         kv.free(id);
     }
-    let out = s.schedule(&mut kv);
+    let out = s.schedule(&mut kv, usize::MAX);
     let mut admitted: Vec<_> = out.prefix_hits.iter().map(|(id, _)| *id).collect();
     admitted.sort();
     assert_eq!(admitted, [4, 101]);
@@ -223,4 +224,22 @@ fn a_tenant_over_its_share_of_running_slots_waits_while_another_tenant_waits() {
         (2, 2),
         "two slots each"
     );
+}
+
+#[test]
+fn a_prompt_cap_limits_prompt_tokens_but_never_decodes() {
+    let mut kv = KvCacheManager::new(64, 16);
+    let mut s = Scheduler::new(cfg(64, 16));
+    for id in 1..=3 {
+        s.add(id, TenantId(1), 4, Vec::new());
+    }
+    s.schedule(&mut kv, usize::MAX);
+    for id in 1..=3 {
+        s.append_token(id);
+    }
+    assert!(s.decoding());
+    s.add(9, TenantId(2), 100, Vec::new());
+    let out = s.schedule(&mut kv, 10);
+    let plan: Vec<_> = out.scheduled.iter().map(|x| (x.seq, x.count)).collect();
+    assert_eq!(plan, [(1, 1), (2, 1), (3, 1), (9, 10)]);
 }

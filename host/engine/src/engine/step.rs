@@ -73,7 +73,8 @@ impl Engine {
     /// stops (on the CPU; a GPU checks inside the step).
     fn plan(&mut self, events: &mut Vec<Event>) -> Result<Vec<Scheduled>, String> {
         self.stepping.clear();
-        let plan = self.scheduler.schedule(&mut self.kv);
+        let cap = self.step_budget.prompt_tokens(self.scheduler.decoding());
+        let plan = self.scheduler.schedule(&mut self.kv, cap);
         self.stepping.extend(plan.scheduled.iter().map(|s| s.seq));
         #[cfg(any(test, feature = "fault-injection"))]
         if !self.stepping.is_empty() {
@@ -128,6 +129,10 @@ impl Engine {
     fn apply(&mut self, run: &[Scheduled], out: StepOut, events: &mut Vec<Event>) {
         let StepOut { rows, ok, device } = out;
         self.stats.last_step_device_us = device.as_micros() as u64;
+        let decodes = run.iter().filter(|s| s.count == 1).count();
+        let prompt: usize = run.iter().filter(|s| s.count > 1).map(|s| s.count).sum();
+        let ms = device.as_secs_f64() * 1e3;
+        self.step_budget.observe(decodes, prompt, ms);
         // Sequences the device's check stopped: their results are void.
         let mut failed = HashSet::new();
         for (s, ok) in run.iter().zip(ok) {
