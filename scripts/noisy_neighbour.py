@@ -18,8 +18,8 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import time
+
+from kiln_serve import Server
 
 ADMIN = "noisy-neighbour-admin"
 ALONE_S = int(os.environ.get("ALONE_S", "20"))
@@ -50,26 +50,12 @@ def call(port, method, path, body):
 def main():
     server, loadgen, model, source, serve_args = (
         sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
-    data = tempfile.mkdtemp()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = open(os.path.join(data, "server.log"), "wb")
-    proc = subprocess.Popen(
-        [server, "serve", "--listen", f"127.0.0.1:{port}", "--data-dir", data,
-         "--drain-timeout-s", "3", "--model", f"{model}={source}", *serve_args],
-        stdout=log, stderr=log, env=dict(os.environ, KILN_ADMIN_TOKEN=ADMIN))
-    start = time.time()
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() - start > 300:
-                print(open(os.path.join(data, "server.log")).read()[-3000:])
-                raise SystemExit("the server did not come up")
-            time.sleep(0.5)
-    print(f"{server}: up in {time.time() - start:.1f} s", flush=True)
+    srv = Server(server, ADMIN, model, source, serve_args)
+    if srv.up_s is None:
+        print(srv.log_text()[-3000:])
+        raise SystemExit("the server did not come up")
+    print(f"{server}: up in {srv.up_s:.1f} s", flush=True)
+    port, proc = srv.port, srv.proc
     keys = {t: call(port, "POST", "/v1/tenants", {"name": t})["api_key"] for t in ("a", "b")}
     call(port, "PUT", "/v1/tenants/a/policy", {"max_concurrent": 256})
     url = f"http://127.0.0.1:{port}"

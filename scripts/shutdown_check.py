@@ -17,9 +17,10 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+
+from kiln_serve import Server
 
 ADMIN = "shutdown-check-admin"
 
@@ -56,28 +57,13 @@ def stream_body(model, tokens):
 
 def main():
     kiln, model, serve_args = sys.argv[1], sys.argv[2], sys.argv[3:]
-    data = tempfile.mkdtemp()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = open(os.path.join(data, "server.log"), "wb")
-    env = dict(os.environ, KILN_ADMIN_TOKEN=ADMIN)
-    proc = subprocess.Popen(
-        [kiln, "serve", "--listen", f"127.0.0.1:{port}", "--data-dir", data,
-         "--drain-timeout-s", "3", "--model", f"{model}={serve_args[0]}", *serve_args[1:]],
-        stdout=log, stderr=log, env=env)
-    start = time.time()
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() - start > 300:
-                print("FAIL the server did not come up")
-                print(open(os.path.join(data, "server.log")).read()[-3000:])
-                return 1
-            time.sleep(0.5)
-    print(f"up in {time.time() - start:.1f} s")
+    server = Server(kiln, ADMIN, model, serve_args[0], serve_args[1:])
+    proc, port, log = server.proc, server.port, server.log
+    if server.up_s is None:
+        print("FAIL the server did not come up")
+        print(server.log_text()[-3000:])
+        return 1
+    print(f"up in {server.up_s:.1f} s")
     keys = {}
     for name in ["flood", "keep"]:
         status, answer = exchange(port, "POST", "/v1/tenants", ADMIN, f'{{"name": "{name}"}}'.encode())
@@ -141,7 +127,7 @@ def main():
         code = "hung"
     took = time.time() - sent
     log.close()
-    text = open(os.path.join(data, "server.log"), errors="replace").read()
+    text = server.log_text()
     fine = code == 0 and "Segmentation" not in text and "panicked" not in text
     print(f"{'ok  ' if fine else 'FAIL'} exit code {code} after {took:.1f} s; "
           f"engines stopped: {text.count('engine stopped')}")

@@ -137,6 +137,17 @@ fn prompt(tag: &str, words: usize) -> String {
     p
 }
 
+/// Sends `body` to the server's completions endpoint as the tenant of `key`.
+async fn completion(
+    http: &reqwest::Client,
+    args: &LoadArgs,
+    key: &str,
+    body: &Value,
+) -> reqwest::Result<reqwest::Response> {
+    let url = format!("{}/v1/completions", args.server.trim_end_matches('/'));
+    http.post(url).bearer_auth(key).json(body).send().await
+}
+
 /// One streamed completion, timed.
 async fn one(
     http: &reqwest::Client,
@@ -154,15 +165,7 @@ async fn one(
         "stream_options": {"include_usage": true},
     });
     let start = Instant::now();
-    let mut resp = http
-        .post(format!(
-            "{}/v1/completions",
-            args.server.trim_end_matches('/')
-        ))
-        .bearer_auth(&t.key)
-        .json(&body)
-        .send()
-        .await?;
+    let mut resp = completion(http, args, &t.key, &body).await?;
     if !resp.status().is_success() {
         bail!(
             "status {}: {}",
@@ -214,15 +217,7 @@ async fn prompt_size(http: &reqwest::Client, args: &LoadArgs) -> anyhow::Result<
         for words in [short, long] {
             let body =
                 json!({"model": args.model, "prompt": prompt("0-0-0", words), "max_tokens": 1});
-            let resp = http
-                .post(format!(
-                    "{}/v1/completions",
-                    args.server.trim_end_matches('/')
-                ))
-                .bearer_auth(&t.key)
-                .json(&body)
-                .send()
-                .await?;
+            let resp = completion(http, args, &t.key, &body).await?;
             let ok = resp.status().is_success();
             let v: Value = resp
                 .json()

@@ -322,8 +322,7 @@ impl Engine {
         if prompt.is_empty() {
             return Err("the prompt is empty".into());
         }
-        let ctx = self.loaded.model.config.context_length;
-        let limit = ctx.min(self.kv.num_pages() * PAGE_SIZE);
+        let limit = self.max_len();
         if prompt.len() + 1 > limit {
             return Err(format!(
                 "the prompt has {} tokens; this model and KV pool hold at most {}",
@@ -342,6 +341,13 @@ impl Engine {
             .add(id, tenant, request.prompt_len, request.hashes.clone());
         self.requests.insert(id, request);
         Ok(id)
+    }
+
+    /// The longest a sequence may grow: the model's context, or the whole
+    /// KV pool if that holds less.
+    fn max_len(&self) -> usize {
+        let ctx = self.loaded.model.config.context_length;
+        ctx.min(self.kv.num_pages() * PAGE_SIZE)
     }
 
     /// Cancels a request; its pages are freed now.

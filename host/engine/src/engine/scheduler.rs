@@ -7,7 +7,7 @@
 //!
 //! Its [`SchedulerOutput`] is the engine's plan for a step.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use super::block_pool::TenantId;
 use super::kv_manager::{KvCacheManager, SeqId};
@@ -172,7 +172,7 @@ impl Scheduler {
 
     /// The running sequence to preempt: the newest one of the tenant with
     /// the most running sequences, skipping those already in this step.
-    fn victim(&self, protected: &[SeqId]) -> Option<SeqId> {
+    fn victim(&self, protected: &HashSet<SeqId>) -> Option<SeqId> {
         let mut best: Option<(usize, usize)> = None; // (tenant count, index)
         for (i, r) in self.running.iter().enumerate() {
             if protected.contains(r) {

@@ -1,7 +1,7 @@
 //! Planning a step: decodes first, then prompt tokens shared fairly among
 //! tenants, admissions within each tenant's share of the running slots.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeSet, HashSet, VecDeque};
 
 use super::{Scheduler, SchedulerOutput, TenantId};
 use crate::engine::kv_manager::{KvCacheManager, SeqId};
@@ -20,14 +20,14 @@ impl Scheduler {
         let mut step = Planning {
             out: SchedulerOutput::default(),
             budget: self.config.max_tokens_per_step,
-            planned: Vec::new(),
+            planned: HashSet::new(),
         };
         // 1. Decodes, oldest first.
         for id in self.running.clone() {
             if step.budget == 0 {
                 break;
             }
-            if self.running.contains(&id) && self.remaining(id) == 1 {
+            if !step.out.preempted.contains(&id) && self.remaining(id) == 1 {
                 self.run_chunk(id, 1, kv, &mut step);
             }
         }
@@ -96,7 +96,7 @@ impl Scheduler {
             if left == 0 {
                 return;
             }
-            if self.running.contains(&id) && self.remaining(id) > 0 {
+            if !step.out.preempted.contains(&id) && self.remaining(id) > 0 {
                 let count = self.remaining(id).min(left);
                 self.run_chunk(id, count, kv, step);
             }
@@ -127,7 +127,7 @@ impl Scheduler {
             self.preempt(id, kv, &mut step.out);
             return;
         }
-        step.planned.push(id);
+        step.planned.insert(id);
         step.out.scheduled.push(s.plan(id, count));
         step.budget -= count;
     }
@@ -163,7 +163,7 @@ impl Scheduler {
             q.pop_front();
         }
         self.running.push(id);
-        step.planned.push(id);
+        step.planned.insert(id);
         step.out.scheduled.push(s.plan(id, count));
         step.budget -= count;
         true
@@ -201,7 +201,7 @@ impl Scheduler {
     /// Prompt tokens `tenant` could use this step: what its running
     /// sequences not yet planned have left, and its waiting prompts (before
     /// any prefix-cache hit).
-    fn prompt_demand(&self, tenant: TenantId, planned: &[SeqId]) -> usize {
+    fn prompt_demand(&self, tenant: TenantId, planned: &HashSet<SeqId>) -> usize {
         let running: usize = self
             .running
             .iter()
@@ -218,7 +218,7 @@ impl Scheduler {
     /// Tenants with prompt tokens to compute (a running sequence not yet
     /// planned this step, or a waiting one), starting from the one whose
     /// turn it is.
-    fn prompt_tenants(&self, planned: &[SeqId]) -> Vec<TenantId> {
+    fn prompt_tenants(&self, planned: &HashSet<SeqId>) -> Vec<TenantId> {
         let mut tenants: BTreeSet<TenantId> = self
             .waiting
             .iter()
@@ -272,5 +272,5 @@ struct Planning {
     out: SchedulerOutput,
     budget: usize,
     /// Sequences in the step so far (never preempted by it).
-    planned: Vec<SeqId>,
+    planned: HashSet<SeqId>,
 }

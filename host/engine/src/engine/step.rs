@@ -156,24 +156,19 @@ impl Engine {
                 self.kv.cache_pages(s.seq, &r.hashes, computed);
             }
         }
+        let max_len = self.max_len();
         let mut rows = rows.into_iter();
         for s in run.iter().filter(|s| s.sample) {
             let Some(row) = rows.next() else { break };
             if !failed.contains(&s.seq) {
-                self.take_token(s.seq, row, events);
+                self.take_token(s.seq, row, max_len, events);
             }
         }
     }
 
     /// Appends the token `row` gives `seq`, with its text, and ends the
-    /// request at EOS, a stop string or its length.
-    fn take_token(&mut self, seq: SeqId, row: SeqOut, events: &mut Vec<Event>) {
-        let ctx = self
-            .loaded
-            .model
-            .config
-            .context_length
-            .min(self.kv.num_pages() * PAGE_SIZE);
+    /// request at EOS, a stop string, its `max_tokens` or `max_len`.
+    fn take_token(&mut self, seq: SeqId, row: SeqOut, max_len: usize, events: &mut Vec<Event>) {
         let Some(r) = self.requests.get_mut(&seq) else {
             return;
         };
@@ -193,7 +188,7 @@ impl Engine {
             let generated = &r.tokens[r.prompt_len..];
             if r.text.push(generated, decode) {
                 finish = Some(Finish::Stop);
-            } else if generated.len() >= r.params.max_tokens || r.tokens.len() >= ctx {
+            } else if generated.len() >= r.params.max_tokens || r.tokens.len() >= max_len {
                 finish = Some(Finish::Length);
             }
         }
