@@ -123,9 +123,9 @@ bench)
     timeout 150 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
         --kv-memory 16GiB ${GRAPH_ARGS:---concurrency 1,8,64 --prompt-tokens 1024 --gen-tokens 64} \
         --compare-graphs 2>&1 | tee "$out/kiln-graphs.log"
-    # Prefill: one query per token against the flash-style kernel (PREFILL=1).
+    # Prefill: one query per token against the tensor-core kernel (PREFILL=1).
     if [ "${PREFILL:-0}" = 1 ]; then
-        for flash in "" --flash-prefill; do
+        for flash in "" --tensor-prefill; do
             # shellcheck disable=SC2086
             timeout 120 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
                 --kv-memory 16GiB --concurrency 1,16 --prompt-tokens 1024 --gen-tokens 8 $flash \
@@ -143,12 +143,31 @@ prefill)
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    # With .gpu carried too, the attention parity tests run first and a
+    # failure stops the call. Each shape runs with one decode-attention
+    # query per token and with the tensor-core kernel (PREFILL_MODES
+    # overrides the pair).
+    if [ -x .gpu/parity ]; then
+        KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 attention 2>&1 | tee "$out/parity.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "parity tests FAILED: no benchmark"; exit 1; }
+    fi
     set +e
-    for case in "1,8,32 --prompt-tokens 1024" "1 --prompt-tokens 4096"; do
-        # shellcheck disable=SC2086
-        timeout 200 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --gen-tokens 2 \
-            --kv-formats bf16,fp8-static --kv-memory 16GiB --concurrency $case 2>&1 |
-            grep -v INFO | tee -a "$out/kiln-prefill.log"
+    for mode in ${PREFILL_MODES:-per-token tensor}; do
+        flag=""
+        [ "$mode" = tensor ] && flag=--tensor-prefill
+        for case in "1,8,32 --prompt-tokens 1024" "1 --prompt-tokens 4096"; do
+            echo "== prefill attention: $mode" | tee -a "$out/kiln-prefill.log"
+            # shellcheck disable=SC2086
+            timeout 200 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --gen-tokens 2 \
+                --kv-formats bf16,fp8-static --kv-memory 16GiB $flag --concurrency $case 2>&1 |
+                grep -v INFO | tee -a "$out/kiln-prefill.log"
+        done
+    done
+    # A 4096-token prompt cold and with its prefix cached, each step timed.
+    for graphs in on off; do
+        timeout 120 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8-static \
+            --kv-memory 16GiB --ttft 4 --prompt-tokens 4096 --cuda-graphs "$graphs" 2>&1 |
+            grep -v INFO | tee -a "$out/ttft.log"
     done
     timeout 200 python3 scripts/torch_prefill.py 2>&1 | grep -v Warning | tee "$out/torch-prefill.log"
     ;;

@@ -326,15 +326,27 @@ pub struct TtftRow {
     pub cached_ms: f64,
     /// Prompt tokens the cached runs found in the cache.
     pub cached_tokens: usize,
+    /// Every run in order, cold and cached alternating: its time to first
+    /// token and the wall time of each engine step it took, in ms.
+    pub runs: Vec<(f64, Vec<f64>)>,
 }
 
-/// Runs one request to its first token; the time it took and the prompt
-/// tokens it found cached.
+/// One request's run to its first token.
+struct FirstToken {
+    /// Time to the first token, in ms.
+    ms: f64,
+    /// Prompt tokens found cached.
+    cached: usize,
+    /// Wall time of each engine step, in ms.
+    steps: Vec<f64>,
+}
+
+/// Runs one request to its first token.
 fn first_token(
     engine: &mut Engine,
     salt: crate::engine::Salt,
     prompt: &[u32],
-) -> Result<(f64, usize), String> {
+) -> Result<FirstToken, String> {
     let params = GenerateParams {
         max_tokens: 1,
         temperature: 0.0,
@@ -343,9 +355,12 @@ fn first_token(
     };
     let t = Instant::now();
     let seq = engine.add_salted(TenantId(0), salt, prompt.to_vec(), params)?;
-    let mut first = None;
+    let (mut first, mut steps) = (None, Vec::new());
     while engine.has_work() {
-        for e in engine.step()? {
+        let s0 = Instant::now();
+        let events = engine.step()?;
+        steps.push(s0.elapsed().as_secs_f64() * 1e3);
+        for e in events {
             match e {
                 Event::Token { seq: s, .. } if s == seq && first.is_none() => {
                     first = Some(t.elapsed().as_secs_f64() * 1e3);
@@ -355,7 +370,11 @@ fn first_token(
                     cached_tokens,
                     ..
                 } if s == seq => {
-                    return Ok((first.unwrap_or(0.0), cached_tokens));
+                    return Ok(FirstToken {
+                        ms: first.unwrap_or(0.0),
+                        cached: cached_tokens,
+                        steps,
+                    });
                 }
                 _ => {}
             }
@@ -376,7 +395,7 @@ pub fn ttft(
     let vocab = loaded.model.config.vocab as u32;
     let mut engine = Engine::new(loaded, config)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(2);
-    let (mut cold, mut cached, mut hit) = (Vec::new(), Vec::new(), 0);
+    let (mut cold, mut cached, mut hit, mut runs) = (Vec::new(), Vec::new(), 0, Vec::new());
     for rep in 0..reps.max(1) {
         let prompt: Vec<u32> = (0..prompt_tokens)
             .map(|_| rng.random_range(vocab / 8..vocab / 2))
@@ -384,10 +403,13 @@ pub fn ttft(
         let mut bytes = [0u8; 32];
         bytes[..8].copy_from_slice(&(rep as u64).to_le_bytes());
         let salt = crate::engine::Salt::from_bytes(bytes);
-        cold.push(first_token(&mut engine, salt, &prompt)?.0);
-        let (ms, n) = first_token(&mut engine, salt, &prompt)?;
-        cached.push(ms);
-        hit = n;
+        let c = first_token(&mut engine, salt, &prompt)?;
+        cold.push(c.ms);
+        runs.push((c.ms, c.steps));
+        let w = first_token(&mut engine, salt, &prompt)?;
+        cached.push(w.ms);
+        hit = w.cached;
+        runs.push((w.ms, w.steps));
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -398,6 +420,7 @@ pub fn ttft(
         cold_ms: median(&mut cold),
         cached_ms: median(&mut cached),
         cached_tokens: hit,
+        runs,
     };
     Ok((row, engine.into_loaded()))
 }

@@ -135,9 +135,11 @@ struct EngineArgs {
     /// On CUDA, sample (temperature, top-k, top-p) on the device.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     device_sampling: OnOff,
-    /// On CUDA, attend prefill chunks with the flash-style kernel.
+    /// On CUDA, attend prefill chunks with the tensor-core prefill kernel
+    /// instead of one decode-attention query per token (not yet the
+    /// default: it has not run on a GPU).
     #[arg(long)]
-    flash_prefill: bool,
+    tensor_prefill: bool,
 }
 
 impl EngineArgs {
@@ -163,7 +165,7 @@ impl EngineArgs {
             cuda_pdl: self.cuda_pdl == OnOff::On,
             cuda_fold: self.cuda_fold == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,
-            flash_prefill: self.flash_prefill,
+            tensor_prefill: self.tensor_prefill,
         })
     }
 }
@@ -317,6 +319,11 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
             row.cached_tokens,
             row.cold_ms / row.cached_ms
         );
+        for (i, (ms, steps)) in row.runs.iter().enumerate() {
+            let kind = if i % 2 == 0 { "cold" } else { "cached" };
+            let steps: Vec<String> = steps.iter().map(|s| format!("{s:.2}")).collect();
+            println!("  {kind} {ms:.1} ms: steps {}", steps.join(" "));
+        }
         return Ok(());
     }
     let formats = if args.kv_formats.is_empty() {

@@ -46,7 +46,7 @@ pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M, GemmShape, StackShape};
 pub use graph::Graph;
 pub use kv::PagedKv;
 pub use norm::NormArgs;
-pub use prefill::prefill_tiles;
+pub use prefill::{PREFILL_HEAD_DIMS, prefill_supports, prefill_tiles};
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
 pub use rope::{RopeArgs, RopeKv};
 pub use tags::TagLayout;
@@ -141,16 +141,10 @@ const KERNELS: &[&str] = &[
     "sample_rows",
     "argmax_rows",
     // prefill.cu
-    "prefill_bf16_g1",
-    "prefill_bf16_g2",
-    "prefill_bf16_g3",
-    "prefill_bf16_g4",
-    "prefill_bf16_g8",
-    "prefill_fp8_g1",
-    "prefill_fp8_g2",
-    "prefill_fp8_g3",
-    "prefill_fp8_g4",
-    "prefill_fp8_g8",
+    "prefill_bf16_d64",
+    "prefill_bf16_d128",
+    "prefill_fp8_d64",
+    "prefill_fp8_d128",
 ];
 
 /// One GPU with Kiln's kernels loaded.

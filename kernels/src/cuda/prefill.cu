@@ -1,160 +1,274 @@
-// Causal prefill attention over paged KV (see prefill.rs), flash
-// style: one block takes a tile of consecutive query tokens of one sequence
-// and all query heads of one KV head, and streams that sequence's keys and
-// values through shared memory PF_KT at a time, so each K and V vector is
-// read once per tile instead of once per query token. Token t attends to
-// keys 0..lens[t]-1 (its position and everything before), as the decode
-// kernel does one token at a time; online softmax in registers.
+// Causal prefill attention over paged KV on tensor cores (see prefill.rs), in
+// the manner of FlashAttention-2. A block of PM_WARPS warps takes up to
+// PM_ROWS query rows -- consecutive tokens of one sequence times the G query
+// heads of one KV head, row r = (token r / G, head r % G) -- and streams that
+// sequence's keys and values through shared memory PM_BN at a time, so each
+// K and V vector is read once per tile and serves every head of its group.
 //
-// tiles: (first token, tokens) pairs; a tile's tokens share one block
-// table (table_off of its first token) and have consecutive lengths, so the
-// last one sees the most keys. Rows of a tile: tokens x G <= PF_ROWS.
-// Threads: PF_THREADS; head_dim a multiple of 32 up to 128.
+// Each warp owns 16 rows. S = Q K^T and O += P V are m16n8k16 MMAs: bf16
+// over bf16 pages; f16 over fp8 pages (f16 holds every e4m3 value exactly,
+// and the per-vector scales multiply S's and P's columns in f32). The online
+// softmax runs in the accumulators' registers (a lane holds rows g and g + 8
+// of its warp's 16), and P goes from the S accumulators to the A operand of
+// P V without leaving them. Q and P are rounded to 16 bits, as
+// FlashAttention does; every sum is f32.
+//
+// Token t attends to keys 0..lens[t]-1. tiles: (first token, tokens) pairs
+// of consecutive tokens that share one block table and have consecutive
+// lengths (prefill_tiles), tokens x G <= PM_ROWS. K of key tile j + 1 loads
+// while P V of tile j runs, and V of tile j + 1 while its scores do.
 
-#define PF_KT 32
-#define PF_ROWS 32
-#define PF_THREADS 256
-#define PF_MAX_HD 128
+#define PM_WARPS 4
+#define PM_ROWS (16 * PM_WARPS)
+#define PM_BN 64
+#define PM_THREADS (32 * PM_WARPS)
 
-template <bool FP8>
-struct KvTile {
-    // Raw page elements (bf16 or e4m3) of PF_KT vectors, rows padded by one
-    // 32-bit word so the lanes of a warp (one key each) hit distinct banks.
-    unsigned char k[PF_KT * (PF_MAX_HD * (FP8 ? 1 : 2) + 4)];
-    unsigned char v[PF_KT * PF_MAX_HD * (FP8 ? 1 : 2)];
-    float ks[PF_KT], vs[PF_KT];
+// (x, y) as two f16 (F16) or bf16 in one word, x in the low half.
+template <bool F16>
+__device__ __forceinline__ unsigned pack16(float x, float y) {
+    if (F16) {
+        __half2 h = __floats2half2_rn(x, y);
+        return *(unsigned*)&h;
+    }
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return *(unsigned*)&h;
+}
+
+// Four 8x8 b16 matrices from shared memory, transposed: lanes 8m..8m+7 give
+// the rows of matrix m.
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// One key tile in shared memory: 16-bit elements, each row padded by 16
+// bytes so that the fragment loads of a warp hit 32 distinct banks.
+template <int HD>
+struct PmTile {
+    unsigned short k[PM_BN][HD + 8];
+    unsigned short v[PM_BN][HD + 8];
+    float ks[PM_BN], vs[PM_BN];
 };
 
-template <bool FP8>
-__device__ __forceinline__ float tile_elem(const unsigned char* base, int stride, int j, int d,
-                                           const float* scales) {
-    if (FP8) {
-        __nv_fp8_e4m3 q;
-        q.__x = base[j * stride + d];
-        return (float)q * scales[j];
-    } else {
-        return __bfloat162float(((const __nv_bfloat16*)(base + j * stride))[d]);
+// Starts loading keys k0..k0+PM_BN-1 of (table, kvh) into dst, zeros past
+// maxlen: bf16 pages through cp.async, fp8 pages converted to f16 on the
+// way (with their scales into sc; a null scale buffer is the static
+// format's 1). Commits one cp.async group either way.
+template <bool FP8, int HD>
+__device__ __forceinline__ void pm_load(unsigned short (*dst)[HD + 8], float* sc,
+                                        const unsigned char* base, const float* scales,
+                                        const int* table, int k0, int maxlen, int kvh,
+                                        int kv_heads, int ps) {
+    constexpr int PER = FP8 ? 16 : 8;  // elements per 16-byte global piece
+    constexpr int CH = HD / PER;
+    for (int x = threadIdx.x; x < PM_BN * CH; x += PM_THREADS) {
+        int j = x / CH, c = x % CH, key = k0 + j;
+        uint4* d = (uint4*)&dst[j][c * PER];
+        if (key < maxlen) {
+            size_t vec = kv_vec(table[key / ps], key % ps, kvh, kv_heads, ps);
+            if (FP8) {
+                uint4 raw = *(const uint4*)(base + vec * HD + c * 16);
+                const unsigned short* pairs = (const unsigned short*)&raw;
+                unsigned h[8];
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pairs[e], __NV_E4M3);
+                    h[e] = (unsigned)hr.x | ((unsigned)hr.y << 16);
+                }
+                d[0] = make_uint4(h[0], h[1], h[2], h[3]);
+                d[1] = make_uint4(h[4], h[5], h[6], h[7]);
+                if (c == 0) sc[j] = scales ? scales[vec] : 1.0f;
+            } else {
+                cp_async<16>(d, base + (vec * HD + c * 8) * 2);
+            }
+        } else {
+            d[0] = make_uint4(0, 0, 0, 0);
+            if (FP8) {
+                d[1] = make_uint4(0, 0, 0, 0);
+                if (c == 0) sc[j] = 0.0f;
+            }
+        }
     }
+    cp_commit();
 }
 
-template <bool FP8, int G>
-__device__ void prefill_attention(const float* q, const void* kc, const void* vc, const float* ks,
-                                  const float* vs, const int* tables, const int* table_off,
-                                  const int* lens, const int* tiles, float* out, int n_heads,
-                                  int kv_heads, int hd, int page_size, float scale) {
-    constexpr int ELEM = FP8 ? 1 : 2;
-    constexpr int WARPS = PF_THREADS / 32;
-    constexpr int RPW = PF_ROWS / WARPS;  // rows per warp
-    __shared__ float qs[PF_ROWS * PF_MAX_HD];
-    __shared__ KvTile<FP8> tile;
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffff, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffff, v, 1);
+    return v + __shfl_xor_sync(0xffffffff, v, 2);
+}
+
+template <bool FP8, int HD>
+__device__ void prefill_mma(const float* q, const void* kc, const void* vc, const float* ks,
+                            const float* vs, const int* tables, const int* table_off,
+                            const int* lens, const int* tiles, float* out, int n_heads,
+                            int kv_heads, int group, int ps, float scale) {
+    constexpr int KSTEPS = HD / 16;  // k-steps of Q K^T
+    constexpr int ONT = HD / 8;      // n-tiles of O
+    constexpr int SNT = PM_BN / 8;   // n-tiles of S
+    __shared__ __align__(16) PmTile<HD> t;
     int kvh = blockIdx.x;
-    int t0 = tiles[2 * blockIdx.y], cnt = tiles[2 * blockIdx.y + 1];
-    int rows = cnt * G;
-    int kstride = hd * ELEM + 4, vstride = hd * ELEM;
-    for (int x = threadIdx.x; x < rows * hd; x += blockDim.x) {
-        int r = x / hd, d = x % hd;
-        int i = r / G, g = r % G;
-        qs[r * hd + d] = q[((size_t)(t0 + i) * n_heads + kvh * G + g) * hd + d] * scale;
-    }
+    int tile = gridDim.y - 1 - blockIdx.y;  // the longest tiles start first
+    int t0 = tiles[2 * tile], cnt = tiles[2 * tile + 1];
+    int rows = cnt * group;
     const int* table = tables + table_off[t0];
     int maxlen = lens[t0 + cnt - 1];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float m[RPW], l[RPW], acc[RPW][PF_MAX_HD / 32];
+    const unsigned char* kb = (const unsigned char*)kc;
+    const unsigned char* vb = (const unsigned char*)vc;
+    pm_load<FP8, HD>(t.k, t.ks, kb, ks, table, 0, maxlen, kvh, kv_heads, ps);
+    pm_load<FP8, HD>(t.v, t.vs, vb, vs, table, 0, maxlen, kvh, kv_heads, ps);
+
+    // This lane's rows (g and g + 8 of the warp's 16), their spans and Q.
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    int r0 = warp * 16 + g, r1 = r0 + 8;
+    int len0 = r0 < rows ? lens[t0 + r0 / group] : 0;
+    int len1 = r1 < rows ? lens[t0 + r1 / group] : 0;
+    int wlen = max(len0, len1);
 #pragma unroll
-    for (int k = 0; k < RPW; k++) {
-        m[k] = -INFINITY;
-        l[k] = 0.0f;
+    for (int o = 16; o > 0; o >>= 1) wlen = max(wlen, __shfl_xor_sync(0xffffffff, wlen, o));
+    const float* q0 = q + ((size_t)(t0 + r0 / group) * n_heads + kvh * group + r0 % group) * HD;
+    const float* q1 = q + ((size_t)(t0 + r1 / group) * n_heads + kvh * group + r1 % group) * HD;
+    unsigned qa[KSTEPS][4];
 #pragma unroll
-        for (int c = 0; c < PF_MAX_HD / 32; c++) acc[k][c] = 0.0f;
+    for (int kk = 0; kk < KSTEPS; kk++) {
+        int d = kk * 16 + 2 * tq;
+        float2 z = make_float2(0.0f, 0.0f);
+        float2 a = r0 < rows ? *(const float2*)(q0 + d) : z;
+        float2 b = r0 < rows ? *(const float2*)(q0 + d + 8) : z;
+        float2 c = r1 < rows ? *(const float2*)(q1 + d) : z;
+        float2 e = r1 < rows ? *(const float2*)(q1 + d + 8) : z;
+        qa[kk][0] = pack16<FP8>(a.x, a.y);
+        qa[kk][1] = pack16<FP8>(c.x, c.y);
+        qa[kk][2] = pack16<FP8>(b.x, b.y);
+        qa[kk][3] = pack16<FP8>(e.x, e.y);
     }
-    for (int k0 = 0; k0 < maxlen; k0 += PF_KT) {
+    float o[ONT][4];
+#pragma unroll
+    for (int n = 0; n < ONT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    const float sl2 = scale * 1.4426950408889634f;  // exp(x) = exp2(x log2 e)
+
+    int ntiles = (maxlen + PM_BN - 1) / PM_BN;
+    for (int j = 0; j < ntiles; j++) {
+        int k0 = j * PM_BN;
+        bool live = k0 < wlen;  // some row of this warp sees a key here
+        cp_wait<1>();            // K of tile j
         __syncthreads();
-        // The tile's keys and values, as stored (2-byte or 1-byte units).
-        for (int x = threadIdx.x; x < PF_KT * hd; x += blockDim.x) {
-            int j = x / hd, d = x % hd;
-            int key = k0 + j;
-            if (key < maxlen) {
-                size_t vec =
-                    kv_vec(table[key / page_size], key % page_size, kvh, kv_heads, page_size);
-                const unsigned char* kp = (const unsigned char*)kc + (vec * hd + d) * ELEM;
-                const unsigned char* vp = (const unsigned char*)vc + (vec * hd + d) * ELEM;
-                for (int b = 0; b < ELEM; b++) {
-                    tile.k[j * kstride + d * ELEM + b] = kp[b];
-                    tile.v[j * vstride + d * ELEM + b] = vp[b];
+        float s[SNT][4];
+        if (live) {
+#pragma unroll
+            for (int n = 0; n < SNT; n++) {
+                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < KSTEPS; kk++) {
+                    const unsigned short* kr = &t.k[n * 8 + g][kk * 16 + 2 * tq];
+                    mma16<FP8>(s[n], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3],
+                               *(const unsigned*)kr, *(const unsigned*)(kr + 8));
                 }
-                if (FP8 && d == 0) {
-                    // Static fp8 pages have no scales: 1.
-                    tile.ks[j] = ks ? ks[vec] : 1.0f;
-                    tile.vs[j] = vs ? vs[vec] : 1.0f;
+            }
+            float mx0 = m0, mx1 = m1;
+#pragma unroll
+            for (int n = 0; n < SNT; n++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    int col = n * 8 + 2 * tq + e, key = k0 + col;
+                    float f = FP8 ? t.ks[col] * sl2 : sl2;
+                    s[n][e] = key < len0 ? s[n][e] * f : -INFINITY;
+                    s[n][2 + e] = key < len1 ? s[n][2 + e] * f : -INFINITY;
+                    mx0 = fmaxf(mx0, s[n][e]);
+                    mx1 = fmaxf(mx1, s[n][2 + e]);
+                }
+            }
+            mx0 = quad_max(mx0);
+            mx1 = quad_max(mx1);
+            // A row with no key yet keeps -inf; exponents then use 0.
+            float b0 = mx0 == -INFINITY ? 0.0f : mx0, b1 = mx1 == -INFINITY ? 0.0f : mx1;
+            float c0 = exp2f(m0 - b0), c1 = exp2f(m1 - b1);
+            m0 = mx0;
+            m1 = mx1;
+            l0 *= c0;
+            l1 *= c1;
+#pragma unroll
+            for (int n = 0; n < ONT; n++) {
+                o[n][0] *= c0;
+                o[n][1] *= c0;
+                o[n][2] *= c1;
+                o[n][3] *= c1;
+            }
+#pragma unroll
+            for (int n = 0; n < SNT; n++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    s[n][e] = exp2f(s[n][e] - b0);
+                    s[n][2 + e] = exp2f(s[n][2 + e] - b1);
+                    l0 += s[n][e];
+                    l1 += s[n][2 + e];
                 }
             }
         }
+        __syncthreads();  // every warp is done with K of tile j
+        if (j + 1 < ntiles)
+            pm_load<FP8, HD>(t.k, t.ks, kb, ks, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps);
+        else
+            cp_commit();
+        cp_wait<1>();  // V of tile j
         __syncthreads();
+        if (live) {
 #pragma unroll
-        for (int k = 0; k < RPW; k++) {
-            int r = k * WARPS + warp;
-            if (r >= rows) break;  // the same for the whole warp
-            int len = lens[t0 + r / G];
-            if (k0 >= len) continue;
-            // Lane j scores key k0 + j.
-            int key = k0 + lane;
-            float s = -INFINITY;
-            if (key < len) {
-                float dot = 0.0f;
-                for (int d = 0; d < hd; d++)
-                    dot += qs[r * hd + d] * tile_elem<FP8>(tile.k, kstride, lane, d, tile.ks);
-                s = dot;
-            }
-            float m_new = fmaxf(m[k], warp_max(s));
-            float p = key < len ? __expf(s - m_new) : 0.0f;
-            float corr = __expf(m[k] - m_new);
-            l[k] = l[k] * corr + warp_sum(p);
-            m[k] = m_new;
+            for (int kk = 0; kk < PM_BN / 16; kk++) {
+                int c = kk * 16 + 2 * tq;
+                float v0 = FP8 ? t.vs[c] : 1.0f, v1 = FP8 ? t.vs[c + 1] : 1.0f;
+                float v8 = FP8 ? t.vs[c + 8] : 1.0f, v9 = FP8 ? t.vs[c + 9] : 1.0f;
+                unsigned a0 = pack16<FP8>(s[2 * kk][0] * v0, s[2 * kk][1] * v1);
+                unsigned a1 = pack16<FP8>(s[2 * kk][2] * v0, s[2 * kk][3] * v1);
+                unsigned a2 = pack16<FP8>(s[2 * kk + 1][0] * v8, s[2 * kk + 1][1] * v9);
+                unsigned a3 = pack16<FP8>(s[2 * kk + 1][2] * v8, s[2 * kk + 1][3] * v9);
+                int vrow = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
-            for (int c = 0; c < PF_MAX_HD / 32; c++) acc[k][c] *= corr;
-            int valid = min(PF_KT, len - k0);
-            for (int j = 0; j < valid; j++) {
-                float pj = __shfl_sync(0xffffffff, p, j);
-#pragma unroll
-                for (int c = 0; c < PF_MAX_HD / 32; c++) {
-                    int d = lane + 32 * c;
-                    if (d < hd) acc[k][c] += pj * tile_elem<FP8>(tile.v, vstride, j, d, tile.vs);
+                for (int np = 0; np < HD / 16; np++) {
+                    unsigned b[4];
+                    ldsm_x4_trans(b, &t.v[vrow][np * 16 + (lane >> 4) * 8]);
+                    mma16<FP8>(o[2 * np], a0, a1, a2, a3, b[0], b[1]);
+                    mma16<FP8>(o[2 * np + 1], a0, a1, a2, a3, b[2], b[3]);
                 }
             }
         }
+        __syncthreads();  // every warp is done with V of tile j
+        if (j + 1 < ntiles)
+            pm_load<FP8, HD>(t.v, t.vs, vb, vs, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps);
+        else
+            cp_commit();
     }
+    cp_wait<0>();
+    l0 = quad_sum(l0);
+    l1 = quad_sum(l1);
+    float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    float* o0 = out + ((size_t)(t0 + r0 / group) * n_heads + kvh * group + r0 % group) * HD;
+    float* o1 = out + ((size_t)(t0 + r1 / group) * n_heads + kvh * group + r1 % group) * HD;
 #pragma unroll
-    for (int k = 0; k < RPW; k++) {
-        int r = k * WARPS + warp;
-        if (r >= rows) break;
-        int i = r / G, g = r % G;
-        float* o = out + ((size_t)(t0 + i) * n_heads + kvh * G + g) * hd;
-#pragma unroll
-        for (int c = 0; c < PF_MAX_HD / 32; c++) {
-            int d = lane + 32 * c;
-            if (d < hd) o[d] = l[k] > 0.0f ? acc[k][c] / l[k] : 0.0f;
-        }
+    for (int n = 0; n < ONT; n++) {
+        int d = n * 8 + 2 * tq;
+        if (r0 < rows) *(float2*)(o0 + d) = make_float2(o[n][0] * i0, o[n][1] * i0);
+        if (r1 < rows) *(float2*)(o1 + d) = make_float2(o[n][2] * i1, o[n][3] * i1);
     }
 }
 
-#define PREFILL_ENTRY(NAME, FP8, G)                                                             \
-    extern "C" __global__ void NAME(const float* q, const void* kc, const void* vc,              \
-                                    const float* ks, const float* vs, const int* tables,         \
-                                    const int* table_off, const int* lens, const int* tiles,     \
-                                    float* out, int n_heads, int kv_heads, int hd,               \
-                                    int page_size, float scale) {                                \
+#define PREFILL_ENTRY(NAME, FP8, HD)                                                             \
+    extern "C" __global__ void __launch_bounds__(PM_THREADS, 3)                                  \
+        NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,   \
+             const int* tables, const int* table_off, const int* lens, const int* tiles,         \
+             float* out, int n_heads, int kv_heads, int group, int page_size, float scale) {     \
         PDL_ENTER();                                                                             \
-        prefill_attention<FP8, G>(q, kc, vc, ks, vs, tables, table_off, lens, tiles, out,        \
-                                  n_heads, kv_heads, hd, page_size, scale);                      \
+        prefill_mma<FP8, HD>(q, kc, vc, ks, vs, tables, table_off, lens, tiles, out, n_heads,    \
+                             kv_heads, group, page_size, scale);                                 \
     }
 
-PREFILL_ENTRY(prefill_bf16_g1, false, 1)
-PREFILL_ENTRY(prefill_bf16_g2, false, 2)
-PREFILL_ENTRY(prefill_bf16_g3, false, 3)
-PREFILL_ENTRY(prefill_bf16_g4, false, 4)
-PREFILL_ENTRY(prefill_bf16_g8, false, 8)
-PREFILL_ENTRY(prefill_fp8_g1, true, 1)
-PREFILL_ENTRY(prefill_fp8_g2, true, 2)
-PREFILL_ENTRY(prefill_fp8_g3, true, 3)
-PREFILL_ENTRY(prefill_fp8_g4, true, 4)
-PREFILL_ENTRY(prefill_fp8_g8, true, 8)
+PREFILL_ENTRY(prefill_bf16_d64, false, 64)
+PREFILL_ENTRY(prefill_bf16_d128, false, 128)
+PREFILL_ENTRY(prefill_fp8_d64, true, 64)
+PREFILL_ENTRY(prefill_fp8_d128, true, 128)

@@ -1,5 +1,6 @@
-//! Causal prefill attention on the device (see `prefill.cu`): tiles of
-//! consecutive query tokens of one sequence share each K and V read.
+//! Causal prefill attention on the device, on tensor cores (see
+//! `prefill.cu`): tiles of consecutive query tokens of one sequence, times
+//! the query heads of one KV head, share each K and V read.
 
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
@@ -10,13 +11,25 @@ use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout};
 
-/// Query rows (tokens x heads of one KV head) per tile (`PF_ROWS`).
-const ROWS: usize = 32;
+/// Query rows (tokens x heads of one KV head) per tile (`PM_ROWS`).
+const ROWS: usize = 64;
 
-/// Group sizes the source instantiates.
-const GROUPS: [usize; 5] = [1, 2, 3, 4, 8];
+/// Threads of a block (`PM_THREADS`).
+const THREADS: u32 = 128;
 
-/// Splits query tokens into tiles of at most `32 / group` consecutive
+/// Head sizes the source instantiates.
+pub const PREFILL_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Whether [`Gpu::prefill_attention`] takes `heads` query heads over
+/// `kv_heads` of `head_dim`.
+pub fn prefill_supports(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    kv_heads > 0
+        && heads.is_multiple_of(kv_heads)
+        && heads / kv_heads <= ROWS
+        && PREFILL_HEAD_DIMS.contains(&head_dim)
+}
+
+/// Splits query tokens into tiles of at most `64 / group` consecutive
 /// tokens that share a block table (`table_off`) and have consecutive
 /// lengths: `(first token, tokens)` pairs, flattened.
 pub fn prefill_tiles(table_off: &[i32], lens: &[i32], group: usize) -> Vec<i32> {
@@ -63,26 +76,22 @@ impl Gpu {
             head_dim,
             page_size,
         } = kv.layout;
-        let group = heads / kv_heads.max(1);
-        if !heads.is_multiple_of(kv_heads) || !GROUPS.contains(&group) {
+        if !prefill_supports(heads, kv_heads, head_dim) {
             return Err(KernelError::Shape(format!(
-                "{heads} query heads over {kv_heads} KV heads: prefill supports groups of {GROUPS:?}"
+                "{heads} query heads over {kv_heads} KV heads of {head_dim}: prefill attention \
+                 takes groups of at most {ROWS} heads of {PREFILL_HEAD_DIMS:?}"
             )));
         }
-        if !head_dim.is_multiple_of(32) || head_dim > 128 {
-            return Err(KernelError::Shape(format!(
-                "head_dim {head_dim}: prefill supports multiples of 32 up to 128"
-            )));
-        }
+        let group = heads / kv_heads;
         let name = match kv.format {
-            KvFormat::Bf16 => format!("prefill_bf16_g{group}"),
-            KvFormat::Fp8 | KvFormat::Fp8Static => format!("prefill_fp8_g{group}"),
+            KvFormat::Bf16 => format!("prefill_bf16_d{head_dim}"),
+            KvFormat::Fp8 | KvFormat::Fp8Static => format!("prefill_fp8_d{head_dim}"),
         };
         let f = self.function(&name)?;
         let ints = [
             heads as i32,
             kv_heads as i32,
-            head_dim as i32,
+            group as i32,
             page_size as i32,
         ];
         let mut b = self.stream.launch_builder(f);
@@ -95,7 +104,7 @@ impl Gpu {
         b.arg(&scale);
         let cfg = LaunchConfig {
             grid_dim: (kv_heads as u32, (tiles.len() / 2) as u32, 1),
-            block_dim: (256, 1, 1),
+            block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: tiles index tokens of q, lens and table_off; tables hold
@@ -115,8 +124,8 @@ mod tests {
         // 3 tokens; then a lone decode token of the first table.
         let off = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 5, 5, 0];
         let lens = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 1, 2, 3, 40];
-        // Group 4: at most 8 tokens a tile.
-        assert_eq!(prefill_tiles(&off, &lens, 4), [0, 8, 8, 2, 10, 3, 13, 1]);
+        // Group 8: at most 8 tokens a tile.
+        assert_eq!(prefill_tiles(&off, &lens, 8), [0, 8, 8, 2, 10, 3, 13, 1]);
         assert_eq!(prefill_tiles(&off, &lens, 1), [0, 10, 10, 3, 13, 1]);
     }
 }

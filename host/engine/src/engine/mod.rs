@@ -73,9 +73,9 @@ pub struct EngineConfig {
     /// On CUDA: sample (temperature, top-k, top-p) on the device with the
     /// request's own draws, instead of downloading logits.
     pub device_sampling: bool,
-    /// On CUDA: attend prefill chunks with the flash-style prefill kernel
+    /// On CUDA: attend prefill chunks with the tensor-core prefill kernel
     /// instead of one decode-attention query per token.
-    pub flash_prefill: bool,
+    pub tensor_prefill: bool,
 }
 
 impl Default for EngineConfig {
@@ -90,7 +90,7 @@ impl Default for EngineConfig {
             cuda_pdl: true,
             cuda_fold: true,
             device_sampling: true,
-            flash_prefill: false,
+            tensor_prefill: false,
         }
     }
 }
@@ -197,7 +197,7 @@ impl Engine {
                 graphs: config.cuda_graphs,
                 programmatic: config.cuda_pdl,
                 fold: config.cuda_fold,
-                flash_prefill: config.flash_prefill,
+                tensor_prefill: config.tensor_prefill,
             },
         )?;
         let checker: Box<dyn IntegrityCheck> = if config.integrity {

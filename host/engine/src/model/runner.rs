@@ -27,8 +27,9 @@ pub struct RunnerOptions {
     /// On CUDA: one-token steps with bf16 weights fold the norms into
     /// their GEMVs.
     pub fold: bool,
-    /// On CUDA: prefill chunks attend with the flash-style prefill kernel.
-    pub flash_prefill: bool,
+    /// On CUDA: prefill chunks attend with the tensor-core prefill kernel
+    /// instead of one decode-attention query per token.
+    pub tensor_prefill: bool,
 }
 
 /// Where the KV pages live and the forward pass runs.
@@ -66,7 +67,7 @@ impl Runner {
                 let mut kv = model
                     .kv(o.kv_format, o.page_size, o.num_pages)
                     .map_err(|e| e.to_string())?;
-                kv.set_flash_prefill(o.flash_prefill);
+                kv.set_tensor_prefill(o.tensor_prefill);
                 Runner::Gpu(model, Box::new(kv))
             }
         })

@@ -109,14 +109,15 @@ pub struct GpuKv {
     graphs: HashMap<GraphKey, Graph>,
     /// Shapes met once (captured when they come again).
     seen: HashSet<GraphKey>,
-    /// Attend prefill chunks with the flash-style prefill kernel.
-    flash_prefill: bool,
+    /// Attend prefill chunks with the tensor-core prefill kernel.
+    tensor_prefill: bool,
 }
 
 impl GpuKv {
-    /// Uses the flash-style prefill kernel for steps with prefill chunks.
-    pub fn set_flash_prefill(&mut self, on: bool) {
-        self.flash_prefill = on;
+    /// Attends prefill chunks with the tensor-core prefill kernel instead
+    /// of one decode-attention query per token.
+    pub fn set_tensor_prefill(&mut self, on: bool) {
+        self.tensor_prefill = on;
     }
 }
 
@@ -255,7 +256,7 @@ impl GpuModel {
             work: None,
             graphs: HashMap::new(),
             seen: HashSet::new(),
-            flash_prefill: false,
+            tensor_prefill: false,
         })
     }
 

@@ -14,7 +14,7 @@
 //! offsets fixed by those three, in buffers that live as long as the graph.
 
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{PARTITION, prefill_tiles};
+use kiln_kernels::cuda::{PARTITION, prefill_supports, prefill_tiles};
 
 use super::inputs::{GRAPH_MAX_SEQS, Inputs, Layout, graph_bucket};
 use super::ops::{CudaStep, Shape};
@@ -98,9 +98,14 @@ impl GpuModel {
             }
             None => (tags.changes.len(), x.tables.len()),
         };
-        // Flash-style prefill when the step has a chunk of several tokens
-        // (never a captured step: those decode one token a sequence).
-        let tiles = if kv.flash_prefill && n > seqs {
+        // Tensor-core prefill attention when the step has a chunk of
+        // several tokens (never a captured step: those decode one token a
+        // sequence).
+        let c = &self.config;
+        let tiles = if kv.tensor_prefill
+            && n > seqs
+            && prefill_supports(c.heads, c.kv_heads, c.head_dim)
+        {
             let offs: Vec<i32> = x.offs.iter().map(|o| *o as i32).collect();
             let lens: Vec<i32> = x.lens.iter().map(|l| *l as i32).collect();
             prefill_tiles(
