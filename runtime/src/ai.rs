@@ -71,6 +71,10 @@ pub trait Inference: Send + Sync + 'static {
     fn stream(&self, call: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>>;
     /// The models `tenant` may call.
     fn list_models(&self, tenant: &str) -> Vec<ModelInfo>;
+    /// Sets `tenant`'s share of shared model capacity while tenants
+    /// compete: running slots and prompt tokens in proportion to `weight`
+    /// (1 unless set). A backend with nothing shared ignores it.
+    fn set_share_weight(&self, _tenant: &str, _weight: u32) {}
     /// Ends every call in flight with an error, refuses new ones and
     /// releases the backend's devices; returns once they are released. The
     /// server calls it when it shuts down, after draining.

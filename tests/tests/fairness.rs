@@ -22,9 +22,9 @@ fn params(max_tokens: usize) -> GenerateParams {
     }
 }
 
-#[test]
-fn a_burst_of_prompts_from_one_tenant_never_delays_another_tenants_tokens() {
-    let mut e = Engine::new(
+/// The default model's CPU engine: 64 tokens a step, 16 sequences.
+fn engine() -> Engine {
+    Engine::new(
         default_model(),
         EngineConfig {
             kv_format: KvFormat::Fp8,
@@ -37,7 +37,12 @@ fn a_burst_of_prompts_from_one_tenant_never_delays_another_tenants_tokens() {
             ..Default::default()
         },
     )
-    .expect("engine");
+    .expect("engine")
+}
+
+#[test]
+fn a_burst_of_prompts_from_one_tenant_never_delays_another_tenants_tokens() {
+    let mut e = engine();
     // Tenant 1's burst arrives first: twelve 60-token prompts, each of
     // which alone could fill a step's 64 tokens.
     let burst: Vec<u64> = (0..12)
@@ -74,4 +79,45 @@ fn a_burst_of_prompts_from_one_tenant_never_delays_another_tenants_tokens() {
     // The burst still ran to its end (12 prompts of 60, 8 tokens each).
     assert!(steps > 12, "the burst took {steps} steps");
     assert!(burst.iter().all(|s| *s != b));
+}
+
+/// The step in which each tenant's first request got its first token,
+/// tenant 1 weighing `weight` against tenant 2's 1, both with a burst of
+/// 48-token prompts and 64 tokens a step.
+fn first_tokens_by_weight(weight: u32) -> (usize, usize) {
+    let mut e = engine();
+    e.set_tenant_weight(TenantId(1), weight);
+    // Four prompts each, in turn: tenant 1's first, tenant 2's first, ...
+    let firsts: Vec<u64> = (0..4)
+        .flat_map(|i| [TenantId(1), TenantId(2)].map(|t| (t, i)))
+        .map(|(t, i)| e.add(t, ids(48, i * 2 + t.0), params(2)).unwrap())
+        .collect();
+    let (mut a, mut b) = (None, None);
+    let mut step = 0;
+    while e.has_work() && (a.is_none() || b.is_none()) {
+        step += 1;
+        for ev in e.step().unwrap() {
+            if let Event::Token { seq, .. } = ev {
+                if seq == firsts[0] {
+                    a.get_or_insert(step);
+                } else if seq == firsts[1] {
+                    b.get_or_insert(step);
+                }
+            }
+        }
+    }
+    (a.unwrap(), b.unwrap())
+}
+
+#[test]
+fn a_tenant_with_three_times_the_weight_gets_three_quarters_of_the_prompt_tokens() {
+    // Even weights: 32 tokens each a step, so each 48-token prompt needs
+    // two steps.
+    assert_eq!(first_tokens_by_weight(1), (2, 2));
+    // Weight 3 against 1: 48 and 16 a step. Tenant 1's prompt is done in
+    // one step; tenant 2's needs three (a little less each step once
+    // tenant 1's stream decodes first).
+    let (a, b) = first_tokens_by_weight(3);
+    assert_eq!(a, 1);
+    assert!(b >= 3, "tenant 2's first token in step {b}");
 }

@@ -53,6 +53,19 @@ async fn quota_exceeded_is_429_on_the_api_and_quota_exceeded_in_a_guest() {
     );
     // Bad policy input, unknown tenant, no admin token.
     assert_eq!(s.set_policy("a", json!({"tpm": 5})).await.status(), 400);
+    for w in [0, 1001] {
+        let resp = s.set_policy("b", json!({"weight": w})).await;
+        assert_eq!(resp.status(), 400, "weight {w}");
+        let body: serde_json::Value = resp.json().await.unwrap();
+        assert!(
+            body.to_string().contains("`weight` must be 1 to 1000"),
+            "{body}"
+        );
+    }
+    let resp = s.set_policy("b", json!({"weight": 3})).await;
+    assert_eq!(resp.status(), 200);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["weight"], 3, "{body}");
     assert_eq!(s.set_policy("nobody", json!({})).await.status(), 404);
     let resp = s
         .http

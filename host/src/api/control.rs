@@ -10,7 +10,7 @@ use super::{ApiError, Body, BoxError, json, require_admin, tenant_of};
 use crate::app::App;
 use crate::db::FunctionRow;
 use crate::names::Name;
-use crate::serving::policy::TenantPolicy;
+use crate::serving::policy::{MAX_WEIGHT, TenantPolicy};
 
 /// Reads a whole body, refusing more than `limit` bytes with a 413.
 ///
@@ -104,9 +104,18 @@ where
     let policy: TenantPolicy = serde_json::from_slice(&body).map_err(|e| {
         ApiError::bad_request(format!(
             "expected a JSON policy {{\"allowed_models\": [..], \"tokens_per_minute\": N, \
-             \"max_concurrent\": N}} (each optional): {e}"
+             \"max_concurrent\": N, \"max_instances\": N, \"weight\": N}} (each optional): {e}"
         ))
     })?;
+    if policy
+        .weight
+        .is_some_and(|w| !(1..=MAX_WEIGHT).contains(&w))
+    {
+        return Err(ApiError::bad_request(format!(
+            "`weight` must be 1 to {MAX_WEIGHT} (the tenant's share of a shared GPU against \
+             other tenants' weights; default 1)"
+        )));
+    }
     app.set_policy(&tenant, policy.clone())?;
     Ok(json(StatusCode::OK, policy_json(&tenant, &policy)))
 }
@@ -129,6 +138,8 @@ fn policy_json(tenant: &Name, p: &TenantPolicy) -> serde_json::Value {
         "allowed_models": p.allowed_models,
         "tokens_per_minute": p.tokens_per_minute,
         "max_concurrent": p.max_concurrent,
+        "max_instances": p.max_instances,
+        "weight": p.weight,
     })
 }
 

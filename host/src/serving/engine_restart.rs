@@ -49,6 +49,7 @@ impl PoolThread {
                 Some((salt, ids, params)) if !blamed.contains(&seq) && live.restarts == 0 => {
                     again.push(Msg::Submit(Submit {
                         tenant: live.tenant,
+                        weight: live.weight,
                         salt,
                         ids,
                         params,

@@ -33,6 +33,8 @@ use crate::model::Loaded;
 /// A tokenized request for one pool.
 pub(super) struct Submit {
     pub(super) tenant: Arc<str>,
+    /// The tenant's share weight (its policy's).
+    pub(super) weight: u32,
     pub(super) salt: Salt,
     pub(super) ids: Vec<u32>,
     pub(super) params: GenerateParams,
@@ -105,6 +107,8 @@ impl PoolHandle {
 struct Live {
     out: tmpsc::UnboundedSender<Out>,
     tenant: Arc<str>,
+    /// The tenant's share weight.
+    weight: u32,
     /// The request as submitted, until its first text goes out (after
     /// that, running it again would repeat text the caller has).
     replay: Option<(Salt, Vec<u32>, GenerateParams)>,
@@ -296,9 +300,11 @@ impl PoolThread {
 
     fn admit(&mut self, engine: &mut Engine, sub: Submit) {
         let tenant = self.tenant_id(&sub.tenant);
+        engine.set_tenant_weight(tenant, sub.weight);
         self.admitting = Some(Live {
             out: sub.out,
             tenant: sub.tenant,
+            weight: sub.weight,
             replay: Some((sub.salt, sub.ids.clone(), sub.params.clone())),
             restarts: sub.restarts,
         });

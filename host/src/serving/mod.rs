@@ -11,8 +11,8 @@ pub mod policy;
 pub mod router;
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, RwLock};
 
 use kiln_runtime::{
     AiError, Completion, FinishReason, Inference, ModelCall, ModelInfo, Params, Prompt, StreamEnd,
@@ -56,6 +56,8 @@ pub struct ServedModels {
     /// lives in memory).
     secret: [u8; 32],
     metrics: EngineMetrics,
+    /// Tenants' share weights from their policies (absent: 1).
+    weights: RwLock<HashMap<String, u32>>,
 }
 
 impl ServedModels {
@@ -110,6 +112,7 @@ impl ServedModels {
             models: map,
             secret,
             metrics,
+            weights: RwLock::default(),
         })
     }
 
@@ -204,8 +207,16 @@ impl ServedModels {
             .inc();
         let (out, rx) = tmpsc::unbounded_channel();
         pool.load.fetch_add(1, Ordering::Relaxed);
+        let weight = self
+            .weights
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(tenant)
+            .copied()
+            .unwrap_or(1);
         let sent = pool.tx.send(Msg::Submit(Submit {
             tenant: tenant.into(),
+            weight,
             salt,
             ids,
             params: generate,
@@ -358,6 +369,11 @@ impl Inference for ServedModels {
     fn stream(&self, call: ModelCall) -> Fut<'_, Box<dyn TokenStream>> {
         let rx = self.submit(&call.tenant, &call.model, call.prompt, call.params);
         Box::pin(async move { Ok(Box::new(Stream(rx?)) as Box<dyn TokenStream>) })
+    }
+
+    fn set_share_weight(&self, tenant: &str, weight: u32) {
+        let mut w = self.weights.write().unwrap_or_else(|p| p.into_inner());
+        w.insert(tenant.to_owned(), weight);
     }
 
     fn close(&self) {

@@ -33,7 +33,14 @@ pub struct TenantPolicy {
     /// Function instances in flight at once (default: the server's share
     /// of its instance pool, `--tenant-instance-share`).
     pub max_instances: Option<u32>,
+    /// Weight of the tenant's share of a shared GPU (running slots and
+    /// prompt tokens) while tenants compete, 1 to [`MAX_WEIGHT`] (default
+    /// 1): a tenant of weight 3 beside one of weight 1 gets three quarters.
+    pub weight: Option<u32>,
 }
+
+/// The largest share weight a policy may give.
+pub const MAX_WEIGHT: u32 = 1000;
 
 /// A tenant's policy and what it has used.
 #[derive(Debug, Default)]
@@ -223,6 +230,8 @@ impl Gateway {
 
     /// Replaces `tenant`'s policy.
     pub fn set_policy(&self, tenant: &str, policy: TenantPolicy) {
+        self.inner
+            .set_share_weight(tenant, policy.weight.unwrap_or(1));
         let state = self.state(tenant);
         *state.policy.write().unwrap_or_else(|p| p.into_inner()) = policy;
     }
@@ -465,6 +474,10 @@ impl Inference for Gateway {
             let permit = self.admit(&call.tenant, &call.model, Cost::of_call(&call))?;
             self.guard(permit, self.inner.stream(call)).await
         })
+    }
+
+    fn set_share_weight(&self, tenant: &str, weight: u32) {
+        self.inner.set_share_weight(tenant, weight);
     }
 
     fn close(&self) {

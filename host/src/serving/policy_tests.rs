@@ -240,3 +240,41 @@ async fn a_call_past_its_deadline_pays_all_it_reserved() {
     let u = g.usage("a");
     assert_eq!((u.tokens_last_minute, u.tokens_reserved), (40, 0));
 }
+
+/// Records the share weights it is given; serves nothing.
+#[derive(Default)]
+struct Weights(Mutex<Vec<(String, u32)>>);
+
+impl Inference for Weights {
+    fn call(&self, _: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
+        Box::pin(async { Err(AiError::RuntimeError("no models".into())) })
+    }
+    fn stream(&self, _: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
+        Box::pin(async { Err(AiError::RuntimeError("no models".into())) })
+    }
+    fn list_models(&self, _: &str) -> Vec<ModelInfo> {
+        Vec::new()
+    }
+    fn set_share_weight(&self, tenant: &str, weight: u32) {
+        self.0.lock().unwrap().push((tenant.into(), weight));
+    }
+}
+
+#[test]
+fn a_policys_weight_reaches_the_backend_and_an_unset_one_is_one() {
+    let inner = Arc::new(Weights::default());
+    let g = Gateway::new(
+        inner.clone(),
+        Duration::from_secs(5),
+        4,
+        EngineMetrics::default(),
+    );
+    let heavy = TenantPolicy {
+        weight: Some(3),
+        ..Default::default()
+    };
+    g.set_policy("a", heavy);
+    g.set_policy("b", TenantPolicy::default());
+    let seen = inner.0.lock().unwrap().clone();
+    assert_eq!(seen, [("a".to_string(), 3), ("b".to_string(), 1)]);
+}

@@ -288,6 +288,13 @@ impl Engine {
         !self.scheduler.is_empty()
     }
 
+    /// Sets `tenant`'s share weight: while tenants compete for this engine,
+    /// each gets running slots and prompt tokens in proportion to its
+    /// weight (1 unless set).
+    pub fn set_tenant_weight(&mut self, tenant: TenantId, weight: u32) {
+        self.scheduler.set_weight(tenant, weight);
+    }
+
     /// Queues a request for `prompt` tokens that bypasses the prefix cache.
     /// Errors if the prompt is empty or cannot fit the model's context or
     /// the whole KV pool.

@@ -1,9 +1,10 @@
 //! The scheduler: waiting and running sequences, a token budget per step,
-//! chunked prefill, preemption by recompute, and fairness across tenants:
-//! decodes run before prompt chunks, prompt tokens are shared max-min
-//! fairly among the tenants with prompts, and a tenant past its even share
-//! of the running slots waits while another tenant waits (planning in
-//! `scheduler_plan.rs`).
+//! chunked prefill, preemption by recompute, and fairness across tenants,
+//! each weighted by its policy's share (1 unless set): decodes run before
+//! prompt chunks, prompt tokens are shared max-min fairly among the tenants
+//! with prompts, a tenant past its share of the running slots waits while
+//! another tenant waits, and preemption takes from the tenant furthest
+//! over its share (planning in `scheduler_plan.rs`).
 //!
 //! Its [`SchedulerOutput`] is the engine's plan for a step.
 
@@ -102,6 +103,8 @@ pub struct Scheduler {
     /// Tenant served first at the next admission.
     next_tenant: TenantId,
     running: Vec<SeqId>,
+    /// Tenants' share weights (absent: 1).
+    weights: HashMap<TenantId, u32>,
 }
 
 impl Scheduler {
@@ -127,6 +130,21 @@ impl Scheduler {
             },
         );
         self.waiting.entry(tenant).or_default().push_back(seq);
+    }
+
+    /// Sets `tenant`'s share weight: when tenants compete, each gets slots
+    /// and prompt tokens in proportion to its weight (0 counts as 1).
+    pub fn set_weight(&mut self, tenant: TenantId, weight: u32) {
+        if weight <= 1 {
+            self.weights.remove(&tenant);
+        } else {
+            self.weights.insert(tenant, weight);
+        }
+    }
+
+    /// `tenant`'s share weight.
+    fn weight(&self, tenant: TenantId) -> usize {
+        self.weights.get(&tenant).map_or(1, |w| *w as usize)
     }
 
     /// Records a sampled token (the sequence grew by one).
@@ -171,19 +189,22 @@ impl Scheduler {
     }
 
     /// The running sequence to preempt: the newest one of the tenant with
-    /// the most running sequences, skipping those already in this step.
+    /// the most running sequences for its weight, skipping those already in
+    /// this step.
     fn victim(&self, protected: &HashSet<SeqId>) -> Option<SeqId> {
-        let mut best: Option<(usize, usize)> = None; // (tenant count, index)
+        // (running, weight, index): n / w compared as n * bw >= bn * w.
+        let mut best: Option<(usize, usize, usize)> = None;
         for (i, r) in self.running.iter().enumerate() {
             if protected.contains(r) {
                 continue;
             }
-            let n = self.running_of(self.seqs[r].tenant);
-            if best.is_none_or(|(bn, _)| n >= bn) {
-                best = Some((n, i));
+            let tenant = self.seqs[r].tenant;
+            let (n, w) = (self.running_of(tenant), self.weight(tenant));
+            if best.is_none_or(|(bn, bw, _)| n * bw >= bn * w) {
+                best = Some((n, w, i));
             }
         }
-        best.map(|(_, i)| self.running[i])
+        best.map(|(_, _, i)| self.running[i])
     }
 
     fn preempt(&mut self, seq: SeqId, kv: &mut KvCacheManager, out: &mut SchedulerOutput) {

@@ -1,5 +1,6 @@
 //! Planning a step: decodes first, then prompt tokens shared fairly among
-//! tenants, admissions within each tenant's share of the running slots.
+//! tenants by weight, admissions within each tenant's share of the running
+//! slots.
 
 use std::collections::{BTreeSet, HashSet, VecDeque};
 
@@ -10,9 +11,9 @@ impl Scheduler {
     /// Plans the next step, allocating KV pages for everything planned:
     /// every running sequence's decode token first, so arriving prompts
     /// never stall a stream; then prompt tokens, the rest of the budget
-    /// shared evenly among the tenants with prompts to compute (what one
-    /// cannot use goes to the others), admitting waiting sequences within
-    /// each tenant's share of the running slots.
+    /// shared among the tenants with prompts to compute in proportion to
+    /// their weights (what one cannot use goes to the others), admitting
+    /// waiting sequences within each tenant's share of the running slots.
     ///
     /// At most `prompt_cap` prompt tokens are planned (the engine's step
     /// time target).
@@ -44,7 +45,9 @@ impl Scheduler {
             .iter()
             .map(|t| self.prompt_demand(*t, &step.planned))
             .collect();
-        for (tenant, share) in tenants.iter().zip(fair_shares(step.budget, &demands)) {
+        let weights: Vec<usize> = tenants.iter().map(|t| self.weight(*t)).collect();
+        let shares = fair_shares(step.budget, &demands, &weights);
+        for (tenant, share) in tenants.iter().zip(shares) {
             if share > 0 {
                 self.prefill(*tenant, share, kv, &mut step);
             }
@@ -170,8 +173,8 @@ impl Scheduler {
     }
 
     /// Whether `tenant` may take a running slot: one is free, and the
-    /// tenant holds fewer than its even share of them or no other tenant
-    /// is waiting.
+    /// tenant holds fewer than its share of them (by weight, among the
+    /// tenants running or waiting) or no other tenant is waiting.
     fn may_admit(&self, tenant: TenantId) -> bool {
         if self.running.len() >= self.config.max_running {
             return false;
@@ -194,7 +197,8 @@ impl Scheduler {
                     .map(|(t, _)| *t),
             )
             .collect();
-        let share = self.config.max_running.div_ceil(active.len().max(1));
+        let total: usize = active.iter().map(|t| self.weight(*t)).sum();
+        let share = (self.config.max_running * self.weight(tenant)).div_ceil(total.max(1));
         !others_wait || self.running_of(tenant) < share
     }
 
@@ -236,28 +240,34 @@ impl Scheduler {
     }
 }
 
-/// `budget` shared among claims of `demands` tokens: max-min fair (a
-/// claim below the even share gets all it asks, the rest is split evenly
-/// among the others), the remainder of an uneven split to the first in
-/// order.
-pub fn fair_shares(budget: usize, demands: &[usize]) -> Vec<usize> {
+/// `budget` shared among claims of `demands` tokens with `weights`:
+/// weighted max-min fair (a claim below its weight's share of the rest
+/// gets all it asks; the others split what is left in proportion to their
+/// weights), the remainder of an uneven split to the first in order.
+pub fn fair_shares(budget: usize, demands: &[usize], weights: &[usize]) -> Vec<usize> {
     let n = demands.len();
+    let w = |i: usize| weights.get(i).copied().unwrap_or(1).max(1);
+    // By demand per unit of weight: d_i / w_i < d_j / w_j as d_i w_j < d_j w_i.
     let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by_key(|i| demands[*i]);
+    order.sort_by(|a, b| (demands[*a] * w(*b)).cmp(&(demands[*b] * w(*a))));
     let mut shares = vec![0; n];
     let mut left = budget;
+    let mut rest: usize = (0..n).map(w).sum();
     // Claims that fit under the water level get what they ask; the rest
-    // get the level.
+    // get the level times their weight.
     let mut k = 0;
-    while k < n && demands[order[k]].saturating_mul(n - k) <= left {
+    while k < n && demands[order[k]].saturating_mul(rest) <= left.saturating_mul(w(order[k])) {
         shares[order[k]] = demands[order[k]];
         left -= demands[order[k]];
+        rest -= w(order[k]);
         k += 1;
     }
     if k < n {
-        let level = left / (n - k);
-        order[k..].iter().for_each(|i| shares[*i] = level);
-        left -= level * (n - k);
+        let pool = left;
+        for i in &order[k..] {
+            shares[*i] = pool * w(*i) / rest;
+            left -= shares[*i];
+        }
     }
     for (share, demand) in shares.iter_mut().zip(demands) {
         let extra = (demand - *share).min(left);

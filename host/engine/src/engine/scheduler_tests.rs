@@ -116,17 +116,32 @@ fn pool_exhaustion_preempts_and_readmits_by_recompute() {
 
 #[test]
 fn fair_shares_give_small_claims_all_they_ask_and_split_the_rest_evenly() {
-    assert_eq!(fair_shares(64, &[1000]), [64]);
-    assert_eq!(fair_shares(64, &[1000, 1000]), [32, 32]);
-    assert_eq!(fair_shares(64, &[10, 1000]), [10, 54]);
-    assert_eq!(fair_shares(64, &[10, 1000, 1000]), [10, 27, 27]);
+    let even = |budget, demands: &[usize]| fair_shares(budget, demands, &vec![1; demands.len()]);
+    assert_eq!(even(64, &[1000]), [64]);
+    assert_eq!(even(64, &[1000, 1000]), [32, 32]);
+    assert_eq!(even(64, &[10, 1000]), [10, 54]);
+    assert_eq!(even(64, &[10, 1000, 1000]), [10, 27, 27]);
     assert_eq!(
-        fair_shares(65, &[1000, 1000]),
+        even(65, &[1000, 1000]),
         [33, 32],
         "the odd token to the first"
     );
-    assert_eq!(fair_shares(64, &[5, 6]), [5, 6], "less asked than there is");
-    assert_eq!(fair_shares(64, &[]), Vec::<usize>::new());
+    assert_eq!(even(64, &[5, 6]), [5, 6], "less asked than there is");
+    assert_eq!(even(64, &[]), Vec::<usize>::new());
+}
+
+#[test]
+fn fair_shares_split_by_weight_and_give_what_a_light_claim_leaves_to_the_others() {
+    assert_eq!(fair_shares(64, &[1000, 1000], &[3, 1]), [48, 16]);
+    assert_eq!(
+        fair_shares(60, &[1000, 1000, 1000], &[1, 2, 3]),
+        [10, 20, 30]
+    );
+    // Weight 3's share would be 48; it asks 20, so the other takes the rest.
+    assert_eq!(fair_shares(64, &[20, 1000], &[3, 1]), [20, 44]);
+    // A heavy claim that asks little is filled before the light ones.
+    assert_eq!(fair_shares(64, &[1000, 5, 1000], &[1, 4, 1]), [30, 5, 29]);
+    assert_eq!(fair_shares(64, &[1000], &[7]), [64], "alone, everything");
 }
 
 /// The tokens each tenant gets in `out`.
@@ -242,4 +257,51 @@ fn a_prompt_cap_limits_prompt_tokens_but_never_decodes() {
     let out = s.schedule(&mut kv, 10);
     let plan: Vec<_> = out.scheduled.iter().map(|x| (x.seq, x.count)).collect();
     assert_eq!(plan, [(1, 1), (2, 1), (3, 1), (9, 10)]);
+}
+
+#[test]
+fn a_heavier_tenant_gets_its_weights_share_of_prompt_tokens_and_slots() {
+    let mut kv = KvCacheManager::new(1024, 16);
+    let mut s = Scheduler::new(cfg(64, 8));
+    s.set_weight(TenantId(1), 3);
+    for id in 0..20 {
+        s.add(id, TenantId(1), 200, Vec::new());
+        s.add(100 + id, TenantId(2), 200, Vec::new());
+    }
+    let out = s.schedule(&mut kv, usize::MAX);
+    assert_eq!(
+        tokens_by_tenant(&s, &out),
+        BTreeMap::from([(1, 48), (2, 16)])
+    );
+    // Admissions go on until the slots are full: three for tenant 1 to
+    // every one of tenant 2's.
+    for _ in 0..40 {
+        s.schedule(&mut kv, usize::MAX);
+    }
+    assert_eq!(s.running(), 8);
+    assert_eq!(
+        (s.running_of(TenantId(1)), s.running_of(TenantId(2))),
+        (6, 2)
+    );
+}
+
+#[test]
+fn preemption_takes_from_the_tenant_furthest_over_its_weighted_share() {
+    let mut kv = KvCacheManager::new(64, 16);
+    let mut s = Scheduler::new(cfg(1000, 16));
+    s.set_weight(TenantId(1), 4);
+    // Tenant 1 (weight 4) runs 4 sequences, tenant 2 (weight 1) runs 2:
+    // per unit of weight, tenant 2 holds more.
+    for id in 0..4 {
+        s.add(id, TenantId(1), 16, Vec::new());
+    }
+    for id in 10..12 {
+        s.add(id, TenantId(2), 16, Vec::new());
+    }
+    s.schedule(&mut kv, usize::MAX);
+    assert_eq!(s.running(), 6);
+    let none = HashSet::new();
+    let v = s.victim(&none).unwrap();
+    assert_eq!(s.seqs[&v].tenant, TenantId(2), "victim {v}");
+    assert_eq!(v, 11, "the newest of that tenant");
 }

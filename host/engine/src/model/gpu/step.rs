@@ -102,20 +102,18 @@ impl GpuModel {
         // several tokens (never a captured step: those decode one token a
         // sequence).
         let c = &self.config;
-        let tiles = if kv.tensor_prefill
-            && n > seqs
-            && prefill_supports(c.heads, c.kv_heads, c.head_dim)
-        {
-            let offs: Vec<i32> = x.offs.iter().map(|o| *o as i32).collect();
-            let lens: Vec<i32> = x.lens.iter().map(|l| *l as i32).collect();
-            prefill_tiles(
-                &offs,
-                &lens,
-                self.config.heads / self.config.kv_heads.max(1),
-            )
-        } else {
-            Vec::new()
-        };
+        let tiles =
+            if kv.tensor_prefill && n > seqs && prefill_supports(c.heads, c.kv_heads, c.head_dim) {
+                let offs: Vec<i32> = x.offs.iter().map(|o| *o as i32).collect();
+                let lens: Vec<i32> = x.lens.iter().map(|l| *l as i32).collect();
+                prefill_tiles(
+                    &offs,
+                    &lens,
+                    self.config.heads / self.config.kv_heads.max(1),
+                )
+            } else {
+                Vec::new()
+            };
         let l = Layout::new(n, seqs, m, change_cap, table_cap, tiles.len() / 2);
         let words = l.words(&x, &tags, &tiles);
         let mut work = self.work(&mut kv.work, n, max_len, seqs, l.words)?;
