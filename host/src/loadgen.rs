@@ -1,13 +1,61 @@
 //! `kiln loadgen`: drives a running server's OpenAI API (streamed
-//! completions) with several tenants at once, each with its own number of
-//! clients, prompt length and output length, and reports per tenant the
+//! completions) with several tenants at once, each with its own clients
+//! (closed loop) or request rate (Poisson arrivals), and prompt and output
+//! lengths (fixed or uniform over a range), and reports per tenant the
 //! output tokens/s, time to first token and inter-token latency.
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
+
+/// A length drawn uniformly from `min..=max` for each request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lengths {
+    /// The shortest.
+    pub min: usize,
+    /// The longest.
+    pub max: usize,
+}
+
+impl Lengths {
+    /// Always `n`.
+    pub fn fixed(n: usize) -> Self {
+        Self { min: n, max: n }
+    }
+
+    /// One request's length.
+    fn draw(&self, rng: &mut StdRng) -> usize {
+        rng.random_range(self.min..=self.max)
+    }
+}
+
+impl FromStr for Lengths {
+    type Err = String;
+
+    /// `N` or `MIN-MAX`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let count = |v: &str| {
+            v.parse::<usize>()
+                .map_err(|_| format!("{v} is not a count (N or MIN-MAX)"))
+        };
+        let l = match s.split_once('-') {
+            Some((a, b)) => Self {
+                min: count(a)?,
+                max: count(b)?,
+            },
+            None => Self::fixed(count(s)?),
+        };
+        if l.min > l.max {
+            return Err(format!("{s}: the range runs backwards"));
+        }
+        Ok(l)
+    }
+}
 
 /// One tenant's share of the load.
 #[derive(Debug, Clone, PartialEq)]
@@ -16,55 +64,83 @@ pub struct TenantLoad {
     pub name: String,
     /// Its API key.
     pub key: String,
-    /// Clients sending one request after another.
+    /// Without a rate: clients sending one request after another. With
+    /// one: the most requests in flight at once (an arrival past it waits).
     pub clients: usize,
+    /// Requests per second, arriving as a Poisson process (none: closed
+    /// loop).
+    pub rate: Option<f64>,
     /// Tokens in each prompt (as the server's tokenizer counts them).
-    pub prompt_tokens: usize,
+    pub prompt_tokens: Lengths,
     /// `max_tokens` of each request.
-    pub max_tokens: usize,
+    pub max_tokens: Lengths,
 }
+
+/// What a tenant's load looks like on the command line.
+const FORM: &str = "NAME=KEY[,clients=N][,rate=PER_S][,prompt=TOKENS|MIN-MAX][,max=TOKENS|MIN-MAX]";
+
+/// Requests in flight at once for a rate without `clients`.
+const RATE_CLIENTS: usize = 1024;
 
 impl FromStr for TenantLoad {
     type Err = String;
 
-    /// `NAME=KEY[,clients=N][,prompt=TOKENS][,max=TOKENS]`.
+    /// [`FORM`].
     fn from_str(s: &str) -> Result<Self, String> {
         let mut parts = s.split(',');
         let head = parts.next().unwrap_or_default();
         let Some((name, key)) = head.split_once('=') else {
-            return Err(format!(
-                "`{s}`: expected NAME=KEY[,clients=N][,prompt=TOKENS][,max=TOKENS]"
-            ));
+            return Err(format!("`{s}`: expected {FORM}"));
         };
         let mut load = TenantLoad {
             name: name.into(),
             key: key.into(),
-            clients: 1,
-            prompt_tokens: 512,
-            max_tokens: 64,
+            clients: 0,
+            rate: None,
+            prompt_tokens: Lengths::fixed(512),
+            max_tokens: Lengths::fixed(64),
         };
         for part in parts {
             let (k, v) = part
                 .split_once('=')
                 .ok_or_else(|| format!("`{part}`: expected KEY=VALUE"))?;
-            let n: usize = v
-                .parse()
-                .map_err(|_| format!("`{part}`: {v} is not a count"))?;
+            let bad = |e: String| format!("`{part}`: {e}");
             match k {
-                "clients" => load.clients = n,
-                "prompt" => load.prompt_tokens = n,
-                "max" => load.max_tokens = n,
-                _ => return Err(format!("`{k}`: use clients, prompt or max")),
+                "clients" => {
+                    load.clients = v.parse().map_err(|_| bad(format!("{v} is not a count")))?
+                }
+                "rate" => {
+                    let r: f64 = v
+                        .parse()
+                        .map_err(|_| bad(format!("{v} is not requests per second")))?;
+                    if !(r > 0.0 && r.is_finite()) {
+                        return Err(bad("the rate must be above 0".into()));
+                    }
+                    load.rate = Some(r);
+                }
+                "prompt" => load.prompt_tokens = v.parse().map_err(bad)?,
+                "max" => load.max_tokens = v.parse().map_err(bad)?,
+                _ => return Err(format!("`{k}`: use clients, rate, prompt or max")),
             }
         }
-        if load.name.is_empty() || load.key.is_empty() || load.clients == 0 || load.max_tokens == 0
-        {
-            return Err(format!(
-                "`{s}`: name, key, clients and max must be non-empty"
-            ));
+        if load.clients == 0 && part_given(s, "clients") {
+            return Err(format!("`{s}`: clients must be at least 1"));
+        }
+        if load.clients == 0 {
+            load.clients = if load.rate.is_some() { RATE_CLIENTS } else { 1 };
+        }
+        if load.name.is_empty() || load.key.is_empty() || load.max_tokens.min == 0 {
+            return Err(format!("`{s}`: name, key and max must be non-empty"));
         }
         Ok(load)
     }
+}
+
+/// Whether `s` sets `key`.
+fn part_given(s: &str, key: &str) -> bool {
+    s.split(',')
+        .skip(1)
+        .any(|p| p.split_once('=').is_some_and(|(k, _)| k == key))
 }
 
 /// `kiln loadgen`'s settings.
@@ -77,8 +153,10 @@ pub struct LoadArgs {
     #[arg(long, default_value = crate::model::DEFAULT_MODEL)]
     pub model: String,
     /// A tenant's load, repeatable:
-    /// `NAME=KEY[,clients=N][,prompt=TOKENS][,max=TOKENS]` (1 client, 512
-    /// prompt tokens, 64 generated by default).
+    /// `NAME=KEY[,clients=N][,rate=PER_S][,prompt=TOKENS|MIN-MAX][,max=TOKENS|MIN-MAX]`
+    /// (1 client, 512 prompt tokens, 64 generated by default; with a rate,
+    /// Poisson arrivals with at most `clients` in flight, 1024 unless
+    /// given; a range draws each request's length uniformly).
     #[arg(long = "tenant", required = true)]
     pub tenants: Vec<TenantLoad>,
     /// Seconds during which clients start requests (those running at the
@@ -148,24 +226,26 @@ async fn completion(
     http.post(url).bearer_auth(key).json(body).send().await
 }
 
-/// One streamed completion, timed.
-async fn one(
-    http: &reqwest::Client,
-    args: &LoadArgs,
-    t: &TenantLoad,
-    tag: &str,
+/// One request: its tenant's key, prompt tag and words, and `max_tokens`.
+struct Request<'a> {
+    key: &'a str,
+    tag: String,
     words: usize,
-) -> anyhow::Result<Sample> {
+    max_tokens: usize,
+}
+
+/// One streamed completion, timed.
+async fn one(http: &reqwest::Client, args: &LoadArgs, r: Request<'_>) -> anyhow::Result<Sample> {
     let body = json!({
         "model": args.model,
-        "prompt": prompt(tag, words),
-        "max_tokens": t.max_tokens,
+        "prompt": prompt(&r.tag, r.words),
+        "max_tokens": r.max_tokens,
         "temperature": 0,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
     let start = Instant::now();
-    let mut resp = completion(http, args, &t.key, &body).await?;
+    let mut resp = completion(http, args, r.key, &body).await?;
     if !resp.status().is_success() {
         bail!(
             "status {}: {}",
@@ -236,47 +316,142 @@ async fn prompt_size(http: &reqwest::Client, args: &LoadArgs) -> anyhow::Result<
     bail!("no tenant's key could make the probe calls that size prompts")
 }
 
+/// What one tenant's requests got: samples and failures.
+type Got = (Vec<Sample>, usize);
+
+/// Adds one request's outcome to `got`; false when it failed.
+fn record(got: &mut Got, name: &str, result: anyhow::Result<Sample>) -> bool {
+    match result {
+        Ok(s) => {
+            got.0.push(s);
+            true
+        }
+        Err(e) => {
+            tracing::warn!(tenant = %name, "request failed: {e:#}");
+            got.1 += 1;
+            false
+        }
+    }
+}
+
+/// The shared parts of a run: the HTTP client, the settings, how words
+/// become tokens, and when requests stop starting.
+struct Run {
+    http: reqwest::Client,
+    args: LoadArgs,
+    per_word: f64,
+    fixed: f64,
+    deadline: Instant,
+}
+
+impl Run {
+    /// Request `n` of tenant `ti`'s source `c`, its lengths drawn.
+    fn request<'a>(
+        &self,
+        t: &'a TenantLoad,
+        id: (usize, usize, usize),
+        rng: &mut StdRng,
+    ) -> Request<'a> {
+        let tokens = t.prompt_tokens.draw(rng);
+        Request {
+            key: &t.key,
+            tag: format!("{}-{}-{}", id.0, id.1, id.2),
+            words: ((tokens as f64 - self.fixed) / self.per_word)
+                .round()
+                .max(1.0) as usize,
+            max_tokens: t.max_tokens.draw(rng),
+        }
+    }
+
+    /// One closed-loop client: a request, then the next, until the end.
+    async fn client(self: Arc<Self>, ti: usize, c: usize) -> Got {
+        let t = &self.args.tenants[ti];
+        let mut rng = StdRng::seed_from_u64((ti * 1_000_003 + c) as u64);
+        let mut got = (Vec::new(), 0);
+        let mut n = 0;
+        while Instant::now() < self.deadline {
+            n += 1;
+            let r = self.request(t, (ti, c, n), &mut rng);
+            if !record(&mut got, &t.name, one(&self.http, &self.args, r).await) {
+                // A failing client does not spin.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        got
+    }
+
+    /// Poisson arrivals at `rate` per second until the end, at most the
+    /// tenant's `clients` in flight.
+    async fn arrivals(self: Arc<Self>, ti: usize, rate: f64) -> anyhow::Result<Got> {
+        let t = &self.args.tenants[ti];
+        let slots = Arc::new(tokio::sync::Semaphore::new(t.clients));
+        let mut rng = StdRng::seed_from_u64(ti as u64 * 7919 + 1);
+        let (mut next, mut n, mut flying) = (Instant::now(), 0, Vec::new());
+        loop {
+            // Exponential gaps: 1 - u is in (0, 1], so its log is finite.
+            next += Duration::from_secs_f64(-(1.0 - rng.random::<f64>()).ln() / rate);
+            if next >= self.deadline {
+                break;
+            }
+            tokio::time::sleep_until(next.into()).await;
+            let slot = slots.clone().acquire_owned().await?;
+            n += 1;
+            let run = self.clone();
+            let id = (ti, 0, n);
+            let draw = StdRng::seed_from_u64(rng.random());
+            flying.push(tokio::spawn(async move {
+                let mut draw = draw;
+                let t = &run.args.tenants[ti];
+                let result = one(&run.http, &run.args, run.request(t, id, &mut draw)).await;
+                drop(slot);
+                result
+            }));
+        }
+        let mut got = (Vec::new(), 0);
+        for f in flying {
+            record(&mut got, &t.name, f.await?);
+        }
+        Ok(got)
+    }
+}
+
 /// Runs the load and reports per tenant, in the order given.
 pub async fn run(args: LoadArgs) -> anyhow::Result<Vec<TenantReport>> {
     let http = reqwest::Client::builder().build()?;
     let (per_word, fixed) = prompt_size(&http, &args).await?;
-    let args = std::sync::Arc::new(args);
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(args.duration_s);
+    let run = Arc::new(Run {
+        http,
+        args,
+        per_word,
+        fixed,
+        deadline,
+    });
     let mut tasks = Vec::new();
-    for (ti, t) in args.tenants.iter().enumerate() {
-        for c in 0..t.clients {
-            let (http, args, t) = (http.clone(), args.clone(), t.clone());
-            let words = ((t.prompt_tokens as f64 - fixed) / per_word)
-                .round()
-                .max(1.0) as usize;
-            tasks.push(tokio::spawn(async move {
-                let mut got = (Vec::new(), 0usize);
-                let mut n = 0;
-                while Instant::now() < deadline {
-                    n += 1;
-                    match one(&http, &args, &t, &format!("{ti}-{c}-{n}"), words).await {
-                        Ok(s) => got.0.push(s),
-                        Err(e) => {
-                            tracing::warn!(tenant = %t.name, "request failed: {e:#}");
-                            got.1 += 1;
-                            // A failing client does not spin.
-                            tokio::time::sleep(Duration::from_millis(100)).await;
-                        }
-                    }
+    for (ti, t) in run.args.tenants.iter().enumerate() {
+        match t.rate {
+            Some(rate) => {
+                let arrivals = tokio::spawn(run.clone().arrivals(ti, rate));
+                tasks.push((ti, tokio::spawn(async move { arrivals.await? })));
+            }
+            None => {
+                for c in 0..t.clients {
+                    let client = run.clone().client(ti, c);
+                    tasks.push((ti, tokio::spawn(async move { Ok(client.await) })));
                 }
-                (ti, got)
-            }));
+            }
         }
     }
-    let mut per: Vec<(Vec<Sample>, usize)> = vec![(Vec::new(), 0); args.tenants.len()];
-    for task in tasks {
-        let (ti, (samples, errors)) = task.await?;
+    let mut per: Vec<Got> = vec![(Vec::new(), 0); run.args.tenants.len()];
+    for (ti, task) in tasks {
+        let (samples, errors) = task.await??;
         per[ti].0.extend(samples);
         per[ti].1 += errors;
     }
     let secs = start.elapsed().as_secs_f64();
-    Ok(args
+    Ok(run
+        .args
         .tenants
         .iter()
         .zip(per)
@@ -342,16 +517,53 @@ mod tests {
                 t.name.as_str(),
                 t.key.as_str(),
                 t.clients,
+                t.rate,
                 t.prompt_tokens,
                 t.max_tokens
             ),
-            ("a", "sk-1", 200, 1024, 256)
+            (
+                "a",
+                "sk-1",
+                200,
+                None,
+                Lengths::fixed(1024),
+                Lengths::fixed(256)
+            )
         );
         let d: TenantLoad = "b=sk-2".parse().unwrap();
-        assert_eq!((d.clients, d.prompt_tokens, d.max_tokens), (1, 512, 64));
-        for bad in ["a", "a=k,clients=x", "a=k,speed=3", "=k", "a=k,clients=0"] {
+        assert_eq!(
+            (d.clients, d.prompt_tokens, d.max_tokens),
+            (1, Lengths::fixed(512), Lengths::fixed(64))
+        );
+        let r: TenantLoad = "c=k,rate=2.5,prompt=100-300,max=8-64".parse().unwrap();
+        assert_eq!((r.rate, r.clients), (Some(2.5), RATE_CLIENTS));
+        assert_eq!(r.prompt_tokens, Lengths { min: 100, max: 300 });
+        assert_eq!(r.max_tokens, Lengths { min: 8, max: 64 });
+        let capped: TenantLoad = "c=k,rate=1,clients=4".parse().unwrap();
+        assert_eq!(capped.clients, 4);
+        for bad in [
+            "a",
+            "a=k,clients=x",
+            "a=k,speed=3",
+            "=k",
+            "a=k,clients=0",
+            "a=k,rate=0",
+            "a=k,rate=-1",
+            "a=k,prompt=300-100",
+            "a=k,max=0",
+            "a=k,max=x-4",
+        ] {
             assert!(bad.parse::<TenantLoad>().is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn drawn_lengths_cover_their_range_and_stay_in_it() {
+        let l: Lengths = "10-13".parse().unwrap();
+        let mut rng = StdRng::seed_from_u64(1);
+        let seen: std::collections::BTreeSet<usize> = (0..200).map(|_| l.draw(&mut rng)).collect();
+        assert_eq!(seen.into_iter().collect::<Vec<_>>(), [10, 11, 12, 13]);
+        assert_eq!(Lengths::fixed(7).draw(&mut rng), 7);
     }
 
     #[test]

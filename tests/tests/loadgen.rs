@@ -1,5 +1,6 @@
 //! `kiln loadgen` against a real server with the default model: two
-//! tenants' streams, each measured apart.
+//! tenants' streams, one closed loop and one at a request rate, each
+//! measured apart.
 
 use kiln_host::loadgen::{self, LoadArgs};
 use kiln_host::model::DEFAULT_MODEL;
@@ -14,8 +15,11 @@ async fn loadgen_reports_each_tenants_tokens_and_latencies() {
         server: s.url.clone(),
         model: DEFAULT_MODEL.into(),
         tenants: vec![
-            format!("a={a},clients=2,prompt=40,max=6").parse().unwrap(),
-            format!("b={b},prompt=20,max=4").parse().unwrap(),
+            format!("a={a},clients=2,prompt=40,max=4-8")
+                .parse()
+                .unwrap(),
+            // Open loop: Poisson arrivals, 10 a second (about 20 in the run).
+            format!("b={b},rate=10,prompt=20,max=4").parse().unwrap(),
             "c=not-a-key,max=2".parse().unwrap(),
         ],
         duration_s: 2.0,
@@ -23,6 +27,7 @@ async fn loadgen_reports_each_tenants_tokens_and_latencies() {
     let reports = loadgen::run(args).await.unwrap();
     let names: Vec<_> = reports.iter().map(|r| r.name.as_str()).collect();
     assert_eq!(names, ["a", "b", "c"]);
+    assert!(reports[1].requests >= 5, "{:?}", reports[1]);
     for r in &reports[..2] {
         assert!(r.requests >= 1 && r.errors == 0, "{r:?}");
         assert!(r.output_tok_s > 0.0, "{r:?}");
