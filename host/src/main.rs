@@ -97,6 +97,10 @@ struct RunArgs {
 /// Engine settings shared by `run`, `bench` and `serve`.
 #[derive(clap::Args)]
 struct EngineArgs {
+    /// Weights of the projections: as the model stores them, or rounded to
+    /// 4-bit groups at load (W4A16; CPU only for now).
+    #[arg(long, value_enum, default_value_t = WeightsArg::Native)]
+    weights: WeightsArg,
     /// KV page format.
     #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
     kv: KvArg,
@@ -181,6 +185,24 @@ enum KvArg {
     Bf16,
 }
 
+/// Weight formats.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum WeightsArg {
+    /// As the model file stores them.
+    Native,
+    /// 4-bit groups of 128 (64 where rows are shorter), f16 scale and offset.
+    Int4,
+}
+
+impl WeightsArg {
+    fn format(self) -> kiln_host::model::WeightFormat {
+        match self {
+            WeightsArg::Native => kiln_host::model::WeightFormat::Native,
+            WeightsArg::Int4 => kiln_host::model::WeightFormat::Int4,
+        }
+    }
+}
+
 /// A switch.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum OnOff {
@@ -193,7 +215,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     use kiln_host::model::{self, ChatMessage};
     let config = args.engine.config()?;
     let source = model::resolve_model(&args.model, &model::default_cache_dir())?;
-    let loaded = model::load(&args.model, &source)?;
+    let loaded = model::load_as(&args.model, &source, args.engine.weights.format())?;
     let prompt = if args.chat {
         let msgs = [ChatMessage {
             role: "user".into(),
@@ -301,7 +323,8 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
     use kiln_host::model;
     let config = args.engine.config()?;
     let source = model::resolve_model(&args.model, &model::default_cache_dir())?;
-    let mut loaded = std::sync::Arc::new(model::load(&args.model, &source)?);
+    let weights = args.engine.weights.format();
+    let mut loaded = std::sync::Arc::new(model::load_as(&args.model, &source, weights)?);
     if let Some(reps) = args.ttft {
         let (row, _) = kiln_host::bench::ttft(loaded, config, args.prompt_tokens, reps)
             .map_err(anyhow::Error::msg)?;
@@ -502,7 +525,7 @@ fn model_backend(
     let mut engines = Vec::new();
     for (name, spec) in specs {
         let source = model::resolve_model(&spec, &model::default_cache_dir())?;
-        let loaded = model::load(&name, &source)?;
+        let loaded = model::load_as(&name, &source, args.engine.weights.format())?;
         tracing::info!(model = %name, "loaded {} parameters", loaded.model.config.parameters());
         engines.push((loaded, config.clone()));
     }

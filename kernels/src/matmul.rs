@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use crate::KernelError;
 use crate::qdot::{DecodedRow, block_sums, dequant_row, dot_row};
-use crate::quant::{DType, QK};
+use crate::quant::DType;
 use crate::simd::dot;
 
 /// A weight matrix: `rows` outputs of `cols` inputs each, row-major.
@@ -39,9 +39,10 @@ impl Weight {
         cols: usize,
         bytes: Vec<u8>,
     ) -> Result<Self, KernelError> {
-        if dtype.is_block() && !cols.is_multiple_of(QK) {
+        let block = dtype.block_len();
+        if !cols.is_multiple_of(block) {
             return Err(KernelError::Shape(format!(
-                "{dtype:?} rows must be a multiple of {QK} long, got {cols}"
+                "{dtype:?} rows must be a multiple of {block} long, got {cols}"
             )));
         }
         let want = dtype.bytes_for(cols).checked_mul(rows);
@@ -287,7 +288,7 @@ mod tests {
     #[test]
     fn matmul_matches_reference_for_every_dtype_and_batch() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        let (rows, cols) = (70, 96);
+        let (rows, cols) = (70, 384);
         let values: Vec<f32> = (0..rows * cols)
             .map(|_| rng.random_range(-1.0..1.0))
             .collect();
@@ -298,6 +299,8 @@ mod tests {
             DType::Q8_0,
             DType::Q4_0,
             DType::Q4_1,
+            DType::Int4G128,
+            DType::Int4G64,
         ] {
             let w = Weight::from_bytes(dtype, rows, cols, quantize(dtype, &values)).unwrap();
             for n in [1, 3, 5] {
@@ -321,5 +324,6 @@ mod tests {
         let mut out = vec![0.0; 2];
         assert!(matmul(&[0.0; 4], 1, &w, &mut out).is_err());
         assert!(Weight::from_bytes(DType::Q4_1, 1, 31, vec![0; 20]).is_err());
+        assert!(Weight::from_bytes(DType::Int4G128, 1, 96, vec![0; 51]).is_err());
     }
 }

@@ -4,7 +4,7 @@
 //! same f32 math as [`crate::quant::dequantize_row`] + a dot product, up to
 //! summation order; elsewhere they fall back to that scalar reference.
 
-use crate::quant::{DType, QK, dequantize_row};
+use crate::quant::{DType, INT4_HEADER, QK, dequantize_row};
 use crate::simd::dot;
 
 /// Per-block sums of an activation row (`x.len() / 32` of them), used for
@@ -27,7 +27,8 @@ fn has_fast() -> bool {
 
 /// A block-quantized row decoded once for several activation rows: the
 /// unscaled quants as floats and each block's scale `d` and offset `m`
-/// (so that `w = d · q + m`).
+/// (so that `w = d · q + m`). An int4 group counts as blocks of 32 with
+/// its scale and offset each.
 #[derive(Debug, Default, Clone)]
 pub struct DecodedRow {
     q: Vec<f32>,
@@ -58,9 +59,10 @@ impl DecodedRow {
         let (len, qoff) = match dtype {
             DType::Q4_1 => (20, 4),
             DType::Q4_0 => (18, 2),
+            DType::Int4G128 | DType::Int4G64 => (dtype.bytes_for(dtype.block_len()), INT4_HEADER),
             _ => (34, 2),
         };
-        let blocks = row.len() / len;
+        let blocks = row.len() / len * (dtype.block_len() / QK);
         self.q.resize(blocks * QK, 0.0);
         self.d.resize(blocks, 0.0);
         self.m.resize(blocks, 0.0);
@@ -68,6 +70,25 @@ impl DecodedRow {
         if has_fast() {
             // SAFETY: AVX2/FMA/F16C present; buffers sized for `blocks`.
             unsafe { avx2::decode(dtype, row, &mut self.q, &mut self.d, &mut self.m) };
+            return;
+        }
+        if let Some(group) = dtype.int4_group() {
+            let runs = group / QK;
+            for (g, grp) in row.chunks_exact(len).enumerate() {
+                let d = half::f16::from_le_bytes([grp[0], grp[1]]).to_f32();
+                let m = half::f16::from_le_bytes([grp[2], grp[3]]).to_f32();
+                for run in 0..runs {
+                    let b = runs * g + run;
+                    let q = &mut self.q[b * QK..(b + 1) * QK];
+                    let nib = &grp[qoff + 16 * run..qoff + 16 * (run + 1)];
+                    for (j, v) in nib.iter().enumerate() {
+                        q[j] = (v & 0x0f) as f32;
+                        q[j + 16] = (v >> 4) as f32;
+                    }
+                    self.d[b] = d;
+                    self.m[b] = m;
+                }
+            }
             return;
         }
         for (b, blk) in row.chunks_exact(len).enumerate() {
@@ -214,6 +235,27 @@ mod avx2 {
         }};
     }
 
+    /// Runs `$body` for each 32-weight run of a row of int4 `$dtype` with
+    /// `$b` (the run's index in the row), `$q` (its quants as
+    /// `[__m256; 4]`), `$d` and `$m` (its group's scale and offset).
+    macro_rules! int4_runs {
+        ($dtype:expr, $row:expr, $b:ident, $q:ident, $d:ident, $m:ident, $body:block) => {{
+            let group = $dtype.block_len();
+            let runs = group / 32;
+            for (g, grp) in $row.chunks_exact($dtype.bytes_for(group)).enumerate() {
+                // SAFETY: grp is a whole group: its header, then runs of 16.
+                unsafe {
+                    let ($d, $m) = (f16!(grp, 0), f16!(grp, 2));
+                    for run in 0..runs {
+                        let $b = runs * g + run;
+                        let $q = nibbles!(grp.as_ptr().add(crate::quant::INT4_HEADER + 16 * run));
+                        $body
+                    }
+                }
+            }
+        }};
+    }
+
     macro_rules! dot_loop {
         ($kind:ident, $len:expr, $row:expr, $x:expr, $sums:expr) => {{
             // Two accumulators hide the FMA latency of the running sum.
@@ -257,6 +299,14 @@ mod avx2 {
         m: &mut [f32],
     ) {
         match dtype {
+            DType::Int4G128 | DType::Int4G64 => int4_runs!(dtype, row, b, q, db, mb, {
+                let op = qf.as_mut_ptr().add(b * 32);
+                for (i, v) in q.iter().enumerate() {
+                    _mm256_storeu_ps(op.add(i * 8), *v);
+                }
+                d[b] = db;
+                m[b] = mb;
+            }),
             DType::Q4_1 => decode_loop!(Q4_1, 20, row, qf, d, m),
             DType::Q4_0 => decode_loop!(Q4_0, 18, row, qf, d, m),
             _ => decode_loop!(Q8_0, 34, row, qf, d, m),
@@ -303,6 +353,14 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot(dtype: DType, row: &[u8], x: &[f32], sums: &[f32]) -> f32 {
         match dtype {
+            DType::Int4G128 | DType::Int4G64 => {
+                let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                let mut offs = 0.0f32;
+                int4_runs!(dtype, row, b, q, d, m, {
+                    block_step!(q, d, m, x.as_ptr().add(b * 32), acc0, acc1, offs, sums[b]);
+                });
+                hsum(_mm256_add_ps(acc0, acc1)) + offs
+            }
             DType::Q4_1 => dot_loop!(Q4_1, 20, row, x, sums),
             DType::Q4_0 => dot_loop!(Q4_0, 18, row, x, sums),
             _ => dot_loop!(Q8_0, 34, row, x, sums),
@@ -329,6 +387,13 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dequant(dtype: DType, row: &[u8], out: &mut [f32]) {
         match dtype {
+            DType::Int4G128 | DType::Int4G64 => int4_runs!(dtype, row, b, q, d, m, {
+                let (dv, mv) = (_mm256_set1_ps(d), _mm256_set1_ps(m));
+                let op = out.as_mut_ptr().add(b * 32);
+                for (i, v) in q.iter().enumerate() {
+                    _mm256_storeu_ps(op.add(i * 8), _mm256_fmadd_ps(*v, dv, mv));
+                }
+            }),
             DType::Q4_1 => dequant_loop!(Q4_1, 20, row, out),
             DType::Q4_0 => dequant_loop!(Q4_0, 18, row, out),
             _ => dequant_loop!(Q8_0, 34, row, out),
@@ -346,7 +411,13 @@ mod tests {
     fn fast_paths_match_the_scalar_reference() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
         let cols = 256;
-        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        for dtype in [
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q8_0,
+            DType::Int4G128,
+            DType::Int4G64,
+        ] {
             let w: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
             let row = quantize(dtype, &w);
             let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-2.0..2.0)).collect();

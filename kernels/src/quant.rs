@@ -8,13 +8,25 @@
 //!
 //! In a nibble block, byte `j` holds weight `j` in its low nibble and weight
 //! `j + 16` in its high nibble.
+//!
+//! And Kiln's own W4A16 formats, [`DType::Int4G128`] and
+//! [`DType::Int4G64`]: groups of 128 (or 64) weights, each an f16 scale
+//! `d`, an f16 offset `m` and the group's nibbles in runs of 16 bytes, each
+//! run laid out as a Q4_1 block's (so `w = q * d + m`, the group's `d` and
+//! `m` shared by its runs). GPTQ and AWQ checkpoints (`w = (q - z) * s`)
+//! load into them with `d = s`, `m = -z * s`; `--weights int4` makes them
+//! from any model by rounding each group to nearest between its minimum
+//! and maximum (groups of 64 where rows are not a multiple of 128 long).
 
 use half::{bf16, f16};
 
 use crate::KernelError;
 
-/// Weights per quantization block.
+/// Weights per quantization block (GGUF's, and each run of a group).
 pub const QK: usize = 32;
+
+/// Bytes of an int4 group's header (f16 scale and offset).
+pub const INT4_HEADER: usize = 4;
 
 /// The element type of a weight tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -31,6 +43,11 @@ pub enum DType {
     Q4_1,
     /// GGUF Q8_0.
     Q8_0,
+    /// W4A16: 4-bit weights in groups of 128 with an f16 scale and offset
+    /// each.
+    Int4G128,
+    /// W4A16 in groups of 64.
+    Int4G64,
 }
 
 impl DType {
@@ -77,12 +94,37 @@ impl DType {
             DType::Q4_0 => n / QK * 18,
             DType::Q4_1 => n / QK * 20,
             DType::Q8_0 => n / QK * 34,
+            DType::Int4G128 | DType::Int4G64 => {
+                let g = self.block_len();
+                n / g * (INT4_HEADER + g / 2)
+            }
         }
     }
 
-    /// Whether rows must be a multiple of [`QK`] long.
+    /// Weights per group of an int4 type.
+    pub fn int4_group(self) -> Option<usize> {
+        match self {
+            DType::Int4G128 => Some(128),
+            DType::Int4G64 => Some(64),
+            _ => None,
+        }
+    }
+
+    /// Whether rows are made of blocks (a multiple of [`Self::block_len`]
+    /// long).
     pub fn is_block(self) -> bool {
-        matches!(self, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
+        self.block_len() > 1
+    }
+
+    /// Weights per block: the group for int4 types, [`QK`] for GGUF's
+    /// blocks, 1 for float types.
+    pub fn block_len(self) -> usize {
+        match self {
+            DType::Int4G128 => 128,
+            DType::Int4G64 => 64,
+            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => QK,
+            DType::F32 | DType::F16 | DType::BF16 => 1,
+        }
     }
 }
 
@@ -138,11 +180,110 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        DType::Int4G128 | DType::Int4G64 => {
+            let g = dtype.block_len();
+            for (o, grp) in out
+                .chunks_exact_mut(g)
+                .zip(bytes.chunks_exact(dtype.bytes_for(g)))
+            {
+                let (d, m) = (f16_at(grp, 0), f16_at(grp, 2));
+                for (run, o) in o.chunks_exact_mut(QK).enumerate() {
+                    for j in 0..16 {
+                        let q = grp[INT4_HEADER + 16 * run + j];
+                        o[j] = (q & 0x0f) as f32 * d + m;
+                        o[j + 16] = (q >> 4) as f32 * d + m;
+                    }
+                }
+            }
+        }
     }
 }
 
-/// Quantizes `values` (a multiple of [`QK`] long) into `dtype`'s format.
-/// Used to build test and synthetic weights; float types are stored as-is.
+/// Appends one int4 group from its scale, offset and quants (each 0..=15,
+/// 64 or 128 of them): `w = q * d + m`.
+pub fn push_int4_group(d: f16, m: f16, q: &[u8], out: &mut Vec<u8>) {
+    out.extend(d.to_le_bytes());
+    out.extend(m.to_le_bytes());
+    for q in q.chunks_exact(QK) {
+        for j in 0..16 {
+            out.push((q[j] & 0x0f) | (q[j + 16] << 4));
+        }
+    }
+}
+
+/// `values` (a multiple of `group` long) as int4 groups: each weight
+/// rounded to the nearest of its group's 16 levels `q * d + m`, with the
+/// `(d, m)` among a few candidates (the group's range, stretched or
+/// shrunk a little, each refitted by least squares to its own rounding)
+/// that leaves the least squared error.
+fn quantize_int4(values: &[f32], group: usize, out: &mut Vec<u8>) {
+    let mut q = vec![0u8; group];
+    for grp in values.chunks_exact(group) {
+        let (d, m) = int4_fit(grp, &mut q);
+        let (d, m) = (f16::from_f32(d), f16::from_f32(m));
+        // Round again with the scale and offset as stored.
+        int4_round(grp, d.to_f32(), m.to_f32(), &mut q);
+        push_int4_group(d, m, &q, out);
+    }
+}
+
+/// Rounds `w` to the nearest levels `q * d + m` (q in 0..=15) into `q`;
+/// returns the squared error.
+fn int4_round(w: &[f32], d: f32, m: f32, q: &mut [u8]) -> f32 {
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut err = 0.0;
+    for (q, v) in q.iter_mut().zip(w) {
+        *q = ((v - m) * id).round().clamp(0.0, 15.0) as u8;
+        let e = *q as f32 * d + m - v;
+        err += e * e;
+    }
+    err
+}
+
+/// The group's best `(d, m)` (see [`quantize_int4`]), `q` as scratch.
+fn int4_fit(w: &[f32], q: &mut [u8]) -> (f32, f32) {
+    let min = w.iter().copied().fold(f32::INFINITY, f32::min);
+    let max = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max <= min {
+        return (0.0, min);
+    }
+    let mut best = ((max - min) / 15.0, min);
+    let mut best_err = int4_round(w, best.0, best.1, q);
+    let n = w.len() as f32;
+    for step in -4..=8 {
+        // Levels spread over 15 + step / 4 steps of the range: a little
+        // wider or narrower than the range itself.
+        let d0 = (max - min) / (15.0 + step as f32 * 0.25);
+        int4_round(w, d0, min, q);
+        // Least squares for d and m given these levels.
+        let (mut sq, mut sq2, mut sw, mut sqw) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
+        for (qi, wi) in q.iter().zip(w) {
+            let qf = *qi as f32;
+            sq += qf;
+            sq2 += qf * qf;
+            sw += wi;
+            sqw += qf * wi;
+        }
+        let det = n * sq2 - sq * sq;
+        if det <= 0.0 {
+            continue;
+        }
+        let d = (n * sqw - sq * sw) / det;
+        let m = (sq2 * sw - sq * sqw) / det;
+        if d <= 0.0 {
+            continue;
+        }
+        let err = int4_round(w, d, m, q);
+        if err < best_err {
+            (best, best_err) = ((d, m), err);
+        }
+    }
+    best
+}
+
+/// Quantizes `values` (a multiple of `dtype`'s [`DType::block_len`] long)
+/// into `dtype`'s format. Used to build test and synthetic weights and for
+/// `--weights int4`; float types are stored as-is.
 pub fn quantize(dtype: DType, values: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(dtype.bytes_for(values.len()));
     match dtype {
@@ -192,6 +333,7 @@ pub fn quantize(dtype: DType, values: &[f32]) -> Vec<u8> {
                 }
             }
         }
+        DType::Int4G128 | DType::Int4G64 => quantize_int4(values, dtype.block_len(), &mut out),
     }
     out
 }
@@ -212,6 +354,9 @@ mod tests {
             (DType::Q8_0, 2e-2),
             (DType::Q4_0, 0.3),
             (DType::Q4_1, 0.3),
+            // (max - min) / 30 of these groups' range of 4, plus f16.
+            (DType::Int4G128, 0.14),
+            (DType::Int4G64, 0.14),
         ] {
             let bytes = quantize(dtype, &values);
             assert_eq!(bytes.len(), dtype.bytes_for(values.len()));
@@ -221,6 +366,46 @@ mod tests {
                 assert!((a - b).abs() <= tol, "{dtype:?}: {a} vs {b}");
             }
         }
+    }
+
+    #[test]
+    fn int4_groups_put_each_run_in_q4_1_order_and_share_their_scale() {
+        let q: Vec<u8> = (0..128).map(|i| (i * 7 % 16) as u8).collect();
+        let mut g = Vec::new();
+        push_int4_group(f16::from_f32(0.5), f16::from_f32(-2.0), &q, &mut g);
+        // Run 1, byte 0: weight 32 (low nibble) and weight 48 (high).
+        assert_eq!(g[4 + 16], q[32] | (q[48] << 4));
+        let mut out = vec![0.0; 128];
+        dequantize_row(DType::Int4G128, &g, &mut out);
+        for (i, w) in out.iter().enumerate() {
+            assert_eq!(*w, q[i] as f32 * 0.5 - 2.0, "weight {i}");
+        }
+        assert_eq!(DType::Int4G128.bytes_for(256), 2 * 68);
+        assert_eq!(DType::Int4G64.bytes_for(256), 4 * 36);
+    }
+
+    #[test]
+    fn fitted_int4_groups_leave_less_error_than_min_max_rounding() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        // Roughly normal weights (a sum of uniforms), 64 groups of 128.
+        let w: Vec<f32> = (0..128 * 64)
+            .map(|_| (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum())
+            .collect();
+        let mut q = vec![0u8; 128];
+        let (mut fitted, mut minmax) = (0.0, 0.0);
+        for g in w.chunks_exact(128) {
+            let (d, m) = int4_fit(g, &mut q);
+            fitted += int4_round(g, d, m, &mut q);
+            let min = g.iter().copied().fold(f32::INFINITY, f32::min);
+            let max = g.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            minmax += int4_round(g, (max - min) / 15.0, min, &mut q);
+        }
+        // Measured: 0.89 of min-max's squared error here.
+        assert!(
+            fitted < 0.92 * minmax,
+            "fitted {fitted} vs min-max {minmax}"
+        );
     }
 
     #[test]

@@ -395,6 +395,11 @@ pub async fn error_of(resp: reqwest::Response) -> (u16, String, String) {
 /// The default model (fetched into the cache on first use), loaded once
 /// per test process; each call gets its own copy of the weights.
 pub fn default_model() -> kiln_host::model::Loaded {
+    default_model_as(kiln_host::model::WeightFormat::Native)
+}
+
+/// The default model with its projections in `weights`.
+pub fn default_model_as(weights: kiln_host::model::WeightFormat) -> kiln_host::model::Loaded {
     use kiln_host::model;
     static SOURCE: OnceLock<Result<String, String>> = OnceLock::new();
     let source = SOURCE.get_or_init(|| {
@@ -402,7 +407,9 @@ pub fn default_model() -> kiln_host::model::Loaded {
             .map_err(|e| e.to_string())
     });
     match source {
-        Ok(s) => model::load(model::DEFAULT_MODEL, s).expect("loading the default model"),
+        Ok(s) => {
+            model::load_as(model::DEFAULT_MODEL, s, weights).expect("loading the default model")
+        }
         Err(e) => panic!("fetching the default model failed: {e}"),
     }
 }
@@ -416,4 +423,60 @@ pub fn kl_nats(a: &[f32], b: &[f32]) -> f64 {
     };
     let (pa, pb) = (log_softmax(a), log_softmax(b));
     pa.iter().zip(&pb).map(|(x, y)| x.exp() * (x - y)).sum()
+}
+
+/// Teacher-forced next-token agreement of `other` with `reference`: each
+/// prompt (a chat message, templated by the reference's tokenizer) runs
+/// through the reference's own greedy 32 tokens, and every position's
+/// logits are compared. Returns (positions whose argmax agrees,
+/// positions, mean KL(reference || other) in nats).
+pub fn teacher_forced(
+    reference: &mut kiln_host::engine::Engine,
+    other: &mut kiln_host::engine::Engine,
+    prompts: &[&str],
+) -> (usize, usize, f64) {
+    use kiln_host::engine::{GenerateParams, TenantId};
+    use kiln_host::model::ChatMessage;
+    let (mut agree, mut total, mut kl) = (0usize, 0usize, 0f64);
+    for p in prompts {
+        let tk = &reference.loaded().tokenizer;
+        let msgs = [ChatMessage {
+            role: "user".into(),
+            content: (*p).into(),
+        }];
+        let prompt = tk.encode(&tk.chat_prompt(&msgs).unwrap(), true).unwrap();
+        let greedy = GenerateParams {
+            max_tokens: 32,
+            temperature: 0.0,
+            ..Default::default()
+        };
+        let cont = reference
+            .generate(TenantId(1), prompt.clone(), greedy)
+            .unwrap()
+            .tokens;
+        let seq: Vec<u32> = prompt.iter().chain(&cont).copied().collect();
+        let a = reference
+            .teacher_forced_logits(TenantId(1), &seq, prompt.len())
+            .unwrap();
+        let b = other
+            .teacher_forced_logits(TenantId(1), &seq, prompt.len())
+            .unwrap();
+        for (la, lb) in a.iter().zip(&b) {
+            total += 1;
+            agree += usize::from(argmax(la) == argmax(lb));
+            kl += kl_nats(la, lb);
+        }
+    }
+    (agree, total, kl / total.max(1) as f64)
+}
+
+/// The index of the largest logit (the first of equals).
+fn argmax(l: &[f32]) -> usize {
+    l.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, v)| if *v > b.1 { (i, *v) } else { b },
+        )
+        .0
 }

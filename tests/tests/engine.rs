@@ -245,28 +245,7 @@ fn stop_strings_and_max_tokens_end_generation() {
 fn teacher_forced_against_bf16(format: KvFormat, prompts: &[&str]) -> (usize, usize, f64) {
     let mut bf = engine(KvFormat::Bf16, 64 << 20);
     let mut other = engine(format, 64 << 20);
-    let (mut agree, mut total, mut kl_sum) = (0usize, 0usize, 0f64);
-    for p in prompts {
-        let prompt = chat_ids(&bf, p);
-        let cont = bf
-            .generate(TenantId(1), prompt.clone(), greedy(32))
-            .unwrap()
-            .tokens;
-        let seq: Vec<u32> = prompt.iter().chain(&cont).copied().collect();
-        let a = bf
-            .teacher_forced_logits(TenantId(1), &seq, prompt.len())
-            .unwrap();
-        let b = other
-            .teacher_forced_logits(TenantId(1), &seq, prompt.len())
-            .unwrap();
-        for (la, lb) in a.iter().zip(&b) {
-            total += 1;
-            agree +=
-                usize::from(kiln_kernels::sample::argmax(la) == kiln_kernels::sample::argmax(lb));
-            kl_sum += kiln_tests::kl_nats(la, lb);
-        }
-    }
-    let kl = kl_sum / total as f64;
+    let (agree, total, kl) = kiln_tests::teacher_forced(&mut bf, &mut other, prompts);
     eprintln!(
         "{format:?} vs bf16 KV: argmax agreement {agree}/{total} = {:.4}, mean KL {kl:.5} nats",
         agree as f64 / total as f64

@@ -10,12 +10,31 @@ use kiln_kernels::quant::DType;
 use super::arch::{self, Block, Decoder};
 use super::cpu::{Host, Model};
 use super::gguf::Gguf;
+use super::int4::{self, Packed, QuantConfig};
 use super::{Loaded, ModelConfig, ModelError, Tokenizer};
 
-/// Loads `source`: a `.gguf` file, a Hugging Face directory (config.json,
-/// *.safetensors, tokenizer.json) or `synthetic:NAME`.
+/// The weights a model runs with.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// As the file stores them.
+    #[default]
+    Native,
+    /// Projections as bf16 (the reference the other formats are held to).
+    Bf16,
+    /// Projections rounded to int4 groups at load (W4A16).
+    Int4,
+}
+
+/// Loads `source` with its weights as stored: see [`load_as`].
 pub fn load(name: &str, source: &str) -> Result<Loaded, ModelError> {
-    let (model, tokenizer) = if let Some(spec) = source.strip_prefix("synthetic:") {
+    load_as(name, source, WeightFormat::Native)
+}
+
+/// Loads `source` (a `.gguf` file, a Hugging Face directory with
+/// config.json, *.safetensors (floats, or 4-bit GPTQ / AWQ) and
+/// tokenizer.json, or `synthetic:NAME`), its projections in `weights`.
+pub fn load_as(name: &str, source: &str, weights: WeightFormat) -> Result<Loaded, ModelError> {
+    let (mut model, tokenizer) = if let Some(spec) = source.strip_prefix("synthetic:") {
         super::synthetic::synthetic(spec)?
     } else {
         let path = Path::new(source);
@@ -25,6 +44,17 @@ pub fn load(name: &str, source: &str) -> Result<Loaded, ModelError> {
             gguf(path)?
         }
     };
+    match weights {
+        WeightFormat::Native => {}
+        WeightFormat::Bf16 => int4::projections_to_bf16(&mut model),
+        WeightFormat::Int4 => {
+            let (done, kept) = int4::quantize_projections(&mut model);
+            tracing::info!(
+                model = name,
+                "rounded {done} projections to int4 groups (kept {kept} whose rows are not a multiple of 64 long)"
+            );
+        }
+    }
     Ok(Loaded {
         name: name.to_owned(),
         model,
@@ -281,17 +311,47 @@ fn safetensors_dir(dir: &Path) -> Result<(Model, Tokenizer), ModelError> {
                 .map_err(|e| ModelError::Format(format!("safetensors: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let quant = QuantConfig::from_hf(&cfg)?;
     let get = |name: &str| -> Result<Option<Weight>, ModelError> {
         for st in &parsed {
             if let Ok(t) = st.tensor(name) {
                 return safetensors_weight(name, &t).map(Some);
             }
         }
-        Ok(None)
+        // A quantized checkpoint's projection: `.qweight`, `.qzeros`,
+        // `.scales` (and GPTQ's `.g_idx`) in place of `.weight`.
+        match (quant, name.strip_suffix(".weight")) {
+            (Some(q), Some(stem)) => packed(&parsed, stem)?
+                .map(|p| int4::unpack(stem, q, &p))
+                .transpose(),
+            _ => Ok(None),
+        }
     };
     let model = build(config, get, &HF_NAMES)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     Ok((model, tokenizer))
+}
+
+/// The packed tensors of projection `stem`, if its `qweight` is stored.
+fn packed<'a>(
+    parsed: &'a [safetensors::SafeTensors<'a>],
+    stem: &str,
+) -> Result<Option<Packed<'a>>, ModelError> {
+    let find = |suffix: &str| {
+        parsed
+            .iter()
+            .find_map(|st| st.tensor(&format!("{stem}.{suffix}")).ok())
+    };
+    let Some(qweight) = find("qweight") else {
+        return Ok(None);
+    };
+    let missing = |s: &str| ModelError::Format(format!("{stem}.qweight without {stem}.{s}"));
+    Ok(Some(Packed {
+        qweight,
+        qzeros: find("qzeros").ok_or_else(|| missing("qzeros"))?,
+        scales: find("scales").ok_or_else(|| missing("scales"))?,
+        g_idx: find("g_idx"),
+    }))
 }
 
 /// One safetensors tensor as a weight matrix (its last dimension the

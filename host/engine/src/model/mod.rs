@@ -9,6 +9,7 @@ mod cpu;
 mod fetch;
 pub mod gguf;
 pub mod gpu;
+pub mod int4;
 mod load;
 mod runner;
 pub mod step;
@@ -18,7 +19,7 @@ mod tokenizer;
 pub use config::{Arch, ModelConfig};
 pub use cpu::{KvCache, Model};
 pub use fetch::{DEFAULT_MODEL, default_cache_dir, resolve_model};
-pub use load::load;
+pub use load::{WeightFormat, load, load_as};
 pub use runner::{Runner, RunnerOptions};
 pub use tokenizer::{ChatMessage, Tokenizer};
 

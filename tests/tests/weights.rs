@@ -1,0 +1,58 @@
+//! Weight formats held to bf16 weights on the default model
+//! (SmolLM2-135M-Instruct, its Q4_1 blocks dequantized to bf16, then
+//! requantized): teacher-forced next-token agreement and mean KL.
+
+use kiln_host::engine::{Engine, EngineConfig};
+use kiln_host::model::WeightFormat;
+use kiln_kernels::kv::KvFormat;
+use kiln_tests::default_model_as;
+
+const PROMPTS: [&str; 8] = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Who wrote Hamlet?",
+    "Explain gravity in one sentence.",
+    "Translate 'hello' into Spanish.",
+    "How many legs does a spider have?",
+    "Describe a cat in five words.",
+];
+
+fn engine(weights: WeightFormat) -> Engine {
+    Engine::new(
+        default_model_as(weights),
+        EngineConfig {
+            kv_format: KvFormat::Bf16,
+            kv_memory: 64 << 20,
+            ..Default::default()
+        },
+    )
+    .expect("engine")
+}
+
+/// (agreeing positions, positions, mean KL in nats) of `weights` against
+/// bf16 weights.
+fn against_bf16(weights: WeightFormat) -> (usize, usize, f64) {
+    let mut bf = engine(WeightFormat::Bf16);
+    let mut other = engine(weights);
+    let (agree, total, kl) = kiln_tests::teacher_forced(&mut bf, &mut other, &PROMPTS);
+    eprintln!(
+        "{weights:?} vs bf16 weights: argmax agreement {agree}/{total} = {:.4}, mean KL {kl:.5} nats",
+        agree as f64 / total as f64
+    );
+    (agree, total, kl)
+}
+
+/// Measured on these prompts (188 positions): 140/188 (0.745) and a mean
+/// KL of 0.368 nats, against 133/188 and 0.378 for plain min-max rounding.
+/// This 135M model's argmax is fragile: the same run with 8-bit Q8_0
+/// weights agrees on 181/188 (0.963, KL 0.002), so int4 cannot reach the
+/// 95% that larger models do. The bounds hold today's quantizer to its
+/// figures and fail plain min-max rounding's KL.
+#[test]
+fn int4_weights_agree_with_bf16_weights_under_teacher_forcing() {
+    let (agree, total, kl) = against_bf16(WeightFormat::Int4);
+    let rate = agree as f64 / total as f64;
+    assert!(rate >= 0.72, "agreement {rate}");
+    assert!(kl <= 0.373, "mean KL {kl}");
+}
