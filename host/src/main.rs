@@ -98,7 +98,7 @@ struct RunArgs {
 #[derive(clap::Args)]
 struct EngineArgs {
     /// Weights of the projections: as the model stores them, or rounded to
-    /// 4-bit groups at load (W4A16; CPU only for now).
+    /// 4-bit groups at load (W4A16; CUDA runs them as Q4_1 blocks).
     #[arg(long, value_enum, default_value_t = WeightsArg::Native)]
     weights: WeightsArg,
     /// KV page format.

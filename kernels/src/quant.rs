@@ -199,6 +199,23 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// An int4 row (or rows) as GGUF Q4_1 blocks of the same values: each
+/// 32-weight run of a group becomes a block with the group's scale and
+/// offset (the runs are laid out as Q4_1's nibbles already). Costs 5 bits
+/// a weight instead of 4.25 (groups of 128), and runs every Q4_1 kernel.
+pub fn int4_as_q4_1(dtype: DType, bytes: &[u8]) -> Option<Vec<u8>> {
+    let group = dtype.int4_group()?;
+    let runs = group / QK;
+    let mut out = Vec::with_capacity(bytes.len() / dtype.bytes_for(group) * runs * 20);
+    for g in bytes.chunks_exact(dtype.bytes_for(group)) {
+        for run in 0..runs {
+            out.extend_from_slice(&g[..INT4_HEADER]);
+            out.extend_from_slice(&g[INT4_HEADER + 16 * run..INT4_HEADER + 16 * (run + 1)]);
+        }
+    }
+    Some(out)
+}
+
 /// Appends one int4 group from its scale, offset and quants (each 0..=15,
 /// 64 or 128 of them): `w = q * d + m`.
 pub fn push_int4_group(d: f16, m: f16, q: &[u8], out: &mut Vec<u8>) {
@@ -406,6 +423,23 @@ mod tests {
             fitted < 0.92 * minmax,
             "fitted {fitted} vs min-max {minmax}"
         );
+    }
+
+    #[test]
+    fn int4_rows_repacked_as_q4_1_blocks_hold_the_same_values() {
+        let values: Vec<f32> = (0..512)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 9.0)
+            .collect();
+        for dtype in [DType::Int4G128, DType::Int4G64] {
+            let bytes = quantize(dtype, &values);
+            let q41 = int4_as_q4_1(dtype, &bytes).unwrap();
+            assert_eq!(q41.len(), DType::Q4_1.bytes_for(values.len()));
+            let (mut a, mut b) = (vec![0.0; 512], vec![0.0; 512]);
+            dequantize_row(dtype, &bytes, &mut a);
+            dequantize_row(DType::Q4_1, &q41, &mut b);
+            assert_eq!(a, b, "{dtype:?}");
+        }
+        assert!(int4_as_q4_1(DType::Q4_1, &[]).is_none());
     }
 
     #[test]

@@ -329,7 +329,15 @@ fn gguf_blocks_dequantize_like_the_cpu() {
 fn block_quantized_matmul_and_embedding_match_float64() {
     let (be, mut r) = (backend(), rng());
     let (n, k) = (200, 256);
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+    // Int4 groups run as Q4_1 blocks on CUDA (repacked at upload).
+    let types = [
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Int4G128,
+        DType::Int4G64,
+    ];
+    for dtype in types {
         let w = Weight::from_bytes(
             dtype,
             n,
@@ -369,7 +377,7 @@ fn stacked_projections_match_float64_for_every_part() {
     let k = 256;
     // q, k and v of a grouped-query layer: a big part and two small ones.
     let parts = [96, 32, 32];
-    for dtype in [DType::F32, DType::Q8_0, DType::Q4_1] {
+    for dtype in [DType::F32, DType::Q8_0, DType::Q4_1, DType::Int4G128] {
         let ws: Vec<Weight> = parts
             .iter()
             .map(|&rows| {

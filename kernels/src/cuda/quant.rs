@@ -4,6 +4,8 @@
 //! bytes: decode GEMVs read the blocks directly; larger batches dequantize
 //! a bounded chunk of rows at a time into f32 for a cuBLAS f32 GEMM.
 
+use std::borrow::Cow;
+
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
 use rayon::prelude::*;
@@ -83,6 +85,19 @@ pub(super) fn kernel_suffix(dtype: DType) -> R<&'static str> {
     }
 }
 
+/// `w` as blocks a kernel reads: GGUF blocks as stored, int4 groups
+/// repacked as Q4_1 blocks of the same values (no int4 kernel yet); `None`
+/// for float types.
+fn device_blocks(w: &Weight) -> Option<(DType, Cow<'_, [u8]>)> {
+    let bytes = w.bytes()?;
+    if let Some(q41) = crate::quant::int4_as_q4_1(w.dtype(), bytes) {
+        return Some((DType::Q4_1, Cow::Owned(q41)));
+    }
+    kernel_suffix(w.dtype())
+        .ok()
+        .map(|_| (w.dtype(), Cow::Borrowed(bytes)))
+}
+
 /// `w`'s values rounded to bf16, row-major.
 fn bf16_rows(w: &Weight) -> Vec<bf16> {
     if let (DType::BF16, Some(bytes)) = (w.dtype(), w.bytes()) {
@@ -106,10 +121,10 @@ fn bf16_rows(w: &Weight) -> Vec<bf16> {
 impl Gpu {
     /// Uploads `w`: block types as they are, anything else as bf16.
     pub fn weight(&self, w: &Weight) -> R<DeviceWeight> {
-        if let (Ok(_), Some(bytes)) = (kernel_suffix(w.dtype()), w.bytes()) {
+        if let Some((dtype, bytes)) = device_blocks(w) {
             return Ok(DeviceWeight::Blocks {
-                dtype: w.dtype(),
-                bytes: self.upload(bytes)?,
+                dtype,
+                bytes: self.upload(&bytes)?,
             });
         }
         Ok(DeviceWeight::Bf16(self.upload(&bf16_rows(w))?))
@@ -126,17 +141,20 @@ impl Gpu {
         if ws.iter().any(|w| w.cols() != first.cols()) {
             return Ok(None);
         }
-        let blocks: Vec<Option<&[u8]>> = ws
-            .iter()
-            .map(|w| kernel_suffix(w.dtype()).ok().and(w.bytes()))
-            .collect();
+        let blocks: Vec<Option<(DType, Cow<'_, [u8]>)>> =
+            ws.iter().map(|w| device_blocks(w)).collect();
         if blocks.iter().all(Option::is_some) {
-            if ws.iter().any(|w| w.dtype() != first.dtype()) {
+            let dtype = blocks[0].as_ref().map(|b| b.0);
+            if blocks.iter().any(|b| b.as_ref().map(|b| b.0) != dtype) {
                 return Ok(None);
             }
-            let bytes: Vec<u8> = blocks.into_iter().flatten().flatten().copied().collect();
+            let bytes: Vec<u8> = blocks
+                .iter()
+                .flatten()
+                .flat_map(|(_, b)| b.iter().copied())
+                .collect();
             return Ok(Some(DeviceWeight::Blocks {
-                dtype: first.dtype(),
+                dtype: dtype.unwrap_or(first.dtype()),
                 bytes: self.upload(&bytes)?,
             }));
         }
