@@ -171,6 +171,21 @@ prefill)
     done
     timeout 200 python3 scripts/torch_prefill.py 2>&1 | grep -v Warning | tee "$out/torch-prefill.log"
     ;;
+weights)
+    # Decode by weight format, the seed's table: bf16 weights against int4
+    # (--weights int4, run as Q4_1 blocks on CUDA until the int4 kernel),
+    # same model and KV, one call (carry .gpu-bench).
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    set +e
+    for weights in native int4; do
+        echo "== weights: $weights" | tee -a "$out/weights.log"
+        timeout 250 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --weights "$weights" \
+            --kv fp8 --kv-memory 16GiB --concurrency 1,8,16,32,64 --prompt-tokens 512 --gen-tokens 128 \
+            2>&1 | grep -v INFO | tee -a "$out/weights.log"
+    done
+    ;;
 neighbour)
     # One tenant's burst against another's stream, through the API, on the
     # base build's server and this tree's (carry .gpu-bench; this tree's
@@ -254,7 +269,7 @@ ab)
     exit "$same"
     ;;
 *)
-    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | prefill | neighbour | shutdown" >&2
+    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | prefill | weights | neighbour | shutdown" >&2
     exit 2
     ;;
 esac
