@@ -190,6 +190,9 @@ enum KvArg {
 enum WeightsArg {
     /// As the model file stores them.
     Native,
+    /// FP8 e4m3 with a scale per output channel (CUDA runs them as bf16
+    /// for now).
+    Fp8,
     /// 4-bit groups of 128 (64 where rows are shorter), f16 scale and offset.
     Int4,
 }
@@ -198,6 +201,7 @@ impl WeightsArg {
     fn format(self) -> kiln_host::model::WeightFormat {
         match self {
             WeightsArg::Native => kiln_host::model::WeightFormat::Native,
+            WeightsArg::Fp8 => kiln_host::model::WeightFormat::Fp8,
             WeightsArg::Int4 => kiln_host::model::WeightFormat::Int4,
         }
     }

@@ -282,7 +282,7 @@ pub fn matmul_reference(x: &[f32], n: usize, w: &Weight) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::quantize;
+    use crate::quant::quantize_rows;
     use rand::{Rng, SeedableRng};
 
     #[test]
@@ -301,8 +301,10 @@ mod tests {
             DType::Q4_1,
             DType::Int4G128,
             DType::Int4G64,
+            DType::Fp8Row,
         ] {
-            let w = Weight::from_bytes(dtype, rows, cols, quantize(dtype, &values)).unwrap();
+            let w =
+                Weight::from_bytes(dtype, rows, cols, quantize_rows(dtype, cols, &values)).unwrap();
             for n in [1, 3, 5] {
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
                 let mut out = vec![f32::NAN; n * rows];

@@ -48,6 +48,9 @@ pub enum DType {
     Int4G128,
     /// W4A16 in groups of 64.
     Int4G64,
+    /// FP8 e4m3 weights with one f32 scale per row (per output channel):
+    /// each row is its scale (4 bytes) then its bytes, `w = e4m3 * s`.
+    Fp8Row,
 }
 
 impl DType {
@@ -98,6 +101,7 @@ impl DType {
                 let g = self.block_len();
                 n / g * (INT4_HEADER + g / 2)
             }
+            DType::Fp8Row => 4 + n,
         }
     }
 
@@ -123,7 +127,7 @@ impl DType {
             DType::Int4G128 => 128,
             DType::Int4G64 => 64,
             DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => QK,
-            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::F32 | DType::F16 | DType::BF16 | DType::Fp8Row => 1,
         }
     }
 }
@@ -179,6 +183,10 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                     o[j] = (b[2 + j] as i8) as f32 * d;
                 }
             }
+        }
+        DType::Fp8Row => {
+            let scale = f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+            crate::fp8::decode(&bytes[4..], scale, out);
         }
         DType::Int4G128 | DType::Int4G64 => {
             let g = dtype.block_len();
@@ -298,8 +306,18 @@ fn int4_fit(w: &[f32], q: &mut [u8]) -> (f32, f32) {
     best
 }
 
-/// Quantizes `values` (a multiple of `dtype`'s [`DType::block_len`] long)
-/// into `dtype`'s format. Used to build test and synthetic weights and for
+/// [`quantize`] row by row: `values` as rows of `cols` (for types with a
+/// scale per row, [`DType::Fp8Row`]; the same bytes as one call for the
+/// others).
+pub fn quantize_rows(dtype: DType, cols: usize, values: &[f32]) -> Vec<u8> {
+    values
+        .chunks(cols.max(1))
+        .flat_map(|row| quantize(dtype, row))
+        .collect()
+}
+
+/// Quantizes `values` (a multiple of `dtype`'s [`DType::block_len`] long;
+/// one row for [`DType::Fp8Row`]) into `dtype`'s format. Used to build test and synthetic weights and for
 /// `--weights int4`; float types are stored as-is.
 pub fn quantize(dtype: DType, values: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(dtype.bytes_for(values.len()));
@@ -351,6 +369,12 @@ pub fn quantize(dtype: DType, values: &[f32]) -> Vec<u8> {
             }
         }
         DType::Int4G128 | DType::Int4G64 => quantize_int4(values, dtype.block_len(), &mut out),
+        DType::Fp8Row => {
+            // One row: its scale, then its e4m3 bytes.
+            let mut q = vec![0u8; values.len()];
+            out.extend(crate::fp8::encode(values, &mut q).to_le_bytes());
+            out.extend(q);
+        }
     }
     out
 }
@@ -374,6 +398,8 @@ mod tests {
             // (max - min) / 30 of these groups' range of 4, plus f16.
             (DType::Int4G128, 0.14),
             (DType::Int4G64, 0.14),
+            // e4m3: 3 mantissa bits, values up to 2.
+            (DType::Fp8Row, 0.07),
         ] {
             let bytes = quantize(dtype, &values);
             assert_eq!(bytes.len(), dtype.bytes_for(values.len()));

@@ -53,13 +53,13 @@ struct PmTile {
 
 // Starts loading keys k0..k0+PM_BN-1 of (table, kvh) into dst, zeros past
 // maxlen: bf16 pages through cp.async, fp8 pages converted to f16 on the
-// way (with their scales into sc; a null scale buffer is the static
-// format's 1). Commits one cp.async group either way.
+// way (with their scales times `mul` into sc; a null scale buffer is the
+// static format's 1). Commits one cp.async group either way.
 template <bool FP8, int HD>
 __device__ __forceinline__ void pm_load(unsigned short (*dst)[HD + 8], float* sc,
                                         const unsigned char* base, const float* scales,
                                         const int* table, int k0, int maxlen, int kvh,
-                                        int kv_heads, int ps) {
+                                        int kv_heads, int ps, float mul) {
     constexpr int PER = FP8 ? 16 : 8;  // elements per 16-byte global piece
     constexpr int CH = HD / PER;
     for (int x = threadIdx.x; x < PM_BN * CH; x += PM_THREADS) {
@@ -78,7 +78,7 @@ __device__ __forceinline__ void pm_load(unsigned short (*dst)[HD + 8], float* sc
                 }
                 d[0] = make_uint4(h[0], h[1], h[2], h[3]);
                 d[1] = make_uint4(h[4], h[5], h[6], h[7]);
-                if (c == 0) sc[j] = scales ? scales[vec] : 1.0f;
+                if (c == 0) sc[j] = scales ? scales[vec] * mul : 1.0f;
             } else {
                 cp_async<16>(d, base + (vec * HD + c * 8) * 2);
             }
@@ -120,8 +120,12 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
     int maxlen = lens[t0 + cnt - 1];
     const unsigned char* kb = (const unsigned char*)kc;
     const unsigned char* vb = (const unsigned char*)vc;
-    pm_load<FP8, HD>(t.k, t.ks, kb, ks, table, 0, maxlen, kvh, kv_heads, ps);
-    pm_load<FP8, HD>(t.v, t.vs, vb, vs, table, 0, maxlen, kvh, kv_heads, ps);
+    // P times a V scale (amax / 448) can fall below f16's normal range for
+    // a head of small values; times 448 it is P times the vector's amax,
+    // and the output divides the 448 back out.
+    const float vmul = FP8 && vs ? FP8_MAX : 1.0f;
+    pm_load<FP8, HD>(t.k, t.ks, kb, ks, table, 0, maxlen, kvh, kv_heads, ps, 1.0f);
+    pm_load<FP8, HD>(t.v, t.vs, vb, vs, table, 0, maxlen, kvh, kv_heads, ps, vmul);
 
     // This lane's rows (g and g + 8 of the warp's 16), their spans and Q.
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
@@ -213,7 +217,8 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
         }
         __syncthreads();  // every warp is done with K of tile j
         if (j + 1 < ntiles)
-            pm_load<FP8, HD>(t.k, t.ks, kb, ks, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps);
+            pm_load<FP8, HD>(t.k, t.ks, kb, ks, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps,
+                             1.0f);
         else
             cp_commit();
         cp_wait<1>();  // V of tile j
@@ -240,14 +245,15 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
         }
         __syncthreads();  // every warp is done with V of tile j
         if (j + 1 < ntiles)
-            pm_load<FP8, HD>(t.v, t.vs, vb, vs, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps);
+            pm_load<FP8, HD>(t.v, t.vs, vb, vs, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps,
+                             vmul);
         else
             cp_commit();
     }
     cp_wait<0>();
     l0 = quad_sum(l0);
     l1 = quad_sum(l1);
-    float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    float i0 = l0 > 0.0f ? 1.0f / (l0 * vmul) : 0.0f, i1 = l1 > 0.0f ? 1.0f / (l1 * vmul) : 0.0f;
     float* o0 = out + ((size_t)(t0 + r0 / group) * n_heads + kvh * group + r0 % group) * HD;
     float* o1 = out + ((size_t)(t0 + r1 / group) * n_heads + kvh * group + r1 % group) * HD;
 #pragma unroll

@@ -83,6 +83,16 @@ impl Gpu {
             )));
         }
         let group = heads / kv_heads;
+        let n_tiles = tiles.len() / 2;
+        if n_tiles == 0 {
+            return Ok(());
+        }
+        if n_tiles > u16::MAX as usize {
+            return Err(KernelError::Shape(format!(
+                "{n_tiles} prefill tiles in one launch: at most {} (fewer tokens a step)",
+                u16::MAX
+            )));
+        }
         let name = match kv.format {
             KvFormat::Bf16 => format!("prefill_bf16_d{head_dim}"),
             KvFormat::Fp8 | KvFormat::Fp8Static => format!("prefill_fp8_d{head_dim}"),
@@ -103,7 +113,7 @@ impl Gpu {
         }
         b.arg(&scale);
         let cfg = LaunchConfig {
-            grid_dim: (kv_heads as u32, (tiles.len() / 2) as u32, 1),
+            grid_dim: (kv_heads as u32, n_tiles as u32, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };

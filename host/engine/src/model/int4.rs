@@ -1,6 +1,5 @@
-//! 4-bit weights (W4A16): GPTQ and AWQ checkpoints read into Kiln's int4
-//! groups (`kiln_kernels::quant`), and any model's projections rounded to
-//! them at load (`--weights int4`).
+//! 4-bit weights (W4A16) from GPTQ and AWQ checkpoints, read into Kiln's
+//! int4 groups (`kiln_kernels::quant`).
 //!
 //! Both checkpoint kinds store `w = (q - z) * s` for each group of `g`
 //! inputs of an output, with 4-bit `q` and `z` packed eight to an `i32`
@@ -13,12 +12,11 @@
 
 use half::f16;
 use kiln_kernels::matmul::Weight;
-use kiln_kernels::quant::{DType, push_int4_group, quantize};
+use kiln_kernels::quant::{DType, push_int4_group};
 use rayon::prelude::*;
 use safetensors::tensor::TensorView;
 
 use super::ModelError;
-use super::cpu::Model;
 
 /// AWQ's packing order: nibble `i` of a word holds output `AWQ_ORDER[i]`.
 const AWQ_ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
@@ -222,69 +220,6 @@ fn int4_type(group: usize) -> DType {
     } else {
         DType::Int4G128
     }
-}
-
-/// Rounds `w` to int4 groups of 128 inputs (64 where its rows are not a
-/// multiple of 128 long); `None` when neither divides its rows or it is
-/// int4 already.
-fn to_int4(w: &Weight) -> Option<Weight> {
-    let cols = w.cols();
-    let dtype = [DType::Int4G128, DType::Int4G64]
-        .into_iter()
-        .find(|d| cols.is_multiple_of(d.block_len()))?;
-    if w.dtype().int4_group().is_some() {
-        return None;
-    }
-    let bytes: Vec<u8> = values(w)
-        .par_chunks(cols)
-        .flat_map_iter(|row| quantize(dtype, row))
-        .collect();
-    Weight::from_bytes(dtype, w.rows(), cols, bytes).ok()
-}
-
-/// Every projection of `model`: q, k, v, o, gate, up, down (not the
-/// embedding or the output head).
-fn projections(model: &mut Model) -> Vec<&mut Weight> {
-    let mut weights: Vec<&mut Weight> = Vec::new();
-    for b in &mut model.weights.blocks {
-        weights.extend(b.qkv.iter_mut());
-        weights.push(&mut b.wo);
-        weights.extend(b.gate_up.iter_mut());
-        weights.push(&mut b.down);
-    }
-    weights
-}
-
-/// `w`'s values as f32, row-major.
-fn values(w: &Weight) -> Vec<f32> {
-    let mut values = vec![0.0f32; w.rows() * w.cols()];
-    values
-        .par_chunks_mut(w.cols())
-        .enumerate()
-        .for_each(|(r, row)| w.row(r, row));
-    values
-}
-
-/// Stores every projection of `model` as bf16.
-pub fn projections_to_bf16(model: &mut Model) {
-    for w in projections(model) {
-        let bytes = quantize(DType::BF16, &values(w));
-        if let Ok(b) = Weight::from_bytes(DType::BF16, w.rows(), w.cols(), bytes) {
-            *w = b;
-        }
-    }
-}
-
-/// Rounds every projection of `model` to int4 where its rows allow;
-/// returns how many it rounded and how many it left as they were.
-pub fn quantize_projections(model: &mut Model) -> (usize, usize) {
-    let weights = projections(model);
-    let total = weights.len();
-    let done = weights
-        .into_iter()
-        .filter_map(|w| to_int4(w).map(|q| *w = q))
-        .count();
-    (done, total - done)
 }
 
 #[cfg(test)]

@@ -8,22 +8,11 @@ use kiln_kernels::ops::{Llama3Scaling, Rope, RopeStyle};
 use kiln_kernels::quant::DType;
 
 use super::arch::{self, Block, Decoder};
+use super::convert::{WeightFormat, convert};
 use super::cpu::{Host, Model};
 use super::gguf::Gguf;
 use super::int4::{self, Packed, QuantConfig};
 use super::{Loaded, ModelConfig, ModelError, Tokenizer};
-
-/// The weights a model runs with.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum WeightFormat {
-    /// As the file stores them.
-    #[default]
-    Native,
-    /// Projections as bf16 (the reference the other formats are held to).
-    Bf16,
-    /// Projections rounded to int4 groups at load (W4A16).
-    Int4,
-}
 
 /// Loads `source` with its weights as stored: see [`load_as`].
 pub fn load(name: &str, source: &str) -> Result<Loaded, ModelError> {
@@ -44,16 +33,12 @@ pub fn load_as(name: &str, source: &str, weights: WeightFormat) -> Result<Loaded
             gguf(path)?
         }
     };
-    match weights {
-        WeightFormat::Native => {}
-        WeightFormat::Bf16 => int4::projections_to_bf16(&mut model),
-        WeightFormat::Int4 => {
-            let (done, kept) = int4::quantize_projections(&mut model);
-            tracing::info!(
-                model = name,
-                "rounded {done} projections to int4 groups (kept {kept} whose rows are not a multiple of 64 long)"
-            );
-        }
+    if weights != WeightFormat::Native {
+        let (done, kept) = convert(&mut model, weights);
+        tracing::info!(
+            model = name,
+            "{done} projections as {weights:?} ({kept} kept as stored)"
+        );
     }
     Ok(Loaded {
         name: name.to_owned(),

@@ -5,6 +5,7 @@
 
 mod arch;
 mod config;
+mod convert;
 mod cpu;
 mod fetch;
 pub mod gguf;
@@ -17,9 +18,10 @@ mod synthetic;
 mod tokenizer;
 
 pub use config::{Arch, ModelConfig};
+pub use convert::WeightFormat;
 pub use cpu::{KvCache, Model};
 pub use fetch::{DEFAULT_MODEL, default_cache_dir, resolve_model};
-pub use load::{WeightFormat, load, load_as};
+pub use load::{load, load_as};
 pub use runner::{Runner, RunnerOptions};
 pub use tokenizer::{ChatMessage, Tokenizer};
 
