@@ -172,14 +172,15 @@ prefill)
     timeout 200 python3 scripts/torch_prefill.py 2>&1 | grep -v Warning | tee "$out/torch-prefill.log"
     ;;
 weights)
-    # Decode by weight format, the seed's table: bf16 weights against int4
-    # (--weights int4, run as Q4_1 blocks on CUDA until the int4 kernel),
-    # same model and KV, one call (carry .gpu-bench).
+    # Decode by weight format, the seed's table: bf16 weights against FP8
+    # rows (--weights fp8, W8A16 GEMV) and int4 (--weights int4, run as Q4_1
+    # blocks on CUDA until the int4 kernel), same model and KV, one call
+    # (carry .gpu-bench).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
     set +e
-    for weights in native int4; do
+    for weights in native fp8 int4; do
         echo "== weights: $weights" | tee -a "$out/weights.log"
         timeout 250 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --weights "$weights" \
             --kv fp8 --kv-memory 16GiB --concurrency 1,8,16,32,64 --prompt-tokens 512 --gen-tokens 128 \

@@ -190,8 +190,8 @@ enum KvArg {
 enum WeightsArg {
     /// As the model file stores them.
     Native,
-    /// FP8 e4m3 with a scale per output channel (CUDA runs them as bf16
-    /// for now).
+    /// FP8 e4m3 with a scale per output channel (W8A16: activations stay
+    /// f32).
     Fp8,
     /// 4-bit groups of 128 (64 where rows are shorter), f16 scale and offset.
     Int4,

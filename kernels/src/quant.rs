@@ -28,6 +28,9 @@ pub const QK: usize = 32;
 /// Bytes of an int4 group's header (f16 scale and offset).
 pub const INT4_HEADER: usize = 4;
 
+/// Bytes of a [`DType::Fp8Row`] row's header (f32 scale, 12 zeros).
+pub const FP8_ROW_HEADER: usize = 16;
+
 /// The element type of a weight tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
@@ -49,7 +52,9 @@ pub enum DType {
     /// W4A16 in groups of 64.
     Int4G64,
     /// FP8 e4m3 weights with one f32 scale per row (per output channel):
-    /// each row is its scale (4 bytes) then its bytes, `w = e4m3 * s`.
+    /// each row is a 16-byte header (its f32 scale, then zeros, so the
+    /// bytes after it stay 16-byte aligned on the device) then its bytes,
+    /// `w = e4m3 * s`.
     Fp8Row,
 }
 
@@ -101,7 +106,7 @@ impl DType {
                 let g = self.block_len();
                 n / g * (INT4_HEADER + g / 2)
             }
-            DType::Fp8Row => 4 + n,
+            DType::Fp8Row => FP8_ROW_HEADER + n,
         }
     }
 
@@ -186,7 +191,7 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
         }
         DType::Fp8Row => {
             let scale = f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
-            crate::fp8::decode(&bytes[4..], scale, out);
+            crate::fp8::decode(&bytes[FP8_ROW_HEADER..], scale, out);
         }
         DType::Int4G128 | DType::Int4G64 => {
             let g = dtype.block_len();
@@ -370,9 +375,10 @@ pub fn quantize(dtype: DType, values: &[f32]) -> Vec<u8> {
         }
         DType::Int4G128 | DType::Int4G64 => quantize_int4(values, dtype.block_len(), &mut out),
         DType::Fp8Row => {
-            // One row: its scale, then its e4m3 bytes.
+            // One row: its header, then its e4m3 bytes.
             let mut q = vec![0u8; values.len()];
             out.extend(crate::fp8::encode(values, &mut q).to_le_bytes());
+            out.extend([0u8; FP8_ROW_HEADER - 4]);
             out.extend(q);
         }
     }

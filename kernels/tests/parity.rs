@@ -336,13 +336,14 @@ fn block_quantized_matmul_and_embedding_match_float64() {
         DType::Q4_1,
         DType::Int4G128,
         DType::Int4G64,
+        DType::Fp8Row,
     ];
     for dtype in types {
         let w = Weight::from_bytes(
             dtype,
             n,
             k,
-            quant::quantize(dtype, &random(&mut r, n * k, 0.5)),
+            quant::quantize_rows(dtype, k, &random(&mut r, n * k, 0.5)),
         )
         .unwrap();
         let rows = values_of(&w);
@@ -377,7 +378,13 @@ fn stacked_projections_match_float64_for_every_part() {
     let k = 256;
     // q, k and v of a grouped-query layer: a big part and two small ones.
     let parts = [96, 32, 32];
-    for dtype in [DType::F32, DType::Q8_0, DType::Q4_1, DType::Int4G128] {
+    for dtype in [
+        DType::F32,
+        DType::Q8_0,
+        DType::Q4_1,
+        DType::Int4G128,
+        DType::Fp8Row,
+    ] {
         let ws: Vec<Weight> = parts
             .iter()
             .map(|&rows| {
@@ -387,7 +394,8 @@ fn stacked_projections_match_float64_for_every_part() {
                     let rounded = values.iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
                     Weight::from_f32(rows, k, rounded).unwrap()
                 } else {
-                    Weight::from_bytes(dtype, rows, k, quant::quantize(dtype, &values)).unwrap()
+                    Weight::from_bytes(dtype, rows, k, quant::quantize_rows(dtype, k, &values))
+                        .unwrap()
                 }
             })
             .collect();

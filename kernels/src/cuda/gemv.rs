@@ -139,7 +139,7 @@ impl Gpu {
                     while r0 < rows {
                         let r1 = (r0 + rows_per_chunk).min(rows);
                         let src = bytes.slice((base + r0) * row_bytes..(base + r1) * row_bytes);
-                        self.dequantize_view(*dtype, &src, deq, (r1 - r0) * k)?;
+                        self.dequantize_rows(*dtype, &src, deq, r1 - r0, k)?;
                         self.gemm_f32(x, deq, o, GemmShape { m, n: rows, k }, r0..r1)?;
                         r0 = r1;
                     }

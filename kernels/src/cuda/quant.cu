@@ -116,6 +116,88 @@ __device__ void embed_q(const unsigned char* table, const unsigned* ids, float* 
     for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = block_elem<DT>(row, i);
 }
 
+// FP8 rows (DType::Fp8Row): each row a 16-byte header (f32 scale, zeros)
+// then K e4m3 bytes; w = e4m3 * scale. Decode GEMV: one warp per row, 16
+// weights per lane load, f32 sums, the scale applied once per row.
+__device__ void gemv_fp8_rows(const float* x, const unsigned char* w, Outs o, int M, int K) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int n = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (n >= o.n) return;
+    const unsigned char* row = w + (size_t)n * (16 + K);
+    float scale = *(const float*)row;
+    const uint4* q = (const uint4*)(row + 16);
+    float acc[GEMV_MAX_M];
+#pragma unroll
+    for (int m = 0; m < GEMV_MAX_M; m++) acc[m] = 0.0f;
+    for (int c = lane; c < K / 16; c += 32) {
+        uint4 p = ld_stream(q + c);
+        const unsigned short* pairs = (const unsigned short*)&p;
+        float wf[16];
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pairs[e], __NV_E4M3);
+            float2 f = __half22float2(*(const __half2*)&hr);
+            wf[2 * e] = f.x;
+            wf[2 * e + 1] = f.y;
+        }
+#pragma unroll
+        for (int m = 0; m < GEMV_MAX_M; m++) {
+            if (m < M) {
+                const float4* xv = (const float4*)(x + (size_t)m * K + c * 16);
+                float dot = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    float4 a = xv[j];
+                    dot += a.x * wf[4 * j] + a.y * wf[4 * j + 1] + a.z * wf[4 * j + 2] +
+                           a.w * wf[4 * j + 3];
+                }
+                acc[m] += dot;
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < GEMV_MAX_M; m++) {
+        if (m < M) {
+            float v = warp_sum(acc[m]);
+            if (lane == 0) put_out(o, m, n, v * scale);
+        }
+    }
+}
+
+extern "C" __global__ void gemv_fp8row(const float* x, const unsigned char* w, float* o0,
+                                       float* o1, float* o2, int n0, int n1, int M, int N,
+                                       int K) {
+    PDL_ENTER();
+    gemv_fp8_rows(x, w, Outs{o0, o1, o2, n0, n1, N}, M, K);
+}
+
+// Dequantizes n elements of FP8 rows of K to f32 (one thread each).
+extern "C" __global__ void dequant_fp8row(const unsigned char* src, float* dst, long long n,
+                                          int K) {
+    PDL_ENTER();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const unsigned char* row = src + (i / K) * (16 + (long long)K);
+    __nv_fp8_e4m3 v;
+    v.__x = row[16 + i % K];
+    dst[i] = (float)v * *(const float*)row;
+}
+
+// out[t] = row ids[t] of an FP8-row table of `cols` columns. One block per
+// token.
+extern "C" __global__ void embed_fp8row(const unsigned char* table, const unsigned* ids,
+                                        float* out, int cols) {
+    PDL_ENTER();
+    const unsigned char* row = table + (size_t)ids[blockIdx.x] * (16 + cols);
+    float scale = *(const float*)row;
+    float* o = out + (size_t)blockIdx.x * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        __nv_fp8_e4m3 v;
+        v.__x = row[16 + i];
+        o[i] = (float)v * scale;
+    }
+}
+
 #define QUANT_ENTRIES(SUFFIX, DT)                                                               \
     extern "C" __global__ void gemv_##SUFFIX(const float* x, const unsigned char* w, float* o0,  \
                                              float* o1, float* o2, int n0, int n1, int M,       \

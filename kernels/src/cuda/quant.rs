@@ -79,6 +79,7 @@ pub(super) fn kernel_suffix(dtype: DType) -> R<&'static str> {
         DType::Q8_0 => Ok("q8_0"),
         DType::Q4_0 => Ok("q4_0"),
         DType::Q4_1 => Ok("q4_1"),
+        DType::Fp8Row => Ok("fp8row"),
         other => Err(KernelError::UnsupportedType(format!(
             "{other:?} blocks on CUDA"
         ))),
@@ -187,6 +188,36 @@ impl Gpu {
         n: usize,
     ) -> R {
         self.dequantize_view(dtype, &src.slice(..), out, n)
+    }
+
+    /// Dequantizes `rows` rows of `k` elements of `dtype` to f32: FP8
+    /// rows by their own kernel (it needs the row length), blocks by
+    /// [`Self::dequantize_view`].
+    pub(super) fn dequantize_rows(
+        &self,
+        dtype: DType,
+        src: &cudarc::driver::CudaView<'_, u8>,
+        out: &mut CudaSlice<f32>,
+        rows: usize,
+        k: usize,
+    ) -> R {
+        if dtype != DType::Fp8Row {
+            return self.dequantize_view(dtype, src, out, rows * k);
+        }
+        let n = rows * k;
+        if out.len() < n || src.len() < rows * dtype.bytes_for(k) || !k.is_multiple_of(16) {
+            return Err(KernelError::Shape(format!(
+                "dequantizing {rows} FP8 rows of {k}: buffers too small or rows not a \
+                 multiple of 16 long"
+            )));
+        }
+        let f = self.function("dequant_fp8row")?;
+        let (total, ki) = (n as i64, k as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(src).arg(out).arg(&total).arg(&ki);
+        // SAFETY: one thread per element, bounds-checked.
+        unsafe { b.launch(cfg(n.div_ceil(256) as u32, 256)) }.map_err(cuda_err)?;
+        Ok(())
     }
 
     pub(super) fn dequantize_view(
