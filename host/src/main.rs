@@ -13,6 +13,9 @@ use kiln_host::config::ServeConfig;
 use kiln_host::engine::GenerateParams;
 use kiln_host::server::{Server, shutdown_signal};
 
+mod engine_args;
+use engine_args::{EngineArgs, KvArg, kv_format};
+
 /// Kiln: serverless WebAssembly functions that call language models.
 #[derive(Parser)]
 #[command(version, about, long_about = None)]
@@ -92,126 +95,6 @@ struct RunArgs {
     /// Print one JSON object: text, token_ids, prompt_tokens, completion_tokens.
     #[arg(long)]
     json: bool,
-}
-
-/// Engine settings shared by `run`, `bench` and `serve`.
-#[derive(clap::Args)]
-struct EngineArgs {
-    /// Weights of the projections: as the model stores them, or rounded to
-    /// 4-bit groups at load (W4A16; CUDA runs them as Q4_1 blocks).
-    #[arg(long, value_enum, default_value_t = WeightsArg::Native)]
-    weights: WeightsArg,
-    /// KV page format.
-    #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
-    kv: KvArg,
-    /// KV memory budget (of each model): bytes, or with a unit (`512MiB`, `2GiB`).
-    #[arg(long, default_value = "512MiB", value_parser = parse_size)]
-    kv_memory: usize,
-    /// Check KV page tags before each step.
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
-    kv_integrity: OnOff,
-    /// Where the forward pass runs: `cpu`, `cuda` or `cuda:N`.
-    #[arg(long, default_value = "cpu")]
-    device: kiln_kernels::Device,
-    /// Most sequences running at once [default: 64 on the CPU, 256 on CUDA].
-    #[arg(long)]
-    max_seqs: Option<usize>,
-    /// Most tokens one step computes (prefill chunks and decodes)
-    /// [default: 256 on the CPU, 2048 on CUDA].
-    #[arg(long)]
-    step_tokens: Option<usize>,
-    /// While streams decode, keep a step within this many decode steps'
-    /// time by cutting its prompt tokens (0: no target).
-    #[arg(long, default_value_t = 0.0)]
-    step_target: f64,
-    /// On CUDA, capture greedy decode steps (up to 256 sequences) as CUDA
-    /// graphs and replay them.
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
-    cuda_graphs: OnOff,
-    /// On CUDA (sm_90 and up), let each kernel of a captured step start
-    /// while the one before it finishes (programmatic dependent launch).
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
-    cuda_pdl: OnOff,
-    /// On CUDA, fold the norms and SiLU-and-multiply of one-token steps
-    /// into their GEMVs (bf16 weights).
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
-    cuda_fold: OnOff,
-    /// On CUDA, sample (temperature, top-k, top-p) on the device.
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
-    device_sampling: OnOff,
-    /// On CUDA, attend prefill chunks with the tensor-core prefill kernel
-    /// instead of one decode-attention query per token (not yet the
-    /// default: it has not run on a GPU).
-    #[arg(long)]
-    tensor_prefill: bool,
-}
-
-impl EngineArgs {
-    /// The engine settings; fails at once (before any model loads) when the
-    /// device cannot be used.
-    fn config(&self) -> anyhow::Result<kiln_host::engine::EngineConfig> {
-        if let kiln_kernels::Device::Cuda(n) = self.device {
-            kiln_kernels::cuda::Gpu::probe(n)?;
-        }
-        let gpu = matches!(self.device, kiln_kernels::Device::Cuda(_));
-        let scheduler = kiln_host::engine::SchedulerConfig {
-            max_running: self.max_seqs.unwrap_or(if gpu { 256 } else { 64 }),
-            max_tokens_per_step: self.step_tokens.unwrap_or(if gpu { 2048 } else { 256 }),
-            step_target: self.step_target,
-        };
-        Ok(kiln_host::engine::EngineConfig {
-            kv_format: kv_format(self.kv),
-            kv_memory: self.kv_memory,
-            integrity: self.kv_integrity == OnOff::On,
-            device: self.device,
-            scheduler,
-            cuda_graphs: self.cuda_graphs == OnOff::On,
-            cuda_pdl: self.cuda_pdl == OnOff::On,
-            cuda_fold: self.cuda_fold == OnOff::On,
-            device_sampling: self.device_sampling == OnOff::On,
-            tensor_prefill: self.tensor_prefill,
-        })
-    }
-}
-
-/// KV page formats.
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum KvArg {
-    /// fp8 e4m3, a scale per vector: the closest to bf16.
-    Fp8,
-    /// fp8 e4m3, one static scale, keys Hadamard-rotated: half of bf16.
-    Fp8Static,
-    /// bfloat16.
-    Bf16,
-}
-
-/// Weight formats.
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum WeightsArg {
-    /// As the model file stores them.
-    Native,
-    /// FP8 e4m3 with a scale per output channel (W8A16: activations stay
-    /// f32).
-    Fp8,
-    /// 4-bit groups of 128 (64 where rows are shorter), f16 scale and offset.
-    Int4,
-}
-
-impl WeightsArg {
-    fn format(self) -> kiln_host::model::WeightFormat {
-        match self {
-            WeightsArg::Native => kiln_host::model::WeightFormat::Native,
-            WeightsArg::Fp8 => kiln_host::model::WeightFormat::Fp8,
-            WeightsArg::Int4 => kiln_host::model::WeightFormat::Int4,
-        }
-    }
-}
-
-/// A switch.
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum OnOff {
-    On,
-    Off,
 }
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -294,33 +177,6 @@ struct BenchArgs {
     trace: Option<std::path::PathBuf>,
     #[command(flatten)]
     engine: EngineArgs,
-}
-
-/// Parses `123`, `64KiB`, `512MiB`, `2GiB` (also KB/MB/GB as powers of 1024).
-fn parse_size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: usize = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size such as 512MiB"))?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        other => return Err(format!("unknown size unit `{other}` (use KiB, MiB or GiB)")),
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("`{s}` is too large"))
-}
-
-fn kv_format(kv: KvArg) -> kiln_kernels::kv::KvFormat {
-    match kv {
-        KvArg::Fp8 => kiln_kernels::kv::KvFormat::Fp8,
-        KvArg::Fp8Static => kiln_kernels::kv::KvFormat::Fp8Static,
-        KvArg::Bf16 => kiln_kernels::kv::KvFormat::Bf16,
-    }
 }
 
 fn bench(args: BenchArgs) -> anyhow::Result<()> {

@@ -463,20 +463,10 @@ pub fn teacher_forced(
             .unwrap();
         for (la, lb) in a.iter().zip(&b) {
             total += 1;
-            agree += usize::from(argmax(la) == argmax(lb));
+            agree +=
+                usize::from(kiln_kernels::sample::argmax(la) == kiln_kernels::sample::argmax(lb));
             kl += kl_nats(la, lb);
         }
     }
     (agree, total, kl / total.max(1) as f64)
-}
-
-/// The index of the largest logit (the first of equals).
-fn argmax(l: &[f32]) -> usize {
-    l.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, v)| if *v > b.1 { (i, *v) } else { b },
-        )
-        .0
 }

@@ -171,7 +171,9 @@ extern "C" __global__ void gemv_fp8row(const float* x, const unsigned char* w, f
     gemv_fp8_rows(x, w, Outs{o0, o1, o2, n0, n1, N}, M, K);
 }
 
-// Dequantizes n elements of FP8 rows of K to f32 (one thread each).
+// Dequantizes n elements of FP8 rows of K to f32 (one thread each). The
+// block formats' dequant kernels take K too (unused) so one launcher
+// serves them all.
 extern "C" __global__ void dequant_fp8row(const unsigned char* src, float* dst, long long n,
                                           int K) {
     PDL_ENTER();
@@ -206,7 +208,7 @@ extern "C" __global__ void embed_fp8row(const unsigned char* table, const unsign
         gemv_q<DT>(x, w, Outs{o0, o1, o2, n0, n1, N}, M, K);                                    \
     }                                                                                           \
     extern "C" __global__ void dequant_##SUFFIX(const unsigned char* src, float* dst,           \
-                                                long long n) {                                  \
+                                                long long n, int K) {                           \
         PDL_ENTER();                                                                            \
         dequant_f32<DT>(src, dst, n);                                                           \
     }                                                                                           \

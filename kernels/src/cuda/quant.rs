@@ -187,12 +187,12 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
         n: usize,
     ) -> R {
-        self.dequantize_view(dtype, &src.slice(..), out, n)
+        self.dequantize_rows(dtype, &src.slice(..), out, 1, n)
     }
 
-    /// Dequantizes `rows` rows of `k` elements of `dtype` to f32: FP8
-    /// rows by their own kernel (it needs the row length), blocks by
-    /// [`Self::dequantize_view`].
+    /// Dequantizes `rows` rows of `k` elements of `dtype` to f32, one
+    /// thread an element (the kernels of FP8 rows need the row length to
+    /// find each row's scale; those of blocks do not use it).
     pub(super) fn dequantize_rows(
         &self,
         dtype: DType,
@@ -201,41 +201,16 @@ impl Gpu {
         rows: usize,
         k: usize,
     ) -> R {
-        if dtype != DType::Fp8Row {
-            return self.dequantize_view(dtype, src, out, rows * k);
-        }
         let n = rows * k;
-        if out.len() < n || src.len() < rows * dtype.bytes_for(k) || !k.is_multiple_of(16) {
+        if out.len() < n || src.len() < rows * dtype.bytes_for(k) {
             return Err(KernelError::Shape(format!(
-                "dequantizing {rows} FP8 rows of {k}: buffers too small or rows not a \
-                 multiple of 16 long"
-            )));
-        }
-        let f = self.function("dequant_fp8row")?;
-        let (total, ki) = (n as i64, k as i32);
-        let mut b = self.stream.launch_builder(f);
-        b.arg(src).arg(out).arg(&total).arg(&ki);
-        // SAFETY: one thread per element, bounds-checked.
-        unsafe { b.launch(cfg(n.div_ceil(256) as u32, 256)) }.map_err(cuda_err)?;
-        Ok(())
-    }
-
-    pub(super) fn dequantize_view(
-        &self,
-        dtype: DType,
-        src: &cudarc::driver::CudaView<'_, u8>,
-        out: &mut CudaSlice<f32>,
-        n: usize,
-    ) -> R {
-        if out.len() < n || src.len() < dtype.bytes_for(n) {
-            return Err(KernelError::Shape(format!(
-                "dequantizing {n} elements of {dtype:?}: buffers too small"
+                "dequantizing {rows} rows of {k} of {dtype:?}: buffers too small"
             )));
         }
         let f = self.function(&format!("dequant_{}", kernel_suffix(dtype)?))?;
-        let total = n as i64;
+        let (total, ki) = (n as i64, k as i32);
         let mut b = self.stream.launch_builder(f);
-        b.arg(src).arg(out).arg(&total);
+        b.arg(src).arg(out).arg(&total).arg(&ki);
         // SAFETY: one thread per element, bounds-checked.
         unsafe { b.launch(cfg(n.div_ceil(256) as u32, 256)) }.map_err(cuda_err)?;
         Ok(())

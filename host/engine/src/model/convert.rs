@@ -3,7 +3,7 @@
 //! to bf16, FP8 rows or int4 groups.
 
 use kiln_kernels::matmul::Weight;
-use kiln_kernels::quant::{DType, quantize, quantize_rows};
+use kiln_kernels::quant::{DType, quantize_rows};
 use rayon::prelude::*;
 
 use super::cpu::Model;
@@ -86,9 +86,5 @@ fn to_int4(w: &Weight) -> Option<Weight> {
     if w.dtype().int4_group().is_some() {
         return None;
     }
-    let bytes: Vec<u8> = values(w)
-        .par_chunks(cols)
-        .flat_map_iter(|row| quantize(dtype, row))
-        .collect();
-    Weight::from_bytes(dtype, w.rows(), cols, bytes).ok()
+    rows_as(w, dtype)
 }

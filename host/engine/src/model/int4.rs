@@ -7,8 +7,8 @@
 //! - GPTQ: `qweight [K/8, N]` packed along the inputs K, `qzeros [K/g, N/8]`
 //!   along the outputs N; format v1 (the default) stores `z - 1`.
 //! - AWQ (GEMM): `qweight [K, N/8]` and `qzeros [K/g, N/8]`, both packed
-//!   along N with the `i`-th nibble holding output `AWQ_ORDER[i]` of its
-//!   eight.
+//!   along N, the `i`-th nibble holding output `[0, 2, 4, 6, 1, 3, 5,
+//!   7][i]` of its eight.
 
 use half::f16;
 use kiln_kernels::matmul::Weight;
@@ -18,8 +18,10 @@ use safetensors::tensor::TensorView;
 
 use super::ModelError;
 
-/// AWQ's packing order: nibble `i` of a word holds output `AWQ_ORDER[i]`.
-const AWQ_ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
+/// AWQ's packing order inverted: output `j` of eight is in nibble
+/// `AWQ_NIBBLE[j]` (AWQ packs output `[0, 2, 4, 6, 1, 3, 5, 7][i]` into
+/// nibble `i`).
+const AWQ_NIBBLE: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 
 /// How a checkpoint packs its 4-bit weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,12 +111,14 @@ fn words(name: &str, t: &TensorView<'_>) -> Result<(Vec<u32>, [usize; 2]), Model
             t.dtype()
         )));
     }
-    let w = t
-        .data()
-        .chunks_exact(4)
+    Ok((le_words(t.data()), shape))
+}
+
+/// Little-endian 32-bit words.
+fn le_words(data: &[u8]) -> Vec<u32> {
+    data.chunks_exact(4)
         .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    Ok((w, shape))
+        .collect()
 }
 
 fn two_d(name: &str, t: &TensorView<'_>) -> Result<[usize; 2], ModelError> {
@@ -165,12 +169,7 @@ pub fn unpack(name: &str, q: QuantConfig, p: &Packed<'_>) -> Result<Weight, Mode
         let in_order = |idx: &[u32]| {
             idx.len() == k && idx.iter().enumerate().all(|(i, v)| *v as usize == i / g)
         };
-        let idx = gi
-            .data()
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect::<Vec<_>>();
-        if gi.dtype() != safetensors::Dtype::I32 || !in_order(&idx) {
+        if gi.dtype() != safetensors::Dtype::I32 || !in_order(&le_words(gi.data())) {
             return Err(ModelError::Unsupported(format!(
                 "{name}: GPTQ with act-order (desc_act) groups; Kiln reads checkpoints whose \
                  g_idx is in order"
@@ -184,17 +183,16 @@ pub fn unpack(name: &str, q: QuantConfig, p: &Packed<'_>) -> Result<Weight, Mode
         .map(|c| f16::from_le_bytes([c[0], c[1]]))
         .collect();
     let nib = |word: u32, i: usize| (word >> (4 * i)) & 0xf;
-    let awq_pos = |col: usize| AWQ_ORDER.iter().position(|o| *o == col % 8).unwrap_or(0);
     let quant = |kk: usize, nn: usize| -> u8 {
         match q.packing {
             Packing::Gptq { .. } => nib(qw[(kk / 8) * n + nn], kk % 8) as u8,
-            Packing::Awq => nib(qw[kk * (n / 8) + nn / 8], awq_pos(nn)) as u8,
+            Packing::Awq => nib(qw[kk * (n / 8) + nn / 8], AWQ_NIBBLE[nn % 8]) as u8,
         }
     };
     let zero = |gi: usize, nn: usize| -> u32 {
         match q.packing {
             Packing::Gptq { zero_offset } => nib(qz[gi * (n / 8) + nn / 8], nn % 8) + zero_offset,
-            Packing::Awq => nib(qz[gi * (n / 8) + nn / 8], awq_pos(nn)),
+            Packing::Awq => nib(qz[gi * (n / 8) + nn / 8], AWQ_NIBBLE[nn % 8]),
         }
     };
     let dtype = int4_type(g);
@@ -202,10 +200,13 @@ pub fn unpack(name: &str, q: QuantConfig, p: &Packed<'_>) -> Result<Weight, Mode
         .into_par_iter()
         .map(|nn| {
             let mut row = Vec::with_capacity(dtype.bytes_for(k));
+            let mut qs = vec![0u8; g];
             for gi in 0..k / g {
                 let s = scales[gi * n + nn];
                 let m = f16::from_f32(-(zero(gi, nn) as f32) * s.to_f32());
-                let qs: Vec<u8> = (gi * g..(gi + 1) * g).map(|kk| quant(kk, nn)).collect();
+                for (j, q) in qs.iter_mut().enumerate() {
+                    *q = quant(gi * g + j, nn);
+                }
                 push_int4_group(s, m, &qs, &mut row);
             }
             row

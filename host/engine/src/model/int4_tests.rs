@@ -4,6 +4,10 @@
 use super::*;
 use safetensors::Dtype;
 
+/// AWQ's packing order, as AutoAWQ packs: nibble `i` holds output
+/// `AWQ_ORDER[i]` of eight.
+const AWQ_ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
+
 /// Quants, zeros and scales of a small projection: `N` outputs of `K`
 /// inputs in groups of `G`.
 const N: usize = 16;
