@@ -125,7 +125,7 @@ bench)
         --compare-graphs 2>&1 | tee "$out/kiln-graphs.log"
     # Prefill: one query per token against the tensor-core kernel (PREFILL=1).
     if [ "${PREFILL:-0}" = 1 ]; then
-        for flash in "" --tensor-prefill; do
+        for flash in "--tensor-prefill off" ""; do
             # shellcheck disable=SC2086
             timeout 120 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
                 --kv-memory 16GiB --concurrency 1,16 --prompt-tokens 1024 --gen-tokens 8 $flash \
@@ -154,7 +154,7 @@ prefill)
     set +e
     for mode in ${PREFILL_MODES:-per-token tensor}; do
         flag=""
-        [ "$mode" = tensor ] && flag=--tensor-prefill
+        [ "$mode" = per-token ] && flag="--tensor-prefill off"
         for case in "1,8,32 --prompt-tokens 1024" "1 --prompt-tokens 4096"; do
             echo "== prefill attention: $mode" | tee -a "$out/kiln-prefill.log"
             # shellcheck disable=SC2086

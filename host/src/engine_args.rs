@@ -47,10 +47,9 @@ pub(crate) struct EngineArgs {
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     device_sampling: OnOff,
     /// On CUDA, attend prefill chunks with the tensor-core prefill kernel
-    /// instead of one decode-attention query per token (not yet the
-    /// default: it has not run on a GPU).
-    #[arg(long)]
-    tensor_prefill: bool,
+    /// (off: one decode-attention query per token).
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    tensor_prefill: OnOff,
 }
 
 impl EngineArgs {
@@ -76,7 +75,7 @@ impl EngineArgs {
             cuda_pdl: self.cuda_pdl == OnOff::On,
             cuda_fold: self.cuda_fold == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,
-            tensor_prefill: self.tensor_prefill,
+            tensor_prefill: self.tensor_prefill == OnOff::On,
         })
     }
 }

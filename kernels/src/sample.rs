@@ -97,6 +97,11 @@ pub fn sample_with_uniform(logits: &[f32], p: SamplingParams, u: f32) -> u32 {
                 break;
             }
         }
+        // Logits equal to the nucleus's last all stay in, as at the k-th.
+        let edge = logits[idx[keep - 1] as usize];
+        while keep < probs.len() && logits[idx[keep] as usize] == edge {
+            keep += 1;
+        }
         probs.truncate(keep);
     }
     let total: f64 = probs.iter().sum();
@@ -138,6 +143,20 @@ mod tests {
         assert_eq!(sample_with_uniform(&logits, p, 0.7), 1);
         assert_eq!(sample_with_uniform(&logits, p, 0.1), 0);
         // Token 3 is never one.
+        assert!((0..100).all(|i| sample_with_uniform(&logits, p, i as f32 / 100.0) != 3));
+    }
+
+    #[test]
+    fn logits_tied_at_the_nucleus_edge_all_stay_in() {
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.5,
+        };
+        // Token 0 alone holds less than half; tokens 1 and 2 tie after it,
+        // so both join the nucleus and a high draw reaches token 2.
+        let logits = [2.0, 1.9, 1.9, -5.0];
+        assert_eq!(sample_with_uniform(&logits, p, 0.999), 2);
         assert!((0..100).all(|i| sample_with_uniform(&logits, p, i as f32 / 100.0) != 3));
     }
 

@@ -456,6 +456,10 @@ fn valid_pick(row: &[f32], p: SamplingParams, u: f32, token: u32, eps: f64) -> b
             break;
         }
     }
+    // Logits tied with the nucleus's last are in it too.
+    while keep < k && row[idx[keep]] == row[idx[keep - 1]] {
+        keep += 1;
+    }
     let zn: f64 = w[..keep].iter().sum();
     let (target, slack) = (u as f64 * zn, eps * zn);
     // Equal logits are one group: any order among them is right, and a

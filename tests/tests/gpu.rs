@@ -244,14 +244,14 @@ fn cuda_graphs_replay_the_same_tokens_as_launching_each_kernel() {
 #[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn tensor_core_prefill_gives_the_logits_of_one_query_per_token() {
     // On CUDA the second engine attends its prefill chunks with the
-    // tensor-core kernel; every later layer's KV depends on it, so every
-    // row checks it.
-    let mut plain = engine(device());
-    let mut flash = engine_config(EngineConfig {
+    // tensor-core kernel (the default); every later layer's KV depends on
+    // it, so every row checks it.
+    let mut plain = engine_config(EngineConfig {
         device: device(),
-        tensor_prefill: true,
+        tensor_prefill: false,
         ..Default::default()
     });
+    let mut flash = engine(device());
     for p in &PROMPTS[..3] {
         let mut ids = chat_ids(&plain, p);
         ids.extend(greedy(&mut plain, &ids.clone(), 12));

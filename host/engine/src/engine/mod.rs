@@ -90,7 +90,7 @@ impl Default for EngineConfig {
             cuda_pdl: true,
             cuda_fold: true,
             device_sampling: true,
-            tensor_prefill: false,
+            tensor_prefill: true,
         }
     }
 }
