@@ -135,6 +135,8 @@ fn main() -> Result<(), E> {
         }
     }
 
+    quantized_gemv(&gpu, &mut rng, copy)?;
+
     // The page-tag check alone, as a step runs it: every sequence's 80
     // pages (1280 tokens of 16), tags all current, so every flag is 1.
     for seqs in [1usize, 64, 256] {
@@ -149,6 +151,73 @@ fn main() -> Result<(), E> {
     for (batch, ctx) in [(64usize, 4096usize), (1, 1024), (128, 1152), (232, 1152)] {
         for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Fp8Static] {
             attention(&gpu, &mut rng, copy, batch, ctx, format)?;
+        }
+    }
+    Ok(())
+}
+
+/// Products with FP8-row and int4 weights at Llama-3-8B shapes (the GEMVs
+/// up to 8 rows, dequantize + cuBLAS above), each checked against cuBLAS on
+/// the same values as bf16 first; bandwidth counts the format's own bytes.
+fn quantized_gemv(gpu: &Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Result<(), E> {
+    use kiln_kernels::matmul::Weight;
+    use kiln_kernels::quant::{DType, dequantize_row, quantize};
+    use rayon::prelude::*;
+    let s = gpu.stream().clone();
+    println!(
+        "{:>10} {:>14} {:>3} {:>10} {:>16} {:>12}",
+        "weights", "n x k", "m", "us", "GB/s", "bf16 GEMV us"
+    );
+    for (nn, k) in [(4096usize, 4096usize), (6144, 4096), (4096, 14336)] {
+        let values: Vec<f32> = (0..nn * k).map(|_| rng.random_range(-0.05..0.05)).collect();
+        for dtype in [DType::Fp8Row, DType::Int4G128] {
+            let bytes: Vec<u8> = values
+                .par_chunks(k)
+                .flat_map_iter(|row| quantize(dtype, row))
+                .collect();
+            let rb = dtype.bytes_for(k);
+            let mut deq = vec![0.0f32; nn * k];
+            for (r, row) in deq.chunks_exact_mut(k).enumerate() {
+                dequantize_row(dtype, &bytes[r * rb..(r + 1) * rb], row);
+            }
+            let w = Weight::from_bytes(dtype, nn, k, bytes)?;
+            let dw = gpu.weight(&w)?;
+            let wb = s.clone_htod(&deq.iter().map(|v| bf16::from_f32(*v)).collect::<Vec<_>>())?;
+            let mut scratch = gpu.gemm_scratch(16, k, true)?;
+            for m in [1usize, 8, 16] {
+                let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let x = s.clone_htod(&x)?;
+                let mut out: CudaSlice<f32> = s.alloc_zeros(m * nn)?;
+                let mut act: CudaSlice<bf16> = s.alloc_zeros(m * k)?;
+                let shape = GemmShape { m, n: nn, k };
+                gpu.cublas_bf16(&x, &wb, &mut out, shape, &mut act)?;
+                let theirs = s.clone_dtoh(&out)?;
+                gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?;
+                let err = rel_diff(&s.clone_dtoh(&out)?, &theirs);
+                if err.is_nan() || err >= 1e-2 {
+                    return Err(format!("{dtype:?} {nn}x{k} m={m} vs cuBLAS: rel err {err}").into());
+                }
+                let t = time_graph(gpu, 30, || {
+                    Ok(gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?)
+                })?;
+                let g = dw.size_bytes() as f64 / t / 1e9;
+                let tb = if m <= 8 {
+                    let stack = StackShape { m, parts: &[nn], k };
+                    let tb = time_graph(gpu, 30, || {
+                        Ok(gpu.gemv_bf16_parts(&x, &wb, &mut [&mut out], stack)?)
+                    })?;
+                    format!("{:.1}", tb * 1e6)
+                } else {
+                    "-".into()
+                };
+                println!(
+                    "{:>10} {:>14} {m:>3} {:>10.1} {:>16} {tb:>12}",
+                    format!("{dtype:?}"),
+                    format!("{nn}x{k}"),
+                    t * 1e6,
+                    format!("{g:.0} ({:.0}%)", 100.0 * g / copy),
+                );
+            }
         }
     }
     Ok(())

@@ -263,7 +263,7 @@ impl Backend for Gpu {
         let dw = self.weight(w)?;
         let dx = self.upload(x)?;
         let mut dout = self.poisoned(m * n)?;
-        let blocks = matches!(dw, super::DeviceWeight::Blocks { .. });
+        let blocks = dw.dequantizes();
         let mut scratch = self.gemm_scratch(m, k, blocks)?;
         self.matmul(&dx, &dw, &mut dout, GemmShape { m, n, k }, &mut scratch)?;
         out[..m * n].copy_from_slice(&self.download(&dout)?[..m * n]);
@@ -275,7 +275,7 @@ impl Backend for Gpu {
         let dw = self.weight_stack(ws)?.ok_or_else(|| {
             KernelError::Shape("weights of mixed types or widths do not stack".into())
         })?;
-        let blocks = matches!(dw, super::DeviceWeight::Blocks { .. });
+        let blocks = dw.dequantizes();
         let parts: Vec<usize> = ws.iter().map(|w| w.rows()).collect();
         let mut douts = parts
             .iter()

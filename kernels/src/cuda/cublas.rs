@@ -197,6 +197,32 @@ impl Gpu {
         .map_err(cuda_err)
     }
 
+    /// Columns `cols` of `out` (`m x n`) `= x (m x k) * w^T` with bf16 `w`
+    /// (`cols.len() x k`) and bf16 `x`, by cuBLAS (f32 accumulation).
+    pub(super) fn gemm_bf16_cols(
+        &self,
+        w: &CudaSlice<bf16>,
+        x: &CudaSlice<bf16>,
+        out: &mut CudaSlice<f32>,
+        shape: GemmShape,
+        cols: std::ops::Range<usize>,
+    ) -> R {
+        let GemmShape { m, n, k } = shape;
+        let (r0, rows) = (cols.start, cols.len());
+        if w.len() < rows * k || x.len() < m * k || out.len() < m * n || cols.end > n {
+            return Err(KernelError::Shape(format!(
+                "columns {cols:?} of {m} x {n} from {k}: buffers too small"
+            )));
+        }
+        let (a, _ra) = w.device_ptr(&self.stream);
+        let (bp, _rb) = x.device_ptr(&self.stream);
+        let (c, _rc) = out.device_ptr(&self.stream);
+        let c = c + (r0 * std::mem::size_of::<f32>()) as u64;
+        let ty = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
+        // SAFETY: live device buffers of the sizes checked above.
+        unsafe { self.gemm(a, bp, ty, c, GemmShape { m, n: rows, k }, n) }
+    }
+
     /// Columns `cols` of `out` (`m x n`) `= x (m x k) * w^T` with f32 `w`
     /// (`cols.len() x k`), by cuBLAS in full f32.
     pub(super) fn gemm_f32(

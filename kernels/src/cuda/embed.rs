@@ -44,6 +44,14 @@ impl Gpu {
             DeviceWeight::Blocks { dtype, bytes } => {
                 (format!("embed_{}", kernel_suffix(*dtype)?), bytes)
             }
+            DeviceWeight::Int4 { group, rows, bytes } => {
+                let (n, h, g) = (*rows as i32, hidden as i32, *group as i32);
+                let mut b = self.stream.launch_builder(self.function("embed_int4")?);
+                b.arg(bytes).arg(ids).arg(out).arg(&n).arg(&h).arg(&g);
+                // SAFETY: ids are checked against the vocabulary by the caller.
+                unsafe { b.launch(grid_1d(tokens as u32, 256)) }.map_err(cuda_err)?;
+                return Ok(());
+            }
         };
         let f = self.function(&name)?;
         let h = hidden as i32;

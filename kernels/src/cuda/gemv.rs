@@ -128,6 +128,13 @@ impl Gpu {
                     unsafe { b.launch(cfg(n.div_ceil(8) as u32, 256)) }.map_err(cuda_err)?;
                     return Ok(());
                 }
+                if *dtype == crate::quant::DType::Fp8Row {
+                    let row_bytes = dtype.bytes_for(k);
+                    return self.gemm_dequantized(x, outs, shape, scratch, |gpu, deq, r0, rows| {
+                        let src = bytes.slice(r0 * row_bytes..(r0 + rows) * row_bytes);
+                        gpu.dequantize_fp8_bf16(&src, deq, rows, k)
+                    });
+                }
                 let deq = scratch.deq.as_mut().ok_or_else(|| {
                     KernelError::Shape("no dequantization scratch for a block weight".into())
                 })?;
@@ -147,7 +154,52 @@ impl Gpu {
                 }
                 Ok(())
             }
+            DeviceWeight::Int4 { group, rows, bytes } => {
+                if *rows != n {
+                    return Err(KernelError::Shape(format!(
+                        "an int4 stack of {rows} rows for {n} outputs"
+                    )));
+                }
+                if m <= GEMV_MAX_M {
+                    return self.gemv_int4(x, bytes, *group, outs, shape, scratch);
+                }
+                let view = bytes.slice(..);
+                self.gemm_dequantized(x, outs, shape, scratch, |gpu, deq, r0, len| {
+                    gpu.dequantize_int4_bf16(&view, deq, (n, k, *group), r0, len)
+                })
+            }
         }
+    }
+
+    /// The GEMM path of weights that dequantize to bf16: `x` to bf16 once,
+    /// then for each part, chunks of its rows dequantized by `deq(gpu,
+    /// chunk, first stack row, rows)` and multiplied by cuBLAS.
+    fn gemm_dequantized(
+        &self,
+        x: &CudaSlice<f32>,
+        outs: &mut [&mut CudaSlice<f32>],
+        shape: StackShape<'_>,
+        scratch: &mut GemmScratch,
+        mut deq: impl FnMut(&Self, &mut CudaSlice<bf16>, usize, usize) -> R,
+    ) -> R {
+        let StackShape { m, parts, k } = shape;
+        self.to_bf16_scratch(x, &mut scratch.act, m * k)?;
+        let chunk = scratch.deq16.as_mut().ok_or_else(|| {
+            KernelError::Shape("no dequantization scratch for a quantized weight".into())
+        })?;
+        let rows_per_chunk = (DEQUANT_CHUNK / k).max(1);
+        let mut base = 0;
+        for (o, &rows) in outs.iter_mut().zip(parts) {
+            let mut r0 = 0;
+            while r0 < rows {
+                let r1 = (r0 + rows_per_chunk).min(rows);
+                deq(self, chunk, base + r0, r1 - r0)?;
+                self.gemm_bf16_cols(chunk, &scratch.act, o, GemmShape { m, n: rows, k }, r0..r1)?;
+                r0 = r1;
+            }
+            base += rows;
+        }
+        Ok(())
     }
 
     /// `out (m x n) = x (m x k) * w^T` for any [`DeviceWeight`].

@@ -16,6 +16,7 @@ mod fold;
 mod gemv;
 mod graph;
 mod hadamard;
+mod int4;
 mod kv;
 mod launch;
 mod memory;
@@ -44,6 +45,7 @@ pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};
 pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M, GemmShape, StackShape};
 pub use graph::Graph;
+pub use int4::{int4_device_bytes, int4_tiles};
 pub use kv::PagedKv;
 pub use norm::NormArgs;
 pub use prefill::{PREFILL_HEAD_DIMS, prefill_supports, prefill_tiles};
@@ -71,6 +73,7 @@ pub const SOURCE: &str = concat!(
     include_str!("gemv.cu"),
     include_str!("gemv_norm.cu"),
     include_str!("quant.cu"),
+    include_str!("int4.cu"),
     include_str!("sample.cu"),
     include_str!("prefill.cu")
 );
@@ -140,6 +143,13 @@ const KERNELS: &[&str] = &[
     "embed_q8_0",
     "embed_q4_0",
     "embed_q4_1",
+    "dequant_fp8row_bf16",
+    // int4.cu
+    "int4_xfrag",
+    "gemv_int4_g64",
+    "gemv_int4_g128",
+    "dequant_int4_bf16",
+    "embed_int4",
     // sample.cu
     "sample_rows",
     "argmax_rows",

@@ -118,49 +118,57 @@ __device__ void embed_q(const unsigned char* table, const unsigned* ids, float* 
 
 // FP8 rows (DType::Fp8Row): each row a 16-byte header (f32 scale, zeros)
 // then K e4m3 bytes; w = e4m3 * scale. Decode GEMV: one warp per row, 16
-// weights per lane load, f32 sums, the scale applied once per row.
-__device__ void gemv_fp8_rows(const float* x, const unsigned char* w, Outs o, int M, int K) {
+// weights per lane load and four loads in flight a lane (as the bf16 GEMV),
+// f32 sums, the scale applied once per row.
+template <int M>
+__device__ __forceinline__ void fma16_fp8(float* acc, uint4 p, const float* x, int K, int c0) {
+    const unsigned short* pairs = (const unsigned short*)&p;
+    float wf[16];
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pairs[e], __NV_E4M3);
+        float2 f = __half22float2(*(const __half2*)&hr);
+        wf[2 * e] = f.x;
+        wf[2 * e + 1] = f.y;
+    }
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        const float4* xv = (const float4*)(x + (size_t)m * K + c0);
+        float dot = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            float4 a = xv[j];
+            dot += a.x * wf[4 * j] + a.y * wf[4 * j + 1] + a.z * wf[4 * j + 2] + a.w * wf[4 * j + 3];
+        }
+        acc[m] += dot;
+    }
+}
+
+template <int M>
+__device__ void gemv_fp8_rows(const float* x, const unsigned char* w, Outs o, int K) {
+    const int U = 4;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int n = blockIdx.x * (blockDim.x >> 5) + warp;
     if (n >= o.n) return;
     const unsigned char* row = w + (size_t)n * (16 + K);
     float scale = *(const float*)row;
     const uint4* q = (const uint4*)(row + 16);
-    float acc[GEMV_MAX_M];
+    float acc[M];
 #pragma unroll
-    for (int m = 0; m < GEMV_MAX_M; m++) acc[m] = 0.0f;
-    for (int c = lane; c < K / 16; c += 32) {
-        uint4 p = ld_stream(q + c);
-        const unsigned short* pairs = (const unsigned short*)&p;
-        float wf[16];
+    for (int m = 0; m < M; m++) acc[m] = 0.0f;
+    int chunks = K / 16, c = lane;
+    for (; c + 32 * (U - 1) < chunks; c += 32 * U) {
+        uint4 p[U];
 #pragma unroll
-        for (int e = 0; e < 8; e++) {
-            __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pairs[e], __NV_E4M3);
-            float2 f = __half22float2(*(const __half2*)&hr);
-            wf[2 * e] = f.x;
-            wf[2 * e + 1] = f.y;
-        }
+        for (int u = 0; u < U; u++) p[u] = ld_stream(q + c + 32 * u);
 #pragma unroll
-        for (int m = 0; m < GEMV_MAX_M; m++) {
-            if (m < M) {
-                const float4* xv = (const float4*)(x + (size_t)m * K + c * 16);
-                float dot = 0.0f;
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    float4 a = xv[j];
-                    dot += a.x * wf[4 * j] + a.y * wf[4 * j + 1] + a.z * wf[4 * j + 2] +
-                           a.w * wf[4 * j + 3];
-                }
-                acc[m] += dot;
-            }
-        }
+        for (int u = 0; u < U; u++) fma16_fp8<M>(acc, p[u], x, K, (c + 32 * u) * 16);
     }
+    for (; c < chunks; c += 32) fma16_fp8<M>(acc, ld_stream(q + c), x, K, c * 16);
 #pragma unroll
-    for (int m = 0; m < GEMV_MAX_M; m++) {
-        if (m < M) {
-            float v = warp_sum(acc[m]);
-            if (lane == 0) put_out(o, m, n, v * scale);
-        }
+    for (int m = 0; m < M; m++) {
+        float v = warp_sum(acc[m]);
+        if (lane == 0) put_out(o, m, n, v * scale);
     }
 }
 
@@ -168,7 +176,30 @@ extern "C" __global__ void gemv_fp8row(const float* x, const unsigned char* w, f
                                        float* o1, float* o2, int n0, int n1, int M, int N,
                                        int K) {
     PDL_ENTER();
-    gemv_fp8_rows(x, w, Outs{o0, o1, o2, n0, n1, N}, M, K);
+    Outs o{o0, o1, o2, n0, n1, N};
+    switch (M) {
+        case 1: gemv_fp8_rows<1>(x, w, o, K); break;
+        case 2: gemv_fp8_rows<2>(x, w, o, K); break;
+        case 3: gemv_fp8_rows<3>(x, w, o, K); break;
+        case 4: gemv_fp8_rows<4>(x, w, o, K); break;
+        case 5: gemv_fp8_rows<5>(x, w, o, K); break;
+        case 6: gemv_fp8_rows<6>(x, w, o, K); break;
+        case 7: gemv_fp8_rows<7>(x, w, o, K); break;
+        default: gemv_fp8_rows<8>(x, w, o, K); break;
+    }
+}
+
+// Rows of FP8 rows of K as bf16 (for a cuBLAS GEMM), n elements, one
+// thread each.
+extern "C" __global__ void dequant_fp8row_bf16(const unsigned char* src, __nv_bfloat16* dst,
+                                               long long n, int K) {
+    PDL_ENTER();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const unsigned char* row = src + (i / K) * (16 + (long long)K);
+    __nv_fp8_e4m3 v;
+    v.__x = row[16 + i % K];
+    dst[i] = __float2bfloat16((float)v * *(const float*)row);
 }
 
 // Dequantizes n elements of FP8 rows of K to f32 (one thread each). The

@@ -1,8 +1,10 @@
-//! Weight matrices on the device: bf16 rows, or GGUF blocks kept as they
-//! are and dequantized inside the kernels. A quantized model so computes
-//! what the CPU computes (f32 weights, f32 sums) from a quarter of the
-//! bytes: decode GEMVs read the blocks directly; larger batches dequantize
-//! a bounded chunk of rows at a time into f32 for a cuBLAS f32 GEMM.
+//! Weight matrices on the device: bf16 rows, GGUF blocks or FP8 rows kept
+//! as they are and dequantized inside the kernels, or int4 groups in the
+//! tiles of `int4.rs`. Decode GEMVs read them directly. Larger batches
+//! dequantize a bounded chunk of rows at a time: GGUF blocks into f32 for a
+//! cuBLAS f32 GEMM (so a GGUF model computes what the CPU computes), FP8
+//! rows and int4 into bf16 for cuBLAS on tensor cores (they are serving
+//! formats, held to their accuracy against bf16 weights).
 
 use std::borrow::Cow;
 
@@ -24,11 +26,20 @@ pub const DEQUANT_CHUNK: usize = 1 << 24;
 pub enum DeviceWeight {
     /// bf16 rows (models stored in f32, f16 or bf16).
     Bf16(CudaSlice<bf16>),
-    /// GGUF Q8_0, Q4_0 or Q4_1 blocks as stored.
+    /// GGUF Q8_0, Q4_0 or Q4_1 blocks, or FP8 rows, as stored.
     Blocks {
         /// The block type.
         dtype: DType,
         /// The blocks, row after row.
+        bytes: CudaSlice<u8>,
+    },
+    /// Int4 groups in the device's tiles ([`super::int4_tiles`]).
+    Int4 {
+        /// Weights per group (64 or 128).
+        group: usize,
+        /// Rows of the whole matrix (or stack).
+        rows: usize,
+        /// The tiles, then the groups' scales and offsets.
         bytes: CudaSlice<u8>,
     },
 }
@@ -38,8 +49,14 @@ impl DeviceWeight {
     pub fn size_bytes(&self) -> usize {
         match self {
             DeviceWeight::Bf16(w) => w.len() * 2,
-            DeviceWeight::Blocks { bytes, .. } => bytes.len(),
+            DeviceWeight::Blocks { bytes, .. } | DeviceWeight::Int4 { bytes, .. } => bytes.len(),
         }
+    }
+
+    /// Whether products above the decode GEMVs dequantize this weight
+    /// (into the scratch's chunk buffers).
+    pub fn dequantizes(&self) -> bool {
+        !matches!(self, DeviceWeight::Bf16(_))
     }
 
     /// Bytes of one row of `cols` values.
@@ -55,15 +72,18 @@ impl DeviceWeight {
                     )))
                 }
             }
+            DeviceWeight::Int4 { group, .. } => Ok(super::int4_device_bytes(1, cols, *group)),
         }
     }
 }
 
-/// Working memory of [`Gpu::matmul`]: bf16 activations for cuBLAS and, for
-/// block weights, the dequantized chunk.
+/// Working memory of [`Gpu::matmul`]: bf16 activations for cuBLAS (or the
+/// int4 GEMV's activation fragments) and, for weights that dequantize, the
+/// dequantized chunk (f32 for GGUF blocks, bf16 for FP8 rows and int4).
 pub struct GemmScratch {
     pub(super) act: CudaSlice<bf16>,
     pub(super) deq: Option<CudaSlice<f32>>,
+    pub(super) deq16: Option<CudaSlice<bf16>>,
 }
 
 impl GemmScratch {
@@ -86,9 +106,9 @@ pub(super) fn kernel_suffix(dtype: DType) -> R<&'static str> {
     }
 }
 
-/// `w` as blocks a kernel reads: GGUF blocks as stored, int4 groups
-/// repacked as Q4_1 blocks of the same values (no int4 kernel yet); `None`
-/// for float types.
+/// `w` as blocks a kernel reads: GGUF blocks and FP8 rows as stored, int4
+/// groups whose shape does not tile repacked as Q4_1 blocks of the same
+/// values (5 bits a weight); `None` for float types.
 fn device_blocks(w: &Weight) -> Option<(DType, Cow<'_, [u8]>)> {
     let bytes = w.bytes()?;
     if let Some(q41) = crate::quant::int4_as_q4_1(w.dtype(), bytes) {
@@ -120,8 +140,36 @@ fn bf16_rows(w: &Weight) -> Vec<bf16> {
 }
 
 impl Gpu {
-    /// Uploads `w`: block types as they are, anything else as bf16.
+    /// Int4 rows `bytes` (`rows x cols`) in the device's tiles, when their
+    /// shape tiles.
+    fn int4_weight(
+        &self,
+        dtype: DType,
+        bytes: &[u8],
+        rows: usize,
+        cols: usize,
+    ) -> R<Option<DeviceWeight>> {
+        let (Some(group), Some(tiles)) = (
+            dtype.int4_group(),
+            super::int4_tiles(dtype, bytes, rows, cols),
+        ) else {
+            return Ok(None);
+        };
+        Ok(Some(DeviceWeight::Int4 {
+            group,
+            rows,
+            bytes: self.upload(&tiles)?,
+        }))
+    }
+
+    /// Uploads `w`: int4 in tiles where its shape tiles, other block types
+    /// as they are, anything else as bf16.
     pub fn weight(&self, w: &Weight) -> R<DeviceWeight> {
+        if let Some(bytes) = w.bytes()
+            && let Some(dw) = self.int4_weight(w.dtype(), bytes, w.rows(), w.cols())?
+        {
+            return Ok(dw);
+        }
         if let Some((dtype, bytes)) = device_blocks(w) {
             return Ok(DeviceWeight::Blocks {
                 dtype,
@@ -141,6 +189,16 @@ impl Gpu {
         };
         if ws.iter().any(|w| w.cols() != first.cols()) {
             return Ok(None);
+        }
+        if ws.iter().all(|w| w.dtype() == first.dtype()) && first.dtype().int4_group().is_some() {
+            let bytes: Vec<u8> = ws
+                .iter()
+                .flat_map(|w| w.bytes().unwrap_or(&[]).iter().copied())
+                .collect();
+            let rows = ws.iter().map(|w| w.rows()).sum();
+            if let Some(dw) = self.int4_weight(first.dtype(), &bytes, rows, first.cols())? {
+                return Ok(Some(dw));
+            }
         }
         let blocks: Vec<Option<(DType, Cow<'_, [u8]>)>> =
             ws.iter().map(|w| device_blocks(w)).collect();
@@ -166,12 +224,15 @@ impl Gpu {
         Ok(Some(DeviceWeight::Bf16(self.upload(&host)?)))
     }
 
-    /// Scratch for products of up to `m x k` activations; `blocks` when
-    /// any weight is block-quantized.
+    /// Scratch for products of up to `m x k` activations (and the int4
+    /// GEMV's fragments of up to 8 rows); `blocks` when any weight
+    /// [dequantizes](DeviceWeight::dequantizes).
     pub fn gemm_scratch(&self, m: usize, k: usize, blocks: bool) -> R<GemmScratch> {
+        let act = (m * k).max(2 * super::GEMV_MAX_M * k + 2 * super::GEMV_MAX_M * k.div_ceil(64));
         Ok(GemmScratch {
-            act: self.zeros(m * k)?,
+            act: self.zeros(act)?,
             deq: blocks.then(|| self.zeros(DEQUANT_CHUNK)).transpose()?,
+            deq16: blocks.then(|| self.zeros(DEQUANT_CHUNK)).transpose()?,
         })
     }
 
@@ -188,6 +249,30 @@ impl Gpu {
         n: usize,
     ) -> R {
         self.dequantize_rows(dtype, &src.slice(..), out, 1, n)
+    }
+
+    /// Dequantizes `rows` FP8 rows of `k` to bf16, one thread an element.
+    pub(super) fn dequantize_fp8_bf16(
+        &self,
+        src: &cudarc::driver::CudaView<'_, u8>,
+        out: &mut CudaSlice<bf16>,
+        rows: usize,
+        k: usize,
+    ) -> R {
+        let n = rows * k;
+        if out.len() < n || src.len() < rows * DType::Fp8Row.bytes_for(k) {
+            return Err(KernelError::Shape(format!(
+                "dequantizing {rows} FP8 rows of {k}: buffers too small"
+            )));
+        }
+        let (total, ki) = (n as i64, k as i32);
+        let mut b = self
+            .stream
+            .launch_builder(self.function("dequant_fp8row_bf16")?);
+        b.arg(src).arg(out).arg(&total).arg(&ki);
+        // SAFETY: one thread per element, bounds-checked.
+        unsafe { b.launch(cfg(n.div_ceil(256) as u32, 256)) }.map_err(cuda_err)?;
+        Ok(())
     }
 
     /// Dequantizes `rows` rows of `k` elements of `dtype` to f32, one

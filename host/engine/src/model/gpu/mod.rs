@@ -56,7 +56,7 @@ struct Upload<'a> {
 
 impl Upload<'_> {
     fn note(&mut self, w: &DeviceWeight) {
-        self.blocks |= matches!(w, DeviceWeight::Blocks { .. });
+        self.blocks |= w.dequantizes();
     }
 }
 

@@ -1,0 +1,232 @@
+//! Kiln's int4 weights on the device at 4.25 bits a weight (groups of 128):
+//! repacked at upload into the tiles `int4.cu` reads as tensor-core
+//! fragments, with the groups' scales and offsets after the nibbles. Decode
+//! batches of up to [`super::GEMV_MAX_M`] rows run `gemv_int4` on them; larger
+//! ones dequantize a bounded chunk of rows to bf16 for a cuBLAS GEMM.
+
+use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
+use half::bf16;
+
+use super::gemv::{StackShape, check_parts};
+use super::{GemmScratch, Gpu, cuda_err, grid_1d as cfg};
+use crate::KernelError;
+use crate::quant::{DType, INT4_HEADER, QK};
+
+type R<T = ()> = Result<T, KernelError>;
+
+/// Rows a tile strip holds and columns a tile spans.
+const STRIP: usize = 16;
+const TILE: usize = 64;
+
+/// Warps per block of `gemv_int4` (`INT4_WARPS` in int4.cu).
+const WARPS: u32 = 8;
+
+/// Bytes of an int4 matrix of `rows x cols` in groups of `group`, as laid
+/// out on the device: the nibbles, then an (f16 scale, f16 offset) per
+/// group.
+pub fn int4_device_bytes(rows: usize, cols: usize, group: usize) -> usize {
+    rows * cols / 2 + rows * (cols / group) * INT4_HEADER
+}
+
+/// Rows `bytes` of an int4 type (`rows x cols`, rows one after another in
+/// the host layout of [`crate::quant`]) as the device's tiles, or `None`
+/// where the shape does not tile (rows a multiple of 16 and columns of 64
+/// are needed; the caller falls back to Q4_1 blocks).
+///
+/// Nibble `j + 4 h` of word `s` of lane `4 g + t`'s 16 bytes of a tile is
+/// row `g + 8 (j & 1)`, column `16 s + 2 t + 8 (j >> 1) + h` of the tile:
+/// the word's pairs are then the A fragments of an m16n8k16 MMA.
+pub fn int4_tiles(dtype: DType, bytes: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
+    let group = dtype.int4_group()?;
+    let row_bytes = dtype.bytes_for(cols);
+    if !rows.is_multiple_of(STRIP)
+        || !cols.is_multiple_of(TILE)
+        || !cols.is_multiple_of(group)
+        || bytes.len() != rows * row_bytes
+    {
+        return None;
+    }
+    let quant = |row: usize, col: usize| {
+        let grp = &bytes[row * row_bytes + col / group * dtype.bytes_for(group)..];
+        let (run, j) = ((col % group) / QK, col % QK);
+        let b = grp[INT4_HEADER + 16 * run + j % 16];
+        if j < 16 { b & 0x0f } else { b >> 4 }
+    };
+    let mut out = vec![0u8; int4_device_bytes(rows, cols, group)];
+    let tiles = cols / TILE;
+    for strip in 0..rows / STRIP {
+        for kt in 0..tiles {
+            let tile = &mut out[(strip * tiles + kt) * 512..][..512];
+            for (lane, piece) in tile.chunks_exact_mut(16).enumerate() {
+                let (g, t) = (lane / 4, lane % 4);
+                for s in 0..4 {
+                    for nib in 0..8 {
+                        let (j, h) = (nib % 4, nib / 4);
+                        let row = strip * STRIP + g + 8 * (j & 1);
+                        let col = kt * TILE + 16 * s + 2 * t + 8 * (j >> 1) + h;
+                        piece[4 * s + nib / 2] |= quant(row, col) << (4 * (nib % 2));
+                    }
+                }
+            }
+        }
+    }
+    let params = &mut out[rows * cols / 2..];
+    let groups = cols / group;
+    for row in 0..rows {
+        for grp in 0..groups {
+            let src = row * row_bytes + grp * dtype.bytes_for(group);
+            params[(row * groups + grp) * INT4_HEADER..][..INT4_HEADER]
+                .copy_from_slice(&bytes[src..src + INT4_HEADER]);
+        }
+    }
+    Some(out)
+}
+
+impl Gpu {
+    /// The int4 decode product over a stack of `rows` (the whole stack's)
+    /// in groups of `group`: `m <= 8` rows of `x` go to `scratch` as bf16
+    /// hi + lo fragments with their groups' sums, then one block per strip
+    /// of 16 rows.
+    pub(super) fn gemv_int4(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<u8>,
+        group: usize,
+        outs: &mut [&mut CudaSlice<f32>],
+        shape: StackShape<'_>,
+        scratch: &mut GemmScratch,
+    ) -> R {
+        let StackShape { m, parts, k } = shape;
+        let n = check_parts(outs, parts, m)?;
+        // Fragments (2 m k bf16) then the groups' sums (m k / group f32).
+        let need = 2 * m * k + 2 * m * (k / group);
+        if m > super::GEMV_MAX_M || scratch.act.len() < need {
+            return Err(KernelError::Shape(format!(
+                "int4 GEMV of {m} rows of {k}: at most {} rows and {need} bf16 of scratch",
+                super::GEMV_MAX_M
+            )));
+        }
+        let (mi, ki, gi) = (m as i32, k as i32, group as i32);
+        let mut b = self.stream.launch_builder(self.function("int4_xfrag")?);
+        b.arg(x).arg(&mut scratch.act).arg(&mi).arg(&ki).arg(&gi);
+        let grid = cudarc::driver::LaunchConfig {
+            grid_dim: ((k / group) as u32, m as u32, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one warp per (group, row), writes within `need` (checked).
+        unsafe { b.launch(grid) }.map_err(cuda_err)?;
+        let o = self.out_ptrs(outs, parts);
+        let mut b = self
+            .stream
+            .launch_builder(self.function(&format!("gemv_int4_g{group}"))?);
+        b.arg(&scratch.act).arg(w);
+        b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
+        b.arg(&o.n0).arg(&o.n1).arg(&mi).arg(&o.n).arg(&ki);
+        // SAFETY: one block per strip of 16 of the n rows (a multiple of 16
+        // by construction of the tiles); outputs checked above.
+        unsafe { b.launch(cfg((n / STRIP) as u32, 32 * WARPS)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// Rows `r0 .. r0 + rows` of an int4 matrix of `n` rows of `k` as bf16
+    /// into `out`.
+    pub(super) fn dequantize_int4_bf16(
+        &self,
+        w: &CudaView<'_, u8>,
+        out: &mut CudaSlice<bf16>,
+        (n, k, group): (usize, usize, usize),
+        r0: usize,
+        rows: usize,
+    ) -> R {
+        let total = rows * k;
+        if out.len() < total || r0 + rows > n || w.len() < int4_device_bytes(n, k, group) {
+            return Err(KernelError::Shape(format!(
+                "dequantizing rows {r0}..{} of {n} x {k} int4: buffers too small",
+                r0 + rows
+            )));
+        }
+        let (row0, len) = (r0 as i64, total as i64);
+        let (ni, ki, gi) = (n as i32, k as i32, group as i32);
+        let mut b = self
+            .stream
+            .launch_builder(self.function("dequant_int4_bf16")?);
+        b.arg(w)
+            .arg(out)
+            .arg(&row0)
+            .arg(&len)
+            .arg(&ni)
+            .arg(&ki)
+            .arg(&gi);
+        // SAFETY: one thread per element, bounds-checked.
+        unsafe { b.launch(cfg(total.div_ceil(256) as u32, 256)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{dequantize_row, quantize_rows};
+
+    /// Weight (row, col) read back from the tiles as `int4_elem` in
+    /// int4.cu reads it.
+    fn tile_elem(
+        tiles: &[u8],
+        rows: usize,
+        cols: usize,
+        group: usize,
+        row: usize,
+        col: usize,
+    ) -> f32 {
+        let (strip, rr) = (row / STRIP, row % STRIP);
+        let (g, hi) = (rr % 8, rr / 8);
+        let (kt, cc) = (col / TILE, col % TILE);
+        let (s, r) = (cc / 16, cc % 16);
+        let (h, t, j) = (r & 1, (r >> 1) & 3, hi | ((r >> 3) << 1));
+        let nib = j + 4 * h;
+        let byte = tiles[strip * STRIP * cols / 2 + kt * 512 + (4 * g + t) * 16 + 4 * s + nib / 2];
+        let q = (byte >> (4 * (nib % 2))) & 0x0f;
+        let p = &tiles[rows * cols / 2 + (row * (cols / group) + col / group) * INT4_HEADER..];
+        let d = half::f16::from_le_bytes([p[0], p[1]]).to_f32();
+        let m = half::f16::from_le_bytes([p[2], p[3]]).to_f32();
+        q as f32 * d + m
+    }
+
+    #[test]
+    fn int4_tiles_hold_every_weight_where_the_kernels_read_it() {
+        for (dtype, group) in [(DType::Int4G128, 128), (DType::Int4G64, 64)] {
+            let (rows, cols) = (32, 256);
+            let values: Vec<f32> = (0..rows * cols)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
+                .collect();
+            let bytes = quantize_rows(dtype, cols, &values);
+            let tiles = int4_tiles(dtype, &bytes, rows, cols).unwrap();
+            assert_eq!(tiles.len(), int4_device_bytes(rows, cols, group));
+            let mut want = vec![0.0f32; cols];
+            for row in 0..rows {
+                dequantize_row(
+                    dtype,
+                    &bytes[row * dtype.bytes_for(cols)..][..dtype.bytes_for(cols)],
+                    &mut want,
+                );
+                for (col, w) in want.iter().enumerate() {
+                    assert_eq!(
+                        tile_elem(&tiles, rows, cols, group, row, col),
+                        *w,
+                        "{dtype:?} ({row}, {col})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_that_do_not_tile_are_left_to_q4_1_blocks() {
+        let bytes = quantize_rows(DType::Int4G64, 64, &vec![0.5; 8 * 64]);
+        assert!(int4_tiles(DType::Int4G64, &bytes, 8, 64).is_none());
+        let bytes = quantize_rows(DType::Int4G64, 192, &vec![0.5; 16 * 192]);
+        assert!(int4_tiles(DType::Int4G64, &bytes, 16, 192).is_some());
+        assert!(int4_tiles(DType::Q4_1, &bytes, 16, 192).is_none());
+    }
+}
