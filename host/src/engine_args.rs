@@ -4,10 +4,13 @@
 /// Engine settings shared by `run`, `bench` and `serve`.
 #[derive(clap::Args)]
 pub(crate) struct EngineArgs {
-    /// Weights of the projections: as the model stores them, or converted
-    /// at load to FP8 rows or int4 groups.
-    #[arg(long, value_enum, default_value_t = WeightsArg::Native)]
-    pub(crate) weights: WeightsArg,
+    /// Weights of the projections: `native` (as the model stores them),
+    /// `bf16`, `fp8` (e4m3 rows, a scale per output channel) or `int4`
+    /// (groups of 128, f16 scale and offset), converted at load; or one for
+    /// each phase, as in `prefill=fp8,decode=int4` (two copies: a step's
+    /// one-token rows run on decode's).
+    #[arg(long, default_value = "native", value_parser = parse_weights)]
+    pub(crate) weights: kiln_host::model::WeightPlan,
     /// KV page format.
     #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
     pub(crate) kv: KvArg,
@@ -91,26 +94,9 @@ pub(crate) enum KvArg {
     Bf16,
 }
 
-/// Weight formats.
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub(crate) enum WeightsArg {
-    /// As the model file stores them.
-    Native,
-    /// FP8 e4m3 with a scale per output channel (W8A16: activations stay
-    /// f32).
-    Fp8,
-    /// 4-bit groups of 128 (64 where rows are shorter), f16 scale and offset.
-    Int4,
-}
-
-impl WeightsArg {
-    pub(crate) fn format(self) -> kiln_host::model::WeightFormat {
-        match self {
-            WeightsArg::Native => kiln_host::model::WeightFormat::Native,
-            WeightsArg::Fp8 => kiln_host::model::WeightFormat::Fp8,
-            WeightsArg::Int4 => kiln_host::model::WeightFormat::Int4,
-        }
-    }
+/// Parses `--weights`.
+fn parse_weights(s: &str) -> Result<kiln_host::model::WeightPlan, String> {
+    s.parse()
 }
 
 /// A switch.

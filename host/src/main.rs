@@ -102,7 +102,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     use kiln_host::model::{self, ChatMessage};
     let config = args.engine.config()?;
     let source = model::resolve_model(&args.model, &model::default_cache_dir())?;
-    let loaded = model::load_as(&args.model, &source, args.engine.weights.format())?;
+    let loaded = model::load_as(&args.model, &source, args.engine.weights)?;
     let prompt = if args.chat {
         let msgs = [ChatMessage {
             role: "user".into(),
@@ -183,7 +183,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
     use kiln_host::model;
     let config = args.engine.config()?;
     let source = model::resolve_model(&args.model, &model::default_cache_dir())?;
-    let weights = args.engine.weights.format();
+    let weights = args.engine.weights;
     let mut loaded = std::sync::Arc::new(model::load_as(&args.model, &source, weights)?);
     if let Some(reps) = args.ttft {
         let (row, _) = kiln_host::bench::ttft(loaded, config, args.prompt_tokens, reps)
@@ -401,7 +401,7 @@ fn model_backend(
     let mut engines = Vec::new();
     for (name, spec) in specs {
         let source = model::resolve_model(&spec, &model::default_cache_dir())?;
-        let loaded = model::load_as(&name, &source, args.engine.weights.format())?;
+        let loaded = model::load_as(&name, &source, args.engine.weights)?;
         tracing::info!(model = %name, "loaded {} parameters", loaded.model.config.parameters());
         engines.push((loaded, config.clone()));
     }

@@ -398,8 +398,11 @@ pub fn default_model() -> kiln_host::model::Loaded {
     default_model_as(kiln_host::model::WeightFormat::Native)
 }
 
-/// The default model with its projections in `weights`.
-pub fn default_model_as(weights: kiln_host::model::WeightFormat) -> kiln_host::model::Loaded {
+/// The default model with its projections in `weights` (one format, or
+/// one for each phase).
+pub fn default_model_as(
+    weights: impl Into<kiln_host::model::WeightPlan>,
+) -> kiln_host::model::Loaded {
     use kiln_host::model;
     static SOURCE: OnceLock<Result<String, String>> = OnceLock::new();
     let source = SOURCE.get_or_init(|| {
@@ -412,6 +415,17 @@ pub fn default_model_as(weights: kiln_host::model::WeightFormat) -> kiln_host::m
         }
         Err(e) => panic!("fetching the default model failed: {e}"),
     }
+}
+
+/// `prompt` as one user message through the engine's chat template, as
+/// token ids.
+pub fn chat_ids(e: &kiln_host::engine::Engine, prompt: &str) -> Vec<u32> {
+    let tk = &e.loaded().tokenizer;
+    let msgs = [kiln_host::model::ChatMessage {
+        role: "user".into(),
+        content: prompt.into(),
+    }];
+    tk.encode(&tk.chat_prompt(&msgs).unwrap(), true).unwrap()
 }
 
 /// KL(softmax(a) || softmax(b)) in nats, for two rows of logits.

@@ -1,9 +1,8 @@
 //! The CPU engine on the real default model (SmolLM2-135M-Instruct Q4_1).
 
 use kiln_host::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, Salt, TenantId};
-use kiln_host::model::ChatMessage;
 use kiln_kernels::kv::KvFormat;
-use kiln_tests::default_model;
+use kiln_tests::{chat_ids, default_model};
 
 const PROMPTS: [&str; 16] = [
     "What is the capital of France?",
@@ -34,15 +33,6 @@ fn engine(format: KvFormat, kv_memory: usize) -> Engine {
         },
     )
     .expect("engine")
-}
-
-fn chat_ids(e: &Engine, prompt: &str) -> Vec<u32> {
-    let tk = &e.loaded().tokenizer;
-    let msgs = [ChatMessage {
-        role: "user".into(),
-        content: prompt.into(),
-    }];
-    tk.encode(&tk.chat_prompt(&msgs).unwrap(), true).unwrap()
 }
 
 fn greedy(max_tokens: usize) -> GenerateParams {

@@ -5,9 +5,8 @@
 //! the CPU they would only compare the CPU with itself.
 
 use kiln_host::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, TenantId};
-use kiln_host::model::ChatMessage;
 use kiln_kernels::Device;
-use kiln_tests::default_model;
+use kiln_tests::{chat_ids, default_model};
 
 /// Why each test here is ignored by default.
 const NEEDS_GPU: &str = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored";
@@ -54,15 +53,6 @@ const PROMPTS: [&str; 6] = [
     "Explain gravity in one sentence.",
     "What is 12 times 12?",
 ];
-
-fn chat_ids(e: &Engine, prompt: &str) -> Vec<u32> {
-    let tk = &e.loaded().tokenizer;
-    let msgs = [ChatMessage {
-        role: "user".into(),
-        content: prompt.into(),
-    }];
-    tk.encode(&tk.chat_prompt(&msgs).unwrap(), true).unwrap()
-}
 
 fn greedy(e: &mut Engine, ids: &[u32], n: usize) -> Vec<u32> {
     let params = GenerateParams {

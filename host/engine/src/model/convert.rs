@@ -6,7 +6,8 @@ use kiln_kernels::matmul::Weight;
 use kiln_kernels::quant::{DType, quantize_rows};
 use rayon::prelude::*;
 
-use super::cpu::Model;
+use super::arch::Convert;
+use super::cpu::{Host, Model};
 
 /// The weights a model runs with.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -87,4 +88,125 @@ fn to_int4(w: &Weight) -> Option<Weight> {
         return None;
     }
     rows_as(w, dtype)
+}
+
+/// The weights each phase runs with (`--weights`): one format for both, or
+/// `prefill=F,decode=F` (two copies of the projections, each phase on its
+/// own: FP8 tensor cores for prefill's math, int4 for decode's bytes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WeightPlan {
+    /// Weights of prefill chunks (and of the model's single copy).
+    pub prefill: WeightFormat,
+    /// Weights of decode rows (one new token).
+    pub decode: WeightFormat,
+}
+
+impl WeightPlan {
+    /// Whether the phases run on different copies.
+    pub fn is_split(&self) -> bool {
+        self.prefill != self.decode
+    }
+}
+
+impl From<WeightFormat> for WeightPlan {
+    fn from(format: WeightFormat) -> Self {
+        Self {
+            prefill: format,
+            decode: format,
+        }
+    }
+}
+
+impl WeightFormat {
+    fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "native" => Ok(WeightFormat::Native),
+            "bf16" => Ok(WeightFormat::Bf16),
+            "fp8" => Ok(WeightFormat::Fp8),
+            "int4" => Ok(WeightFormat::Int4),
+            other => Err(format!(
+                "unknown weight format `{other}` (use native, bf16, fp8 or int4)"
+            )),
+        }
+    }
+}
+
+impl std::str::FromStr for WeightPlan {
+    type Err = String;
+
+    /// `FORMAT`, or `prefill=FORMAT,decode=FORMAT` (either order).
+    fn from_str(s: &str) -> Result<Self, String> {
+        if !s.contains('=') {
+            return WeightFormat::parse(s.trim()).map(Self::from);
+        }
+        let (mut prefill, mut decode) = (None, None);
+        for part in s.split(',') {
+            let (phase, format) = part.split_once('=').ok_or_else(|| {
+                format!("`{part}` is not PHASE=FORMAT (as in prefill=fp8,decode=int4)")
+            })?;
+            let slot = match phase.trim() {
+                "prefill" => &mut prefill,
+                "decode" => &mut decode,
+                other => return Err(format!("unknown phase `{other}` (prefill or decode)")),
+            };
+            if slot.replace(WeightFormat::parse(format.trim())?).is_some() {
+                return Err(format!("`{}` given twice", phase.trim()));
+            }
+        }
+        match (prefill, decode) {
+            (Some(prefill), Some(decode)) => Ok(Self { prefill, decode }),
+            _ => Err("name both phases, as in prefill=fp8,decode=int4".into()),
+        }
+    }
+}
+
+/// Copies host weights as they are.
+struct Duplicate;
+
+impl Convert<Host, Host> for Duplicate {
+    fn vector(&mut self, v: &Vec<f32>) -> super::arch::R<Vec<f32>> {
+        Ok(v.clone())
+    }
+    fn matrix(&mut self, m: &Weight) -> super::arch::R<Weight> {
+        Ok(m.clone())
+    }
+    fn stack(&mut self, s: &Vec<Weight>) -> super::arch::R<Vec<Weight>> {
+        Ok(s.clone())
+    }
+}
+
+impl Model {
+    /// A second copy of the model (for the other phase's weights).
+    pub(crate) fn duplicate(&self) -> Result<Model, super::ModelError> {
+        Ok(Model {
+            config: self.config.clone(),
+            weights: self.weights.convert(&mut Duplicate)?,
+            rope: self.rope.clone(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weight_plans_parse_one_format_or_both_phases() {
+        let one: WeightPlan = "int4".parse().unwrap();
+        assert_eq!(one, WeightFormat::Int4.into());
+        assert!(!one.is_split());
+        let split: WeightPlan = "decode=int4, prefill=fp8".parse().unwrap();
+        assert_eq!(split.prefill, WeightFormat::Fp8);
+        assert_eq!(split.decode, WeightFormat::Int4);
+        assert!(split.is_split());
+        for bad in [
+            "int3",
+            "prefill=fp8",
+            "prefill=fp8,prefill=int4",
+            "warm=fp8,decode=int4",
+        ] {
+            let e = bad.parse::<WeightPlan>().unwrap_err();
+            assert!(!e.is_empty(), "{bad}");
+        }
+    }
 }

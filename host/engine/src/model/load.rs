@@ -8,7 +8,7 @@ use kiln_kernels::ops::{Llama3Scaling, Rope, RopeStyle};
 use kiln_kernels::quant::DType;
 
 use super::arch::{self, Block, Decoder};
-use super::convert::{WeightFormat, convert};
+use super::convert::{WeightFormat, WeightPlan, convert};
 use super::cpu::{Host, Model};
 use super::gguf::Gguf;
 use super::int4::{self, Packed, QuantConfig};
@@ -21,8 +21,14 @@ pub fn load(name: &str, source: &str) -> Result<Loaded, ModelError> {
 
 /// Loads `source` (a `.gguf` file, a Hugging Face directory with
 /// config.json, *.safetensors (floats, or 4-bit GPTQ / AWQ) and
-/// tokenizer.json, or `synthetic:NAME`), its projections in `weights`.
-pub fn load_as(name: &str, source: &str, weights: WeightFormat) -> Result<Loaded, ModelError> {
+/// tokenizer.json, or `synthetic:NAME`), its projections in `weights`: one
+/// format, or one for prefill and another for decode (two copies).
+pub fn load_as(
+    name: &str,
+    source: &str,
+    weights: impl Into<WeightPlan>,
+) -> Result<Loaded, ModelError> {
+    let plan = weights.into();
     let (mut model, tokenizer) = if let Some(spec) = source.strip_prefix("synthetic:") {
         super::synthetic::synthetic(spec)?
     } else {
@@ -33,19 +39,44 @@ pub fn load_as(name: &str, source: &str, weights: WeightFormat) -> Result<Loaded
             gguf(path)?
         }
     };
-    if weights != WeightFormat::Native {
-        let (done, kept) = convert(&mut model, weights);
-        tracing::info!(
-            model = name,
-            "{done} projections as {weights:?} ({kept} kept as stored)"
-        );
-    }
+    let decode = if plan.is_split() {
+        let mut decode = model.duplicate()?;
+        convert_logged(name, &mut decode, plan.decode, "decode");
+        Some(decode)
+    } else {
+        None
+    };
+    convert_logged(name, &mut model, plan.prefill, "prefill");
     Ok(Loaded {
         name: name.to_owned(),
         model,
+        decode,
         tokenizer,
         gpu_weights: Default::default(),
     })
+}
+
+impl Loaded {
+    /// Gives decode its own copy of the weights, converted to `format`
+    /// (`Native`: the same values, which measures what running the phases
+    /// apart costs by itself).
+    pub fn with_decode_weights(mut self, format: WeightFormat) -> Result<Self, ModelError> {
+        let mut decode = self.model.duplicate()?;
+        convert_logged(&self.name, &mut decode, format, "decode");
+        self.decode = Some(decode);
+        Ok(self)
+    }
+}
+
+fn convert_logged(name: &str, model: &mut Model, format: WeightFormat, phase: &str) {
+    if format != WeightFormat::Native {
+        let (done, kept) = convert(model, format);
+        tracing::info!(
+            model = name,
+            phase,
+            "{done} projections as {format:?} ({kept} kept as stored)"
+        );
+    }
 }
 
 fn build(

@@ -12,13 +12,14 @@ pub mod gguf;
 pub mod gpu;
 pub mod int4;
 mod load;
+mod phase;
 mod runner;
 pub mod step;
 mod synthetic;
 mod tokenizer;
 
 pub use config::{Arch, ModelConfig};
-pub use convert::WeightFormat;
+pub use convert::{WeightFormat, WeightPlan};
 pub use cpu::{KvCache, Model};
 pub use fetch::{DEFAULT_MODEL, default_cache_dir, resolve_model};
 pub use load::{load, load_as};
@@ -53,16 +54,23 @@ impl From<kiln_kernels::KernelError> for ModelError {
     }
 }
 
+/// Weights on a GPU: its ordinal, the model's, and decode's own copy.
+pub type GpuWeights = (usize, Box<gpu::GpuModel>, Option<Box<gpu::GpuModel>>);
+
 /// A loaded model with its tokenizer.
 pub struct Loaded {
     /// The name it is served under.
     pub name: String,
-    /// Weights and forward pass.
+    /// Weights and forward pass (of prefill chunks too, where the phases
+    /// run on different weights).
     pub model: Model,
+    /// Decode's own copy of the weights (`--weights prefill=F,decode=F`):
+    /// steps' one-token rows run on it.
+    pub decode: Option<Model>,
     /// Tokenizer and chat template.
     pub tokenizer: Tokenizer,
     /// Weights an engine uploaded to a GPU and gave back when it ended,
     /// for the next engine on that GPU (benchmarks build one engine after
     /// another; a copy of an 8B model costs seconds).
-    pub gpu_weights: std::sync::Mutex<Option<(usize, Box<gpu::GpuModel>)>>,
+    pub gpu_weights: std::sync::Mutex<Option<GpuWeights>>,
 }

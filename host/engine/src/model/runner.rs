@@ -36,8 +36,9 @@ pub struct RunnerOptions {
 pub enum Runner {
     /// The CPU, with its KV cache.
     Cpu(KvCache),
-    /// A GPU, with the weights and KV pages on it.
-    Gpu(Box<GpuModel>, Box<GpuKv>),
+    /// A GPU, with the weights and KV pages on it, and decode's own copy
+    /// of the weights where the phases run on different ones.
+    Gpu(Box<GpuModel>, Box<GpuKv>, Option<Box<GpuModel>>),
 }
 
 impl Runner {
@@ -53,32 +54,39 @@ impl Runner {
             )),
             Device::Cuda(n) => {
                 let kept = loaded.gpu_weights.lock().ok().and_then(|mut s| s.take());
-                let mut model = match kept {
-                    Some((ordinal, model)) if ordinal == n && model.uses_graphs() == o.graphs => {
-                        model
+                let upload = |m: &super::Model| GpuModel::upload(m, n, o.graphs).map(Box::new);
+                let (model, mut decode) = match kept {
+                    Some((ordinal, model, decode))
+                        if ordinal == n && model.uses_graphs() == o.graphs =>
+                    {
+                        (Ok(model), decode)
                     }
-                    _ => Box::new(
-                        GpuModel::upload(&loaded.model, n, o.graphs).map_err(|e| e.to_string())?,
-                    ),
+                    _ => {
+                        let decode = loaded.decode.as_ref().map(upload).transpose();
+                        (upload(&loaded.model), decode.map_err(|e| e.to_string())?)
+                    }
                 };
-                model.set_programmatic(o.programmatic);
-                model.set_fold(o.fold);
+                let mut model = model.map_err(|e| e.to_string())?;
+                for m in std::iter::once(&mut model).chain(decode.as_mut()) {
+                    m.set_programmatic(o.programmatic);
+                    m.set_fold(o.fold);
+                }
                 tracing::info!(device = model.device_name(), "model weights on the GPU");
                 let mut kv = model
                     .kv(o.kv_format, o.page_size, o.num_pages)
                     .map_err(|e| e.to_string())?;
                 kv.set_tensor_prefill(o.tensor_prefill);
-                Runner::Gpu(model, Box::new(kv))
+                Runner::Gpu(model, Box::new(kv), decode)
             }
         })
     }
 
     /// Keeps a GPU's weights in `loaded` for the next runner.
     pub fn give_back(self, loaded: &Loaded) {
-        if let Runner::Gpu(model, _) = self
+        if let Runner::Gpu(model, _, decode) = self
             && let Ok(mut slot) = loaded.gpu_weights.lock()
         {
-            *slot = Some((model.ordinal(), model));
+            *slot = Some((model.ordinal(), model, decode));
         }
     }
 
@@ -90,27 +98,57 @@ impl Runner {
     /// Bytes of weights a decode step reads where the forward pass runs.
     pub fn weight_bytes(&self, loaded: &Loaded) -> usize {
         match self {
-            Runner::Gpu(model, _) => model.weight_bytes(),
-            Runner::Cpu(_) => loaded.model.weight_bytes(),
+            Runner::Gpu(_, _, Some(decode)) => decode.weight_bytes(),
+            Runner::Gpu(model, ..) => model.weight_bytes(),
+            Runner::Cpu(_) => loaded
+                .decode
+                .as_ref()
+                .unwrap_or(&loaded.model)
+                .weight_bytes(),
         }
     }
 
     /// The device's copy bandwidth in GB/s, on a GPU.
     pub fn copy_bandwidth(&self) -> Option<f64> {
         match self {
-            Runner::Gpu(model, _) => model.copy_bandwidth().ok(),
+            Runner::Gpu(model, ..) => model.copy_bandwidth().ok(),
             Runner::Cpu(_) => None,
         }
     }
 
-    /// Runs one step.
+    /// Runs one step; where the phases have their own weights, its
+    /// one-token rows on decode's and the rest on prefill's, as two passes.
     pub fn forward(&mut self, loaded: &Loaded, step: &Step<'_>) -> Result<StepOut, String> {
+        let phased = match self {
+            Runner::Gpu(_, _, decode) => decode.is_some(),
+            Runner::Cpu(_) => loaded.decode.is_some(),
+        };
+        if !phased {
+            return self.pass(loaded, step, false);
+        }
+        match super::phase::split(step) {
+            Err(all_decode) => self.pass(loaded, step, all_decode),
+            Ok(split) => {
+                let (prefill, decode) = split.steps(step);
+                let p = self.pass(loaded, &prefill, false)?;
+                let d = self.pass(loaded, &decode, true)?;
+                Ok(super::phase::merge(step, &split.is_decode, p, d))
+            }
+        }
+    }
+
+    /// One forward pass, on decode's weights when `decode` and it has its
+    /// own.
+    fn pass(&mut self, loaded: &Loaded, step: &Step<'_>, decode: bool) -> Result<StepOut, String> {
         match self {
             Runner::Cpu(cache) => {
+                let model = match (&loaded.decode, decode) {
+                    (Some(d), true) => d,
+                    _ => &loaded.model,
+                };
                 // The CPU is the device: all of the forward is its time.
                 let start = std::time::Instant::now();
-                let logits = loaded
-                    .model
+                let logits = model
                     .forward(cache, &step.seqs)
                     .map_err(|e| e.to_string())?;
                 Ok(StepOut {
@@ -119,7 +157,11 @@ impl Runner {
                     device: start.elapsed(),
                 })
             }
-            Runner::Gpu(model, kv) => model.forward(kv, step).map_err(|e| e.to_string()),
+            Runner::Gpu(model, kv, phase) => match (phase, decode) {
+                (Some(d), true) => d.forward(kv, step),
+                _ => model.forward(kv, step),
+            }
+            .map_err(|e| e.to_string()),
         }
     }
 }
