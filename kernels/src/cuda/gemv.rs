@@ -187,7 +187,8 @@ impl Gpu {
         let chunk = scratch.deq16.as_mut().ok_or_else(|| {
             KernelError::Shape("no dequantization scratch for a quantized weight".into())
         })?;
-        let rows_per_chunk = (DEQUANT_CHUNK / k).max(1);
+        // Whole strips of 16 rows a chunk (int4 dequantizes by strips).
+        let rows_per_chunk = (DEQUANT_CHUNK / k / 16 * 16).max(16);
         let mut base = 0;
         for (o, &rows) in outs.iter_mut().zip(parts) {
             let mut r0 = 0;

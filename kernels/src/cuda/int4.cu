@@ -159,14 +159,36 @@ __device__ __forceinline__ float int4_elem(const unsigned char* w, int N, int K,
     return (float)q * dm.x + dm.y;
 }
 
-// Rows row0 .. row0 + rows of an int4 matrix as bf16 (for a cuBLAS GEMM),
-// one thread an element.
+// Strips of rows from row0 (a multiple of 16) of an int4 matrix as bf16
+// rows (for a cuBLAS GEMM): a thread per 16-byte lane piece of a tile, its
+// 32 weights as 16 bf16 pairs (rows g and g + 8, the pairs of its
+// fragments).
 extern "C" __global__ void dequant_int4_bf16(const unsigned char* w, __nv_bfloat16* dst,
-                                             long long row0, long long n, int N, int K, int G) {
+                                             long long row0, long long pieces, int N, int K,
+                                             int G) {
     PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    dst[i] = __float2bfloat16(int4_elem(w, N, K, G, row0 + i / K, (int)(i % K)));
+    if (i >= pieces) return;
+    int T = K / 64, lane = (int)(i & 31), kt = (int)((i >> 5) % T);
+    long long strip = row0 / 16 + (i >> 5) / T;
+    uint4 v = *(const uint4*)(w + strip * 16 * (K / 2) + (size_t)kt * 512 + lane * 16);
+    unsigned ws[4] = {v.x, v.y, v.z, v.w};
+    int g = lane >> 2, t = lane & 3, grp = kt * 64 / G;
+    const __half2* params = (const __half2*)(w + (size_t)N * (K / 2));
+    long long rows[2] = {strip * 16 + g, strip * 16 + g + 8};
+    float2 dm[2] = {__half22float2(params[rows[0] * (K / G) + grp]),
+                    __half22float2(params[rows[1] * (K / G) + grp])};
+#pragma unroll
+    for (int s = 0; s < 4; s++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int h = j & 1;
+            float lo = (float)((ws[s] >> (4 * j)) & 0xf), hi = (float)((ws[s] >> (4 * j + 16)) & 0xf);
+            __nv_bfloat162 pair =
+                __floats2bfloat162_rn(lo * dm[h].x + dm[h].y, hi * dm[h].x + dm[h].y);
+            int col = kt * 64 + 16 * s + 2 * t + 8 * (j >> 1);
+            *(__nv_bfloat162*)(dst + (rows[h] - row0) * K + col) = pair;
+        }
 }
 
 // out[t] = row ids[t] of an int4 table of N rows of `cols`. One block per token.

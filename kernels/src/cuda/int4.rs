@@ -129,8 +129,8 @@ impl Gpu {
         Ok(())
     }
 
-    /// Rows `r0 .. r0 + rows` of an int4 matrix of `n` rows of `k` as bf16
-    /// into `out`.
+    /// Rows `r0 .. r0 + rows` (whole strips of 16) of an int4 matrix of
+    /// `n` rows of `k` as bf16 into `out`, a thread per 32 weights.
     pub(super) fn dequantize_int4_bf16(
         &self,
         w: &CudaView<'_, u8>,
@@ -139,27 +139,24 @@ impl Gpu {
         r0: usize,
         rows: usize,
     ) -> R {
-        let total = rows * k;
-        if out.len() < total || r0 + rows > n || w.len() < int4_device_bytes(n, k, group) {
+        let strips = r0.is_multiple_of(STRIP) && rows.is_multiple_of(STRIP);
+        let fits = out.len() >= rows * k && r0 + rows <= n;
+        if !fits || !strips || w.len() < int4_device_bytes(n, k, group) {
             return Err(KernelError::Shape(format!(
-                "dequantizing rows {r0}..{} of {n} x {k} int4: buffers too small",
+                "dequantizing rows {r0}..{} of {n} x {k} int4: buffers too small or not whole strips",
                 r0 + rows
             )));
         }
-        let (row0, len) = (r0 as i64, total as i64);
+        let pieces = rows / STRIP * (k / TILE) * 32;
+        let (row0, len) = (r0 as i64, pieces as i64);
         let (ni, ki, gi) = (n as i32, k as i32, group as i32);
         let mut b = self
             .stream
             .launch_builder(self.function("dequant_int4_bf16")?);
-        b.arg(w)
-            .arg(out)
-            .arg(&row0)
-            .arg(&len)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&gi);
-        // SAFETY: one thread per element, bounds-checked.
-        unsafe { b.launch(cfg(total.div_ceil(256) as u32, 256)) }.map_err(cuda_err)?;
+        b.arg(w).arg(out).arg(&row0).arg(&len);
+        b.arg(&ni).arg(&ki).arg(&gi);
+        // SAFETY: one thread per 16-byte piece of the strips, bounds-checked.
+        unsafe { b.launch(cfg(pieces.div_ceil(256) as u32, 256)) }.map_err(cuda_err)?;
         Ok(())
     }
 }

@@ -189,17 +189,31 @@ extern "C" __global__ void gemv_fp8row(const float* x, const unsigned char* w, f
     }
 }
 
-// Rows of FP8 rows of K as bf16 (for a cuBLAS GEMM), n elements, one
-// thread each.
+// FP8 rows of K (a multiple of 16) as bf16 (for a cuBLAS GEMM): a thread
+// per 16 weights, one 16-byte load and two 16-byte stores.
 extern "C" __global__ void dequant_fp8row_bf16(const unsigned char* src, __nv_bfloat16* dst,
-                                               long long n, int K) {
+                                               long long pieces, int K) {
     PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const unsigned char* row = src + (i / K) * (16 + (long long)K);
-    __nv_fp8_e4m3 v;
-    v.__x = row[16 + i % K];
-    dst[i] = __float2bfloat16((float)v * *(const float*)row);
+    if (i >= pieces) return;
+    long long r = i / (K / 16);
+    int c = (int)(i % (K / 16));
+    const unsigned char* row = src + r * (16 + (long long)K);
+    float scale = *(const float*)row;
+    uint4 p = *(const uint4*)(row + 16 + 16 * c);
+    const unsigned short* pairs = (const unsigned short*)&p;
+    uint4 out[2];
+    unsigned* o = (unsigned*)out;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pairs[e], __NV_E4M3);
+        float2 f = __half22float2(*(const __half2*)&hr);
+        __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+        o[e] = *(unsigned*)&b;
+    }
+    uint4* d = (uint4*)(dst + r * K + 16 * c);
+    d[0] = out[0];
+    d[1] = out[1];
 }
 
 // Dequantizes n elements of FP8 rows of K to f32 (one thread each). The

@@ -190,7 +190,11 @@ impl Gpu {
         if ws.iter().any(|w| w.cols() != first.cols()) {
             return Ok(None);
         }
-        if ws.iter().all(|w| w.dtype() == first.dtype()) && first.dtype().int4_group().is_some() {
+        // Int4 tiles when every part is whole strips of 16 rows (the GEMM
+        // path dequantizes strips).
+        let strips = ws.iter().all(|w| w.rows().is_multiple_of(16));
+        let int4 = first.dtype().int4_group().is_some();
+        if strips && int4 && ws.iter().all(|w| w.dtype() == first.dtype()) {
             let bytes: Vec<u8> = ws
                 .iter()
                 .flat_map(|w| w.bytes().unwrap_or(&[]).iter().copied())
@@ -251,7 +255,8 @@ impl Gpu {
         self.dequantize_rows(dtype, &src.slice(..), out, 1, n)
     }
 
-    /// Dequantizes `rows` FP8 rows of `k` to bf16, one thread an element.
+    /// Dequantizes `rows` FP8 rows of `k` (a multiple of 16) to bf16, a
+    /// thread per 16 weights.
     pub(super) fn dequantize_fp8_bf16(
         &self,
         src: &cudarc::driver::CudaView<'_, u8>,
@@ -260,18 +265,19 @@ impl Gpu {
         k: usize,
     ) -> R {
         let n = rows * k;
-        if out.len() < n || src.len() < rows * DType::Fp8Row.bytes_for(k) {
+        if out.len() < n || src.len() < rows * DType::Fp8Row.bytes_for(k) || !k.is_multiple_of(16) {
             return Err(KernelError::Shape(format!(
-                "dequantizing {rows} FP8 rows of {k}: buffers too small"
+                "dequantizing {rows} FP8 rows of {k}: buffers too small or rows not a multiple of 16"
             )));
         }
-        let (total, ki) = (n as i64, k as i32);
+        let pieces = n / 16;
+        let (total, ki) = (pieces as i64, k as i32);
         let mut b = self
             .stream
             .launch_builder(self.function("dequant_fp8row_bf16")?);
         b.arg(src).arg(out).arg(&total).arg(&ki);
-        // SAFETY: one thread per element, bounds-checked.
-        unsafe { b.launch(cfg(n.div_ceil(256) as u32, 256)) }.map_err(cuda_err)?;
+        // SAFETY: one thread per 16 weights, bounds-checked.
+        unsafe { b.launch(cfg(pieces.div_ceil(256) as u32, 256)) }.map_err(cuda_err)?;
         Ok(())
     }
 
