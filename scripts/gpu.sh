@@ -173,14 +173,15 @@ prefill)
     ;;
 weights)
     # Decode by weight format, the seed's table: bf16 weights against FP8
-    # rows (--weights fp8, W8A16 GEMV) and int4 (--weights int4, run as Q4_1
-    # blocks on CUDA until the int4 kernel), same model and KV, one call
-    # (carry .gpu-bench).
+    # rows (--weights fp8, W8A16 GEMV), int4 (--weights int4, tensor-core
+    # tiles) and the two phases apart (prefill on FP8 rows, decode on int4),
+    # same model and KV, one call (carry .gpu-bench; WEIGHTS overrides the
+    # list).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
     set +e
-    for weights in native fp8 int4; do
+    for weights in ${WEIGHTS:-native fp8 int4 prefill=fp8,decode=int4}; do
         echo "== weights: $weights" | tee -a "$out/weights.log"
         timeout 250 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --weights "$weights" \
             --kv fp8 --kv-memory 16GiB --concurrency 1,8,16,32,64 --prompt-tokens 512 --gen-tokens 128 \

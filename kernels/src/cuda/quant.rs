@@ -267,7 +267,7 @@ impl Gpu {
         let n = rows * k;
         if out.len() < n || src.len() < rows * DType::Fp8Row.bytes_for(k) || !k.is_multiple_of(16) {
             return Err(KernelError::Shape(format!(
-                "dequantizing {rows} FP8 rows of {k}: buffers too small or rows not a multiple of 16"
+                "dequantizing {rows} FP8 rows of {k}: buffers too small or k not a multiple of 16"
             )));
         }
         let pieces = n / 16;
