@@ -13,6 +13,7 @@ mod convert;
 mod cublas;
 mod embed;
 mod fold;
+mod fp8_gemm;
 mod gemv;
 mod graph;
 mod hadamard;
@@ -144,6 +145,8 @@ const KERNELS: &[&str] = &[
     "embed_q4_0",
     "embed_q4_1",
     "dequant_fp8row_bf16",
+    "quant_rows_e4m3",
+    "fp8_row_scales",
     // int4.cu
     "int4_xfrag",
     "gemv_int4_g64",
@@ -177,6 +180,8 @@ pub struct Gpu {
     /// Resident blocks of each flash attention kernel
     /// ([`attention::flash_resident`]).
     flash_resident: HashMap<String, usize>,
+    /// cuBLASLt for FP8 GEMMs, made at the first one.
+    lt: std::sync::Mutex<Option<fp8_gemm::Lt>>,
 }
 
 /// Bytes of cuBLAS workspace (NVIDIA's advice for Hopper).
@@ -371,6 +376,7 @@ impl Gpu {
                 _module: module,
                 programmatic: major >= 9,
                 flash_resident,
+                lt: std::sync::Mutex::new(None),
             })
         });
         opened.unwrap_or_else(|p| {

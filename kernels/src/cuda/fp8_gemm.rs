@@ -1,0 +1,249 @@
+//! FP8 W8A8 GEMMs through cuBLASLt (prefill and large batches on FP8
+//! rows): activations quantized to e4m3 with a scale per token, weights the
+//! FP8 rows as stored (the 16-byte row headers skipped by the leading
+//! dimension), f32 accumulation on tensor cores, and both scale vectors
+//! applied by cuBLASLt's outer-vector scaling (sm_90, CUDA 12.9 and up).
+//!
+//! Reference path until it has run on a GPU: the parity test
+//! (`tests/fp8_gemm.rs`) calls it; the engine's step does not yet.
+
+use std::ffi::c_void;
+
+use cudarc::cublaslt::{result as lt, sys};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut, PushKernelArg};
+
+use super::gemv::GemmShape;
+use super::{Gpu, cuda_err, grid_1d as cfg};
+use crate::KernelError;
+use crate::quant::FP8_ROW_HEADER;
+
+type R<T = ()> = Result<T, KernelError>;
+
+/// Bytes of cuBLASLt's workspace.
+const LT_WORKSPACE: usize = 32 << 20;
+
+/// A cuBLASLt handle and its workspace.
+pub(super) struct Lt {
+    handle: sys::cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+}
+
+// SAFETY: the handle is used only under the `Mutex` that holds it, on the
+// stream of the `Gpu` that owns it.
+unsafe impl Send for Lt {}
+
+impl Drop for Lt {
+    fn drop(&mut self) {
+        // SAFETY: created by `create_handle`, destroyed once.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+/// Sets one attribute of a matmul descriptor from a plain value.
+///
+/// # Safety
+/// `desc` is live and `T` is the attribute's type.
+unsafe fn set_desc<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    v: &T,
+) -> R {
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            attr,
+            v as *const T as *const c_void,
+            std::mem::size_of::<T>(),
+        )
+    }
+    .map_err(cuda_err)
+}
+
+/// Descriptors of one GEMM, destroyed when dropped.
+struct Descs {
+    desc: sys::cublasLtMatmulDesc_t,
+    layouts: [sys::cublasLtMatrixLayout_t; 3],
+    pref: sys::cublasLtMatmulPreference_t,
+}
+
+impl Drop for Descs {
+    fn drop(&mut self) {
+        // SAFETY: each created once below and destroyed once here.
+        unsafe {
+            let _ = lt::destroy_matmul_desc(self.desc);
+            for l in self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+            let _ = lt::destroy_matmul_pref(self.pref);
+        }
+    }
+}
+
+impl Gpu {
+    /// Quantizes `m` rows of `k` activations to e4m3 with a scale per row
+    /// (what `fp8::encode` does to each row).
+    pub fn quantize_rows_e4m3(
+        &self,
+        x: &CudaSlice<f32>,
+        q: &mut CudaSlice<u8>,
+        scales: &mut CudaSlice<f32>,
+        m: usize,
+        k: usize,
+    ) -> R {
+        if x.len() < m * k || q.len() < m * k || scales.len() < m {
+            return Err(KernelError::Shape(format!(
+                "quantizing {m} rows of {k}: buffers too small"
+            )));
+        }
+        let ki = k as i32;
+        let mut b = self
+            .stream
+            .launch_builder(self.function("quant_rows_e4m3")?);
+        b.arg(x).arg(q).arg(scales).arg(&ki);
+        // SAFETY: one block per row, sizes checked above.
+        unsafe { b.launch(cfg(m as u32, 256)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// The scales of `n` FP8 rows of `k`, gathered from their headers (for
+    /// cuBLASLt, which takes a contiguous vector).
+    pub fn fp8_row_scales(
+        &self,
+        w: &CudaView<'_, u8>,
+        out: &mut CudaSlice<f32>,
+        n: usize,
+        k: usize,
+    ) -> R {
+        if w.len() < n * (FP8_ROW_HEADER + k) || out.len() < n {
+            return Err(KernelError::Shape(format!(
+                "scales of {n} FP8 rows of {k}: buffers too small"
+            )));
+        }
+        let (ni, ki) = (n as i32, k as i32);
+        let mut b = self.stream.launch_builder(self.function("fp8_row_scales")?);
+        b.arg(w).arg(out).arg(&ni).arg(&ki);
+        // SAFETY: one thread per row, sizes checked above.
+        unsafe { b.launch(cfg(n.div_ceil(256) as u32, 256)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// `out (m x n) = (xq * x_scales) (w * w_scales)^T`, f32, by cuBLASLt on
+    /// FP8 tensor cores: `w` is `n` FP8 rows of `k` (`k` a multiple of 16),
+    /// `xq` `m` rows of `k` e4m3 from [`Self::quantize_rows_e4m3`].
+    pub fn gemm_fp8_rows(
+        &self,
+        w: &CudaView<'_, u8>,
+        w_scales: &CudaSlice<f32>,
+        xq: &CudaSlice<u8>,
+        x_scales: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        shape: GemmShape,
+    ) -> R {
+        let GemmShape { m, n, k } = shape;
+        let stride = FP8_ROW_HEADER + k;
+        if !k.is_multiple_of(16)
+            || w.len() < n * stride
+            || w_scales.len() < n
+            || xq.len() < m * k
+            || x_scales.len() < m
+            || out.len() < m * n
+        {
+            return Err(KernelError::Shape(format!(
+                "FP8 GEMM of {m} x {k} by {n} rows: buffers too small or k not a multiple of 16"
+            )));
+        }
+        let mut guard = self
+            .lt
+            .lock()
+            .map_err(|_| KernelError::Shape("cuBLASLt handle poisoned".into()))?;
+        if guard.is_none() {
+            let handle = lt::create_handle().map_err(cuda_err)?;
+            let workspace = self
+                .stream
+                .alloc_zeros::<u8>(LT_WORKSPACE)
+                .map_err(cuda_err)?;
+            *guard = Some(Lt { handle, workspace });
+        }
+        let Some(lt_state) = guard.as_mut() else {
+            return Err(KernelError::Shape("no cuBLASLt handle".into()));
+        };
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        let e4m3 = sys::cudaDataType::CUDA_R_8F_E4M3;
+        let f32_ty = sys::cudaDataType::CUDA_R_32F;
+        // Row-major out (m x n) is column-major n x m: out^T = W X^T, W
+        // stored as k x n columns (a row of weights each) of stride k + 16.
+        let descs = Descs {
+            desc: lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32_ty)
+                .map_err(cuda_err)?,
+            layouts: [
+                lt::create_matrix_layout(e4m3, k as u64, n as u64, stride as i64)
+                    .map_err(cuda_err)?,
+                lt::create_matrix_layout(e4m3, k as u64, m as u64, k as i64).map_err(cuda_err)?,
+                lt::create_matrix_layout(f32_ty, n as u64, m as u64, n as i64).map_err(cuda_err)?,
+            ],
+            pref: lt::create_matmul_pref().map_err(cuda_err)?,
+        };
+        let (wp, _rw) = w.device_ptr(&self.stream);
+        let (ws, _rws) = w_scales.device_ptr(&self.stream);
+        let (xp, _rx) = xq.device_ptr(&self.stream);
+        let (xs, _rxs) = x_scales.device_ptr(&self.stream);
+        let (op, _ro) = out.device_ptr_mut(&self.stream);
+        let (wsp, _rwsp) = lt_state.workspace.device_ptr_mut(&self.stream);
+        let outer =
+            sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as i32;
+        let (ws_ptr, xs_ptr) = (ws as *const c_void, xs as *const c_void);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: live descriptors; attribute values of the documented
+        // types; pointers to live device buffers of the sizes checked above
+        // (guards held); the weights start past their first row header and
+        // stay 16-byte aligned (k a multiple of 16).
+        unsafe {
+            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
+            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?;
+            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
+            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
+            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws_ptr)?;
+            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs_ptr)?;
+            use sys::cublasLtMatmulPreferenceAttributes_t as P;
+            let size = LT_WORKSPACE as u64;
+            lt::set_matmul_pref_attribute(
+                descs.pref,
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &size as *const u64 as *const c_void,
+                8,
+            )
+            .map_err(cuda_err)?;
+            let align = 16u32;
+            lt::set_matmul_pref_attribute(
+                descs.pref,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                &align as *const u32 as *const c_void,
+                4,
+            )
+            .map_err(cuda_err)?;
+            let [a, b, c] = descs.layouts;
+            let heur =
+                lt::get_matmul_algo_heuristic(lt_state.handle, descs.desc, a, b, c, c, descs.pref)
+                    .map_err(cuda_err)?;
+            lt::matmul(
+                lt_state.handle,
+                descs.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                (wp + FP8_ROW_HEADER as u64) as *const c_void,
+                a,
+                xp as *const c_void,
+                b,
+                op as *const c_void,
+                c,
+                op as *mut c_void,
+                c,
+                &heur.algo,
+                wsp as *mut c_void,
+                LT_WORKSPACE,
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+            .map_err(cuda_err)
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! FP8 W8A8 GEMMs through cuBLASLt: activations quantized on the device
+//! exactly as `fp8::encode` quantizes each row on the host, and the GEMM
+//! over FP8 rows (headers skipped in place, both scale vectors applied by
+//! cuBLASLt) matching float64 over the same e4m3 values. CUDA only, so
+//! ignored unless asked for: `KILN_TEST_DEVICE=cuda` with
+//! `--include-ignored`.
+
+use kiln_kernels::cuda::{GemmShape, Gpu};
+use kiln_kernels::fp8;
+use kiln_kernels::quant::{DType, FP8_ROW_HEADER, dequantize_row, quantize_rows};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn fp8_rows_times_fp8_activations_match_float64_over_the_same_values() {
+    let gpu = Gpu::open(0, true).expect("a CUDA device");
+    let s = gpu.stream().clone();
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    // Row counts that are not multiples of 16, to test the layouts' edges.
+    for (m, n, k) in [(37usize, 200usize, 256usize), (130, 96, 512)] {
+        let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-3.0..3.0)).collect();
+        let values: Vec<f32> = (0..n * k).map(|_| rng.random_range(-0.5..0.5)).collect();
+        let w = quantize_rows(DType::Fp8Row, k, &values);
+        let (xd, wd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&w).unwrap());
+        let mut xq = s.alloc_zeros::<u8>(m * k).unwrap();
+        let mut xs = s.alloc_zeros::<f32>(m).unwrap();
+        let mut ws = s.alloc_zeros::<f32>(n).unwrap();
+        let mut out = s.alloc_zeros::<f32>(m * n).unwrap();
+        gpu.quantize_rows_e4m3(&xd, &mut xq, &mut xs, m, k).unwrap();
+        gpu.fp8_row_scales(&wd.slice(..), &mut ws, n, k).unwrap();
+        gpu.gemm_fp8_rows(
+            &wd.slice(..),
+            &ws,
+            &xq,
+            &xs,
+            &mut out,
+            GemmShape { m, n, k },
+        )
+        .unwrap();
+        let (q, scales, got) = (
+            s.clone_dtoh(&xq).unwrap(),
+            s.clone_dtoh(&xs).unwrap(),
+            s.clone_dtoh(&out).unwrap(),
+        );
+        // The device's quantization is the host's, bit for bit.
+        for r in 0..m {
+            let mut want = vec![0u8; k];
+            let scale = fp8::encode(&x[r * k..(r + 1) * k], &mut want);
+            assert_eq!(scales[r], scale, "row {r}'s scale");
+            assert_eq!(&q[r * k..(r + 1) * k], &want[..], "row {r}'s e4m3 bytes");
+        }
+        // The product over exactly those values, in float64.
+        let mut xv = vec![0.0f32; m * k];
+        for r in 0..m {
+            fp8::decode(
+                &q[r * k..(r + 1) * k],
+                scales[r],
+                &mut xv[r * k..(r + 1) * k],
+            );
+        }
+        let row_bytes = FP8_ROW_HEADER + k;
+        let mut wv = vec![0.0f32; n * k];
+        for (j, row) in wv.chunks_exact_mut(k).enumerate() {
+            dequantize_row(DType::Fp8Row, &w[j * row_bytes..(j + 1) * row_bytes], row);
+        }
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = (0..k)
+                    .map(|t| xv[i * k + t] as f64 * wv[j * k + t] as f64)
+                    .sum();
+                num += (got[i * n + j] as f64 - want).powi(2);
+                den += want * want;
+            }
+        }
+        let rel = (num / den).sqrt();
+        eprintln!("FP8 GEMM {m} x {k} by {n}: rel err {rel:.2e}");
+        assert!(rel < 1e-5, "{m} x {k} by {n}: rel err {rel}");
+    }
+}
