@@ -9,7 +9,7 @@ pub(crate) struct EngineArgs {
     /// (groups of 128, f16 scale and offset), converted at load; or one for
     /// each phase, as in `prefill=fp8,decode=int4` (two copies: a step's
     /// one-token rows run on decode's).
-    #[arg(long, default_value = "native", value_parser = parse_weights)]
+    #[arg(long, default_value = "native")]
     pub(crate) weights: kiln_host::model::WeightPlan,
     /// KV page format.
     #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
@@ -92,11 +92,6 @@ pub(crate) enum KvArg {
     Fp8Static,
     /// bfloat16.
     Bf16,
-}
-
-/// Parses `--weights`.
-fn parse_weights(s: &str) -> Result<kiln_host::model::WeightPlan, String> {
-    s.parse()
 }
 
 /// A switch.

@@ -1,6 +1,7 @@
 //! GEMMs through cuBLAS, f32 accumulation and output: bf16 weights on
 //! bf16 activations (from two rows up, where the decode GEMV stops), and
-//! f32 weights dequantized from GGUF blocks.
+//! chunks of dequantized rows (f32 from GGUF blocks, bf16 from FP8 rows and
+//! int4).
 //!
 //! A bf16 GEMM reads its activations as bf16 from [`GemmScratch`]. The
 //! kernels that make those activations (the norm before q/k/v and
@@ -197,12 +198,14 @@ impl Gpu {
         .map_err(cuda_err)
     }
 
-    /// Columns `cols` of `out` (`m x n`) `= x (m x k) * w^T` with bf16 `w`
-    /// (`cols.len() x k`) and bf16 `x`, by cuBLAS (f32 accumulation).
-    pub(super) fn gemm_bf16_cols(
+    /// Columns `cols` of `out` (`m x n`) `= x (m x k) * w^T` with `w`
+    /// (`cols.len() x k`) and `x` both of type `ty` (f32 or bf16), by
+    /// cuBLAS (f32 accumulation and output).
+    pub(super) fn gemm_cols<T: cudarc::driver::DeviceRepr>(
         &self,
-        w: &CudaSlice<bf16>,
-        x: &CudaSlice<bf16>,
+        w: &CudaSlice<T>,
+        x: &CudaSlice<T>,
+        ty: cudarc::cublas::sys::cudaDataType_t,
         out: &mut CudaSlice<f32>,
         shape: GemmShape,
         cols: std::ops::Range<usize>,
@@ -217,31 +220,10 @@ impl Gpu {
         let (a, _ra) = w.device_ptr(&self.stream);
         let (bp, _rb) = x.device_ptr(&self.stream);
         let (c, _rc) = out.device_ptr(&self.stream);
-        let c = c + (r0 * std::mem::size_of::<f32>()) as u64;
-        let ty = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
-        // SAFETY: live device buffers of the sizes checked above.
-        unsafe { self.gemm(a, bp, ty, c, GemmShape { m, n: rows, k }, n) }
-    }
-
-    /// Columns `cols` of `out` (`m x n`) `= x (m x k) * w^T` with f32 `w`
-    /// (`cols.len() x k`), by cuBLAS in full f32.
-    pub(super) fn gemm_f32(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
-        shape: GemmShape,
-        cols: std::ops::Range<usize>,
-    ) -> R {
-        let GemmShape { m, n, k } = shape;
-        let (r0, rows) = (cols.start, cols.len());
-        let (a, _ra) = w.device_ptr(&self.stream);
-        let (bp, _rb) = x.device_ptr(&self.stream);
-        let (c, _rc) = out.device_ptr(&self.stream);
         // This chunk is columns r0.. of the row-major output.
         let c = c + (r0 * std::mem::size_of::<f32>()) as u64;
-        let f32_ty = cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
-        // SAFETY: live device buffers of the stated sizes (guards held).
-        unsafe { self.gemm(a, bp, f32_ty, c, GemmShape { m, n: rows, k }, n) }
+        // SAFETY: live device buffers of the sizes checked above (guards
+        // held).
+        unsafe { self.gemm(a, bp, ty, c, GemmShape { m, n: rows, k }, n) }
     }
 }

@@ -15,6 +15,13 @@ use crate::KernelError;
 
 type R<T = ()> = Result<T, KernelError>;
 
+const F32: cudarc::cublas::sys::cudaDataType_t = cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
+const BF16: cudarc::cublas::sys::cudaDataType_t = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
+
+fn no_chunk() -> KernelError {
+    KernelError::Shape("no dequantization scratch for a quantized weight".into())
+}
+
 /// Most rows of activations the decode GEMVs take in one launch.
 pub const GEMV_MAX_M: usize = 8;
 
@@ -128,31 +135,19 @@ impl Gpu {
                     unsafe { b.launch(cfg(n.div_ceil(8) as u32, 256)) }.map_err(cuda_err)?;
                     return Ok(());
                 }
+                let row_bytes = dtype.bytes_for(k);
+                let rows_of =
+                    |r0: usize, rows: usize| bytes.slice(r0 * row_bytes..(r0 + rows) * row_bytes);
                 if *dtype == crate::quant::DType::Fp8Row {
-                    let row_bytes = dtype.bytes_for(k);
                     return self.gemm_dequantized(x, outs, shape, scratch, |gpu, deq, r0, rows| {
-                        let src = bytes.slice(r0 * row_bytes..(r0 + rows) * row_bytes);
-                        gpu.dequantize_fp8_bf16(&src, deq, rows, k)
+                        gpu.dequantize_fp8_bf16(&rows_of(r0, rows), deq, rows, k)
                     });
                 }
-                let deq = scratch.deq.as_mut().ok_or_else(|| {
-                    KernelError::Shape("no dequantization scratch for a block weight".into())
-                })?;
-                let row_bytes = dtype.bytes_for(k);
-                let rows_per_chunk = (DEQUANT_CHUNK / k).max(1);
-                let mut base = 0;
-                for (o, &rows) in outs.iter_mut().zip(parts) {
-                    let mut r0 = 0;
-                    while r0 < rows {
-                        let r1 = (r0 + rows_per_chunk).min(rows);
-                        let src = bytes.slice((base + r0) * row_bytes..(base + r1) * row_bytes);
-                        self.dequantize_rows(*dtype, &src, deq, r1 - r0, k)?;
-                        self.gemm_f32(x, deq, o, GemmShape { m, n: rows, k }, r0..r1)?;
-                        r0 = r1;
-                    }
-                    base += rows;
-                }
-                Ok(())
+                // GGUF blocks: f32 chunks and an f32 GEMM, as the CPU computes.
+                let deq = scratch.deq.as_mut().ok_or_else(no_chunk)?;
+                self.gemm_chunked(x, deq, F32, outs, shape, |gpu, deq, r0, rows| {
+                    gpu.dequantize_rows(*dtype, &rows_of(r0, rows), deq, rows, k)
+                })
             }
             DeviceWeight::Int4 { group, rows, bytes } => {
                 if *rows != n {
@@ -172,22 +167,35 @@ impl Gpu {
     }
 
     /// The GEMM path of weights that dequantize to bf16: `x` to bf16 once,
-    /// then for each part, chunks of its rows dequantized by `deq(gpu,
-    /// chunk, first stack row, rows)` and multiplied by cuBLAS.
+    /// then [`Self::gemm_chunked`] on bf16 chunks.
     fn gemm_dequantized(
         &self,
         x: &CudaSlice<f32>,
         outs: &mut [&mut CudaSlice<f32>],
         shape: StackShape<'_>,
         scratch: &mut GemmScratch,
-        mut deq: impl FnMut(&Self, &mut CudaSlice<bf16>, usize, usize) -> R,
+        deq: impl FnMut(&Self, &mut CudaSlice<bf16>, usize, usize) -> R,
+    ) -> R {
+        self.to_bf16_scratch(x, &mut scratch.act, shape.m * shape.k)?;
+        let GemmScratch { act, deq16, .. } = scratch;
+        let chunk = deq16.as_mut().ok_or_else(no_chunk)?;
+        self.gemm_chunked(act, chunk, BF16, outs, shape, deq)
+    }
+
+    /// For each part of a stack, chunks of its rows dequantized into
+    /// `chunk` by `deq(gpu, chunk, first stack row, rows)`, each multiplied
+    /// by cuBLAS with `x` (both of type `ty`). Chunks are whole strips of 16
+    /// rows (int4 dequantizes by strips).
+    fn gemm_chunked<T: cudarc::driver::DeviceRepr>(
+        &self,
+        x: &CudaSlice<T>,
+        chunk: &mut CudaSlice<T>,
+        ty: cudarc::cublas::sys::cudaDataType_t,
+        outs: &mut [&mut CudaSlice<f32>],
+        shape: StackShape<'_>,
+        mut deq: impl FnMut(&Self, &mut CudaSlice<T>, usize, usize) -> R,
     ) -> R {
         let StackShape { m, parts, k } = shape;
-        self.to_bf16_scratch(x, &mut scratch.act, m * k)?;
-        let chunk = scratch.deq16.as_mut().ok_or_else(|| {
-            KernelError::Shape("no dequantization scratch for a quantized weight".into())
-        })?;
-        // Whole strips of 16 rows a chunk (int4 dequantizes by strips).
         let rows_per_chunk = (DEQUANT_CHUNK / k / 16 * 16).max(16);
         let mut base = 0;
         for (o, &rows) in outs.iter_mut().zip(parts) {
@@ -195,7 +203,7 @@ impl Gpu {
             while r0 < rows {
                 let r1 = (r0 + rows_per_chunk).min(rows);
                 deq(self, chunk, base + r0, r1 - r0)?;
-                self.gemm_bf16_cols(chunk, &scratch.act, o, GemmShape { m, n: rows, k }, r0..r1)?;
+                self.gemm_cols(chunk, x, ty, o, GemmShape { m, n: rows, k }, r0..r1)?;
                 r0 = r1;
             }
             base += rows;
