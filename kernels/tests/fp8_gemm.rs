@@ -76,6 +76,8 @@ fn fp8_rows_times_fp8_activations_match_float64_over_the_same_values() {
         }
         let rel = (num / den).sqrt();
         eprintln!("FP8 GEMM {m} x {k} by {n}: rel err {rel:.2e}");
-        assert!(rel < 1e-5, "{m} x {k} by {n}: rel err {rel}");
+        // FP8 tensor cores keep fewer accumulator bits than f32 (the H200
+        // reads ~1e-4 here); a wrong layout, stride or scale reads ~1.
+        assert!(rel < 1e-3, "{m} x {k} by {n}: rel err {rel}");
     }
 }

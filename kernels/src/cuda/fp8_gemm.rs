@@ -4,9 +4,10 @@
 //! dimension), f32 accumulation on tensor cores, and both scale vectors
 //! applied by cuBLASLt's outer-vector scaling (sm_90, CUDA 12.9 and up).
 //!
-//! Reference path until it has run on a GPU: the parity test
-//! (`tests/fp8_gemm.rs`) calls it; the engine's step does not yet.
+//! Products of FP8 rows with more than [`FP8_GEMV_ROWS`] activation rows
+//! take this path; a single row takes the W8A16 GEMV of `quant.cu`.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 
 use cudarc::cublaslt::{result as lt, sys};
@@ -22,10 +23,65 @@ type R<T = ()> = Result<T, KernelError>;
 /// Bytes of cuBLASLt's workspace.
 const LT_WORKSPACE: usize = 32 << 20;
 
-/// A cuBLASLt handle and its workspace.
+/// Most activation rows that go to the FP8-row GEMV rather than the W8A8
+/// GEMM (the GEMV streams at a third of copy bandwidth at one row and
+/// worse above it; the GEMM reads each weight byte once).
+pub const FP8_GEMV_ROWS: usize = 1;
+
+/// A cuBLASLt handle, its workspace and the algorithm it chose per shape
+/// (the heuristic query costs host time on every product otherwise).
 pub(super) struct Lt {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
+    algos: HashMap<(usize, usize, usize), sys::cublasLtMatmulAlgo_t>,
+}
+
+/// Activations quantized for the W8A8 GEMM and the weights' scale vector.
+pub struct Fp8Scratch {
+    pub(super) xq: CudaSlice<u8>,
+    pub(super) xs: CudaSlice<f32>,
+    pub(super) ws: CudaSlice<f32>,
+}
+
+impl Gpu {
+    /// Scratch for W8A8 products of up to `m x k` activations, with room
+    /// for the scales of any weight of rows of at least 16 values.
+    pub(super) fn fp8_scratch(&self, m: usize, k: usize) -> R<Fp8Scratch> {
+        Ok(Fp8Scratch {
+            xq: self.zeros(m * k)?,
+            xs: self.zeros(m)?,
+            ws: self.zeros(super::DEQUANT_CHUNK / 16)?,
+        })
+    }
+
+    /// `outs[p] = x * w_p^T` for each part `p` of a stack of FP8 rows: `x`
+    /// quantized per token once, then one W8A8 GEMM per part.
+    pub(super) fn gemm_fp8_parts(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<u8>,
+        outs: &mut [&mut CudaSlice<f32>],
+        shape: super::StackShape<'_>,
+        scratch: &mut Fp8Scratch,
+    ) -> R {
+        let super::StackShape { m, parts, k } = shape;
+        let Fp8Scratch { xq, xs, ws } = scratch;
+        self.quantize_rows_e4m3(x, xq, xs, m, k)?;
+        let stride = FP8_ROW_HEADER + k;
+        let mut base = 0;
+        for (out, &rows) in outs.iter_mut().zip(parts) {
+            let part = w.slice(base * stride..(base + rows) * stride);
+            if ws.len() < rows {
+                return Err(KernelError::Shape(format!(
+                    "an FP8 part of {rows} rows: more than the scratch's scales"
+                )));
+            }
+            self.fp8_row_scales(&part, ws, rows, k)?;
+            self.gemm_fp8_rows(&part, ws, xq, xs, out, GemmShape { m, n: rows, k })?;
+            base += rows;
+        }
+        Ok(())
+    }
 }
 
 // SAFETY: the handle is used only under the `Mutex` that holds it, on the
@@ -162,7 +218,11 @@ impl Gpu {
                 .stream
                 .alloc_zeros::<u8>(LT_WORKSPACE)
                 .map_err(cuda_err)?;
-            *guard = Some(Lt { handle, workspace });
+            *guard = Some(Lt {
+                handle,
+                workspace,
+                algos: HashMap::new(),
+            });
         }
         let Some(lt_state) = guard.as_mut() else {
             return Err(KernelError::Shape("no cuBLASLt handle".into()));
@@ -222,11 +282,19 @@ impl Gpu {
             )
             .map_err(cuda_err)?;
             let [a, b, c] = descs.layouts;
-            let heur =
-                lt::get_matmul_algo_heuristic(lt_state.handle, descs.desc, a, b, c, c, descs.pref)
-                    .map_err(cuda_err)?;
+            let handle = lt_state.handle;
+            let algo = match lt_state.algos.get(&(m, n, k)) {
+                Some(algo) => *algo,
+                None => {
+                    let heur =
+                        lt::get_matmul_algo_heuristic(handle, descs.desc, a, b, c, c, descs.pref)
+                            .map_err(cuda_err)?;
+                    lt_state.algos.insert((m, n, k), heur.algo);
+                    heur.algo
+                }
+            };
             lt::matmul(
-                lt_state.handle,
+                handle,
                 descs.desc,
                 &alpha as *const f32 as *const c_void,
                 &beta as *const f32 as *const c_void,
@@ -238,7 +306,7 @@ impl Gpu {
                 c,
                 op as *mut c_void,
                 c,
-                &heur.algo,
+                &algo,
                 wsp as *mut c_void,
                 LT_WORKSPACE,
                 self.stream.cu_stream() as sys::cudaStream_t,

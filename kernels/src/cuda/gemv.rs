@@ -121,6 +121,11 @@ impl Gpu {
                         "{dtype:?} rows of {k}: a multiple of 32"
                     )));
                 }
+                let fp8 = *dtype == crate::quant::DType::Fp8Row;
+                if fp8 && m > super::FP8_GEMV_ROWS && self.fp8_tensor {
+                    let fp8_scratch = scratch.fp8.as_mut().ok_or_else(no_chunk)?;
+                    return self.gemm_fp8_parts(x, bytes, outs, shape, fp8_scratch);
+                }
                 if m <= GEMV_MAX_M {
                     let f = self.function(&format!("gemv_{}", kernel_suffix(*dtype)?))?;
                     let o = self.out_ptrs(outs, parts);
@@ -138,7 +143,7 @@ impl Gpu {
                 let row_bytes = dtype.bytes_for(k);
                 let rows_of =
                     |r0: usize, rows: usize| bytes.slice(r0 * row_bytes..(r0 + rows) * row_bytes);
-                if *dtype == crate::quant::DType::Fp8Row {
+                if fp8 {
                     return self.gemm_dequantized(x, outs, shape, scratch, |gpu, deq, r0, rows| {
                         gpu.dequantize_fp8_bf16(&rows_of(r0, rows), deq, rows, k)
                     });
@@ -155,7 +160,7 @@ impl Gpu {
                         "an int4 stack of {rows} rows for {n} outputs"
                     )));
                 }
-                if m <= GEMV_MAX_M {
+                if m <= super::INT4_MMA_MAX_M {
                     return self.gemv_int4(x, bytes, *group, outs, shape, scratch);
                 }
                 let view = bytes.slice(..);

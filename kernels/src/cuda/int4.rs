@@ -15,6 +15,10 @@ use crate::quant::{DType, INT4_HEADER, QK};
 type R<T = ()> = Result<T, KernelError>;
 
 /// Rows a tile strip holds and columns a tile spans.
+/// Most activation rows the int4 tensor-core kernels take; above, int4
+/// dequantizes to bf16 for cuBLAS.
+pub const INT4_MMA_MAX_M: usize = 64;
+
 const STRIP: usize = 16;
 const TILE: usize = 64;
 
@@ -83,10 +87,13 @@ pub fn int4_tiles(dtype: DType, bytes: &[u8], rows: usize, cols: usize) -> Optio
 }
 
 impl Gpu {
-    /// The int4 decode product over a stack of `rows` (the whole stack's)
-    /// in groups of `group`: `m <= 8` rows of `x` go to `scratch` as bf16
-    /// hi + lo fragments with their groups' sums, then one block per strip
-    /// of 16 rows.
+    /// The int4 product over a stack of `rows` (the whole stack's) in
+    /// groups of `group` for `m <= INT4_MMA_MAX_M` rows of `x`: the rows go
+    /// to `scratch` as bf16 fragments with their groups' sums, then one
+    /// block per strip of 16 weight rows runs tensor-core MMAs on the
+    /// nibbles. Up to [`super::GEMV_MAX_M`] rows the activations ride as
+    /// bf16 hi + lo (f32 to ~2^-16); above, as bf16 (what cuBLAS would
+    /// read), in blocks of 8 rows.
     pub(super) fn gemv_int4(
         &self,
         x: &CudaSlice<f32>,
@@ -100,15 +107,21 @@ impl Gpu {
         let n = check_parts(outs, parts, m)?;
         // Fragments (2 m k bf16) then the groups' sums (m k / group f32).
         let need = 2 * m * k + 2 * m * (k / group);
-        if m > super::GEMV_MAX_M || scratch.act.len() < need {
+        if m > INT4_MMA_MAX_M || scratch.act.len() < need {
             return Err(KernelError::Shape(format!(
-                "int4 GEMV of {m} rows of {k}: at most {} rows and {need} bf16 of scratch",
-                super::GEMV_MAX_M
+                "int4 product of {m} rows of {k}: at most {INT4_MMA_MAX_M} rows and {need} bf16 \
+                 of scratch"
             )));
         }
-        let (mi, ki, gi) = (m as i32, k as i32, group as i32);
+        let hi_lo = m <= super::GEMV_MAX_M;
+        let (mi, ki, gi, lo) = (m as i32, k as i32, group as i32, hi_lo as i32);
         let mut b = self.stream.launch_builder(self.function("int4_xfrag")?);
-        b.arg(x).arg(&mut scratch.act).arg(&mi).arg(&ki).arg(&gi);
+        b.arg(x)
+            .arg(&mut scratch.act)
+            .arg(&mi)
+            .arg(&ki)
+            .arg(&gi)
+            .arg(&lo);
         let grid = cudarc::driver::LaunchConfig {
             grid_dim: ((k / group) as u32, m as u32, 1),
             block_dim: (32, 1, 1),
@@ -116,10 +129,15 @@ impl Gpu {
         };
         // SAFETY: one warp per (group, row), writes within `need` (checked).
         unsafe { b.launch(grid) }.map_err(cuda_err)?;
+        let name = if hi_lo {
+            format!("gemv_int4_g{group}")
+        } else {
+            // Blocks of 8 rows: 2, 4 or 8 of them.
+            let blocks = m.div_ceil(8).next_power_of_two().max(2);
+            format!("gemm_int4_g{group}_nb{blocks}")
+        };
         let o = self.out_ptrs(outs, parts);
-        let mut b = self
-            .stream
-            .launch_builder(self.function(&format!("gemv_int4_g{group}"))?);
+        let mut b = self.stream.launch_builder(self.function(&name)?);
         b.arg(&scratch.act).arg(w);
         b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
         b.arg(&o.n0).arg(&o.n1).arg(&mi).arg(&o.n).arg(&ki);

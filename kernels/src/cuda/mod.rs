@@ -44,9 +44,10 @@ pub use attention::{
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};
+pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Scratch};
 pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M, GemmShape, StackShape};
 pub use graph::Graph;
-pub use int4::{int4_device_bytes, int4_tiles};
+pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_tiles};
 pub use kv::PagedKv;
 pub use norm::NormArgs;
 pub use prefill::{PREFILL_HEAD_DIMS, prefill_supports, prefill_tiles};
@@ -151,6 +152,12 @@ const KERNELS: &[&str] = &[
     "int4_xfrag",
     "gemv_int4_g64",
     "gemv_int4_g128",
+    "gemm_int4_g64_nb2",
+    "gemm_int4_g64_nb4",
+    "gemm_int4_g64_nb8",
+    "gemm_int4_g128_nb2",
+    "gemm_int4_g128_nb4",
+    "gemm_int4_g128_nb8",
     "dequant_int4_bf16",
     "embed_int4",
     // sample.cu
@@ -182,6 +189,9 @@ pub struct Gpu {
     flash_resident: HashMap<String, usize>,
     /// cuBLASLt for FP8 GEMMs, made at the first one.
     lt: std::sync::Mutex<Option<fp8_gemm::Lt>>,
+    /// Whether FP8 rows multiply on FP8 tensor cores with outer-vector
+    /// scales (sm_90 and up); below, they dequantize to bf16 for cuBLAS.
+    fp8_tensor: bool,
 }
 
 /// Bytes of cuBLAS workspace (NVIDIA's advice for Hopper).
@@ -377,6 +387,7 @@ impl Gpu {
                 programmatic: major >= 9,
                 flash_resident,
                 lt: std::sync::Mutex::new(None),
+                fp8_tensor: major >= 9,
             })
         });
         opened.unwrap_or_else(|p| {

@@ -78,12 +78,14 @@ impl DeviceWeight {
 }
 
 /// Working memory of [`Gpu::matmul`]: bf16 activations for cuBLAS (or the
-/// int4 GEMV's activation fragments) and, for weights that dequantize, the
-/// dequantized chunk (f32 for GGUF blocks, bf16 for FP8 rows and int4).
+/// int4 kernels' activation fragments), for weights that dequantize the
+/// dequantized chunk (f32 for GGUF blocks, bf16 for FP8 rows and int4), and
+/// FP8 rows' quantized activations.
 pub struct GemmScratch {
     pub(super) act: CudaSlice<bf16>,
     pub(super) deq: Option<CudaSlice<f32>>,
     pub(super) deq16: Option<CudaSlice<bf16>>,
+    pub(super) fp8: Option<super::fp8_gemm::Fp8Scratch>,
 }
 
 impl GemmScratch {
@@ -229,14 +231,17 @@ impl Gpu {
     }
 
     /// Scratch for products of up to `m x k` activations (and the int4
-    /// GEMV's fragments of up to 8 rows); `blocks` when any weight
+    /// kernels' fragments of up to 64 rows); `blocks` when any weight
     /// [dequantizes](DeviceWeight::dequantizes).
     pub fn gemm_scratch(&self, m: usize, k: usize, blocks: bool) -> R<GemmScratch> {
-        let act = (m * k).max(2 * super::GEMV_MAX_M * k + 2 * super::GEMV_MAX_M * k.div_ceil(64));
+        // The int4 kernels' fragments: 2 m k bf16 and the groups' f32 sums.
+        let frag = m.clamp(super::GEMV_MAX_M, super::INT4_MMA_MAX_M);
+        let act = (m * k).max(2 * frag * k + 2 * frag * k.div_ceil(64));
         Ok(GemmScratch {
             act: self.zeros(act)?,
             deq: blocks.then(|| self.zeros(DEQUANT_CHUNK)).transpose()?,
             deq16: blocks.then(|| self.zeros(DEQUANT_CHUNK)).transpose()?,
+            fp8: blocks.then(|| self.fp8_scratch(m, k)).transpose()?,
         })
     }
 
