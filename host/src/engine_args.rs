@@ -30,10 +30,11 @@ pub(crate) struct EngineArgs {
     /// [default: 256 on the CPU, 2048 on CUDA].
     #[arg(long)]
     step_tokens: Option<usize>,
-    /// While streams decode, keep a step within this many decode steps'
-    /// time by cutting its prompt tokens (0: no target).
-    #[arg(long, default_value_t = 0.0)]
-    step_target: f64,
+    /// While one tenant's streams decode beside another tenant's prompts,
+    /// keep a step within this many decode steps' time by cutting its
+    /// prompt tokens (0: no target) [default: 2 on CUDA, 0 on the CPU].
+    #[arg(long)]
+    step_target: Option<f64>,
     /// On CUDA, capture greedy decode steps (up to 256 sequences) as CUDA
     /// graphs and replay them.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
@@ -66,7 +67,7 @@ impl EngineArgs {
         let scheduler = kiln_host::engine::SchedulerConfig {
             max_running: self.max_seqs.unwrap_or(if gpu { 256 } else { 64 }),
             max_tokens_per_step: self.step_tokens.unwrap_or(if gpu { 2048 } else { 256 }),
-            step_target: self.step_target,
+            step_target: self.step_target.unwrap_or(if gpu { 2.0 } else { 0.0 }),
         };
         Ok(kiln_host::engine::EngineConfig {
             kv_format: kv_format(self.kv),

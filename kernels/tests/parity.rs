@@ -398,10 +398,11 @@ fn block_quantized_matmul_and_embedding_match_float64() {
         )
         .unwrap();
         let rows = values_of(&w);
-        // On CUDA m <= 8 reads the blocks in the GEMVs; int4 tiles take 20
-        // and 64 in their tensor-core GEMM, 70 dequantized for cuBLAS; FP8
-        // rows above one row go to the W8A8 GEMM.
-        for m in [1, 5, 8, 20, 64, 70] {
+        // On CUDA m <= 8 reads the blocks in the GEMVs; int4 tiles take 12,
+        // 20 and 64 in their tensor-core GEMM (one strip a block, then
+        // two), 70 dequantized for cuBLAS; FP8 rows above one row go to the
+        // W8A8 GEMM.
+        for m in [1, 5, 8, 12, 20, 64, 70] {
             let x = random(&mut r, m * k, 1.0);
             let read = activations_read(&be.name(), dtype, m, &x);
             let want = product64(&read, m, &rows, n);

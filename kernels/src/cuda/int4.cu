@@ -144,104 +144,140 @@ __device__ void gemv_int4_strip(const __nv_bfloat16* frag, const unsigned char* 
 GEMV_INT4(64)
 GEMV_INT4(128)
 
-// out[m][row] = sum_k x[m][k] w[row][k] for 8 < M <= 8 NB: the GEMV's strip
-// of 16 rows a block and its two groups' weights in flight a warp, against
-// NB blocks of 8 activation rows (MMA columns), bf16 activations (their hi
-// halves alone, as cuBLAS would round them; xfrag's sums then hold hi alone).
-// Each strip reads all M rows' fragments (from L2, M / 4 times its weight
-// bytes), so past 64 rows the dequantized cuBLAS GEMM takes over.
-template <int TILES, int NB>
-__device__ void gemm_int4_strip(const __nv_bfloat16* frag, const unsigned char* w, Outs o,
-                                int M, int K) {
+// out[m][row] = sum_k x[m][k] w[row][k] for 8 < M <= 8 NB: the GEMV's nibble
+// tiles and its two groups' weights in flight a warp, against NB blocks of 8
+// activation rows (MMA columns), bf16 activations (their hi halves alone, as
+// cuBLAS would round them; xfrag's sums then hold hi alone). A block takes S
+// strips of 16 rows: each block reads all M rows' fragments from L2 (M / 4 S
+// times its weight bytes), so S = 2 from 32 rows, and past 64 rows the
+// dequantized cuBLAS GEMM takes over.
+template <int TILES, int NB, int S>
+__device__ void gemm_int4_strips(const __nv_bfloat16* frag, const unsigned char* w, Outs o,
+                                 int M, int K) {
     __shared__ float red[INT4_WARPS][4 * NB][32];
     const int G = 64 * TILES;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int strip = blockIdx.x, NG = K / G, N = o.n;
-    const uint4* nib = (const uint4*)(w + (size_t)strip * 16 * (K / 2)) + lane;
+    int NG = K / G, N = o.n, strips = N / 16, strip0 = blockIdx.x * S;
     const unsigned* params = (const unsigned*)(w + (size_t)N * (K / 2));
-    const unsigned* p0 = params + (size_t)(strip * 16 + g) * NG;
-    const unsigned* p1 = p0 + (size_t)8 * NG;
     const uint4* xf = (const uint4*)frag;
     const float* sx = (const float*)(frag + (size_t)2 * M * K);
-    float out[NB][4];
+    float out[S][NB][4];
 #pragma unroll
-    for (int cb = 0; cb < NB; cb++)
+    for (int j = 0; j < S; j++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) out[cb][i] = 0.0f;
+        for (int cb = 0; cb < NB; cb++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) out[j][cb][i] = 0.0f;
     for (int grp = warp; grp < NG; grp += 2 * INT4_WARPS) {
         int grp2 = grp + INT4_WARPS;
         bool two = grp2 < NG;
-        uint4 wq[2 * TILES];
+        uint4 wq[S][2 * TILES];
 #pragma unroll
-        for (int i = 0; i < 2 * TILES; i++) {
-            int kt = (i < TILES ? grp : grp2 - 1) * TILES + i;
-            wq[i] = (i < TILES || two) ? __ldcs(nib + (size_t)kt * 32) : make_uint4(0, 0, 0, 0);
+        for (int j = 0; j < S; j++) {
+            bool live = strip0 + j < strips;
+            const uint4* nib = (const uint4*)(w + (size_t)(strip0 + j) * 16 * (K / 2)) + lane;
+#pragma unroll
+            for (int i = 0; i < 2 * TILES; i++) {
+                int kt = (i < TILES ? grp : grp2 - 1) * TILES + i;
+                wq[j][i] = (live && (i < TILES || two)) ? __ldcs(nib + (size_t)kt * 32)
+                                                         : make_uint4(0, 0, 0, 0);
+            }
         }
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             if (h == 1 && !two) break;
             int gi = h ? grp2 : grp;
-            float2 pa = __half22float2(*(const __half2*)(p0 + gi));
-            float2 pb = __half22float2(*(const __half2*)(p1 + gi));
+            float2 pa[S], pb[S];
+#pragma unroll
+            for (int j = 0; j < S; j++) {
+                bool live = strip0 + j < strips;
+                size_t row = (size_t)(strip0 + j) * 16 + g;
+                pa[j] = live ? __half22float2(*(const __half2*)(params + row * NG + gi))
+                             : make_float2(0.0f, 0.0f);
+                pb[j] = live ? __half22float2(*(const __half2*)(params + (row + 8) * NG + gi))
+                             : make_float2(0.0f, 0.0f);
+            }
 #pragma unroll
             for (int cb = 0; cb < NB; cb++) {
                 if (8 * cb >= M) break;  // the same for the whole warp
                 int mb = 8 * cb + g;     // this lane's B column: activation row mb
-                float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                float c[S][4];
+#pragma unroll
+                for (int j = 0; j < S; j++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) c[j][i] = 0.0f;
 #pragma unroll
                 for (int i = 0; i < TILES; i++) {
                     size_t at = (((size_t)(gi * TILES + i) * M + mb) * 4 + t) * 4;
                     uint4 hb[2] = {mb < M ? xf[at] : make_uint4(0, 0, 0, 0),
                                    mb < M ? xf[at + 1] : make_uint4(0, 0, 0, 0)};
                     const unsigned* hw = (const unsigned*)hb;
-                    uint4 wv = wq[h * TILES + i];
-                    unsigned ws[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
-                    for (int s = 0; s < 4; s++)
-                        mma16<false>(c, int4_pair(ws[s], 0), int4_pair(ws[s], 1),
-                                     int4_pair(ws[s], 2), int4_pair(ws[s], 3), hw[2 * s],
-                                     hw[2 * s + 1]);
+                    for (int j = 0; j < S; j++) {
+                        uint4 wv = wq[j][h * TILES + i];
+                        unsigned ws[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+                        for (int s = 0; s < 4; s++)
+                            mma16<false>(c[j], int4_pair(ws[s], 0), int4_pair(ws[s], 1),
+                                         int4_pair(ws[s], 2), int4_pair(ws[s], 3), hw[2 * s],
+                                         hw[2 * s + 1]);
+                    }
                 }
                 int r0 = 8 * cb + 2 * t;
                 float s0 = r0 < M ? sx[(size_t)r0 * NG + gi] : 0.0f;
                 float s1 = r0 + 1 < M ? sx[(size_t)(r0 + 1) * NG + gi] : 0.0f;
-                out[cb][0] += pa.x * (c[0] - 128.0f * s0) + pa.y * s0;
-                out[cb][1] += pa.x * (c[1] - 128.0f * s1) + pa.y * s1;
-                out[cb][2] += pb.x * (c[2] - 128.0f * s0) + pb.y * s0;
-                out[cb][3] += pb.x * (c[3] - 128.0f * s1) + pb.y * s1;
+#pragma unroll
+                for (int j = 0; j < S; j++) {
+                    out[j][cb][0] += pa[j].x * (c[j][0] - 128.0f * s0) + pa[j].y * s0;
+                    out[j][cb][1] += pa[j].x * (c[j][1] - 128.0f * s1) + pa[j].y * s1;
+                    out[j][cb][2] += pb[j].x * (c[j][2] - 128.0f * s0) + pb[j].y * s0;
+                    out[j][cb][3] += pb[j].x * (c[j][3] - 128.0f * s1) + pb[j].y * s1;
+                }
             }
         }
     }
+    // The warps' sums meet in shared memory, a strip at a time.
 #pragma unroll
-    for (int cb = 0; cb < NB; cb++)
+    for (int j = 0; j < S; j++) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) red[warp][4 * cb + i][lane] = out[cb][i];
-    __syncthreads();
-    if (warp != 0) return;
-    int row = strip * 16 + g;
+        for (int cb = 0; cb < NB; cb++)
 #pragma unroll
-    for (int cb = 0; cb < NB; cb++) {
+            for (int i = 0; i < 4; i++) red[warp][4 * cb + i][lane] = out[j][cb][i];
+        __syncthreads();
+        if (warp == 0 && strip0 + j < strips) {
+            int row = (strip0 + j) * 16 + g;
 #pragma unroll
-        for (int i = 0; i < 4; i++)
-            for (int v = 1; v < INT4_WARPS; v++) out[cb][i] += red[v][4 * cb + i][lane];
-        int r0 = 8 * cb + 2 * t;
-        if (r0 < M) {
-            put_out(o, r0, row, out[cb][0]);
-            put_out(o, r0, row + 8, out[cb][2]);
+            for (int cb = 0; cb < NB; cb++) {
+                float v[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    v[i] = out[j][cb][i];
+                    for (int u = 1; u < INT4_WARPS; u++) v[i] += red[u][4 * cb + i][lane];
+                }
+                int r0 = 8 * cb + 2 * t;
+                if (r0 < M) {
+                    put_out(o, r0, row, v[0]);
+                    put_out(o, r0, row + 8, v[2]);
+                }
+                if (r0 + 1 < M) {
+                    put_out(o, r0 + 1, row, v[1]);
+                    put_out(o, r0 + 1, row + 8, v[3]);
+                }
+            }
         }
-        if (r0 + 1 < M) {
-            put_out(o, r0 + 1, row, out[cb][1]);
-            put_out(o, r0 + 1, row + 8, out[cb][3]);
-        }
+        __syncthreads();
     }
 }
 
+// Strips a block: one up to 16 activation rows, two from 17 (int4.rs's
+// launch counts blocks the same way).
 #define GEMM_INT4(G, NB)                                                                      \
     extern "C" __global__ void __launch_bounds__(32 * INT4_WARPS)                           \
         gemm_int4_g##G##_nb##NB(const __nv_bfloat16* frag, const unsigned char* w, float* o0, \
                                 float* o1, float* o2, int n0, int n1, int M, int N, int K) { \
         PDL_ENTER();                                                                          \
-        gemm_int4_strip<G / 64, NB>(frag, w, Outs{o0, o1, o2, n0, n1, N}, M, K);             \
+        gemm_int4_strips<G / 64, NB, (NB >= 4 ? 2 : 1)>(frag, w, Outs{o0, o1, o2, n0, n1, N},  \
+                                                        M, K);                                \
     }
 
 GEMM_INT4(64, 2)

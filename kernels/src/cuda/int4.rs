@@ -129,21 +129,25 @@ impl Gpu {
         };
         // SAFETY: one warp per (group, row), writes within `need` (checked).
         unsafe { b.launch(grid) }.map_err(cuda_err)?;
-        let name = if hi_lo {
-            format!("gemv_int4_g{group}")
+        // Blocks of 8 activation rows (2, 4 or 8) in the GEMM, whose
+        // thread blocks take two strips each from 4 of them (as int4.cu).
+        let (name, strips_per_block) = if hi_lo {
+            (format!("gemv_int4_g{group}"), 1)
         } else {
-            // Blocks of 8 rows: 2, 4 or 8 of them.
             let blocks = m.div_ceil(8).next_power_of_two().max(2);
-            format!("gemm_int4_g{group}_nb{blocks}")
+            let per = if blocks >= 4 { 2 } else { 1 };
+            (format!("gemm_int4_g{group}_nb{blocks}"), per)
         };
         let o = self.out_ptrs(outs, parts);
         let mut b = self.stream.launch_builder(self.function(&name)?);
         b.arg(&scratch.act).arg(w);
         b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
         b.arg(&o.n0).arg(&o.n1).arg(&mi).arg(&o.n).arg(&ki);
-        // SAFETY: one block per strip of 16 of the n rows (a multiple of 16
-        // by construction of the tiles); outputs checked above.
-        unsafe { b.launch(cfg((n / STRIP) as u32, 32 * WARPS)) }.map_err(cuda_err)?;
+        let grid = (n / STRIP).div_ceil(strips_per_block) as u32;
+        // SAFETY: one block per `strips_per_block` strips of 16 of the n
+        // rows (a multiple of 16 by construction of the tiles; the kernel
+        // skips strips past them); outputs checked above.
+        unsafe { b.launch(cfg(grid, 32 * WARPS)) }.map_err(cuda_err)?;
         Ok(())
     }
 

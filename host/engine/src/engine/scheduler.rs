@@ -21,8 +21,9 @@ pub struct SchedulerConfig {
     pub max_tokens_per_step: usize,
     /// Most sequences running at once.
     pub max_running: usize,
-    /// While streams decode, a step's time at most this many decode steps'
-    /// (prompt tokens cut to fit; 0 or 1: no limit but the token budget).
+    /// While one tenant's streams decode beside another tenant's prompts,
+    /// a step's time at most this many decode steps' (prompt tokens cut to
+    /// fit; 0 or 1: no limit but the token budget).
     pub step_target: f64,
 }
 

@@ -72,6 +72,30 @@ impl Scheduler {
         self.running.iter().any(|id| self.remaining(*id) == 1)
     }
 
+    /// Whether a step's prompt tokens would slow another tenant's streams:
+    /// one tenant's sequences decode while a different tenant has prompt
+    /// tokens to compute. A tenant alone trades its own streams' latency
+    /// for its prompts' throughput; the step time target guards the others.
+    pub fn decoding_beside_others(&self) -> bool {
+        let tenant = |id: &SeqId| self.seqs.get(id).map(|s| s.tenant);
+        let decoding: BTreeSet<TenantId> = (self.running.iter())
+            .filter(|id| self.remaining(**id) == 1)
+            .filter_map(tenant)
+            .collect();
+        let running_prompts = (self.running.iter())
+            .filter(|id| self.remaining(**id) > 1)
+            .filter_map(tenant);
+        let queued = (self.waiting.iter())
+            .filter(|(_, q)| !q.is_empty())
+            .map(|(t, _)| *t);
+        let mut prompting = running_prompts.chain(queued);
+        match decoding.len() {
+            0 => false,
+            1 => prompting.any(|t| !decoding.contains(&t)),
+            _ => prompting.next().is_some(),
+        }
+    }
+
     /// Tokens `id` has left to compute.
     fn remaining(&self, id: SeqId) -> usize {
         self.seqs.get(&id).map_or(0, |s| s.len - s.computed)

@@ -260,6 +260,47 @@ fn a_prompt_cap_limits_prompt_tokens_but_never_decodes() {
 }
 
 #[test]
+fn only_another_tenants_prompts_beside_streams_call_for_the_step_target() {
+    let mut kv = KvCacheManager::new(64, 16);
+    let mut s = Scheduler::new(cfg(64, 16));
+    for id in 1..=2 {
+        s.add(id, TenantId(1), 4, Vec::new());
+    }
+    s.schedule(&mut kv, usize::MAX);
+    for id in 1..=2 {
+        s.append_token(id);
+    }
+    assert!(!s.decoding_beside_others(), "tenant 1 streams alone");
+    s.add(5, TenantId(1), 40, Vec::new());
+    assert!(
+        !s.decoding_beside_others(),
+        "tenant 1's own prompt beside its own streams"
+    );
+    s.add(9, TenantId(2), 40, Vec::new());
+    assert!(s.decoding_beside_others(), "tenant 2's prompt queued");
+    // Tenant 2's prompt running (not queued) still counts; once every
+    // prompt is done, only streams remain.
+    s.schedule(&mut kv, usize::MAX);
+    for id in 1..=2 {
+        s.append_token(id);
+    }
+    assert!(s.decoding_beside_others(), "tenant 2's prompt mid-prefill");
+    s.remove(5);
+    s.remove(9);
+    assert!(!s.decoding_beside_others());
+    // Two tenants' streams and either one's prompt: the other's streams
+    // need the guard.
+    let (mut kv, mut two) = (KvCacheManager::new(64, 16), Scheduler::new(cfg(64, 16)));
+    two.add(1, TenantId(1), 4, Vec::new());
+    two.add(2, TenantId(2), 4, Vec::new());
+    two.schedule(&mut kv, usize::MAX);
+    two.append_token(1);
+    two.append_token(2);
+    two.add(3, TenantId(1), 40, Vec::new());
+    assert!(two.decoding_beside_others());
+}
+
+#[test]
 fn a_heavier_tenant_gets_its_weights_share_of_prompt_tokens_and_slots() {
     let mut kv = KvCacheManager::new(1024, 16);
     let mut s = Scheduler::new(cfg(64, 8));
