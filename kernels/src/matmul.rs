@@ -131,6 +131,12 @@ impl Weight {
     }
 }
 
+/// FP8 rows multiply more activation rows than this as W8A8: each row
+/// quantized to e4m3 with a scale of its own, as FP8 tensor cores take them
+/// (per row, so a sequence's numbers do not depend on its batch's other
+/// rows). One row (decode) keeps its f32 activations.
+pub const FP8_GEMV_ROWS: usize = 1;
+
 /// `out[b][r] = Σ_c x[b][c] · W[r][c]` for `n` activation rows.
 pub fn matmul(x: &[f32], n: usize, w: &Weight, out: &mut [f32]) -> Result<(), KernelError> {
     if x.len() != n * w.cols || out.len() != n * w.rows {
@@ -145,6 +151,13 @@ pub fn matmul(x: &[f32], n: usize, w: &Weight, out: &mut [f32]) -> Result<(), Ke
     if n == 0 {
         return Ok(());
     }
+    let rounded;
+    let x = if w.dtype == DType::Fp8Row && n > FP8_GEMV_ROWS {
+        rounded = crate::fp8::round_rows(x, w.cols);
+        &rounded[..]
+    } else {
+        x
+    };
     if let (Store::F32(wv), true) = (&w.store, n >= 4) {
         gemm_f32(x, n, wv, w.rows, w.cols, out);
         return Ok(());
@@ -309,7 +322,12 @@ mod tests {
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
                 let mut out = vec![f32::NAN; n * rows];
                 matmul(&x, n, &w, &mut out).unwrap();
-                let want = matmul_reference(&x, n, &w);
+                let read = if dtype == DType::Fp8Row && n > FP8_GEMV_ROWS {
+                    crate::fp8::round_rows(&x, cols)
+                } else {
+                    x
+                };
+                let want = matmul_reference(&read, n, &w);
                 for (a, b) in out.iter().zip(&want) {
                     assert!(
                         (a - b).abs() <= 1e-3 * (1.0 + b.abs()),

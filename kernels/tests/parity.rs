@@ -325,16 +325,17 @@ fn gguf_blocks_dequantize_like_the_cpu() {
     }
 }
 
-/// Whether `be` multiplies `m` rows by FP8 rows as W8A8: CUDA from sm_90
-/// quantizes the activations to e4m3 per row above the FP8 GEMV's rows.
+/// Whether `be` multiplies `m` rows by FP8 rows as W8A8: above the FP8
+/// GEMV's rows the activations go to e4m3 per row, on the CPU and on CUDA
+/// from sm_90 (below it, CUDA dequantizes the weights to bf16 instead).
 fn fp8_activations(be: &str, dtype: DType, m: usize) -> bool {
     let sm = be
         .rsplit_once("(sm_")
         .and_then(|(_, t)| t.trim_end_matches(')').parse::<u32>().ok());
+    let cuda = be.starts_with("cuda");
     dtype == DType::Fp8Row
-        && be.starts_with("cuda")
-        && sm.is_some_and(|sm| sm >= 90)
-        && m > kiln_kernels::cuda::FP8_GEMV_ROWS
+        && (!cuda || sm.is_some_and(|sm| sm >= 90))
+        && m > kiln_kernels::matmul::FP8_GEMV_ROWS
 }
 
 /// The activations as `be` multiplies them: for W8A8, each row's e4m3
@@ -343,14 +344,7 @@ fn activations_read(be: &str, dtype: DType, m: usize, x: &[f32]) -> Vec<f32> {
     if !fp8_activations(be, dtype, m) {
         return x.to_vec();
     }
-    let k = x.len() / m;
-    let mut out = vec![0.0; x.len()];
-    for (row, o) in x.chunks_exact(k).zip(out.chunks_exact_mut(k)) {
-        let mut q = vec![0u8; k];
-        let scale = kiln_kernels::fp8::encode(row, &mut q);
-        kiln_kernels::fp8::decode(&q, scale, o);
-    }
-    out
+    kiln_kernels::fp8::round_rows(x, x.len() / m)
 }
 
 /// How close a product with a quantized weight comes to float64 on `be`:
@@ -363,7 +357,7 @@ fn quantized_tolerance(be: &str, dtype: DType, rows: usize, m: usize) -> f64 {
     let cuda = be.starts_with("cuda");
     let bf16_gemm = matches!(dtype, DType::Fp8Row | DType::Int4G128 | DType::Int4G64);
     let tiles = dtype.int4_group().is_some() && rows.is_multiple_of(16);
-    if fp8_activations(be, dtype, m) {
+    if cuda && fp8_activations(be, dtype, m) {
         1e-3
     } else if cuda && bf16_gemm && m > kiln_kernels::cuda::GEMV_MAX_M {
         8e-3

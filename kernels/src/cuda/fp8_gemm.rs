@@ -24,9 +24,9 @@ type R<T = ()> = Result<T, KernelError>;
 const LT_WORKSPACE: usize = 32 << 20;
 
 /// Most activation rows that go to the FP8-row GEMV rather than the W8A8
-/// GEMM (the GEMV streams at a third of copy bandwidth at one row and
-/// worse above it; the GEMM reads each weight byte once).
-pub const FP8_GEMV_ROWS: usize = 1;
+/// GEMM, as on the CPU (the GEMV streams at a third of copy bandwidth at
+/// one row and worse above it; the GEMM reads each weight byte once).
+pub use crate::matmul::FP8_GEMV_ROWS;
 
 /// A cuBLASLt handle, its workspace and the algorithm it chose per shape
 /// (the heuristic query costs host time on every product otherwise).
