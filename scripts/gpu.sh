@@ -192,16 +192,22 @@ weights)
     done
     ;;
 neighbour)
-    # One tenant's burst against another's stream, through the API, on the
-    # base build's server and this tree's (carry .gpu-bench; this tree's
-    # `kiln loadgen` drives both).
+    # One tenant's burst against another's stream, through the API: this
+    # tree's server with the step time target off and at its default, same
+    # call (carry .gpu-bench; this tree's `kiln loadgen` drives every run).
+    # TARGETS and SERVERS override (SERVERS="/tmp/kiln-base .gpu-bench/kiln"
+    # after `unpack` for the base build beside this one).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-    "$0" unpack
-    for server in ${SERVERS:-/tmp/kiln-base .gpu-bench/kiln}; do
-        timeout 280 python3 scripts/noisy_neighbour.py "$server" .gpu-bench/kiln big synthetic:llama-3-8b \
-            --device cuda --kv fp8-static --kv-memory 16GiB 2>&1 | grep -v INFO | tee -a "$out/neighbour.log"
+    export ALONE_S="${ALONE_S:-10}" BURST_S="${BURST_S:-20}"
+    for server in ${SERVERS:-.gpu-bench/kiln}; do
+        for target in ${TARGETS:-0 2}; do
+            echo "== $server --step-target $target" | tee -a "$out/neighbour.log"
+            timeout 150 python3 scripts/noisy_neighbour.py "$server" .gpu-bench/kiln big synthetic:llama-3-8b \
+                --device cuda --kv fp8-static --kv-memory 16GiB --step-target "$target" 2>&1 |
+                grep -v INFO | tee -a "$out/neighbour.log"
+        done
     done
     ;;
 baseline)
