@@ -37,6 +37,7 @@ for l in sys.stdin:
     cp "$(test_bin kiln-kernels parity)" .gpu/parity
     cp "$(test_bin kiln-kernels cuda_graphs)" .gpu/cuda_graphs
     cp "$(test_bin kiln-kernels fp8_gemm)" .gpu/fp8_gemm
+    cp "$(test_bin kiln-kernels skinny)" .gpu/skinny
     cp "$(test_bin kiln-tests gpu)" .gpu/engine
     cargo build --release -p kiln-kernels --example cuda_bench
     cp target/release/examples/cuda_bench .gpu/cuda_bench
@@ -71,6 +72,8 @@ run)
     KILN_TEST_DEVICE=cuda timeout 60 .gpu/cuda_graphs --include-ignored 2>&1 | tee -a "$out/parity.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
     KILN_TEST_DEVICE=cuda timeout 60 .gpu/fp8_gemm --include-ignored --nocapture 2>&1 | tee -a "$out/parity.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
+    KILN_TEST_DEVICE=cuda timeout 60 .gpu/skinny --include-ignored 2>&1 | tee -a "$out/parity.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
     set -e
     if [ "$parity" -ne 0 ]; then

@@ -84,11 +84,13 @@ fn main() -> Result<(), E> {
     );
     drop((src, dst));
 
-    // The decode GEMV against cuBLAS at Llama-3-8B shapes, stacked q/k/v
-    // (6144) and gate/up (28672) included.
+    // The decode GEMV (up to 8 rows) and the skinny GEMM (from 2) against
+    // cuBLAS at Llama-3-8B shapes, stacked q/k/v (6144) and gate/up
+    // (28672) included. A skinny GEMM that disagrees with cuBLAS prints
+    // its error instead of a time, and the rest still runs.
     println!(
-        "{:>14} {:>3} {:>14} {:>14}",
-        "n x k", "m", "gemv GB/s", "cublas GB/s"
+        "{:>14} {:>3} {:>14} {:>14} {:>14}",
+        "n x k", "m", "gemv GB/s", "cublas GB/s", "skinny GB/s"
     );
     for (nn, k) in [
         (4096usize, 4096usize),
@@ -100,7 +102,7 @@ fn main() -> Result<(), E> {
             .map(|_| bf16::from_f32(rng.random_range(-0.05..0.05)))
             .collect();
         let w = s.clone_htod(&w)?;
-        for m in [1usize, 2, 8] {
+        for m in [1usize, 2, 8, 16, 32, 64] {
             let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
             let x = s.clone_htod(&x)?;
             let mut out: CudaSlice<f32> = s.alloc_zeros(m * nn)?;
@@ -108,28 +110,45 @@ fn main() -> Result<(), E> {
             let bytes = (nn * k * 2) as f64;
             let shape = GemmShape { m, n: nn, k };
             let stack = StackShape { m, parts: &[nn], k };
-            // Check the GEMV against cuBLAS (bf16 activations) first.
+            // Check each kernel against cuBLAS (bf16 activations, left in
+            // `scratch`) first.
             gpu.cublas_bf16(&x, &w, &mut out, shape, &mut scratch)?;
             let theirs = s.clone_dtoh(&out)?;
-            gpu.gemv_bf16_parts(&x, &w, &mut [&mut out], stack)?;
-            let err = rel_diff(&s.clone_dtoh(&out)?, &theirs);
-            if err.is_nan() || err >= 1e-2 {
-                return Err(format!("GEMV {nn}x{k} m={m} vs cuBLAS: rel err {err}").into());
-            }
             let col = |t: f64| {
                 let g = bytes / t / 1e9;
                 format!("{g:.0} ({:.0}%)", 100.0 * g / copy)
             };
-            let tg = time(&gpu, 50, || {
-                Ok(gpu.gemv_bf16_parts(&x, &w, &mut [&mut out], stack)?)
-            })?;
+            let tg = if m <= kiln_kernels::cuda::GEMV_MAX_M {
+                gpu.gemv_bf16_parts(&x, &w, &mut [&mut out], stack)?;
+                let err = rel_diff(&s.clone_dtoh(&out)?, &theirs);
+                if err.is_nan() || err >= 1e-2 {
+                    return Err(format!("GEMV {nn}x{k} m={m} vs cuBLAS: rel err {err}").into());
+                }
+                col(time(&gpu, 50, || {
+                    Ok(gpu.gemv_bf16_parts(&x, &w, &mut [&mut out], stack)?)
+                })?)
+            } else {
+                "-".into()
+            };
+            let ts = if m >= 2 {
+                gpu.gemm_bf16_skinny(&scratch, &w, &mut [&mut out], stack)?;
+                let err = rel_diff(&s.clone_dtoh(&out)?, &theirs);
+                if err.is_nan() || err >= 1e-3 {
+                    format!("err {err:.1e}")
+                } else {
+                    col(time(&gpu, 50, || {
+                        Ok(gpu.gemm_bf16_skinny(&scratch, &w, &mut [&mut out], stack)?)
+                    })?)
+                }
+            } else {
+                "-".into()
+            };
             let tc = time(&gpu, 50, || {
                 Ok(gpu.cublas_bf16(&x, &w, &mut out, shape, &mut scratch)?)
             })?;
             println!(
-                "{:>14} {m:>3} {:>14} {:>14}",
+                "{:>14} {m:>3} {tg:>14} {:>14} {ts:>14}",
                 format!("{nn}x{k}"),
-                col(tg),
                 col(tc),
             );
         }
@@ -184,7 +203,7 @@ fn quantized_gemv(gpu: &Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Result<
             let dw = gpu.weight(&w)?;
             let wb = s.clone_htod(&deq.iter().map(|v| bf16::from_f32(*v)).collect::<Vec<_>>())?;
             let mut scratch = gpu.gemm_scratch(1024, k, true)?;
-            for m in [1usize, 8, 16, 64, 1024] {
+            for m in [1usize, 8, 16, 32, 64, 1024] {
                 let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
                 let x = s.clone_htod(&x)?;
                 let mut out: CudaSlice<f32> = s.alloc_zeros(m * nn)?;

@@ -26,6 +26,7 @@ mod prefill;
 mod quant;
 mod rope;
 mod sample;
+mod skinny;
 mod tags;
 
 use std::collections::HashMap;
@@ -53,6 +54,7 @@ pub use norm::NormArgs;
 pub use prefill::{PREFILL_HEAD_DIMS, prefill_supports, prefill_tiles};
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
 pub use rope::{RopeArgs, RopeKv};
+pub use skinny::SKINNY_MAX_M;
 pub use tags::TagLayout;
 
 /// The CUDA C source of every kernel: one file per operation, its
@@ -76,6 +78,7 @@ pub const SOURCE: &str = concat!(
     include_str!("gemv_norm.cu"),
     include_str!("quant.cu"),
     include_str!("int4.cu"),
+    include_str!("skinny.cu"),
     include_str!("sample.cu"),
     include_str!("prefill.cu")
 );
@@ -160,6 +163,11 @@ const KERNELS: &[&str] = &[
     "gemm_int4_g128_nb8",
     "dequant_int4_bf16",
     "embed_int4",
+    // skinny.cu
+    "gemm_bf16_skinny_nb1",
+    "gemm_bf16_skinny_nb2",
+    "gemm_bf16_skinny_nb4",
+    "gemm_bf16_skinny_nb8",
     // sample.cu
     "sample_rows",
     "argmax_rows",

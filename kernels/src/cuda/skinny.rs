@@ -1,0 +1,73 @@
+//! Skinny bf16 GEMMs for decode batches of 2 to 64 rows (`skinny.cu`):
+//! tensor-core MMAs that stream the weights once, every lane's fragments
+//! whole 32-byte pieces of a row, against cuBLAS, whose tiles leave most of
+//! the H200's SMs idle at these shapes (51-80% of copy bandwidth on 4096
+//! and 14336 wide rows at 64 rows).
+//!
+//! Reference path until it has run on a GPU: its CUDA test
+//! (`tests/skinny.rs`) and `cuda_bench` call it; the engine's step does not
+//! yet.
+
+use cudarc::driver::{CudaSlice, PushKernelArg};
+use half::bf16;
+
+use super::gemv::{StackShape, check_parts};
+use super::{Gpu, cuda_err, grid_1d as cfg};
+use crate::KernelError;
+
+type R<T = ()> = Result<T, KernelError>;
+
+/// Most activation rows the skinny GEMM takes.
+pub const SKINNY_MAX_M: usize = 64;
+
+/// Weight rows a strip (an MMA's 16 rows).
+const STRIP: usize = 16;
+
+/// Warps a block (`SKINNY_WARPS` in `skinny.cu`).
+const WARPS: u32 = 8;
+
+impl Gpu {
+    /// `outs[p] = x * w_p^T` for each part `p` of a stack of bf16 weights,
+    /// `x` being `m` (2 to [`SKINNY_MAX_M`]) bf16 rows of `k` (a multiple of
+    /// 64) and every part's rows a multiple of 16.
+    pub fn gemm_bf16_skinny(
+        &self,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        outs: &mut [&mut CudaSlice<f32>],
+        shape: StackShape<'_>,
+    ) -> R {
+        let StackShape { m, parts, k } = shape;
+        let n = check_parts(outs, parts, m)?;
+        let strips = parts.iter().all(|p| p.is_multiple_of(STRIP));
+        if !(2..=SKINNY_MAX_M).contains(&m)
+            || !k.is_multiple_of(64)
+            || !strips
+            || x.len() < m * k
+            || w.len() < n * k
+        {
+            return Err(KernelError::Shape(format!(
+                "skinny GEMM of {m} rows of {k} over parts {parts:?}: 2 to {SKINNY_MAX_M} rows, \
+                 k a multiple of 64, parts whole strips of 16 rows"
+            )));
+        }
+        // Blocks of 8 activation rows (1, 2, 4 or 8); from 4 of them a
+        // thread block takes two strips (as skinny.cu).
+        let blocks = m.div_ceil(8).next_power_of_two();
+        let per_block = if blocks >= 4 { 2 } else { 1 };
+        let o = self.out_ptrs(outs, parts);
+        let (mi, ki) = (m as i32, k as i32);
+        let mut b = self
+            .stream
+            .launch_builder(self.function(&format!("gemm_bf16_skinny_nb{blocks}"))?);
+        b.arg(x).arg(w);
+        b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
+        b.arg(&o.n0).arg(&o.n1).arg(&mi).arg(&o.n).arg(&ki);
+        let grid = (n / STRIP).div_ceil(per_block) as u32;
+        // SAFETY: one block per `per_block` strips of the n rows (whole
+        // strips, checked; the kernel skips strips past them); reads within
+        // m x k and n x k, outputs checked above.
+        unsafe { b.launch(cfg(grid, 32 * WARPS)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+}

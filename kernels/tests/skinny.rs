@@ -1,0 +1,85 @@
+//! The skinny bf16 GEMM against float64 over the same bf16 values, for
+//! every block count of activation rows, stacked parts and a tail strip a
+//! block leaves alone. CUDA only, so ignored unless asked for:
+//! `KILN_TEST_DEVICE=cuda` with `--include-ignored`.
+
+use half::bf16;
+use kiln_kernels::cuda::{Gpu, StackShape};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn skinny_bf16_gemm_matches_float64_for_every_part_and_row_count() {
+    let gpu = Gpu::open(0, true).expect("a CUDA device");
+    let s = gpu.stream().clone();
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let k = 640;
+    // q, k and v of a grouped-query layer: 13 strips, so the last block
+    // of two strips has one past the end.
+    let parts = [144usize, 32, 32];
+    let n: usize = parts.iter().sum();
+    let round = |v: f32| bf16::from_f32(v);
+    let w: Vec<bf16> = (0..n * k)
+        .map(|_| round(rng.random_range(-0.5..0.5)))
+        .collect();
+    let wd = s.clone_htod(&w).unwrap();
+    // 1, 2, 4 and 8 blocks of 8 activation rows, partly filled.
+    for m in [2usize, 8, 13, 16, 27, 40, 64] {
+        let x: Vec<bf16> = (0..m * k)
+            .map(|_| round(rng.random_range(-2.0..2.0)))
+            .collect();
+        let xd = s.clone_htod(&x).unwrap();
+        let mut outs: Vec<_> = parts
+            .iter()
+            .map(|p| s.alloc_zeros::<f32>(m * p).unwrap())
+            .collect();
+        let mut refs: Vec<_> = outs.iter_mut().collect();
+        let shape = StackShape {
+            m,
+            parts: &parts,
+            k,
+        };
+        gpu.gemm_bf16_skinny(&xd, &wd, &mut refs, shape).unwrap();
+        let mut base = 0;
+        for (out, &rows) in outs.iter().zip(&parts) {
+            let got = s.clone_dtoh(out).unwrap();
+            let (mut num, mut den) = (0.0f64, 0.0f64);
+            for i in 0..m {
+                for r in 0..rows {
+                    let want: f64 = (0..k)
+                        .map(|c| x[i * k + c].to_f64() * w[(base + r) * k + c].to_f64())
+                        .sum();
+                    num += (got[i * rows + r] as f64 - want).powi(2);
+                    den += want * want;
+                }
+            }
+            let rel = (num / den).sqrt();
+            // Exact bf16 products summed in f32.
+            assert!(rel < 1e-5, "m={m}, part of {rows}: rel err {rel}");
+            base += rows;
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn skinny_bf16_gemm_refuses_shapes_it_cannot_tile() {
+    let gpu = Gpu::open(0, true).expect("a CUDA device");
+    let s = gpu.stream().clone();
+    let x = s.alloc_zeros::<bf16>(65 * 128).unwrap();
+    let w = s.alloc_zeros::<bf16>(40 * 128).unwrap();
+    let mut out = s.alloc_zeros::<f32>(65 * 40).unwrap();
+    for (m, rows, k) in [(1, 32, 128), (65, 32, 128), (8, 40, 128), (8, 32, 96)] {
+        let shape = StackShape {
+            m,
+            parts: &[rows],
+            k,
+        };
+        assert!(
+            gpu.gemm_bf16_skinny(&x, &w, &mut [&mut out], shape)
+                .is_err(),
+            "{m} x {k} by {rows}"
+        );
+    }
+}
