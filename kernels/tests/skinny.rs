@@ -12,19 +12,25 @@ use rand_chacha::ChaCha8Rng;
 #[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn skinny_bf16_gemm_matches_float64_for_every_part_and_row_count() {
     let gpu = Gpu::open(0, true).expect("a CUDA device");
-    let s = gpu.stream().clone();
     let mut rng = ChaCha8Rng::seed_from_u64(5);
-    let k = 640;
     // q, k and v of a grouped-query layer: 13 strips, so the last block
-    // of two strips has one past the end.
-    let parts = [144usize, 32, 32];
+    // of two strips has one past the end; then one part of 4 tiles, fewer
+    // than a block's warps.
+    for (parts, k) in [(&[144usize, 32, 32][..], 640usize), (&[256][..], 256)] {
+        check_skinny(&gpu, &mut rng, parts, k);
+    }
+}
+
+/// The skinny GEMM over `parts` of rows of `k` for 1, 2, 4 and 8 blocks of
+/// 8 activation rows, partly filled, against float64.
+fn check_skinny(gpu: &Gpu, rng: &mut ChaCha8Rng, parts: &[usize], k: usize) {
+    let s = gpu.stream().clone();
     let n: usize = parts.iter().sum();
     let round = |v: f32| bf16::from_f32(v);
     let w: Vec<bf16> = (0..n * k)
         .map(|_| round(rng.random_range(-0.5..0.5)))
         .collect();
     let wd = s.clone_htod(&w).unwrap();
-    // 1, 2, 4 and 8 blocks of 8 activation rows, partly filled.
     for m in [2usize, 8, 13, 16, 27, 40, 64] {
         let x: Vec<bf16> = (0..m * k)
             .map(|_| round(rng.random_range(-2.0..2.0)))
@@ -35,14 +41,10 @@ fn skinny_bf16_gemm_matches_float64_for_every_part_and_row_count() {
             .map(|p| s.alloc_zeros::<f32>(m * p).unwrap())
             .collect();
         let mut refs: Vec<_> = outs.iter_mut().collect();
-        let shape = StackShape {
-            m,
-            parts: &parts,
-            k,
-        };
+        let shape = StackShape { m, parts, k };
         gpu.gemm_bf16_skinny(&xd, &wd, &mut refs, shape).unwrap();
         let mut base = 0;
-        for (out, &rows) in outs.iter().zip(&parts) {
+        for (out, &rows) in outs.iter().zip(parts) {
             let got = s.clone_dtoh(out).unwrap();
             let (mut num, mut den) = (0.0f64, 0.0f64);
             for i in 0..m {
@@ -56,7 +58,7 @@ fn skinny_bf16_gemm_matches_float64_for_every_part_and_row_count() {
             }
             let rel = (num / den).sqrt();
             // Exact bf16 products summed in f32.
-            assert!(rel < 1e-5, "m={m}, part of {rows}: rel err {rel}");
+            assert!(rel < 1e-5, "m={m}, k={k}, part of {rows}: rel err {rel}");
             base += rows;
         }
     }
