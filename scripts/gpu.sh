@@ -194,6 +194,19 @@ weights)
             2>&1 | grep -v INFO | tee -a "$out/weights.log"
     done
     ;;
+skinny)
+    # Decode with bf16 weights, cuBLAS against the skinny GEMM for 2-64
+    # rows, same call (carry .gpu-bench).
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    for skinny in off on; do
+        echo "== --cuda-skinny $skinny" | tee -a "$out/skinny.log"
+        timeout 200 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
+            --kv-memory 16GiB --concurrency 1,8,16,32,64 --prompt-tokens 512 --gen-tokens 128 \
+            --cuda-skinny "$skinny" 2>&1 | grep -v INFO | tee -a "$out/skinny.log"
+    done
+    ;;
 neighbour)
     # One tenant's burst against another's stream, through the API: this
     # tree's server with the step time target off and at its default, same
@@ -283,7 +296,7 @@ ab)
     exit "$same"
     ;;
 *)
-    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | prefill | weights | neighbour | shutdown" >&2
+    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | prefill | weights | skinny | neighbour | shutdown" >&2
     exit 2
     ;;
 esac

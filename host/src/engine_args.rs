@@ -54,6 +54,10 @@ pub(crate) struct EngineArgs {
     /// (off: one decode-attention query per token).
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     tensor_prefill: OnOff,
+    /// On CUDA, run bf16 products of 2-64 rows (decode batches) on the
+    /// skinny tensor-core GEMM instead of cuBLAS (off until measured).
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    cuda_skinny: OnOff,
 }
 
 impl EngineArgs {
@@ -80,6 +84,7 @@ impl EngineArgs {
             cuda_fold: self.cuda_fold == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,
             tensor_prefill: self.tensor_prefill == OnOff::On,
+            cuda_skinny: self.cuda_skinny == OnOff::On,
         })
     }
 }

@@ -362,6 +362,35 @@ fn bf16_weights_through_cublas_give_the_cpus_logits() {
     device_matches_cpu_logits(&loaded, config);
 }
 
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn the_skinny_gemm_gives_the_logits_of_cublas() {
+    // A 48-token prompt is one prefill of 48 rows: every bf16 projection
+    // runs the skinny GEMM in the second engine and cuBLAS in the first,
+    // on the same bf16 activations, so only the order of f32 sums differs.
+    let (loaded, config) = synthetic_bf16();
+    let mut blas = Engine::new(loaded.clone(), config(device())).unwrap();
+    let mut skinny = Engine::new(
+        loaded.clone(),
+        EngineConfig {
+            cuda_skinny: true,
+            ..config(device())
+        },
+    )
+    .unwrap();
+    let ids = synthetic_ids(&loaded);
+    let a = blas.teacher_forced_logits(TenantId(0), &ids, 36).unwrap();
+    let b = skinny.teacher_forced_logits(TenantId(0), &ids, 36).unwrap();
+    assert_eq!(a.len(), 13, "positions 36..=48");
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let rel = rel_diff(x, y);
+        assert!(
+            rel < 1e-3,
+            "row {i}: skinny and cuBLAS logits differ by {rel}"
+        );
+    }
+}
+
 /// Teacher-forced logits of a 48-token prompt from position 36, on the
 /// CPU and on the test device, agree within bf16 rounding.
 fn device_matches_cpu_logits(

@@ -64,6 +64,10 @@ impl Gpu {
                 "{n} stacked rows of {k}: weight too small"
             )));
         }
+        let strips = parts.iter().all(|p| p.is_multiple_of(16));
+        if self.skinny && (2..=super::SKINNY_MAX_M).contains(&m) && k.is_multiple_of(64) && strips {
+            return self.gemm_bf16_skinny(&scratch.act, wb, outs, shape);
+        }
         let (wp, _rw) = wb.device_ptr(&self.stream);
         let (xp, _rx) = scratch.act.device_ptr(&self.stream);
         let ty = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;

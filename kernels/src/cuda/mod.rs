@@ -200,6 +200,9 @@ pub struct Gpu {
     /// Whether FP8 rows multiply on FP8 tensor cores with outer-vector
     /// scales (sm_90 and up); below, they dequantize to bf16 for cuBLAS.
     fp8_tensor: bool,
+    /// Whether bf16 products of 2-64 rows take the skinny GEMM instead
+    /// of cuBLAS ([`Gpu::set_skinny`]).
+    skinny: bool,
 }
 
 /// Bytes of cuBLAS workspace (NVIDIA's advice for Hopper).
@@ -396,6 +399,7 @@ impl Gpu {
                 flash_resident,
                 lt: std::sync::Mutex::new(None),
                 fp8_tensor: major >= 9,
+                skinny: false,
             })
         });
         opened.unwrap_or_else(|p| {
@@ -414,6 +418,13 @@ impl Gpu {
     /// a no-op below it).
     pub fn set_programmatic(&mut self, on: bool) {
         self.programmatic = on && self.programmatic_supported();
+    }
+
+    /// Whether bf16 products of 2 to [`SKINNY_MAX_M`] rows (k a multiple
+    /// of 64, parts of whole 16-row strips) run the skinny GEMM instead of
+    /// cuBLAS. Off by default until it has run on a GPU.
+    pub fn set_skinny(&mut self, on: bool) {
+        self.skinny = on;
     }
 
     fn programmatic_supported(&self) -> bool {

@@ -76,6 +76,9 @@ pub struct EngineConfig {
     /// On CUDA: attend prefill chunks with the tensor-core prefill kernel
     /// instead of one decode-attention query per token.
     pub tensor_prefill: bool,
+    /// On CUDA: bf16 products of 2-64 rows run the skinny GEMM instead of
+    /// cuBLAS (off until it has run on a GPU).
+    pub cuda_skinny: bool,
 }
 
 impl Default for EngineConfig {
@@ -91,6 +94,7 @@ impl Default for EngineConfig {
             cuda_fold: true,
             device_sampling: true,
             tensor_prefill: true,
+            cuda_skinny: false,
         }
     }
 }
@@ -198,6 +202,7 @@ impl Engine {
                 programmatic: config.cuda_pdl,
                 fold: config.cuda_fold,
                 tensor_prefill: config.tensor_prefill,
+                skinny: config.cuda_skinny,
             },
         )?;
         let checker: Box<dyn IntegrityCheck> = if config.integrity {

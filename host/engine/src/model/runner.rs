@@ -30,6 +30,8 @@ pub struct RunnerOptions {
     /// On CUDA: prefill chunks attend with the tensor-core prefill kernel
     /// instead of one decode-attention query per token.
     pub tensor_prefill: bool,
+    /// On CUDA: bf16 products of 2-64 rows run the skinny GEMM.
+    pub skinny: bool,
 }
 
 /// Where the KV pages live and the forward pass runs.
@@ -70,6 +72,7 @@ impl Runner {
                 for m in std::iter::once(&mut model).chain(decode.as_mut()) {
                     m.set_programmatic(o.programmatic);
                     m.set_fold(o.fold);
+                    m.set_skinny(o.skinny);
                 }
                 tracing::info!(device = model.device_name(), "model weights on the GPU");
                 let mut kv = model

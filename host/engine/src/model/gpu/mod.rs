@@ -214,6 +214,12 @@ impl GpuModel {
         self.gpu.set_programmatic(on);
     }
 
+    /// Whether bf16 products of 2-64 rows run the skinny GEMM instead of
+    /// cuBLAS (set before graphs are captured, like the rest).
+    pub fn set_skinny(&mut self, on: bool) {
+        self.gpu.set_skinny(on);
+    }
+
     /// Whether greedy decode steps are captured as CUDA graphs.
     pub fn uses_graphs(&self) -> bool {
         self.graphs
