@@ -4,9 +4,9 @@
 //! the H200's SMs idle at these shapes (51-80% of copy bandwidth on 4096
 //! and 14336 wide rows at 64 rows).
 //!
-//! Reference path until it has run on a GPU: its CUDA test
-//! (`tests/skinny.rs`) and `cuda_bench` call it; the engine's step does not
-//! yet.
+//! Off by default until it has run on a GPU ([`Gpu::set_skinny`],
+//! `--cuda-skinny`): its CUDA test (`tests/skinny.rs`), `cuda_bench` and
+//! the engine test against cuBLAS come first.
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
