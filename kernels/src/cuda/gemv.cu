@@ -23,6 +23,51 @@ __device__ __forceinline__ void put_out(const Outs& o, int m, int row, float v) 
     }
 }
 
+// Strips of 16 weight rows a block of the tensor-core GEMMs (int4.cu,
+// skinny.cu) for NB blocks of 8 activation rows: one up to 16 rows, two
+// from 17 (gemv.rs's `row_blocks` counts the same way).
+#define STRIPS_A_BLOCK(NB) ((NB) >= 4 ? 2 : 1)
+
+// The tensor-core GEMMs' ending: each of WARPS warps holds its sums of S
+// strips, out[j][cb] an m16n8 tile (rows g, g + 8; activation rows
+// 8 cb + 2 t, + 1); they meet in `red` (shared) a strip at a time and warp 0
+// writes the strips that exist and the activation rows below M.
+template <int NB, int S, int WARPS>
+__device__ __forceinline__ void strips_out(float (*red)[4 * NB][32], float (&out)[S][NB][4],
+                                           const Outs& o, int M, int strip0, int strips) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < S; j++) {
+#pragma unroll
+        for (int cb = 0; cb < NB; cb++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) red[warp][4 * cb + i][lane] = out[j][cb][i];
+        __syncthreads();
+        if (warp == 0 && strip0 + j < strips) {
+            int row = (strip0 + j) * 16 + g;
+#pragma unroll
+            for (int cb = 0; cb < NB; cb++) {
+                float v[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    v[i] = out[j][cb][i];
+                    for (int u = 1; u < WARPS; u++) v[i] += red[u][4 * cb + i][lane];
+                }
+                int r0 = 8 * cb + 2 * t;
+                if (r0 < M) {
+                    put_out(o, r0, row, v[0]);
+                    put_out(o, r0, row + 8, v[2]);
+                }
+                if (r0 + 1 < M) {
+                    put_out(o, r0 + 1, row, v[1]);
+                    put_out(o, r0 + 1, row + 8, v[3]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
 // 16 weight bytes, read once: streamed past L1 (evict first), which keeps
 // L1 for the activations every warp of the block re-reads.
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) { return __ldcs(p); }

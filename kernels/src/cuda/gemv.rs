@@ -65,6 +65,14 @@ pub(super) struct OutPtrs {
     pub(super) n: i32,
 }
 
+/// The tensor-core GEMMs' launch for `m` activation rows: blocks of 8
+/// rows (a power of two) and strips of 16 weight rows a thread block (two
+/// from 4 blocks; `STRIPS_A_BLOCK` in `gemv.cu`).
+pub(super) fn row_blocks(m: usize) -> (usize, usize) {
+    let blocks = m.div_ceil(8).next_power_of_two();
+    (blocks, if blocks >= 4 { 2 } else { 1 })
+}
+
 /// Checks one output per part, each big enough for `m` rows of its part;
 /// the stack's total rows.
 pub(super) fn check_parts(outs: &[&mut CudaSlice<f32>], parts: &[usize], m: usize) -> R<usize> {

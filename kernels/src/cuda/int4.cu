@@ -236,47 +236,15 @@ __device__ void gemm_int4_strips(const __nv_bfloat16* frag, const unsigned char*
             }
         }
     }
-    // The warps' sums meet in shared memory, a strip at a time.
-#pragma unroll
-    for (int j = 0; j < S; j++) {
-#pragma unroll
-        for (int cb = 0; cb < NB; cb++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) red[warp][4 * cb + i][lane] = out[j][cb][i];
-        __syncthreads();
-        if (warp == 0 && strip0 + j < strips) {
-            int row = (strip0 + j) * 16 + g;
-#pragma unroll
-            for (int cb = 0; cb < NB; cb++) {
-                float v[4];
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    v[i] = out[j][cb][i];
-                    for (int u = 1; u < INT4_WARPS; u++) v[i] += red[u][4 * cb + i][lane];
-                }
-                int r0 = 8 * cb + 2 * t;
-                if (r0 < M) {
-                    put_out(o, r0, row, v[0]);
-                    put_out(o, r0, row + 8, v[2]);
-                }
-                if (r0 + 1 < M) {
-                    put_out(o, r0 + 1, row, v[1]);
-                    put_out(o, r0 + 1, row + 8, v[3]);
-                }
-            }
-        }
-        __syncthreads();
-    }
+    strips_out<NB, S, INT4_WARPS>(red, out, o, M, strip0, strips);
 }
 
-// Strips a block: one up to 16 activation rows, two from 17 (int4.rs's
-// launch counts blocks the same way).
 #define GEMM_INT4(G, NB)                                                                      \
     extern "C" __global__ void __launch_bounds__(32 * INT4_WARPS)                           \
         gemm_int4_g##G##_nb##NB(const __nv_bfloat16* frag, const unsigned char* w, float* o0, \
                                 float* o1, float* o2, int n0, int n1, int M, int N, int K) { \
         PDL_ENTER();                                                                          \
-        gemm_int4_strips<G / 64, NB, (NB >= 4 ? 2 : 1)>(frag, w, Outs{o0, o1, o2, n0, n1, N},  \
+        gemm_int4_strips<G / 64, NB, STRIPS_A_BLOCK(NB)>(frag, w, Outs{o0, o1, o2, n0, n1, N},  \
                                                         M, K);                                \
     }
 

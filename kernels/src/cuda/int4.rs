@@ -7,7 +7,7 @@
 use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
 use half::bf16;
 
-use super::gemv::{StackShape, check_parts};
+use super::gemv::{StackShape, check_parts, row_blocks};
 use super::{GemmScratch, Gpu, cuda_err, grid_1d as cfg};
 use crate::KernelError;
 use crate::quant::{DType, INT4_HEADER, QK};
@@ -129,14 +129,12 @@ impl Gpu {
         };
         // SAFETY: one warp per (group, row), writes within `need` (checked).
         unsafe { b.launch(grid) }.map_err(cuda_err)?;
-        // Blocks of 8 activation rows (2, 4 or 8) in the GEMM, whose
-        // thread blocks take two strips each from 4 of them (as int4.cu).
+        // Above the GEMV, 2, 4 or 8 blocks of 8 activation rows (m > 8).
         let (name, strips_per_block) = if hi_lo {
             (format!("gemv_int4_g{group}"), 1)
         } else {
-            let blocks = m.div_ceil(8).next_power_of_two().max(2);
-            let per = if blocks >= 4 { 2 } else { 1 };
-            (format!("gemm_int4_g{group}_nb{blocks}"), per)
+            let (blocks, per_block) = row_blocks(m);
+            (format!("gemm_int4_g{group}_nb{blocks}"), per_block)
         };
         let o = self.out_ptrs(outs, parts);
         let mut b = self.stream.launch_builder(self.function(&name)?);

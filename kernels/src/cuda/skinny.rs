@@ -11,7 +11,7 @@
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
 
-use super::gemv::{StackShape, check_parts};
+use super::gemv::{StackShape, check_parts, row_blocks};
 use super::{Gpu, cuda_err, grid_1d as cfg};
 use crate::KernelError;
 
@@ -51,10 +51,7 @@ impl Gpu {
                  k a multiple of 64, parts whole strips of 16 rows"
             )));
         }
-        // Blocks of 8 activation rows (1, 2, 4 or 8); from 4 of them a
-        // thread block takes two strips (as skinny.cu).
-        let blocks = m.div_ceil(8).next_power_of_two();
-        let per_block = if blocks >= 4 { 2 } else { 1 };
+        let (blocks, per_block) = row_blocks(m);
         let o = self.out_ptrs(outs, parts);
         let (mi, ki) = (m as i32, k as i32);
         let mut b = self
