@@ -150,17 +150,18 @@ prefill)
     mkdir -p "$out"
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
     # With .gpu carried too, the attention parity tests run first and a
-    # failure stops the call. Each shape runs with one decode-attention
-    # query per token and with the tensor-core kernel (PREFILL_MODES
-    # overrides the pair).
+    # failure stops the call. Each shape runs with the tensor-core kernel
+    # in blocks of 4 and of 8 warps (PREFILL_MODES overrides the list;
+    # per-token is one decode-attention query per token).
     if [ -x .gpu/parity ]; then
         KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 attention 2>&1 | tee "$out/parity.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "parity tests FAILED: no benchmark"; exit 1; }
     fi
     set +e
-    for mode in ${PREFILL_MODES:-per-token tensor}; do
+    for mode in ${PREFILL_MODES:-tensor tensor8}; do
         flag=""
         [ "$mode" = per-token ] && flag="--tensor-prefill off"
+        [ "$mode" = tensor8 ] && flag="--prefill-warps 8"
         for case in "1,8,32 --prompt-tokens 1024" "1 --prompt-tokens 4096"; do
             echo "== prefill attention: $mode" | tee -a "$out/kiln-prefill.log"
             # shellcheck disable=SC2086

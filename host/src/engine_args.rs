@@ -54,10 +54,14 @@ pub(crate) struct EngineArgs {
     /// (off: one decode-attention query per token).
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     tensor_prefill: OnOff,
-    /// On CUDA, run bf16 products of 2-64 rows (decode batches) on the
-    /// skinny tensor-core GEMM instead of cuBLAS (off until measured).
-    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    /// On CUDA, run bf16 products of 2-8 rows (small decode batches) on
+    /// the skinny tensor-core GEMM instead of cuBLAS.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
     cuda_skinny: OnOff,
+    /// On CUDA, warps a block of prefill attention takes: 4 (three blocks
+    /// an SM) or 8 (one block, twice the query rows per key tile read).
+    #[arg(long, default_value_t = 4)]
+    prefill_warps: usize,
 }
 
 impl EngineArgs {
@@ -67,6 +71,11 @@ impl EngineArgs {
         if let kiln_kernels::Device::Cuda(n) = self.device {
             kiln_kernels::cuda::Gpu::probe(n)?;
         }
+        anyhow::ensure!(
+            matches!(self.prefill_warps, 4 | 8),
+            "--prefill-warps {}: a block of prefill attention takes 4 or 8 warps",
+            self.prefill_warps
+        );
         let gpu = matches!(self.device, kiln_kernels::Device::Cuda(_));
         let scheduler = kiln_host::engine::SchedulerConfig {
             max_running: self.max_seqs.unwrap_or(if gpu { 256 } else { 64 }),
@@ -85,6 +94,7 @@ impl EngineArgs {
             device_sampling: self.device_sampling == OnOff::On,
             tensor_prefill: self.tensor_prefill == OnOff::On,
             cuda_skinny: self.cuda_skinny == OnOff::On,
+            prefill_warps: self.prefill_warps,
         })
     }
 }

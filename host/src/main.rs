@@ -229,20 +229,27 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         rayon::current_num_threads()
     );
     if matches!(args.engine.device, kiln_kernels::Device::Cuda(_)) {
-        // One discarded sequence first: a process loads its kernels at
-        // their first launch and cuBLAS picks its algorithms at a shape's
-        // first GEMM, which would land on the first row alone.
+        // Discarded runs first: a process loads its kernels at their first
+        // launch and cuBLAS picks its algorithms at a shape's first GEMM,
+        // which would land on the first row alone. One sequence (a lone
+        // prompt's steps), then as many as fill a step (up to the largest
+        // row's), so full-step shapes are warm too.
+        let largest = args.concurrency.iter().copied().max().unwrap_or(1);
+        let fill = (config.scheduler.max_tokens_per_step / args.prompt_tokens.max(1))
+            .clamp(1, largest.max(1));
         let mut warm = config.clone();
         warm.kv_format = kv_format(formats[0]);
-        let spec = kiln_host::bench::BenchSpec {
-            concurrency: 1,
-            prompt_tokens: args.prompt_tokens,
-            gen_tokens: 2,
-            integrity_ab: false,
-        };
-        loaded = kiln_host::bench::run(loaded, warm, spec)
-            .map_err(anyhow::Error::msg)?
-            .1;
+        for concurrency in std::iter::once(1).chain((fill > 1).then_some(fill)) {
+            let spec = kiln_host::bench::BenchSpec {
+                concurrency,
+                prompt_tokens: args.prompt_tokens,
+                gen_tokens: 2,
+                integrity_ab: false,
+            };
+            loaded = kiln_host::bench::run(loaded, warm.clone(), spec)
+                .map_err(anyhow::Error::msg)?
+                .1;
+        }
     }
     println!("{}", kiln_host::bench::BenchRow::TABLE_HEADER);
     let graph_modes = if args.compare_graphs {

@@ -1,6 +1,7 @@
 //! CUDA kernel benchmarks on Llama-3-8B layer shapes: device copy bandwidth
-//! (the roofline's ceiling), the decode GEMV against cuBLAS, and paged decode
-//! attention over bf16 and fp8 pages. Run on a GPU machine after the parity
+//! (the roofline's ceiling), the decode GEMV against cuBLAS, paged decode
+//! attention over bf16 and fp8 pages, and prefill attention (alone with the
+//! argument `prefill`). Run on a GPU machine after the parity
 //! tests (`scripts/gpu.sh` does both); prints one table.
 #![allow(clippy::print_stdout, reason = "a benchmark prints its table")]
 
@@ -14,6 +15,13 @@ use kiln_kernels::cuda::{
 };
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use rand::{Rng, SeedableRng};
+
+/// Random KV pages for the attention benchmarks.
+#[path = "bench/pages.rs"]
+mod pages;
+/// Prefill attention at the engine's step shapes.
+#[path = "bench/prefill.rs"]
+mod prefill;
 
 type E = Box<dyn std::error::Error>;
 
@@ -83,6 +91,10 @@ fn main() -> Result<(), E> {
         t * 1e3
     );
     drop((src, dst));
+    prefill::run(&mut gpu, &mut rng)?;
+    if std::env::args().nth(1).as_deref() == Some("prefill") {
+        return Ok(());
+    }
 
     // The decode GEMV (up to 8 rows) and the skinny GEMM (from 2) against
     // cuBLAS at Llama-3-8B shapes, stacked q/k/v (6144) and gate/up
@@ -317,31 +329,8 @@ fn attention(
     let pages_per = ctx / 16;
     let pages = batch * pages_per;
     {
-        let mut kv = gpu.paged_kv(format, layout, pages)?;
-        let vectors = pages * 16 * 8;
-        let elems = vectors * 128;
-        let fill: Vec<u8> = match format {
-            KvFormat::Bf16 => (0..elems)
-                .flat_map(|_| bf16::from_f32(rng.random_range(-1.0..1.0)).to_le_bytes())
-                .collect(),
-            // e4m3 bytes with exponent bits kept small: ordinary values.
-            KvFormat::Fp8 | KvFormat::Fp8Static => (0..elems)
-                .map(|_| rng.random::<u8>() & 0b1011_0111)
-                .collect(),
-        };
-        s.memcpy_htod(&fill, &mut kv.k)?;
-        s.memcpy_htod(&fill, &mut kv.v)?;
-        if format == KvFormat::Fp8 {
-            let sc = vec![0.01f32; vectors];
-            s.memcpy_htod(&sc, &mut kv.k_scale)?;
-            s.memcpy_htod(&sc, &mut kv.v_scale)?;
-        }
-        drop(fill);
         // Each sequence's pages shuffled across the pool.
-        let mut order: Vec<i32> = (0..pages as i32).collect();
-        for i in (1..order.len()).rev() {
-            order.swap(i, rng.random_range(0..=i));
-        }
+        let (kv, order) = pages::random_pages(gpu, rng, format, layout, pages)?;
         let offs: Vec<i32> = (0..=batch).map(|b| (b * pages_per) as i32).collect();
         let lens = vec![ctx as i32; batch];
         let q: Vec<f32> = (0..batch * heads * 128)

@@ -31,6 +31,18 @@ fn backend() -> Box<dyn Backend> {
     }
 }
 
+/// The backend under test, and on CUDA each other build of a kernel that
+/// has several (prefill attention in blocks of 8 warps beside 4), named.
+fn variants() -> Vec<(String, Box<dyn Backend>)> {
+    let mut all = vec![("default".to_owned(), backend())];
+    if std::env::var("KILN_TEST_DEVICE").as_deref() == Ok("cuda") {
+        let mut gpu = kiln_kernels::cuda::Gpu::new(0).expect("CUDA works");
+        gpu.set_prefill_warps(8).expect("8 warps are built");
+        all.push(("prefill in 8 warps".to_owned(), Box::new(gpu)));
+    }
+    all
+}
+
 /// A fresh generator per run; the seed is printed, and `KILN_TEST_SEED`
 /// replays it.
 fn rng() -> ChaCha8Rng {

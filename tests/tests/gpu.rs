@@ -365,27 +365,30 @@ fn bf16_weights_through_cublas_give_the_cpus_logits() {
 #[test]
 #[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn the_skinny_gemm_gives_the_logits_of_cublas() {
-    // A 48-token prompt is one prefill of 48 rows: every bf16 projection
-    // runs the skinny GEMM in the second engine and cuBLAS in the first,
-    // on the same bf16 activations, so only the order of f32 sums differs.
+    // A prefill of 8 rows, then 4 one-token steps over the KV it wrote:
+    // every bf16 projection of the prefill runs the skinny GEMM in the
+    // second engine and cuBLAS in the first, on the same bf16 activations,
+    // so only the order of f32 sums differs. Each layer rounds its
+    // activations to bf16, which can turn that into steps of 2^-8, so the
+    // bound is a few flipped roundings (a layout error reads ~1); the H200
+    // read 3.7e-3 on a 48-row prefill.
     let (loaded, config) = synthetic_bf16();
-    let mut blas = Engine::new(loaded.clone(), config(device())).unwrap();
-    let mut skinny = Engine::new(
-        loaded.clone(),
-        EngineConfig {
-            cuda_skinny: true,
+    let engine = |cuda_skinny| {
+        let config = EngineConfig {
+            cuda_skinny,
             ..config(device())
-        },
-    )
-    .unwrap();
-    let ids = synthetic_ids(&loaded);
-    let a = blas.teacher_forced_logits(TenantId(0), &ids, 36).unwrap();
-    let b = skinny.teacher_forced_logits(TenantId(0), &ids, 36).unwrap();
-    assert_eq!(a.len(), 13, "positions 36..=48");
+        };
+        Engine::new(loaded.clone(), config).unwrap()
+    };
+    let (mut blas, mut skinny) = (engine(false), engine(true));
+    let ids = &synthetic_ids(&loaded)[..12];
+    let a = blas.teacher_forced_logits(TenantId(0), ids, 8).unwrap();
+    let b = skinny.teacher_forced_logits(TenantId(0), ids, 8).unwrap();
+    assert_eq!(a.len(), 5, "positions 8..=12");
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         let rel = rel_diff(x, y);
         assert!(
-            rel < 1e-3,
+            rel < 1e-2,
             "row {i}: skinny and cuBLAS logits differ by {rel}"
         );
     }

@@ -352,7 +352,7 @@ impl Backend for Gpu {
         flat.push(0);
         let lens = ints(c.lens.iter().copied());
         let group = c.heads / c.layout.kv_heads.max(1);
-        let tiles = crate::cuda::prefill_tiles(&off, &lens, group);
+        let tiles = crate::cuda::prefill_tiles(&off, &lens, group, self.prefill_rows());
         let mut out = self.poisoned(c.q.len())?;
         let (dq, dt) = (self.upload(&c.q)?, self.upload(&flat)?);
         let (doff, dl) = (self.upload(&off)?, self.upload(&lens)?);

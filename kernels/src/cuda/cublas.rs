@@ -65,7 +65,8 @@ impl Gpu {
             )));
         }
         let strips = parts.iter().all(|p| p.is_multiple_of(16));
-        if self.skinny && (2..=super::SKINNY_MAX_M).contains(&m) && k.is_multiple_of(64) && strips {
+        if self.skinny && (2..=super::SKINNY_WINS_M).contains(&m) && k.is_multiple_of(64) && strips
+        {
             return self.gemm_bf16_skinny(&scratch.act, wb, outs, shape);
         }
         let (wp, _rw) = wb.device_ptr(&self.stream);

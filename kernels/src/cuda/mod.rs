@@ -54,7 +54,7 @@ pub use norm::NormArgs;
 pub use prefill::{PREFILL_HEAD_DIMS, prefill_supports, prefill_tiles};
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
 pub use rope::{RopeArgs, RopeKv};
-pub use skinny::SKINNY_MAX_M;
+pub use skinny::{SKINNY_MAX_M, SKINNY_WINS_M};
 pub use tags::TagLayout;
 
 /// The CUDA C source of every kernel: one file per operation, its
@@ -172,10 +172,14 @@ const KERNELS: &[&str] = &[
     "sample_rows",
     "argmax_rows",
     // prefill.cu
-    "prefill_bf16_d64",
-    "prefill_bf16_d128",
-    "prefill_fp8_d64",
-    "prefill_fp8_d128",
+    "prefill_bf16_d64_w4",
+    "prefill_bf16_d128_w4",
+    "prefill_fp8_d64_w4",
+    "prefill_fp8_d128_w4",
+    "prefill_bf16_d64_w8",
+    "prefill_bf16_d128_w8",
+    "prefill_fp8_d64_w8",
+    "prefill_fp8_d128_w8",
 ];
 
 /// One GPU with Kiln's kernels loaded.
@@ -200,9 +204,12 @@ pub struct Gpu {
     /// Whether FP8 rows multiply on FP8 tensor cores with outer-vector
     /// scales (sm_90 and up); below, they dequantize to bf16 for cuBLAS.
     fp8_tensor: bool,
-    /// Whether bf16 products of 2-64 rows take the skinny GEMM instead
-    /// of cuBLAS ([`Gpu::set_skinny`]).
+    /// Whether bf16 products of 2 to [`SKINNY_WINS_M`] rows take the
+    /// skinny GEMM instead of cuBLAS ([`Gpu::set_skinny`]).
     skinny: bool,
+    /// Warps a block of prefill attention: 4 or 8
+    /// ([`Gpu::set_prefill_warps`]).
+    prefill_warps: usize,
 }
 
 /// Bytes of cuBLAS workspace (NVIDIA's advice for Hopper).
@@ -400,6 +407,7 @@ impl Gpu {
                 lt: std::sync::Mutex::new(None),
                 fp8_tensor: major >= 9,
                 skinny: false,
+                prefill_warps: prefill::DEFAULT_WARPS,
             })
         });
         opened.unwrap_or_else(|p| {
@@ -420,11 +428,30 @@ impl Gpu {
         self.programmatic = on && self.programmatic_supported();
     }
 
-    /// Whether bf16 products of 2 to [`SKINNY_MAX_M`] rows (k a multiple
+    /// Whether bf16 products of 2 to [`SKINNY_WINS_M`] rows (k a multiple
     /// of 64, parts of whole 16-row strips) run the skinny GEMM instead of
-    /// cuBLAS. Off by default until it has run on a GPU.
+    /// cuBLAS (off when a `Gpu` opens; the engine turns it on).
     pub fn set_skinny(&mut self, on: bool) {
         self.skinny = on;
+    }
+
+    /// Warps a block of prefill attention takes (4 or 8; 16 query rows
+    /// each, so tiles from [`prefill_tiles`] of [`Gpu::prefill_rows`]).
+    pub fn set_prefill_warps(&mut self, warps: usize) -> Result<(), KernelError> {
+        if !prefill::WARPS.contains(&warps) {
+            return Err(KernelError::Shape(format!(
+                "prefill attention in blocks of {warps} warps: {:?} are built",
+                prefill::WARPS
+            )));
+        }
+        self.prefill_warps = warps;
+        Ok(())
+    }
+
+    /// Query rows (tokens times the heads of a KV head) a block of
+    /// prefill attention takes.
+    pub fn prefill_rows(&self) -> usize {
+        16 * self.prefill_warps
     }
 
     fn programmatic_supported(&self) -> bool {

@@ -1,6 +1,6 @@
 // Causal prefill attention over paged KV on tensor cores (see prefill.rs), in
-// the manner of FlashAttention-2. A block of PM_WARPS warps takes up to
-// PM_ROWS query rows -- consecutive tokens of one sequence times the G query
+// the manner of FlashAttention-2. A block of W warps (4 or 8) takes up to
+// 16 W query rows -- consecutive tokens of one sequence times the G query
 // heads of one KV head, row r = (token r / G, head r % G) -- and streams that
 // sequence's keys and values through shared memory PM_BN at a time, so each
 // K and V vector is read once per tile and serves every head of its group.
@@ -15,13 +15,12 @@
 //
 // Token t attends to keys 0..lens[t]-1. tiles: (first token, tokens) pairs
 // of consecutive tokens that share one block table and have consecutive
-// lengths (prefill_tiles), tokens x G <= PM_ROWS. K of key tile j + 1 loads
-// while P V of tile j runs, and V of tile j + 1 while its scores do.
+// lengths (prefill_tiles), tokens x G <= 16 W. K of key tile j + 1 loads
+// while P V of tile j runs, and V of tile j + 1 while its scores do: bf16
+// pages by cp.async, fp8 pages into registers (converted to f16 on their
+// way to shared memory once the tile there is free).
 
-#define PM_WARPS 4
-#define PM_ROWS (16 * PM_WARPS)
 #define PM_BN 64
-#define PM_THREADS (32 * PM_WARPS)
 
 // (x, y) as two f16 (F16) or bf16 in one word, x in the low half.
 template <bool F16>
@@ -42,6 +41,14 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const void* p) {
                  : "r"(smem_addr(p)));
 }
 
+// The same, not transposed: lane 4r + c gets elements 2c, 2c + 1 of row r
+// of each matrix (the B fragments of K^T from rows of K).
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
 // One key tile in shared memory: 16-bit elements, each row padded by 16
 // bytes so that the fragment loads of a warp hit 32 distinct banks.
 template <int HD>
@@ -51,43 +58,74 @@ struct PmTile {
     float ks[PM_BN], vs[PM_BN];
 };
 
-// Starts loading keys k0..k0+PM_BN-1 of (table, kvh) into dst, zeros past
-// maxlen: bf16 pages through cp.async, fp8 pages converted to f16 on the
-// way (with their scales times `mul` into sc; a null scale buffer is the
-// static format's 1). Commits one cp.async group either way.
-template <bool FP8, int HD>
-__device__ __forceinline__ void pm_load(unsigned short (*dst)[HD + 8], float* sc,
-                                        const unsigned char* base, const float* scales,
-                                        const int* table, int k0, int maxlen, int kvh,
-                                        int kv_heads, int ps, float mul) {
-    constexpr int PER = FP8 ? 16 : 8;  // elements per 16-byte global piece
-    constexpr int CH = HD / PER;
-    for (int x = threadIdx.x; x < PM_BN * CH; x += PM_THREADS) {
+// Keys k0..k0+PM_BN-1 of (table, kvh): 16-byte global pieces, zeros past
+// maxlen. bf16 pages go straight to shared memory by cp.async (one group
+// committed); fp8 pages land in a thread's registers (PmFetch) and go to
+// shared memory as f16 with pm_put, their scales times `mul` beside them
+// (a null scale buffer is the static format's 1).
+template <bool FP8, int HD, int W>
+struct PmFetch {
+    static constexpr int CH = HD / 16;  // fp8 pieces a key
+    static constexpr int N = (PM_BN * CH + 32 * W - 1) / (32 * W);
+    uint4 raw[FP8 ? N : 1];
+    float sc[FP8 ? N : 1];
+};
+
+template <bool FP8, int HD, int W>
+__device__ __forceinline__ void pm_fetch(PmFetch<FP8, HD, W>& f, const unsigned char* base,
+                                         const float* scales, const int* table, int k0,
+                                         int maxlen, int kvh, int kv_heads, int ps, float mul) {
+    constexpr int CH = PmFetch<FP8, HD, W>::CH;
+#pragma unroll
+    for (int i = 0; i < PmFetch<FP8, HD, W>::N; i++) {
+        int x = threadIdx.x + i * 32 * W;
         int j = x / CH, c = x % CH, key = k0 + j;
-        uint4* d = (uint4*)&dst[j][c * PER];
+        f.raw[i] = make_uint4(0, 0, 0, 0);
+        f.sc[i] = 0.0f;
+        if (x < PM_BN * CH && key < maxlen) {
+            size_t vec = kv_vec(table[key / ps], key % ps, kvh, kv_heads, ps);
+            f.raw[i] = *(const uint4*)(base + vec * HD + c * 16);
+            if (c == 0) f.sc[i] = scales ? scales[vec] * mul : 1.0f;
+        }
+    }
+}
+
+template <bool FP8, int HD, int W>
+__device__ __forceinline__ void pm_put(const PmFetch<FP8, HD, W>& f, unsigned short (*dst)[HD + 8],
+                                       float* sc) {
+    constexpr int CH = PmFetch<FP8, HD, W>::CH;
+#pragma unroll
+    for (int i = 0; i < PmFetch<FP8, HD, W>::N; i++) {
+        int x = threadIdx.x + i * 32 * W;
+        if (x >= PM_BN * CH) break;
+        int j = x / CH, c = x % CH;
+        const unsigned short* pairs = (const unsigned short*)&f.raw[i];
+        unsigned h[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pairs[e], __NV_E4M3);
+            h[e] = (unsigned)hr.x | ((unsigned)hr.y << 16);
+        }
+        uint4* d = (uint4*)&dst[j][c * 16];
+        d[0] = make_uint4(h[0], h[1], h[2], h[3]);
+        d[1] = make_uint4(h[4], h[5], h[6], h[7]);
+        if (c == 0) sc[j] = f.sc[i];
+    }
+}
+
+template <int HD, int W>
+__device__ __forceinline__ void pm_copy(unsigned short (*dst)[HD + 8], const unsigned char* base,
+                                        const int* table, int k0, int maxlen, int kvh,
+                                        int kv_heads, int ps) {
+    constexpr int CH = HD / 8;
+    for (int x = threadIdx.x; x < PM_BN * CH; x += 32 * W) {
+        int j = x / CH, c = x % CH, key = k0 + j;
+        uint4* d = (uint4*)&dst[j][c * 8];
         if (key < maxlen) {
             size_t vec = kv_vec(table[key / ps], key % ps, kvh, kv_heads, ps);
-            if (FP8) {
-                uint4 raw = *(const uint4*)(base + vec * HD + c * 16);
-                const unsigned short* pairs = (const unsigned short*)&raw;
-                unsigned h[8];
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pairs[e], __NV_E4M3);
-                    h[e] = (unsigned)hr.x | ((unsigned)hr.y << 16);
-                }
-                d[0] = make_uint4(h[0], h[1], h[2], h[3]);
-                d[1] = make_uint4(h[4], h[5], h[6], h[7]);
-                if (c == 0) sc[j] = scales ? scales[vec] * mul : 1.0f;
-            } else {
-                cp_async<16>(d, base + (vec * HD + c * 8) * 2);
-            }
+            cp_async<16>(d, base + (vec * HD + c * 8) * 2);
         } else {
             d[0] = make_uint4(0, 0, 0, 0);
-            if (FP8) {
-                d[1] = make_uint4(0, 0, 0, 0);
-                if (c == 0) sc[j] = 0.0f;
-            }
         }
     }
     cp_commit();
@@ -103,7 +141,7 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffff, v, 2);
 }
 
-template <bool FP8, int HD>
+template <bool FP8, int HD, int W>
 __device__ void prefill_mma(const float* q, const void* kc, const void* vc, const float* ks,
                             const float* vs, const int* tables, const int* table_off,
                             const int* lens, const int* tiles, float* out, int n_heads,
@@ -124,8 +162,16 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
     // a head of small values; times 448 it is P times the vector's amax,
     // and the output divides the 448 back out.
     const float vmul = FP8 && vs ? FP8_MAX : 1.0f;
-    pm_load<FP8, HD>(t.k, t.ks, kb, ks, table, 0, maxlen, kvh, kv_heads, ps, 1.0f);
-    pm_load<FP8, HD>(t.v, t.vs, vb, vs, table, 0, maxlen, kvh, kv_heads, ps, vmul);
+    PmFetch<FP8, HD, W> pf;
+    if (FP8) {
+        pm_fetch<FP8, HD, W>(pf, kb, ks, table, 0, maxlen, kvh, kv_heads, ps, 1.0f);
+        pm_put<FP8, HD, W>(pf, t.k, t.ks);
+        pm_fetch<FP8, HD, W>(pf, vb, vs, table, 0, maxlen, kvh, kv_heads, ps, vmul);
+        pm_put<FP8, HD, W>(pf, t.v, t.vs);
+    } else {
+        pm_copy<HD, W>(t.k, kb, table, 0, maxlen, kvh, kv_heads, ps);
+        pm_copy<HD, W>(t.v, vb, table, 0, maxlen, kvh, kv_heads, ps);
+    }
 
     // This lane's rows (g and g + 8 of the warp's 16), their spans and Q.
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
@@ -160,19 +206,27 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
     int ntiles = (maxlen + PM_BN - 1) / PM_BN;
     for (int j = 0; j < ntiles; j++) {
         int k0 = j * PM_BN;
+        bool next = j + 1 < ntiles;
         bool live = k0 < wlen;  // some row of this warp sees a key here
-        cp_wait<1>();            // K of tile j
+        if (!FP8) cp_wait<1>();  // K of tile j
         __syncthreads();
+        // fp8 K of tile j + 1 in flight while the scores run.
+        if (FP8 && next)
+            pm_fetch<FP8, HD, W>(pf, kb, ks, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps, 1.0f);
         float s[SNT][4];
         if (live) {
 #pragma unroll
             for (int n = 0; n < SNT; n++) {
                 s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+                // Matrix i of the load: key rows n * 8.., columns 8 i.. of
+                // this pair of k-steps (B fragments b0, b1 of each).
 #pragma unroll
-                for (int kk = 0; kk < KSTEPS; kk++) {
-                    const unsigned short* kr = &t.k[n * 8 + g][kk * 16 + 2 * tq];
-                    mma16<FP8>(s[n], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3],
-                               *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+                for (int kk = 0; kk < KSTEPS; kk += 2) {
+                    unsigned b[4];
+                    ldsm_x4(b, &t.k[n * 8 + (lane & 7)][kk * 16 + (lane >> 3) * 8]);
+                    mma16<FP8>(s[n], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                    mma16<FP8>(s[n], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2], qa[kk + 1][3],
+                               b[2], b[3]);
                 }
             }
             float mx0 = m0, mx1 = m1;
@@ -216,13 +270,17 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
             }
         }
         __syncthreads();  // every warp is done with K of tile j
-        if (j + 1 < ntiles)
-            pm_load<FP8, HD>(t.k, t.ks, kb, ks, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps,
-                             1.0f);
-        else
+        if (FP8) {
+            if (next) pm_put<FP8, HD, W>(pf, t.k, t.ks);
+        } else if (next) {
+            pm_copy<HD, W>(t.k, kb, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps);
+        } else {
             cp_commit();
-        cp_wait<1>();  // V of tile j
+        }
+        if (!FP8) cp_wait<1>();  // V of tile j
         __syncthreads();
+        if (FP8 && next)
+            pm_fetch<FP8, HD, W>(pf, vb, vs, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps, vmul);
         if (live) {
 #pragma unroll
             for (int kk = 0; kk < PM_BN / 16; kk++) {
@@ -244,13 +302,15 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
             }
         }
         __syncthreads();  // every warp is done with V of tile j
-        if (j + 1 < ntiles)
-            pm_load<FP8, HD>(t.v, t.vs, vb, vs, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps,
-                             vmul);
-        else
+        if (FP8) {
+            if (next) pm_put<FP8, HD, W>(pf, t.v, t.vs);
+        } else if (next) {
+            pm_copy<HD, W>(t.v, vb, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps);
+        } else {
             cp_commit();
+        }
     }
-    cp_wait<0>();
+    if (!FP8) cp_wait<0>();
     l0 = quad_sum(l0);
     l1 = quad_sum(l1);
     float i0 = l0 > 0.0f ? 1.0f / (l0 * vmul) : 0.0f, i1 = l1 > 0.0f ? 1.0f / (l1 * vmul) : 0.0f;
@@ -264,17 +324,22 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
     }
 }
 
-#define PREFILL_ENTRY(NAME, FP8, HD)                                                             \
-    extern "C" __global__ void __launch_bounds__(PM_THREADS, 3)                                  \
+// Four warps a block run three blocks an SM; eight warps one.
+#define PREFILL_ENTRY(NAME, FP8, HD, W)                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * W, W == 4 ? 3 : 1)                         \
         NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,   \
              const int* tables, const int* table_off, const int* lens, const int* tiles,         \
              float* out, int n_heads, int kv_heads, int group, int page_size, float scale) {     \
         PDL_ENTER();                                                                             \
-        prefill_mma<FP8, HD>(q, kc, vc, ks, vs, tables, table_off, lens, tiles, out, n_heads,    \
-                             kv_heads, group, page_size, scale);                                 \
+        prefill_mma<FP8, HD, W>(q, kc, vc, ks, vs, tables, table_off, lens, tiles, out, n_heads, \
+                                kv_heads, group, page_size, scale);                              \
     }
 
-PREFILL_ENTRY(prefill_bf16_d64, false, 64)
-PREFILL_ENTRY(prefill_bf16_d128, false, 128)
-PREFILL_ENTRY(prefill_fp8_d64, true, 64)
-PREFILL_ENTRY(prefill_fp8_d128, true, 128)
+PREFILL_ENTRY(prefill_bf16_d64_w4, false, 64, 4)
+PREFILL_ENTRY(prefill_bf16_d128_w4, false, 128, 4)
+PREFILL_ENTRY(prefill_fp8_d64_w4, true, 64, 4)
+PREFILL_ENTRY(prefill_fp8_d128_w4, true, 128, 4)
+PREFILL_ENTRY(prefill_bf16_d64_w8, false, 64, 8)
+PREFILL_ENTRY(prefill_bf16_d128_w8, false, 128, 8)
+PREFILL_ENTRY(prefill_fp8_d64_w8, true, 64, 8)
+PREFILL_ENTRY(prefill_fp8_d128_w8, true, 128, 8)

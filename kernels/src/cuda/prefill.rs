@@ -11,11 +11,15 @@ use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout};
 
-/// Query rows (tokens x heads of one KV head) per tile (`PM_ROWS`).
-const ROWS: usize = 64;
+/// Warps a block may take (the source's instantiations), 16 query rows
+/// (tokens x heads of one KV head) each.
+pub(super) const WARPS: [usize; 2] = [4, 8];
 
-/// Threads of a block (`PM_THREADS`).
-const THREADS: u32 = 128;
+/// Warps a block takes unless set.
+pub(super) const DEFAULT_WARPS: usize = 4;
+
+/// Query rows of the smallest block: a KV head's group must fit.
+const MIN_ROWS: usize = 16 * WARPS[0];
 
 /// Head sizes the source instantiates.
 pub const PREFILL_HEAD_DIMS: [usize; 2] = [64, 128];
@@ -25,15 +29,16 @@ pub const PREFILL_HEAD_DIMS: [usize; 2] = [64, 128];
 pub fn prefill_supports(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
     kv_heads > 0
         && heads.is_multiple_of(kv_heads)
-        && heads / kv_heads <= ROWS
+        && heads / kv_heads <= MIN_ROWS
         && PREFILL_HEAD_DIMS.contains(&head_dim)
 }
 
-/// Splits query tokens into tiles of at most `64 / group` consecutive
-/// tokens that share a block table (`table_off`) and have consecutive
-/// lengths: `(first token, tokens)` pairs, flattened.
-pub fn prefill_tiles(table_off: &[i32], lens: &[i32], group: usize) -> Vec<i32> {
-    let per = (ROWS / group.max(1)).max(1);
+/// Splits query tokens into tiles of at most `rows / group` consecutive
+/// tokens (`rows` from [`Gpu::prefill_rows`]) that share a block table
+/// (`table_off`) and have consecutive lengths: `(first token, tokens)`
+/// pairs, flattened.
+pub fn prefill_tiles(table_off: &[i32], lens: &[i32], group: usize, rows: usize) -> Vec<i32> {
+    let per = (rows / group.max(1)).max(1);
     let mut tiles = Vec::new();
     let mut t = 0;
     while t < lens.len() {
@@ -76,10 +81,15 @@ impl Gpu {
             head_dim,
             page_size,
         } = kv.layout;
+        if !page_size.is_power_of_two() {
+            return Err(KernelError::Shape(format!(
+                "pages of {page_size} keys: prefill attention takes a power of two"
+            )));
+        }
         if !prefill_supports(heads, kv_heads, head_dim) {
             return Err(KernelError::Shape(format!(
                 "{heads} query heads over {kv_heads} KV heads of {head_dim}: prefill attention \
-                 takes groups of at most {ROWS} heads of {PREFILL_HEAD_DIMS:?}"
+                 takes groups of at most {MIN_ROWS} heads of {PREFILL_HEAD_DIMS:?}"
             )));
         }
         let group = heads / kv_heads;
@@ -94,9 +104,10 @@ impl Gpu {
             )));
         }
         let name = match kv.format {
-            KvFormat::Bf16 => format!("prefill_bf16_d{head_dim}"),
-            KvFormat::Fp8 | KvFormat::Fp8Static => format!("prefill_fp8_d{head_dim}"),
+            KvFormat::Bf16 => "bf16",
+            KvFormat::Fp8 | KvFormat::Fp8Static => "fp8",
         };
+        let name = format!("prefill_{name}_d{head_dim}_w{}", self.prefill_warps);
         let f = self.function(&name)?;
         let ints = [
             heads as i32,
@@ -114,11 +125,12 @@ impl Gpu {
         b.arg(&scale);
         let cfg = LaunchConfig {
             grid_dim: (kv_heads as u32, n_tiles as u32, 1),
-            block_dim: (THREADS, 1, 1),
+            block_dim: (32 * self.prefill_warps as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: tiles index tokens of q, lens and table_off; tables hold
-        // every page those lengths reach.
+        // SAFETY: tiles index tokens of q, lens and table_off, at most
+        // `rows` query rows each; tables hold every page those lengths
+        // reach.
         unsafe { b.launch(cfg) }.map_err(cuda_err)?;
         Ok(())
     }
@@ -135,7 +147,16 @@ mod tests {
         let off = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 5, 5, 0];
         let lens = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 1, 2, 3, 40];
         // Group 8: at most 8 tokens a tile.
-        assert_eq!(prefill_tiles(&off, &lens, 8), [0, 8, 8, 2, 10, 3, 13, 1]);
-        assert_eq!(prefill_tiles(&off, &lens, 1), [0, 10, 10, 3, 13, 1]);
+        assert_eq!(
+            prefill_tiles(&off, &lens, 8, 64),
+            [0, 8, 8, 2, 10, 3, 13, 1]
+        );
+        assert_eq!(prefill_tiles(&off, &lens, 1, 64), [0, 10, 10, 3, 13, 1]);
+        // Blocks of 128 rows: 16 tokens of a group of 8.
+        assert_eq!(prefill_tiles(&off, &lens, 8, 128), [0, 10, 10, 3, 13, 1]);
+        assert_eq!(
+            prefill_tiles(&off, &lens, 4, 16),
+            [0, 4, 4, 4, 8, 2, 10, 3, 13, 1]
+        );
     }
 }

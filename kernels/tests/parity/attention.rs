@@ -6,7 +6,7 @@ use kiln_kernels::kv::{KvFormat, KvLayout};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
-use super::{backend, random, rel_err, rng};
+use super::{backend, random, rel_err, rng, variants};
 
 /// Float64 attention of each sequence's query over its unquantized rows.
 fn attention_reference(c: &AttentionCase, keys: &[Vec<f32>], vals: &[Vec<f32>]) -> Vec<f64> {
@@ -145,54 +145,57 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
 
 #[test]
 fn causal_prefill_attention_matches_float64_in_bf16_and_fp8() {
-    let (be, mut r) = (backend(), rng());
-    // Sequences of these lengths, the last `new` tokens of each a prefill
-    // chunk (the rest cached before): chunks across tiles, pages and key
-    // tiles, and a whole prompt from position 0; at SmolLM2's heads (a
-    // group of 3 and 64 dimensions) and Llama-3-8B's (4 and 128).
-    let seqs = [(45, 45), (300, 70), (33, 1), (600, 13)];
-    let cases = [
-        (KvFormat::Bf16, 1e-2),
-        (KvFormat::Fp8, 6e-2),
-        (KvFormat::Fp8Static, 6e-2),
-    ];
-    for ((format, tol), shape) in cases.into_iter().flat_map(|c| [(c, SMALL), (c, LLAMA3)]) {
-        let lens: Vec<usize> = seqs.iter().map(|(l, _)| *l).collect();
-        let (mut case, keys, vals) = attention_case(&mut r, format, &lens, shape);
-        // One query per new token, attending to its position and before.
-        let (mut tables, mut qlens, mut qkeys, mut qvals) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (s, (len, new)) in seqs.iter().enumerate() {
-            for pos in len - new..*len {
-                tables.push(case.tables[s].clone());
-                qlens.push(pos + 1);
-                qkeys.push(keys[s].clone());
-                qvals.push(vals[s].clone());
+    let mut r = rng();
+    // Each build of the kernel (blocks of 4 and 8 warps on CUDA).
+    for (variant, be) in variants() {
+        // Sequences of these lengths, the last `new` tokens of each a prefill
+        // chunk (the rest cached before): chunks across tiles, pages and key
+        // tiles, and a whole prompt from position 0; at SmolLM2's heads (a
+        // group of 3 and 64 dimensions) and Llama-3-8B's (4 and 128).
+        let seqs = [(45, 45), (300, 70), (33, 1), (600, 13)];
+        let cases = [
+            (KvFormat::Bf16, 1e-2),
+            (KvFormat::Fp8, 6e-2),
+            (KvFormat::Fp8Static, 6e-2),
+        ];
+        for ((format, tol), shape) in cases.into_iter().flat_map(|c| [(c, SMALL), (c, LLAMA3)]) {
+            let lens: Vec<usize> = seqs.iter().map(|(l, _)| *l).collect();
+            let (mut case, keys, vals) = attention_case(&mut r, format, &lens, shape);
+            // One query per new token, attending to its position and before.
+            let (mut tables, mut qlens, mut qkeys, mut qvals) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for (s, (len, new)) in seqs.iter().enumerate() {
+                for pos in len - new..*len {
+                    tables.push(case.tables[s].clone());
+                    qlens.push(pos + 1);
+                    qkeys.push(keys[s].clone());
+                    qvals.push(vals[s].clone());
+                }
             }
+            case.q = random(&mut r, qlens.len() * case.heads * case.layout.head_dim, 1.0);
+            case.tables = tables;
+            case.lens = qlens;
+            let want = attention_reference(&case, &qkeys, &qvals);
+            let out = be.prefill_attention(&case).unwrap();
+            let e = rel_err(&out, &want);
+            assert!(e < tol, "{} ({variant}) {format:?}: rel err {e}", be.name());
+            // Against the decode kernel, one query per token over the same
+            // stored pages: they differ in the order of the sums and in Q's and
+            // P's precision (prefill rounds both to 16 bits on tensor cores, as
+            // FlashAttention does; decode keeps Q to ~2^-16 over bf16 pages
+            // and scores on e4m3 tensor cores over fp8 pages).
+            let per_token = be.paged_attention(&case).unwrap();
+            let per_token: Vec<f64> = per_token.iter().map(|v| *v as f64).collect();
+            let e = rel_err(&out, &per_token);
+            let agree = match (be.name() == "cpu", format) {
+                (true, KvFormat::Bf16) => 1e-5,
+                _ => 5e-3,
+            };
+            assert!(
+                e < agree,
+                "{} ({variant}) {format:?}: against decode attention, rel err {e}",
+                be.name()
+            );
         }
-        case.q = random(&mut r, qlens.len() * case.heads * case.layout.head_dim, 1.0);
-        case.tables = tables;
-        case.lens = qlens;
-        let want = attention_reference(&case, &qkeys, &qvals);
-        let out = be.prefill_attention(&case).unwrap();
-        let e = rel_err(&out, &want);
-        assert!(e < tol, "{} {format:?}: rel err {e}", be.name());
-        // Against the decode kernel, one query per token over the same
-        // stored pages: they differ in the order of the sums and in Q's and
-        // P's precision (prefill rounds both to 16 bits on tensor cores, as
-        // FlashAttention does; decode keeps Q to ~2^-16 over bf16 pages
-        // and scores on e4m3 tensor cores over fp8 pages).
-        let per_token = be.paged_attention(&case).unwrap();
-        let per_token: Vec<f64> = per_token.iter().map(|v| *v as f64).collect();
-        let e = rel_err(&out, &per_token);
-        let agree = match (be.name() == "cpu", format) {
-            (true, KvFormat::Bf16) => 1e-5,
-            _ => 5e-3,
-        };
-        assert!(
-            e < agree,
-            "{} {format:?}: against decode attention, rel err {e}",
-            be.name()
-        );
     }
 }

@@ -76,9 +76,11 @@ pub struct EngineConfig {
     /// On CUDA: attend prefill chunks with the tensor-core prefill kernel
     /// instead of one decode-attention query per token.
     pub tensor_prefill: bool,
-    /// On CUDA: bf16 products of 2-64 rows run the skinny GEMM instead of
-    /// cuBLAS (off until it has run on a GPU).
+    /// On CUDA: bf16 products of 2-8 rows run the skinny GEMM instead of
+    /// cuBLAS.
     pub cuda_skinny: bool,
+    /// On CUDA: warps a block of prefill attention takes (4 or 8).
+    pub prefill_warps: usize,
 }
 
 impl Default for EngineConfig {
@@ -94,7 +96,8 @@ impl Default for EngineConfig {
             cuda_fold: true,
             device_sampling: true,
             tensor_prefill: true,
-            cuda_skinny: false,
+            cuda_skinny: true,
+            prefill_warps: 4,
         }
     }
 }
@@ -203,6 +206,7 @@ impl Engine {
                 fold: config.cuda_fold,
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,
+                prefill_warps: config.prefill_warps,
             },
         )?;
         let checker: Box<dyn IntegrityCheck> = if config.integrity {

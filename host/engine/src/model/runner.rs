@@ -30,8 +30,10 @@ pub struct RunnerOptions {
     /// On CUDA: prefill chunks attend with the tensor-core prefill kernel
     /// instead of one decode-attention query per token.
     pub tensor_prefill: bool,
-    /// On CUDA: bf16 products of 2-64 rows run the skinny GEMM.
+    /// On CUDA: bf16 products of 2-8 rows run the skinny GEMM.
     pub skinny: bool,
+    /// On CUDA: warps a block of prefill attention (4 or 8).
+    pub prefill_warps: usize,
 }
 
 /// Where the KV pages live and the forward pass runs.
@@ -73,6 +75,8 @@ impl Runner {
                     m.set_programmatic(o.programmatic);
                     m.set_fold(o.fold);
                     m.set_skinny(o.skinny);
+                    m.set_prefill_warps(o.prefill_warps)
+                        .map_err(|e| e.to_string())?;
                 }
                 tracing::info!(device = model.device_name(), "model weights on the GPU");
                 let mut kv = model

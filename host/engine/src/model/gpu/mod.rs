@@ -214,10 +214,15 @@ impl GpuModel {
         self.gpu.set_programmatic(on);
     }
 
-    /// Whether bf16 products of 2-64 rows run the skinny GEMM instead of
+    /// Whether bf16 products of 2-8 rows run the skinny GEMM instead of
     /// cuBLAS (set before graphs are captured, like the rest).
     pub fn set_skinny(&mut self, on: bool) {
         self.gpu.set_skinny(on);
+    }
+
+    /// Warps a block of prefill attention takes (4 or 8).
+    pub fn set_prefill_warps(&mut self, warps: usize) -> Result<(), kiln_kernels::KernelError> {
+        self.gpu.set_prefill_warps(warps)
     }
 
     /// Whether greedy decode steps are captured as CUDA graphs.

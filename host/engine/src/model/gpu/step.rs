@@ -110,6 +110,7 @@ impl GpuModel {
                     &offs,
                     &lens,
                     self.config.heads / self.config.kv_heads.max(1),
+                    self.gpu.prefill_rows(),
                 )
             } else {
                 Vec::new()
