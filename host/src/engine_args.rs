@@ -30,9 +30,10 @@ pub(crate) struct EngineArgs {
     /// [default: 256 on the CPU, 2048 on CUDA].
     #[arg(long)]
     step_tokens: Option<usize>,
-    /// While one tenant's streams decode beside another tenant's prompts,
-    /// keep a step within this many decode steps' time by cutting its
-    /// prompt tokens (0: no target) [default: 2 on CUDA, 0 on the CPU].
+    /// While tenants compete (one tenant's streams beside another's prompts
+    /// or streams), keep a step within this many lone decode steps' time
+    /// by cutting its prompt tokens, then its decodes, shared by tenant
+    /// (0: no target) [default: 2 on CUDA, 0 on the CPU].
     #[arg(long)]
     step_target: Option<f64>,
     /// On CUDA, capture greedy decode steps (up to 256 sequences) as CUDA

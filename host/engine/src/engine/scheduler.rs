@@ -1,8 +1,9 @@
 //! The scheduler: waiting and running sequences, a token budget per step,
 //! chunked prefill, preemption by recompute, and fairness across tenants,
 //! each weighted by its policy's share (1 unless set): decodes run before
-//! prompt chunks, prompt tokens are shared max-min fairly among the tenants
-//! with prompts, a tenant past its share of the running slots waits while
+//! prompt chunks (shared max-min fairly among the tenants with streams when
+//! a step cannot carry them all), prompt tokens are shared max-min fairly
+//! among the tenants with prompts, a tenant past its share of the running slots waits while
 //! another tenant waits, and preemption takes from the tenant furthest
 //! over its share (planning in `scheduler_plan.rs`).
 //!
@@ -21,9 +22,9 @@ pub struct SchedulerConfig {
     pub max_tokens_per_step: usize,
     /// Most sequences running at once.
     pub max_running: usize,
-    /// While one tenant's streams decode beside another tenant's prompts,
-    /// a step's time at most this many decode steps' (prompt tokens cut to
-    /// fit; 0 or 1: no limit but the token budget).
+    /// While tenants compete, a step's time at most this many lone decode
+    /// steps' (prompt tokens, then decodes, cut to fit; 0 or 1: no limit
+    /// but the token budget).
     pub step_target: f64,
 }
 
@@ -35,6 +36,25 @@ impl Default for SchedulerConfig {
             step_target: 0.0,
         }
     }
+}
+
+/// What one step may carry, from the engine's step time target: decode
+/// tokens (shared fairly among the tenants whose streams decode, when not
+/// all fit) and prompt tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepCaps {
+    /// Most decode tokens (one a stream).
+    pub decodes: usize,
+    /// Most prompt tokens.
+    pub prompt: usize,
+}
+
+impl StepCaps {
+    /// No cap but the scheduler's token budget.
+    pub const NONE: Self = Self {
+        decodes: usize::MAX,
+        prompt: usize::MAX,
+    };
 }
 
 /// What the scheduler tracks of a sequence.
@@ -50,6 +70,9 @@ struct Seq {
     /// Positions below this already hold KV from the prefix cache, so a
     /// chunk inside them is computed but not written.
     present: usize,
+    /// The step that last decoded it (0: none yet), so capped decodes
+    /// take turns.
+    decoded_at: u64,
 }
 
 impl Seq {
@@ -106,6 +129,8 @@ pub struct Scheduler {
     running: Vec<SeqId>,
     /// Tenants' share weights (absent: 1).
     weights: HashMap<TenantId, u32>,
+    /// Steps planned so far.
+    steps: u64,
 }
 
 impl Scheduler {
@@ -128,6 +153,7 @@ impl Scheduler {
                 computed: 0,
                 prefix,
                 present: 0,
+                decoded_at: 0,
             },
         );
         self.waiting.entry(tenant).or_default().push_back(seq);

@@ -2,48 +2,58 @@
 //! tenants by weight, admissions within each tenant's share of the running
 //! slots.
 
-use std::collections::{BTreeSet, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 
-use super::{Scheduler, SchedulerOutput, TenantId};
+use super::{Scheduler, SchedulerOutput, StepCaps, TenantId};
 use crate::engine::kv_manager::{KvCacheManager, SeqId};
 
 impl Scheduler {
     /// Plans the next step, allocating KV pages for everything planned:
-    /// every running sequence's decode token first, so arriving prompts
-    /// never stall a stream; then prompt tokens, the rest of the budget
-    /// shared among the tenants with prompts to compute in proportion to
-    /// their weights (what one cannot use goes to the others), admitting
-    /// waiting sequences within each tenant's share of the running slots.
+    /// running sequences' decode tokens first, so arriving prompts never
+    /// stall a stream; then prompt tokens, the rest of the budget shared
+    /// among the tenants with prompts to compute in proportion to their
+    /// weights (what one cannot use goes to the others), admitting waiting
+    /// sequences within each tenant's share of the running slots.
     ///
-    /// At most `prompt_cap` prompt tokens are planned (the engine's step
-    /// time target).
-    pub fn schedule(&mut self, kv: &mut KvCacheManager, prompt_cap: usize) -> SchedulerOutput {
+    /// `caps` (the engine's step time target) bounds both: when more
+    /// streams decode than `caps.decodes`, the decode tokens are shared
+    /// among their tenants by weight (each gets at least one), and each
+    /// tenant's streams take turns, the longest unserved first.
+    pub fn schedule(&mut self, kv: &mut KvCacheManager, caps: StepCaps) -> SchedulerOutput {
+        self.steps += 1;
         let mut step = Planning {
             out: SchedulerOutput::default(),
             budget: self.config.max_tokens_per_step,
             planned: HashSet::new(),
+            waits: HashSet::new(),
         };
-        // 1. Decodes, oldest first.
-        for id in self.running.clone() {
+        // 1. Decodes, oldest first (or the capped turns).
+        let (turns, waits) = self.decode_turns(caps.decodes);
+        step.waits.extend(waits);
+        for id in turns {
             if step.budget == 0 {
                 break;
             }
             if !step.out.preempted.contains(&id) && self.remaining(id) == 1 {
                 self.run_chunk(id, 1, kv, &mut step);
+                if let Some(s) = self.seqs.get_mut(&id) {
+                    s.decoded_at = self.steps;
+                }
             }
         }
+        let prompt_cap = caps.prompt;
         // 2. Prompt tokens: each tenant's fair share of the rest, then what
         // a share left unused (a prefix hit, a full pool) to the others in
         // turn.
         let after = step.budget.saturating_sub(prompt_cap);
         step.budget -= after;
-        let tenants = self.prompt_tenants(&step.planned);
+        let tenants = self.prompt_tenants(&step);
         if let Some(first) = tenants.first() {
             self.next_tenant = TenantId(first.0.wrapping_add(1));
         }
         let demands: Vec<usize> = tenants
             .iter()
-            .map(|t| self.prompt_demand(*t, &step.planned))
+            .map(|t| self.prompt_demand(*t, &step))
             .collect();
         let weights: Vec<usize> = tenants.iter().map(|t| self.weight(*t)).collect();
         let shares = fair_shares(step.budget, &demands, &weights);
@@ -67,15 +77,43 @@ impl Scheduler {
         step.out
     }
 
+    /// The streams that decode this step, in running order, and those
+    /// that wait: all decode within `cap`; else `cap` (at least one a
+    /// tenant) shared by weight, each tenant's longest unserved first.
+    fn decode_turns(&self, cap: usize) -> (Vec<SeqId>, Vec<SeqId>) {
+        let decoding: Vec<SeqId> = (self.running.iter())
+            .copied()
+            .filter(|id| self.remaining(*id) == 1)
+            .collect();
+        if decoding.len() <= cap {
+            return (decoding, Vec::new());
+        }
+        let mut by_tenant: BTreeMap<TenantId, Vec<SeqId>> = BTreeMap::new();
+        for id in &decoding {
+            by_tenant.entry(self.seqs[id].tenant).or_default().push(*id);
+        }
+        let demands: Vec<usize> = by_tenant.values().map(Vec::len).collect();
+        let weights: Vec<usize> = by_tenant.keys().map(|t| self.weight(*t)).collect();
+        let shares = fair_shares(cap.max(by_tenant.len()), &demands, &weights);
+        let mut chosen = HashSet::new();
+        for (mut ids, share) in by_tenant.into_values().zip(shares) {
+            // Stable: equal turns keep running order (oldest first).
+            ids.sort_by_key(|id| self.seqs[id].decoded_at);
+            chosen.extend(ids.into_iter().take(share.max(1)));
+        }
+        decoding.into_iter().partition(|id| chosen.contains(id))
+    }
+
     /// Whether a running sequence decodes (has one token left to compute).
     pub fn decoding(&self) -> bool {
         self.running.iter().any(|id| self.remaining(*id) == 1)
     }
 
-    /// Whether a step's prompt tokens would slow another tenant's streams:
-    /// one tenant's sequences decode while a different tenant has prompt
-    /// tokens to compute. A tenant alone trades its own streams' latency
-    /// for its prompts' throughput; the step time target guards the others.
+    /// Whether a step's work would slow another tenant's streams: one
+    /// tenant's sequences decode while a different tenant has prompt tokens
+    /// to compute, or two tenants' sequences decode. A tenant alone trades
+    /// its own streams' latency for its prompts' throughput; the step time
+    /// target guards the others.
     pub fn decoding_beside_others(&self) -> bool {
         let tenant = |id: &SeqId| self.seqs.get(id).map(|s| s.tenant);
         let decoding: BTreeSet<TenantId> = (self.running.iter())
@@ -92,8 +130,15 @@ impl Scheduler {
         match decoding.len() {
             0 => false,
             1 => prompting.any(|t| !decoding.contains(&t)),
-            _ => prompting.next().is_some(),
+            _ => true,
         }
+    }
+
+    /// Running sequences that decode (one token left to compute).
+    pub fn streams(&self) -> usize {
+        (self.running.iter())
+            .filter(|id| self.remaining(**id) == 1)
+            .count()
     }
 
     /// Tokens `id` has left to compute.
@@ -116,7 +161,7 @@ impl Scheduler {
             .running
             .iter()
             .copied()
-            .filter(|id| self.seqs[id].tenant == tenant && !step.planned.contains(id))
+            .filter(|id| self.seqs[id].tenant == tenant && step.open(id))
             .collect();
         for id in running {
             let left = allowance - used(step);
@@ -229,11 +274,11 @@ impl Scheduler {
     /// Prompt tokens `tenant` could use this step: what its running
     /// sequences not yet planned have left, and its waiting prompts (before
     /// any prefix-cache hit).
-    fn prompt_demand(&self, tenant: TenantId, planned: &HashSet<SeqId>) -> usize {
+    fn prompt_demand(&self, tenant: TenantId, step: &Planning) -> usize {
         let running: usize = self
             .running
             .iter()
-            .filter(|r| self.seqs[*r].tenant == tenant && !planned.contains(r))
+            .filter(|r| self.seqs[*r].tenant == tenant && step.open(r))
             .map(|r| self.remaining(*r))
             .sum();
         let waiting: usize = self
@@ -246,7 +291,7 @@ impl Scheduler {
     /// Tenants with prompt tokens to compute (a running sequence not yet
     /// planned this step, or a waiting one), starting from the one whose
     /// turn it is.
-    fn prompt_tenants(&self, planned: &HashSet<SeqId>) -> Vec<TenantId> {
+    fn prompt_tenants(&self, step: &Planning) -> Vec<TenantId> {
         let mut tenants: BTreeSet<TenantId> = self
             .waiting
             .iter()
@@ -254,7 +299,7 @@ impl Scheduler {
             .map(|(t, _)| *t)
             .collect();
         for r in &self.running {
-            if !planned.contains(r) && self.remaining(*r) > 0 {
+            if step.open(r) && self.remaining(*r) > 0 {
                 tenants.insert(self.seqs[r].tenant);
             }
         }
@@ -307,4 +352,14 @@ struct Planning {
     budget: usize,
     /// Sequences in the step so far (never preempted by it).
     planned: HashSet<SeqId>,
+    /// Streams the decode cap left for a later turn (no prompt share
+    /// takes them either).
+    waits: HashSet<SeqId>,
+}
+
+impl Planning {
+    /// Whether running sequence `id` may still take prompt tokens.
+    fn open(&self, id: &SeqId) -> bool {
+        !self.planned.contains(id) && !self.waits.contains(id)
+    }
 }

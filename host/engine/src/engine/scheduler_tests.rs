@@ -18,7 +18,7 @@ fn long_prompts_are_prefilled_in_chunks_then_decoded() {
     let mut s = Scheduler::new(cfg(32, 8));
     s.add(1, TenantId(0), 70, Vec::new());
     let plan: Vec<_> = (0..3)
-        .map(|_| s.schedule(&mut kv, usize::MAX).scheduled[0].clone())
+        .map(|_| s.schedule(&mut kv, StepCaps::NONE).scheduled[0].clone())
         .collect();
     assert_eq!(
         plan.iter()
@@ -27,7 +27,7 @@ fn long_prompts_are_prefilled_in_chunks_then_decoded() {
         vec![(0, 32, false), (32, 32, false), (64, 6, true)]
     );
     s.append_token(1);
-    let next = s.schedule(&mut kv, usize::MAX).scheduled[0].clone();
+    let next = s.schedule(&mut kv, StepCaps::NONE).scheduled[0].clone();
     assert_eq!((next.start, next.count, next.sample), (70, 1, true));
 }
 
@@ -39,7 +39,7 @@ fn flooding_tenant_cannot_starve_another_tenants_single_request() {
         s.add(i, TenantId(1), 16, Vec::new());
     }
     s.add(100, TenantId(2), 16, Vec::new());
-    let first = s.schedule(&mut kv, usize::MAX);
+    let first = s.schedule(&mut kv, StepCaps::NONE);
     let ids: Vec<_> = first.scheduled.iter().map(|x| x.seq).collect();
     assert!(
         ids.contains(&100),
@@ -53,7 +53,7 @@ fn cached_prompt_pages_are_skipped_and_a_full_hit_recomputes_only_the_last_token
     let mut s = Scheduler::new(cfg(256, 8));
     let t = TenantId(1);
     s.add(1, t, 32, vec![5, 6]);
-    let first = s.schedule(&mut kv, usize::MAX);
+    let first = s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(first.prefix_hits, vec![(1, 0)]);
     kv.cache_pages(1, &[5, 6], 32);
     s.remove(1);
@@ -61,7 +61,7 @@ fn cached_prompt_pages_are_skipped_and_a_full_hit_recomputes_only_the_last_token
     // Same 32-token prompt: both pages hit, only position 31 is run,
     // and its KV is not rewritten into the shared page.
     s.add(2, t, 32, vec![5, 6]);
-    let full = s.schedule(&mut kv, usize::MAX);
+    let full = s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(full.prefix_hits, vec![(2, 31)]);
     assert_eq!(
         full.scheduled,
@@ -75,7 +75,7 @@ fn cached_prompt_pages_are_skipped_and_a_full_hit_recomputes_only_the_last_token
     );
     // A longer prompt sharing the first page computes from token 16.
     s.add(3, t, 40, vec![5, 9]);
-    let part = s.schedule(&mut kv, usize::MAX);
+    let part = s.schedule(&mut kv, StepCaps::NONE);
     let p = &part.scheduled[0];
     assert_eq!((p.seq, p.start, p.count, p.write_kv), (3, 16, 24, true));
 }
@@ -86,13 +86,13 @@ fn pool_exhaustion_preempts_and_readmits_by_recompute() {
     let mut s = Scheduler::new(cfg(64, 8));
     s.add(1, TenantId(1), 16, Vec::new());
     s.add(2, TenantId(2), 16, Vec::new());
-    let out = s.schedule(&mut kv, usize::MAX);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(out.scheduled.len(), 2);
     assert_eq!(kv.num_free(), 0);
     // Both grow past their page: the newer one is preempted.
     s.append_token(1);
     s.append_token(2);
-    let out = s.schedule(&mut kv, usize::MAX);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(out.preempted, vec![2]);
     assert_eq!(
         out.scheduled.iter().map(|x| x.seq).collect::<Vec<_>>(),
@@ -100,7 +100,7 @@ fn pool_exhaustion_preempts_and_readmits_by_recompute() {
     );
     s.remove(1);
     kv.free(1);
-    let out = s.schedule(&mut kv, usize::MAX);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
     // Recompute from scratch: prompt and the generated token.
     assert_eq!(
         out.scheduled,
@@ -160,14 +160,14 @@ fn decodes_run_before_any_prompt_chunk() {
     for id in 1..=3 {
         s.add(id, TenantId(1), 4, Vec::new());
     }
-    s.schedule(&mut kv, usize::MAX);
+    s.schedule(&mut kv, StepCaps::NONE);
     for id in 1..=3 {
         s.append_token(id);
     }
     // A long prompt arrives from an older-numbered tenant with the same
     // budget: the three decodes still run, the prompt gets what is left.
     s.add(9, TenantId(0), 100, Vec::new());
-    let out = s.schedule(&mut kv, usize::MAX);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
     let plan: Vec<_> = out.scheduled.iter().map(|x| (x.seq, x.count)).collect();
     assert_eq!(plan, [(1, 1), (2, 1), (3, 1), (9, 13)]);
 }
@@ -180,13 +180,13 @@ fn a_flood_of_prompts_gets_half_the_prompt_budget_when_another_tenant_has_one() 
         s.add(id, TenantId(1), 200, Vec::new());
     }
     s.add(100, TenantId(2), 200, Vec::new());
-    let out = s.schedule(&mut kv, usize::MAX);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(
         tokens_by_tenant(&s, &out),
         BTreeMap::from([(1, 32), (2, 32)])
     );
     // Next step: each continues its running prompt with half the budget.
-    let out = s.schedule(&mut kv, usize::MAX);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(
         tokens_by_tenant(&s, &out),
         BTreeMap::from([(1, 32), (2, 32)])
@@ -198,10 +198,10 @@ fn a_tenant_alone_gets_the_whole_budget_and_a_short_prompt_leaves_the_rest() {
     let mut kv = KvCacheManager::new(256, 16);
     let mut s = Scheduler::new(cfg(64, 64));
     s.add(1, TenantId(1), 500, Vec::new());
-    let out = s.schedule(&mut kv, usize::MAX);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(tokens_by_tenant(&s, &out), BTreeMap::from([(1, 64)]));
     s.add(2, TenantId(2), 10, Vec::new());
-    let out = s.schedule(&mut kv, usize::MAX);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(
         tokens_by_tenant(&s, &out),
         BTreeMap::from([(1, 54), (2, 10)])
@@ -215,13 +215,13 @@ fn a_tenant_over_its_share_of_running_slots_waits_while_another_tenant_waits() {
     for id in 0..10 {
         s.add(id, TenantId(1), 8, Vec::new());
     }
-    s.schedule(&mut kv, usize::MAX);
+    s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(s.running(), 4, "alone, tenant 1 takes every slot");
     s.add(100, TenantId(2), 8, Vec::new());
     // A slot frees: tenant 2's request takes it, not tenant 1's next.
     s.remove(0);
     kv.free(0);
-    let out = s.schedule(&mut kv, usize::MAX);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
     let admitted: Vec<_> = out.prefix_hits.iter().map(|(id, _)| *id).collect();
     assert_eq!(admitted, [100]);
     // With both waiting, tenant 1 is held to half the slots.
@@ -230,7 +230,7 @@ fn a_tenant_over_its_share_of_running_slots_waits_while_another_tenant_waits() {
         s.remove(id);
         kv.free(id);
     }
-    let out = s.schedule(&mut kv, usize::MAX);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
     let mut admitted: Vec<_> = out.prefix_hits.iter().map(|(id, _)| *id).collect();
     admitted.sort();
     assert_eq!(admitted, [4, 101]);
@@ -248,13 +248,17 @@ fn a_prompt_cap_limits_prompt_tokens_but_never_decodes() {
     for id in 1..=3 {
         s.add(id, TenantId(1), 4, Vec::new());
     }
-    s.schedule(&mut kv, usize::MAX);
+    s.schedule(&mut kv, StepCaps::NONE);
     for id in 1..=3 {
         s.append_token(id);
     }
     assert!(s.decoding());
     s.add(9, TenantId(2), 100, Vec::new());
-    let out = s.schedule(&mut kv, 10);
+    let caps = StepCaps {
+        prompt: 10,
+        ..StepCaps::NONE
+    };
+    let out = s.schedule(&mut kv, caps);
     let plan: Vec<_> = out.scheduled.iter().map(|x| (x.seq, x.count)).collect();
     assert_eq!(plan, [(1, 1), (2, 1), (3, 1), (9, 10)]);
 }
@@ -266,7 +270,7 @@ fn only_another_tenants_prompts_beside_streams_call_for_the_step_target() {
     for id in 1..=2 {
         s.add(id, TenantId(1), 4, Vec::new());
     }
-    s.schedule(&mut kv, usize::MAX);
+    s.schedule(&mut kv, StepCaps::NONE);
     for id in 1..=2 {
         s.append_token(id);
     }
@@ -280,7 +284,7 @@ fn only_another_tenants_prompts_beside_streams_call_for_the_step_target() {
     assert!(s.decoding_beside_others(), "tenant 2's prompt queued");
     // Tenant 2's prompt running (not queued) still counts; once every
     // prompt is done, only streams remain.
-    s.schedule(&mut kv, usize::MAX);
+    s.schedule(&mut kv, StepCaps::NONE);
     for id in 1..=2 {
         s.append_token(id);
     }
@@ -288,16 +292,77 @@ fn only_another_tenants_prompts_beside_streams_call_for_the_step_target() {
     s.remove(5);
     s.remove(9);
     assert!(!s.decoding_beside_others());
-    // Two tenants' streams and either one's prompt: the other's streams
-    // need the guard.
+    // Two tenants' streams: each slows the other's, prompts or not.
     let (mut kv, mut two) = (KvCacheManager::new(64, 16), Scheduler::new(cfg(64, 16)));
     two.add(1, TenantId(1), 4, Vec::new());
     two.add(2, TenantId(2), 4, Vec::new());
-    two.schedule(&mut kv, usize::MAX);
+    two.schedule(&mut kv, StepCaps::NONE);
     two.append_token(1);
     two.append_token(2);
-    two.add(3, TenantId(1), 40, Vec::new());
     assert!(two.decoding_beside_others());
+}
+
+/// Streams of `per_tenant[t]` sequences of tenant `t + 1`, all decoding.
+fn streams(per_tenant: &[usize]) -> (KvCacheManager, Scheduler) {
+    let mut kv = KvCacheManager::new(256, 16);
+    let mut s = Scheduler::new(cfg(256, 64));
+    let mut id = 0;
+    for (t, n) in per_tenant.iter().enumerate() {
+        for _ in 0..*n {
+            s.add(id, TenantId(t as u32 + 1), 4, Vec::new());
+            id += 1;
+        }
+    }
+    s.schedule(&mut kv, StepCaps::NONE);
+    for i in 0..id {
+        s.append_token(i);
+    }
+    (kv, s)
+}
+
+/// The sequences one step with at most `decodes` decode tokens runs.
+fn decode_step(s: &mut Scheduler, kv: &mut KvCacheManager, decodes: usize) -> Vec<SeqId> {
+    let caps = StepCaps {
+        decodes,
+        ..StepCaps::NONE
+    };
+    let ran: Vec<SeqId> = s
+        .schedule(kv, caps)
+        .scheduled
+        .iter()
+        .map(|x| x.seq)
+        .collect();
+    for id in &ran {
+        s.append_token(*id);
+    }
+    ran
+}
+
+#[test]
+fn capped_decodes_go_to_every_tenant_and_take_turns_within_one() {
+    // Tenant 1 streams 6 sequences (0-5), tenant 2 one (6); 3 decodes a
+    // step: tenant 2's stream runs every step, tenant 1's two at a time,
+    // each once in three steps, longest unserved first.
+    let (mut kv, mut s) = streams(&[6, 1]);
+    assert_eq!(s.streams(), 7);
+    let steps: Vec<Vec<SeqId>> = (0..3).map(|_| decode_step(&mut s, &mut kv, 3)).collect();
+    assert_eq!(steps, [vec![0, 1, 6], vec![2, 3, 6], vec![4, 5, 6]]);
+    assert_eq!(decode_step(&mut s, &mut kv, 3), [0, 1, 6], "round again");
+    // Uncapped, every stream decodes.
+    assert_eq!(decode_step(&mut s, &mut kv, usize::MAX).len(), 7);
+}
+
+#[test]
+fn capped_decodes_follow_the_weights_and_never_skip_a_tenant() {
+    // Weights 3 : 1, 8 streams each, 8 decodes a step: 6 and 2.
+    let (mut kv, mut s) = streams(&[8, 8]);
+    s.set_weight(TenantId(1), 3);
+    let ran = decode_step(&mut s, &mut kv, 8);
+    let first = ran.iter().filter(|id| **id < 8).count();
+    assert_eq!((first, ran.len() - first), (6, 2));
+    // A cap below the tenants' count still runs one stream of each.
+    let (mut kv, mut s) = streams(&[3, 3, 3]);
+    assert_eq!(decode_step(&mut s, &mut kv, 1).len(), 3);
 }
 
 #[test]
@@ -309,7 +374,7 @@ fn a_heavier_tenant_gets_its_weights_share_of_prompt_tokens_and_slots() {
         s.add(id, TenantId(1), 200, Vec::new());
         s.add(100 + id, TenantId(2), 200, Vec::new());
     }
-    let out = s.schedule(&mut kv, usize::MAX);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(
         tokens_by_tenant(&s, &out),
         BTreeMap::from([(1, 48), (2, 16)])
@@ -317,7 +382,7 @@ fn a_heavier_tenant_gets_its_weights_share_of_prompt_tokens_and_slots() {
     // Admissions go on until the slots are full: three for tenant 1 to
     // every one of tenant 2's.
     for _ in 0..40 {
-        s.schedule(&mut kv, usize::MAX);
+        s.schedule(&mut kv, StepCaps::NONE);
     }
     assert_eq!(s.running(), 8);
     assert_eq!(
@@ -339,7 +404,7 @@ fn preemption_takes_from_the_tenant_furthest_over_its_weighted_share() {
     for id in 10..12 {
         s.add(id, TenantId(2), 16, Vec::new());
     }
-    s.schedule(&mut kv, usize::MAX);
+    s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(s.running(), 6);
     let none = HashSet::new();
     let v = s.victim(&none).unwrap();

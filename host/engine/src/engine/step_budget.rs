@@ -1,7 +1,10 @@
-//! How many prompt tokens a step may carry while streams decode, so their
-//! inter-token latency stays near `target` times a decode step's: the
-//! decode step's time and a prompt token's cost, each a running mean of
-//! what steps measured on the device.
+//! What a step may carry while tenants compete, so every tenant's streams
+//! see a step at most `target` times a lone decode step (the weights' read:
+//! the step a stream sees with the GPU to itself): decode tokens and prompt
+//! tokens, from a linear model of a step's device time fitted to what steps
+//! measured.
+
+use super::scheduler::StepCaps;
 
 /// Prompt tokens a step may carry: at least this many while streams decode
 /// (so prompts always progress).
@@ -10,15 +13,18 @@ const MIN_PROMPT_TOKENS: usize = 64;
 /// Weight of the newest measurement in the running means.
 const NEW: f64 = 0.2;
 
-/// The prompt-token budget of a step under a time target.
+/// A step's time as `lone + per_stream * (decodes - 1) + token * prompt
+/// tokens`, each term measured.
 #[derive(Debug, Clone)]
 pub struct StepBudget {
-    /// A step's time at most this many decode steps' (0: no target).
+    /// A step's time at most this many lone decode steps' (0: no target).
     target: f64,
     /// The most tokens a step computes.
     max: usize,
-    /// A decode-only step's time, ms.
-    decode_ms: Option<f64>,
+    /// Decode-only steps: mean time (ms) and mean streams.
+    decode: Option<(f64, f64)>,
+    /// The fastest decode-only step, ms: the lone step.
+    lone_ms: Option<f64>,
     /// One prompt token's time, ms.
     token_ms: Option<f64>,
 }
@@ -29,12 +35,13 @@ fn mean(old: Option<f64>, new: f64) -> Option<f64> {
 
 impl StepBudget {
     /// A budget for steps of at most `max` tokens that keeps a step within
-    /// `target` decode steps (0 turns it off).
+    /// `target` lone decode steps (0 turns it off).
     pub fn new(target: f64, max: usize) -> Self {
         Self {
             target,
             max,
-            decode_ms: None,
+            decode: None,
+            lone_ms: None,
             token_ms: None,
         }
     }
@@ -44,31 +51,68 @@ impl StepBudget {
     pub fn observe(&mut self, decodes: usize, prompt_tokens: usize, ms: f64) {
         if prompt_tokens == 0 {
             if decodes > 0 {
-                self.decode_ms = mean(self.decode_ms, ms);
+                let (m, n) = self.decode.unzip();
+                self.decode = mean(m, ms).zip(mean(n, decodes as f64));
+                self.lone_ms = Some(self.lone_ms.map_or(ms, |l| l.min(ms)));
             }
             return;
         }
         let base = if decodes > 0 {
-            self.decode_ms.unwrap_or(0.0)
+            self.decode_ms(decodes).unwrap_or(0.0)
         } else {
             0.0
         };
         self.token_ms = mean(self.token_ms, (ms - base).max(0.0) / prompt_tokens as f64);
     }
 
-    /// Prompt tokens the next step may carry; `decoding` says whether some
-    /// stream decodes in it (with none, a step may be as long as it likes).
-    pub fn prompt_tokens(&self, decoding: bool) -> usize {
-        if !decoding || self.target <= 1.0 {
-            return self.max;
+    /// A decode-only step of `streams`, ms, from the model.
+    fn decode_ms(&self, streams: usize) -> Option<f64> {
+        let ((mean_ms, mean_n), lone) = (self.decode?, self.lone_ms?);
+        Some(lone + self.per_stream(mean_ms, mean_n, lone) * (streams.max(1) - 1) as f64)
+    }
+
+    /// One more stream's share of a decode step, ms.
+    fn per_stream(&self, mean_ms: f64, mean_n: f64, lone: f64) -> f64 {
+        if mean_n > 1.0 {
+            ((mean_ms - lone) / (mean_n - 1.0)).max(0.0)
+        } else {
+            0.0
         }
-        match (self.decode_ms, self.token_ms) {
-            (Some(d), Some(t)) if t > 0.0 => {
-                let fit = (self.target - 1.0) * d / t;
-                (fit as usize).clamp(MIN_PROMPT_TOKENS.min(self.max), self.max)
-            }
-            _ => self.max,
+    }
+
+    /// What the next step may carry: with `competing` tenants (another's
+    /// streams to guard) and `streams` decoding, a step of at most `target`
+    /// lone steps, room kept for the floor of prompt tokens; otherwise
+    /// every token.
+    pub fn caps(&self, competing: bool, streams: usize) -> StepCaps {
+        let whole = StepCaps {
+            decodes: usize::MAX,
+            prompt: self.max,
+        };
+        if !competing || self.target <= 1.0 {
+            return whole;
         }
+        let (Some((mean_ms, mean_n)), Some(lone), Some(token)) =
+            (self.decode, self.lone_ms, self.token_ms)
+        else {
+            return whole;
+        };
+        let limit = self.target * lone;
+        let floor = MIN_PROMPT_TOKENS.min(self.max);
+        let per = self.per_stream(mean_ms, mean_n, lone);
+        let decodes = if per > 0.0 {
+            let room = limit - lone - floor as f64 * token;
+            1 + (room.max(0.0) / per) as usize
+        } else {
+            usize::MAX
+        };
+        let spent = lone + per * (streams.min(decodes).max(1) - 1) as f64;
+        let prompt = if token > 0.0 {
+            (((limit - spent) / token).max(0.0) as usize).clamp(floor, self.max)
+        } else {
+            self.max
+        };
+        StepCaps { decodes, prompt }
     }
 }
 
@@ -76,45 +120,71 @@ impl StepBudget {
 mod tests {
     use super::*;
 
-    #[test]
-    fn without_a_target_or_a_stream_a_step_takes_every_token() {
-        let mut off = StepBudget::new(0.0, 2048);
-        off.observe(10, 0, 10.0);
-        off.observe(10, 1000, 50.0);
-        assert_eq!(off.prompt_tokens(true), 2048);
-        let on = StepBudget::new(2.0, 2048);
-        assert_eq!(on.prompt_tokens(true), 2048, "nothing measured yet");
-        assert_eq!(on.prompt_tokens(false), 2048);
+    /// A lone decode step of 10 ms, 0.1 ms more a stream, 0.04 ms a
+    /// prompt token.
+    fn measured(target: f64) -> StepBudget {
+        let mut b = StepBudget::new(target, 2048);
+        b.observe(1, 0, 10.0);
+        b.observe(64, 0, 16.3);
+        b.observe(64, 1000, 56.3);
+        b
     }
 
     #[test]
-    fn prompt_tokens_fill_the_time_the_target_leaves_beside_the_decodes() {
-        let mut b = StepBudget::new(2.0, 2048);
-        // Decode steps of 10 ms; a mixed step of 1000 prompt tokens took
-        // 50 ms, so a token costs 0.04 ms: 10 ms more fit 250 tokens.
-        b.observe(64, 0, 10.0);
-        b.observe(64, 1000, 50.0);
-        assert_eq!(b.prompt_tokens(true), 250);
-        assert_eq!(b.prompt_tokens(false), 2048, "no stream to protect");
-        // A looser target fits more; the floor keeps prompts moving.
-        let mut loose = b.clone();
-        loose.target = 5.0;
-        assert_eq!(loose.prompt_tokens(true), 1000);
-        let mut tight = b;
-        tight.target = 1.1;
-        assert_eq!(tight.prompt_tokens(true), MIN_PROMPT_TOKENS);
+    fn without_a_target_or_a_rival_a_step_takes_every_token() {
+        let whole = StepCaps {
+            decodes: usize::MAX,
+            prompt: 2048,
+        };
+        assert_eq!(measured(0.0).caps(true, 200), whole);
+        assert_eq!(measured(2.0).caps(false, 200), whole, "no rival");
+        let fresh = StepBudget::new(2.0, 2048);
+        assert_eq!(fresh.caps(true, 200), whole, "nothing measured yet");
     }
 
     #[test]
-    fn the_means_follow_what_steps_measure() {
-        let mut b = StepBudget::new(2.0, 4096);
-        b.observe(8, 0, 10.0);
-        b.observe(8, 1000, 50.0);
-        assert_eq!(b.prompt_tokens(true), 250);
+    fn a_step_keeps_within_the_target_of_a_lone_decode_step() {
+        let b = measured(2.0);
+        // 20 ms a step: 64 streams take 16.3, 3.7 ms is left for 92
+        // prompt tokens; room for 75 streams beside the floor of 64.
+        assert_eq!(
+            b.caps(true, 64),
+            StepCaps {
+                decodes: 75,
+                prompt: 92
+            }
+        );
+        // 200 streams: 75 of them a step, and the floor's worth of prompt.
+        assert_eq!(
+            b.caps(true, 200),
+            StepCaps {
+                decodes: 75,
+                prompt: 65
+            }
+        );
+        // A looser target carries everything of a light step.
+        assert_eq!(measured(10.0).caps(true, 8).prompt, 2048);
+    }
+
+    #[test]
+    fn the_model_follows_what_steps_measure() {
+        let mut b = measured(2.0);
         for _ in 0..40 {
-            // Prompt tokens got twice as dear: the budget halves.
+            // Prompt tokens got twice as dear: fewer fit.
             b.observe(0, 500, 40.0);
         }
-        assert_eq!(b.prompt_tokens(true), 125);
+        // The floor's 64 tokens now take 5.1 ms: 49 streams a step leave it.
+        assert_eq!(
+            b.caps(true, 64),
+            StepCaps {
+                decodes: 49,
+                prompt: 65
+            }
+        );
+        // A faster lone step is the new reference; slower ones are not.
+        b.observe(1, 0, 12.0);
+        assert_eq!(b.lone_ms, Some(10.0));
+        b.observe(1, 0, 8.0);
+        assert_eq!(b.lone_ms, Some(8.0));
     }
 }
