@@ -9,7 +9,7 @@
 //!
 //! Its [`SchedulerOutput`] is the engine's plan for a step.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use super::block_pool::TenantId;
 use super::kv_manager::{KvCacheManager, SeqId};
@@ -55,6 +55,18 @@ impl StepCaps {
         decodes: usize::MAX,
         prompt: usize::MAX,
     };
+}
+
+/// Who is waiting on the next step: what the step time target needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Contention {
+    /// Another tenant's streams would be slowed by the step's work
+    /// ([`Scheduler::decoding_beside_others`]).
+    pub competing: bool,
+    /// Running sequences that decode.
+    pub streams: usize,
+    /// Whether any sequence has prompt tokens to compute.
+    pub prompting: bool,
 }
 
 /// What the scheduler tracks of a sequence.
@@ -216,13 +228,13 @@ impl Scheduler {
     }
 
     /// The running sequence to preempt: the newest one of the tenant with
-    /// the most running sequences for its weight, skipping those already in
-    /// this step.
-    fn victim(&self, protected: &HashSet<SeqId>) -> Option<SeqId> {
+    /// the most running sequences for its weight, skipping the `protected`
+    /// (those already in this step, or waiting for their decode turn).
+    fn victim(&self, protected: impl Fn(&SeqId) -> bool) -> Option<SeqId> {
         // (running, weight, index): n / w compared as n * bw >= bn * w.
         let mut best: Option<(usize, usize, usize)> = None;
         for (i, r) in self.running.iter().enumerate() {
-            if protected.contains(r) {
+            if protected(r) {
                 continue;
             }
             let tenant = self.seqs[r].tenant;

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 
-use super::{Scheduler, SchedulerOutput, StepCaps, TenantId};
+use super::{Contention, Scheduler, SchedulerOutput, StepCaps, TenantId};
 use crate::engine::kv_manager::{KvCacheManager, SeqId};
 
 impl Scheduler {
@@ -17,8 +17,9 @@ impl Scheduler {
     ///
     /// `caps` (the engine's step time target) bounds both: when more
     /// streams decode than `caps.decodes`, the decode tokens are shared
-    /// among their tenants by weight (each gets at least one), and each
-    /// tenant's streams take turns, the longest unserved first.
+    /// among their tenants by weight (each gets at least one) if that
+    /// spares a tenant within its share, and each tenant's streams take
+    /// turns, the longest unserved first.
     pub fn schedule(&mut self, kv: &mut KvCacheManager, caps: StepCaps) -> SchedulerOutput {
         self.steps += 1;
         let mut step = Planning {
@@ -36,9 +37,6 @@ impl Scheduler {
             }
             if !step.out.preempted.contains(&id) && self.remaining(id) == 1 {
                 self.run_chunk(id, 1, kv, &mut step);
-                if let Some(s) = self.seqs.get_mut(&id) {
-                    s.decoded_at = self.steps;
-                }
             }
         }
         let prompt_cap = caps.prompt;
@@ -72,14 +70,22 @@ impl Scheduler {
         for sch in &step.out.scheduled {
             if let Some(s) = self.seqs.get_mut(&sch.seq) {
                 s.computed = sch.start + sch.count;
+                // A sequence's turn is its last sampled token (a stream just
+                // out of its prompt goes behind those still waiting).
+                if sch.sample {
+                    s.decoded_at = self.steps;
+                }
             }
         }
         step.out
     }
 
     /// The streams that decode this step, in running order, and those
-    /// that wait: all decode within `cap`; else `cap` (at least one a
-    /// tenant) shared by weight, each tenant's longest unserved first.
+    /// that wait: all decode within `cap`, or when every tenant's streams
+    /// exceed its share of `cap` (turns would then slow every stream and
+    /// spare none); else `cap` (at least one a tenant) shared by weight,
+    /// each tenant's longest unserved first. The tenants' order rotates
+    /// each step, so an uneven split's remainder does too.
     fn decode_turns(&self, cap: usize) -> (Vec<SeqId>, Vec<SeqId>) {
         let decoding: Vec<SeqId> = (self.running.iter())
             .copied()
@@ -92,11 +98,17 @@ impl Scheduler {
         for id in &decoding {
             by_tenant.entry(self.seqs[id].tenant).or_default().push(*id);
         }
-        let demands: Vec<usize> = by_tenant.values().map(Vec::len).collect();
-        let weights: Vec<usize> = by_tenant.keys().map(|t| self.weight(*t)).collect();
+        let mut by_tenant: Vec<(TenantId, Vec<SeqId>)> = by_tenant.into_iter().collect();
+        let turn = self.steps as usize % by_tenant.len();
+        by_tenant.rotate_left(turn);
+        let demands: Vec<usize> = by_tenant.iter().map(|(_, ids)| ids.len()).collect();
+        let weights: Vec<usize> = by_tenant.iter().map(|(t, _)| self.weight(*t)).collect();
         let shares = fair_shares(cap.max(by_tenant.len()), &demands, &weights);
+        if demands.iter().zip(&shares).all(|(d, s)| d > s) {
+            return (decoding, Vec::new());
+        }
         let mut chosen = HashSet::new();
-        for (mut ids, share) in by_tenant.into_values().zip(shares) {
+        for ((_, mut ids), share) in by_tenant.into_iter().zip(shares) {
             // Stable: equal turns keep running order (oldest first).
             ids.sort_by_key(|id| self.seqs[id].decoded_at);
             chosen.extend(ids.into_iter().take(share.max(1)));
@@ -139,6 +151,16 @@ impl Scheduler {
         (self.running.iter())
             .filter(|id| self.remaining(**id) == 1)
             .count()
+    }
+
+    /// What the next step's time target needs to know.
+    pub fn contention(&self) -> Contention {
+        let queued = self.waiting.values().any(|q| !q.is_empty());
+        Contention {
+            competing: self.decoding_beside_others(),
+            streams: self.streams(),
+            prompting: queued || self.running.iter().any(|id| self.remaining(*id) > 1),
+        }
     }
 
     /// Tokens `id` has left to compute.
@@ -187,7 +209,7 @@ impl Scheduler {
         let s = self.seqs[&id].clone();
         let mut fits = kv.allocate(id, s.tenant, s.computed + count);
         while !fits {
-            match self.victim(&step.planned) {
+            match self.victim(|id| !step.open(id)) {
                 Some(v) if v != id => {
                     self.preempt(v, kv, &mut step.out);
                     fits = kv.allocate(id, s.tenant, s.computed + count);

@@ -264,7 +264,7 @@ fn a_prompt_cap_limits_prompt_tokens_but_never_decodes() {
 }
 
 #[test]
-fn only_another_tenants_prompts_beside_streams_call_for_the_step_target() {
+fn another_tenants_prompts_or_streams_call_for_the_step_target() {
     let mut kv = KvCacheManager::new(64, 16);
     let mut s = Scheduler::new(cfg(64, 16));
     for id in 1..=2 {
@@ -354,15 +354,61 @@ fn capped_decodes_go_to_every_tenant_and_take_turns_within_one() {
 
 #[test]
 fn capped_decodes_follow_the_weights_and_never_skip_a_tenant() {
-    // Weights 3 : 1, 8 streams each, 8 decodes a step: 6 and 2.
-    let (mut kv, mut s) = streams(&[8, 8]);
+    // Weights 3 : 1 : 1, streams 8, 8 and 1 (ids 0-7, 8-15, 16), 9 decodes
+    // a step: tenant 3's one, then 6 and 2.
+    let (mut kv, mut s) = streams(&[8, 8, 1]);
     s.set_weight(TenantId(1), 3);
-    let ran = decode_step(&mut s, &mut kv, 8);
-    let first = ran.iter().filter(|id| **id < 8).count();
-    assert_eq!((first, ran.len() - first), (6, 2));
+    let ran = decode_step(&mut s, &mut kv, 9);
+    let count = |lo, hi| ran.iter().filter(|id| (lo..hi).contains(*id)).count();
+    assert_eq!((count(0, 8), count(8, 16), count(16, 17)), (6, 2, 1));
     // A cap below the tenants' count still runs one stream of each.
-    let (mut kv, mut s) = streams(&[3, 3, 3]);
+    let (mut kv, mut s) = streams(&[3, 3, 1]);
     assert_eq!(decode_step(&mut s, &mut kv, 1).len(), 3);
+}
+
+#[test]
+fn turns_that_would_spare_no_tenant_are_not_taken() {
+    // Two tenants of 8 streams and a cap of 8: each over its share, so
+    // turns would only slow every stream; all 16 decode.
+    let (mut kv, mut s) = streams(&[8, 8]);
+    assert_eq!(decode_step(&mut s, &mut kv, 8).len(), 16);
+}
+
+#[test]
+fn an_uneven_splits_remainder_goes_round_the_tenants() {
+    // Streams 4, 4 and 1 (ids 0-3, 4-7, 8), 6 decodes a step: tenant 3's
+    // one, 5 left for two tenants; the odd one is not always tenant 1's.
+    let (mut kv, mut s) = streams(&[4, 4, 1]);
+    let (mut first, mut second) = (0, 0);
+    for _ in 0..3 {
+        let ran = decode_step(&mut s, &mut kv, 6);
+        assert_eq!(ran.len(), 6);
+        first += ran.iter().filter(|id| **id < 4).count();
+        second += ran.iter().filter(|id| (4..8).contains(*id)).count();
+    }
+    assert!(first > 6 && second > 6, "{first} and {second} of 15");
+}
+
+#[test]
+fn a_stream_just_out_of_its_prompt_waits_behind_the_others() {
+    // Tenant 1: streams 0-3 decoding, then prompt 9 finishes and joins
+    // them; tenant 2's lone stream (5) makes turns worth taking.
+    let mut kv = KvCacheManager::new(256, 16);
+    let mut s = Scheduler::new(cfg(256, 64));
+    for id in 0..4 {
+        s.add(id, TenantId(1), 4, Vec::new());
+    }
+    s.add(5, TenantId(2), 4, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    for id in [0, 1, 2, 3, 5] {
+        s.append_token(id);
+    }
+    // Streams 0 and 1 decode; then 9's prompt samples its first token.
+    assert_eq!(decode_step(&mut s, &mut kv, 3), [0, 1, 5]);
+    s.add(9, TenantId(1), 4, Vec::new());
+    assert_eq!(decode_step(&mut s, &mut kv, 3), [2, 3, 5, 9]);
+    // 0 and 1 waited longest; 9 sampled last step, so it waits.
+    assert_eq!(decode_step(&mut s, &mut kv, 3), [0, 1, 5]);
 }
 
 #[test]
@@ -406,8 +452,7 @@ fn preemption_takes_from_the_tenant_furthest_over_its_weighted_share() {
     }
     s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(s.running(), 6);
-    let none = HashSet::new();
-    let v = s.victim(&none).unwrap();
+    let v = s.victim(|_| false).unwrap();
     assert_eq!(s.seqs[&v].tenant, TenantId(2), "victim {v}");
     assert_eq!(v, 11, "the newest of that tenant");
 }

@@ -73,8 +73,7 @@ impl Engine {
     /// stops (on the CPU; a GPU checks inside the step).
     fn plan(&mut self, events: &mut Vec<Event>) -> Result<Vec<Scheduled>, String> {
         self.stepping.clear();
-        let competing = self.scheduler.decoding_beside_others();
-        let caps = (self.step_budget).caps(competing, self.scheduler.streams());
+        let caps = self.step_budget.caps(self.scheduler.contention());
         let plan = self.scheduler.schedule(&mut self.kv, caps);
         self.stepping.extend(plan.scheduled.iter().map(|s| s.seq));
         #[cfg(any(test, feature = "fault-injection"))]

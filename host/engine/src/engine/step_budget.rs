@@ -4,7 +4,7 @@
 //! tokens, from a linear model of a step's device time fitted to what steps
 //! measured.
 
-use super::scheduler::StepCaps;
+use super::scheduler::{Contention, StepCaps};
 
 /// Prompt tokens a step may carry: at least this many while streams decode
 /// (so prompts always progress).
@@ -57,10 +57,11 @@ impl StepBudget {
             }
             return;
         }
-        let base = if decodes > 0 {
-            self.decode_ms(decodes).unwrap_or(0.0)
-        } else {
-            0.0
+        let base = match (decodes, self.decode_ms(decodes)) {
+            (0, _) => 0.0,
+            (_, Some(ms)) => ms,
+            // Decodes of unknown cost would all count as prompt tokens'.
+            (_, None) => return,
         };
         self.token_ms = mean(self.token_ms, (ms - base).max(0.0) / prompt_tokens as f64);
     }
@@ -80,11 +81,16 @@ impl StepBudget {
         }
     }
 
-    /// What the next step may carry: with `competing` tenants (another's
-    /// streams to guard) and `streams` decoding, a step of at most `target`
-    /// lone steps, room kept for the floor of prompt tokens; otherwise
-    /// every token.
-    pub fn caps(&self, competing: bool, streams: usize) -> StepCaps {
+    /// What the next step may carry: with competing tenants (another's
+    /// streams to guard), a step of at most `target` lone steps, room kept
+    /// for the floor of prompt tokens if some are waiting; otherwise every
+    /// token.
+    pub fn caps(&self, now: Contention) -> StepCaps {
+        let Contention {
+            competing,
+            streams,
+            prompting,
+        } = now;
         let whole = StepCaps {
             decodes: usize::MAX,
             prompt: self.max,
@@ -99,10 +105,11 @@ impl StepBudget {
         };
         let limit = self.target * lone;
         let floor = MIN_PROMPT_TOKENS.min(self.max);
+        let kept = if prompting { floor as f64 * token } else { 0.0 };
         let per = self.per_stream(mean_ms, mean_n, lone);
         let decodes = if per > 0.0 {
-            let room = limit - lone - floor as f64 * token;
-            1 + (room.max(0.0) / per) as usize
+            let room = limit - lone - kept;
+            ((room.max(0.0) / per) as usize).saturating_add(1)
         } else {
             usize::MAX
         };
@@ -120,6 +127,15 @@ impl StepBudget {
 mod tests {
     use super::*;
 
+    /// Tenants competing, `streams` decoding, prompts waiting.
+    fn busy(streams: usize) -> Contention {
+        Contention {
+            competing: true,
+            streams,
+            prompting: true,
+        }
+    }
+
     /// A lone decode step of 10 ms, 0.1 ms more a stream, 0.04 ms a
     /// prompt token.
     fn measured(target: f64) -> StepBudget {
@@ -136,10 +152,17 @@ mod tests {
             decodes: usize::MAX,
             prompt: 2048,
         };
-        assert_eq!(measured(0.0).caps(true, 200), whole);
-        assert_eq!(measured(2.0).caps(false, 200), whole, "no rival");
+        assert_eq!(measured(0.0).caps(busy(200)), whole);
+        assert_eq!(
+            measured(2.0).caps(Contention {
+                competing: false,
+                ..busy(200)
+            }),
+            whole,
+            "no rival"
+        );
         let fresh = StepBudget::new(2.0, 2048);
-        assert_eq!(fresh.caps(true, 200), whole, "nothing measured yet");
+        assert_eq!(fresh.caps(busy(200)), whole, "nothing measured yet");
     }
 
     #[test]
@@ -148,7 +171,7 @@ mod tests {
         // 20 ms a step: 64 streams take 16.3, 3.7 ms is left for 92
         // prompt tokens; room for 75 streams beside the floor of 64.
         assert_eq!(
-            b.caps(true, 64),
+            b.caps(busy(64)),
             StepCaps {
                 decodes: 75,
                 prompt: 92
@@ -156,14 +179,33 @@ mod tests {
         );
         // 200 streams: 75 of them a step, and the floor's worth of prompt.
         assert_eq!(
-            b.caps(true, 200),
+            b.caps(busy(200)),
             StepCaps {
                 decodes: 75,
                 prompt: 65
             }
         );
         // A looser target carries everything of a light step.
-        assert_eq!(measured(10.0).caps(true, 8).prompt, 2048);
+        assert_eq!(measured(10.0).caps(busy(8)).prompt, 2048);
+    }
+
+    #[test]
+    fn streams_alone_keep_no_room_for_prompts_nobody_sent() {
+        let idle = Contention {
+            prompting: false,
+            ..busy(200)
+        };
+        // 10 ms beside the lone step: 101 streams (100 at 0.1 ms more).
+        assert_eq!(measured(2.0).caps(idle).decodes, 101);
+    }
+
+    #[test]
+    fn a_mixed_step_before_any_decode_step_teaches_nothing() {
+        let mut b = StepBudget::new(2.0, 2048);
+        b.observe(64, 1000, 56.3);
+        assert_eq!(b.token_ms, None, "its decodes' cost is unknown");
+        b.observe(0, 1000, 40.0);
+        assert_eq!(b.token_ms, Some(0.04));
     }
 
     #[test]
@@ -175,7 +217,7 @@ mod tests {
         }
         // The floor's 64 tokens now take 5.1 ms: 49 streams a step leave it.
         assert_eq!(
-            b.caps(true, 64),
+            b.caps(busy(64)),
             StepCaps {
                 decodes: 49,
                 prompt: 65
