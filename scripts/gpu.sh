@@ -227,6 +227,24 @@ neighbour)
         done
     done
     ;;
+profile)
+    # Nsight Compute on one kernel's first launch in `cuda_bench` (carry
+    # .gpu): `scripts/gpu.sh profile REGEX [SECTION...]`, e.g.
+    # `profile prefill_bf16_d128_w4 WarpStateStats SchedulerStats`. The
+    # process ends right after the launch, so the report is printed even
+    # when the rest of the bench would outlast the call.
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    kernel="$2"
+    shift 2
+    sections=()
+    for s in "${@:-SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats InstructionStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis SourceCounters}"; do
+        for one in $s; do sections+=(--section "$one"); done
+    done
+    timeout "${PROFILE_TIMEOUT:-150}" /usr/local/cuda/bin/ncu -k "regex:$kernel" -c 1 --kill on \
+        "${sections[@]}" .gpu/cuda_bench 2>&1 | tee "$out/profile.log"
+    ;;
 baseline)
     # Here: the `kiln` of another revision (default: main), stripped and
     # xz-compressed into .gpu-bench/kiln-base.xz, so a call can run it side
@@ -297,7 +315,7 @@ ab)
     exit "$same"
     ;;
 *)
-    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | prefill | weights | skinny | neighbour | shutdown" >&2
+    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | prefill | weights | skinny | neighbour | shutdown | profile REGEX [SECTION...]" >&2
     exit 2
     ;;
 esac
