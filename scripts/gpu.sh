@@ -38,6 +38,7 @@ for l in sys.stdin:
     cp "$(test_bin kiln-kernels cuda_graphs)" .gpu/cuda_graphs
     cp "$(test_bin kiln-kernels fp8_gemm)" .gpu/fp8_gemm
     cp "$(test_bin kiln-kernels skinny)" .gpu/skinny
+    cp "$(test_bin kiln-kernels bf16_mlp)" .gpu/bf16_mlp
     cp "$(test_bin kiln-tests gpu)" .gpu/engine
     cargo build --release -p kiln-kernels --example cuda_bench
     cp target/release/examples/cuda_bench .gpu/cuda_bench
@@ -74,6 +75,8 @@ run)
     KILN_TEST_DEVICE=cuda timeout 60 .gpu/fp8_gemm --include-ignored --nocapture 2>&1 | tee -a "$out/parity.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
     KILN_TEST_DEVICE=cuda timeout 60 .gpu/skinny --include-ignored 2>&1 | tee -a "$out/parity.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
+    KILN_TEST_DEVICE=cuda timeout 60 .gpu/bf16_mlp --include-ignored 2>&1 | tee -a "$out/parity.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
     set -e
     if [ "$parity" -ne 0 ]; then
@@ -152,7 +155,8 @@ prefill)
     # With .gpu carried too, the attention parity tests run first and a
     # failure stops the call. Each shape runs with the tensor-core kernel
     # in blocks of 4 and of 8 warps (PREFILL_MODES overrides the list;
-    # per-token is one decode-attention query per token).
+    # per-token is one decode-attention query per token, mlp16 the bf16
+    # MLP).
     if [ -x .gpu/parity ]; then
         KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 attention 2>&1 | tee "$out/parity.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "parity tests FAILED: no benchmark"; exit 1; }
@@ -162,6 +166,7 @@ prefill)
         flag=""
         [ "$mode" = per-token ] && flag="--tensor-prefill off"
         [ "$mode" = tensor8 ] && flag="--prefill-warps 8"
+        [ "$mode" = mlp16 ] && flag="--cuda-bf16-mlp on"
         for case in "1,8,32 --prompt-tokens 1024" "1 --prompt-tokens 4096"; do
             echo "== prefill attention: $mode" | tee -a "$out/kiln-prefill.log"
             # shellcheck disable=SC2086

@@ -63,6 +63,11 @@ pub(crate) struct EngineArgs {
     /// an SM) or 8 (one block, twice the query rows per key tile read).
     #[arg(long, default_value_t = 4)]
     prefill_warps: usize,
+    /// On CUDA, run the MLP of prefill steps in bf16 (one GEMM over the
+    /// stacked gate/up weights with a bf16 product, as PyTorch's bf16
+    /// models do; off until measured).
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    cuda_bf16_mlp: OnOff,
 }
 
 impl EngineArgs {
@@ -96,6 +101,7 @@ impl EngineArgs {
             tensor_prefill: self.tensor_prefill == OnOff::On,
             cuda_skinny: self.cuda_skinny == OnOff::On,
             prefill_warps: self.prefill_warps,
+            cuda_bf16_mlp: self.cuda_bf16_mlp == OnOff::On,
         })
     }
 }

@@ -336,10 +336,13 @@ fn synthetic(
 
 /// A 48-token prompt of the model's vocabulary.
 fn synthetic_ids(loaded: &kiln_host::model::Loaded) -> Vec<u32> {
+    synthetic_ids_n(loaded, 48)
+}
+
+/// `n` ordinary token ids of `loaded`'s vocabulary.
+fn synthetic_ids_n(loaded: &kiln_host::model::Loaded, n: u32) -> Vec<u32> {
     let vocab = loaded.model.config.vocab as u32;
-    (0..48u32)
-        .map(|i| vocab / 8 + i * 997 % (vocab / 4))
-        .collect()
+    (0..n).map(|i| vocab / 8 + i * 997 % (vocab / 4)).collect()
 }
 
 /// ‖x − y‖ / ‖x‖.
@@ -392,6 +395,44 @@ fn the_skinny_gemm_gives_the_logits_of_cublas() {
             "row {i}: skinny and cuBLAS logits differ by {rel}"
         );
     }
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn the_bf16_mlp_gives_the_logits_of_the_f32_mlp() {
+    // A prefill of 80 rows (past the decode batches, so the bf16 MLP runs
+    // in every layer), then 16 one-token steps over the KV it wrote. The
+    // gate/up product rounded to bf16 is one more rounding a layer; the
+    // bound is the one the skinny GEMM's test explains.
+    let (loaded, config) = synthetic_bf16();
+    let engine = |cuda_bf16_mlp| {
+        let config = EngineConfig {
+            cuda_bf16_mlp,
+            ..config(device())
+        };
+        Engine::new(loaded.clone(), config).unwrap()
+    };
+    let (mut f32_mlp, mut bf16_mlp) = (engine(false), engine(true));
+    let ids = synthetic_ids_n(&loaded, 96);
+    let a = f32_mlp
+        .teacher_forced_logits(TenantId(0), &ids, 80)
+        .unwrap();
+    let b = bf16_mlp
+        .teacher_forced_logits(TenantId(0), &ids, 80)
+        .unwrap();
+    assert_eq!(a.len(), 17, "positions 80..=96");
+    let mut most = 0.0f64;
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let rel = rel_diff(x, y);
+        eprintln!("row {i}: bf16 and f32 MLP logits differ by {rel:.2e}");
+        assert!(
+            rel < 1e-2,
+            "row {i}: bf16 and f32 MLP logits differ by {rel}"
+        );
+        most = most.max(rel);
+    }
+    // The extra rounding must show: identical logits mean it never ran.
+    assert!(most > 0.0, "the bf16 MLP never ran");
 }
 
 /// Teacher-forced logits of a 48-token prompt from position 36, on the

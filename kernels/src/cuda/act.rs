@@ -1,7 +1,8 @@
 //! SiLU-and-multiply (`act.cu`), in place or straight into a bf16 GEMM's
-//! input.
+//! input, from f32 or from a bf16 gate/up product.
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
+use half::bf16;
 
 use super::cublas::room;
 use super::launch::{blocks, cfg};
@@ -45,6 +46,35 @@ impl Gpu {
         // SAFETY: one thread per element, bounds-checked; the kernel only
         // reads gate when it writes the scratch.
         unsafe { b.launch(cfg((blocks(n, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// `silu(gate) * up` into `scratch` as bf16 (the down projection's
+    /// input) from `gu`: `rows` rows of `2 f` bf16, the gate's `f` columns
+    /// then the up projection's, as one GEMM over the stacked gate/up
+    /// weights writes them. `f` must be a multiple of 8.
+    pub fn silu_mul_pairs(
+        &self,
+        gu: &CudaSlice<bf16>,
+        scratch: &mut GemmScratch,
+        rows: usize,
+        f: usize,
+    ) -> R {
+        let n = rows * f;
+        room(scratch, n)?;
+        if !f.is_multiple_of(8) || gu.len() < 2 * n {
+            return Err(KernelError::Shape(format!(
+                "silu-mul pairs of {rows} rows of 2 x {f}: widths of whole 8s and a product that \
+                 holds them"
+            )));
+        }
+        let func = self.function("silu_mul_pairs")?;
+        let (rows_i, f_i) = (rows as i32, f as i32);
+        let mut b = self.stream.launch_builder(func);
+        b.arg(gu).arg(&mut scratch.act).arg(&rows_i).arg(&f_i);
+        // SAFETY: eight elements a thread, bounds-checked against rows x f
+        // (a multiple of 8), reading rows x 2f.
+        unsafe { b.launch(cfg((blocks(n / 8, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
 }

@@ -106,6 +106,15 @@ impl Gpu {
         self.cublas_bf16(x, w, out, shape, scratch)
     }
 
+    /// The first `len` of `x` rounded to bf16 as the activations of the
+    /// next bf16 GEMM.
+    ///
+    /// Reference path: the engine's kernels write their products' inputs
+    /// themselves; kept for the CUDA tests of those products.
+    pub fn load_activations(&self, x: &CudaSlice<f32>, scratch: &mut GemmScratch, len: usize) -> R {
+        self.to_bf16_scratch(x, &mut scratch.act, len)
+    }
+
     /// The first `len` activations rounded to bf16 into `scratch`, as
     /// every bf16 engine runs a GEMM (the CPU reference keeps f32; models
     /// stored as GGUF blocks take the f32 path of `Gpu::matmul` instead).
@@ -155,6 +164,36 @@ impl Gpu {
         Ok(())
     }
 
+    /// `out (m x n) = x (m x k) * w^T` in bf16 (f32 accumulation) for a
+    /// bf16 `w` (`n x k`), on the bf16 activations in `scratch`: the
+    /// product a bf16 kernel reads next, at half the bytes of f32.
+    pub fn matmul_bf16_out(
+        &self,
+        w: &DeviceWeight,
+        out: &mut CudaSlice<bf16>,
+        shape: GemmShape,
+        scratch: &GemmScratch,
+    ) -> R {
+        let GemmShape { m, n, k } = shape;
+        let DeviceWeight::Bf16(wb) = w else {
+            return Err(KernelError::Shape(
+                "a bf16 product needs a bf16 weight".into(),
+            ));
+        };
+        room(scratch, m * k)?;
+        if wb.len() < n * k || out.len() < m * n {
+            return Err(KernelError::Shape(format!(
+                "{m} x {n} from {k}: weight or output too small"
+            )));
+        }
+        use cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
+        let (wp, _rw) = wb.device_ptr(&self.stream);
+        let (xp, _rx) = scratch.act.device_ptr(&self.stream);
+        let (op, _ro) = out.device_ptr_mut(&self.stream);
+        // SAFETY: sizes checked above (guards held).
+        unsafe { self.gemm_into(wp, xp, CUDA_R_16BF, (op, CUDA_R_16BF), shape, n) }
+    }
+
     /// cuBLAS, f32 accumulation and output: row-major `out (m x n)`,
     /// leading dimension `ldc`, `= x (m x k) * w^T` for `w` (`n x k`);
     /// `w` and `x` both of type `ty`.
@@ -170,9 +209,26 @@ impl Gpu {
         shape: GemmShape,
         ldc: usize,
     ) -> R {
-        use cudarc::cublas::sys::{
-            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
-        };
+        let f32_out = cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
+        // SAFETY: the caller vouches for the pointers.
+        unsafe { self.gemm_into(w, x, ty, (out, f32_out), shape, ldc) }
+    }
+
+    /// As [`Self::gemm`], the output of type `out.1` (f32 accumulation
+    /// either way).
+    ///
+    /// # Safety
+    /// The pointers are live device buffers of those sizes.
+    unsafe fn gemm_into(
+        &self,
+        w: u64,
+        x: u64,
+        ty: cudarc::cublas::sys::cudaDataType_t,
+        (out, out_ty): (u64, cudarc::cublas::sys::cudaDataType_t),
+        shape: GemmShape,
+        ldc: usize,
+    ) -> R {
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
         let GemmShape { m, n: rows, k } = shape;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Row-major out (m x rows) is column-major rows x m: out^T = w x^T.
@@ -194,7 +250,7 @@ impl Gpu {
                 k as i32,
                 (&beta) as *const f32 as *const _,
                 out as *mut _,
-                cudaDataType_t::CUDA_R_32F,
+                out_ty,
                 ldc as i32,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

@@ -89,6 +89,7 @@ const KERNELS: &[&str] = &[
     // norm.cu, act.cu, embed.cu
     "rmsnorm_residual",
     "silu_mul",
+    "silu_mul_pairs",
     "embed_bf16",
     // kv.cu, hadamard.cu, rope.cu
     "kv_write_bf16",

@@ -81,6 +81,9 @@ pub struct EngineConfig {
     pub cuda_skinny: bool,
     /// On CUDA: warps a block of prefill attention takes (4 or 8).
     pub prefill_warps: usize,
+    /// On CUDA: prefill steps of bf16 models run the MLP in bf16 (the
+    /// gate/up product rounded to bf16, as PyTorch's bf16 models do).
+    pub cuda_bf16_mlp: bool,
 }
 
 impl Default for EngineConfig {
@@ -98,6 +101,7 @@ impl Default for EngineConfig {
             tensor_prefill: true,
             cuda_skinny: true,
             prefill_warps: 4,
+            cuda_bf16_mlp: false,
         }
     }
 }
@@ -207,6 +211,7 @@ impl Engine {
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,
                 prefill_warps: config.prefill_warps,
+                bf16_mlp: config.cuda_bf16_mlp,
             },
         )?;
         let checker: Box<dyn IntegrityCheck> = if config.integrity {

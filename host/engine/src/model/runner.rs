@@ -34,6 +34,8 @@ pub struct RunnerOptions {
     pub skinny: bool,
     /// On CUDA: warps a block of prefill attention (4 or 8).
     pub prefill_warps: usize,
+    /// On CUDA: prefill steps run the MLP in bf16.
+    pub bf16_mlp: bool,
 }
 
 /// Where the KV pages live and the forward pass runs.
@@ -75,6 +77,7 @@ impl Runner {
                     m.set_programmatic(o.programmatic);
                     m.set_fold(o.fold);
                     m.set_skinny(o.skinny);
+                    m.set_bf16_mlp(o.bf16_mlp);
                     m.set_prefill_warps(o.prefill_warps)
                         .map_err(|e| e.to_string())?;
                 }

@@ -3,7 +3,9 @@
 //! them in one GEMV launch instead of one each.
 
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{CudaSlice, DeviceWeight, GemmScratch, Gpu, NormArgs, StackShape};
+use kiln_kernels::cuda::{
+    CudaSlice, DeviceWeight, GemmScratch, GemmShape, Gpu, NormArgs, StackShape,
+};
 use kiln_kernels::matmul::Weight;
 
 type R<T> = Result<T, KernelError>;
@@ -148,5 +150,19 @@ impl CublasStack<'_> {
         let (m, k, parts) = (norm.rows, norm.cols, &[self.rows][..]);
         g.rmsnorm_residual_bf16(h, scratch, &norm)?;
         g.matmul_parts_bf16(self.w, &mut [out], StackShape { m, parts, k }, scratch)
+    }
+
+    /// As [`Self::apply_normed`], the product in bf16.
+    pub(super) fn apply_normed_bf16(
+        &self,
+        g: &Gpu,
+        NormIn { h, norm }: NormIn<'_>,
+        out: &mut CudaSlice<half::bf16>,
+        scratch: &mut GemmScratch,
+    ) -> R<()> {
+        let (m, k) = (norm.rows, norm.cols);
+        g.rmsnorm_residual_bf16(h, scratch, &norm)?;
+        let shape = GemmShape { m, n: self.rows, k };
+        g.matmul_bf16_out(self.w, out, shape, scratch)
     }
 }

@@ -93,6 +93,9 @@ pub struct GpuModel {
     /// Whether one-token steps fold their norms into the GEMVs (`fold.rs`;
     /// only for a model whose weights allow it).
     fold: bool,
+    /// Whether steps of several rows run the MLP in bf16 (`ops.rs`; only
+    /// for bf16 gate/up stacks and down projections).
+    bf16_mlp: bool,
 }
 
 /// Every layer's KV pages on the GPU, and the step's working buffers,
@@ -168,6 +171,9 @@ pub(super) struct Buffers {
     pub norm_sum: NormSum,
     /// GEMM scratch (bf16 activations, dequantized blocks).
     pub scratch: GemmScratch,
+    /// The bf16 MLP's gate and up projections side by side per row (only
+    /// while [`GpuModel::set_bf16_mlp`] is on).
+    pub gu16: Option<CudaSlice<half::bf16>>,
     /// Attention partitions' partial results.
     pub abuf: AttentionBuffers,
 }
@@ -194,6 +200,7 @@ impl GpuModel {
             gpu,
             ordinal,
             fold: false,
+            bf16_mlp: false,
         };
         uploaded.fold = uploaded.foldable();
         Ok(uploaded)
@@ -212,6 +219,20 @@ impl GpuModel {
     /// finishes; sm_90 and up).
     pub fn set_programmatic(&mut self, on: bool) {
         self.gpu.set_programmatic(on);
+    }
+
+    /// Whether steps of several rows run the MLP in bf16: one GEMM over
+    /// the stacked gate/up weights writes bf16 (f32 accumulation), as
+    /// PyTorch's bf16 models do, and SiLU-and-multiply reads it, half the
+    /// bytes of f32 (only where every block's gate/up and down are bf16;
+    /// set before the first step).
+    pub fn set_bf16_mlp(&mut self, on: bool) {
+        let c = &self.config;
+        let able = c.ffn.is_multiple_of(8)
+            && self.weights.blocks.iter().all(|b| {
+                fold::bf16_stack(&b.gate_up, &[c.ffn, c.ffn]).is_ok() && fold::bf16(&b.down).is_ok()
+            });
+        self.bf16_mlp = on && able;
     }
 
     /// Whether bf16 products of 2-8 rows run the skinny GEMM instead of
@@ -319,6 +340,7 @@ impl GpuModel {
                 up: g.zeros(n * c.ffn)?,
                 norm_sum: g.norm_sum(c.hidden)?,
                 scratch: g.gemm_scratch(n, widest, self.blocks)?,
+                gu16: self.bf16_mlp.then(|| g.zeros(n * 2 * c.ffn)).transpose()?,
                 abuf: g.attention_buffers(n, c.heads, c.kv_heads, c.head_dim, max_len)?,
             },
         })

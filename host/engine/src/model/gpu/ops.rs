@@ -6,12 +6,13 @@
 //! stacked q/k/v runs as one GEMM whose rows the fused RoPE + KV write
 //! reads in place. A step of one row with bf16 weights folds the norms
 //! into the GEMVs instead (`fold.rs`). The MLP's SiLU-and-multiply runs
-//! with the down projection's input conversion.
+//! with the down projection's input conversion, or (the bf16 MLP, prefill
+//! steps) right after one bf16 GEMM over the stacked gate/up weights.
 
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{
     CudaSlice, CudaView, DecodeBatch, DeviceWeight, GemmShape, Gpu, NextNorm, NormArgs, Normed,
-    PagedKv, PagedQuery, RopeKv, StackShape,
+    PagedKv, PagedQuery, RopeKv, SKINNY_MAX_M, StackShape,
 };
 use kiln_kernels::ops::RopeStyle;
 
@@ -99,6 +100,10 @@ pub(super) struct CudaStep<'a, 'w> {
     b: &'a mut Buffers,
     /// One row with bf16 weights: norms folded into the GEMVs.
     fold: bool,
+    /// The MLP in bf16 (`GpuModel::set_bf16_mlp`).
+    bf16_mlp: bool,
+    /// The scratch holds the MLP's activation for the down projection.
+    mlp_ready: bool,
     pending: Pending<'w>,
 }
 
@@ -118,6 +123,8 @@ impl<'a> CudaStep<'a, '_> {
             inputs: w.inputs.slice(..),
             b: &mut w.b,
             fold: model.folds(s.n),
+            bf16_mlp: model.bf16_mlp,
+            mlp_ready: false,
             pending: Pending::Nothing,
         }
     }
@@ -242,8 +249,22 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                 g.gemv_bf16_normed_silu(&input, w, &mut b.gate, c.ffn, c.hidden)
             }
             Pending::Norm { w, residual } => {
-                // SiLU-and-multiply runs with the down projection.
                 let norm = norm_in(&mut b.h, &b.proj, w, residual, c, n);
+                // Prefill-sized steps only: decode batches keep the GEMVs
+                // and the skinny GEMM.
+                if let (true, Some(gu), Some(stack)) = (
+                    self.bf16_mlp && n > SKINNY_MAX_M,
+                    b.gu16.as_mut(),
+                    gate_up.cublas_stack(g, n, c.hidden),
+                ) {
+                    // One bf16 GEMM, then SiLU-and-multiply into the down
+                    // projection's input.
+                    stack.apply_normed_bf16(g, norm, gu, &mut b.scratch)?;
+                    g.silu_mul_pairs(gu, &mut b.scratch, n, c.ffn)?;
+                    self.mlp_ready = true;
+                    return Ok(());
+                }
+                // SiLU-and-multiply runs with the down projection.
                 let outs = &mut [&mut b.gate, &mut b.up];
                 gate_up.apply_normed(g, norm, &mut b.xn, outs, &mut b.scratch)
             }
@@ -279,13 +300,20 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                 &mut b.scratch,
             )?,
             Input::Mlp if g.takes_bf16_input(w, n, k) => {
-                g.silu_mul_bf16(&b.gate, &b.up, &mut b.scratch, n * k)?;
+                if !std::mem::take(&mut self.mlp_ready) {
+                    g.silu_mul_bf16(&b.gate, &b.up, &mut b.scratch, n * k)?;
+                }
                 let shape = StackShape {
                     m: n,
                     parts: &[c.hidden],
                     k,
                 };
                 g.matmul_parts_bf16(w, &mut [&mut b.proj], shape, &b.scratch)?;
+            }
+            Input::Mlp if self.mlp_ready => {
+                return Err(KernelError::Shape(
+                    "a bf16 MLP's activation for a down projection that is not bf16".into(),
+                ));
             }
             Input::Mlp => {
                 g.silu_mul(&mut b.gate, &b.up, n * k)?;
