@@ -365,6 +365,36 @@ fn bf16_weights_through_cublas_give_the_cpus_logits() {
     device_matches_cpu_logits(&loaded, config);
 }
 
+/// Holds the teacher-forced logits of `tokens` synthetic ids from position
+/// `from`, on the synthetic bf16 model, under `other` to those under `base`
+/// (each applied to the device's config): every row within `bound`, and
+/// some row different (else the kernel under test never ran).
+fn kernels_agree(
+    base: impl Fn(EngineConfig) -> EngineConfig,
+    other: impl Fn(EngineConfig) -> EngineConfig,
+    (tokens, from): (u32, usize),
+    bound: f64,
+) {
+    let (loaded, config) = synthetic_bf16();
+    let mut a = Engine::new(loaded.clone(), base(config(device()))).unwrap();
+    let mut b = Engine::new(loaded.clone(), other(config(device()))).unwrap();
+    let ids = synthetic_ids_n(&loaded, tokens);
+    let x = a.teacher_forced_logits(TenantId(0), &ids, from).unwrap();
+    let y = b.teacher_forced_logits(TenantId(0), &ids, from).unwrap();
+    assert_eq!(x.len(), tokens as usize - from + 1);
+    let mut most = 0.0f64;
+    for (i, (x, y)) in x.iter().zip(&y).enumerate() {
+        let rel = rel_diff(x, y);
+        eprintln!("row {i}: logits differ by {rel:.2e}");
+        assert!(rel < bound, "row {i}: logits differ by {rel}");
+        most = most.max(rel);
+    }
+    assert!(
+        most > 0.0,
+        "identical logits: the kernel under test never ran"
+    );
+}
+
 #[test]
 #[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn the_skinny_gemm_gives_the_logits_of_cublas() {
@@ -375,26 +405,18 @@ fn the_skinny_gemm_gives_the_logits_of_cublas() {
     // activations to bf16, which can turn that into steps of 2^-8, so the
     // bound is a few flipped roundings (a layout error reads ~1); the H200
     // read 3.7e-3 on a 48-row prefill.
-    let (loaded, config) = synthetic_bf16();
-    let engine = |cuda_skinny| {
-        let config = EngineConfig {
-            cuda_skinny,
-            ..config(device())
-        };
-        Engine::new(loaded.clone(), config).unwrap()
-    };
-    let (mut blas, mut skinny) = (engine(false), engine(true));
-    let ids = &synthetic_ids(&loaded)[..12];
-    let a = blas.teacher_forced_logits(TenantId(0), ids, 8).unwrap();
-    let b = skinny.teacher_forced_logits(TenantId(0), ids, 8).unwrap();
-    assert_eq!(a.len(), 5, "positions 8..=12");
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        let rel = rel_diff(x, y);
-        assert!(
-            rel < 1e-2,
-            "row {i}: skinny and cuBLAS logits differ by {rel}"
-        );
-    }
+    kernels_agree(
+        |c| EngineConfig {
+            cuda_skinny: false,
+            ..c
+        },
+        |c| EngineConfig {
+            cuda_skinny: true,
+            ..c
+        },
+        (12, 8),
+        1e-2,
+    );
 }
 
 #[test]
@@ -403,36 +425,16 @@ fn the_bf16_mlp_gives_the_logits_of_the_f32_mlp() {
     // A prefill of 80 rows (past the decode batches, so the bf16 MLP runs
     // in every layer), then 16 one-token steps over the KV it wrote. The
     // gate/up product rounded to bf16 is one more rounding a layer; the
-    // bound is the one the skinny GEMM's test explains.
-    let (loaded, config) = synthetic_bf16();
-    let engine = |cuda_bf16_mlp| {
-        let config = EngineConfig {
-            cuda_bf16_mlp,
-            ..config(device())
-        };
-        Engine::new(loaded.clone(), config).unwrap()
-    };
-    let (mut f32_mlp, mut bf16_mlp) = (engine(false), engine(true));
-    let ids = synthetic_ids_n(&loaded, 96);
-    let a = f32_mlp
-        .teacher_forced_logits(TenantId(0), &ids, 80)
-        .unwrap();
-    let b = bf16_mlp
-        .teacher_forced_logits(TenantId(0), &ids, 80)
-        .unwrap();
-    assert_eq!(a.len(), 17, "positions 80..=96");
-    let mut most = 0.0f64;
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        let rel = rel_diff(x, y);
-        eprintln!("row {i}: bf16 and f32 MLP logits differ by {rel:.2e}");
-        assert!(
-            rel < 1e-2,
-            "row {i}: bf16 and f32 MLP logits differ by {rel}"
-        );
-        most = most.max(rel);
-    }
-    // The extra rounding must show: identical logits mean it never ran.
-    assert!(most > 0.0, "the bf16 MLP never ran");
+    // bound is the skinny GEMM's.
+    kernels_agree(
+        |c| c,
+        |c| EngineConfig {
+            cuda_bf16_mlp: true,
+            ..c
+        },
+        (96, 80),
+        1e-2,
+    );
 }
 
 /// Teacher-forced logits of a 48-token prompt from position 36, on the
