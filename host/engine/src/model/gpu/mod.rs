@@ -308,6 +308,9 @@ impl GpuModel {
             && w.tokens >= n
             && w.max_len >= max_len
             && w.rows >= rows
+            // Buffers another model made (the phases' other weights) may
+            // lack the bf16 MLP's.
+            && (!self.bf16_mlp || w.b.gu16.is_some())
         {
             return self.grow_inputs(w, words);
         }

@@ -250,10 +250,12 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
             }
             Pending::Norm { w, residual } => {
                 let norm = norm_in(&mut b.h, &b.proj, w, residual, c, n);
-                // Prefill-sized steps only: decode batches keep the GEMVs
-                // and the skinny GEMM.
+                // Steps with a prompt chunk past the decode batches' sizes
+                // only: decode steps (and their captured graphs) keep the
+                // f32 MLP.
+                let prefill = n > self.s.seqs && n > SKINNY_MAX_M;
                 if let (true, Some(gu), Some(stack)) = (
-                    self.bf16_mlp && n > SKINNY_MAX_M,
+                    self.bf16_mlp && prefill,
                     b.gu16.as_mut(),
                     gate_up.cublas_stack(g, n, c.hidden),
                 ) {
