@@ -31,7 +31,7 @@ fn fp8_rows_times_fp8_activations_match_float64_over_the_same_values() {
         gpu.fp8_row_scales(&wd.slice(..), &mut ws, n, k).unwrap();
         gpu.gemm_fp8_rows(
             &wd.slice(..),
-            &ws,
+            &ws.slice(..),
             &xq,
             &xs,
             &mut out,

@@ -41,7 +41,7 @@ impl Gpu {
     ) -> R {
         let (name, src) = match table {
             DeviceWeight::Bf16(t) => return self.embed(t, ids, out, tokens, hidden),
-            DeviceWeight::Blocks { dtype, bytes } => {
+            DeviceWeight::Blocks { dtype, bytes, .. } => {
                 (format!("embed_{}", kernel_suffix(*dtype)?), bytes)
             }
             DeviceWeight::Int4 { group, rows, bytes } => {

@@ -36,6 +36,14 @@ pub(super) struct Lt {
     algos: HashMap<(usize, usize, usize), sys::cublasLtMatmulAlgo_t>,
 }
 
+/// A stack of FP8 rows as a product reads it: the rows, and their scales
+/// when gathered at upload.
+#[derive(Clone, Copy)]
+pub(super) struct Fp8Rows<'a> {
+    pub bytes: &'a CudaSlice<u8>,
+    pub scales: Option<&'a CudaSlice<f32>>,
+}
+
 /// Activations quantized for the W8A8 GEMM and the weights' scale vector.
 pub struct Fp8Scratch {
     pub(super) xq: CudaSlice<u8>,
@@ -55,11 +63,12 @@ impl Gpu {
     }
 
     /// `outs[p] = x * w_p^T` for each part `p` of a stack of FP8 rows: `x`
-    /// quantized per token once, then one W8A8 GEMM per part.
+    /// quantized per token once, then one W8A8 GEMM per part (the rows'
+    /// scales from upload, or gathered into the scratch here).
     pub(super) fn gemm_fp8_parts(
         &self,
         x: &CudaSlice<f32>,
-        w: &CudaSlice<u8>,
+        w: Fp8Rows<'_>,
         outs: &mut [&mut CudaSlice<f32>],
         shape: super::StackShape<'_>,
         scratch: &mut Fp8Scratch,
@@ -70,14 +79,23 @@ impl Gpu {
         let stride = FP8_ROW_HEADER + k;
         let mut base = 0;
         for (out, &rows) in outs.iter_mut().zip(parts) {
-            let part = w.slice(base * stride..(base + rows) * stride);
-            if ws.len() < rows {
-                return Err(KernelError::Shape(format!(
-                    "an FP8 part of {rows} rows: more than the scratch's scales"
-                )));
+            let part = w.bytes.slice(base * stride..(base + rows) * stride);
+            let shape = GemmShape { m, n: rows, k };
+            match w.scales {
+                Some(s) if s.len() >= base + rows => {
+                    let s = s.slice(base..base + rows);
+                    self.gemm_fp8_rows(&part, &s, xq, xs, out, shape)?;
+                }
+                _ => {
+                    if ws.len() < rows {
+                        return Err(KernelError::Shape(format!(
+                            "an FP8 part of {rows} rows: more than the scratch's scales"
+                        )));
+                    }
+                    self.fp8_row_scales(&part, ws, rows, k)?;
+                    self.gemm_fp8_rows(&part, &ws.slice(..), xq, xs, out, shape)?;
+                }
             }
-            self.fp8_row_scales(&part, ws, rows, k)?;
-            self.gemm_fp8_rows(&part, ws, xq, xs, out, GemmShape { m, n: rows, k })?;
             base += rows;
         }
         Ok(())
@@ -189,7 +207,7 @@ impl Gpu {
     pub fn gemm_fp8_rows(
         &self,
         w: &CudaView<'_, u8>,
-        w_scales: &CudaSlice<f32>,
+        w_scales: &CudaView<'_, f32>,
         xq: &CudaSlice<u8>,
         x_scales: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,

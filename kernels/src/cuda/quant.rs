@@ -32,6 +32,9 @@ pub enum DeviceWeight {
         dtype: DType,
         /// The blocks, row after row.
         bytes: CudaSlice<u8>,
+        /// FP8 rows' scales gathered from their headers once, at upload
+        /// (cuBLASLt reads a contiguous vector; sm_90 and up), else `None`.
+        scales: Option<CudaSlice<f32>>,
     },
     /// Int4 groups in the device's tiles ([`super::int4_tiles`]).
     Int4 {
@@ -45,7 +48,8 @@ pub enum DeviceWeight {
 }
 
 impl DeviceWeight {
-    /// Bytes on the device.
+    /// Bytes of the weight's rows on the device (what row counts divide;
+    /// FP8 rows' gathered scales, 4 bytes a row, aside).
     pub fn size_bytes(&self) -> usize {
         match self {
             DeviceWeight::Bf16(w) => w.len() * 2,
@@ -164,6 +168,24 @@ impl Gpu {
         }))
     }
 
+    /// `rows` rows of `k` of block type `dtype` on the device, with FP8
+    /// rows' scales gathered once where FP8 tensor cores will read them.
+    fn blocks(&self, dtype: DType, host: &[u8], rows: usize, k: usize) -> R<DeviceWeight> {
+        let bytes = self.upload(host)?;
+        let scales = if dtype == DType::Fp8Row && self.fp8_tensor {
+            let mut s = self.zeros(rows)?;
+            self.fp8_row_scales(&bytes.slice(..), &mut s, rows, k)?;
+            Some(s)
+        } else {
+            None
+        };
+        Ok(DeviceWeight::Blocks {
+            dtype,
+            bytes,
+            scales,
+        })
+    }
+
     /// Uploads `w`: int4 in tiles where its shape tiles, other block types
     /// as they are, anything else as bf16.
     pub fn weight(&self, w: &Weight) -> R<DeviceWeight> {
@@ -173,10 +195,7 @@ impl Gpu {
             return Ok(dw);
         }
         if let Some((dtype, bytes)) = device_blocks(w) {
-            return Ok(DeviceWeight::Blocks {
-                dtype,
-                bytes: self.upload(&bytes)?,
-            });
+            return self.blocks(dtype, &bytes, w.rows(), w.cols());
         }
         Ok(DeviceWeight::Bf16(self.upload(&bf16_rows(w))?))
     }
@@ -218,10 +237,9 @@ impl Gpu {
                 .flatten()
                 .flat_map(|(_, b)| b.iter().copied())
                 .collect();
-            return Ok(Some(DeviceWeight::Blocks {
-                dtype: dtype.unwrap_or(first.dtype()),
-                bytes: self.upload(&bytes)?,
-            }));
+            let rows = ws.iter().map(|w| w.rows()).sum();
+            let dtype = dtype.unwrap_or(first.dtype());
+            return self.blocks(dtype, &bytes, rows, first.cols()).map(Some);
         }
         if blocks.iter().any(Option::is_some) {
             return Ok(None);
