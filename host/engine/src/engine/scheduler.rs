@@ -260,8 +260,13 @@ impl Scheduler {
 
 #[path = "scheduler_plan.rs"]
 mod plan;
+#[path = "scheduler_turns.rs"]
+mod turns;
 pub use plan::fair_shares;
 
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]
 mod tests;
+#[cfg(test)]
+#[path = "scheduler_turns_tests.rs"]
+mod turns_tests;

@@ -1,0 +1,92 @@
+//! Who waits on a step: the streams that decode, whether tenants compete,
+//! and, when a step cannot carry every stream, whose turn it is.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+use super::{Contention, Scheduler, TenantId, fair_shares};
+use crate::engine::kv_manager::SeqId;
+
+impl Scheduler {
+    /// The streams that decode this step, in running order, and those
+    /// that wait: all decode within `cap`, or when every tenant's streams
+    /// exceed its share of `cap` (turns would then slow every stream and
+    /// spare none); else `cap` (at least one a tenant) shared by weight,
+    /// each tenant's longest unserved first. The tenants' order rotates
+    /// each step, so an uneven split's remainder does too.
+    pub(super) fn decode_turns(&self, cap: usize) -> (Vec<SeqId>, Vec<SeqId>) {
+        let decoding: Vec<SeqId> = (self.running.iter())
+            .copied()
+            .filter(|id| self.remaining(*id) == 1)
+            .collect();
+        if decoding.len() <= cap {
+            return (decoding, Vec::new());
+        }
+        let mut by_tenant: BTreeMap<TenantId, Vec<SeqId>> = BTreeMap::new();
+        for id in &decoding {
+            by_tenant.entry(self.seqs[id].tenant).or_default().push(*id);
+        }
+        let mut by_tenant: Vec<(TenantId, Vec<SeqId>)> = by_tenant.into_iter().collect();
+        let turn = self.steps as usize % by_tenant.len();
+        by_tenant.rotate_left(turn);
+        let demands: Vec<usize> = by_tenant.iter().map(|(_, ids)| ids.len()).collect();
+        let weights: Vec<usize> = by_tenant.iter().map(|(t, _)| self.weight(*t)).collect();
+        let shares = fair_shares(cap.max(by_tenant.len()), &demands, &weights);
+        if demands.iter().zip(&shares).all(|(d, s)| d > s) {
+            return (decoding, Vec::new());
+        }
+        let mut chosen = HashSet::new();
+        for ((_, mut ids), share) in by_tenant.into_iter().zip(shares) {
+            // Stable: equal turns keep running order (oldest first).
+            ids.sort_by_key(|id| self.seqs[id].decoded_at);
+            chosen.extend(ids.into_iter().take(share.max(1)));
+        }
+        decoding.into_iter().partition(|id| chosen.contains(id))
+    }
+
+    /// Whether a running sequence decodes (has one token left to compute).
+    pub fn decoding(&self) -> bool {
+        self.running.iter().any(|id| self.remaining(*id) == 1)
+    }
+
+    /// Whether a step's work would slow another tenant's streams: one
+    /// tenant's sequences decode while a different tenant has prompt tokens
+    /// to compute, or two tenants' sequences decode. A tenant alone trades
+    /// its own streams' latency for its prompts' throughput; the step time
+    /// target guards the others.
+    pub fn decoding_beside_others(&self) -> bool {
+        let tenant = |id: &SeqId| self.seqs.get(id).map(|s| s.tenant);
+        let decoding: BTreeSet<TenantId> = (self.running.iter())
+            .filter(|id| self.remaining(**id) == 1)
+            .filter_map(tenant)
+            .collect();
+        let running_prompts = (self.running.iter())
+            .filter(|id| self.remaining(**id) > 1)
+            .filter_map(tenant);
+        let queued = (self.waiting.iter())
+            .filter(|(_, q)| !q.is_empty())
+            .map(|(t, _)| *t);
+        let mut prompting = running_prompts.chain(queued);
+        match decoding.len() {
+            0 => false,
+            1 => prompting.any(|t| !decoding.contains(&t)),
+            _ => true,
+        }
+    }
+
+    /// Running sequences that decode (one token left to compute).
+    pub fn streams(&self) -> usize {
+        (self.running.iter())
+            .filter(|id| self.remaining(**id) == 1)
+            .count()
+    }
+
+    /// What the next step's time target needs to know.
+    pub fn contention(&self) -> Contention {
+        let queued = self.waiting.values().any(|q| !q.is_empty());
+        Contention {
+            competing: self.decoding_beside_others(),
+            streams: self.streams(),
+            prompting: queued || self.running.iter().any(|id| self.remaining(*id) > 1),
+        }
+    }
+}
