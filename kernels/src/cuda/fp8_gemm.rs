@@ -81,8 +81,10 @@ impl Gpu {
         for (out, &rows) in outs.iter_mut().zip(parts) {
             let part = w.bytes.slice(base * stride..(base + rows) * stride);
             let shape = GemmShape { m, n: rows, k };
+            // A part's scales from upload where its slice starts 16-byte
+            // aligned, as cuBLASLt's vectors may need.
             match w.scales {
-                Some(s) if s.len() >= base + rows => {
+                Some(s) if s.len() >= base + rows && base.is_multiple_of(4) => {
                     let s = s.slice(base..base + rows);
                     self.gemm_fp8_rows(&part, &s, xq, xs, out, shape)?;
                 }
