@@ -253,9 +253,69 @@ fn quantized_gemv(gpu: &Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Result<
                     t * 1e6,
                     format!("{g:.0} ({:.0}%)", 100.0 * g / copy),
                 );
+                if m == 1 {
+                    cold_gemv(gpu, &w, &wb, &x, &mut out, &mut scratch, copy)?;
+                }
             }
         }
     }
+    Ok(())
+}
+
+/// One-row products with the weight out of L2 (~50 MB on the H200): each
+/// launch of the timing graph reads the next of enough copies of `w` (and
+/// of its bf16 `wb`) to pass 96 MB, as a decode step's layers do.
+fn cold_gemv(
+    gpu: &Gpu,
+    w: &kiln_kernels::matmul::Weight,
+    wb: &CudaSlice<bf16>,
+    x: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    scratch: &mut kiln_kernels::cuda::GemmScratch,
+    copy: f64,
+) -> Result<(), E> {
+    let s = gpu.stream().clone();
+    let (nn, k) = (w.rows(), w.cols());
+    let copies = |bytes: usize| (96usize << 20).div_ceil(bytes).max(2);
+    let first = gpu.weight(w)?;
+    let n = copies(first.size_bytes());
+    let mut dws = vec![first];
+    for _ in 1..n {
+        dws.push(gpu.weight(w)?);
+    }
+    let nb = copies(wb.len() * 2);
+    let wbs = (0..nb)
+        .map(|_| s.clone_dtod(wb))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (shape, stack) = (
+        GemmShape { m: 1, n: nn, k },
+        StackShape {
+            m: 1,
+            parts: &[nn],
+            k,
+        },
+    );
+    let mut i = 0;
+    let t = time_graph(gpu, 30, || {
+        i += 1;
+        Ok(gpu.matmul(x, &dws[i % n], out, shape, scratch)?)
+    })?;
+    let mut j = 0;
+    let tb = time_graph(gpu, 30, || {
+        j += 1;
+        Ok(gpu.gemv_bf16_parts(x, &wbs[j % nb], &mut [&mut *out], stack)?)
+    })?;
+    let g = dws[0].size_bytes() as f64 / t / 1e9;
+    let gb = (wb.len() * 2) as f64 / tb / 1e9;
+    println!(
+        "{:>10} {:>14}   1 cold: {:.1} us, {g:.0} GB/s ({:.0}%); bf16 {:.1} us, {gb:.0} GB/s ({:.0}%) ({n} and {nb} copies)",
+        "",
+        format!("{nn}x{k}"),
+        t * 1e6,
+        100.0 * g / copy,
+        tb * 1e6,
+        100.0 * gb / copy,
+    );
     Ok(())
 }
 
