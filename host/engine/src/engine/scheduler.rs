@@ -61,7 +61,7 @@ impl StepCaps {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Contention {
     /// Another tenant's streams would be slowed by the step's work
-    /// ([`Scheduler::decoding_beside_others`]).
+    /// ([`Scheduler::contention`] says when).
     pub competing: bool,
     /// Running sequences that decode.
     pub streams: usize,

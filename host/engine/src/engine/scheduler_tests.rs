@@ -252,7 +252,7 @@ fn a_prompt_cap_limits_prompt_tokens_but_never_decodes() {
     for id in 1..=3 {
         s.append_token(id);
     }
-    assert!(s.decoding());
+    assert!(s.contention().streams > 0);
     s.add(9, TenantId(2), 100, Vec::new());
     let caps = StepCaps {
         prompt: 10,

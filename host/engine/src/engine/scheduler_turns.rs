@@ -43,50 +43,45 @@ impl Scheduler {
         decoding.into_iter().partition(|id| chosen.contains(id))
     }
 
-    /// Whether a running sequence decodes (has one token left to compute).
-    pub fn decoding(&self) -> bool {
-        self.running.iter().any(|id| self.remaining(*id) == 1)
-    }
-
-    /// Whether a step's work would slow another tenant's streams: one
-    /// tenant's sequences decode while a different tenant has prompt tokens
-    /// to compute, or two tenants' sequences decode. A tenant alone trades
-    /// its own streams' latency for its prompts' throughput; the step time
-    /// target guards the others.
-    pub fn decoding_beside_others(&self) -> bool {
-        let tenant = |id: &SeqId| self.seqs.get(id).map(|s| s.tenant);
-        let decoding: BTreeSet<TenantId> = (self.running.iter())
-            .filter(|id| self.remaining(**id) == 1)
-            .filter_map(tenant)
-            .collect();
-        let running_prompts = (self.running.iter())
-            .filter(|id| self.remaining(**id) > 1)
-            .filter_map(tenant);
-        let queued = (self.waiting.iter())
-            .filter(|(_, q)| !q.is_empty())
-            .map(|(t, _)| *t);
-        let mut prompting = running_prompts.chain(queued);
-        match decoding.len() {
-            0 => false,
-            1 => prompting.any(|t| !decoding.contains(&t)),
-            _ => true,
-        }
-    }
-
-    /// Running sequences that decode (one token left to compute).
-    pub fn streams(&self) -> usize {
-        (self.running.iter())
-            .filter(|id| self.remaining(**id) == 1)
-            .count()
-    }
-
-    /// What the next step's time target needs to know.
+    /// What the next step's time target needs to know, in one pass over
+    /// the running sequences: a step's work would slow another tenant's
+    /// streams (`competing`) when one tenant's sequences decode while a
+    /// different tenant has prompt tokens to compute, or two tenants'
+    /// sequences decode. A tenant alone trades its own streams' latency for
+    /// its prompts' throughput; the step time target guards the others.
     pub fn contention(&self) -> Contention {
-        let queued = self.waiting.values().any(|q| !q.is_empty());
-        Contention {
-            competing: self.decoding_beside_others(),
-            streams: self.streams(),
-            prompting: queued || self.running.iter().any(|id| self.remaining(*id) > 1),
+        let (mut decoding, mut prompting) = (BTreeSet::new(), BTreeSet::new());
+        let mut streams = 0;
+        for id in &self.running {
+            let Some(s) = self.seqs.get(id) else { continue };
+            match s.len - s.computed {
+                0 => {}
+                1 => {
+                    streams += 1;
+                    decoding.insert(s.tenant);
+                }
+                _ => {
+                    prompting.insert(s.tenant);
+                }
+            }
         }
+        let queued = self.waiting.iter().filter(|(_, q)| !q.is_empty());
+        prompting.extend(queued.map(|(t, _)| *t));
+        let competing = match decoding.len() {
+            0 => false,
+            1 => prompting.iter().any(|t| !decoding.contains(t)),
+            _ => true,
+        };
+        Contention {
+            competing,
+            streams,
+            prompting: !prompting.is_empty(),
+        }
+    }
+
+    /// Whether a step's work would slow another tenant's streams
+    /// ([`Contention::competing`]).
+    pub fn decoding_beside_others(&self) -> bool {
+        self.contention().competing
     }
 }

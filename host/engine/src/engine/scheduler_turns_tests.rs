@@ -84,7 +84,7 @@ fn capped_decodes_go_to_every_tenant_and_take_turns_within_one() {
     // step: tenant 2's stream runs every step, tenant 1's two at a time,
     // each once in three steps, longest unserved first.
     let (mut kv, mut s) = streams(&[6, 1]);
-    assert_eq!(s.streams(), 7);
+    assert_eq!(s.contention().streams, 7);
     let steps: Vec<Vec<SeqId>> = (0..3).map(|_| decode_step(&mut s, &mut kv, 3)).collect();
     assert_eq!(steps, [vec![0, 1, 6], vec![2, 3, 6], vec![4, 5, 6]]);
     assert_eq!(decode_step(&mut s, &mut kv, 3), [0, 1, 6], "round again");

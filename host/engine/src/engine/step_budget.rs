@@ -68,17 +68,18 @@ impl StepBudget {
 
     /// A decode-only step of `streams`, ms, from the model.
     fn decode_ms(&self, streams: usize) -> Option<f64> {
-        let ((mean_ms, mean_n), lone) = (self.decode?, self.lone_ms?);
-        Some(lone + self.per_stream(mean_ms, mean_n, lone) * (streams.max(1) - 1) as f64)
+        Some(self.lone_ms? + self.per_stream()? * (streams.max(1) - 1) as f64)
     }
 
-    /// One more stream's share of a decode step, ms.
-    fn per_stream(&self, mean_ms: f64, mean_n: f64, lone: f64) -> f64 {
-        if mean_n > 1.0 {
+    /// One more stream's share of a decode step, ms: the mean decode step
+    /// past the lone one, over its streams past one.
+    fn per_stream(&self) -> Option<f64> {
+        let ((mean_ms, mean_n), lone) = (self.decode?, self.lone_ms?);
+        Some(if mean_n > 1.0 {
             ((mean_ms - lone) / (mean_n - 1.0)).max(0.0)
         } else {
             0.0
-        }
+        })
     }
 
     /// What the next step may carry: with competing tenants (another's
@@ -98,22 +99,20 @@ impl StepBudget {
         if !competing || self.target <= 1.0 {
             return whole;
         }
-        let (Some((mean_ms, mean_n)), Some(lone), Some(token)) =
-            (self.decode, self.lone_ms, self.token_ms)
+        let (Some(lone), Some(per), Some(token)) = (self.lone_ms, self.per_stream(), self.token_ms)
         else {
             return whole;
         };
         let limit = self.target * lone;
         let floor = MIN_PROMPT_TOKENS.min(self.max);
         let kept = if prompting { floor as f64 * token } else { 0.0 };
-        let per = self.per_stream(mean_ms, mean_n, lone);
         let decodes = if per > 0.0 {
             let room = limit - lone - kept;
             ((room.max(0.0) / per) as usize).saturating_add(1)
         } else {
             usize::MAX
         };
-        let spent = lone + per * (streams.min(decodes).max(1) - 1) as f64;
+        let spent = self.decode_ms(streams.min(decodes)).unwrap_or(lone);
         let prompt = if token > 0.0 {
             (((limit - spent) / token).max(0.0) as usize).clamp(floor, self.max)
         } else {
