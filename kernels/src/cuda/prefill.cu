@@ -58,8 +58,8 @@ struct PmTile {
     float ks[PM_BN], vs[PM_BN];
 };
 
-// Keys k0..k0+PM_BN-1 of (table, kvh): 16-byte global pieces, zeros past
-// maxlen. bf16 pages go straight to shared memory by cp.async (one group
+// Keys k0..k0+PM_BN-1 of (table, kvh), pages of 1 << psh keys: 16-byte
+// global pieces, zeros past maxlen. bf16 pages go straight to shared memory by cp.async (one group
 // committed); fp8 pages land in a thread's registers (PmFetch) and go to
 // shared memory as f16 with pm_put, their scales times `mul` beside them
 // (a null scale buffer is the static format's 1).
@@ -74,7 +74,7 @@ struct PmFetch {
 template <bool FP8, int HD, int W>
 __device__ __forceinline__ void pm_fetch(PmFetch<FP8, HD, W>& f, const unsigned char* base,
                                          const float* scales, const int* table, int k0,
-                                         int maxlen, int kvh, int kv_heads, int ps, float mul) {
+                                         int maxlen, int kvh, int kv_heads, int psh, float mul) {
     constexpr int CH = PmFetch<FP8, HD, W>::CH;
 #pragma unroll
     for (int i = 0; i < PmFetch<FP8, HD, W>::N; i++) {
@@ -83,7 +83,7 @@ __device__ __forceinline__ void pm_fetch(PmFetch<FP8, HD, W>& f, const unsigned 
         f.raw[i] = make_uint4(0, 0, 0, 0);
         f.sc[i] = 0.0f;
         if (x < PM_BN * CH && key < maxlen) {
-            size_t vec = kv_vec(table[key / ps], key % ps, kvh, kv_heads, ps);
+            size_t vec = kv_vec(table[key >> psh], key & ((1 << psh) - 1), kvh, kv_heads, 1 << psh);
             f.raw[i] = *(const uint4*)(base + vec * HD + c * 16);
             if (c == 0) f.sc[i] = scales ? scales[vec] * mul : 1.0f;
         }
@@ -116,19 +116,27 @@ __device__ __forceinline__ void pm_put(const PmFetch<FP8, HD, W>& f, unsigned sh
 template <int HD, int W>
 __device__ __forceinline__ void pm_copy(unsigned short (*dst)[HD + 8], const unsigned char* base,
                                         const int* table, int k0, int maxlen, int kvh,
-                                        int kv_heads, int ps) {
+                                        int kv_heads, int psh) {
     constexpr int CH = HD / 8;
     for (int x = threadIdx.x; x < PM_BN * CH; x += 32 * W) {
         int j = x / CH, c = x % CH, key = k0 + j;
         uint4* d = (uint4*)&dst[j][c * 8];
         if (key < maxlen) {
-            size_t vec = kv_vec(table[key / ps], key % ps, kvh, kv_heads, ps);
+            size_t vec = kv_vec(table[key >> psh], key & ((1 << psh) - 1), kvh, kv_heads, 1 << psh);
             cp_async<16>(d, base + (vec * HD + c * 8) * 2);
         } else {
             d[0] = make_uint4(0, 0, 0, 0);
         }
     }
     cp_commit();
+}
+
+// 2^x in one MUFU instruction (2^-inf = 0); exp2f adds range handling
+// that scores never need.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 __device__ __forceinline__ float quad_max(float v) {
@@ -146,6 +154,7 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
                             const float* vs, const int* tables, const int* table_off,
                             const int* lens, const int* tiles, float* out, int n_heads,
                             int kv_heads, int group, int ps, float scale) {
+    const int psh = __ffs(ps) - 1;  // pages of a power of two (checked by the host)
     constexpr int KSTEPS = HD / 16;  // k-steps of Q K^T
     constexpr int ONT = HD / 8;      // n-tiles of O
     constexpr int SNT = PM_BN / 8;   // n-tiles of S
@@ -164,13 +173,13 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
     const float vmul = FP8 && vs ? FP8_MAX : 1.0f;
     PmFetch<FP8, HD, W> pf;
     if (FP8) {
-        pm_fetch<FP8, HD, W>(pf, kb, ks, table, 0, maxlen, kvh, kv_heads, ps, 1.0f);
+        pm_fetch<FP8, HD, W>(pf, kb, ks, table, 0, maxlen, kvh, kv_heads, psh, 1.0f);
         pm_put<FP8, HD, W>(pf, t.k, t.ks);
-        pm_fetch<FP8, HD, W>(pf, vb, vs, table, 0, maxlen, kvh, kv_heads, ps, vmul);
+        pm_fetch<FP8, HD, W>(pf, vb, vs, table, 0, maxlen, kvh, kv_heads, psh, vmul);
         pm_put<FP8, HD, W>(pf, t.v, t.vs);
     } else {
-        pm_copy<HD, W>(t.k, kb, table, 0, maxlen, kvh, kv_heads, ps);
-        pm_copy<HD, W>(t.v, vb, table, 0, maxlen, kvh, kv_heads, ps);
+        pm_copy<HD, W>(t.k, kb, table, 0, maxlen, kvh, kv_heads, psh);
+        pm_copy<HD, W>(t.v, vb, table, 0, maxlen, kvh, kv_heads, psh);
     }
 
     // This lane's rows (g and g + 8 of the warp's 16), their spans and Q.
@@ -178,9 +187,15 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
     int r0 = warp * 16 + g, r1 = r0 + 8;
     int len0 = r0 < rows ? lens[t0 + r0 / group] : 0;
     int len1 = r1 < rows ? lens[t0 + r1 / group] : 0;
+    // The warp's longest span, and its shortest among real rows: key tiles
+    // wholly below the shortest need no mask.
     int wlen = max(len0, len1);
+    int wmin = min(r0 < rows ? len0 : 0x7fffffff, r1 < rows ? len1 : 0x7fffffff);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) wlen = max(wlen, __shfl_xor_sync(0xffffffff, wlen, o));
+    for (int o = 16; o > 0; o >>= 1) {
+        wlen = max(wlen, __shfl_xor_sync(0xffffffff, wlen, o));
+        wmin = min(wmin, __shfl_xor_sync(0xffffffff, wmin, o));
+    }
     const float* q0 = q + ((size_t)(t0 + r0 / group) * n_heads + kvh * group + r0 % group) * HD;
     const float* q1 = q + ((size_t)(t0 + r1 / group) * n_heads + kvh * group + r1 % group) * HD;
     unsigned qa[KSTEPS][4];
@@ -212,7 +227,7 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
         __syncthreads();
         // fp8 K of tile j + 1 in flight while the scores run.
         if (FP8 && next)
-            pm_fetch<FP8, HD, W>(pf, kb, ks, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps, 1.0f);
+            pm_fetch<FP8, HD, W>(pf, kb, ks, table, k0 + PM_BN, maxlen, kvh, kv_heads, psh, 1.0f);
         float s[SNT][4];
         if (live) {
 #pragma unroll
@@ -230,14 +245,32 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
                 }
             }
             float mx0 = m0, mx1 = m1;
+            if (k0 + PM_BN > wmin) {
+#pragma unroll
+                for (int n = 0; n < SNT; n++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        int col = n * 8 + 2 * tq + e, key = k0 + col;
+                        float f = FP8 ? t.ks[col] * sl2 : sl2;
+                        s[n][e] = key < len0 ? s[n][e] * f : -INFINITY;
+                        s[n][2 + e] = key < len1 ? s[n][2 + e] * f : -INFINITY;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int n = 0; n < SNT; n++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float f = FP8 ? t.ks[n * 8 + 2 * tq + e] * sl2 : sl2;
+                        s[n][e] *= f;
+                        s[n][2 + e] *= f;
+                    }
+                }
+            }
 #pragma unroll
             for (int n = 0; n < SNT; n++) {
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    int col = n * 8 + 2 * tq + e, key = k0 + col;
-                    float f = FP8 ? t.ks[col] * sl2 : sl2;
-                    s[n][e] = key < len0 ? s[n][e] * f : -INFINITY;
-                    s[n][2 + e] = key < len1 ? s[n][2 + e] * f : -INFINITY;
                     mx0 = fmaxf(mx0, s[n][e]);
                     mx1 = fmaxf(mx1, s[n][2 + e]);
                 }
@@ -246,7 +279,7 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
             mx1 = quad_max(mx1);
             // A row with no key yet keeps -inf; exponents then use 0.
             float b0 = mx0 == -INFINITY ? 0.0f : mx0, b1 = mx1 == -INFINITY ? 0.0f : mx1;
-            float c0 = exp2f(m0 - b0), c1 = exp2f(m1 - b1);
+            float c0 = ex2(m0 - b0), c1 = ex2(m1 - b1);
             m0 = mx0;
             m1 = mx1;
             l0 *= c0;
@@ -262,8 +295,8 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
             for (int n = 0; n < SNT; n++) {
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    s[n][e] = exp2f(s[n][e] - b0);
-                    s[n][2 + e] = exp2f(s[n][2 + e] - b1);
+                    s[n][e] = ex2(s[n][e] - b0);
+                    s[n][2 + e] = ex2(s[n][2 + e] - b1);
                     l0 += s[n][e];
                     l1 += s[n][2 + e];
                 }
@@ -273,14 +306,14 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
         if (FP8) {
             if (next) pm_put<FP8, HD, W>(pf, t.k, t.ks);
         } else if (next) {
-            pm_copy<HD, W>(t.k, kb, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps);
+            pm_copy<HD, W>(t.k, kb, table, k0 + PM_BN, maxlen, kvh, kv_heads, psh);
         } else {
             cp_commit();
         }
         if (!FP8) cp_wait<1>();  // V of tile j
         __syncthreads();
         if (FP8 && next)
-            pm_fetch<FP8, HD, W>(pf, vb, vs, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps, vmul);
+            pm_fetch<FP8, HD, W>(pf, vb, vs, table, k0 + PM_BN, maxlen, kvh, kv_heads, psh, vmul);
         if (live) {
 #pragma unroll
             for (int kk = 0; kk < PM_BN / 16; kk++) {
@@ -305,7 +338,7 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
         if (FP8) {
             if (next) pm_put<FP8, HD, W>(pf, t.v, t.vs);
         } else if (next) {
-            pm_copy<HD, W>(t.v, vb, table, k0 + PM_BN, maxlen, kvh, kv_heads, ps);
+            pm_copy<HD, W>(t.v, vb, table, k0 + PM_BN, maxlen, kvh, kv_heads, psh);
         } else {
             cp_commit();
         }
