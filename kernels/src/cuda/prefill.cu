@@ -56,6 +56,7 @@ struct PmTile {
     unsigned short k[PM_BN][HD + 8];
     unsigned short v[PM_BN][HD + 8];
     float ks[PM_BN], vs[PM_BN];
+    int vec[PM_BN];  // bf16 pages: the next key tile's vectors (-1 past the end)
 };
 
 // Keys k0..k0+PM_BN-1 of (table, kvh), pages of 1 << psh keys: 16-byte
@@ -113,20 +114,34 @@ __device__ __forceinline__ void pm_put(const PmFetch<FP8, HD, W>& f, unsigned sh
     }
 }
 
+// The vector index of each key of the tile at k0 (-1 past maxlen): one
+// page lookup a key, which both K's and V's copies read.
+template <int W>
+__device__ __forceinline__ void pm_vecs(int* vec, const int* table, int k0, int maxlen, int kvh,
+                                        int kv_heads, int psh) {
+    for (int j = threadIdx.x; j < PM_BN; j += 32 * W) {
+        int key = k0 + j;
+        vec[j] = key < maxlen
+                     ? (int)kv_vec(table[key >> psh], key & ((1 << psh) - 1), kvh, kv_heads, 1 << psh)
+                     : -1;
+    }
+}
+
 template <int HD, int W>
 __device__ __forceinline__ void pm_copy(unsigned short (*dst)[HD + 8], const unsigned char* base,
-                                        const int* table, int k0, int maxlen, int kvh,
-                                        int kv_heads, int psh) {
+                                        const int* vec) {
     constexpr int CH = HD / 8;
-    for (int x = threadIdx.x; x < PM_BN * CH; x += 32 * W) {
-        int j = x / CH, c = x % CH, key = k0 + j;
+    constexpr int N = PM_BN * CH / (32 * W);
+    static_assert(PM_BN * CH % (32 * W) == 0, "whole pieces a thread");
+#pragma unroll 2
+    for (int i = 0; i < N; i++) {
+        int x = threadIdx.x + i * 32 * W;
+        int j = x / CH, c = x % CH, v = vec[j];
         uint4* d = (uint4*)&dst[j][c * 8];
-        if (key < maxlen) {
-            size_t vec = kv_vec(table[key >> psh], key & ((1 << psh) - 1), kvh, kv_heads, 1 << psh);
-            cp_async<16>(d, base + (vec * HD + c * 8) * 2);
-        } else {
+        if (v >= 0)
+            cp_async<16>(d, base + ((size_t)v * HD + c * 8) * 2);
+        else
             d[0] = make_uint4(0, 0, 0, 0);
-        }
     }
     cp_commit();
 }
@@ -178,8 +193,10 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
         pm_fetch<FP8, HD, W>(pf, vb, vs, table, 0, maxlen, kvh, kv_heads, psh, vmul);
         pm_put<FP8, HD, W>(pf, t.v, t.vs);
     } else {
-        pm_copy<HD, W>(t.k, kb, table, 0, maxlen, kvh, kv_heads, psh);
-        pm_copy<HD, W>(t.v, vb, table, 0, maxlen, kvh, kv_heads, psh);
+        pm_vecs<W>(t.vec, table, 0, maxlen, kvh, kv_heads, psh);
+        __syncthreads();
+        pm_copy<HD, W>(t.k, kb, t.vec);
+        pm_copy<HD, W>(t.v, vb, t.vec);
     }
 
     // This lane's rows (g and g + 8 of the warp's 16), their spans and Q.
@@ -225,7 +242,9 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
         bool live = k0 < wlen;  // some row of this warp sees a key here
         if (!FP8) cp_wait<1>();  // K of tile j
         __syncthreads();
-        // fp8 K of tile j + 1 in flight while the scores run.
+        // bf16: the next tile's page lookups (every thread has issued this
+        // tile's copies); fp8: its K in flight while the scores run.
+        if (!FP8 && next) pm_vecs<W>(t.vec, table, k0 + PM_BN, maxlen, kvh, kv_heads, psh);
         if (FP8 && next)
             pm_fetch<FP8, HD, W>(pf, kb, ks, table, k0 + PM_BN, maxlen, kvh, kv_heads, psh, 1.0f);
         float s[SNT][4];
@@ -306,7 +325,7 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
         if (FP8) {
             if (next) pm_put<FP8, HD, W>(pf, t.k, t.ks);
         } else if (next) {
-            pm_copy<HD, W>(t.k, kb, table, k0 + PM_BN, maxlen, kvh, kv_heads, psh);
+            pm_copy<HD, W>(t.k, kb, t.vec);
         } else {
             cp_commit();
         }
@@ -338,7 +357,7 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
         if (FP8) {
             if (next) pm_put<FP8, HD, W>(pf, t.v, t.vs);
         } else if (next) {
-            pm_copy<HD, W>(t.v, vb, table, k0 + PM_BN, maxlen, kvh, kv_heads, psh);
+            pm_copy<HD, W>(t.v, vb, t.vec);
         } else {
             cp_commit();
         }
