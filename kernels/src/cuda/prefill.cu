@@ -114,17 +114,21 @@ __device__ __forceinline__ void pm_put(const PmFetch<FP8, HD, W>& f, unsigned sh
     }
 }
 
-// The vector index of each key of the tile at k0 (-1 past maxlen): one
-// page lookup a key, which both K's and V's copies read.
-template <int W>
-__device__ __forceinline__ void pm_vecs(int* vec, const int* table, int k0, int maxlen, int kvh,
-                                        int kv_heads, int psh) {
-    for (int j = threadIdx.x; j < PM_BN; j += 32 * W) {
-        int key = k0 + j;
-        vec[j] = key < maxlen
-                     ? (int)kv_vec(table[key >> psh], key & ((1 << psh) - 1), kvh, kv_heads, 1 << psh)
-                     : -1;
-    }
+// The page of key k0 + threadIdx.x (-1 past maxlen or for threads past
+// the tile), loaded ahead so its latency hides behind the scores.
+__device__ __forceinline__ int pm_page(const int* table, int k0, int maxlen, int psh) {
+    int key = k0 + threadIdx.x;
+    return threadIdx.x < PM_BN && key < maxlen ? table[key >> psh] : -1;
+}
+
+// The vector index of each key of the tile at k0 from its page (-1 past
+// maxlen), which both K's and V's copies read: one lookup a key.
+__device__ __forceinline__ void pm_vecs(int* vec, int page, int k0, int kvh, int kv_heads,
+                                        int psh) {
+    int key = k0 + threadIdx.x;
+    if (threadIdx.x < PM_BN)
+        vec[threadIdx.x] =
+            page >= 0 ? (int)kv_vec(page, key & ((1 << psh) - 1), kvh, kv_heads, 1 << psh) : -1;
 }
 
 template <int HD, int W>
@@ -193,7 +197,7 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
         pm_fetch<FP8, HD, W>(pf, vb, vs, table, 0, maxlen, kvh, kv_heads, psh, vmul);
         pm_put<FP8, HD, W>(pf, t.v, t.vs);
     } else {
-        pm_vecs<W>(t.vec, table, 0, maxlen, kvh, kv_heads, psh);
+        pm_vecs(t.vec, pm_page(table, 0, maxlen, psh), 0, kvh, kv_heads, psh);
         __syncthreads();
         pm_copy<HD, W>(t.k, kb, t.vec);
         pm_copy<HD, W>(t.v, vb, t.vec);
@@ -242,9 +246,10 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
         bool live = k0 < wlen;  // some row of this warp sees a key here
         if (!FP8) cp_wait<1>();  // K of tile j
         __syncthreads();
-        // bf16: the next tile's page lookups (every thread has issued this
-        // tile's copies); fp8: its K in flight while the scores run.
-        if (!FP8 && next) pm_vecs<W>(t.vec, table, k0 + PM_BN, maxlen, kvh, kv_heads, psh);
+        // bf16: the next tile's pages in flight while the scores run (into
+        // t.vec before the barrier below; every thread has issued this
+        // tile's copies); fp8: its K.
+        int page = !FP8 && next ? pm_page(table, k0 + PM_BN, maxlen, psh) : -1;
         if (FP8 && next)
             pm_fetch<FP8, HD, W>(pf, kb, ks, table, k0 + PM_BN, maxlen, kvh, kv_heads, psh, 1.0f);
         float s[SNT][4];
@@ -321,6 +326,7 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
                 }
             }
         }
+        if (!FP8 && next) pm_vecs(t.vec, page, k0 + PM_BN, kvh, kv_heads, psh);
         __syncthreads();  // every warp is done with K of tile j
         if (FP8) {
             if (next) pm_put<FP8, HD, W>(pf, t.k, t.ks);
