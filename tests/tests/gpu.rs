@@ -427,7 +427,10 @@ fn the_bf16_mlp_gives_the_logits_of_the_f32_mlp() {
     // gate/up product rounded to bf16 is one more rounding a layer; the
     // bound is the skinny GEMM's.
     kernels_agree(
-        |c| c,
+        |c| EngineConfig {
+            cuda_bf16_mlp: false,
+            ..c
+        },
         |c| EngineConfig {
             cuda_bf16_mlp: true,
             ..c

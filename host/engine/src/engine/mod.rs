@@ -79,8 +79,9 @@ pub struct EngineConfig {
     /// On CUDA: bf16 products of 2-8 rows run the skinny GEMM instead of
     /// cuBLAS.
     pub cuda_skinny: bool,
-    /// On CUDA: warps a block of prefill attention takes (4 or 8).
-    pub prefill_warps: usize,
+    /// On CUDA: warps a block of prefill attention takes (4 or 8); `None`
+    /// picks by page format ([`default_prefill_warps`]).
+    pub prefill_warps: Option<usize>,
     /// On CUDA: prefill steps of bf16 models run the MLP in bf16 (the
     /// gate/up product rounded to bf16, as PyTorch's bf16 models do).
     pub cuda_bf16_mlp: bool,
@@ -100,9 +101,21 @@ impl Default for EngineConfig {
             device_sampling: true,
             tensor_prefill: true,
             cuda_skinny: true,
-            prefill_warps: 4,
-            cuda_bf16_mlp: false,
+            prefill_warps: None,
+            cuda_bf16_mlp: true,
         }
+    }
+}
+
+/// Warps a block of prefill attention takes when none is asked for. On
+/// the H200 (perf.md, session 17) fp8 pages gain from 8 (190 against 142
+/// TFLOP/s: one block an SM hides the dequantization behind twice the
+/// query rows), bf16 pages are even (203 against 210) and a short
+/// prompt's fewer, larger blocks lose (172 against 161), so they keep 4.
+pub fn default_prefill_warps(kv_format: KvFormat) -> usize {
+    match kv_format {
+        KvFormat::Bf16 => 4,
+        _ => 8,
     }
 }
 
@@ -210,7 +223,9 @@ impl Engine {
                 fold: config.cuda_fold,
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,
-                prefill_warps: config.prefill_warps,
+                prefill_warps: config
+                    .prefill_warps
+                    .unwrap_or_else(|| default_prefill_warps(config.kv_format)),
                 bf16_mlp: config.cuda_bf16_mlp,
             },
         )?;
