@@ -153,20 +153,21 @@ prefill)
     mkdir -p "$out"
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
     # With .gpu carried too, the attention parity tests run first and a
-    # failure stops the call. Each shape runs with the tensor-core kernel
-    # in blocks of 4 and of 8 warps (PREFILL_MODES overrides the list;
-    # per-token is one decode-attention query per token, mlp16 the bf16
-    # MLP).
+    # failure stops the call. Each shape runs with the defaults (tensor),
+    # and blocks of 4 or 8 warps asked for (PREFILL_MODES overrides the
+    # list; per-token is one decode-attention query per token, mlp32 the
+    # f32 MLP).
     if [ -x .gpu/parity ]; then
         KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 attention 2>&1 | tee "$out/parity.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "parity tests FAILED: no benchmark"; exit 1; }
     fi
     set +e
-    for mode in ${PREFILL_MODES:-tensor tensor8}; do
+    for mode in ${PREFILL_MODES:-tensor tensor4 tensor8}; do
         flag=""
         [ "$mode" = per-token ] && flag="--tensor-prefill off"
+        [ "$mode" = tensor4 ] && flag="--prefill-warps 4"
         [ "$mode" = tensor8 ] && flag="--prefill-warps 8"
-        [ "$mode" = mlp16 ] && flag="--cuda-bf16-mlp on"
+        [ "$mode" = mlp32 ] && flag="--cuda-bf16-mlp off"
         for case in "1,8,32 --prompt-tokens 1024" "1 --prompt-tokens 4096"; do
             echo "== prefill attention: $mode" | tee -a "$out/kiln-prefill.log"
             # shellcheck disable=SC2086
@@ -224,13 +225,25 @@ neighbour)
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
     export ALONE_S="${ALONE_S:-10}" BURST_S="${BURST_S:-20}"
     for server in ${SERVERS:-.gpu-bench/kiln}; do
-        for target in ${TARGETS:-0 2}; do
+        for target in ${TARGETS:-0 1.8}; do
             echo "== $server --step-target $target" | tee -a "$out/neighbour.log"
             timeout 150 python3 scripts/noisy_neighbour.py "$server" .gpu-bench/kiln big synthetic:llama-3-8b \
                 --device cuda --kv fp8-static --kv-memory 16GiB --step-target "$target" 2>&1 |
                 grep -v INFO | tee -a "$out/neighbour.log"
         done
     done
+    ;;
+clients)
+    # Output tok/s and TTFT through the API at 1-256 clients (1024-token
+    # prompts, 256 generated), fp8-static pages with room for 256 such
+    # requests (carry .gpu-bench; CLIENTS, DURATION_S override).
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    timeout "${CLIENTS_TIMEOUT:-400}" python3 scripts/clients.py .gpu-bench/kiln .gpu-bench/kiln big \
+        synthetic:llama-3-8b --device cuda --kv fp8-static --kv-memory 24GiB 2>&1 |
+        grep -v INFO | tee "$out/clients.log"
+    exit "${PIPESTATUS[0]}"
     ;;
 profile)
     # Nsight Compute on one kernel's first launch in `cuda_bench` (carry
@@ -320,7 +333,7 @@ ab)
     exit "$same"
     ;;
 *)
-    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | prefill | weights | skinny | neighbour | shutdown | profile REGEX [SECTION...]" >&2
+    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | prefill | weights | skinny | neighbour | clients | shutdown | profile REGEX [SECTION...]" >&2
     exit 2
     ;;
 esac

@@ -2,9 +2,11 @@
 (shutdown_check.py, noisy_neighbour.py): a fresh data directory, a free
 port, the log in the data directory, and a wait until the port answers."""
 
+import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -36,3 +38,37 @@ class Server:
     def log_text(self):
         """The server's log so far."""
         return open(os.path.join(self.data, "server.log"), errors="replace").read()
+
+
+def start_from_argv(admin):
+    """Starts the server of `SCRIPT SERVER LOADGEN NAME SOURCE [serve
+    args...]` and waits for it; returns it with the loadgen binary and the
+    model's name, or exits with the server's log."""
+    server, loadgen, model, source, serve_args = (
+        sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
+    srv = Server(server, admin, model, source, serve_args)
+    if srv.up_s is None:
+        print(srv.log_text()[-3000:])
+        raise SystemExit("the server did not come up")
+    print(f"{server}: up in {srv.up_s:.1f} s", flush=True)
+    return srv, loadgen, model
+
+
+def call(port, admin, method, path, body):
+    """One admin API call (JSON in and out); exits on an error status."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    data = json.dumps(body).encode()
+    s.sendall(
+        f"{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {admin}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(data)}\r\n"
+        f"connection: close\r\n\r\n".encode() + data
+    )
+    reply = b""
+    while chunk := s.recv(65536):
+        reply += chunk
+    s.close()
+    head, rest = reply.split(b"\r\n\r\n", 1)
+    status = int(head.split(b" ")[1])
+    if status >= 300:
+        raise SystemExit(f"{method} {path}: {status} {rest[:300]!r}")
+    return json.loads(rest) if rest.strip() else {}

@@ -12,14 +12,11 @@ The server is stopped with SIGTERM.
     scripts/noisy_neighbour.py SERVER LOADGEN NAME SOURCE [serve args...]
 """
 
-import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 
-from kiln_serve import Server
+from kiln_serve import call, start_from_argv
 
 ADMIN = "noisy-neighbour-admin"
 ALONE_S = int(os.environ.get("ALONE_S", "20"))
@@ -28,36 +25,11 @@ A_LOAD = os.environ.get("A_LOAD", "clients=200,prompt=1024,max=256")
 B_LOAD = os.environ.get("B_LOAD", "prompt=512,max=64")
 
 
-def call(port, method, path, body):
-    s = socket.create_connection(("127.0.0.1", port), timeout=60)
-    data = json.dumps(body).encode()
-    s.sendall(
-        f"{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {ADMIN}\r\n"
-        f"content-type: application/json\r\ncontent-length: {len(data)}\r\n"
-        f"connection: close\r\n\r\n".encode() + data
-    )
-    reply = b""
-    while chunk := s.recv(65536):
-        reply += chunk
-    s.close()
-    head, rest = reply.split(b"\r\n\r\n", 1)
-    status = int(head.split(b" ")[1])
-    if status >= 300:
-        raise SystemExit(f"{method} {path}: {status} {rest[:300]!r}")
-    return json.loads(rest) if rest.strip() else {}
-
-
 def main():
-    server, loadgen, model, source, serve_args = (
-        sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
-    srv = Server(server, ADMIN, model, source, serve_args)
-    if srv.up_s is None:
-        print(srv.log_text()[-3000:])
-        raise SystemExit("the server did not come up")
-    print(f"{server}: up in {srv.up_s:.1f} s", flush=True)
+    srv, loadgen, model = start_from_argv(ADMIN)
     port, proc = srv.port, srv.proc
-    keys = {t: call(port, "POST", "/v1/tenants", {"name": t})["api_key"] for t in ("a", "b")}
-    call(port, "PUT", "/v1/tenants/a/policy", {"max_concurrent": 256})
+    keys = {t: call(port, ADMIN, "POST", "/v1/tenants", {"name": t})["api_key"] for t in ("a", "b")}
+    call(port, ADMIN, "PUT", "/v1/tenants/a/policy", {"max_concurrent": 256})
     url = f"http://127.0.0.1:{port}"
     b = f"b={keys['b']},{B_LOAD}"
     a = f"a={keys['a']},{A_LOAD}"

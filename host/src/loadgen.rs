@@ -163,11 +163,18 @@ pub struct LoadArgs {
     /// end finish and count).
     #[arg(long, default_value_t = 30.0)]
     pub duration_s: f64,
+    /// Seconds at the start whose requests are not counted, so the report
+    /// is of the steady state rather than the first burst (with N clients,
+    /// the first N prompts all arrive at once).
+    #[arg(long, default_value_t = 0.0)]
+    pub warmup_s: f64,
 }
 
 /// One request's measurements.
 #[derive(Debug, Default, Clone)]
 struct Sample {
+    /// When the request was sent, seconds from the run's start.
+    started_s: f64,
     ttft_ms: f64,
     itl_ms: Vec<f64>,
     tokens: u64,
@@ -235,7 +242,12 @@ struct Request<'a> {
 }
 
 /// One streamed completion, timed.
-async fn one(http: &reqwest::Client, args: &LoadArgs, r: Request<'_>) -> anyhow::Result<Sample> {
+async fn one(
+    http: &reqwest::Client,
+    args: &LoadArgs,
+    run_start: Instant,
+    r: Request<'_>,
+) -> anyhow::Result<Sample> {
     let body = json!({
         "model": args.model,
         "prompt": prompt(&r.tag, r.words),
@@ -254,6 +266,7 @@ async fn one(http: &reqwest::Client, args: &LoadArgs, r: Request<'_>) -> anyhow:
         );
     }
     let (mut sample, mut last, mut buf) = (Sample::default(), None::<Instant>, Vec::new());
+    sample.started_s = (start - run_start).as_secs_f64();
     while let Some(chunk) = resp.chunk().await? {
         buf.extend_from_slice(&chunk);
         while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
@@ -341,6 +354,7 @@ struct Run {
     args: LoadArgs,
     per_word: f64,
     fixed: f64,
+    start: Instant,
     deadline: Instant,
 }
 
@@ -372,7 +386,11 @@ impl Run {
         while Instant::now() < self.deadline {
             n += 1;
             let r = self.request(t, (ti, c, n), &mut rng);
-            if !record(&mut got, &t.name, one(&self.http, &self.args, r).await) {
+            if !record(
+                &mut got,
+                &t.name,
+                one(&self.http, &self.args, self.start, r).await,
+            ) {
                 // A failing client does not spin.
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -402,7 +420,13 @@ impl Run {
             flying.push(tokio::spawn(async move {
                 let mut draw = draw;
                 let t = &run.args.tenants[ti];
-                let result = one(&run.http, &run.args, run.request(t, id, &mut draw)).await;
+                let result = one(
+                    &run.http,
+                    &run.args,
+                    run.start,
+                    run.request(t, id, &mut draw),
+                )
+                .await;
                 drop(slot);
                 result
             }));
@@ -417,6 +441,12 @@ impl Run {
 
 /// Runs the load and reports per tenant, in the order given.
 pub async fn run(args: LoadArgs) -> anyhow::Result<Vec<TenantReport>> {
+    anyhow::ensure!(
+        (0.0..args.duration_s).contains(&args.warmup_s),
+        "--warmup-s {} leaves nothing to count: it must be at least 0 and below --duration-s {}",
+        args.warmup_s,
+        args.duration_s
+    );
     let http = reqwest::Client::builder().build()?;
     let (per_word, fixed) = prompt_size(&http, &args).await?;
     let start = Instant::now();
@@ -426,6 +456,7 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Vec<TenantReport>> {
         args,
         per_word,
         fixed,
+        start,
         deadline,
     });
     let mut tasks = Vec::new();
@@ -450,28 +481,44 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Vec<TenantReport>> {
         per[ti].1 += errors;
     }
     let secs = start.elapsed().as_secs_f64();
+    let warmup_s = run.args.warmup_s;
     Ok(run
         .args
         .tenants
         .iter()
         .zip(per)
-        .map(|(t, (samples, errors))| {
-            let mut ttft: Vec<f64> = samples.iter().map(|s| s.ttft_ms).collect();
-            let mut itl: Vec<f64> = samples.iter().flat_map(|s| s.itl_ms.clone()).collect();
-            ttft.sort_by(f64::total_cmp);
-            itl.sort_by(f64::total_cmp);
-            TenantReport {
-                name: t.name.clone(),
-                requests: samples.len(),
-                errors,
-                output_tok_s: samples.iter().map(|s| s.tokens).sum::<u64>() as f64 / secs,
-                prompt_tokens_mean: samples.iter().map(|s| s.prompt_tokens).sum::<u64>() as f64
-                    / samples.len().max(1) as f64,
-                ttft_ms: [quantile(&ttft, 0.5), quantile(&ttft, 0.95)],
-                itl_ms: [quantile(&itl, 0.5), quantile(&itl, 0.95)],
-            }
-        })
+        .map(|(t, (samples, errors))| report(&t.name, samples, errors, secs, warmup_s))
         .collect())
+}
+
+/// One tenant's report over a run of `secs` seconds, counting only the
+/// requests sent from `warmup_s` on (and the tokens over that window).
+fn report(
+    name: &str,
+    samples: Vec<Sample>,
+    errors: usize,
+    secs: f64,
+    warmup_s: f64,
+) -> TenantReport {
+    let samples: Vec<Sample> = samples
+        .into_iter()
+        .filter(|s| s.started_s >= warmup_s)
+        .collect();
+    let mut ttft: Vec<f64> = samples.iter().map(|s| s.ttft_ms).collect();
+    let mut itl: Vec<f64> = samples.iter().flat_map(|s| s.itl_ms.clone()).collect();
+    ttft.sort_by(f64::total_cmp);
+    itl.sort_by(f64::total_cmp);
+    TenantReport {
+        name: name.to_string(),
+        requests: samples.len(),
+        errors,
+        output_tok_s: samples.iter().map(|s| s.tokens).sum::<u64>() as f64
+            / (secs - warmup_s).max(1e-9),
+        prompt_tokens_mean: samples.iter().map(|s| s.prompt_tokens).sum::<u64>() as f64
+            / samples.len().max(1) as f64,
+        ttft_ms: [quantile(&ttft, 0.5), quantile(&ttft, 0.95)],
+        itl_ms: [quantile(&itl, 0.5), quantile(&itl, 0.95)],
+    }
 }
 
 /// The report as a table.
@@ -564,6 +611,25 @@ mod tests {
         let seen: std::collections::BTreeSet<usize> = (0..200).map(|_| l.draw(&mut rng)).collect();
         assert_eq!(seen.into_iter().collect::<Vec<_>>(), [10, 11, 12, 13]);
         assert_eq!(Lengths::fixed(7).draw(&mut rng), 7);
+    }
+
+    #[test]
+    fn requests_sent_during_the_warm_up_are_not_counted() {
+        let sample = |started_s, ttft_ms| Sample {
+            started_s,
+            ttft_ms,
+            itl_ms: vec![10.0],
+            tokens: 100,
+            prompt_tokens: 8,
+        };
+        let burst = vec![sample(0.0, 3000.0), sample(0.0, 2900.0), sample(6.0, 200.0)];
+        let all = report("t", burst.clone(), 0, 20.0, 0.0);
+        assert_eq!((all.requests, all.ttft_ms[1]), (3, 3000.0));
+        assert_eq!(all.output_tok_s, 300.0 / 20.0);
+        let steady = report("t", burst, 1, 20.0, 5.0);
+        assert_eq!((steady.requests, steady.errors), (1, 1));
+        assert_eq!(steady.ttft_ms, [200.0, 200.0]);
+        assert_eq!(steady.output_tok_s, 100.0 / 15.0);
     }
 
     #[test]

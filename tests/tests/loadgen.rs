@@ -23,6 +23,7 @@ async fn loadgen_reports_each_tenants_tokens_and_latencies() {
             "c=not-a-key,max=2".parse().unwrap(),
         ],
         duration_s: 2.0,
+        warmup_s: 0.0,
     };
     let reports = loadgen::run(args).await.unwrap();
     let names: Vec<_> = reports.iter().map(|r| r.name.as_str()).collect();
