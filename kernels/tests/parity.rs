@@ -299,6 +299,32 @@ fn decode_products_with_the_norm_folded_in_match_float64() {
     }
 }
 
+/// `m` random rows times `w` (whose values are `rows`) on `be` against
+/// float64, within the tolerance of `be` for the weight's format.
+fn product_within_tolerance(
+    be: &dyn Backend,
+    r: &mut ChaCha8Rng,
+    w: &Weight,
+    rows: &[f32],
+    m: usize,
+) {
+    let (dtype, n, k) = (w.dtype(), w.rows(), w.cols());
+    let x = random(r, m * k, 1.0);
+    let read = activations_read(&be.name(), dtype, m, &x);
+    let want = product64(&read, m, rows, n);
+    let mut out = vec![f32::NAN; m * n];
+    be.matmul_weight(&x, m, w, &mut out).unwrap();
+    let e = rel_err(&out, &want);
+    let tol = quantized_tolerance(&be.name(), dtype, n, m);
+    assert!(e < tol, "{} {dtype:?} n={n} m={m}: rel err {e}", be.name());
+}
+
+/// A random `n x k` weight quantized as `dtype`.
+fn random_weight(r: &mut ChaCha8Rng, dtype: DType, n: usize, k: usize) -> Weight {
+    let values = random(r, n * k, 0.5);
+    Weight::from_bytes(dtype, n, k, quant::quantize_rows(dtype, k, &values)).unwrap()
+}
+
 /// Every value of `w`, row-major.
 fn values_of(w: &Weight) -> Vec<f32> {
     let mut rows = vec![0.0f32; w.rows() * w.cols()];
@@ -396,27 +422,14 @@ fn block_quantized_matmul_and_embedding_match_float64() {
         (DType::Fp8Row, 200),
     ];
     for (dtype, n) in types {
-        let w = Weight::from_bytes(
-            dtype,
-            n,
-            k,
-            quant::quantize_rows(dtype, k, &random(&mut r, n * k, 0.5)),
-        )
-        .unwrap();
+        let w = random_weight(&mut r, dtype, n, k);
         let rows = values_of(&w);
         // On CUDA m <= 8 reads the blocks in the GEMVs; int4 tiles take 12,
         // 20 and 64 in their tensor-core GEMM (one strip a block, then
         // two), 70 dequantized for cuBLAS; FP8 rows above one row go to the
         // W8A8 GEMM.
         for m in [1, 5, 8, 12, 20, 64, 70] {
-            let x = random(&mut r, m * k, 1.0);
-            let read = activations_read(&be.name(), dtype, m, &x);
-            let want = product64(&read, m, &rows, n);
-            let mut out = vec![f32::NAN; m * n];
-            be.matmul_weight(&x, m, &w, &mut out).unwrap();
-            let e = rel_err(&out, &want);
-            let tol = quantized_tolerance(&be.name(), dtype, n, m);
-            assert!(e < tol, "{} {dtype:?} n={n} m={m}: rel err {e}", be.name());
+            product_within_tolerance(be.as_ref(), &mut r, &w, &rows, m);
         }
         let ids: Vec<u32> = (0..7).map(|_| r.random_range(0..n as u32)).collect();
         let mut out = vec![f32::NAN; ids.len() * k];
@@ -431,6 +444,26 @@ fn block_quantized_matmul_and_embedding_match_float64() {
             "{} {dtype:?} embedding",
             be.name()
         );
+    }
+}
+
+#[test]
+fn long_quantized_rows_match_float64_through_every_load_loop() {
+    // FP8 rows of 4128: two whole rounds of four 16-byte loads a lane in
+    // the one-row GEMV, then a tail two lanes take. Int4 rows of 4096: 32
+    // and 64 groups, so each warp of the one-row GEMV takes two groups at
+    // a time, twice or more.
+    let (be, mut r) = (backend(), rng());
+    for (dtype, n, k) in [
+        (DType::Fp8Row, 72, 4128),
+        (DType::Int4G128, 48, 4096),
+        (DType::Int4G64, 48, 4096),
+    ] {
+        let w = random_weight(&mut r, dtype, n, k);
+        let rows = values_of(&w);
+        for m in [1, 3] {
+            product_within_tolerance(be.as_ref(), &mut r, &w, &rows, m);
+        }
     }
 }
 

@@ -143,7 +143,10 @@ impl Gpu {
                     return self.gemm_fp8_parts(x, w, outs, shape, fp8_scratch);
                 }
                 if m <= GEMV_MAX_M {
-                    let f = self.function(&format!("gemv_{}", kernel_suffix(*dtype)?))?;
+                    // One FP8 row has its own entry point (fewer registers,
+                    // one wave).
+                    let one = if fp8 && m == 1 { "_1" } else { "" };
+                    let f = self.function(&format!("gemv_{}{one}", kernel_suffix(*dtype)?))?;
                     let o = self.out_ptrs(outs, parts);
                     let (mi, ki) = (m as i32, k as i32);
                     let mut b = self.stream.launch_builder(f);

@@ -48,6 +48,22 @@ extern "C" __global__ void int4_xfrag(const float* x, __nv_bfloat16* frag, int M
     if (lane == 0) sx[(size_t)m * (K / G) + grp] = sum;
 }
 
+// A lane's pointers into strip `strip` of an N x K int4 matrix of NG
+// groups a row: its 16-byte piece of the strip's first tile, and the
+// (d, m) pairs of its rows g and g + 8.
+struct StripPtrs {
+    const uint4* nib;
+    const unsigned* p0;
+    const unsigned* p1;
+};
+
+__device__ __forceinline__ StripPtrs strip_ptrs(const unsigned char* w, int strip, int N, int K,
+                                                int NG, int lane) {
+    const unsigned* params = (const unsigned*)(w + (size_t)N * (K / 2));
+    const unsigned* p0 = params + (size_t)(strip * 16 + (lane >> 2)) * NG;
+    return {(const uint4*)(w + (size_t)strip * 16 * (K / 2)) + lane, p0, p0 + (size_t)8 * NG};
+}
+
 // One group's MMAs for this lane: c += A (the group's TILES tiles) * B (hi,
 // then lo).
 template <int TILES>
@@ -75,11 +91,10 @@ __device__ void gemv_int4_strip(const __nv_bfloat16* frag, const unsigned char* 
     __shared__ float red[INT4_WARPS][32][4];
     const int G = 64 * TILES;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int strip = blockIdx.x, NG = K / G, N = o.n;
-    const uint4* nib = (const uint4*)(w + (size_t)strip * 16 * (K / 2)) + lane;
-    const unsigned* params = (const unsigned*)(w + (size_t)N * (K / 2));
-    const unsigned* p0 = params + (size_t)(strip * 16 + g) * NG;
-    const unsigned* p1 = p0 + (size_t)8 * NG;
+    int strip = blockIdx.x, NG = K / G;
+    StripPtrs sp = strip_ptrs(w, strip, o.n, K, NG, lane);
+    const uint4* nib = sp.nib;
+    const unsigned *p0 = sp.p0, *p1 = sp.p1;
     const uint4* xf = (const uint4*)frag;
     const float* sx = (const float*)(frag + (size_t)2 * M * K);
     float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -143,6 +158,104 @@ __device__ void gemv_int4_strip(const __nv_bfloat16* frag, const unsigned char* 
 
 GEMV_INT4(64)
 GEMV_INT4(128)
+
+// One row of x (decode at one sequence): the GEMV above without the
+// fragment kernel before it. Lanes 0-3 (the B fragments' column 0,
+// activation row 0) read their f32 columns of x and split them into bf16
+// hi + lo; the other lanes' B registers are zero, so only C column 0
+// (lanes t = 0) carries the product. Weights and group parameters load
+// before the wait for the kernel that writes x.
+template <int TILES>
+__device__ void gemv_int4_one(const float* x, const unsigned char* w, Outs o, int K) {
+    __shared__ float red[INT4_WARPS][32][2];
+    const int G = 64 * TILES;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int strip = blockIdx.x, NG = K / G;
+    StripPtrs sp = strip_ptrs(w, strip, o.n, K, NG, lane);
+    float out0 = 0.0f, out2 = 0.0f;
+    bool waited = false;
+    for (int grp = warp; grp < NG; grp += 2 * INT4_WARPS) {
+        int grp2 = grp + INT4_WARPS;
+        bool two = grp2 < NG;
+        uint4 wq[2 * TILES];
+#pragma unroll
+        for (int i = 0; i < 2 * TILES; i++) {
+            int kt = (i < TILES ? grp : grp2 - 1) * TILES + i;
+            wq[i] = (i < TILES || two) ? __ldcs(sp.nib + (size_t)kt * 32) : make_uint4(0, 0, 0, 0);
+        }
+        unsigned pa[2] = {sp.p0[grp], two ? sp.p0[grp2] : 0u};
+        unsigned pb[2] = {sp.p1[grp], two ? sp.p1[grp2] : 0u};
+        if (!waited) {
+            PDL_WAIT();
+            waited = true;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (h == 1 && !two) break;
+            int gi = h ? grp2 : grp;
+            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float sx = 0.0f;
+#pragma unroll
+            for (int i = 0; i < TILES; i++) {
+                // B words: step s's columns 16 s + 2 t (+1), then + 8.
+                unsigned bh[8], bl[8];
+                const float* xr = x + (size_t)(gi * TILES + i) * 64 + 2 * t;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    float2 v = g == 0 ? *(const float2*)(xr + 16 * (j >> 1) + 8 * (j & 1))
+                                      : make_float2(0.0f, 0.0f);
+                    __nv_bfloat162 hi = __floats2bfloat162_rn(v.x, v.y);
+                    float2 hf = __bfloat1622float2(hi);
+                    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x - hf.x, v.y - hf.y);
+                    float2 lf = __bfloat1622float2(lo);
+                    sx += hf.x + hf.y + lf.x + lf.y;
+                    bh[j] = *(unsigned*)&hi;
+                    bl[j] = *(unsigned*)&lo;
+                }
+                const uint4 wt = wq[h * TILES + i];
+                unsigned ws[4] = {wt.x, wt.y, wt.z, wt.w};
+#pragma unroll
+                for (int s = 0; s < 4; s++) {
+                    unsigned a0 = int4_pair(ws[s], 0), a1 = int4_pair(ws[s], 1);
+                    unsigned a2 = int4_pair(ws[s], 2), a3 = int4_pair(ws[s], 3);
+                    mma16<false>(c, a0, a1, a2, a3, bh[2 * s], bh[2 * s + 1]);
+                    mma16<false>(c, a0, a1, a2, a3, bl[2 * s], bl[2 * s + 1]);
+                }
+            }
+            // The group's sum of x, from lanes 0-3 to every lane.
+            sx += __shfl_xor_sync(0xffffffffu, sx, 1);
+            sx += __shfl_xor_sync(0xffffffffu, sx, 2);
+            sx = __shfl_sync(0xffffffffu, sx, 0);
+            float2 fa = __half22float2(*(const __half2*)&pa[h]);
+            float2 fb = __half22float2(*(const __half2*)&pb[h]);
+            out0 += fa.x * (c[0] - 128.0f * sx) + fa.y * sx;
+            out2 += fb.x * (c[2] - 128.0f * sx) + fb.y * sx;
+        }
+    }
+    if (!waited) PDL_WAIT();
+    red[warp][lane][0] = out0;
+    red[warp][lane][1] = out2;
+    __syncthreads();
+    if (warp != 0 || t != 0) return;
+    for (int v = 1; v < INT4_WARPS; v++) {
+        out0 += red[v][lane][0];
+        out2 += red[v][lane][1];
+    }
+    int row = strip * 16 + g;
+    put_out(o, 0, row, out0);
+    put_out(o, 0, row + 8, out2);
+}
+
+#define GEMV_INT4_ONE(G)                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * INT4_WARPS, 4)                        \
+        gemv_int4_one_g##G(const float* x, const unsigned char* w, float* o0, float* o1,     \
+                           float* o2, int n0, int n1, int M, int N, int K) {                 \
+        PDL_LAUNCH();                                                                         \
+        gemv_int4_one<G / 64>(x, w, Outs{o0, o1, o2, n0, n1, N}, K);                         \
+    }
+
+GEMV_INT4_ONE(64)
+GEMV_INT4_ONE(128)
 
 // out[m][row] = sum_k x[m][k] w[row][k] for 8 < M <= 8 NB: the GEMV's nibble
 // tiles and its two groups' weights in flight a warp, against NB blocks of 8

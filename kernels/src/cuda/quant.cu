@@ -123,33 +123,36 @@ __device__ void embed_q(const unsigned char* table, const unsigned* ids, float* 
 template <int M>
 __device__ __forceinline__ void fma16_fp8(float* acc, uint4 p, const float* x, int K, int c0) {
     const unsigned short* pairs = (const unsigned short*)&p;
-    float wf[16];
-#pragma unroll
-    for (int e = 0; e < 8; e++) {
-        __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pairs[e], __NV_E4M3);
-        float2 f = __half22float2(*(const __half2*)&hr);
-        wf[2 * e] = f.x;
-        wf[2 * e + 1] = f.y;
-    }
 #pragma unroll
     for (int m = 0; m < M; m++) {
         const float4* xv = (const float4*)(x + (size_t)m * K + c0);
         float dot = 0.0f;
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            float4 a = xv[j];
-            dot += a.x * wf[4 * j] + a.y * wf[4 * j + 1] + a.z * wf[4 * j + 2] + a.w * wf[4 * j + 3];
+            // Converted where used (not all 16 first): at one row the
+            // kernel must fit 40 registers.
+            __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(pairs[2 * j], __NV_E4M3);
+            __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(pairs[2 * j + 1], __NV_E4M3);
+            float2 a = __half22float2(*(const __half2*)&lo);
+            float2 b = __half22float2(*(const __half2*)&hi);
+            float4 v = xv[j];
+            dot += v.x * a.x + v.y * a.y + v.z * b.x + v.w * b.y;
         }
         acc[m] += dot;
     }
 }
 
+// The first U loads of each lane go out before the wait for the kernel
+// that writes x (a step never writes weights), as in gemv_bf16_acc.
 template <int M>
 __device__ void gemv_fp8_rows(const float* x, const unsigned char* w, Outs o, int K) {
     const int U = 4;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int n = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (n >= o.n) return;
+    if (n >= o.n) {
+        PDL_WAIT();
+        return;
+    }
     const unsigned char* row = w + (size_t)n * (16 + K);
     float scale = *(const float*)row;
     const uint4* q = (const uint4*)(row + 16);
@@ -157,6 +160,17 @@ __device__ void gemv_fp8_rows(const float* x, const unsigned char* w, Outs o, in
 #pragma unroll
     for (int m = 0; m < M; m++) acc[m] = 0.0f;
     int chunks = K / 16, c = lane;
+    if (c + 32 * (U - 1) < chunks) {
+        uint4 p[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) p[u] = ld_stream(q + c + 32 * u);
+        PDL_WAIT();
+#pragma unroll
+        for (int u = 0; u < U; u++) fma16_fp8<M>(acc, p[u], x, K, (c + 32 * u) * 16);
+        c += 32 * U;
+    } else {
+        PDL_WAIT();
+    }
     for (; c + 32 * (U - 1) < chunks; c += 32 * U) {
         uint4 p[U];
 #pragma unroll
@@ -172,10 +186,21 @@ __device__ void gemv_fp8_rows(const float* x, const unsigned char* w, Outs o, in
     }
 }
 
+// One row of x (decode at one sequence, the product that matters most):
+// at most 48 registers, so five blocks of 8 warps share an SM and a
+// 4096-row product runs in one wave of an H200 (the kernel for 2-8 rows
+// takes 86, three blocks an SM, 1.3 waves; at 40 registers it spills).
+extern "C" __global__ void __launch_bounds__(256, 5)
+    gemv_fp8row_1(const float* x, const unsigned char* w, float* o0, float* o1, float* o2,
+                  int n0, int n1, int M, int N, int K) {
+    PDL_LAUNCH();
+    gemv_fp8_rows<1>(x, w, Outs{o0, o1, o2, n0, n1, N}, K);
+}
+
 extern "C" __global__ void gemv_fp8row(const float* x, const unsigned char* w, float* o0,
                                        float* o1, float* o2, int n0, int n1, int M, int N,
                                        int K) {
-    PDL_ENTER();
+    PDL_LAUNCH();
     Outs o{o0, o1, o2, n0, n1, N};
     switch (M) {
         case 1: gemv_fp8_rows<1>(x, w, o, K); break;
