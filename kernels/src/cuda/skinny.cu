@@ -42,14 +42,20 @@ __device__ void skinny_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, Outs
             wa[j][2] = live ? __ldcs(r1) : z;
             wa[j][3] = live ? __ldcs(r1 + 1) : z;
         }
+        // Every row block's activation pieces load before any MMA: one
+        // trip to L2 a tile, not one a row block.
+        uint4 xb[NB][2];
+#pragma unroll
+        for (int cb = 0; cb < NB; cb++) {
+            int mb = 8 * cb + g;  // this lane's B column: activation row mb
+            const uint4* xr = (const uint4*)(x + (size_t)mb * K + col);
+            xb[cb][0] = mb < M ? xr[0] : make_uint4(0, 0, 0, 0);
+            xb[cb][1] = mb < M ? xr[1] : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
         for (int cb = 0; cb < NB; cb++) {
             if (8 * cb >= M) break;  // the same for the whole warp
-            int mb = 8 * cb + g;     // this lane's B column: activation row mb
-            const uint4* xr = (const uint4*)(x + (size_t)mb * K + col);
-            uint4 xb[2] = {mb < M ? xr[0] : make_uint4(0, 0, 0, 0),
-                           mb < M ? xr[1] : make_uint4(0, 0, 0, 0)};
-            const unsigned* bw = (const unsigned*)xb;
+            const unsigned* bw = (const unsigned*)xb[cb];
 #pragma unroll
             for (int j = 0; j < S; j++) {
                 const unsigned* lo = (const unsigned*)&wa[j][0];  // row g, 8 words
