@@ -202,16 +202,18 @@ weights)
     done
     ;;
 skinny)
-    # Decode with bf16 weights, cuBLAS against the skinny GEMM for 2-64
-    # rows, same call (carry .gpu-bench).
+    # Decode with bf16 weights: cuBLAS alone, the skinny GEMM at 2-8 rows
+    # (the default), and the split GEMM at 9-64 rows beside it, same call
+    # (carry .gpu-bench).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-    for skinny in off on; do
-        echo "== --cuda-skinny $skinny" | tee -a "$out/skinny.log"
+    for flags in "--cuda-skinny off" "--cuda-skinny on" "--cuda-split on"; do
+        echo "== $flags" | tee -a "$out/skinny.log"
+        # shellcheck disable=SC2086
         timeout 200 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
             --kv-memory 16GiB --concurrency 1,8,16,32,64 --prompt-tokens 512 --gen-tokens 128 \
-            --cuda-skinny "$skinny" 2>&1 | grep -v INFO | tee -a "$out/skinny.log"
+            $flags 2>&1 | grep -v INFO | tee -a "$out/skinny.log"
     done
     ;;
 neighbour)

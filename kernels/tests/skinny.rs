@@ -1,8 +1,9 @@
-//! The skinny bf16 GEMM against float64 over the same bf16 values, for
-//! every block count of activation rows, stacked parts and a tail strip a
-//! block leaves alone. CUDA only, so ignored unless asked for:
-//! `KILN_TEST_DEVICE=cuda` with `--include-ignored`.
+//! The skinny and split bf16 GEMMs against float64 over the same bf16
+//! values, for every block count of activation rows, stacked parts and a
+//! tail strip a block leaves alone. CUDA only, so ignored unless asked
+//! for: `KILN_TEST_DEVICE=cuda` with `--include-ignored`.
 
+use cudarc::driver::CudaSlice;
 use half::bf16;
 use kiln_kernels::cuda::{Gpu, StackShape};
 use rand::{Rng, SeedableRng};
@@ -17,13 +18,42 @@ fn skinny_bf16_gemm_matches_float64_for_every_part_and_row_count() {
     // of two strips has one past the end; then one part of 4 tiles, fewer
     // than a block's warps.
     for (parts, k) in [(&[144usize, 32, 32][..], 640usize), (&[256][..], 256)] {
-        check_skinny(&gpu, &mut rng, parts, k);
+        let rows = [2usize, 8, 13, 16, 27, 40, 64];
+        check(&gpu, &mut rng, parts, k, &rows, Gpu::gemm_bf16_skinny);
     }
 }
 
-/// The skinny GEMM over `parts` of rows of `k` for 1, 2, 4 and 8 blocks of
-/// 8 activation rows, partly filled, against float64.
-fn check_skinny(gpu: &Gpu, rng: &mut ChaCha8Rng, parts: &[usize], k: usize) {
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn split_bf16_gemm_matches_float64_for_every_part_and_row_count() {
+    let gpu = Gpu::open(0, true).expect("a CUDA device");
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    // 208 rows: two row groups, the second with three warps past the last
+    // strip; k of 640 in five slices, 256 in four (slices' sums through
+    // the workspace and the counters, every launch after the first
+    // relying on their reset); then 132 row groups, one slice.
+    let rows = [9usize, 13, 16, 27, 40, 64];
+    for (parts, k) in [
+        (&[144usize, 32, 32][..], 640usize),
+        (&[256][..], 256),
+        (&[16896][..], 128),
+    ] {
+        check(&gpu, &mut rng, parts, k, &rows, Gpu::gemm_bf16_split);
+    }
+}
+
+/// A bf16 product of bf16 activations and a stack of bf16 weights.
+type Gemm = fn(
+    &Gpu,
+    &CudaSlice<bf16>,
+    &CudaSlice<bf16>,
+    &mut [&mut CudaSlice<f32>],
+    StackShape<'_>,
+) -> Result<(), kiln_kernels::KernelError>;
+
+/// `gemm` over `parts` of rows of `k` for each count of activation rows
+/// in `ms`, against float64.
+fn check(gpu: &Gpu, rng: &mut ChaCha8Rng, parts: &[usize], k: usize, ms: &[usize], gemm: Gemm) {
     let s = gpu.stream().clone();
     let n: usize = parts.iter().sum();
     let round = |v: f32| bf16::from_f32(v);
@@ -31,7 +61,7 @@ fn check_skinny(gpu: &Gpu, rng: &mut ChaCha8Rng, parts: &[usize], k: usize) {
         .map(|_| round(rng.random_range(-0.5..0.5)))
         .collect();
     let wd = s.clone_htod(&w).unwrap();
-    for m in [2usize, 8, 13, 16, 27, 40, 64] {
+    for &m in ms {
         let x: Vec<bf16> = (0..m * k)
             .map(|_| round(rng.random_range(-2.0..2.0)))
             .collect();
@@ -42,7 +72,7 @@ fn check_skinny(gpu: &Gpu, rng: &mut ChaCha8Rng, parts: &[usize], k: usize) {
             .collect();
         let mut refs: Vec<_> = outs.iter_mut().collect();
         let shape = StackShape { m, parts, k };
-        gpu.gemm_bf16_skinny(&xd, &wd, &mut refs, shape).unwrap();
+        gemm(gpu, &xd, &wd, &mut refs, shape).unwrap();
         let mut base = 0;
         for (out, &rows) in outs.iter().zip(parts) {
             let got = s.clone_dtoh(out).unwrap();

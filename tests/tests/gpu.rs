@@ -421,6 +421,25 @@ fn the_skinny_gemm_gives_the_logits_of_cublas() {
 
 #[test]
 #[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn the_split_gemm_gives_the_logits_of_cublas() {
+    // As the skinny GEMM's test, with a prefill of 40 rows (five blocks of
+    // 8 activation rows, the split GEMM's widest) then 4 one-token steps.
+    kernels_agree(
+        |c| EngineConfig {
+            cuda_split: false,
+            ..c
+        },
+        |c| EngineConfig {
+            cuda_split: true,
+            ..c
+        },
+        (44, 40),
+        1e-2,
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn the_bf16_mlp_gives_the_logits_of_the_f32_mlp() {
     // A prefill of 80 rows (past the decode batches, so the bf16 MLP runs
     // in every layer), then 16 one-token steps over the KV it wrote. The

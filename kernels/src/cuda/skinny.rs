@@ -31,6 +31,30 @@ const STRIP: usize = 16;
 /// Warps a block (`SKINNY_WARPS` in `skinny.cu`).
 const WARPS: u32 = 8;
 
+/// Checks a tensor-core GEMM's shape: `rows` activation rows of `k` (a
+/// multiple of 64), parts of whole 16-row strips, and `x` and `w` (of
+/// `lens`) that hold them; the stack's rows.
+pub(super) fn check_strips(
+    outs: &[&mut CudaSlice<f32>],
+    shape: StackShape<'_>,
+    (x_len, w_len): (usize, usize),
+    rows: std::ops::RangeInclusive<usize>,
+    what: &str,
+) -> R<usize> {
+    let StackShape { m, parts, k } = shape;
+    let n = check_parts(outs, parts, m)?;
+    let strips = parts.iter().all(|p| p.is_multiple_of(STRIP));
+    if !rows.contains(&m) || !k.is_multiple_of(64) || !strips || x_len < m * k || w_len < n * k {
+        return Err(KernelError::Shape(format!(
+            "{what} GEMM of {m} rows of {k} over parts {parts:?}: {} to {} rows, k a multiple \
+             of 64, parts whole strips of 16 rows",
+            rows.start(),
+            rows.end()
+        )));
+    }
+    Ok(n)
+}
+
 impl Gpu {
     /// `outs[p] = x * w_p^T` for each part `p` of a stack of bf16 weights,
     /// `x` being `m` (2 to [`SKINNY_MAX_M`]) bf16 rows of `k` (a multiple of
@@ -43,19 +67,7 @@ impl Gpu {
         shape: StackShape<'_>,
     ) -> R {
         let StackShape { m, parts, k } = shape;
-        let n = check_parts(outs, parts, m)?;
-        let strips = parts.iter().all(|p| p.is_multiple_of(STRIP));
-        if !(2..=SKINNY_MAX_M).contains(&m)
-            || !k.is_multiple_of(64)
-            || !strips
-            || x.len() < m * k
-            || w.len() < n * k
-        {
-            return Err(KernelError::Shape(format!(
-                "skinny GEMM of {m} rows of {k} over parts {parts:?}: 2 to {SKINNY_MAX_M} rows, \
-                 k a multiple of 64, parts whole strips of 16 rows"
-            )));
-        }
+        let n = check_strips(outs, shape, (x.len(), w.len()), 2..=SKINNY_MAX_M, "skinny")?;
         let (blocks, per_block) = row_blocks(m);
         let o = self.out_ptrs(outs, parts);
         let (mi, ki) = (m as i32, k as i32);

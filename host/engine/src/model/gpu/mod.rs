@@ -241,6 +241,12 @@ impl GpuModel {
         self.gpu.set_skinny(on);
     }
 
+    /// Whether bf16 products of 9-64 rows run the split GEMM instead of
+    /// cuBLAS.
+    pub fn set_split(&mut self, on: bool) {
+        self.gpu.set_split(on);
+    }
+
     /// Warps a block of prefill attention takes (4 or 8).
     pub fn set_prefill_warps(&mut self, warps: usize) -> Result<(), kiln_kernels::KernelError> {
         self.gpu.set_prefill_warps(warps)
