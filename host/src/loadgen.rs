@@ -163,9 +163,10 @@ pub struct LoadArgs {
     /// end finish and count).
     #[arg(long, default_value_t = 30.0)]
     pub duration_s: f64,
-    /// Seconds at the start whose requests are not counted, so the report
-    /// is of the steady state rather than the first burst (with N clients,
-    /// the first N prompts all arrive at once).
+    /// Seconds at the start left out, so the report is of the steady state
+    /// rather than the first burst (with N clients, the first N prompts
+    /// all arrive at once): latencies are of the requests sent after it,
+    /// output tok/s of the tokens that arrive after it.
     #[arg(long, default_value_t = 0.0)]
     pub warmup_s: f64,
 }
@@ -500,6 +501,9 @@ fn report(
     secs: f64,
     warmup_s: f64,
 ) -> TenantReport {
+    // Tokens over the window, from every request: those of the first
+    // burst that stream on past the warm-up count too.
+    let tokens: f64 = samples.iter().map(|s| tokens_from(s, warmup_s)).sum();
     let samples: Vec<Sample> = samples
         .into_iter()
         .filter(|s| s.started_s >= warmup_s)
@@ -512,13 +516,25 @@ fn report(
         name: name.to_string(),
         requests: samples.len(),
         errors,
-        output_tok_s: samples.iter().map(|s| s.tokens).sum::<u64>() as f64
-            / (secs - warmup_s).max(1e-9),
+        output_tok_s: tokens / (secs - warmup_s).max(1e-9),
         prompt_tokens_mean: samples.iter().map(|s| s.prompt_tokens).sum::<u64>() as f64
             / samples.len().max(1) as f64,
         ttft_ms: [quantile(&ttft, 0.5), quantile(&ttft, 0.95)],
         itl_ms: [quantile(&itl, 0.5), quantile(&itl, 0.95)],
     }
+}
+
+/// The tokens of `s` that arrived from `from_s` (seconds from the run's
+/// start) on: its usage count shared evenly among its text chunks.
+fn tokens_from(s: &Sample, from_s: f64) -> f64 {
+    let chunks = 1 + s.itl_ms.len();
+    let mut at = s.started_s + s.ttft_ms / 1e3;
+    let mut late = usize::from(at >= from_s);
+    for gap in &s.itl_ms {
+        at += gap / 1e3;
+        late += usize::from(at >= from_s);
+    }
+    s.tokens as f64 * late as f64 / chunks as f64
 }
 
 /// The report as a table.
@@ -615,21 +631,26 @@ mod tests {
 
     #[test]
     fn requests_sent_during_the_warm_up_are_not_counted() {
-        let sample = |started_s, ttft_ms| Sample {
+        let sample = |started_s, ttft_ms, itl_ms| Sample {
             started_s,
             ttft_ms,
-            itl_ms: vec![10.0],
+            itl_ms,
             tokens: 100,
             prompt_tokens: 8,
         };
-        let burst = vec![sample(0.0, 3000.0), sample(0.0, 2900.0), sample(6.0, 200.0)];
+        let burst = vec![
+            sample(0.0, 3000.0, vec![10.0]),
+            // Sent in the burst, its second half streamed after it.
+            sample(0.0, 4000.0, vec![2000.0]),
+            sample(6.0, 200.0, vec![10.0]),
+        ];
         let all = report("t", burst.clone(), 0, 20.0, 0.0);
-        assert_eq!((all.requests, all.ttft_ms[1]), (3, 3000.0));
+        assert_eq!((all.requests, all.ttft_ms[1]), (3, 4000.0));
         assert_eq!(all.output_tok_s, 300.0 / 20.0);
         let steady = report("t", burst, 1, 20.0, 5.0);
         assert_eq!((steady.requests, steady.errors), (1, 1));
         assert_eq!(steady.ttft_ms, [200.0, 200.0]);
-        assert_eq!(steady.output_tok_s, 100.0 / 15.0);
+        assert_eq!(steady.output_tok_s, 150.0 / 15.0);
     }
 
     #[test]

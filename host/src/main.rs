@@ -468,7 +468,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Bench(args) => tokio::task::spawn_blocking(move || bench(args)).await?,
         Command::Loadgen(args) => {
             if args.warmup_s > 0.0 {
-                println!("requests sent in the first {} s not counted", args.warmup_s);
+                println!("the first {} s not counted", args.warmup_s);
             }
             let reports = kiln_host::loadgen::run(args).await?;
             print!("{}", kiln_host::loadgen::table(&reports));
