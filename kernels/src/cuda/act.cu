@@ -4,11 +4,27 @@
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 // gate[i] = silu(gate[i]) * up[i] (into outb as bf16 instead where outb is
-// not null: the input of the down projection's bf16 GEMM).
+// not null: the input of the down projection's bf16 GEMM). Four elements a
+// thread in 16-byte loads (a 64-row decode batch's 7 MB read at 1.45 TB/s
+// one element a thread on the H200); the last thread takes n's tail.
 extern "C" __global__ void silu_mul(float* gate, const float* up, __nv_bfloat16* outb, int n) {
     PDL_ENTER();
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
+    int i = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (i + 3 < n) {
+        float4 g = *(const float4*)(gate + i), u = *(const float4*)(up + i);
+        float4 v = make_float4(silu_times(g.x, u.x), silu_times(g.y, u.y), silu_times(g.z, u.z),
+                               silu_times(g.w, u.w));
+        if (outb) {
+            __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y);
+            __nv_bfloat162 hi = __floats2bfloat162_rn(v.z, v.w);
+            uint2 packed = make_uint2(*(unsigned*)&lo, *(unsigned*)&hi);
+            *(uint2*)(outb + i) = packed;
+        } else {
+            *(float4*)(gate + i) = v;
+        }
+        return;
+    }
+    for (; i < n; i++) {
         float v = silu_times(gate[i], up[i]);
         if (outb) {
             outb[i] = __float2bfloat16(v);

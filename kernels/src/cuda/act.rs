@@ -19,8 +19,8 @@ impl Gpu {
         let mut b = self.stream.launch_builder(f);
         let null = 0u64;
         b.arg(gate).arg(up).arg(&null).arg(&n_i);
-        // SAFETY: one thread per element, bounds-checked.
-        unsafe { b.launch(cfg((blocks(n, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        // SAFETY: one thread per four elements, bounds-checked.
+        unsafe { b.launch(cfg((blocks(n.div_ceil(4), 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
 
@@ -43,9 +43,9 @@ impl Gpu {
         let n_i = n as i32;
         let mut b = self.stream.launch_builder(f);
         b.arg(gate).arg(up).arg(&mut scratch.act).arg(&n_i);
-        // SAFETY: one thread per element, bounds-checked; the kernel only
-        // reads gate when it writes the scratch.
-        unsafe { b.launch(cfg((blocks(n, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
+        // SAFETY: one thread per four elements, bounds-checked; the kernel
+        // only reads gate when it writes the scratch.
+        unsafe { b.launch(cfg((blocks(n.div_ceil(4), 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
 

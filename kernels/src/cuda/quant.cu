@@ -130,7 +130,7 @@ __device__ __forceinline__ void fma16_fp8(float* acc, uint4 p, const float* x, i
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             // Converted where used (not all 16 first): at one row the
-            // kernel must fit 40 registers.
+            // kernel must fit 48 registers.
             __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(pairs[2 * j], __NV_E4M3);
             __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(pairs[2 * j + 1], __NV_E4M3);
             float2 a = __half22float2(*(const __half2*)&lo);

@@ -93,6 +93,9 @@ impl Gpu {
         let (blocks, _) = row_blocks(m);
         let o = self.out_ptrs(outs, parts);
         let (mi, ki, pi) = (m as i32, k as i32, per as i32);
+        // The kernel writes the workspace and the counters through these
+        // shared borrows: one stream runs every launch, and each launch
+        // waits for the one before (PDL_ENTER), so no two touch them at once.
         let scratch = &self.split_scratch;
         let mut b = self
             .stream
