@@ -114,11 +114,11 @@ impl EngineArgs {
     }
 }
 
-/// The step target on CUDA. Issue 23 holds a stream's inter-token latency
-/// beside another tenant's burst to 2x its latency alone; a stream's
-/// latency alone is ~5% above the lone step the target is counted in
-/// (host time, sampling), and at 2 it read 2.01x on the H200 (perf.md,
-/// session 17), so the default keeps a margin under 2.
+/// The step target on CUDA. The aim is a stream's inter-token latency
+/// beside another tenant's burst within 2x its latency alone; that
+/// latency is ~5% above the lone step the target counts in (host time,
+/// sampling), so a target of 2 lands just over 2x (docs/perf.md) and the
+/// default keeps a margin under it.
 const DEFAULT_STEP_TARGET: f64 = 1.8;
 
 /// KV page formats.

@@ -3,9 +3,9 @@
 //! the activations come from L2 once a block (L1 serves the other warps)
 //! and a few hundred blocks cover the H200's SMs even for 4096-row
 //! matrices; the slices' sums meet in a workspace. cuBLAS reads 49-81% of
-//! copy bandwidth on Llama-3-8B's shapes at 64 rows (perf.md, session 17),
-//! the skinny GEMM (one warp per K tile, every activation row block in
-//! turn) 25-41%.
+//! copy bandwidth on Llama-3-8B's shapes at 64 rows on the H200, the
+//! skinny GEMM (one warp per K tile, every activation row block in turn)
+//! 25-41% (docs/perf.md).
 //!
 //! Off in the engine until measured ([`Gpu::set_split`], `--cuda-split`).
 

@@ -111,11 +111,12 @@ impl Default for EngineConfig {
     }
 }
 
-/// Warps a block of prefill attention takes when none is asked for. On
-/// the H200 (perf.md, session 17) fp8 pages gain from 8 (190 against 142
-/// TFLOP/s: one block an SM hides the dequantization behind twice the
-/// query rows), bf16 pages are even (203 against 210) and a short
-/// prompt's fewer, larger blocks lose (172 against 161), so they keep 4.
+/// Warps a block of prefill attention takes when none is asked for. fp8
+/// pages gain from 8 (one block an SM hides the dequantization behind
+/// twice the query rows: 190 against 142 TFLOP/s on the H200); bf16 pages
+/// are even on long prompts (210 against 203) and lose on short ones,
+/// whose fewer, larger blocks leave SMs idle (161 against 172), so they
+/// keep 4 (docs/perf.md).
 pub fn default_prefill_warps(kv_format: KvFormat) -> usize {
     match kv_format {
         KvFormat::Bf16 => 4,
