@@ -1,7 +1,9 @@
 //! Causal prefill attention over one Llama-3-8B layer's pages (32 query
 //! heads over 8 KV heads of 128), as the engine's 2048-token steps run it:
 //! the second half of a 4096-token prompt, and two 1024-token prompts
-//! whole. Each build (4 and 8 warps a block) is checked against the first
+//! whole; and a mixed step's decode rows (128 sequences of 1151 cached
+//! tokens and one new: what the decode kernel times at 128 x 1152), in
+//! GB/s of pages read. Each build (4 and 8 warps a block) is checked against the first
 //! before it is timed; TFLOP/s counts the keys each query attends to.
 
 use cudarc::driver::CudaSlice;
@@ -22,7 +24,7 @@ struct Chunk {
     seqs: &'static [(usize, usize)],
 }
 
-const CHUNKS: [Chunk; 2] = [
+const CHUNKS: [Chunk; 3] = [
     Chunk {
         name: "1x4096, second 2048",
         seqs: &[(2048, 2048)],
@@ -30,6 +32,10 @@ const CHUNKS: [Chunk; 2] = [
     Chunk {
         name: "2x1024 whole",
         seqs: &[(0, 1024), (0, 1024)],
+    },
+    Chunk {
+        name: "128 decode rows x 1152",
+        seqs: &[(1151, 1); 128],
     },
 ];
 
@@ -64,7 +70,7 @@ fn one(
     let pages: usize = per_seq.iter().sum();
     // Pages shuffled across the pool; each sequence's table in turn.
     let (kv, order) = super::pages::random_pages(gpu, rng, format, layout, pages)?;
-    let (mut off, mut lens, mut flops) = (Vec::new(), Vec::new(), 0.0f64);
+    let (mut off, mut lens, mut flops, mut bytes) = (Vec::new(), Vec::new(), 0.0f64, 0.0f64);
     let mut first_page = 0;
     for (&(cached, new), n) in chunk.seqs.iter().zip(&per_seq) {
         for pos in cached..cached + new {
@@ -73,6 +79,8 @@ fn one(
             // Q K^T and P V: 2 flops a multiply-add, each over head_dim.
             flops += (4 * (pos + 1) * HEAD_DIM * HEADS) as f64;
         }
+        // Each sequence's keys and values, read once.
+        bytes += ((cached + new) * KV_HEADS * 2 * format.vector_bytes(HEAD_DIM)) as f64;
         first_page += n;
     }
     let tokens = lens.len();
@@ -111,10 +119,12 @@ fn one(
             Ok(g.prefill_attention(&kv, &query, &tiles.slice(..), &mut out)?)
         })?;
         println!(
-            "prefill attention {format:?} {}, {warps} warps: {:.3} ms, {:.0} TFLOP/s",
+            "prefill attention {format:?} {}, {warps} warps: {:.3} ms, {:.0} TFLOP/s, \
+             {:.0} GB/s of pages",
             chunk.name,
             t * 1e3,
-            flops / t / 1e12
+            flops / t / 1e12,
+            bytes / t / 1e9
         );
     }
     Ok(())

@@ -1,8 +1,12 @@
 //! Kernels that replace others on the device (the skinny and split GEMMs
-//! for cuBLAS, the bf16 MLP for the f32 one) give the engine's logits
-//! within rounding.
+//! for cuBLAS, the bf16 MLP for the f32 one, the decode kernel for a mixed
+//! step's decode rows) give the engine's logits within rounding, or its
+//! tokens.
 
-use kiln_host::engine::{Engine, EngineConfig, TenantId};
+use std::collections::HashMap;
+
+use kiln_host::engine::{Engine, EngineConfig, Event, GenerateParams, TenantId};
+use kiln_tests::chat_ids;
 
 use super::{device, rel_diff, synthetic_bf16, synthetic_ids_n};
 
@@ -98,4 +102,56 @@ fn the_bf16_mlp_gives_the_logits_of_the_f32_mlp() {
         (96, 80),
         1e-2,
     );
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn decodes_beside_a_prompt_chunk_give_the_tokens_they_give_alone() {
+    // B's prompt arrives while A decodes: the step that runs B's prompt
+    // holds A's decode row too, which the decode kernel attends (the
+    // prompt's rows take the prefill kernel), as every step of A alone.
+    let (a_ids, b_ids) = {
+        let e = super::engine(device());
+        (
+            chat_ids(&e, super::PROMPTS[0]),
+            chat_ids(&e, super::PROMPTS[1]),
+        )
+    };
+    let want_a = super::greedy(&mut super::engine(device()), &a_ids, 12);
+    let want_b = super::greedy(&mut super::engine(device()), &b_ids, 12);
+    let params = GenerateParams {
+        max_tokens: 12,
+        temperature: 0.0,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut e = super::engine(device());
+    let a = e.add(TenantId(0), a_ids, params.clone()).unwrap();
+    let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut b = None;
+    let mut mixed = 0;
+    while e.has_work() {
+        let mut got = Vec::new();
+        for ev in e.step().unwrap() {
+            if let Event::Token {
+                seq,
+                token: Some(t),
+                ..
+            } = ev
+            {
+                tokens.entry(seq).or_default().push(t);
+                got.push(seq);
+            }
+        }
+        // B's first token comes from the step of its prompt's last chunk.
+        if b.is_some_and(|b| tokens.get(&b).map(Vec::len) == Some(1)) && got.contains(&a) {
+            mixed += 1;
+        }
+        if b.is_none() && tokens.get(&a).map_or(0, Vec::len) == 3 {
+            b = Some(e.add(TenantId(1), b_ids.clone(), params.clone()).unwrap());
+        }
+    }
+    assert_eq!(mixed, 1, "B's prompt never ran beside A's decode");
+    assert_eq!(tokens[&a], want_a);
+    assert_eq!(tokens[&b.unwrap()], want_b);
 }

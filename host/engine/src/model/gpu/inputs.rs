@@ -247,6 +247,20 @@ impl Inputs {
         Ok(x)
     }
 
+    /// The sequences at the head of the batch that compute one token each
+    /// (decodes come first in a step): their tokens are rows `0..d`, one
+    /// per sequence, which the decode attention kernel takes as a batch of
+    /// `d`. Returns `d` and the longest span among them.
+    pub(super) fn leading_single_rows(&self) -> (usize, usize) {
+        let d = self
+            .tok_off
+            .windows(2)
+            .take_while(|w| w[1] - w[0] == 1)
+            .count();
+        let longest = self.lens[..d].iter().max().map_or(0, |l| *l as usize);
+        (d, longest)
+    }
+
     /// Pads a decode step to `to` sequences with empty ones: token 0 at
     /// position 0, no pages, attention over nothing, no KV write (slot -1),
     /// and a greedy result no one reads. Rows never mix in a decode step,
@@ -270,6 +284,22 @@ impl Inputs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mixed_steps_leading_decodes_are_its_single_rows() {
+        let batch = [
+            seq(&[5], 20, &[0, 1]),
+            seq(&[6], 40, &[2, 3, 4]),
+            seq(&[7, 8, 9], 0, &[5]),
+            seq(&[3], 9, &[6]),
+        ];
+        let x = Inputs::gather(&batch, 16, 100).unwrap();
+        // The last one-token sequence follows a prompt chunk: it stays
+        // with the chunk.
+        assert_eq!(x.leading_single_rows(), (2, 41));
+        let chunk_first = Inputs::gather(&batch[2..], 16, 100).unwrap();
+        assert_eq!(chunk_first.leading_single_rows(), (0, 0));
+    }
 
     #[test]
     fn decode_batches_round_up_to_a_multiple_of_eight_past_eight() {

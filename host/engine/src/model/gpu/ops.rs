@@ -41,6 +41,11 @@ pub(super) struct Shape<'a> {
     pub sample: bool,
     /// Flash-style prefill tiles (none: decode attention per token).
     pub tiles: usize,
+    /// With tiles: the step's leading one-token sequences (rows
+    /// `0..decodes`), which the decode kernel attends instead.
+    pub decodes: usize,
+    /// The longest span among those.
+    pub decode_len: usize,
 }
 
 /// What the next projection reads.
@@ -217,6 +222,14 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
             scale: 1.0 / (c.head_dim as f32).sqrt(),
         };
         if s.tiles > 0 {
+            if s.decodes > 0 {
+                let batch = DecodeBatch {
+                    seqs: s.decodes,
+                    max_len: s.decode_len,
+                };
+                let plan = Default::default();
+                g.paged_attention(pages, &query, batch, plan, &mut b.abuf, &mut b.attn)?;
+            }
             let tiles = ints(inputs, l.range(l.tiles, 2 * s.tiles));
             g.prefill_attention(pages, &query, &tiles, &mut b.attn)
         } else {

@@ -100,18 +100,28 @@ impl GpuModel {
         };
         // Tensor-core prefill attention when the step has a chunk of
         // several tokens (never a captured step: those decode one token a
-        // sequence).
+        // sequence). The step's leading decodes still run the decode
+        // kernel, which splits each sequence over the whole GPU; as tiles
+        // of one token, a block would stream a whole sequence for one warp.
         let c = &self.config;
+        let (mut decodes, mut decode_len) = (0, 0);
         let tiles =
             if kv.tensor_prefill && n > seqs && prefill_supports(c.heads, c.kv_heads, c.head_dim) {
-                let offs: Vec<i32> = x.offs.iter().map(|o| *o as i32).collect();
-                let lens: Vec<i32> = x.lens.iter().map(|l| *l as i32).collect();
-                prefill_tiles(
+                (decodes, decode_len) = x.leading_single_rows();
+                let offs: Vec<i32> = x.offs[decodes..].iter().map(|o| *o as i32).collect();
+                let lens: Vec<i32> = x.lens[decodes..].iter().map(|l| *l as i32).collect();
+                let mut tiles = prefill_tiles(
                     &offs,
                     &lens,
                     self.config.heads / self.config.kv_heads.max(1),
                     self.gpu.prefill_rows(),
-                )
+                );
+                // Token indices of the whole step.
+                tiles
+                    .iter_mut()
+                    .step_by(2)
+                    .for_each(|t| *t += decodes as i32);
+                tiles
             } else {
                 Vec::new()
             };
@@ -131,6 +141,8 @@ impl GpuModel {
             check,
             sample: x.draws.iter().any(|d| matches!(d, Draw::Sample { .. })),
             tiles: tiles.len() / 2,
+            decodes,
+            decode_len,
         };
         let result = self.run(kv, &mut work, &words, &shape, key, &x.draws);
         kv.work = Some(work);
