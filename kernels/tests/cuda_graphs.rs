@@ -13,6 +13,8 @@ use kiln_kernels::ops::{Rope, RopeStyle};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+#[path = "cuda_graphs/attention_out.rs"]
+mod attention_out;
 #[path = "cuda_graphs/fold.rs"]
 mod fold;
 
@@ -175,6 +177,13 @@ fn bf16_activations_equal_the_f32_results_rounded() {
     let mut g = g;
     gpu.silu_mul(&mut g, &up, n).unwrap();
     assert_eq!(got, rounded(&gpu.download(&g).unwrap()), "silu-mul");
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn attention_writes_exactly_its_f32_rows_rounded_as_the_next_gemms_input() {
+    let (gpu, seed) = device();
+    attention_out::check(&gpu, seed);
 }
 
 #[test]

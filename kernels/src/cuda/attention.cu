@@ -272,9 +272,10 @@ ATTENTION_ENTRY(attention_part_fp8_g8, true, 8)
 
 // Merges the partitions of each (seq, head): grid seqs x n_heads; threads
 // over hd; `parts` floats of dynamic shared memory hold each partition's
-// weight exp(m_p - m), computed once for the block.
+// weight exp(m_p - m), computed once for the block. Writes `out`, or with
+// `out16` bf16 rows for the next GEMM.
 extern "C" __global__ void attention_merge(const float* part_out, const float* part_ml,
-                                           float* out, int parts, int hd) {
+                                           float* out, __nv_bfloat16* out16, int parts, int hd) {
     PDL_ENTER();
     extern __shared__ float wts[];
     __shared__ float red[32];
@@ -301,6 +302,11 @@ extern "C" __global__ void attention_merge(const float* part_out, const float* p
             for (int k = 0; k < 4; k++) acc[k] += wts[p + k] * po[(size_t)(p + k) * hd + d];
         }
         for (; p < parts; p++) acc[0] += wts[p] * po[(size_t)p * hd + d];
-        out[h * hd + d] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) * inv;
+        float o = ((acc[0] + acc[1]) + (acc[2] + acc[3])) * inv;
+        if (out16 != nullptr) {
+            out16[h * hd + d] = __float2bfloat16(o);
+        } else {
+            out[h * hd + d] = o;
+        }
     }
 }

@@ -51,6 +51,31 @@ pub struct PagedQuery<'a> {
     pub scale: f32,
 }
 
+/// Where an attention launch writes its output rows (`queries x heads x
+/// head_dim`).
+pub enum AttnOut<'a> {
+    /// f32 rows.
+    F32(&'a mut CudaSlice<f32>),
+    /// bf16 rows (rounded to nearest, as `to_bf16` rounds them): the
+    /// activations of the GEMM that reads them next, with no conversion
+    /// launch between.
+    Bf16(&'a mut CudaSlice<half::bf16>),
+}
+
+impl AttnOut<'_> {
+    /// Pushes the kernels' two output pointers: the one written, and null.
+    pub(super) fn push<'b>(&'b mut self, b: &mut cudarc::driver::LaunchArgs<'b>, null: &'b u64) {
+        match self {
+            AttnOut::F32(out) => {
+                b.arg(&mut **out).arg(null);
+            }
+            AttnOut::Bf16(out) => {
+                b.arg(null).arg(&mut **out);
+            }
+        }
+    }
+}
+
 /// A decode attention batch: one query per sequence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeBatch {
@@ -272,6 +297,19 @@ impl Gpu {
         scratch: &mut AttentionBuffers,
         out: &mut CudaSlice<f32>,
     ) -> R {
+        self.paged_attention_to(kv, query, batch, plan, scratch, AttnOut::F32(out))
+    }
+
+    /// As [`Self::paged_attention`], writing `out` (f32 or bf16 rows).
+    pub fn paged_attention_to(
+        &self,
+        kv: &PagedKv,
+        query: &PagedQuery<'_>,
+        batch: DecodeBatch,
+        plan: AttentionPlan,
+        scratch: &mut AttentionBuffers,
+        mut out: AttnOut<'_>,
+    ) -> R {
         let PagedQuery {
             q,
             tables,
@@ -384,9 +422,9 @@ impl Gpu {
         let direct = kind == AttentionKind::Flash && parts == 1;
         let null = 0u64;
         if direct {
-            b.arg(&mut *out);
+            out.push(&mut b, &null);
         } else if kind == AttentionKind::Flash {
-            b.arg(&null);
+            b.arg(&null).arg(&null);
         }
         let grid = (kv_heads as u32, seqs as u32, parts as u32);
         // SAFETY: shared memory as each kernel lays it out, sized above.
@@ -397,11 +435,9 @@ impl Gpu {
         let f = self.function("attention_merge")?;
         let (p, d) = (parts as i32, head_dim as i32);
         let mut b = self.stream.launch_builder(f);
-        b.arg(&scratch.part_out)
-            .arg(&scratch.part_ml)
-            .arg(out)
-            .arg(&p)
-            .arg(&d);
+        b.arg(&scratch.part_out).arg(&scratch.part_ml);
+        out.push(&mut b, &null);
+        b.arg(&p).arg(&d);
         // SAFETY: one block per (sequence, head), its weights in shared
         // memory sized above.
         unsafe {

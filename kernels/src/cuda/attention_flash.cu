@@ -31,7 +31,7 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
                                 const float* vs, const int* tables, const int* table_off,
                                 const int* lens, float* part_out, float* part_ml, int n_heads,
                                 int kv_heads, int page_size, int parts, int part_len,
-                                float scale, float* out) {
+                                float scale, float* out, __nv_bfloat16* out16) {
     constexpr int WARPS = FLASH_WARPS;
     constexpr int ELEM = FP8 ? 1 : 2;
     constexpr int NB = HD / 8;
@@ -247,8 +247,10 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     }
     __syncthreads();
     // The block's output: warps merged at their common max; with `out`
-    // (the sequence in one partition) normalized into it, no merge launch
-    // after; else partial, for the merge.
+    // or `out16` (the sequence in one partition) normalized into it (f32,
+    // or bf16 for the next GEMM), no merge launch after; else partial, for
+    // the merge.
+    bool direct = out != nullptr || out16 != nullptr;
     for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
         int g = i / HD;
         float mx = -INFINITY;
@@ -266,13 +268,18 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
             }
         }
         size_t h = (size_t)s * n_heads + kvh * G + g;
-        if (out != nullptr) {
-            out[h * HD + i % HD] = sum * (lsum > 0.0f ? 1.0f / lsum : 0.0f);
+        if (direct) {
+            float o = sum * (lsum > 0.0f ? 1.0f / lsum : 0.0f);
+            if (out16 != nullptr) {
+                out16[h * HD + i % HD] = __float2bfloat16(o);
+            } else {
+                out[h * HD + i % HD] = o;
+            }
         } else {
             part_out[(h * parts + part) * HD + i % HD] = sum;
         }
     }
-    if (out != nullptr) return;
+    if (direct) return;
     if (threadIdx.x < G) {
         int g = threadIdx.x;
         float mx = -INFINITY, sum = 0.0f;
@@ -293,11 +300,11 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
         NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,  \
              const int* tables, const int* table_off, const int* lens, float* part_out,         \
              float* part_ml, int n_heads, int kv_heads, int hd, int page_size, int parts,       \
-             int part_len, float scale, float* out) {                                           \
+             int part_len, float scale, float* out, __nv_bfloat16* out16) {                     \
         PDL_ENTER();                                                                            \
         attention_flash<FP8, G, HD>(q, kc, vc, ks, vs, tables, table_off, lens, part_out,       \
                                     part_ml, n_heads, kv_heads, page_size, parts, part_len,     \
-                                    scale, out);                                                \
+                                    scale, out, out16);                                         \
     }
 
 // attention_flash_{fmt}_g{G}_d{HD}: every format, group size (query heads

@@ -40,7 +40,7 @@ use sha2::{Digest, Sha256};
 use crate::KernelError;
 
 pub use attention::{
-    AttentionBuffers, AttentionKind, AttentionPlan, DecodeBatch, FLASH_MAX_PARTITION,
+    AttentionBuffers, AttentionKind, AttentionPlan, AttnOut, DecodeBatch, FLASH_MAX_PARTITION,
     FLASH_PARTITION, PARTITION, PagedQuery, partition_len,
 };
 /// The CUDA driver API types device code works with.

@@ -171,8 +171,9 @@ __device__ __forceinline__ float quad_sum(float v) {
 template <bool FP8, int HD, int W>
 __device__ void prefill_mma(const float* q, const void* kc, const void* vc, const float* ks,
                             const float* vs, const int* tables, const int* table_off,
-                            const int* lens, const int* tiles, float* out, int n_heads,
-                            int kv_heads, int group, int ps, float scale) {
+                            const int* lens, const int* tiles, float* out,
+                            __nv_bfloat16* out16, int n_heads, int kv_heads, int group, int ps,
+                            float scale) {
     const int psh = __ffs(ps) - 1;  // pages of a power of two (checked by the host)
     constexpr int KSTEPS = HD / 16;  // k-steps of Q K^T
     constexpr int ONT = HD / 8;      // n-tiles of O
@@ -372,13 +373,21 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
     l0 = quad_sum(l0);
     l1 = quad_sum(l1);
     float i0 = l0 > 0.0f ? 1.0f / (l0 * vmul) : 0.0f, i1 = l1 > 0.0f ? 1.0f / (l1 * vmul) : 0.0f;
-    float* o0 = out + ((size_t)(t0 + r0 / group) * n_heads + kvh * group + r0 % group) * HD;
-    float* o1 = out + ((size_t)(t0 + r1 / group) * n_heads + kvh * group + r1 % group) * HD;
+    size_t at0 = ((size_t)(t0 + r0 / group) * n_heads + kvh * group + r0 % group) * HD;
+    size_t at1 = ((size_t)(t0 + r1 / group) * n_heads + kvh * group + r1 % group) * HD;
+    // f32 rows, or with `out16` bf16 rows for the next GEMM.
 #pragma unroll
     for (int n = 0; n < ONT; n++) {
         int d = n * 8 + 2 * tq;
-        if (r0 < rows) *(float2*)(o0 + d) = make_float2(o[n][0] * i0, o[n][1] * i0);
-        if (r1 < rows) *(float2*)(o1 + d) = make_float2(o[n][2] * i1, o[n][3] * i1);
+        float2 v0 = make_float2(o[n][0] * i0, o[n][1] * i0);
+        float2 v1 = make_float2(o[n][2] * i1, o[n][3] * i1);
+        if (out16 != nullptr) {
+            if (r0 < rows) *(__nv_bfloat162*)(out16 + at0 + d) = __float22bfloat162_rn(v0);
+            if (r1 < rows) *(__nv_bfloat162*)(out16 + at1 + d) = __float22bfloat162_rn(v1);
+        } else {
+            if (r0 < rows) *(float2*)(out + at0 + d) = v0;
+            if (r1 < rows) *(float2*)(out + at1 + d) = v1;
+        }
     }
 }
 
@@ -387,10 +396,11 @@ __device__ void prefill_mma(const float* q, const void* kc, const void* vc, cons
     extern "C" __global__ void __launch_bounds__(32 * W, W == 4 ? 3 : 1)                         \
         NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,   \
              const int* tables, const int* table_off, const int* lens, const int* tiles,         \
-             float* out, int n_heads, int kv_heads, int group, int page_size, float scale) {     \
+             float* out, __nv_bfloat16* out16, int n_heads, int kv_heads, int group,             \
+             int page_size, float scale) {                                                       \
         PDL_ENTER();                                                                             \
-        prefill_mma<FP8, HD, W>(q, kc, vc, ks, vs, tables, table_off, lens, tiles, out, n_heads, \
-                                kv_heads, group, page_size, scale);                              \
+        prefill_mma<FP8, HD, W>(q, kc, vc, ks, vs, tables, table_off, lens, tiles, out, out16,   \
+                                n_heads, kv_heads, group, page_size, scale);                     \
     }
 
 PREFILL_ENTRY(prefill_bf16_d64_w4, false, 64, 4)

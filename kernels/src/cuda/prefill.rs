@@ -4,7 +4,7 @@
 
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
-use super::attention::PagedQuery;
+use super::attention::{AttnOut, PagedQuery};
 use super::kv::PagedKv;
 use super::kv::push_pages;
 use super::{Gpu, cuda_err};
@@ -68,6 +68,17 @@ impl Gpu {
         tiles: &CudaView<'_, i32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
+        self.prefill_attention_to(kv, query, tiles, AttnOut::F32(out))
+    }
+
+    /// As [`Self::prefill_attention`], writing `out` (f32 or bf16 rows).
+    pub fn prefill_attention_to(
+        &self,
+        kv: &PagedKv,
+        query: &PagedQuery<'_>,
+        tiles: &CudaView<'_, i32>,
+        mut out: AttnOut<'_>,
+    ) -> Result<(), KernelError> {
         let PagedQuery {
             q,
             tables,
@@ -118,7 +129,9 @@ impl Gpu {
         let mut b = self.stream.launch_builder(f);
         b.arg(q);
         push_pages(&mut b, kv);
-        b.arg(tables).arg(table_off).arg(lens).arg(tiles).arg(out);
+        b.arg(tables).arg(table_off).arg(lens).arg(tiles);
+        let null = 0u64;
+        out.push(&mut b, &null);
         for i in &ints {
             b.arg(i);
         }

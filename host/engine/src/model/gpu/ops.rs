@@ -11,8 +11,8 @@
 
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{
-    CudaSlice, CudaView, DecodeBatch, DeviceWeight, GemmShape, Gpu, NextNorm, NormArgs, Normed,
-    PagedKv, PagedQuery, RopeKv, SKINNY_MAX_M, StackShape,
+    AttnOut, CudaSlice, CudaView, DecodeBatch, DeviceWeight, GemmScratch, GemmShape, Gpu, NextNorm,
+    NormArgs, Normed, PagedKv, PagedQuery, RopeKv, SKINNY_MAX_M, StackShape,
 };
 use kiln_kernels::ops::RopeStyle;
 
@@ -85,6 +85,19 @@ fn norm_in<'a>(
     }
 }
 
+/// Where the attention writes: `len` bf16 activations of the scratch, or
+/// the f32 rows of `attn`.
+fn attn_out<'b>(
+    scratch: &'b mut GemmScratch,
+    attn: &'b mut CudaSlice<f32>,
+    len: Option<usize>,
+) -> R<AttnOut<'b>> {
+    Ok(match len {
+        Some(len) => AttnOut::Bf16(scratch.activations_mut(len)?),
+        None => AttnOut::F32(attn),
+    })
+}
+
 /// An `m x n` product over `k`.
 fn gemm(m: usize, n: usize, k: usize) -> GemmShape {
     GemmShape { m, n, k }
@@ -109,6 +122,11 @@ pub(super) struct CudaStep<'a, 'w> {
     bf16_mlp: bool,
     /// The scratch holds the MLP's activation for the down projection.
     mlp_ready: bool,
+    /// Each block's output projection, which says what the attention
+    /// writes: the bf16 input of a cuBLAS-path GEMM, or f32 rows.
+    wo: Vec<&'a DeviceWeight>,
+    /// The scratch holds the attention's output for the projection.
+    attn_ready: bool,
     pending: Pending<'w>,
 }
 
@@ -130,6 +148,8 @@ impl<'a> CudaStep<'a, '_> {
             fold: model.folds(s.n),
             bf16_mlp: model.bf16_mlp,
             mlp_ready: false,
+            wo: model.weights.blocks.iter().map(|b| &b.wo).collect(),
+            attn_ready: false,
             pending: Pending::Nothing,
         }
     }
@@ -221,30 +241,34 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
             heads: c.heads,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
         };
+        // Rows the output projection reads as bf16 go straight into its
+        // scratch (one conversion launch fewer a layer).
+        let to_bf16 = !self.fold
+            && self
+                .wo
+                .get(layer)
+                .is_some_and(|w| g.takes_bf16_input(w, n, q_dim));
+        self.attn_ready = to_bf16;
+        let len = to_bf16.then_some(n * q_dim);
         if s.tiles > 0 {
             if s.decodes > 0 {
                 let batch = DecodeBatch {
                     seqs: s.decodes,
                     max_len: s.decode_len,
                 };
-                let plan = Default::default();
-                g.paged_attention(pages, &query, batch, plan, &mut b.abuf, &mut b.attn)?;
+                let out = attn_out(&mut b.scratch, &mut b.attn, len)?;
+                g.paged_attention_to(pages, &query, batch, Default::default(), &mut b.abuf, out)?;
             }
             let tiles = ints(inputs, l.range(l.tiles, 2 * s.tiles));
-            g.prefill_attention(pages, &query, &tiles, &mut b.attn)
+            let out = attn_out(&mut b.scratch, &mut b.attn, len)?;
+            g.prefill_attention_to(pages, &query, &tiles, out)
         } else {
             let batch = DecodeBatch {
                 seqs: n,
                 max_len: s.max_len,
             };
-            g.paged_attention(
-                pages,
-                &query,
-                batch,
-                Default::default(),
-                &mut b.abuf,
-                &mut b.attn,
-            )
+            let out = attn_out(&mut b.scratch, &mut b.attn, len)?;
+            g.paged_attention_to(pages, &query, batch, Default::default(), &mut b.abuf, out)
         }
     }
 
@@ -307,6 +331,14 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
             return Ok(());
         }
         match input {
+            Input::Attention if std::mem::take(&mut self.attn_ready) => {
+                let shape = StackShape {
+                    m: n,
+                    parts: &[c.hidden],
+                    k,
+                };
+                g.matmul_parts_bf16(w, &mut [&mut b.proj], shape, &b.scratch)?;
+            }
             Input::Attention => g.matmul(
                 &b.attn,
                 w,

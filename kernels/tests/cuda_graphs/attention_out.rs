@@ -1,0 +1,176 @@
+//! Attention that writes the output projection's bf16 input: exactly its
+//! f32 rows rounded, from every launch that writes them (the flash
+//! kernel's own output, the partitions' merge, the prefill kernel).
+
+use half::bf16;
+use kiln_kernels::cuda::{
+    AttentionKind, AttentionPlan, AttnOut, DecodeBatch, Gpu, PagedKv, PagedQuery, prefill_tiles,
+};
+use kiln_kernels::kv::{KvFormat, KvLayout};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const HEADS: usize = 8;
+const LAYOUT: KvLayout = KvLayout {
+    page_size: 16,
+    kv_heads: 2,
+    head_dim: 128,
+};
+
+/// `pages` pages of random ordinary values in `format` (fp8 scales 0.01).
+fn pages(gpu: &Gpu, rng: &mut ChaCha8Rng, format: KvFormat, pages: usize) -> PagedKv {
+    let s = gpu.stream().clone();
+    let mut kv = gpu.paged_kv(format, LAYOUT, pages).unwrap();
+    let vectors = pages * LAYOUT.page_size * LAYOUT.kv_heads;
+    let elems = vectors * LAYOUT.head_dim;
+    let mut fill = || -> Vec<u8> {
+        match format {
+            KvFormat::Bf16 => (0..elems)
+                .flat_map(|_| bf16::from_f32(rng.random_range(-1.0..1.0)).to_le_bytes())
+                .collect(),
+            // e4m3 bytes with small exponents: ordinary values.
+            _ => (0..elems)
+                .map(|_| rng.random::<u8>() & 0b1011_0111)
+                .collect(),
+        }
+    };
+    s.memcpy_htod(&fill(), &mut kv.k).unwrap();
+    s.memcpy_htod(&fill(), &mut kv.v).unwrap();
+    if format == KvFormat::Fp8 {
+        let sc = vec![0.01f32; vectors];
+        s.memcpy_htod(&sc, &mut kv.k_scale).unwrap();
+        s.memcpy_htod(&sc, &mut kv.v_scale).unwrap();
+    }
+    kv
+}
+
+pub(super) fn check(gpu: &Gpu, seed: u64) {
+    let rng = &mut ChaCha8Rng::seed_from_u64(seed);
+    // Sequences whose tables are consecutive runs of the pool: decode
+    // lengths across one and several partitions, then one prompt's rows.
+    let decode_lens = [1usize, 40, 700, 1500];
+    let prompt = 300usize;
+    let total: usize = decode_lens
+        .iter()
+        .chain([&prompt])
+        .map(|l| l.div_ceil(16))
+        .sum();
+    let tables: Vec<i32> = (0..total as i32).collect();
+    let mut offs = Vec::new();
+    let mut at = 0;
+    for l in decode_lens {
+        offs.push(at);
+        at += l.div_ceil(16) as i32;
+    }
+    let rows = |n: usize| n * HEADS * LAYOUT.head_dim;
+    for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Fp8Static] {
+        let kv = pages(gpu, rng, format, total);
+        let tables = gpu.upload(&tables).unwrap();
+        // Decode: one query a sequence.
+        let n = decode_lens.len();
+        let q = gpu
+            .upload(
+                &(0..rows(n))
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect::<Vec<_>>(),
+            )
+            .unwrap();
+        let (doffs, dlens) = (
+            gpu.upload(&offs).unwrap(),
+            gpu.upload(&decode_lens.map(|l| l as i32)).unwrap(),
+        );
+        let query = PagedQuery {
+            q: &q,
+            tables: &tables.slice(..),
+            table_off: &doffs.slice(..),
+            lens: &dlens.slice(..),
+            heads: HEADS,
+            scale: 0.088,
+        };
+        let batch = DecodeBatch {
+            seqs: n,
+            max_len: 1500,
+        };
+        let mut scratch = gpu.attention_buffers(n, HEADS, 2, 128, 1500).unwrap();
+        let plans = [
+            (AttentionKind::Flash, 1504, "flash, one partition"),
+            (AttentionKind::Flash, 256, "flash, merged"),
+            (AttentionKind::Shuffle, 256, "shuffle, merged"),
+        ];
+        for (kind, len, what) in plans {
+            let plan = AttentionPlan {
+                part_len: Some(len),
+                kind: Some(kind),
+            };
+            let mut f = gpu.upload(&vec![f32::NAN; rows(n)]).unwrap();
+            let mut h = gpu.upload(&vec![bf16::NAN; rows(n)]).unwrap();
+            gpu.paged_attention_to(&kv, &query, batch, plan, &mut scratch, AttnOut::F32(&mut f))
+                .unwrap();
+            gpu.paged_attention_to(
+                &kv,
+                &query,
+                batch,
+                plan,
+                &mut scratch,
+                AttnOut::Bf16(&mut h),
+            )
+            .unwrap();
+            assert_rounded(gpu, &f, &h, &format!("{format:?} decode, {what}"));
+        }
+        // Prefill: the prompt's rows, each over its own prefix.
+        let first = at;
+        let q = gpu
+            .upload(
+                &(0..rows(prompt))
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect::<Vec<_>>(),
+            )
+            .unwrap();
+        let poffs = vec![first; prompt];
+        let plens: Vec<i32> = (1..=prompt as i32).collect();
+        let tiles = prefill_tiles(&poffs, &plens, HEADS / 2, gpu.prefill_rows());
+        let (poffs, plens, tiles) = (
+            gpu.upload(&poffs).unwrap(),
+            gpu.upload(&plens).unwrap(),
+            gpu.upload(&tiles).unwrap(),
+        );
+        let query = PagedQuery {
+            q: &q,
+            table_off: &poffs.slice(..),
+            lens: &plens.slice(..),
+            ..query
+        };
+        let mut f = gpu.upload(&vec![f32::NAN; rows(prompt)]).unwrap();
+        let mut h = gpu.upload(&vec![bf16::NAN; rows(prompt)]).unwrap();
+        let tiles = tiles.slice(..);
+        gpu.prefill_attention_to(&kv, &query, &tiles, AttnOut::F32(&mut f))
+            .unwrap();
+        gpu.prefill_attention_to(&kv, &query, &tiles, AttnOut::Bf16(&mut h))
+            .unwrap();
+        assert_rounded(gpu, &f, &h, &format!("{format:?} prefill"));
+    }
+}
+
+fn assert_rounded(
+    gpu: &Gpu,
+    f: &kiln_kernels::cuda::CudaSlice<f32>,
+    h: &kiln_kernels::cuda::CudaSlice<bf16>,
+    what: &str,
+) {
+    let f = gpu.download(f).unwrap();
+    assert!(
+        f.iter().all(|v| v.is_finite()),
+        "{what}: f32 rows incomplete"
+    );
+    let want: Vec<u16> = f.iter().map(|v| bf16::from_f32(*v).to_bits()).collect();
+    let got: Vec<u16> = gpu
+        .download(h)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    assert!(
+        got == want,
+        "{what}: bf16 rows are not the f32 rows rounded"
+    );
+}
