@@ -93,8 +93,7 @@ impl Gpu {
     /// block per strip of 16 weight rows runs tensor-core MMAs on the
     /// nibbles. Up to [`super::GEMV_MAX_M`] rows the activations ride as
     /// bf16 hi + lo (f32 to ~2^-16); above, as bf16 (what cuBLAS would
-    /// read), in blocks of 8 rows. One row skips the fragments: its GEMV
-    /// splits x itself (one kernel, not two, at decode of one sequence).
+    /// read), in blocks of 8 rows.
     pub(super) fn gemv_int4(
         &self,
         x: &CudaSlice<f32>,
@@ -115,20 +114,6 @@ impl Gpu {
             )));
         }
         let (mi, ki, gi) = (m as i32, k as i32, group as i32);
-        if m == 1 {
-            // One row reads x itself (no fragment kernel before it).
-            let o = self.out_ptrs(outs, parts);
-            let f = self.function(&format!("gemv_int4_one_g{group}"))?;
-            let mut b = self.stream.launch_builder(f);
-            b.arg(x).arg(w);
-            b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
-            b.arg(&o.n0).arg(&o.n1).arg(&mi).arg(&o.n).arg(&ki);
-            // SAFETY: one block per strip of 16 of the n rows (a multiple
-            // of 16 by construction of the tiles); x holds k values and the
-            // outputs were checked above.
-            unsafe { b.launch(cfg((n / STRIP) as u32, 32 * WARPS)) }.map_err(cuda_err)?;
-            return Ok(());
-        }
         let hi_lo = m <= super::GEMV_MAX_M;
         let lo = hi_lo as i32;
         let mut b = self.stream.launch_builder(self.function("int4_xfrag")?);

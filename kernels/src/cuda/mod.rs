@@ -160,8 +160,6 @@ const KERNELS: &[&str] = &[
     "int4_xfrag",
     "gemv_int4_g64",
     "gemv_int4_g128",
-    "gemv_int4_one_g64",
-    "gemv_int4_one_g128",
     "gemm_int4_g64_nb2",
     "gemm_int4_g64_nb4",
     "gemm_int4_g64_nb8",
