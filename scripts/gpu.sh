@@ -202,13 +202,12 @@ weights)
     done
     ;;
 skinny)
-    # Decode with bf16 weights: cuBLAS alone, the skinny GEMM at 2-8 rows
-    # (the default), and the split GEMM at 9-64 rows beside it, same call
-    # (carry .gpu-bench).
+    # Decode with bf16 weights: cuBLAS alone and the skinny GEMM at 2-16
+    # rows (the default) beside it, same call (carry .gpu-bench).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-    for flags in "--cuda-skinny off" "--cuda-skinny on" "--cuda-split on"; do
+    for flags in "--cuda-skinny off" "--cuda-skinny on"; do
         echo "== $flags" | tee -a "$out/skinny.log"
         # shellcheck disable=SC2086
         timeout 200 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \

@@ -55,14 +55,10 @@ pub(crate) struct EngineArgs {
     /// (off: one decode-attention query per token).
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     tensor_prefill: OnOff,
-    /// On CUDA, run bf16 products of 2-8 rows (small decode batches) on
+    /// On CUDA, run bf16 products of 2-16 rows (small decode batches) on
     /// the skinny tensor-core GEMM instead of cuBLAS.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     cuda_skinny: OnOff,
-    /// On CUDA, run bf16 products of 9-64 rows (decode batches) on the
-    /// split tensor-core GEMM instead of cuBLAS (off until measured).
-    #[arg(long, value_enum, default_value_t = OnOff::Off)]
-    cuda_split: OnOff,
     /// On CUDA, warps a block of prefill attention takes: 4 (three blocks
     /// an SM) or 8 (one block, twice the query rows per key tile read)
     /// [default: 4 for bf16 pages, 8 for fp8 pages].
@@ -107,7 +103,6 @@ impl EngineArgs {
             device_sampling: self.device_sampling == OnOff::On,
             tensor_prefill: self.tensor_prefill == OnOff::On,
             cuda_skinny: self.cuda_skinny == OnOff::On,
-            cuda_split: self.cuda_split == OnOff::On,
             prefill_warps: self.prefill_warps,
             cuda_bf16_mlp: self.cuda_bf16_mlp == OnOff::On,
         })

@@ -96,14 +96,14 @@ fn main() -> Result<(), E> {
         return Ok(());
     }
 
-    // The decode GEMV (up to 8 rows), the skinny GEMM (from 2) and the
-    // split GEMM (from 9) against cuBLAS at Llama-3-8B shapes, stacked
+    // The decode GEMV (up to 8 rows) and the skinny GEMM (from 2) against
+    // cuBLAS at Llama-3-8B shapes, stacked
     // q/k/v (6144) and gate/up (28672) included. A kernel that disagrees
     // with cuBLAS prints its error instead of a time, and the rest still
     // runs.
     println!(
-        "{:>14} {:>3} {:>14} {:>14} {:>14} {:>14}",
-        "n x k", "m", "gemv GB/s", "cublas GB/s", "skinny GB/s", "split GB/s"
+        "{:>14} {:>3} {:>14} {:>14} {:>14}",
+        "n x k", "m", "gemv GB/s", "cublas GB/s", "skinny GB/s"
     );
     for (nn, k) in [
         (4096usize, 4096usize),
@@ -158,16 +158,11 @@ fn main() -> Result<(), E> {
             } else {
                 "-".into()
             };
-            let tp = if m >= kiln_kernels::cuda::SPLIT_MIN_M {
-                checked(&|o| Ok(gpu.gemm_bf16_split(&scratch, &w, &mut [o], stack)?))?
-            } else {
-                "-".into()
-            };
             let tc = time(&gpu, 50, || {
                 Ok(gpu.cublas_bf16(&x, &w, &mut out, shape, &mut scratch)?)
             })?;
             println!(
-                "{:>14} {m:>3} {tg:>14} {:>14} {ts:>14} {tp:>14}",
+                "{:>14} {m:>3} {tg:>14} {:>14} {ts:>14}",
                 format!("{nn}x{k}"),
                 col(tc),
             );

@@ -1,4 +1,4 @@
-//! The skinny and split bf16 GEMMs against float64 over the same bf16
+//! The skinny bf16 GEMM against float64 over the same bf16
 //! values, for every block count of activation rows, stacked parts and a
 //! tail strip a block leaves alone. CUDA only, so ignored unless asked
 //! for: `KILN_TEST_DEVICE=cuda` with `--include-ignored`.
@@ -20,25 +20,6 @@ fn skinny_bf16_gemm_matches_float64_for_every_part_and_row_count() {
     for (parts, k) in [(&[144usize, 32, 32][..], 640usize), (&[256][..], 256)] {
         let rows = [2usize, 8, 13, 16, 27, 40, 64];
         check(&gpu, &mut rng, parts, k, &rows, Gpu::gemm_bf16_skinny);
-    }
-}
-
-#[test]
-#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
-fn split_bf16_gemm_matches_float64_for_every_part_and_row_count() {
-    let gpu = Gpu::open(0, true).expect("a CUDA device");
-    let mut rng = ChaCha8Rng::seed_from_u64(6);
-    // 208 rows: two row groups, the second with three warps past the last
-    // strip; k of 640 in five slices, 256 in four (slices' sums through
-    // the workspace and the counters, every launch after the first
-    // relying on their reset); then 132 row groups, one slice.
-    let rows = [9usize, 13, 16, 27, 40, 64];
-    for (parts, k) in [
-        (&[144usize, 32, 32][..], 640usize),
-        (&[256][..], 256),
-        (&[16896][..], 128),
-    ] {
-        check(&gpu, &mut rng, parts, k, &rows, Gpu::gemm_bf16_split);
     }
 }
 

@@ -69,10 +69,6 @@ impl Gpu {
         {
             return self.gemm_bf16_skinny(&scratch.act, wb, outs, shape);
         }
-        let split_rows = super::SPLIT_MIN_M..=super::SPLIT_MAX_M;
-        if self.split && split_rows.contains(&m) && k.is_multiple_of(64) && strips {
-            return self.gemm_bf16_split(&scratch.act, wb, outs, shape);
-        }
         let (wp, _rw) = wb.device_ptr(&self.stream);
         let (xp, _rx) = scratch.act.device_ptr(&self.stream);
         let ty = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;

@@ -27,7 +27,6 @@ mod quant;
 mod rope;
 mod sample;
 mod skinny;
-mod split;
 mod tags;
 
 use std::collections::HashMap;
@@ -56,7 +55,6 @@ pub use prefill::{PREFILL_HEAD_DIMS, prefill_supports, prefill_tiles};
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
 pub use rope::{RopeArgs, RopeKv};
 pub use skinny::{SKINNY_MAX_M, SKINNY_WINS_M};
-pub use split::{SPLIT_MAX_M, SPLIT_MIN_M, split_slices};
 pub use tags::TagLayout;
 
 /// The CUDA C source of every kernel: one file per operation, its
@@ -81,7 +79,6 @@ pub const SOURCE: &str = concat!(
     include_str!("quant.cu"),
     include_str!("int4.cu"),
     include_str!("skinny.cu"),
-    include_str!("split.cu"),
     include_str!("sample.cu"),
     include_str!("prefill.cu")
 );
@@ -173,10 +170,6 @@ const KERNELS: &[&str] = &[
     "gemm_bf16_skinny_nb2",
     "gemm_bf16_skinny_nb4",
     "gemm_bf16_skinny_nb8",
-    // split.cu
-    "gemm_bf16_split_nb2",
-    "gemm_bf16_split_nb4",
-    "gemm_bf16_split_nb8",
     // sample.cu
     "sample_rows",
     "argmax_rows",
@@ -216,13 +209,6 @@ pub struct Gpu {
     /// Whether bf16 products of 2 to [`SKINNY_WINS_M`] rows take the
     /// skinny GEMM instead of cuBLAS ([`Gpu::set_skinny`]).
     skinny: bool,
-    /// Whether bf16 products of [`SPLIT_MIN_M`] to [`SPLIT_MAX_M`] rows
-    /// take the split GEMM instead of cuBLAS ([`Gpu::set_split`]).
-    split: bool,
-    /// The split GEMM's workspace and counters.
-    split_scratch: split::SplitScratch,
-    /// The device's SMs.
-    sms: usize,
     /// Warps a block of prefill attention: 4 or 8
     /// ([`Gpu::set_prefill_warps`]).
     prefill_warps: usize,
@@ -391,14 +377,6 @@ impl Gpu {
                 ctx.default_stream()
             };
             let blas = cudarc::cublas::CudaBlas::new(stream.clone()).map_err(cuda_err)?;
-            let split_scratch = split::SplitScratch {
-                sums: stream
-                    .alloc_zeros::<f32>(split::SPLIT_WORKSPACE)
-                    .map_err(cuda_err)?,
-                counters: stream
-                    .alloc_zeros::<u32>(split::SPLIT_GROUPS)
-                    .map_err(cuda_err)?,
-            };
             let workspace = if own_stream {
                 let mut ws = stream.alloc_zeros::<u8>(BLAS_WORKSPACE).map_err(cuda_err)?;
                 let (ptr, _guard) = ws.device_ptr_mut(&stream);
@@ -431,9 +409,6 @@ impl Gpu {
                 lt: std::sync::Mutex::new(None),
                 fp8_tensor: major >= 9,
                 skinny: false,
-                split: false,
-                split_scratch,
-                sms,
                 prefill_warps: prefill::DEFAULT_WARPS,
             })
         });

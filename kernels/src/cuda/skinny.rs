@@ -20,10 +20,11 @@ type R<T = ()> = Result<T, KernelError>;
 pub const SKINNY_MAX_M: usize = 64;
 
 /// Most activation rows the engine's products give the skinny GEMM: at 2
-/// to 8 rows it streamed 85-107% of copy bandwidth on Llama-3-8B's four
-/// shapes where cuBLAS read 43-94%; from 16 rows up cuBLAS was as fast or
-/// faster (each warp walks its row blocks one after another).
-pub const SKINNY_WINS_M: usize = 8;
+/// to 8 rows it streams 86-107% of copy bandwidth on Llama-3-8B's four
+/// shapes where cuBLAS reads 39-91%, at 16 rows 75-87% against 40-88%
+/// (a layer's four products 10% faster); at 32 cuBLAS is faster on three
+/// of the four (perf.md, 2026-12-02).
+pub const SKINNY_WINS_M: usize = 16;
 
 /// Weight rows a strip (an MMA's 16 rows).
 const STRIP: usize = 16;

@@ -1,5 +1,4 @@
-//! Kernels that replace others on the device (the skinny and split GEMMs
-//! for cuBLAS, the bf16 MLP for the f32 one, the decode kernel for a mixed
+//! Kernels that replace others on the device (the skinny GEMM for cuBLAS, the bf16 MLP for the f32 one, the decode kernel for a mixed
 //! step's decode rows) give the engine's logits within rounding, or its
 //! tokens.
 
@@ -60,25 +59,6 @@ fn the_skinny_gemm_gives_the_logits_of_cublas() {
             ..c
         },
         (12, 8),
-        1e-2,
-    );
-}
-
-#[test]
-#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
-fn the_split_gemm_gives_the_logits_of_cublas() {
-    // As the skinny GEMM's test, with a prefill of 40 rows (five blocks of
-    // 8 activation rows, the split GEMM's widest) then 4 one-token steps.
-    kernels_agree(
-        |c| EngineConfig {
-            cuda_split: false,
-            ..c
-        },
-        |c| EngineConfig {
-            cuda_split: true,
-            ..c
-        },
-        (44, 40),
         1e-2,
     );
 }

@@ -76,12 +76,9 @@ pub struct EngineConfig {
     /// On CUDA: attend prefill chunks with the tensor-core prefill kernel
     /// instead of one decode-attention query per token.
     pub tensor_prefill: bool,
-    /// On CUDA: bf16 products of 2-8 rows run the skinny GEMM instead of
+    /// On CUDA: bf16 products of 2-16 rows run the skinny GEMM instead of
     /// cuBLAS.
     pub cuda_skinny: bool,
-    /// On CUDA: bf16 products of 9-64 rows run the split GEMM instead of
-    /// cuBLAS.
-    pub cuda_split: bool,
     /// On CUDA: warps a block of prefill attention takes (4 or 8); `None`
     /// picks by page format ([`default_prefill_warps`]).
     pub prefill_warps: Option<usize>,
@@ -104,7 +101,6 @@ impl Default for EngineConfig {
             device_sampling: true,
             tensor_prefill: true,
             cuda_skinny: true,
-            cuda_split: false,
             prefill_warps: None,
             cuda_bf16_mlp: true,
         }
@@ -228,7 +224,6 @@ impl Engine {
                 fold: config.cuda_fold,
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,
-                split: config.cuda_split,
                 prefill_warps: config
                     .prefill_warps
                     .unwrap_or_else(|| default_prefill_warps(config.kv_format)),

@@ -30,10 +30,8 @@ pub struct RunnerOptions {
     /// On CUDA: prefill chunks attend with the tensor-core prefill kernel
     /// instead of one decode-attention query per token.
     pub tensor_prefill: bool,
-    /// On CUDA: bf16 products of 2-8 rows run the skinny GEMM.
+    /// On CUDA: bf16 products of 2-16 rows run the skinny GEMM.
     pub skinny: bool,
-    /// On CUDA: bf16 products of 9-64 rows run the split GEMM.
-    pub split: bool,
     /// On CUDA: warps a block of prefill attention (4 or 8).
     pub prefill_warps: usize,
     /// On CUDA: prefill steps run the MLP in bf16.
@@ -79,7 +77,6 @@ impl Runner {
                     m.set_programmatic(o.programmatic);
                     m.set_fold(o.fold);
                     m.set_skinny(o.skinny);
-                    m.set_split(o.split);
                     m.set_bf16_mlp(o.bf16_mlp);
                     m.set_prefill_warps(o.prefill_warps)
                         .map_err(|e| e.to_string())?;

@@ -235,16 +235,10 @@ impl GpuModel {
         self.bf16_mlp = on && able;
     }
 
-    /// Whether bf16 products of 2-8 rows run the skinny GEMM instead of
+    /// Whether bf16 products of 2-16 rows run the skinny GEMM instead of
     /// cuBLAS (set before graphs are captured, like the rest).
     pub fn set_skinny(&mut self, on: bool) {
         self.gpu.set_skinny(on);
-    }
-
-    /// Whether bf16 products of 9-64 rows run the split GEMM instead of
-    /// cuBLAS.
-    pub fn set_split(&mut self, on: bool) {
-        self.gpu.set_split(on);
     }
 
     /// Warps a block of prefill attention takes (4 or 8).
