@@ -66,7 +66,7 @@ run)
     # Kernel timings first: they compare each new kernel with the one it
     # may replace on the same data, so a new kernel that fails the parity
     # tests below still leaves its error and its timing.
-    timeout 120 .gpu/cuda_bench 2>&1 | tee "$out/bench.log"
+    timeout 180 .gpu/cuda_bench 2>&1 | tee "$out/bench.log"
     KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log"
     parity=${PIPESTATUS[0]}
     # The CUDA-only tests are ignored unless asked for.

@@ -1,7 +1,8 @@
 //! CUDA kernel benchmarks on Llama-3-8B layer shapes: device copy bandwidth
 //! (the roofline's ceiling), the decode GEMV against cuBLAS, paged decode
 //! attention over bf16 and fp8 pages, and prefill attention (alone with the
-//! argument `prefill`). Run on a GPU machine after the parity
+//! argument `prefill`; the FP8-row and int4 products alone with
+//! `quantized`). Run on a GPU machine after the parity
 //! tests (`scripts/gpu.sh` does both); prints one table.
 #![allow(clippy::print_stdout, reason = "a benchmark prints its table")]
 
@@ -91,6 +92,10 @@ fn main() -> Result<(), E> {
         t * 1e3
     );
     drop((src, dst));
+    // `quantized`: the FP8-row and int4 products alone.
+    if std::env::args().nth(1).as_deref() == Some("quantized") {
+        return quantized_gemv(&mut gpu, &mut rng, copy);
+    }
     prefill::run(&mut gpu, &mut rng)?;
     if std::env::args().nth(1).as_deref() == Some("prefill") {
         return Ok(());
@@ -169,7 +174,7 @@ fn main() -> Result<(), E> {
         }
     }
 
-    quantized_gemv(&gpu, &mut rng, copy)?;
+    quantized_gemv(&mut gpu, &mut rng, copy)?;
 
     // The page-tag check alone, as a step runs it: every sequence's 80
     // pages (1280 tokens of 16), tags all current, so every flag is 1.
@@ -193,7 +198,7 @@ fn main() -> Result<(), E> {
 /// Products with FP8-row and int4 weights at Llama-3-8B shapes (the GEMVs
 /// up to 8 rows, dequantize + cuBLAS above), each checked against cuBLAS on
 /// the same values as bf16 first; bandwidth counts the format's own bytes.
-fn quantized_gemv(gpu: &Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Result<(), E> {
+fn quantized_gemv(gpu: &mut Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Result<(), E> {
     use kiln_kernels::matmul::Weight;
     use kiln_kernels::quant::{DType, dequantize_row, quantize};
     use rayon::prelude::*;
@@ -256,6 +261,24 @@ fn quantized_gemv(gpu: &Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Result<
                     t * 1e6,
                     format!("{g:.0} ({:.0}%)", 100.0 * g / copy),
                 );
+                if m == 1 && dtype == DType::Int4G128 {
+                    // The streaming GEMV beside it, checked first.
+                    gpu.set_int4_stream(true);
+                    gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?;
+                    let err = rel_diff(&s.clone_dtoh(&out)?, &theirs);
+                    let ts = time_graph(gpu, 30, || {
+                        Ok(gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?)
+                    })?;
+                    let gs = dw.size_bytes() as f64 / ts / 1e9;
+                    println!(
+                        "{:>10} {:>14} {m:>3} {:>10.1} {:>16} (rel err {err:.1e})",
+                        "stream",
+                        format!("{nn}x{k}"),
+                        ts * 1e6,
+                        format!("{gs:.0} ({:.0}%)", 100.0 * gs / copy),
+                    );
+                    gpu.set_int4_stream(false);
+                }
                 if m == 1 {
                     cold_gemv(gpu, &w, &wb, &x, &mut out, &mut scratch, copy)?;
                 }

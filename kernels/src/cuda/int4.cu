@@ -64,22 +64,24 @@ __device__ __forceinline__ StripPtrs strip_ptrs(const unsigned char* w, int stri
     return {(const uint4*)(w + (size_t)strip * 16 * (K / 2)) + lane, p0, p0 + (size_t)8 * NG};
 }
 
-// One group's MMAs for this lane: c += A (the group's TILES tiles) * B (hi,
-// then lo).
+// One tile's MMAs for this lane: c += A (tile w) * B (hw's 8 words of hi,
+// then its 8 of lo).
+__device__ __forceinline__ void int4_tile_mma(float* c, const uint4& w, const unsigned* hw) {
+    unsigned ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+        unsigned a0 = int4_pair(ws[s], 0), a1 = int4_pair(ws[s], 1);
+        unsigned a2 = int4_pair(ws[s], 2), a3 = int4_pair(ws[s], 3);
+        mma16<false>(c, a0, a1, a2, a3, hw[2 * s], hw[2 * s + 1]);
+        mma16<false>(c, a0, a1, a2, a3, hw[8 + 2 * s], hw[8 + 2 * s + 1]);
+    }
+}
+
+// One group's MMAs for this lane: c += A (the group's TILES tiles) * B.
 template <int TILES>
 __device__ __forceinline__ void int4_group_mma(float* c, const uint4* w, const uint4* xf) {
 #pragma unroll
-    for (int i = 0; i < TILES; i++) {
-        unsigned ws[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
-        const unsigned* hw = (const unsigned*)&xf[4 * i];
-#pragma unroll
-        for (int s = 0; s < 4; s++) {
-            unsigned a0 = int4_pair(ws[s], 0), a1 = int4_pair(ws[s], 1);
-            unsigned a2 = int4_pair(ws[s], 2), a3 = int4_pair(ws[s], 3);
-            mma16<false>(c, a0, a1, a2, a3, hw[2 * s], hw[2 * s + 1]);
-            mma16<false>(c, a0, a1, a2, a3, hw[8 + 2 * s], hw[8 + 2 * s + 1]);
-        }
-    }
+    for (int i = 0; i < TILES; i++) int4_tile_mma(c, w[i], (const unsigned*)&xf[4 * i]);
 }
 
 // out[m][row] = sum_k x[m][k] w[row][k] for m < M <= 8, groups of 64 TILES:
@@ -325,3 +327,93 @@ extern "C" __global__ void embed_int4(const unsigned char* w, const unsigned* id
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
         o[i] = int4_elem(w, N, cols, G, ids[blockIdx.x], i);
 }
+
+// One activation row (decode at one sequence), each weight load issued as
+// early as it can be: a lane keeps INT4_DEPTH of its warp's tiles in flight
+// from before the wait for the kernels that write x (the weights and the
+// strip's group parameters are constants), refilling a slot as it uses it.
+// Row 0's fragments (hi + lo, 4 K bytes) and group sums come into shared
+// memory once the wait is over. Same groups per warp, same sums in the same
+// order as gemv_int4_strip at M = 1, so the same bits.
+#define INT4_DEPTH 8
+
+template <int TILES>
+__device__ void gemv_int4_stream(const __nv_bfloat16* frag, const unsigned char* w, Outs o,
+                                 int K) {
+    extern __shared__ __align__(16) unsigned char int4_smem[];
+    __shared__ float red[INT4_WARPS][32][2];
+    const int G = 64 * TILES;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int strip = blockIdx.x, NG = K / G;
+    StripPtrs sp = strip_ptrs(w, strip, o.n, K, NG, lane);
+    uint4* xs = (uint4*)int4_smem;                      // K / 4 pieces of 16 bytes
+    unsigned* ps = (unsigned*)(xs + K / 4);             // [16 rows][NG] (d, m)
+    float* ss = (float*)(ps + 16 * NG);                 // [NG] sums of x
+    // This warp's groups are warp, warp + W, ...; tile k of its list.
+    int groups = NG > warp ? (NG - warp + INT4_WARPS - 1) / INT4_WARPS : 0;
+    int T = groups * TILES;
+    auto tile = [&](int k) { return (warp + INT4_WARPS * (k / TILES)) * TILES + k % TILES; };
+    uint4 buf[INT4_DEPTH];
+#pragma unroll
+    for (int i = 0; i < INT4_DEPTH; i++)
+        buf[i] = i < T ? __ldcs(sp.nib + (size_t)tile(i) * 32) : make_uint4(0, 0, 0, 0);
+    const unsigned* params = (const unsigned*)(w + (size_t)o.n * (K / 2));
+    for (int i = threadIdx.x; i < 16 * NG; i += 32 * INT4_WARPS)
+        ps[i] = params[(size_t)strip * 16 * NG + i];
+    PDL_WAIT();
+    const uint4* xf = (const uint4*)frag;
+    for (int i = threadIdx.x; i < K / 4; i += 32 * INT4_WARPS) xs[i] = xf[i];
+    const float* sx = (const float*)(frag + (size_t)2 * K);
+    for (int i = threadIdx.x; i < NG; i += 32 * INT4_WARPS) ss[i] = sx[i];
+    __syncthreads();
+    float out0 = 0.0f, out2 = 0.0f;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int base = 0; base < T; base += INT4_DEPTH) {
+#pragma unroll
+        for (int i = 0; i < INT4_DEPTH; i++) {
+            int k = base + i;
+            if (k >= T) break;
+            uint4 wt = buf[i];
+            int kn = k + INT4_DEPTH;
+            buf[i] = kn < T ? __ldcs(sp.nib + (size_t)tile(kn) * 32) : make_uint4(0, 0, 0, 0);
+            // Column 0 of B (lanes g = 0) is row 0's pieces; the rest zero.
+            int kt = tile(k);
+            uint4 xq[4];
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+                xq[p] = g == 0 ? xs[(kt * 4 + t) * 4 + p] : make_uint4(0, 0, 0, 0);
+            int4_tile_mma(c, wt, (const unsigned*)xq);
+            if (k % TILES == TILES - 1) {
+                int gi = warp + INT4_WARPS * (k / TILES);
+                float2 pa = __half22float2(*(const __half2*)&ps[g * NG + gi]);
+                float2 pb = __half22float2(*(const __half2*)&ps[(g + 8) * NG + gi]);
+                float s0 = t == 0 ? ss[gi] : 0.0f;
+                out0 += pa.x * (c[0] - 128.0f * s0) + pa.y * s0;
+                out2 += pb.x * (c[2] - 128.0f * s0) + pb.y * s0;
+                c[0] = c[1] = c[2] = c[3] = 0.0f;
+            }
+        }
+    }
+    red[warp][lane][0] = out0;
+    red[warp][lane][1] = out2;
+    __syncthreads();
+    if (warp != 0 || t != 0) return;
+    for (int v = 1; v < INT4_WARPS; v++) {
+        out0 += red[v][lane][0];
+        out2 += red[v][lane][1];
+    }
+    int row = strip * 16 + g;
+    put_out(o, 0, row, out0);
+    put_out(o, 0, row + 8, out2);
+}
+
+#define GEMV_INT4_STREAM(G)                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * INT4_WARPS)                           \
+        gemv_int4_stream_g##G(const __nv_bfloat16* frag, const unsigned char* w, float* o0,  \
+                              float* o1, float* o2, int n0, int n1, int M, int N, int K) {   \
+        PDL_LAUNCH();                                                                         \
+        gemv_int4_stream<G / 64>(frag, w, Outs{o0, o1, o2, n0, n1, N}, K);                   \
+    }
+
+GEMV_INT4_STREAM(64)
+GEMV_INT4_STREAM(128)

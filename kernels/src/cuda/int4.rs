@@ -131,7 +131,13 @@ impl Gpu {
         // SAFETY: one warp per (group, row), writes within `need` (checked).
         unsafe { b.launch(grid) }.map_err(cuda_err)?;
         // Above the GEMV, 2, 4 or 8 blocks of 8 activation rows (m > 8).
-        let (name, strips_per_block) = if hi_lo {
+        // One row on the streaming GEMV where its shared memory (row 0's
+        // fragments, the strip's group parameters and sums) fits in 48 KiB.
+        let stream_smem = 4 * k + 17 * 4 * (k / group);
+        let stream = m == 1 && self.int4_stream && stream_smem <= 48 << 10;
+        let (name, strips_per_block) = if stream {
+            (format!("gemv_int4_stream_g{group}"), 1)
+        } else if hi_lo {
             (format!("gemv_int4_g{group}"), 1)
         } else {
             let (blocks, per_block) = row_blocks(m);
@@ -146,8 +152,18 @@ impl Gpu {
         // SAFETY: one block per `strips_per_block` strips of 16 of the n
         // rows (a multiple of 16 by construction of the tiles; the kernel
         // skips strips past them); outputs checked above.
-        unsafe { b.launch(cfg(grid, 32 * WARPS)) }.map_err(cuda_err)?;
+        let smem = if stream { stream_smem as u32 } else { 0 };
+        unsafe { b.launch(super::launch::cfg((grid, 1, 1), 32 * WARPS, smem)) }
+            .map_err(cuda_err)?;
         Ok(())
+    }
+
+    /// Whether int4 products of one row take the streaming GEMV (every
+    /// lane keeps 8 weight tiles in flight from before the wait for x)
+    /// instead of the strip GEMV, where the row's fragments fit in shared
+    /// memory. Off until measured.
+    pub fn set_int4_stream(&mut self, on: bool) {
+        self.int4_stream = on;
     }
 
     /// Rows `r0 .. r0 + rows` (whole strips of 16) of an int4 matrix of
