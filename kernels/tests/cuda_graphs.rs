@@ -1,8 +1,9 @@
 //! CUDA behaviour with no CPU counterpart: a captured step whose kernels
 //! start early (programmatic edges) computes exactly what the same launches
 //! compute one after another, and kernels that write a bf16 GEMM's input
-//! give exactly their f32 results rounded, and fused launches write
-//! exactly what the launches they replace write. CUDA only, so ignored
+//! give exactly their f32 results rounded, fused launches write exactly
+//! what the launches they replace write, and the streaming int4 GEMV sums
+//! what the strip GEMV sums. CUDA only, so ignored
 //! unless asked for: `KILN_TEST_DEVICE=cuda` with `--include-ignored` (the
 //! GPU machine, where a CUDA that does not work fails the tests).
 

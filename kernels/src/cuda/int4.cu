@@ -334,7 +334,7 @@ extern "C" __global__ void embed_int4(const unsigned char* w, const unsigned* id
 // strip's group parameters are constants), refilling a slot as it uses it.
 // Row 0's fragments (hi + lo, 4 K bytes) and group sums come into shared
 // memory once the wait is over. Same groups per warp, same sums in the same
-// order as gemv_int4_strip at M = 1, so the same bits.
+// order as gemv_int4_strip at M = 1.
 #define INT4_DEPTH 8
 
 template <int TILES>

@@ -48,7 +48,7 @@ pub use fold::{NextNorm, NormSum, Normed};
 pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Scratch};
 pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M, GemmShape, StackShape};
 pub use graph::Graph;
-pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_tiles};
+pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_stream_fits, int4_tiles};
 pub use kv::PagedKv;
 pub use norm::NormArgs;
 pub use prefill::{PREFILL_HEAD_DIMS, prefill_supports, prefill_tiles};

@@ -1,6 +1,6 @@
-//! Kernels that replace others on the device (the skinny GEMM for cuBLAS, the bf16 MLP for the f32 one, the decode kernel for a mixed
-//! step's decode rows) give the engine's logits within rounding, or its
-//! tokens.
+//! Kernels that replace others on the device (the skinny GEMM for cuBLAS,
+//! the bf16 MLP for the f32 one, the decode kernel for a mixed step's
+//! decode rows) give the engine's logits within rounding, or its tokens.
 
 use std::collections::HashMap;
 
@@ -42,7 +42,8 @@ fn kernels_agree(
 #[test]
 #[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn the_skinny_gemm_gives_the_logits_of_cublas() {
-    // A prefill of 8 rows, then 4 one-token steps over the KV it wrote:
+    // A prefill of 8 rows (then of 16, the most the engine gives it), then
+    // 4 one-token steps over the KV it wrote:
     // every bf16 projection of the prefill runs the skinny GEMM in the
     // second engine and cuBLAS in the first, on the same bf16 activations,
     // so only the order of f32 sums differs. Each layer rounds its
@@ -59,6 +60,18 @@ fn the_skinny_gemm_gives_the_logits_of_cublas() {
             ..c
         },
         (12, 8),
+        1e-2,
+    );
+    kernels_agree(
+        |c| EngineConfig {
+            cuda_skinny: false,
+            ..c
+        },
+        |c| EngineConfig {
+            cuda_skinny: true,
+            ..c
+        },
+        (20, 16),
         1e-2,
     );
 }

@@ -123,7 +123,8 @@ pub(super) struct CudaStep<'a, 'w> {
     /// The scratch holds the MLP's activation for the down projection.
     mlp_ready: bool,
     /// Each block's output projection, which says what the attention
-    /// writes: the bf16 input of a cuBLAS-path GEMM, or f32 rows.
+    /// writes: the bf16 input of a bf16 GEMM (cuBLAS or skinny), or f32
+    /// rows.
     wo: Vec<&'a DeviceWeight>,
     /// The scratch holds the attention's output for the projection.
     attn_ready: bool,
