@@ -102,12 +102,7 @@ impl GemmScratch {
     /// The bf16 activations, for a kernel that writes the next GEMM's
     /// input itself; at least `len` of them.
     pub fn activations_mut(&mut self, len: usize) -> Result<&mut CudaSlice<bf16>, KernelError> {
-        if self.act.len() < len {
-            return Err(KernelError::Shape(format!(
-                "bf16 scratch of {} for {len} activations",
-                self.act.len()
-            )));
-        }
+        super::cublas::room(self, len)?;
         Ok(&mut self.act)
     }
 }

@@ -4,7 +4,8 @@
 
 use half::bf16;
 use kiln_kernels::cuda::{
-    AttentionKind, AttentionPlan, AttnOut, DecodeBatch, Gpu, PagedKv, PagedQuery, prefill_tiles,
+    AttentionKind, AttentionPlan, AttnOut, CudaSlice, DecodeBatch, Gpu, PagedKv, PagedQuery,
+    prefill_tiles,
 };
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use rand::{Rng, SeedableRng};
@@ -44,6 +45,12 @@ fn pages(gpu: &Gpu, rng: &mut ChaCha8Rng, format: KvFormat, pages: usize) -> Pag
     kv
 }
 
+/// `len` random query values on the device.
+fn queries(gpu: &Gpu, rng: &mut ChaCha8Rng, len: usize) -> CudaSlice<f32> {
+    let q: Vec<f32> = (0..len).map(|_| rng.random_range(-1.0..1.0)).collect();
+    gpu.upload(&q).unwrap()
+}
+
 pub(super) fn check(gpu: &Gpu, seed: u64) {
     let rng = &mut ChaCha8Rng::seed_from_u64(seed);
     // Sequences whose tables are consecutive runs of the pool: decode
@@ -68,13 +75,7 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
         let tables = gpu.upload(&tables).unwrap();
         // Decode: one query a sequence.
         let n = decode_lens.len();
-        let q = gpu
-            .upload(
-                &(0..rows(n))
-                    .map(|_| rng.random_range(-1.0f32..1.0))
-                    .collect::<Vec<_>>(),
-            )
-            .unwrap();
+        let q = queries(gpu, rng, rows(n));
         let (doffs, dlens) = (
             gpu.upload(&offs).unwrap(),
             gpu.upload(&decode_lens.map(|l| l as i32)).unwrap(),
@@ -119,13 +120,7 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
         }
         // Prefill: the prompt's rows, each over its own prefix.
         let first = at;
-        let q = gpu
-            .upload(
-                &(0..rows(prompt))
-                    .map(|_| rng.random_range(-1.0f32..1.0))
-                    .collect::<Vec<_>>(),
-            )
-            .unwrap();
+        let q = queries(gpu, rng, rows(prompt));
         let poffs = vec![first; prompt];
         let plens: Vec<i32> = (1..=prompt as i32).collect();
         let tiles = prefill_tiles(&poffs, &plens, HEADS / 2, gpu.prefill_rows());
@@ -151,12 +146,7 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
     }
 }
 
-fn assert_rounded(
-    gpu: &Gpu,
-    f: &kiln_kernels::cuda::CudaSlice<f32>,
-    h: &kiln_kernels::cuda::CudaSlice<bf16>,
-    what: &str,
-) {
+fn assert_rounded(gpu: &Gpu, f: &CudaSlice<f32>, h: &CudaSlice<bf16>, what: &str) {
     let f = gpu.download(f).unwrap();
     assert!(
         f.iter().all(|v| v.is_finite()),

@@ -21,7 +21,7 @@ use super::inputs::{Layout, ints};
 use super::linear::{Linear, NormIn};
 use super::{Buffers, Cuda, GpuModel, Work};
 use crate::model::ModelConfig;
-use crate::model::arch::{Input, Ops, R};
+use crate::model::arch::{Block, Input, Ops, R};
 
 /// A step's shape, as the launches see it.
 pub(super) struct Shape<'a> {
@@ -122,10 +122,10 @@ pub(super) struct CudaStep<'a, 'w> {
     bf16_mlp: bool,
     /// The scratch holds the MLP's activation for the down projection.
     mlp_ready: bool,
-    /// Each block's output projection, which says what the attention
-    /// writes: the bf16 input of a bf16 GEMM (cuBLAS or skinny), or f32
+    /// The blocks: a block's output projection says what its attention
+    /// writes, the bf16 input of a bf16 GEMM (cuBLAS or skinny) or f32
     /// rows.
-    wo: Vec<&'a DeviceWeight>,
+    blocks: &'a [Block<Cuda>],
     /// The scratch holds the attention's output for the projection.
     attn_ready: bool,
     pending: Pending<'w>,
@@ -149,7 +149,7 @@ impl<'a> CudaStep<'a, '_> {
             fold: model.folds(s.n),
             bf16_mlp: model.bf16_mlp,
             mlp_ready: false,
-            wo: model.weights.blocks.iter().map(|b| &b.wo).collect(),
+            blocks: &model.weights.blocks,
             attn_ready: false,
             pending: Pending::Nothing,
         }
@@ -246,9 +246,9 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
         // scratch (one conversion launch fewer a layer).
         let to_bf16 = !self.fold
             && self
-                .wo
+                .blocks
                 .get(layer)
-                .is_some_and(|w| g.takes_bf16_input(w, n, q_dim));
+                .is_some_and(|b| g.takes_bf16_input(&b.wo, n, q_dim));
         self.attn_ready = to_bf16;
         let len = to_bf16.then_some(n * q_dim);
         if s.tiles > 0 {
