@@ -189,7 +189,7 @@ weights)
     # rows (--weights fp8, W8A16 GEMV), int4 (--weights int4, tensor-core
     # tiles) and the two phases apart (prefill on FP8 rows, decode on int4),
     # same model and KV, one call (carry .gpu-bench; WEIGHTS overrides the
-    # list; `int4-stream` is int4 with the streaming one-row GEMV).
+    # list).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
@@ -197,7 +197,6 @@ weights)
     for weights in ${WEIGHTS:-native fp8 int4 prefill=fp8,decode=int4}; do
         echo "== weights: $weights" | tee -a "$out/weights.log"
         flags=(--weights "$weights")
-        [ "$weights" = int4-stream ] && flags=(--weights int4 --cuda-int4-stream on)
         timeout 250 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda "${flags[@]}" \
             --kv fp8 --kv-memory 16GiB --concurrency 1,8,16,32,64 --prompt-tokens 512 --gen-tokens 128 \
             2>&1 | grep -v INFO | tee -a "$out/weights.log"

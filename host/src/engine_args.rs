@@ -59,10 +59,6 @@ pub(crate) struct EngineArgs {
     /// the skinny tensor-core GEMM instead of cuBLAS.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     cuda_skinny: OnOff,
-    /// On CUDA, run int4 products of one row (`--weights int4` decode at one
-    /// sequence) on the streaming GEMV (off until measured).
-    #[arg(long, value_enum, default_value_t = OnOff::Off)]
-    cuda_int4_stream: OnOff,
     /// On CUDA, warps a block of prefill attention takes: 4 (three blocks
     /// an SM) or 8 (one block, twice the query rows per key tile read)
     /// [default: 4 for bf16 pages, 8 for fp8 pages].
@@ -107,7 +103,6 @@ impl EngineArgs {
             device_sampling: self.device_sampling == OnOff::On,
             tensor_prefill: self.tensor_prefill == OnOff::On,
             cuda_skinny: self.cuda_skinny == OnOff::On,
-            cuda_int4_stream: self.cuda_int4_stream == OnOff::On,
             prefill_warps: self.prefill_warps,
             cuda_bf16_mlp: self.cuda_bf16_mlp == OnOff::On,
         })

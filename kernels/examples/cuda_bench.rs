@@ -261,30 +261,6 @@ fn quantized_gemv(gpu: &mut Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Res
                     t * 1e6,
                     format!("{g:.0} ({:.0}%)", 100.0 * g / copy),
                 );
-                if m == 1
-                    && dtype == DType::Int4G128
-                    && kiln_kernels::cuda::int4_stream_fits(k, 128)
-                {
-                    // The streaming GEMV beside it, checked first.
-                    gpu.set_int4_stream(true);
-                    gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?;
-                    let err = rel_diff(&s.clone_dtoh(&out)?, &theirs);
-                    if err.is_nan() || err >= 1e-2 {
-                        return Err(format!("stream {nn}x{k} vs cuBLAS: rel err {err}").into());
-                    }
-                    let ts = time_graph(gpu, 30, || {
-                        Ok(gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?)
-                    })?;
-                    let gs = dw.size_bytes() as f64 / ts / 1e9;
-                    println!(
-                        "{:>10} {:>14} {m:>3} {:>10.1} {:>16} (rel err {err:.1e})",
-                        "stream",
-                        format!("{nn}x{k}"),
-                        ts * 1e6,
-                        format!("{gs:.0} ({:.0}%)", 100.0 * gs / copy),
-                    );
-                    gpu.set_int4_stream(false);
-                }
                 if m == 1 {
                     cold_gemv(gpu, &w, &wb, &x, &mut out, &mut scratch, copy)?;
                 }

@@ -18,8 +18,6 @@ use rand_chacha::ChaCha8Rng;
 mod attention_out;
 #[path = "cuda_graphs/fold.rs"]
 mod fold;
-#[path = "cuda_graphs/int4_stream.rs"]
-mod int4_stream;
 
 const DIM: usize = 4096;
 const ROUNDS: usize = 6;
@@ -187,13 +185,6 @@ fn bf16_activations_equal_the_f32_results_rounded() {
 fn attention_writes_exactly_its_f32_rows_rounded_as_the_next_gemms_input() {
     let (gpu, seed) = device();
     attention_out::check(&gpu, seed);
-}
-
-#[test]
-#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
-fn the_streaming_int4_gemv_gives_what_the_strip_gemv_gives() {
-    let (mut gpu, seed) = device();
-    int4_stream::check(&mut gpu, seed);
 }
 
 #[test]

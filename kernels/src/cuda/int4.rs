@@ -86,21 +86,6 @@ pub fn int4_tiles(dtype: DType, bytes: &[u8], rows: usize, cols: usize) -> Optio
     Some(out)
 }
 
-/// Dynamic shared memory of the streaming one-row GEMV at width `k`:
-/// row 0's fragments (4 bytes a column), the strip's 16 rows of group
-/// parameters and the groups' sums.
-fn stream_smem(k: usize, group: usize) -> usize {
-    4 * k + 17 * 4 * (k / group)
-}
-
-/// Whether the streaming one-row int4 GEMV ([`Gpu::set_int4_stream`])
-/// takes rows of `k` in groups of `group`: its shared memory, with the
-/// 2 KiB of its warps' sums, fits in the 48 KiB a block gets unasked
-/// (wider rows take the strip GEMV).
-pub fn int4_stream_fits(k: usize, group: usize) -> bool {
-    group > 0 && stream_smem(k, group) + (2 << 10) <= 48 << 10
-}
-
 impl Gpu {
     /// The int4 product over a stack of `rows` (the whole stack's) in
     /// groups of `group` for `m <= INT4_MMA_MAX_M` rows of `x`: the rows go
@@ -146,10 +131,7 @@ impl Gpu {
         // SAFETY: one warp per (group, row), writes within `need` (checked).
         unsafe { b.launch(grid) }.map_err(cuda_err)?;
         // Above the GEMV, 2, 4 or 8 blocks of 8 activation rows (m > 8).
-        let stream = m == 1 && self.int4_stream && int4_stream_fits(k, group);
-        let (name, strips_per_block) = if stream {
-            (format!("gemv_int4_stream_g{group}"), 1)
-        } else if hi_lo {
+        let (name, strips_per_block) = if hi_lo {
             (format!("gemv_int4_g{group}"), 1)
         } else {
             let (blocks, per_block) = row_blocks(m);
@@ -164,22 +146,8 @@ impl Gpu {
         // SAFETY: one block per `strips_per_block` strips of 16 of the n
         // rows (a multiple of 16 by construction of the tiles; the kernel
         // skips strips past them); outputs checked above.
-        let smem = if stream {
-            stream_smem(k, group) as u32
-        } else {
-            0
-        };
-        unsafe { b.launch(super::launch::cfg((grid, 1, 1), 32 * WARPS, smem)) }
-            .map_err(cuda_err)?;
+        unsafe { b.launch(super::launch::cfg((grid, 1, 1), 32 * WARPS, 0)) }.map_err(cuda_err)?;
         Ok(())
-    }
-
-    /// Whether int4 products of one row take the streaming GEMV (every
-    /// lane keeps 8 weight tiles in flight from before the wait for x)
-    /// instead of the strip GEMV, where the row's fragments fit in shared
-    /// memory. Off until measured.
-    pub fn set_int4_stream(&mut self, on: bool) {
-        self.int4_stream = on;
     }
 
     /// Rows `r0 .. r0 + rows` (whole strips of 16) of an int4 matrix of

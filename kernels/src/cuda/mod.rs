@@ -48,7 +48,7 @@ pub use fold::{NextNorm, NormSum, Normed};
 pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Scratch};
 pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M, GemmShape, StackShape};
 pub use graph::Graph;
-pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_stream_fits, int4_tiles};
+pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_tiles};
 pub use kv::PagedKv;
 pub use norm::NormArgs;
 pub use prefill::{PREFILL_HEAD_DIMS, prefill_supports, prefill_tiles};
@@ -157,8 +157,6 @@ const KERNELS: &[&str] = &[
     "int4_xfrag",
     "gemv_int4_g64",
     "gemv_int4_g128",
-    "gemv_int4_stream_g64",
-    "gemv_int4_stream_g128",
     "gemm_int4_g64_nb2",
     "gemm_int4_g64_nb4",
     "gemm_int4_g64_nb8",
@@ -211,9 +209,6 @@ pub struct Gpu {
     /// Whether bf16 products of 2 to [`SKINNY_WINS_M`] rows take the
     /// skinny GEMM instead of cuBLAS ([`Gpu::set_skinny`]).
     skinny: bool,
-    /// Whether int4 products of one row take the streaming GEMV
-    /// ([`Gpu::set_int4_stream`]).
-    int4_stream: bool,
     /// Warps a block of prefill attention: 4 or 8
     /// ([`Gpu::set_prefill_warps`]).
     prefill_warps: usize,
@@ -414,7 +409,6 @@ impl Gpu {
                 lt: std::sync::Mutex::new(None),
                 fp8_tensor: major >= 9,
                 skinny: false,
-                int4_stream: false,
                 prefill_warps: prefill::DEFAULT_WARPS,
             })
         });

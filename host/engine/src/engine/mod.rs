@@ -79,9 +79,6 @@ pub struct EngineConfig {
     /// On CUDA: bf16 products of 2-16 rows run the skinny GEMM instead of
     /// cuBLAS.
     pub cuda_skinny: bool,
-    /// On CUDA: int4 products of one row run the streaming GEMV (off
-    /// until measured).
-    pub cuda_int4_stream: bool,
     /// On CUDA: warps a block of prefill attention takes (4 or 8); `None`
     /// picks by page format ([`default_prefill_warps`]).
     pub prefill_warps: Option<usize>,
@@ -104,7 +101,6 @@ impl Default for EngineConfig {
             device_sampling: true,
             tensor_prefill: true,
             cuda_skinny: true,
-            cuda_int4_stream: false,
             prefill_warps: None,
             cuda_bf16_mlp: true,
         }
@@ -228,7 +224,6 @@ impl Engine {
                 fold: config.cuda_fold,
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,
-                int4_stream: config.cuda_int4_stream,
                 prefill_warps: config
                     .prefill_warps
                     .unwrap_or_else(|| default_prefill_warps(config.kv_format)),

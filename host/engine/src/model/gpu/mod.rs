@@ -241,12 +241,6 @@ impl GpuModel {
         self.gpu.set_skinny(on);
     }
 
-    /// Whether int4 products of one row run the streaming GEMV instead of
-    /// the strip GEMV.
-    pub fn set_int4_stream(&mut self, on: bool) {
-        self.gpu.set_int4_stream(on);
-    }
-
     /// Warps a block of prefill attention takes (4 or 8).
     pub fn set_prefill_warps(&mut self, warps: usize) -> Result<(), kiln_kernels::KernelError> {
         self.gpu.set_prefill_warps(warps)
