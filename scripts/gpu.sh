@@ -235,6 +235,27 @@ neighbour)
         done
     done
     ;;
+pd)
+    # Prefill/decode disaggregation off and on, same call (carry
+    # .gpu-bench): the decode matrix, then 64 and 256 API clients
+    # (PD_CLIENTS overrides; empty skips them).
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    for pd in off on; do
+        echo "== --pd $pd" | tee -a "$out/pd.log"
+        timeout 150 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
+            --kv-memory 16GiB --concurrency 1,16,64 --prompt-tokens 512 --gen-tokens 128 \
+            --pd "$pd" 2>&1 | grep -v INFO | tee -a "$out/pd.log"
+    done
+    for pd in off on; do
+        [ -n "${PD_CLIENTS-64 256}" ] || break
+        echo "== clients, --pd $pd" | tee -a "$out/pd.log"
+        CLIENTS="${PD_CLIENTS-64 256}" DURATION_S="${DURATION_S:-25}" timeout 200 python3 scripts/clients.py \
+            .gpu-bench/kiln .gpu-bench/kiln big synthetic:llama-3-8b --device cuda --kv fp8-static \
+            --kv-memory 24GiB --pd "$pd" 2>&1 | grep -v INFO | tee -a "$out/pd.log"
+    done
+    ;;
 clients)
     # Output tok/s and TTFT through the API at 1-256 clients (1024-token
     # prompts, 256 generated), fp8-static pages with room for 256 such

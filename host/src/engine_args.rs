@@ -69,6 +69,12 @@ pub(crate) struct EngineArgs {
     /// models do).
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     cuda_bf16_mlp: OnOff,
+    /// Prefill/decode disaggregation: a prefill lane admits and computes
+    /// prompts and a decode lane runs the streams, each with its own
+    /// queue, token budget and step, over one KV pool (a sequence changes
+    /// lanes at its first token, its pages staying where they are).
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    pd: OnOff,
 }
 
 impl EngineArgs {
@@ -105,6 +111,7 @@ impl EngineArgs {
             cuda_skinny: self.cuda_skinny == OnOff::On,
             prefill_warps: self.prefill_warps,
             cuda_bf16_mlp: self.cuda_bf16_mlp == OnOff::On,
+            pd: self.pd == OnOff::On,
         })
     }
 }

@@ -10,6 +10,8 @@ use kiln_tests::{chat_ids, default_model};
 
 #[path = "gpu/kernels.rs"]
 mod kernels;
+#[path = "gpu/lanes.rs"]
+mod lanes;
 
 /// Why each test here is ignored by default.
 const NEEDS_GPU: &str = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored";

@@ -129,9 +129,21 @@ impl KvCacheManager {
     /// Makes `seq`'s table cover `tokens` tokens, allocating for `tenant`.
     /// All or nothing: false (and no change) if the pool is short.
     pub fn allocate(&mut self, seq: SeqId, tenant: TenantId, tokens: usize) -> bool {
+        self.allocate_leaving(seq, tenant, tokens, 0)
+    }
+
+    /// [`allocate`](Self::allocate), unless it would leave fewer than
+    /// `reserve` pages free.
+    pub fn allocate_leaving(
+        &mut self,
+        seq: SeqId,
+        tenant: TenantId,
+        tokens: usize,
+        reserve: usize,
+    ) -> bool {
         let have = self.tables.get(&seq).map_or(0, |t| t.pages.len());
         let need = tokens.div_ceil(self.page_size).saturating_sub(have);
-        if need > self.pool.num_free() {
+        if need > 0 && need + reserve > self.pool.num_free() {
             return false;
         }
         let table = self.tables.entry(seq).or_default();

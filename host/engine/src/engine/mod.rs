@@ -10,6 +10,7 @@ pub mod block_pool;
 mod drive;
 pub mod integrity;
 pub mod kv_manager;
+mod lanes;
 mod lru;
 pub mod prefix;
 mod request;
@@ -33,8 +34,8 @@ pub use scheduler::SchedulerConfig;
 use crate::model::{KvCache, Loaded, Runner, RunnerOptions};
 use integrity::{IntegrityCheck, NoCheck, TagCheck};
 use kv_manager::KvCacheManager;
+use lanes::Lanes;
 use request::Request;
-use scheduler::Scheduler;
 
 /// Tokens per KV page.
 pub const PAGE_SIZE: usize = 16;
@@ -85,6 +86,9 @@ pub struct EngineConfig {
     /// On CUDA: prefill steps of bf16 models run the MLP in bf16 (the
     /// gate/up product rounded to bf16, as PyTorch's bf16 models do).
     pub cuda_bf16_mlp: bool,
+    /// Prefill/decode disaggregation: a prefill lane and a decode lane,
+    /// each with its own queue, budget and step, over one KV pool.
+    pub pd: bool,
 }
 
 impl Default for EngineConfig {
@@ -103,6 +107,7 @@ impl Default for EngineConfig {
             cuda_skinny: true,
             prefill_warps: None,
             cuda_bf16_mlp: true,
+            pd: false,
         }
     }
 }
@@ -179,16 +184,19 @@ pub struct EngineStats {
     /// download; on the CPU the whole forward): the rest of a step is the
     /// host's scheduling and bookkeeping, during which the device idles.
     pub last_step_device_us: u64,
+    /// Sequences handed from the prefill lane to the decode lane
+    /// (disaggregated only).
+    pub handoffs: u64,
 }
 
-/// One model, its KV pool and its scheduler.
+/// One model, its KV pool and its schedulers.
 pub struct Engine {
     loaded: Arc<Loaded>,
     device_sampling: bool,
     page_bytes: usize,
     runner: Runner,
     kv: KvCacheManager,
-    scheduler: Scheduler,
+    lanes: Lanes,
     /// Prompt tokens a step may carry under the step time target.
     step_budget: step_budget::StepBudget,
     requests: HashMap<SeqId, Request>,
@@ -246,7 +254,7 @@ impl Engine {
             page_bytes,
             runner,
             kv,
-            scheduler: Scheduler::new(config.scheduler),
+            lanes: Lanes::new(config.scheduler, config.pd),
             step_budget: step_budget::StepBudget::new(
                 config.scheduler.step_target,
                 config.scheduler.max_tokens_per_step,
@@ -300,7 +308,10 @@ impl Engine {
 
     /// Counters.
     pub fn stats(&self) -> EngineStats {
-        self.stats
+        EngineStats {
+            handoffs: self.lanes.handoffs(),
+            ..self.stats
+        }
     }
 
     /// Unreferenced KV pages kept for the prefix cache (counted as free).
@@ -315,14 +326,14 @@ impl Engine {
 
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
-        !self.scheduler.is_empty()
+        !self.lanes.is_empty()
     }
 
     /// Sets `tenant`'s share weight: while tenants compete for this engine,
     /// each gets running slots and prompt tokens in proportion to its
     /// weight (1 unless set).
     pub fn set_tenant_weight(&mut self, tenant: TenantId, weight: u32) {
-        self.scheduler.set_weight(tenant, weight);
+        self.lanes.set_weight(tenant, weight);
     }
 
     /// Queues a request for `prompt` tokens that bypasses the prefix cache.
@@ -374,7 +385,7 @@ impl Engine {
             prefix::extend_hashes(&mut request.hashes, &salt, &request.tokens, PAGE_SIZE);
             request.salt = Some(salt);
         }
-        self.scheduler
+        self.lanes
             .add(id, tenant, request.prompt_len, request.hashes.clone());
         self.requests.insert(id, request);
         Ok(id)
@@ -389,7 +400,7 @@ impl Engine {
 
     /// Cancels a request; its pages are freed now.
     pub fn cancel(&mut self, seq: SeqId) -> bool {
-        self.scheduler.remove(seq);
+        self.lanes.remove(seq);
         self.kv.free(seq);
         self.requests.remove(&seq).is_some()
     }
@@ -414,7 +425,7 @@ impl Engine {
     }
 
     fn finish(&mut self, seq: SeqId, finish: Finish, events: &mut Vec<Event>) {
-        self.scheduler.remove(seq);
+        self.lanes.remove(seq);
         self.kv.free(seq);
         if let Some(r) = self.requests.remove(&seq) {
             events.push(Event::Finished {
@@ -450,6 +461,6 @@ impl Engine {
 
     /// Sequences admitted and not finished (holding KV pages).
     pub fn running(&self) -> usize {
-        self.scheduler.running()
+        self.lanes.running()
     }
 }

@@ -143,6 +143,10 @@ pub struct Scheduler {
     weights: HashMap<TenantId, u32>,
     /// Steps planned so far.
     steps: u64,
+    /// Sequences other lanes run, by tenant (counted as running here).
+    elsewhere: HashMap<TenantId, usize>,
+    /// Pages allocations leave free for other lanes.
+    reserve: usize,
 }
 
 impl Scheduler {
@@ -219,12 +223,12 @@ impl Scheduler {
         self.seqs.is_empty()
     }
 
-    /// Running sequences of `tenant`.
+    /// Running sequences of `tenant`, here and in the other lanes.
     fn running_of(&self, tenant: TenantId) -> usize {
-        self.running
-            .iter()
+        let here = (self.running.iter())
             .filter(|r| self.seqs[*r].tenant == tenant)
-            .count()
+            .count();
+        here + self.elsewhere.get(&tenant).copied().unwrap_or(0)
     }
 
     /// The running sequence to preempt: the newest one of the tenant with
@@ -258,11 +262,15 @@ impl Scheduler {
     }
 }
 
+#[path = "scheduler_handoff.rs"]
+mod handoff;
 #[path = "scheduler_plan.rs"]
 mod plan;
 #[path = "scheduler_turns.rs"]
 mod turns;
+pub use handoff::Handoff;
 pub use plan::fair_shares;
+pub use turns::Activity;
 
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]

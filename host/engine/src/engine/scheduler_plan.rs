@@ -124,12 +124,13 @@ impl Scheduler {
     /// when nothing else frees enough).
     fn run_chunk(&mut self, id: SeqId, count: usize, kv: &mut KvCacheManager, step: &mut Planning) {
         let s = self.seqs[&id].clone();
-        let mut fits = kv.allocate(id, s.tenant, s.computed + count);
+        let reserve = self.reserve;
+        let mut fits = kv.allocate_leaving(id, s.tenant, s.computed + count, reserve);
         while !fits {
             match self.victim(|id| !step.open(id)) {
                 Some(v) if v != id => {
                     self.preempt(v, kv, &mut step.out);
-                    fits = kv.allocate(id, s.tenant, s.computed + count);
+                    fits = kv.allocate_leaving(id, s.tenant, s.computed + count, reserve);
                 }
                 _ => break,
             }
@@ -162,7 +163,7 @@ impl Scheduler {
         // Every token cached: recompute the last one for its logits.
         s.computed = s.present.min(s.len - 1);
         let count = (s.len - s.computed).min(allowance);
-        if !kv.allocate(id, s.tenant, s.computed + count) {
+        if !kv.allocate_leaving(id, s.tenant, s.computed + count, self.reserve) {
             kv.free(id);
             return false;
         }
@@ -184,7 +185,7 @@ impl Scheduler {
     /// tenant holds fewer than its share of them (by weight, among the
     /// tenants running or waiting) or no other tenant is waiting.
     fn may_admit(&self, tenant: TenantId) -> bool {
-        if self.running.len() >= self.config.max_running {
+        if self.running_everywhere() >= self.config.max_running {
             return false;
         }
         if self.waiting.get(&tenant).is_none_or(|q| q.is_empty()) {
@@ -194,10 +195,14 @@ impl Scheduler {
             .waiting
             .iter()
             .any(|(t, q)| *t != tenant && !q.is_empty());
-        let active: BTreeSet<TenantId> = self
-            .running
-            .iter()
+        let active: BTreeSet<TenantId> = (self.running.iter())
             .map(|r| self.seqs[r].tenant)
+            .chain(
+                self.elsewhere
+                    .iter()
+                    .filter(|(_, n)| **n > 0)
+                    .map(|(t, _)| *t),
+            )
             .chain(
                 self.waiting
                     .iter()

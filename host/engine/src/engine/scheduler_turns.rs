@@ -4,6 +4,43 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use super::{Contention, Scheduler, TenantId, fair_shares};
+
+/// Who works in one scheduler or several: the tenants whose streams
+/// decode, the tenants with prompt tokens to compute, and the streams.
+#[derive(Debug, Default, Clone)]
+pub struct Activity {
+    decoding: BTreeSet<TenantId>,
+    prompting: BTreeSet<TenantId>,
+    streams: usize,
+}
+
+impl Activity {
+    /// The work of both.
+    pub fn merge(mut self, other: Activity) -> Activity {
+        self.decoding.extend(other.decoding);
+        self.prompting.extend(other.prompting);
+        self.streams += other.streams;
+        self
+    }
+
+    /// A step's work would slow another tenant's streams (`competing`)
+    /// when one tenant's sequences decode while a different tenant has
+    /// prompt tokens to compute, or two tenants' sequences decode. A tenant
+    /// alone trades its own streams' latency for its prompts' throughput;
+    /// the step time target guards the others.
+    pub fn contention(&self) -> Contention {
+        let competing = match self.decoding.len() {
+            0 => false,
+            1 => self.prompting.iter().any(|t| !self.decoding.contains(t)),
+            _ => true,
+        };
+        Contention {
+            competing,
+            streams: self.streams,
+            prompting: !self.prompting.is_empty(),
+        }
+    }
+}
 use crate::engine::kv_manager::SeqId;
 
 impl Scheduler {
@@ -43,40 +80,31 @@ impl Scheduler {
         decoding.into_iter().partition(|id| chosen.contains(id))
     }
 
-    /// What the next step's time target needs to know, in one pass over
-    /// the running sequences: a step's work would slow another tenant's
-    /// streams (`competing`) when one tenant's sequences decode while a
-    /// different tenant has prompt tokens to compute, or two tenants'
-    /// sequences decode. A tenant alone trades its own streams' latency for
-    /// its prompts' throughput; the step time target guards the others.
+    /// What the next step's time target needs to know ([`Activity`]).
     pub fn contention(&self) -> Contention {
-        let (mut decoding, mut prompting) = (BTreeSet::new(), BTreeSet::new());
-        let mut streams = 0;
+        self.activity().contention()
+    }
+
+    /// Who works here, in one pass over the running sequences and the
+    /// queues.
+    pub fn activity(&self) -> Activity {
+        let mut a = Activity::default();
         for id in &self.running {
             let Some(s) = self.seqs.get(id) else { continue };
             match s.len - s.computed {
                 0 => {}
                 1 => {
-                    streams += 1;
-                    decoding.insert(s.tenant);
+                    a.streams += 1;
+                    a.decoding.insert(s.tenant);
                 }
                 _ => {
-                    prompting.insert(s.tenant);
+                    a.prompting.insert(s.tenant);
                 }
             }
         }
         let queued = self.waiting.iter().filter(|(_, q)| !q.is_empty());
-        prompting.extend(queued.map(|(t, _)| *t));
-        let competing = match decoding.len() {
-            0 => false,
-            1 => prompting.iter().any(|t| !decoding.contains(t)),
-            _ => true,
-        };
-        Contention {
-            competing,
-            streams,
-            prompting: !prompting.is_empty(),
-        }
+        a.prompting.extend(queued.map(|(t, _)| *t));
+        a
     }
 
     /// Whether a step's work would slow another tenant's streams

@@ -9,8 +9,9 @@ use rand::Rng;
 
 use super::block_pool::PageTag;
 use super::kv_manager::{KvCacheManager, SeqId};
+use super::lanes::Lane;
 use super::request::Request;
-use super::scheduler::Scheduled;
+use super::scheduler::{Scheduled, StepCaps};
 use super::{Engine, Event, Finish, PAGE_SIZE};
 use crate::model::step::{Draw, SeqOut, Step, StepOut, StepSeq, StepTags};
 
@@ -29,12 +30,29 @@ struct DeviceTags {
 }
 
 impl Engine {
-    /// Runs one step: plan, build, run, apply.
+    /// Runs one step: plan, build, run, apply; disaggregated, the decode
+    /// lane's step and then the prefill lane's, after which the sequences
+    /// whose prompts are done move to the decode lane.
     pub fn step(&mut self) -> Result<Vec<Event>, String> {
         let mut events = Vec::new();
-        let run = self.plan(&mut events)?;
+        let caps = self.step_budget.caps(self.lanes.contention());
+        for lane in self.lanes.order() {
+            self.lane_step(*lane, caps, &mut events)?;
+        }
+        self.lanes.hand_off();
+        Ok(events)
+    }
+
+    /// One lane's step within the engine's `caps`.
+    fn lane_step(
+        &mut self,
+        lane: Lane,
+        caps: StepCaps,
+        events: &mut Vec<Event>,
+    ) -> Result<(), String> {
+        let run = self.plan(lane, caps, events)?;
         if run.is_empty() {
-            return Ok(events);
+            return Ok(());
         }
         let draws = self.draws(&run);
         let device_check = self.device_checks();
@@ -60,8 +78,8 @@ impl Engine {
         self.stats.steps += 1;
         self.stats.last_step_seqs = step.seqs.len();
         self.stats.last_step_tokens = step.seqs.iter().map(|b| b.tokens.len()).sum();
-        self.apply(&run, out, &mut events);
-        Ok(events)
+        self.apply(&run, out, events);
+        Ok(())
     }
 
     /// Whether the page-tag check runs inside the step, on the device.
@@ -71,10 +89,14 @@ impl Engine {
 
     /// The scheduler's batch, less the sequences the host's tag check
     /// stops (on the CPU; a GPU checks inside the step).
-    fn plan(&mut self, events: &mut Vec<Event>) -> Result<Vec<Scheduled>, String> {
+    fn plan(
+        &mut self,
+        lane: Lane,
+        caps: StepCaps,
+        events: &mut Vec<Event>,
+    ) -> Result<Vec<Scheduled>, String> {
         self.stepping.clear();
-        let caps = self.step_budget.caps(self.scheduler.contention());
-        let plan = self.scheduler.schedule(&mut self.kv, caps);
+        let plan = self.lanes.schedule(lane, &mut self.kv, caps);
         self.stepping.extend(plan.scheduled.iter().map(|s| s.seq));
         #[cfg(any(test, feature = "fault-injection"))]
         if !self.stepping.is_empty() {
@@ -184,7 +206,7 @@ impl Engine {
             finish = Some(Finish::Stop);
         } else {
             r.tokens.push(token);
-            self.scheduler.append_token(seq);
+            self.lanes.append_token(seq);
             let generated = &r.tokens[r.prompt_len..];
             if r.text.push(generated, decode) {
                 finish = Some(Finish::Stop);

@@ -1,0 +1,154 @@
+//! The engine's schedulers. Without disaggregation one scheduler admits,
+//! prefills and decodes. With it (`--pd on`) a prefill lane admits and
+//! computes prompts and a decode lane runs the streams, each with its own
+//! queue, token budget and step, over the one KV pool: a sequence moves to
+//! the decode lane once its prompt is computed and its first token sampled,
+//! and back to the front of the prefill queue (to be recomputed) when the
+//! decode lane preempts it. Its pages, their tags and its request never
+//! move, so a handoff copies nothing and the tag check guards the pages
+//! that changed lanes as it guards any other.
+
+use super::TenantId;
+use super::kv_manager::{KvCacheManager, SeqId};
+use super::prefix::PageHash;
+use super::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput, StepCaps};
+
+/// One of the engine's schedulers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Lane {
+    /// Admits and computes prompts (and, without disaggregation, decodes).
+    Prefill,
+    /// Runs the streams handed over by the prefill lane.
+    Decode,
+}
+
+/// The prefill lane, and the decode lane when disaggregated.
+#[derive(Debug)]
+pub(super) struct Lanes {
+    prefill: Scheduler,
+    decode: Option<Scheduler>,
+    /// Sequences moved to the decode lane so far.
+    handoffs: u64,
+}
+
+impl Lanes {
+    /// One scheduler, or two (`pd`) with the same limits each.
+    pub fn new(config: SchedulerConfig, pd: bool) -> Self {
+        Self {
+            prefill: Scheduler::new(config),
+            decode: pd.then(|| Scheduler::new(config)),
+            handoffs: 0,
+        }
+    }
+
+    /// The lanes a step runs, in order: the decode lane first, so its
+    /// streams never wait on a prompt.
+    pub fn order(&self) -> &'static [Lane] {
+        if self.decode.is_some() {
+            &[Lane::Decode, Lane::Prefill]
+        } else {
+            &[Lane::Prefill]
+        }
+    }
+
+    /// Plans `lane`'s next step within the engine's `caps`. The prefill
+    /// lane counts the decode lane's streams against its running slots and
+    /// leaves a page free for each; the decode lane computes no prompt, and
+    /// what it preempts goes to the front of the prefill queue.
+    pub fn schedule(
+        &mut self,
+        lane: Lane,
+        kv: &mut KvCacheManager,
+        caps: StepCaps,
+    ) -> SchedulerOutput {
+        match (lane, &mut self.decode) {
+            (Lane::Decode, Some(decode)) => {
+                let no_prompt = StepCaps { prompt: 0, ..caps };
+                let out = decode.schedule(kv, no_prompt);
+                for seq in &out.preempted {
+                    if let Some(h) = decode.release(*seq) {
+                        self.prefill.requeue_front(*seq, h);
+                    }
+                }
+                out
+            }
+            (_, decode) => {
+                if let Some(d) = decode {
+                    self.prefill.set_elsewhere(d.running_by_tenant());
+                    self.prefill.set_reserve(d.running());
+                }
+                self.prefill.schedule(kv, caps)
+            }
+        }
+    }
+
+    /// Moves every prefill-lane sequence whose prompt is computed (its next
+    /// token is a decode) to the decode lane, when there is one.
+    pub fn hand_off(&mut self) {
+        let Some(decode) = &mut self.decode else {
+            return;
+        };
+        for seq in self.prefill.ready_to_decode() {
+            if let Some(h) = self.prefill.release(seq) {
+                decode.adopt(seq, h);
+                self.handoffs += 1;
+            }
+        }
+    }
+
+    /// Sequences moved to the decode lane so far.
+    pub fn handoffs(&self) -> u64 {
+        self.handoffs
+    }
+
+    fn all(&self) -> impl Iterator<Item = &Scheduler> {
+        std::iter::once(&self.prefill).chain(self.decode.as_ref())
+    }
+
+    fn all_mut(&mut self) -> impl Iterator<Item = &mut Scheduler> {
+        std::iter::once(&mut self.prefill).chain(self.decode.as_mut())
+    }
+
+    /// Queues a new sequence (always on the prefill lane).
+    pub fn add(&mut self, seq: SeqId, tenant: TenantId, prompt_len: usize, prefix: Vec<PageHash>) {
+        self.prefill.add(seq, tenant, prompt_len, prefix);
+    }
+
+    /// Sets `tenant`'s share weight on every lane.
+    pub fn set_weight(&mut self, tenant: TenantId, weight: u32) {
+        self.all_mut().for_each(|s| s.set_weight(tenant, weight));
+    }
+
+    /// Records a sampled token on the lane that holds `seq`.
+    pub fn append_token(&mut self, seq: SeqId) {
+        self.all_mut().for_each(|s| s.append_token(seq));
+    }
+
+    /// Forgets `seq` wherever it is.
+    pub fn remove(&mut self, seq: SeqId) {
+        self.all_mut().for_each(|s| s.remove(seq));
+    }
+
+    /// Sequences running on every lane.
+    pub fn running(&self) -> usize {
+        self.all().map(Scheduler::running).sum()
+    }
+
+    /// Whether nothing waits or runs on any lane.
+    pub fn is_empty(&self) -> bool {
+        self.all().all(Scheduler::is_empty)
+    }
+
+    /// Who waits on the next step, over every lane.
+    pub fn contention(&self) -> super::scheduler::Contention {
+        let activity = self.all().map(Scheduler::activity);
+        activity
+            .reduce(|a, b| a.merge(b))
+            .unwrap_or_default()
+            .contention()
+    }
+}
+
+#[cfg(test)]
+#[path = "lanes_tests.rs"]
+mod tests;

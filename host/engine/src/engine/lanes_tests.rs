@@ -1,0 +1,136 @@
+//! Disaggregated lanes: handoff at the first token, the decode lane's
+//! preemptions back to the prefill queue, and the prefill lane's respect
+//! for the decode lane's slots and pages.
+
+use super::*;
+use crate::engine::scheduler::Scheduled;
+
+fn cfg(tokens: usize, running: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_tokens_per_step: tokens,
+        max_running: running,
+        step_target: 0.0,
+    }
+}
+
+/// Each lane's plan for one engine step (decode lane first), with every
+/// sampled sequence's token appended and the ready ones handed off.
+fn step(l: &mut Lanes, kv: &mut KvCacheManager) -> Vec<(Lane, Vec<Scheduled>)> {
+    let mut plans = Vec::new();
+    for lane in l.order() {
+        let out = l.schedule(*lane, kv, StepCaps::NONE);
+        for s in out.scheduled.iter().filter(|s| s.sample) {
+            l.append_token(s.seq);
+        }
+        plans.push((*lane, out.scheduled));
+    }
+    l.hand_off();
+    plans
+}
+
+fn seqs(plan: &[Scheduled]) -> Vec<(SeqId, usize, usize)> {
+    plan.iter().map(|s| (s.seq, s.start, s.count)).collect()
+}
+
+#[test]
+fn a_prompt_runs_on_the_prefill_lane_then_decodes_on_the_decode_lane() {
+    let mut kv = KvCacheManager::new(16, 16);
+    let mut l = Lanes::new(cfg(32, 8), true);
+    l.add(1, TenantId(0), 40, Vec::new());
+    let first = step(&mut l, &mut kv);
+    assert_eq!(first[0], (Lane::Decode, vec![]));
+    assert_eq!(seqs(&first[1].1), vec![(1, 0, 32)]);
+    assert_eq!(l.handoffs(), 0, "the prompt is not done");
+    let second = step(&mut l, &mut kv);
+    assert_eq!(seqs(&second[1].1), vec![(1, 32, 8)]);
+    assert_eq!(l.handoffs(), 1);
+    // Its first decode runs on the decode lane; the prefill lane is idle.
+    let third = step(&mut l, &mut kv);
+    assert_eq!(seqs(&third[0].1), vec![(1, 40, 1)]);
+    assert_eq!(third[1], (Lane::Prefill, vec![]));
+    assert_eq!(l.running(), 1);
+    l.remove(1);
+    assert!(l.is_empty());
+}
+
+#[test]
+fn without_disaggregation_one_scheduler_prefills_and_decodes() {
+    let mut kv = KvCacheManager::new(16, 16);
+    let mut l = Lanes::new(cfg(32, 8), false);
+    l.add(1, TenantId(0), 20, Vec::new());
+    assert_eq!(seqs(&step(&mut l, &mut kv)[0].1), vec![(1, 0, 20)]);
+    let next = step(&mut l, &mut kv);
+    assert_eq!(next, vec![(Lane::Prefill, next[0].1.clone())]);
+    assert_eq!(seqs(&next[0].1), vec![(1, 20, 1)]);
+    assert_eq!(l.handoffs(), 0);
+}
+
+/// Two streams (tenants 0 and 1) handed to the decode lane of a four-page
+/// pool, one page each, and two pages free.
+fn two_streams() -> (Lanes, KvCacheManager) {
+    let mut kv = KvCacheManager::new(4, 16);
+    let mut l = Lanes::new(cfg(64, 8), true);
+    l.add(1, TenantId(0), 15, Vec::new());
+    l.add(2, TenantId(1), 15, Vec::new());
+    step(&mut l, &mut kv);
+    assert_eq!((l.handoffs(), kv.num_free()), (2, 2));
+    (l, kv)
+}
+
+#[test]
+fn the_prefill_lane_leaves_a_page_free_for_each_stream() {
+    let (mut l, mut kv) = two_streams();
+    // Two pages free, and the streams need one each within 16 tokens.
+    l.add(3, TenantId(2), 17, Vec::new());
+    let plans = step(&mut l, &mut kv);
+    assert_eq!(plans[0].1.len(), 2);
+    assert_eq!(
+        plans[1],
+        (Lane::Prefill, vec![]),
+        "the prompt took the streams' pages"
+    );
+    step(&mut l, &mut kv);
+    assert_eq!(kv.num_free(), 0, "both streams took their second page");
+}
+
+#[test]
+fn the_decode_lane_sends_what_it_preempts_to_the_front_of_the_prefill_queue() {
+    let (mut l, mut kv) = two_streams();
+    l.add(3, TenantId(1), 17, Vec::new());
+    // The streams fill the pool; at their third page one is preempted (the
+    // newest of equal tenants).
+    let mut decoding = 2;
+    for _ in 0..40 {
+        decoding = step(&mut l, &mut kv)[0].1.len();
+        if decoding < 2 {
+            break;
+        }
+    }
+    assert_eq!(decoding, 1, "the pool was meant to force a preemption");
+    l.remove(1);
+    kv.free(1);
+    // Stream 2 is recomputed on the prefill lane, its prompt and generated
+    // tokens whole, ahead of its tenant's prompt that was already waiting.
+    let plans = step(&mut l, &mut kv);
+    let recomputed = &plans[1].1;
+    assert_eq!(recomputed[0].seq, 2, "{recomputed:?}");
+    assert_eq!(recomputed[0].start, 0);
+    assert!(recomputed[0].count > 15, "{recomputed:?}");
+}
+
+#[test]
+fn the_prefill_lane_counts_the_decode_lanes_streams_against_the_running_slots() {
+    let mut kv = KvCacheManager::new(64, 16);
+    let mut l = Lanes::new(cfg(64, 2), true);
+    l.add(1, TenantId(0), 8, Vec::new());
+    l.add(2, TenantId(1), 8, Vec::new());
+    step(&mut l, &mut kv);
+    assert_eq!(l.handoffs(), 2);
+    l.add(3, TenantId(2), 8, Vec::new());
+    let plans = step(&mut l, &mut kv);
+    assert_eq!(plans[0].1.len(), 2, "both streams decode");
+    assert_eq!(plans[1], (Lane::Prefill, vec![]), "no slot is free");
+    l.remove(1);
+    let plans = step(&mut l, &mut kv);
+    assert_eq!(seqs(&plans[1].1), vec![(3, 0, 8)]);
+}

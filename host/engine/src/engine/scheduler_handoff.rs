@@ -1,0 +1,93 @@
+//! Moving sequences between schedulers (prefill/decode disaggregation):
+//! a lane releases a sequence's scheduling state and another adopts it,
+//! while its pages, tags and request stay where they are; and what a lane
+//! must know of the others (their running sequences, the pages they will
+//! grow into).
+
+use std::collections::HashMap;
+
+use super::{Scheduler, Seq, TenantId};
+use crate::engine::kv_manager::SeqId;
+
+/// A sequence's scheduling state between two lanes: only
+/// [`Scheduler::release`] makes one.
+#[derive(Debug)]
+pub struct Handoff {
+    seq: Seq,
+}
+
+impl Handoff {
+    /// The sequence's tenant.
+    pub fn tenant(&self) -> TenantId {
+        self.seq.tenant
+    }
+}
+
+impl Scheduler {
+    /// Takes `seq` out of this scheduler (running or waiting) with its
+    /// state, for another lane to adopt or requeue; `None` if it is not
+    /// here. Its KV pages are untouched.
+    pub fn release(&mut self, seq: SeqId) -> Option<Handoff> {
+        let s = self.seqs.remove(&seq)?;
+        self.running.retain(|r| *r != seq);
+        if let Some(q) = self.waiting.get_mut(&s.tenant) {
+            q.retain(|w| *w != seq);
+        }
+        Some(Handoff { seq: s })
+    }
+
+    /// Takes a running sequence whose KV another lane computed: it runs
+    /// here from the next step, its pages as they are.
+    pub fn adopt(&mut self, seq: SeqId, h: Handoff) {
+        self.seqs.insert(seq, h.seq);
+        self.running.push(seq);
+    }
+
+    /// Puts a sequence that lost its pages (preempted elsewhere) at the
+    /// front of its tenant's queue, to be recomputed from its first token
+    /// as a preemption here would.
+    pub fn requeue_front(&mut self, seq: SeqId, mut h: Handoff) {
+        h.seq.computed = 0;
+        h.seq.present = 0;
+        let tenant = h.seq.tenant;
+        self.seqs.insert(seq, h.seq);
+        self.waiting.entry(tenant).or_default().push_front(seq);
+    }
+
+    /// Running sequences whose next token is a decode (their prompt
+    /// computed), in running order.
+    pub fn ready_to_decode(&self) -> Vec<SeqId> {
+        (self.running.iter())
+            .copied()
+            .filter(|r| self.remaining(*r) == 1)
+            .collect()
+    }
+
+    /// Running sequences by tenant: what another lane's admissions count
+    /// as running ([`Scheduler::set_elsewhere`]).
+    pub fn running_by_tenant(&self) -> HashMap<TenantId, usize> {
+        let mut by = HashMap::new();
+        for r in &self.running {
+            *by.entry(self.seqs[r].tenant).or_insert(0) += 1;
+        }
+        by
+    }
+
+    /// Sequences other lanes run, by tenant: admissions here count them
+    /// against the running slots and each tenant's share of them, as if
+    /// they ran here.
+    pub fn set_elsewhere(&mut self, running: HashMap<TenantId, usize>) {
+        self.elsewhere = running;
+    }
+
+    /// Pages this scheduler's allocations leave free for other lanes (the
+    /// decode lane's next pages while a prefill lane admits).
+    pub fn set_reserve(&mut self, pages: usize) {
+        self.reserve = pages;
+    }
+
+    /// Running sequences of every lane this one knows of.
+    pub(super) fn running_everywhere(&self) -> usize {
+        self.running.len() + self.elsewhere.values().sum::<usize>()
+    }
+}
