@@ -1,6 +1,9 @@
 //! Support for Kiln's end-to-end tests: guest components built from the
 //! workspace, and a real server on 127.0.0.1:0.
 
+pub mod staggered;
+pub use staggered::{Arrivals, PROMPTS, staggered};
+
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 

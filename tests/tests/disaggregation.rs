@@ -11,16 +11,17 @@ use kiln_host::engine::{
 };
 use kiln_host::model::KvCache;
 use kiln_kernels::kv::KvFormat;
-use kiln_tests::{chat_ids, default_model};
+use kiln_tests::{Arrivals, PROMPTS, chat_ids, default_model, staggered};
 
-const PROMPTS: [&str; 6] = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Who wrote Hamlet?",
-    "Explain gravity in one sentence.",
-    "What is 12 times 12?",
-];
+/// Six prompts, one every other step, of three tenants.
+fn run(e: &mut Engine, max_tokens: usize) -> Vec<(Vec<u32>, Finish)> {
+    let arrivals = Arrivals {
+        every: 2,
+        tenants: 3,
+        max_tokens,
+    };
+    staggered(e, &PROMPTS[..6], arrivals)
+}
 
 /// An engine with `pages` KV pages and steps of at most 32 tokens (so
 /// prompts take several chunks).
@@ -42,73 +43,35 @@ fn engine(pd: bool, pages: usize) -> Engine {
     .expect("engine")
 }
 
-/// Each prompt's greedy tokens and finish, a new prompt (of tenant 0, 1
-/// or 2) arriving every other step, so prompts are prefilled while others
-/// decode.
-fn staggered(e: &mut Engine, max_tokens: usize) -> Vec<(Vec<u32>, Finish)> {
-    let params = GenerateParams {
-        max_tokens,
-        temperature: 0.0,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let (mut seqs, mut out) = (Vec::new(), HashMap::new());
-    let mut step = 0;
-    while seqs.len() < PROMPTS.len() || e.has_work() {
-        if step % 2 == 0 && seqs.len() < PROMPTS.len() {
-            let ids = chat_ids(e, PROMPTS[seqs.len()]);
-            let tenant = TenantId(seqs.len() as u32 % 3);
-            seqs.push(e.add(tenant, ids, params.clone()).unwrap());
-        }
-        for ev in e.step().unwrap() {
-            let (seq, token, finish) = match ev {
-                Event::Token { seq, token, .. } => (seq, token, None),
-                Event::Finished { seq, finish, .. } => (seq, None, Some(finish)),
-            };
-            let entry = out.entry(seq).or_insert((Vec::new(), Finish::Length));
-            entry.0.extend(token);
-            entry.1 = finish.unwrap_or(entry.1.clone());
-        }
-        step += 1;
-    }
-    seqs.iter()
-        .map(|s| out.remove(s).unwrap_or((Vec::new(), Finish::Stop)))
-        .collect()
-}
-
 #[test]
 fn disaggregated_lanes_give_the_tokens_of_one_scheduler() {
     let mut one = engine(false, 256);
     let mut two = engine(true, 256);
-    let want = staggered(&mut one, 12);
+    let want = run(&mut one, 12);
     assert!(
         want.iter()
             .all(|(t, f)| t.len() == 12 && *f == Finish::Length),
         "{want:?}"
     );
-    assert_eq!(staggered(&mut two, 12), want);
+    assert_eq!(run(&mut two, 12), want);
     assert_eq!(one.stats().handoffs, 0);
-    assert_eq!(
-        two.stats().handoffs,
-        PROMPTS.len() as u64,
-        "one handoff a sequence"
-    );
+    assert_eq!(two.stats().handoffs, 6, "one handoff a sequence");
 }
 
 #[test]
 fn what_the_decode_lane_preempts_is_recomputed_to_the_same_tokens_and_every_page_returns() {
     // 14 pages for six chats of ~40 tokens that grow by 40: the decode
     // lane runs out and preempts.
-    let want = staggered(&mut engine(false, 256), 40);
+    let want = run(&mut engine(false, 256), 40);
     let mut e = engine(true, 14);
     let start = e.free_pages();
-    assert_eq!(staggered(&mut e, 40), want);
+    assert_eq!(run(&mut e, 40), want);
     assert!(
         e.stats().preemptions > 0,
         "the pool was meant to force preemption"
     );
     assert!(
-        e.stats().handoffs > PROMPTS.len() as u64,
+        e.stats().handoffs > 6,
         "a preempted sequence is handed over again"
     );
     assert_eq!(e.free_pages(), start);

@@ -2,26 +2,7 @@
 
 use kiln_host::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, Salt, TenantId};
 use kiln_kernels::kv::KvFormat;
-use kiln_tests::{chat_ids, default_model};
-
-const PROMPTS: [&str; 16] = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Who wrote Hamlet?",
-    "Explain gravity in one sentence.",
-    "What is 12 times 12?",
-    "Name a color of the rainbow.",
-    "Translate 'hello' into Spanish.",
-    "What do bees make?",
-    "Give me a synonym for happy.",
-    "How many legs does a spider have?",
-    "What is the boiling point of water?",
-    "Say something kind.",
-    "What is Rust (the language)?",
-    "Which planet is closest to the sun?",
-    "Describe a cat in five words.",
-];
+use kiln_tests::{PROMPTS, chat_ids, default_model};
 
 fn engine(format: KvFormat, kv_memory: usize) -> Engine {
     Engine::new(

@@ -50,14 +50,8 @@ fn engine_config(config: EngineConfig) -> Engine {
         .unwrap_or_else(|e| panic!("an engine on {}: {e}", device.name()))
 }
 
-const PROMPTS: [&str; 6] = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Who wrote Hamlet?",
-    "Explain gravity in one sentence.",
-    "What is 12 times 12?",
-];
+/// The shared prompts' first six.
+const PROMPTS: &[&str] = kiln_tests::PROMPTS.split_at(6).0;
 
 fn greedy(e: &mut Engine, ids: &[u32], n: usize) -> Vec<u32> {
     let params = GenerateParams {

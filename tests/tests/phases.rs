@@ -2,19 +2,10 @@
 //! model: a step's one-token rows run on decode's copy of the weights and
 //! its prefill chunks on prefill's, two passes over the same KV pages.
 
-use std::collections::HashMap;
-
-use kiln_host::engine::{Engine, EngineConfig, Event, GenerateParams, TenantId};
+use kiln_host::engine::{Engine, EngineConfig};
 use kiln_host::model::{Loaded, WeightFormat, WeightPlan};
 use kiln_kernels::kv::KvFormat;
-use kiln_tests::{chat_ids, default_model_as};
-
-const PROMPTS: [&str; 4] = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Who wrote Hamlet?",
-];
+use kiln_tests::{Arrivals, PROMPTS, default_model_as};
 
 fn engine(loaded: Loaded) -> Engine {
     Engine::new(
@@ -28,37 +19,16 @@ fn engine(loaded: Loaded) -> Engine {
     .expect("engine")
 }
 
-/// Each prompt's greedy tokens, the prompts arriving one every third step,
+/// Each of four prompts' greedy tokens, one arriving every third step,
 /// so most steps hold one prompt's prefill beside the others' decodes.
 fn staggered(e: &mut Engine, n: usize) -> Vec<Vec<u32>> {
-    let params = GenerateParams {
+    let arrivals = Arrivals {
+        every: 3,
+        tenants: 1,
         max_tokens: n,
-        temperature: 0.0,
-        ignore_eos: true,
-        ..Default::default()
     };
-    let (mut seqs, mut tokens) = (Vec::new(), HashMap::new());
-    let mut step = 0;
-    while seqs.len() < PROMPTS.len() || e.has_work() {
-        if step % 3 == 0 && seqs.len() < PROMPTS.len() {
-            let ids = chat_ids(e, PROMPTS[seqs.len()]);
-            seqs.push(e.add(TenantId(0), ids, params.clone()).unwrap());
-        }
-        for ev in e.step().unwrap() {
-            if let Event::Token {
-                seq,
-                token: Some(t),
-                ..
-            } = ev
-            {
-                tokens.entry(seq).or_insert_with(Vec::new).push(t);
-            }
-        }
-        step += 1;
-    }
-    seqs.iter()
-        .map(|s| tokens.remove(s).unwrap_or_default())
-        .collect()
+    let runs = kiln_tests::staggered(e, &PROMPTS[..4], arrivals);
+    runs.into_iter().map(|(tokens, _)| tokens).collect()
 }
 
 #[test]
