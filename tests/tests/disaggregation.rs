@@ -111,3 +111,32 @@ fn a_corrupted_mapping_after_the_handoff_aborts_exactly_the_victim() {
     assert_eq!(finished[&donor], Finish::Length);
     assert_eq!(e.stats().integrity_aborts, 1);
 }
+
+#[test]
+fn a_sequence_cancelled_while_its_prefill_is_in_flight_frees_its_pages_when_the_step_lands() {
+    let mut e = engine(true, 256);
+    let start = e.free_pages();
+    let params = GenerateParams {
+        max_tokens: 8,
+        ..Default::default()
+    };
+    let seq = e
+        .add(TenantId(1), chat_ids(&e, PROMPTS[0]), params)
+        .unwrap();
+    // The first step launches the prompt's first chunk on the side lane.
+    assert!(e.step().unwrap().is_empty());
+    assert!(e.free_pages() < start, "the chunk holds pages");
+    assert!(e.cancel(seq));
+    assert!(
+        e.free_pages() < start,
+        "freed while the step may still write them"
+    );
+    assert!(e.has_work(), "the step in flight is still to land");
+    let events = e.step().unwrap();
+    assert!(
+        events.is_empty(),
+        "a cancelled request reports nothing: {events:?}"
+    );
+    assert_eq!(e.free_pages(), start);
+    assert!(!e.has_work());
+}

@@ -19,6 +19,7 @@ mod graph;
 mod hadamard;
 mod int4;
 mod kv;
+mod lane;
 mod launch;
 mod memory;
 mod norm;
@@ -33,7 +34,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use sha2::{Digest, Sha256};
 
 use crate::KernelError;
@@ -50,6 +51,7 @@ pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M, GemmShape, StackShape};
 pub use graph::Graph;
 pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_tiles};
 pub use kv::PagedKv;
+pub use lane::Mark;
 pub use norm::NormArgs;
 pub use prefill::{PREFILL_HEAD_DIMS, prefill_supports, prefill_tiles};
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
@@ -376,25 +378,12 @@ impl Gpu {
             } else {
                 ctx.default_stream()
             };
-            let blas = cudarc::cublas::CudaBlas::new(stream.clone()).map_err(cuda_err)?;
-            let workspace = if own_stream {
-                let mut ws = stream.alloc_zeros::<u8>(BLAS_WORKSPACE).map_err(cuda_err)?;
-                let (ptr, _guard) = ws.device_ptr_mut(&stream);
-                // SAFETY: a live buffer of that size, kept as long as the
-                // handle (the field below outlives every GEMM).
-                unsafe {
-                    cudarc::cublas::sys::cublasSetWorkspace_v2(
-                        *blas.handle(),
-                        ptr as *mut std::ffi::c_void,
-                        BLAS_WORKSPACE,
-                    )
-                }
-                .result()
-                .map_err(cuda_err)?;
-                drop(_guard);
-                Some(ws)
+            let (blas, workspace) = if own_stream {
+                let (blas, ws) = lane::blas_with_workspace(&stream)?;
+                (blas, Some(ws))
             } else {
-                None
+                let blas = cudarc::cublas::CudaBlas::new(stream.clone()).map_err(cuda_err)?;
+                (blas, None)
             };
             Ok(Self {
                 ctx,

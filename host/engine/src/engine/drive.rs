@@ -1,9 +1,8 @@
 //! Driving an engine outside the serving loop: one prompt to its end (for
 //! `kiln run` and tests) and teacher-forced logits (for parity checks).
 
-use super::step::tag_words;
 use super::{Engine, Event, Finish, GenerateParams, Generation, TenantId};
-use crate::model::step::{Draw, SeqOut, Step, StepSeq, StepTags};
+use crate::model::step::{Draw, RunLane, SeqOut, Step, StepSeq, StepTags};
 
 impl Engine {
     /// Runs `prompt` alone to the end (for `kiln run` and tests): the
@@ -83,9 +82,7 @@ impl Engine {
                     write_kv: true,
                     draw: Draw::Logits,
                 };
-                let tags = self.kv.take_retagged();
-                let changes: Vec<(u32, [u64; 2])> =
-                    tags.iter().map(|(p, t)| (*p, tag_words(t))).collect();
+                let changes = self.retags_for(RunLane::Main);
                 let step = Step {
                     seqs: vec![seq],
                     tags: StepTags {

@@ -41,16 +41,6 @@ impl Lanes {
         }
     }
 
-    /// The lanes a step runs, in order: the decode lane first, so its
-    /// streams never wait on a prompt.
-    pub fn order(&self) -> &'static [Lane] {
-        if self.decode.is_some() {
-            &[Lane::Decode, Lane::Prefill]
-        } else {
-            &[Lane::Prefill]
-        }
-    }
-
     /// Plans `lane`'s next step within the engine's `caps`. The prefill
     /// lane counts the decode lane's streams against its running slots and
     /// leaves a page free for each; the decode lane computes no prompt, and
@@ -94,6 +84,16 @@ impl Lanes {
                 self.handoffs += 1;
             }
         }
+    }
+
+    /// Whether there are two lanes.
+    pub fn disaggregated(&self) -> bool {
+        self.decode.is_some()
+    }
+
+    /// Whether the decode lane has streams to run.
+    pub fn decoding(&self) -> bool {
+        self.decode.as_ref().is_some_and(|d| d.running() > 0)
     }
 
     /// Sequences moved to the decode lane so far.

@@ -17,7 +17,12 @@ fn cfg(tokens: usize, running: usize) -> SchedulerConfig {
 /// sampled sequence's token appended and the ready ones handed off.
 fn step(l: &mut Lanes, kv: &mut KvCacheManager) -> Vec<(Lane, Vec<Scheduled>)> {
     let mut plans = Vec::new();
-    for lane in l.order() {
+    let order: &[Lane] = if l.disaggregated() {
+        &[Lane::Decode, Lane::Prefill]
+    } else {
+        &[Lane::Prefill]
+    };
+    for lane in order {
         let out = l.schedule(*lane, kv, StepCaps::NONE);
         for s in out.scheduled.iter().filter(|s| s.sample) {
             l.append_token(s.seq);

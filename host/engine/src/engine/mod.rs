@@ -12,6 +12,7 @@ pub mod integrity;
 pub mod kv_manager;
 mod lanes;
 mod lru;
+mod overlap;
 pub mod prefix;
 mod request;
 pub mod scheduler;
@@ -206,6 +207,14 @@ pub struct Engine {
     /// The sequences of the step in progress: after a failure inside a
     /// step, the requests it concerns.
     stepping: Vec<SeqId>,
+    /// Disaggregated: the prefill lane's step launched on the side lane
+    /// and not yet landed.
+    in_flight: Option<Vec<scheduler::Scheduled>>,
+    /// Sequences cancelled while their prefill step was in flight: their
+    /// pages are freed when it lands, not while kernels may write them.
+    deferred_free: Vec<SeqId>,
+    /// Per runner lane, page-tag changes not yet given to it.
+    retags: [Vec<(u32, [u64; 2])>; 2],
     /// Test-only: the next step fails once it has its batch (a panic, or
     /// an error as a device would return).
     #[cfg(any(test, feature = "fault-injection"))]
@@ -236,6 +245,7 @@ impl Engine {
                     .prefill_warps
                     .unwrap_or_else(|| default_prefill_warps(config.kv_format)),
                 bf16_mlp: config.cuda_bf16_mlp,
+                side_lane: config.pd,
             },
         )?;
         let checker: Box<dyn IntegrityCheck> = if config.integrity {
@@ -264,6 +274,9 @@ impl Engine {
             next_id: 1,
             stats: EngineStats::default(),
             stepping: Vec::new(),
+            in_flight: None,
+            deferred_free: Vec::new(),
+            retags: [Vec::new(), Vec::new()],
             #[cfg(any(test, feature = "fault-injection"))]
             fault_next_step: None,
         })
@@ -326,7 +339,7 @@ impl Engine {
 
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
-        !self.lanes.is_empty()
+        !self.lanes.is_empty() || self.in_flight.is_some()
     }
 
     /// Sets `tenant`'s share weight: while tenants compete for this engine,
@@ -401,7 +414,7 @@ impl Engine {
     /// Cancels a request; its pages are freed now.
     pub fn cancel(&mut self, seq: SeqId) -> bool {
         self.lanes.remove(seq);
-        self.kv.free(seq);
+        self.free_pages_of(seq);
         self.requests.remove(&seq).is_some()
     }
 
@@ -426,7 +439,7 @@ impl Engine {
 
     fn finish(&mut self, seq: SeqId, finish: Finish, events: &mut Vec<Event>) {
         self.lanes.remove(seq);
-        self.kv.free(seq);
+        self.free_pages_of(seq);
         if let Some(r) = self.requests.remove(&seq) {
             events.push(Event::Finished {
                 seq,

@@ -13,7 +13,7 @@ use super::lanes::Lane;
 use super::request::Request;
 use super::scheduler::{Scheduled, StepCaps};
 use super::{Engine, Event, Finish, PAGE_SIZE};
-use crate::model::step::{Draw, SeqOut, Step, StepOut, StepSeq, StepTags};
+use crate::model::step::{Draw, RunLane, SeqOut, Step, StepOut, StepSeq, StepTags};
 
 #[cfg(any(test, feature = "fault-injection"))]
 use super::Fault;
@@ -30,40 +30,53 @@ struct DeviceTags {
 }
 
 impl Engine {
-    /// Runs one step: plan, build, run, apply; disaggregated, the decode
-    /// lane's step and then the prefill lane's, after which the sequences
-    /// whose prompts are done move to the decode lane.
+    /// Runs one step: plan, build, run, apply; disaggregated, the two
+    /// lanes' steps overlap (`overlap.rs`).
     pub fn step(&mut self) -> Result<Vec<Event>, String> {
         let mut events = Vec::new();
         let caps = self.step_budget.caps(self.lanes.contention());
-        for lane in self.lanes.order() {
-            self.lane_step(*lane, caps, &mut events)?;
+        if self.lanes.disaggregated() {
+            self.overlapped_step(caps, &mut events)?;
+        } else {
+            self.lane_step(Lane::Prefill, RunLane::Main, caps, &mut events)?;
         }
-        self.lanes.hand_off();
         Ok(events)
     }
 
-    /// One lane's step within the engine's `caps`.
-    fn lane_step(
+    /// One scheduler's step within the engine's `caps` on runner lane
+    /// `on`, launched and finished.
+    pub(super) fn lane_step(
         &mut self,
         lane: Lane,
+        on: RunLane,
         caps: StepCaps,
         events: &mut Vec<Event>,
     ) -> Result<(), String> {
+        if let Some(run) = self.launch(lane, on, caps, events)? {
+            let out = self.runner.finish(on)?;
+            self.apply(&run, on, out, events);
+        }
+        Ok(())
+    }
+
+    /// Plans `lane`'s step and launches it on runner lane `on`: the
+    /// planned batch (`None` when there is nothing to run).
+    pub(super) fn launch(
+        &mut self,
+        lane: Lane,
+        on: RunLane,
+        caps: StepCaps,
+        events: &mut Vec<Event>,
+    ) -> Result<Option<Vec<Scheduled>>, String> {
         let run = self.plan(lane, caps, events)?;
         if run.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let draws = self.draws(&run);
         let device_check = self.device_checks();
         let mut tags = DeviceTags {
             expected: Vec::new(),
-            changes: self
-                .kv
-                .take_retagged()
-                .iter()
-                .map(|(p, t)| (*p, tag_words(t)))
-                .collect(),
+            changes: self.retags_for(on),
         };
         let expected = device_check.then_some(&mut tags.expected);
         let seqs = build(&self.requests, &self.kv, &run, &draws, expected);
@@ -74,12 +87,26 @@ impl Engine {
                 changes: &tags.changes,
             },
         };
-        let out = self.runner.forward(&self.loaded, &step)?;
+        self.runner.launch(&self.loaded, on, &step)?;
         self.stats.steps += 1;
         self.stats.last_step_seqs = step.seqs.len();
         self.stats.last_step_tokens = step.seqs.iter().map(|b| b.tokens.len()).sum();
-        self.apply(&run, out, events);
-        Ok(())
+        Ok(Some(run))
+    }
+
+    /// The page-tag changes runner lane `on` has not yet been given: each
+    /// lane keeps its own copy of the tags, so each gets every change.
+    pub(super) fn retags_for(&mut self, on: RunLane) -> Vec<(u32, [u64; 2])> {
+        let fresh = self.kv.take_retagged();
+        let fresh = fresh.iter().map(|(p, t)| (*p, tag_words(t)));
+        if !self.lanes.disaggregated() {
+            return fresh.collect();
+        }
+        let fresh: Vec<_> = fresh.collect();
+        for pending in &mut self.retags {
+            pending.extend_from_slice(&fresh);
+        }
+        std::mem::take(&mut self.retags[on.index()])
     }
 
     /// Whether the page-tag check runs inside the step, on the device.
@@ -147,14 +174,24 @@ impl Engine {
     }
 
     /// The step's output: aborts for failed tag checks, the prefix cache's
-    /// new pages, and each sampled sequence's token, text and end.
-    fn apply(&mut self, run: &[Scheduled], out: StepOut, events: &mut Vec<Event>) {
+    /// new pages, and each sampled sequence's token, text and end. The
+    /// step time model learns from the main lane's steps only (a side
+    /// lane's step is timed from launch to finish, other steps between).
+    pub(super) fn apply(
+        &mut self,
+        run: &[Scheduled],
+        on: RunLane,
+        out: StepOut,
+        events: &mut Vec<Event>,
+    ) {
         let StepOut { rows, ok, device } = out;
-        self.stats.last_step_device_us = device.as_micros() as u64;
-        let decodes = run.iter().filter(|s| s.count == 1).count();
-        let prompt: usize = run.iter().filter(|s| s.count > 1).map(|s| s.count).sum();
-        let ms = device.as_secs_f64() * 1e3;
-        self.step_budget.observe(decodes, prompt, ms);
+        if on == RunLane::Main {
+            self.stats.last_step_device_us = device.as_micros() as u64;
+            let decodes = run.iter().filter(|s| s.count == 1).count();
+            let prompt: usize = run.iter().filter(|s| s.count > 1).map(|s| s.count).sum();
+            let ms = device.as_secs_f64() * 1e3;
+            self.step_budget.observe(decodes, prompt, ms);
+        }
         // Sequences the device's check stopped: their results are void.
         let mut failed = HashSet::new();
         for (s, ok) in run.iter().zip(ok) {

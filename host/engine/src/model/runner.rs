@@ -1,11 +1,15 @@
 //! Where a step runs: the CPU with its KV cache, or a GPU with its weights
-//! and KV pages. Both take a [`Step`] and return a [`StepOut`].
+//! and KV pages. Both take a [`Step`] and return a [`StepOut`], on one of
+//! two lanes ([`RunLane`]): a step launched on a lane is finished apart,
+//! so a step on the other lane can run meanwhile (on a GPU, on another
+//! stream; on the CPU, and for a step split by phase, the work is done at
+//! launch).
 
 use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 
 use super::gpu::{GpuKv, GpuModel};
-use super::step::{SeqOut, Step, StepOut};
+use super::step::{RunLane, SeqOut, Step, StepOut};
 use super::{KvCache, Loaded};
 
 /// How a runner uses its device.
@@ -36,10 +40,19 @@ pub struct RunnerOptions {
     pub prefill_warps: usize,
     /// On CUDA: prefill steps run the MLP in bf16.
     pub bf16_mlp: bool,
+    /// Open the side lane (its own stream on a GPU).
+    pub side_lane: bool,
+}
+
+/// Where the KV pages live and the forward pass runs, and the results of
+/// steps done at launch that a lane has not yet finished.
+pub struct Runner {
+    place: Place,
+    landed: [Option<StepOut>; 2],
 }
 
 /// Where the KV pages live and the forward pass runs.
-pub enum Runner {
+enum Place {
     /// The CPU, with its KV cache.
     Cpu(KvCache),
     /// A GPU, with the weights and KV pages on it, and decode's own copy
@@ -51,8 +64,8 @@ impl Runner {
     /// The runner `o` asks for. On a GPU it takes the weights a previous
     /// runner gave back, if they match.
     pub fn new(loaded: &Loaded, o: RunnerOptions) -> Result<Self, String> {
-        Ok(match o.device {
-            Device::Cpu => Runner::Cpu(KvCache::new(
+        let place = match o.device {
+            Device::Cpu => Place::Cpu(KvCache::new(
                 &loaded.model.config,
                 o.kv_format,
                 o.page_size,
@@ -80,20 +93,27 @@ impl Runner {
                     m.set_bf16_mlp(o.bf16_mlp);
                     m.set_prefill_warps(o.prefill_warps)
                         .map_err(|e| e.to_string())?;
+                    if o.side_lane {
+                        m.open_side_lane().map_err(|e| e.to_string())?;
+                    }
                 }
                 tracing::info!(device = model.device_name(), "model weights on the GPU");
                 let mut kv = model
                     .kv(o.kv_format, o.page_size, o.num_pages)
                     .map_err(|e| e.to_string())?;
                 kv.set_tensor_prefill(o.tensor_prefill);
-                Runner::Gpu(model, Box::new(kv), decode)
+                Place::Gpu(model, Box::new(kv), decode)
             }
+        };
+        Ok(Self {
+            place,
+            landed: [None, None],
         })
     }
 
     /// Keeps a GPU's weights in `loaded` for the next runner.
     pub fn give_back(self, loaded: &Loaded) {
-        if let Runner::Gpu(model, _, decode) = self
+        if let Place::Gpu(model, _, decode) = self.place
             && let Ok(mut slot) = loaded.gpu_weights.lock()
         {
             *slot = Some((model.ordinal(), model, decode));
@@ -102,15 +122,15 @@ impl Runner {
 
     /// Whether it runs on a GPU (which checks page tags inside the step).
     pub fn on_gpu(&self) -> bool {
-        matches!(self, Runner::Gpu(..))
+        matches!(self.place, Place::Gpu(..))
     }
 
     /// Bytes of weights a decode step reads where the forward pass runs.
     pub fn weight_bytes(&self, loaded: &Loaded) -> usize {
-        match self {
-            Runner::Gpu(_, _, Some(decode)) => decode.weight_bytes(),
-            Runner::Gpu(model, ..) => model.weight_bytes(),
-            Runner::Cpu(_) => loaded
+        match &self.place {
+            Place::Gpu(_, _, Some(decode)) => decode.weight_bytes(),
+            Place::Gpu(model, ..) => model.weight_bytes(),
+            Place::Cpu(_) => loaded
                 .decode
                 .as_ref()
                 .unwrap_or(&loaded.model)
@@ -120,38 +140,96 @@ impl Runner {
 
     /// The device's copy bandwidth in GB/s, on a GPU.
     pub fn copy_bandwidth(&self) -> Option<f64> {
-        match self {
-            Runner::Gpu(model, ..) => model.copy_bandwidth().ok(),
-            Runner::Cpu(_) => None,
+        match &self.place {
+            Place::Gpu(model, ..) => model.copy_bandwidth().ok(),
+            Place::Cpu(_) => None,
         }
     }
 
-    /// Runs one step; where the phases have their own weights, its
-    /// one-token rows on decode's and the rest on prefill's, as two passes.
+    /// Runs one step on the main lane, launched and finished.
     pub fn forward(&mut self, loaded: &Loaded, step: &Step<'_>) -> Result<StepOut, String> {
-        let phased = match self {
-            Runner::Gpu(_, _, decode) => decode.is_some(),
-            Runner::Cpu(_) => loaded.decode.is_some(),
+        self.launch(loaded, RunLane::Main, step)?;
+        self.finish(RunLane::Main)
+    }
+
+    /// Starts one step on `lane` ([`Self::finish`] returns its results).
+    /// On a GPU with one copy of the weights the step is queued on the
+    /// lane's stream; otherwise it runs now.
+    pub fn launch(
+        &mut self,
+        loaded: &Loaded,
+        lane: RunLane,
+        step: &Step<'_>,
+    ) -> Result<(), String> {
+        if self.landed[lane.index()].is_some() {
+            return Err(format!("a step is already in flight on the {lane:?} lane"));
+        }
+        if let Place::Gpu(model, kv, None) = &mut self.place {
+            return model.launch(kv, lane, step).map_err(|e| e.to_string());
+        }
+        let out = self.forward_now(loaded, lane, step)?;
+        self.landed[lane.index()] = Some(out);
+        Ok(())
+    }
+
+    /// Whether `lane`'s launched step has run.
+    pub fn is_done(&self, lane: RunLane) -> bool {
+        match &self.place {
+            Place::Gpu(model, kv, None) if self.landed[lane.index()].is_none() => {
+                model.is_done(kv, lane)
+            }
+            _ => true,
+        }
+    }
+
+    /// The results of `lane`'s launched step, waiting for it if need be.
+    pub fn finish(&mut self, lane: RunLane) -> Result<StepOut, String> {
+        if let Some(out) = self.landed[lane.index()].take() {
+            return Ok(out);
+        }
+        match &mut self.place {
+            Place::Gpu(model, kv, None) => model.finish(kv, lane).map_err(|e| e.to_string()),
+            _ => Err(format!("no step in flight on the {lane:?} lane")),
+        }
+    }
+
+    /// Runs one step now; where the phases have their own weights, its
+    /// one-token rows on decode's and the rest on prefill's, as two passes.
+    fn forward_now(
+        &mut self,
+        loaded: &Loaded,
+        lane: RunLane,
+        step: &Step<'_>,
+    ) -> Result<StepOut, String> {
+        let phased = match &self.place {
+            Place::Gpu(_, _, decode) => decode.is_some(),
+            Place::Cpu(_) => loaded.decode.is_some(),
         };
         if !phased {
-            return self.pass(loaded, step, false);
+            return self.pass(loaded, lane, step, false);
         }
         match super::phase::split(step) {
-            Err(all_decode) => self.pass(loaded, step, all_decode),
+            Err(all_decode) => self.pass(loaded, lane, step, all_decode),
             Ok(split) => {
                 let (prefill, decode) = split.steps(step);
-                let p = self.pass(loaded, &prefill, false)?;
-                let d = self.pass(loaded, &decode, true)?;
+                let p = self.pass(loaded, lane, &prefill, false)?;
+                let d = self.pass(loaded, lane, &decode, true)?;
                 Ok(super::phase::merge(step, &split.is_decode, p, d))
             }
         }
     }
 
-    /// One forward pass, on decode's weights when `decode` and it has its
-    /// own.
-    fn pass(&mut self, loaded: &Loaded, step: &Step<'_>, decode: bool) -> Result<StepOut, String> {
-        match self {
-            Runner::Cpu(cache) => {
+    /// One forward pass on `lane`, on decode's weights when `decode` and it
+    /// has its own.
+    fn pass(
+        &mut self,
+        loaded: &Loaded,
+        lane: RunLane,
+        step: &Step<'_>,
+        decode: bool,
+    ) -> Result<StepOut, String> {
+        match &mut self.place {
+            Place::Cpu(cache) => {
                 let model = match (&loaded.decode, decode) {
                     (Some(d), true) => d,
                     _ => &loaded.model,
@@ -167,9 +245,9 @@ impl Runner {
                     device: start.elapsed(),
                 })
             }
-            Runner::Gpu(model, kv, phase) => match (phase, decode) {
-                (Some(d), true) => d.forward(kv, step),
-                _ => model.forward(kv, step),
+            Place::Gpu(model, kv, phase) => match (phase, decode) {
+                (Some(d), true) => d.forward(kv, lane, step),
+                _ => model.forward(kv, lane, step),
             }
             .map_err(|e| e.to_string()),
         }

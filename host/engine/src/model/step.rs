@@ -83,3 +83,22 @@ pub struct StepOut {
     /// whole forward pass.
     pub device: std::time::Duration,
 }
+
+/// Which of a runner's two lanes a step runs on. Each has its own stream,
+/// working buffers, captured graphs and copy of the page tags, over the
+/// same weights and pages, so a step on one can be in flight while steps
+/// run on the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunLane {
+    /// Every step without disaggregation; the decode lane's with it.
+    Main,
+    /// The prefill lane's steps, with disaggregation.
+    Side,
+}
+
+impl RunLane {
+    /// Its index among a runner's per-lane state.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}

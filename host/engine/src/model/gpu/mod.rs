@@ -7,16 +7,13 @@
 
 mod fold;
 mod inputs;
+mod lane;
 mod linear;
 mod ops;
 mod step;
 
+use lane::LaneKv;
 use linear::Linear;
-
-use std::collections::{HashMap, HashSet};
-
-use kiln_kernels::cuda::Graph;
-use step::GraphKey;
 
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{
@@ -82,6 +79,8 @@ impl Convert<Host, Cuda> for Upload<'_> {
 /// A model's weights on a GPU.
 pub struct GpuModel {
     gpu: Gpu,
+    /// The side lane's stream (`RunLane::Side`), once opened.
+    side: Option<Gpu>,
     ordinal: usize,
     config: ModelConfig,
     weights: Decoder<Cuda>,
@@ -98,20 +97,13 @@ pub struct GpuModel {
     bf16_mlp: bool,
 }
 
-/// Every layer's KV pages on the GPU, and the step's working buffers,
-/// kept across steps and grown when a step needs more.
+/// Every layer's KV pages on the GPU, shared by the two lanes, and each
+/// lane's own state (`lane.rs`).
 pub struct GpuKv {
     layers: Vec<PagedKv>,
     page_size: usize,
-    /// Every page's current tag, two u64 words each, as the block pool
-    /// last reported it.
-    tags: CudaSlice<u64>,
-    work: Option<Work>,
-    /// Captured decode steps; cleared whenever the working buffers they
-    /// point into are replaced.
-    graphs: HashMap<GraphKey, Graph>,
-    /// Shapes met once (captured when they come again).
-    seen: HashSet<GraphKey>,
+    /// Per lane ([`RunLane::index`](crate::model::step::RunLane::index)).
+    lanes: [LaneKv; 2],
     /// Attend prefill chunks with the tensor-core prefill kernel.
     tensor_prefill: bool,
 }
@@ -198,6 +190,7 @@ impl GpuModel {
             graphs,
             config: model.config.clone(),
             gpu,
+            side: None,
             ordinal,
             fold: false,
             bf16_mlp: false,
@@ -218,7 +211,7 @@ impl GpuModel {
     /// programmatic edges (each kernel starts while the one before it
     /// finishes; sm_90 and up).
     pub fn set_programmatic(&mut self, on: bool) {
-        self.gpu.set_programmatic(on);
+        self.gpus().for_each(|g| g.set_programmatic(on));
     }
 
     /// Whether steps of several rows run the MLP in bf16: one GEMM over
@@ -238,12 +231,12 @@ impl GpuModel {
     /// Whether bf16 products of 2-16 rows run the skinny GEMM instead of
     /// cuBLAS (set before graphs are captured, like the rest).
     pub fn set_skinny(&mut self, on: bool) {
-        self.gpu.set_skinny(on);
+        self.gpus().for_each(|g| g.set_skinny(on));
     }
 
     /// Warps a block of prefill attention takes (4 or 8).
     pub fn set_prefill_warps(&mut self, warps: usize) -> Result<(), kiln_kernels::KernelError> {
-        self.gpu.set_prefill_warps(warps)
+        self.gpus().try_for_each(|g| g.set_prefill_warps(warps))
     }
 
     /// Whether greedy decode steps are captured as CUDA graphs.
@@ -281,13 +274,16 @@ impl GpuModel {
         let layers = (0..self.config.layers)
             .map(|_| self.gpu.paged_kv(format, layout, num_pages))
             .collect::<R<Vec<_>>>()?;
+        let lanes = [
+            LaneKv::new(self.gpu.zeros(2 * num_pages)?),
+            LaneKv::new(self.gpu.zeros(2 * num_pages)?),
+        ];
+        // The side lane reads the pages and its tags from its own stream.
+        self.gpu.synchronize()?;
         Ok(GpuKv {
             layers,
             page_size,
-            tags: self.gpu.zeros(2 * num_pages)?,
-            work: None,
-            graphs: HashMap::new(),
-            seen: HashSet::new(),
+            lanes,
             tensor_prefill: false,
         })
     }
@@ -297,6 +293,7 @@ impl GpuModel {
     /// batch reallocates only a few times).
     fn work(
         &self,
+        g: &Gpu,
         slot: &mut Option<Work>,
         n: usize,
         max_len: usize,
@@ -312,10 +309,9 @@ impl GpuModel {
             // lack the bf16 MLP's.
             && (!self.bf16_mlp || w.b.gu16.is_some())
         {
-            return self.grow_inputs(w, words);
+            return grow_inputs(g, w, words);
         }
         let c = &self.config;
-        let g = &self.gpu;
         let n = n.next_power_of_two();
         let max_len = max_len.next_power_of_two();
         let rows = rows.next_power_of_two();
@@ -348,13 +344,13 @@ impl GpuModel {
             },
         })
     }
+}
 
-    /// `w` with an input buffer of at least `words`.
-    fn grow_inputs(&self, mut w: Work, words: usize) -> R<Work> {
-        if w.inputs.len() < words {
-            w.inputs = self.gpu.zeros(words.next_power_of_two())?;
-            w.fresh = true;
-        }
-        Ok(w)
+/// `w` with an input buffer of at least `words`, made on `g`'s lane.
+fn grow_inputs(g: &Gpu, mut w: Work, words: usize) -> R<Work> {
+    if w.inputs.len() < words {
+        w.inputs = g.zeros(words.next_power_of_two())?;
+        w.fresh = true;
     }
+    Ok(w)
 }

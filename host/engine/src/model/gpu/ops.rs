@@ -134,12 +134,13 @@ pub(super) struct CudaStep<'a, 'w> {
 impl<'a> CudaStep<'a, '_> {
     pub(super) fn new(
         model: &'a GpuModel,
+        g: &'a Gpu,
         pages: &'a mut [PagedKv],
         w: &'a mut Work,
         s: &'a Shape<'a>,
     ) -> Self {
         Self {
-            g: &model.gpu,
+            g,
             c: &model.config,
             s,
             inv_freq: &model.inv_freq,

@@ -16,10 +16,13 @@
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{PARTITION, prefill_supports, prefill_tiles};
 
+use kiln_kernels::cuda::Gpu;
+
 use super::inputs::{GRAPH_MAX_SEQS, Inputs, Layout, graph_bucket};
+use super::lane::{Flight, LaneKv, Running};
 use super::ops::{CudaStep, Shape};
 use super::{GpuKv, GpuModel, Work};
-use crate::model::step::{Draw, SeqOut, Step, StepOut, StepTags};
+use crate::model::step::{Draw, RunLane, SeqOut, Step, StepOut, StepTags};
 
 type R<T> = Result<T, KernelError>;
 
@@ -62,9 +65,50 @@ impl GpuModel {
             })
     }
 
-    /// One step: checks page tags, writes the new tokens' K and V into their
-    /// pages and returns each result the batch asked for.
-    pub fn forward(&self, kv: &mut GpuKv, step: &Step<'_>) -> R<StepOut> {
+    /// One step on `lane`, launched and finished: checks page tags, writes
+    /// the new tokens' K and V into their pages and returns each result the
+    /// batch asked for.
+    pub fn forward(&self, kv: &mut GpuKv, lane: RunLane, step: &Step<'_>) -> R<StepOut> {
+        self.launch(kv, lane, step)?;
+        self.finish(kv, lane)
+    }
+
+    /// Queues a step on `lane` ([`Self::finish`] returns its results);
+    /// fails if the lane has a step in flight.
+    pub fn launch(&self, kv: &mut GpuKv, lane: RunLane, step: &Step<'_>) -> R<()> {
+        if kv.lanes[lane.index()].flight.is_some() {
+            return Err(KernelError::Shape(format!(
+                "a step is already in flight on the {lane:?} lane"
+            )));
+        }
+        let flight = self.queue(kv, lane, step)?;
+        kv.lanes[lane.index()].flight = Some(flight);
+        Ok(())
+    }
+
+    /// The results of `lane`'s launched step, waiting for it if it still
+    /// runs.
+    pub fn finish(&self, kv: &mut GpuKv, lane: RunLane) -> R<StepOut> {
+        let g = self.lane_gpu(lane);
+        let l = &mut kv.lanes[lane.index()];
+        match l.flight.take() {
+            None => Err(KernelError::Shape(format!(
+                "no step in flight on the {lane:?} lane"
+            ))),
+            Some(Flight::Ready(out)) => Ok(out),
+            Some(Flight::Running(r)) => {
+                let Some(w) = l.work.as_ref() else {
+                    return Err(KernelError::Shape(
+                        "a step in flight without buffers".into(),
+                    ));
+                };
+                self.download(g, w, r)
+            }
+        }
+    }
+
+    /// Queues a step's upload and kernels on `lane`.
+    fn queue(&self, kv: &mut GpuKv, lane: RunLane, step: &Step<'_>) -> R<Flight> {
         let (batch, tags) = (&step.seqs[..], step.tags);
         let ps = kv.page_size;
         let mut x = Inputs::gather(batch, ps, self.config.vocab)?;
@@ -82,11 +126,11 @@ impl GpuModel {
             )));
         }
         if n == 0 {
-            return Ok(StepOut {
+            return Ok(Flight::Ready(StepOut {
                 rows: Vec::new(),
                 ok: vec![true; seqs],
                 device: Default::default(),
-            });
+            }));
         }
         let mut max_len = x.lens.iter().copied().max().unwrap_or(1) as usize;
         let key = self.graph_key(&x, &tags, max_len, ps);
@@ -114,7 +158,7 @@ impl GpuModel {
                     &offs,
                     &lens,
                     self.config.heads / self.config.kv_heads.max(1),
-                    self.gpu.prefill_rows(),
+                    self.lane_gpu(lane).prefill_rows(),
                 );
                 // Token indices of the whole step.
                 tiles
@@ -127,10 +171,12 @@ impl GpuModel {
             };
         let l = Layout::new(n, seqs, m, change_cap, table_cap, tiles.len() / 2);
         let words = l.words(&x, &tags, &tiles);
-        let mut work = self.work(&mut kv.work, n, max_len, seqs, l.words)?;
+        let g = self.lane_gpu(lane);
+        let lk = &mut kv.lanes[lane.index()];
+        let mut work = self.work(g, &mut lk.work, n, max_len, seqs, l.words)?;
         if std::mem::take(&mut work.fresh) {
             // Captured steps point into the buffers just replaced.
-            kv.graphs.clear();
+            lk.graphs.clear();
         }
         let shape = Shape {
             l: &l,
@@ -144,54 +190,77 @@ impl GpuModel {
             decodes,
             decode_len,
         };
-        let result = self.run(kv, &mut work, &words, &shape, key, &x.draws);
-        kv.work = Some(work);
-        // The padding's flags and tokens are nobody's.
-        result.map(|mut out| {
-            out.ok.truncate(real_seqs);
-            out.rows.truncate(real_m);
-            out
-        })
+        let start = std::time::Instant::now();
+        let result = self.run(g, lane, kv, &mut work, &words, &shape, key);
+        kv.lanes[lane.index()].work = Some(work);
+        result?;
+        Ok(Flight::Running(Running {
+            seqs,
+            m,
+            real_seqs,
+            real_m,
+            check,
+            draws: x.draws,
+            start,
+            mark: g.mark()?,
+        }))
     }
 
-    /// Uploads the inputs, runs (or replays) the step, downloads results.
+    /// Uploads the inputs and queues (or replays) the step's kernels.
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
+        g: &Gpu,
+        lane: RunLane,
         kv: &mut GpuKv,
         w: &mut Work,
         words: &[u32],
         s: &Shape<'_>,
         key: Option<GraphKey>,
-        draws: &[Draw],
-    ) -> R<StepOut> {
-        let c = &self.config;
-        let g = &self.gpu;
-        let start = std::time::Instant::now();
+    ) -> R<()> {
         g.upload_into(words, &mut w.inputs)?;
+        let GpuKv { layers, lanes, .. } = kv;
+        let lk = &mut lanes[lane.index()];
         // A shape is captured the second time it comes: one seen once (a
         // batch size passed through while sequences join or finish) would
         // pay for a capture it never replays.
-        let key = key.filter(|k| kv.graphs.contains_key(k) || !kv.seen.insert(*k));
+        let key = key.filter(|k| lk.graphs.contains_key(k) || !lk.seen.insert(*k));
         match key {
             Some(k) => {
-                if !kv.graphs.contains_key(&k) {
-                    if kv.graphs.len() >= MAX_GRAPHS {
+                if !lk.graphs.contains_key(&k) {
+                    if lk.graphs.len() >= MAX_GRAPHS {
                         // Old shapes (shorter contexts, other batch sizes)
                         // are unlikely to come back.
-                        kv.graphs.clear();
-                        kv.seen.clear();
+                        lk.graphs.clear();
+                        lk.seen.clear();
                     }
-                    let graph = g.capture(|| self.kernels(kv, w, s))?;
-                    kv.graphs.insert(k, graph);
+                    let graph = g.capture(|| self.kernels(g, layers, lk, w, s))?;
+                    lk.graphs.insert(k, graph);
                 }
-                g.replay(&kv.graphs[&k])?;
+                g.replay(&lk.graphs[&k])?;
             }
-            None => self.kernels(kv, w, s)?,
+            None => self.kernels(g, layers, lk, w, s)?,
         }
-        let (seqs, m) = (s.seqs, s.m);
+        Ok(())
+    }
+
+    /// A queued step's results: its flags and tokens (and logits rows when
+    /// asked for) downloaded, which waits for its kernels.
+    fn download(&self, g: &Gpu, w: &Work, r: Running) -> R<StepOut> {
+        let c = &self.config;
+        let Running {
+            seqs,
+            m,
+            real_seqs,
+            real_m,
+            check,
+            draws,
+            start,
+            ..
+        } = r;
         let small = g.download_range(&w.b.small, 0..seqs + m)?;
         let device = start.elapsed();
-        let ok: Vec<bool> = if s.check {
+        let ok: Vec<bool> = if check {
             small[..seqs].iter().map(|f| *f == 1).collect()
         } else {
             vec![true; seqs]
@@ -209,25 +278,36 @@ impl GpuModel {
                 Draw::Greedy | Draw::Sample { .. } => SeqOut::Token(small[seqs + i]),
             })
             .collect();
-        Ok(StepOut { rows, ok, device })
+        // The padding's flags and tokens are nobody's.
+        let mut out = StepOut { rows, ok, device };
+        out.ok.truncate(real_seqs);
+        out.rows.truncate(real_m);
+        Ok(out)
     }
 
     /// Every launch of a step, reading its inputs from `w.inputs`: the tag
     /// scatter and check, then the architecture's forward pass. Launches
     /// only (no copy, allocation or wait), so it can be captured.
-    fn kernels(&self, kv: &mut GpuKv, w: &mut Work, s: &Shape<'_>) -> R<()> {
-        let (g, l, seqs) = (&self.gpu, s.l, s.seqs);
-        g.tag_scatter(&w.inputs, l.changes, l.change_cap, &mut kv.tags)?;
+    fn kernels(
+        &self,
+        g: &Gpu,
+        layers: &mut [kiln_kernels::cuda::PagedKv],
+        lk: &mut LaneKv,
+        w: &mut Work,
+        s: &Shape<'_>,
+    ) -> R<()> {
+        let (l, seqs) = (s.l, s.seqs);
+        g.tag_scatter(&w.inputs, l.changes, l.change_cap, &mut lk.tags)?;
         if s.check {
             g.tag_check(
                 &mut w.inputs,
                 &l.tags(true),
-                &kv.tags,
+                &lk.tags,
                 &mut w.b.small.slice_mut(..seqs),
                 seqs,
             )?;
         }
-        let mut ops = CudaStep::new(self, &mut kv.layers, w, s);
+        let mut ops = CudaStep::new(self, g, layers, w, s);
         self.config.arch.forward(&mut ops, &self.weights)
     }
 }

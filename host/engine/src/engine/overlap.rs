@@ -1,0 +1,64 @@
+//! Disaggregated steps that overlap: the prefill lane's step is launched on
+//! the runner's side lane (on a GPU, a stream of its own) and lands later,
+//! while the decode lane's steps run on the main lane in between. A
+//! sequence in a step in flight stays on the prefill lane until the step
+//! lands (it is handed to the decode lane only once its prompt's KV is
+//! written), and its pages are freed only then, even if it is cancelled
+//! meanwhile, since the step's kernels may still write them.
+
+use super::lanes::Lane;
+use super::scheduler::StepCaps;
+use super::{Engine, Event, SeqId};
+use crate::model::step::RunLane;
+
+impl Engine {
+    /// One disaggregated step: the prefill step in flight lands once it has
+    /// run (or at once when no stream would decode beside it), its
+    /// finished prompts move to the decode lane, the decode lane runs a
+    /// step, and, with none in flight, the prefill lane launches its next.
+    pub(super) fn overlapped_step(
+        &mut self,
+        caps: StepCaps,
+        events: &mut Vec<Event>,
+    ) -> Result<(), String> {
+        if self.in_flight.is_some()
+            && (self.runner.is_done(RunLane::Side) || !self.lanes.decoding())
+        {
+            self.land_prefill(events)?;
+        }
+        self.lane_step(Lane::Decode, RunLane::Main, caps, events)?;
+        if self.in_flight.is_none() {
+            self.in_flight = self.launch(Lane::Prefill, RunLane::Side, caps, events)?;
+        }
+        Ok(())
+    }
+
+    /// Finishes the prefill step in flight: frees the pages of sequences
+    /// cancelled meanwhile, applies its results and hands the sequences
+    /// whose prompts are done to the decode lane.
+    fn land_prefill(&mut self, events: &mut Vec<Event>) -> Result<(), String> {
+        let Some(run) = self.in_flight.take() else {
+            return Ok(());
+        };
+        self.stepping.clear();
+        self.stepping.extend(run.iter().map(|s| s.seq));
+        let out = self.runner.finish(RunLane::Side);
+        for seq in std::mem::take(&mut self.deferred_free) {
+            self.kv.free(seq);
+        }
+        self.apply(&run, RunLane::Side, out?, events);
+        self.lanes.hand_off();
+        Ok(())
+    }
+
+    /// Drops `seq`'s pages now, or when the step in flight that may write
+    /// them lands.
+    pub(super) fn free_pages_of(&mut self, seq: SeqId) {
+        let flying = (self.in_flight.as_ref()).is_some_and(|run| run.iter().any(|s| s.seq == seq));
+        if flying {
+            self.deferred_free.push(seq);
+        } else {
+            self.kv.free(seq);
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! A GPU model's two lanes ([`RunLane`]): the main lane runs on the
+//! model's stream, the side lane (opened for prefill/decode
+//! disaggregation) on a stream of its own. Each lane keeps its own copy of
+//! the page tags, working buffers, captured graphs and the step it has in
+//! flight; the KV pages and the weights are shared. A lane's step is
+//! launched (inputs up, kernels queued, a mark after them) and finished
+//! (results down) apart, so the engine can run steps on the other lane
+//! meanwhile.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+
+use kiln_kernels::KernelError;
+use kiln_kernels::cuda::{CudaSlice, Gpu, Graph, Mark};
+
+use super::step::GraphKey;
+use super::{GpuKv, GpuModel, Work};
+use crate::model::step::{Draw, RunLane, StepOut};
+
+/// One lane's state over the shared pages.
+pub(super) struct LaneKv {
+    /// Every page's current tag, two u64 words each, as the block pool
+    /// last reported it to this lane.
+    pub tags: CudaSlice<u64>,
+    pub work: Option<Work>,
+    /// Captured decode steps; cleared whenever the working buffers they
+    /// point into are replaced.
+    pub graphs: HashMap<GraphKey, Graph>,
+    /// Shapes met once (captured when they come again).
+    pub seen: HashSet<GraphKey>,
+    /// The step launched and not yet finished.
+    pub flight: Option<Flight>,
+}
+
+impl LaneKv {
+    /// A lane with no step run yet.
+    pub fn new(tags: CudaSlice<u64>) -> Self {
+        Self {
+            tags,
+            work: None,
+            graphs: HashMap::new(),
+            seen: HashSet::new(),
+            flight: None,
+        }
+    }
+}
+
+/// A launched step.
+pub(super) enum Flight {
+    /// Nothing to wait for (an empty step).
+    Ready(StepOut),
+    /// Queued on the lane's stream.
+    Running(Running),
+}
+
+/// What finishing a queued step needs.
+pub(super) struct Running {
+    /// Sequences and result rows, padding included, and without it.
+    pub seqs: usize,
+    pub m: usize,
+    pub real_seqs: usize,
+    pub real_m: usize,
+    /// Whether the step checked page tags.
+    pub check: bool,
+    pub draws: Vec<Draw>,
+    pub start: Instant,
+    /// After the step's kernels.
+    pub mark: Mark,
+}
+
+impl GpuModel {
+    /// Opens the side lane: a stream of its own on the same GPU, with the
+    /// main lane's settings (set them first). Idempotent.
+    pub fn open_side_lane(&mut self) -> Result<(), KernelError> {
+        if self.side.is_none() {
+            self.side = Some(self.gpu.lane()?);
+        }
+        Ok(())
+    }
+
+    /// The stream `lane` runs on: the side lane's own once opened, else
+    /// the model's.
+    pub(super) fn lane_gpu(&self, lane: RunLane) -> &Gpu {
+        match (lane, &self.side) {
+            (RunLane::Side, Some(g)) => g,
+            _ => &self.gpu,
+        }
+    }
+
+    /// The model's streams, for settings that apply to both lanes.
+    pub(super) fn gpus(&mut self) -> impl Iterator<Item = &mut Gpu> {
+        std::iter::once(&mut self.gpu).chain(self.side.as_mut())
+    }
+
+    /// Whether `lane`'s launched step has run (or none is in flight).
+    pub fn is_done(&self, kv: &GpuKv, lane: RunLane) -> bool {
+        match &kv.lanes[lane.index()].flight {
+            Some(Flight::Running(r)) => r.mark.is_done(),
+            _ => true,
+        }
+    }
+}

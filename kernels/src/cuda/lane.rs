@@ -1,0 +1,79 @@
+//! A second stream over the same GPU: [`Gpu::lane`] shares the context and
+//! the compiled kernels and has its own stream, cuBLAS handle, workspaces
+//! and cuBLASLt state, so work on one lane can be in flight while work on
+//! another runs. Buffers stay on the lane that made them; whatever two
+//! lanes share (weights written once, KV pages each lane writes only for
+//! its own sequences) needs no event between them.
+
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut};
+
+use super::{BLAS_WORKSPACE, Gpu, cuda_err};
+use crate::KernelError;
+
+/// A point in a lane's queued work: done once everything queued before
+/// it has run.
+pub struct Mark(CudaEvent);
+
+impl Mark {
+    /// Whether the work before the mark has run.
+    pub fn is_done(&self) -> bool {
+        self.0.is_complete()
+    }
+}
+
+/// A cuBLAS handle on `stream` with a fixed workspace of its own, so its
+/// GEMMs can be captured into CUDA graphs (cuBLAS allocates none itself).
+pub(super) fn blas_with_workspace(
+    stream: &Arc<CudaStream>,
+) -> Result<(CudaBlas, CudaSlice<u8>), KernelError> {
+    let blas = CudaBlas::new(stream.clone()).map_err(cuda_err)?;
+    let mut ws = stream.alloc_zeros::<u8>(BLAS_WORKSPACE).map_err(cuda_err)?;
+    let (ptr, guard) = ws.device_ptr_mut(stream);
+    // SAFETY: a live buffer of that size, kept as long as the handle (the
+    // caller stores both together).
+    unsafe {
+        cudarc::cublas::sys::cublasSetWorkspace_v2(
+            *blas.handle(),
+            ptr as *mut std::ffi::c_void,
+            BLAS_WORKSPACE,
+        )
+    }
+    .result()
+    .map_err(cuda_err)?;
+    drop(guard);
+    Ok((blas, ws))
+}
+
+impl Gpu {
+    /// Another lane on this GPU: a stream of its own with its own cuBLAS
+    /// and cuBLASLt state, the same kernels and settings. Waits for this
+    /// lane's queued work first, so buffers made here are ready there.
+    pub fn lane(&self) -> Result<Gpu, KernelError> {
+        self.synchronize()?;
+        let stream = self.ctx.new_stream().map_err(cuda_err)?;
+        let (blas, ws) = blas_with_workspace(&stream)?;
+        Ok(Gpu {
+            ctx: self.ctx.clone(),
+            stream,
+            functions: self.functions.clone(),
+            blas,
+            _blas_workspace: Some(ws),
+            name: self.name.clone(),
+            _module: self._module.clone(),
+            programmatic: self.programmatic,
+            flash_resident: self.flash_resident.clone(),
+            lt: std::sync::Mutex::new(None),
+            fp8_tensor: self.fp8_tensor,
+            skinny: self.skinny,
+            prefill_warps: self.prefill_warps,
+        })
+    }
+
+    /// A mark after everything queued on this lane so far.
+    pub fn mark(&self) -> Result<Mark, KernelError> {
+        self.stream.record_event(None).map(Mark).map_err(cuda_err)
+    }
+}
