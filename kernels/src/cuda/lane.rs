@@ -1,14 +1,16 @@
 //! A second stream over the same GPU: [`Gpu::lane`] shares the context and
 //! the compiled kernels and has its own stream, cuBLAS handle, workspaces
 //! and cuBLASLt state, so work on one lane can be in flight while work on
-//! another runs. Buffers stay on the lane that made them; whatever two
-//! lanes share (weights written once, KV pages each lane writes only for
-//! its own sequences) needs no event between them.
+//! another runs. A lane's working buffers stay on it; what two lanes share
+//! (weights written once, KV pages each lane writes only for its own
+//! sequences) passes from one to the other only after the host waited for
+//! the work that wrote it, so no event is due between them. Freeing such a
+//! buffer goes through [`Settle`].
 
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtrMut};
 
 use super::{BLAS_WORKSPACE, Gpu, cuda_err};
 use crate::KernelError;
@@ -21,6 +23,20 @@ impl Mark {
     /// Whether the work before the mark has run.
     pub fn is_done(&self) -> bool {
         self.0.is_complete()
+    }
+}
+
+/// Waits for every stream of the GPU when dropped. An owner of buffers
+/// that another lane's queued work may still use holds one as its first
+/// field, so they are freed only after that work (a buffer's free is
+/// queued on the stream that made it alone).
+pub struct Settle(Arc<CudaContext>);
+
+impl Drop for Settle {
+    fn drop(&mut self) {
+        // A device that fails the wait has failed its queued work too;
+        // the buffers go either way.
+        let _ = self.0.synchronize();
     }
 }
 
@@ -70,6 +86,11 @@ impl Gpu {
             skinny: self.skinny,
             prefill_warps: self.prefill_warps,
         })
+    }
+
+    /// A [`Settle`] for this GPU.
+    pub fn settle(&self) -> Settle {
+        Settle(self.ctx.clone())
     }
 
     /// A mark after everything queued on this lane so far.

@@ -51,7 +51,7 @@ pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M, GemmShape, StackShape};
 pub use graph::Graph;
 pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_tiles};
 pub use kv::PagedKv;
-pub use lane::Mark;
+pub use lane::{Mark, Settle};
 pub use norm::NormArgs;
 pub use prefill::{PREFILL_HEAD_DIMS, prefill_supports, prefill_tiles};
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
@@ -371,8 +371,10 @@ impl Gpu {
                 sms,
             )?;
             let stream = if own_stream {
-                // SAFETY: every buffer of this context is used on this one
-                // stream only, so no cross-stream synchronization is due.
+                // SAFETY: a buffer is used on the stream that made it, or
+                // (KV pages and page tags shared with a second lane,
+                // `lane.rs`) on another only after the host waited for the
+                // work that last wrote it; so no event is due between them.
                 unsafe { ctx.disable_event_tracking() };
                 ctx.new_stream().map_err(cuda_err)?
             } else {

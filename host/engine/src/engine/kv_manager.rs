@@ -116,6 +116,11 @@ impl KvCacheManager {
         self.pool.track_retags();
     }
 
+    /// `page`'s current tag.
+    pub fn page_tag(&self, page: u32) -> PageTag {
+        self.pool.tags()[page as usize]
+    }
+
     /// Pages given new tags since the last call, with their tags.
     pub fn take_retagged(&mut self) -> Vec<(u32, PageTag)> {
         self.pool.take_retagged()
@@ -141,8 +146,7 @@ impl KvCacheManager {
         tokens: usize,
         reserve: usize,
     ) -> bool {
-        let have = self.tables.get(&seq).map_or(0, |t| t.pages.len());
-        let need = tokens.div_ceil(self.page_size).saturating_sub(have);
+        let need = self.need(seq, tokens);
         if need > 0 && need + reserve > self.pool.num_free() {
             return false;
         }
@@ -155,6 +159,17 @@ impl KvCacheManager {
             }
         }
         true
+    }
+
+    /// Pages `seq`'s table lacks to cover `tokens` tokens.
+    fn need(&self, seq: SeqId, tokens: usize) -> usize {
+        let have = self.tables.get(&seq).map_or(0, |t| t.pages.len());
+        tokens.div_ceil(self.page_size).saturating_sub(have)
+    }
+
+    /// Whether the free pages would cover `seq` to `tokens` tokens.
+    pub fn fits(&self, seq: SeqId, tokens: usize) -> bool {
+        self.need(seq, tokens) <= self.pool.num_free()
     }
 
     /// Drops `seq`'s reference on each of its pages.

@@ -2,7 +2,8 @@
 //! prefills and decodes. With it (`--pd on`) a prefill lane admits and
 //! computes prompts and a decode lane runs the streams, each with its own
 //! queue, token budget and step, over the one KV pool: a sequence moves to
-//! the decode lane once its prompt is computed and its first token sampled,
+//! the decode lane once only its next token is left to compute (normally
+//! when its prompt's last chunk has sampled its first token),
 //! and back to the front of the prefill queue (to be recomputed) when the
 //! decode lane preempts it. Its pages, their tags and its request never
 //! move, so a handoff copies nothing and the tag check guards the pages
@@ -12,6 +13,10 @@ use super::TenantId;
 use super::kv_manager::{KvCacheManager, SeqId};
 use super::prefix::PageHash;
 use super::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput, StepCaps};
+
+/// Decode steps a prefill step may span: the prefill lane leaves a page
+/// free for each stream whose next this many tokens start a new page.
+const PAGE_HORIZON: usize = 8;
 
 /// One of the engine's schedulers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,7 +48,8 @@ impl Lanes {
 
     /// Plans `lane`'s next step within the engine's `caps`. The prefill
     /// lane counts the decode lane's streams against its running slots and
-    /// leaves a page free for each; the decode lane computes no prompt, and
+    /// leaves a page free for each that will soon need one (and waits for
+    /// those pages rather than preempt); the decode lane computes no prompt, and
     /// what it preempts goes to the front of the prefill queue.
     pub fn schedule(
         &mut self,
@@ -65,7 +71,8 @@ impl Lanes {
             (_, decode) => {
                 if let Some(d) = decode {
                     self.prefill.set_elsewhere(d.running_by_tenant());
-                    self.prefill.set_reserve(d.running());
+                    self.prefill
+                        .set_reserve(d.pages_due(kv.page_size(), PAGE_HORIZON));
                 }
                 self.prefill.schedule(kv, caps)
             }

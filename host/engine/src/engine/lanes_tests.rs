@@ -139,3 +139,23 @@ fn the_prefill_lane_counts_the_decode_lanes_streams_against_the_running_slots() 
     let plans = step(&mut l, &mut kv);
     assert_eq!(seqs(&plans[1].1), vec![(3, 0, 8)]);
 }
+
+#[test]
+fn a_chunk_waits_for_pages_kept_for_the_other_lane_rather_than_preempt() {
+    // Two prompts of 40 tokens, 8 a step each, in a pool of 4 pages with
+    // one kept free for another lane.
+    let mut kv = KvCacheManager::new(4, 16);
+    let mut s = Scheduler::new(cfg(16, 8));
+    s.add(1, TenantId(0), 40, Vec::new());
+    s.add(2, TenantId(1), 40, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    s.set_reserve(1);
+    s.schedule(&mut kv, StepCaps::NONE);
+    assert_eq!(kv.num_free(), 2);
+    // Each now needs its second page: one fits beside the kept page, the
+    // other waits, and nothing is preempted.
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    assert!(out.preempted.is_empty(), "{:?}", out.preempted);
+    assert_eq!(seqs(&out.scheduled), vec![(1, 16, 8)]);
+    assert_eq!(kv.num_free(), 1);
+}

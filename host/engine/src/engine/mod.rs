@@ -213,8 +213,9 @@ pub struct Engine {
     /// Sequences cancelled while their prefill step was in flight: their
     /// pages are freed when it lands, not while kernels may write them.
     deferred_free: Vec<SeqId>,
-    /// Per runner lane, page-tag changes not yet given to it.
-    retags: [Vec<(u32, [u64; 2])>; 2],
+    /// Disaggregated: per runner lane, the pages retagged since its last
+    /// step.
+    retags: overlap::RetagQueues,
     /// Test-only: the next step fails once it has its batch (a panic, or
     /// an error as a device would return).
     #[cfg(any(test, feature = "fault-injection"))]
@@ -276,7 +277,7 @@ impl Engine {
             stepping: Vec::new(),
             in_flight: None,
             deferred_free: Vec::new(),
-            retags: [Vec::new(), Vec::new()],
+            retags: Default::default(),
             #[cfg(any(test, feature = "fault-injection"))]
             fault_next_step: None,
         })
@@ -411,7 +412,8 @@ impl Engine {
         ctx.min(self.kv.num_pages() * PAGE_SIZE)
     }
 
-    /// Cancels a request; its pages are freed now.
+    /// Cancels a request; its pages are freed now, or when the step in
+    /// flight that may still write them lands.
     pub fn cancel(&mut self, seq: SeqId) -> bool {
         self.lanes.remove(seq);
         self.free_pages_of(seq);
@@ -431,8 +433,9 @@ impl Engine {
         self.fault_next_step = Some(fault);
     }
 
-    /// The sequences of the last step begun: after [`Engine::step`] failed
-    /// or panicked, the requests the failure concerns.
+    /// The sequences of the last step begun (with those of a prefill step
+    /// in flight beside it): after [`Engine::step`] failed or panicked, the
+    /// requests the failure concerns.
     pub fn in_step(&self) -> &[SeqId] {
         &self.stepping
     }

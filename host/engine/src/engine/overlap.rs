@@ -6,6 +6,8 @@
 //! written), and its pages are freed only then, even if it is cancelled
 //! meanwhile, since the step's kernels may still write them.
 
+use std::collections::BTreeSet;
+
 use super::lanes::Lane;
 use super::scheduler::StepCaps;
 use super::{Engine, Event, SeqId};
@@ -60,5 +62,46 @@ impl Engine {
         } else {
             self.kv.free(seq);
         }
+    }
+}
+
+/// Per runner lane, the pages retagged since its last step: each lane
+/// keeps its own copy of the tags, so each gets every retagged page, once,
+/// with the tag it has when the lane takes it.
+#[derive(Debug, Default)]
+pub(super) struct RetagQueues([BTreeSet<u32>; 2]);
+
+impl RetagQueues {
+    /// Notes retagged pages for both lanes.
+    pub fn note(&mut self, pages: impl Iterator<Item = u32> + Clone) {
+        for queue in &mut self.0 {
+            queue.extend(pages.clone());
+        }
+    }
+
+    /// `lane`'s pages retagged since it last took them, each with its tag
+    /// now (`tag`).
+    pub fn take(&mut self, lane: RunLane, tag: impl Fn(u32) -> [u64; 2]) -> Vec<(u32, [u64; 2])> {
+        let pages = std::mem::take(&mut self.0[lane.index()]);
+        pages.into_iter().map(|p| (p, tag(p))).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_lane_gets_every_retagged_page_once_with_its_tag_now() {
+        let mut q = RetagQueues::default();
+        let now = |p: u32| [u64::from(p) + 100, 7];
+        q.note([3, 5].into_iter());
+        // The main lane takes them; page 3 is retagged again before the
+        // side lane's next step.
+        assert_eq!(q.take(RunLane::Main, now), vec![(3, now(3)), (5, now(5))]);
+        q.note([3].into_iter());
+        assert_eq!(q.take(RunLane::Side, now), vec![(3, now(3)), (5, now(5))]);
+        assert_eq!(q.take(RunLane::Main, now), vec![(3, now(3))]);
+        assert!(q.take(RunLane::Side, now).is_empty());
     }
 }

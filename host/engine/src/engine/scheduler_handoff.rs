@@ -63,6 +63,16 @@ impl Scheduler {
             .collect()
     }
 
+    /// Streams whose next `horizon` tokens start a new page of
+    /// `page_size` tokens: the pages another lane should leave free.
+    pub fn pages_due(&self, page_size: usize, horizon: usize) -> usize {
+        let ps = page_size.max(1);
+        (self.running.iter())
+            .filter(|r| self.remaining(**r) == 1)
+            .filter(|r| (ps - self.seqs[*r].computed % ps) % ps < horizon)
+            .count()
+    }
+
     /// Running sequences by tenant: what another lane's admissions count
     /// as running ([`Scheduler::set_elsewhere`]).
     pub fn running_by_tenant(&self) -> HashMap<TenantId, usize> {

@@ -124,19 +124,20 @@ impl Scheduler {
     /// when nothing else frees enough).
     fn run_chunk(&mut self, id: SeqId, count: usize, kv: &mut KvCacheManager, step: &mut Planning) {
         let s = self.seqs[&id].clone();
-        let reserve = self.reserve;
-        let mut fits = kv.allocate_leaving(id, s.tenant, s.computed + count, reserve);
-        while !fits {
+        let tokens = s.computed + count;
+        // Preempt for pages that are missing, never for those kept free
+        // for other lanes' streams (the chunk waits for those).
+        while !kv.fits(id, tokens) {
             match self.victim(|id| !step.open(id)) {
-                Some(v) if v != id => {
-                    self.preempt(v, kv, &mut step.out);
-                    fits = kv.allocate_leaving(id, s.tenant, s.computed + count, reserve);
-                }
+                Some(v) if v != id => self.preempt(v, kv, &mut step.out),
                 _ => break,
             }
         }
-        if !fits {
+        if !kv.fits(id, tokens) {
             self.preempt(id, kv, &mut step.out);
+            return;
+        }
+        if !kv.allocate_leaving(id, s.tenant, tokens, self.reserve) {
             return;
         }
         step.planned.insert(id);

@@ -89,24 +89,27 @@ impl Engine {
         };
         self.runner.launch(&self.loaded, on, &step)?;
         self.stats.steps += 1;
-        self.stats.last_step_seqs = step.seqs.len();
-        self.stats.last_step_tokens = step.seqs.iter().map(|b| b.tokens.len()).sum();
+        if on == RunLane::Main {
+            // Alongside the main lane's device time (`apply`).
+            self.stats.last_step_seqs = step.seqs.len();
+            self.stats.last_step_tokens = step.seqs.iter().map(|b| b.tokens.len()).sum();
+        }
         Ok(Some(run))
     }
 
-    /// The page-tag changes runner lane `on` has not yet been given: each
-    /// lane keeps its own copy of the tags, so each gets every change.
+    /// The page-tag changes runner lane `on` has not yet been given. Each
+    /// lane keeps its own copy of the tags, so each gets every retagged
+    /// page once, with its tag as it is now (a page retagged twice since a
+    /// lane's last step must not reach it with both tags: the device
+    /// writes a step's changes in parallel).
     pub(super) fn retags_for(&mut self, on: RunLane) -> Vec<(u32, [u64; 2])> {
         let fresh = self.kv.take_retagged();
-        let fresh = fresh.iter().map(|(p, t)| (*p, tag_words(t)));
         if !self.lanes.disaggregated() {
-            return fresh.collect();
+            return fresh.iter().map(|(p, t)| (*p, tag_words(t))).collect();
         }
-        let fresh: Vec<_> = fresh.collect();
-        for pending in &mut self.retags {
-            pending.extend_from_slice(&fresh);
-        }
-        std::mem::take(&mut self.retags[on.index()])
+        self.retags.note(fresh.iter().map(|(p, _)| *p));
+        let kv = &self.kv;
+        self.retags.take(on, |p| tag_words(&kv.page_tag(p)))
     }
 
     /// Whether the page-tag check runs inside the step, on the device.
@@ -132,6 +135,11 @@ impl Engine {
                 Some(Fault::Error) => return Err("injected device error".into()),
                 None => {}
             }
+        }
+        // A device fault may surface in any lane's step: a step beside the
+        // one in flight concerns that one's sequences too.
+        if let Some(run) = &self.in_flight {
+            self.stepping.extend(run.iter().map(|s| s.seq));
         }
         self.stats.preemptions += plan.preempted.len() as u64;
         for (seq, hit) in &plan.prefix_hits {

@@ -72,6 +72,13 @@ impl Runner {
                 o.num_pages,
             )),
             Device::Cuda(n) => {
+                if o.side_lane && !o.graphs {
+                    return Err(
+                        "disaggregation on a GPU needs CUDA graphs on (--cuda-graphs on): \
+                                its lanes run on streams of their own, which graphs need too"
+                            .into(),
+                    );
+                }
                 let kept = loaded.gpu_weights.lock().ok().and_then(|mut s| s.take());
                 let upload = |m: &super::Model| GpuModel::upload(m, n, o.graphs).map(Box::new);
                 let (model, mut decode) = match kept {

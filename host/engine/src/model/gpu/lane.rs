@@ -64,8 +64,9 @@ pub(super) struct Running {
     pub check: bool,
     pub draws: Vec<Draw>,
     pub start: Instant,
-    /// After the step's kernels.
-    pub mark: Mark,
+    /// After the step's kernels, on the side lane (the main lane's steps
+    /// are finished at once and keep none).
+    pub mark: Option<Mark>,
 }
 
 impl GpuModel {
@@ -92,10 +93,11 @@ impl GpuModel {
         std::iter::once(&mut self.gpu).chain(self.side.as_mut())
     }
 
-    /// Whether `lane`'s launched step has run (or none is in flight).
+    /// Whether `lane`'s launched step has run (or none is in flight); a
+    /// main-lane step in flight, which has no mark, counts as running.
     pub fn is_done(&self, kv: &GpuKv, lane: RunLane) -> bool {
         match &kv.lanes[lane.index()].flight {
-            Some(Flight::Running(r)) => r.mark.is_done(),
+            Some(Flight::Running(r)) => r.mark.as_ref().is_some_and(Mark::is_done),
             _ => true,
         }
     }

@@ -17,7 +17,7 @@ use linear::Linear;
 
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{
-    AttentionBuffers, CudaSlice, DeviceWeight, GemmScratch, Gpu, NormSum, PagedKv,
+    AttentionBuffers, CudaSlice, DeviceWeight, GemmScratch, Gpu, NormSum, PagedKv, Settle,
 };
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use kiln_kernels::matmul::Weight;
@@ -78,6 +78,8 @@ impl Convert<Host, Cuda> for Upload<'_> {
 
 /// A model's weights on a GPU.
 pub struct GpuModel {
+    /// First, so its buffers outlive another lane's queued work.
+    _settle: Settle,
     gpu: Gpu,
     /// The side lane's stream (`RunLane::Side`), once opened.
     side: Option<Gpu>,
@@ -100,6 +102,8 @@ pub struct GpuModel {
 /// Every layer's KV pages on the GPU, shared by the two lanes, and each
 /// lane's own state (`lane.rs`).
 pub struct GpuKv {
+    /// First, so the pages outlive another lane's queued work.
+    _settle: Settle,
     layers: Vec<PagedKv>,
     page_size: usize,
     /// Per lane ([`RunLane::index`](crate::model::step::RunLane::index)).
@@ -189,6 +193,7 @@ impl GpuModel {
             blocks,
             graphs,
             config: model.config.clone(),
+            _settle: gpu.settle(),
             gpu,
             side: None,
             ordinal,
@@ -278,9 +283,12 @@ impl GpuModel {
             LaneKv::new(self.gpu.zeros(2 * num_pages)?),
             LaneKv::new(self.gpu.zeros(2 * num_pages)?),
         ];
-        // The side lane reads the pages and its tags from its own stream.
-        self.gpu.synchronize()?;
+        if self.side.is_some() {
+            // The side lane reads the pages and its tags from its own stream.
+            self.gpu.synchronize()?;
+        }
         Ok(GpuKv {
+            _settle: self.gpu.settle(),
             layers,
             page_size,
             lanes,

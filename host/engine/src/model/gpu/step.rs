@@ -202,7 +202,7 @@ impl GpuModel {
             check,
             draws: x.draws,
             start,
-            mark: g.mark()?,
+            mark: (lane == RunLane::Side).then(|| g.mark()).transpose()?,
         }))
     }
 
