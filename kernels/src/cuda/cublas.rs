@@ -13,8 +13,8 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
 
-use super::gemv::{GemmShape, StackShape};
 use super::launch::{blocks, cfg};
+use super::shape::{GemmShape, StackShape};
 use super::{DeviceWeight, GemmScratch, Gpu, cuda_err};
 use crate::KernelError;
 
@@ -57,7 +57,7 @@ impl Gpu {
                 "bf16 activations need a bf16 weight".into(),
             ));
         };
-        let n = super::gemv::check_parts(outs, parts, m)?;
+        let n = super::shape::check_parts(outs, parts, m)?;
         room(scratch, m * k)?;
         if wb.len() < n * k {
             return Err(KernelError::Shape(format!(
@@ -85,7 +85,7 @@ impl Gpu {
     }
 
     /// `out (m x n) = x (m x k) * w^T` with bf16 `w` (`n x k`): the custom
-    /// GEMV up to [`super::gemv::BF16_GEMV_ROWS`] rows, cuBLAS (bf16 in,
+    /// GEMV up to [`super::shape::BF16_GEMV_ROWS`] rows, cuBLAS (bf16 in,
     /// f32 accumulate and out) above.
     ///
     /// Reference path: the engine's step uses [`Self::matmul`] and
@@ -100,7 +100,7 @@ impl Gpu {
         scratch: &mut CudaSlice<bf16>,
     ) -> R {
         let GemmShape { m, n, k } = shape;
-        if m <= super::gemv::BF16_GEMV_ROWS && k.is_multiple_of(8) {
+        if m <= super::shape::BF16_GEMV_ROWS && k.is_multiple_of(8) {
             return self.gemv_bf16_parts(x, w, &mut [out], StackShape { m, parts: &[n], k });
         }
         self.cublas_bf16(x, w, out, shape, scratch)

@@ -12,7 +12,7 @@
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
 
-use super::gemv::{OutPtrs, check_parts};
+use super::shape::{OutPtrs, check_parts};
 use super::{Gpu, cuda_err, grid_1d};
 use crate::KernelError;
 

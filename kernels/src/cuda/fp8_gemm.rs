@@ -13,7 +13,7 @@ use std::ffi::c_void;
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut, PushKernelArg};
 
-use super::gemv::GemmShape;
+use super::shape::GemmShape;
 use super::{Gpu, cuda_err, grid_1d as cfg};
 use crate::KernelError;
 use crate::quant::FP8_ROW_HEADER;

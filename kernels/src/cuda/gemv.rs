@@ -10,6 +10,7 @@ use cudarc::driver::{CudaSlice, DevicePtrMut, PushKernelArg};
 use half::bf16;
 
 use super::quant::{DEQUANT_CHUNK, kernel_suffix};
+use super::shape::{GEMV_MAX_M, GemmShape, OutPtrs, StackShape, check_parts};
 use super::{DeviceWeight, GemmScratch, Gpu, cuda_err, grid_1d as cfg};
 use crate::KernelError;
 
@@ -22,80 +23,8 @@ fn no_chunk() -> KernelError {
     KernelError::Shape("no dequantization scratch for a quantized weight".into())
 }
 
-/// Most rows of activations the decode GEMVs take in one launch.
-pub const GEMV_MAX_M: usize = 8;
-
-/// Most activation rows that go to the bf16 GEMV rather than cuBLAS.
-pub const BF16_GEMV_ROWS: usize = 1;
-
 /// Weight rows (warps) per block of the bf16 GEMV.
 const BF16_ROWS_PER_BLOCK: usize = 4;
-
-/// The shape of a product `out (m x n) = x (m x k) * w^T`: `m` activation
-/// rows of `k` times a weight of `n` rows of `k`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GemmShape {
-    /// Activation rows.
-    pub m: usize,
-    /// Weight rows: the output's columns.
-    pub n: usize,
-    /// The width activations and weight rows share.
-    pub k: usize,
-}
-
-/// The shape of a product with a stacked weight: `m` activation rows of
-/// `k` times row blocks of `parts[i]` rows of `k`, block `i` into output
-/// `i` (`m x parts[i]`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StackShape<'a> {
-    /// Activation rows.
-    pub m: usize,
-    /// Rows of each block of the stack, in output order.
-    pub parts: &'a [usize],
-    /// The width activations and weight rows share.
-    pub k: usize,
-}
-
-/// Device pointers of up to three outputs and the row counts of the
-/// first two, as the GEMV kernels take them (absent parts: null, 0 rows).
-pub(super) struct OutPtrs {
-    pub(super) ptrs: [u64; 3],
-    pub(super) n0: i32,
-    pub(super) n1: i32,
-    pub(super) n: i32,
-}
-
-/// The tensor-core GEMMs' launch for `m` activation rows: blocks of 8
-/// rows (a power of two) and strips of 16 weight rows a thread block (two
-/// from 4 blocks; `STRIPS_A_BLOCK` in `gemv.cu`).
-pub(super) fn row_blocks(m: usize) -> (usize, usize) {
-    let blocks = m.div_ceil(8).next_power_of_two();
-    (blocks, if blocks >= 4 { 2 } else { 1 })
-}
-
-/// Checks one output per part, each big enough for `m` rows of its part;
-/// the stack's total rows.
-pub(super) fn check_parts(outs: &[&mut CudaSlice<f32>], parts: &[usize], m: usize) -> R<usize> {
-    if outs.len() != parts.len() || parts.is_empty() || parts.len() > 3 {
-        return Err(KernelError::Shape(format!(
-            "{} outputs for {} row blocks: one to three, one output each",
-            outs.len(),
-            parts.len()
-        )));
-    }
-    if m == 0 {
-        return Err(KernelError::Shape("a product of zero rows".into()));
-    }
-    for (o, rows) in outs.iter().zip(parts) {
-        if o.len() < m * rows {
-            return Err(KernelError::Shape(format!(
-                "output of {} for {m} x {rows}",
-                o.len()
-            )));
-        }
-    }
-    Ok(parts.iter().sum())
-}
 
 impl Gpu {
     /// `outs[i] (m x parts[i]) = x (m x k) * w_i^T`, where `w` stacks the

@@ -7,7 +7,7 @@
 use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
 use half::bf16;
 
-use super::gemv::{StackShape, check_parts, row_blocks};
+use super::shape::{StackShape, check_parts, row_blocks};
 use super::{GemmScratch, Gpu, cuda_err, grid_1d as cfg};
 use crate::KernelError;
 use crate::quant::{DType, INT4_HEADER, QK};

@@ -27,6 +27,7 @@ mod prefill;
 mod quant;
 mod rope;
 mod sample;
+mod shape;
 mod skinny;
 mod tags;
 
@@ -47,7 +48,6 @@ pub use attention::{
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};
 pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Scratch};
-pub use gemv::{BF16_GEMV_ROWS, GEMV_MAX_M, GemmShape, StackShape};
 pub use graph::Graph;
 pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_tiles};
 pub use kv::PagedKv;
@@ -56,6 +56,7 @@ pub use norm::NormArgs;
 pub use prefill::{PREFILL_HEAD_DIMS, prefill_supports, prefill_tiles};
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};
 pub use rope::{RopeArgs, RopeKv};
+pub use shape::{BF16_GEMV_ROWS, GEMV_MAX_M, GemmShape, StackShape};
 pub use skinny::{SKINNY_MAX_M, SKINNY_WINS_M};
 pub use tags::TagLayout;
 

@@ -11,7 +11,7 @@
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
 
-use super::gemv::{StackShape, check_parts, row_blocks};
+use super::shape::{StackShape, check_parts, row_blocks};
 use super::{Gpu, cuda_err, grid_1d as cfg};
 use crate::KernelError;
 

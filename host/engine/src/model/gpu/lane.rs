@@ -13,9 +13,17 @@ use std::time::Instant;
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{CudaSlice, Gpu, Graph, Mark};
 
-use super::step::GraphKey;
 use super::{GpuKv, GpuModel, Work};
 use crate::model::step::{Draw, RunLane, StepOut};
+
+/// What identifies a captured step: its sequences, attention partitions
+/// and whether it checks page tags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct GraphKey {
+    pub seqs: usize,
+    pub parts: usize,
+    pub check: bool,
+}
 
 /// One lane's state over the shared pages.
 pub(super) struct LaneKv {

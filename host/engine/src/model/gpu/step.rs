@@ -19,7 +19,7 @@ use kiln_kernels::cuda::{PARTITION, prefill_supports, prefill_tiles};
 use kiln_kernels::cuda::Gpu;
 
 use super::inputs::{GRAPH_MAX_SEQS, Inputs, Layout, graph_bucket};
-use super::lane::{Flight, LaneKv, Running};
+use super::lane::{Flight, GraphKey, LaneKv, Running};
 use super::ops::{CudaStep, Shape};
 use super::{GpuKv, GpuModel, Work};
 use crate::model::step::{Draw, RunLane, SeqOut, Step, StepOut, StepTags};
@@ -28,14 +28,6 @@ type R<T> = Result<T, KernelError>;
 
 /// Captured steps kept per engine.
 const MAX_GRAPHS: usize = 128;
-
-/// What identifies a captured step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(super) struct GraphKey {
-    seqs: usize,
-    parts: usize,
-    check: bool,
-}
 
 impl GpuModel {
     /// The key to capture this step under, when it can be one: a greedy
