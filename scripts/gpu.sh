@@ -235,28 +235,17 @@ neighbour)
         done
     done
     ;;
-prefill-profile)
-    # Where a prefill step's time goes, by weight format (WEIGHTS, default
-    # "native fp8"; carry .gpu-bench): prompt tok/s at 1x1024 and 8x1024,
-    # then Nsight Systems' kernel summary over 4x1024-token prompts with
-    # one generated token each (prefill steps only, graphs off).
+prefill-weights)
+    # Prompt tok/s by weight format at 1x1024 and 8x1024 (WEIGHTS, default
+    # "native fp8"; carry .gpu-bench): issue 18's FP8 prefill against bf16.
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-    nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1 || true)
     for weights in ${WEIGHTS:-native fp8}; do
-        args=(bench --model synthetic:llama-3-8b --device cuda --weights "$weights" --kv fp8 --kv-memory 16GiB)
-        echo "== $weights" | tee -a "$out/prefill-profile.log"
-        timeout 120 .gpu-bench/kiln "${args[@]}" --concurrency 1,8 --prompt-tokens 1024 --gen-tokens 2 2>&1 |
-            grep -v INFO | tee -a "$out/prefill-profile.log"
-        [ -n "$nsys" ] || { echo "no nsys" | tee -a "$out/prefill-profile.log"; continue; }
-        timeout 200 "$nsys" profile -o "$out/prefill-$weights" --force-overwrite true --stats=false \
-            .gpu-bench/kiln "${args[@]}" --concurrency 4 --prompt-tokens 1024 --gen-tokens 1 \
-            --cuda-graphs off >/dev/null 2>&1
-        timeout 100 "$nsys" stats --report cuda_gpu_kern_sum --format csv \
-            "$out/prefill-$weights.nsys-rep" 2>/dev/null | python3 scripts/kern_sum.py 25 |
-            tee -a "$out/prefill-profile.log"
-        rm -f "$out/prefill-$weights.nsys-rep" "$out/prefill-$weights.sqlite"
+        echo "== $weights" | tee -a "$out/prefill-weights.log"
+        timeout 120 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --weights "$weights" \
+            --kv fp8 --kv-memory 16GiB --concurrency 1,8 --prompt-tokens 1024 --gen-tokens 2 2>&1 |
+            grep -v INFO | tee -a "$out/prefill-weights.log"
     done
     ;;
 pd)

@@ -4,14 +4,7 @@
 
 use super::*;
 use crate::engine::scheduler::Scheduled;
-
-fn cfg(tokens: usize, running: usize) -> SchedulerConfig {
-    SchedulerConfig {
-        max_tokens_per_step: tokens,
-        max_running: running,
-        step_target: 0.0,
-    }
-}
+use crate::engine::scheduler::tests::cfg;
 
 /// Each lane's plan for one engine step (decode lane first), with every
 /// sampled sequence's token appended and the ready ones handed off.

@@ -200,12 +200,7 @@ impl Scheduler {
     /// Forgets a sequence (finished, aborted or cancelled). The caller frees
     /// its KV.
     pub fn remove(&mut self, seq: SeqId) {
-        if let Some(s) = self.seqs.remove(&seq) {
-            self.running.retain(|r| *r != seq);
-            if let Some(q) = self.waiting.get_mut(&s.tenant) {
-                q.retain(|w| *w != seq);
-            }
-        }
+        self.release(seq);
     }
 
     /// Sequences running (admitted, holding pages).
@@ -252,11 +247,8 @@ impl Scheduler {
 
     fn preempt(&mut self, seq: SeqId, kv: &mut KvCacheManager, out: &mut SchedulerOutput) {
         kv.free(seq);
-        self.running.retain(|r| *r != seq);
-        if let Some(s) = self.seqs.get_mut(&seq) {
-            s.computed = 0;
-            s.present = 0;
-            self.waiting.entry(s.tenant).or_default().push_front(seq);
+        if let Some(h) = self.release(seq) {
+            self.requeue_front(seq, h);
         }
         out.preempted.push(seq);
     }
@@ -274,7 +266,7 @@ pub use turns::Activity;
 
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]
-mod tests;
+pub(super) mod tests;
 #[cfg(test)]
 #[path = "scheduler_turns_tests.rs"]
 mod turns_tests;

@@ -16,13 +16,6 @@ pub struct Handoff {
     seq: Seq,
 }
 
-impl Handoff {
-    /// The sequence's tenant.
-    pub fn tenant(&self) -> TenantId {
-        self.seq.tenant
-    }
-}
-
 impl Scheduler {
     /// Takes `seq` out of this scheduler (running or waiting) with its
     /// state, for another lane to adopt or requeue; `None` if it is not
@@ -43,9 +36,9 @@ impl Scheduler {
         self.running.push(seq);
     }
 
-    /// Puts a sequence that lost its pages (preempted elsewhere) at the
-    /// front of its tenant's queue, to be recomputed from its first token
-    /// as a preemption here would.
+    /// Puts a sequence that lost its pages (preempted, here or in another
+    /// lane) at the front of its tenant's queue, to be recomputed from its
+    /// first token.
     pub fn requeue_front(&mut self, seq: SeqId, mut h: Handoff) {
         h.seq.computed = 0;
         h.seq.present = 0;

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use super::*;
 
-pub(super) fn cfg(tokens: usize, running: usize) -> SchedulerConfig {
+pub(crate) fn cfg(tokens: usize, running: usize) -> SchedulerConfig {
     SchedulerConfig {
         max_tokens_per_step: tokens,
         max_running: running,

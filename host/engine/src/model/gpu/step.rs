@@ -183,7 +183,7 @@ impl GpuModel {
             decode_len,
         };
         let start = std::time::Instant::now();
-        let result = self.run(g, lane, kv, &mut work, &words, &shape, key);
+        let result = self.run(lane, kv, &mut work, &words, &shape, key);
         kv.lanes[lane.index()].work = Some(work);
         result?;
         Ok(Flight::Running(Running {
@@ -199,10 +199,8 @@ impl GpuModel {
     }
 
     /// Uploads the inputs and queues (or replays) the step's kernels.
-    #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
-        g: &Gpu,
         lane: RunLane,
         kv: &mut GpuKv,
         w: &mut Work,
@@ -210,6 +208,7 @@ impl GpuModel {
         s: &Shape<'_>,
         key: Option<GraphKey>,
     ) -> R<()> {
+        let g = self.lane_gpu(lane);
         g.upload_into(words, &mut w.inputs)?;
         let GpuKv { layers, lanes, .. } = kv;
         let lk = &mut lanes[lane.index()];
