@@ -202,18 +202,19 @@ weights)
             2>&1 | grep -v INFO | tee -a "$out/weights.log"
     done
     ;;
-skinny)
+skinny | cluster)
     # Decode with bf16 weights: cuBLAS alone and the skinny GEMM at 2-16
-    # rows (the default) beside it, same call (carry .gpu-bench).
+    # rows (or the cluster GEMM at 17-64) beside it, same call (carry
+    # .gpu-bench).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-    for flags in "--cuda-skinny off" "--cuda-skinny on"; do
-        echo "== $flags" | tee -a "$out/skinny.log"
+    for flags in "--cuda-$1 off" "--cuda-$1 on"; do
+        echo "== $flags" | tee -a "$out/$1.log"
         # shellcheck disable=SC2086
         timeout 200 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
             --kv-memory 16GiB --concurrency 1,8,16,32,64 --prompt-tokens 512 --gen-tokens 128 \
-            $flags 2>&1 | grep -v INFO | tee -a "$out/skinny.log"
+            $flags 2>&1 | grep -v INFO | tee -a "$out/$1.log"
     done
     ;;
 neighbour)
@@ -369,7 +370,7 @@ ab)
     exit "$same"
     ;;
 *)
-    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | prefill | weights | skinny | neighbour | clients | shutdown | profile REGEX [SECTION...]" >&2
+    echo "usage: scripts/gpu.sh build | baseline [REV] | stage a|b | unpack | run | bench | ab | prefill | weights | skinny | cluster | neighbour | clients | shutdown | profile REGEX [SECTION...]" >&2
     exit 2
     ;;
 esac

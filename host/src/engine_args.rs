@@ -59,6 +59,11 @@ pub(crate) struct EngineArgs {
     /// the skinny tensor-core GEMM instead of cuBLAS.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     cuda_skinny: OnOff,
+    /// On CUDA (sm_90 and up), run bf16 products of 17-64 rows (decode
+    /// batches) on the cluster GEMM, which splits each weight tile's
+    /// columns over a thread-block cluster, instead of cuBLAS.
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    cuda_cluster: OnOff,
     /// On CUDA, warps a block of prefill attention takes: 4 (three blocks
     /// an SM) or 8 (one block, twice the query rows per key tile read)
     /// [default: 4 for bf16 pages, 8 for fp8 pages].
@@ -109,6 +114,7 @@ impl EngineArgs {
             device_sampling: self.device_sampling == OnOff::On,
             tensor_prefill: self.tensor_prefill == OnOff::On,
             cuda_skinny: self.cuda_skinny == OnOff::On,
+            cuda_cluster: self.cuda_cluster == OnOff::On,
             prefill_warps: self.prefill_warps,
             cuda_bf16_mlp: self.cuda_bf16_mlp == OnOff::On,
             pd: self.pd == OnOff::On,

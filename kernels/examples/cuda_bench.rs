@@ -96,7 +96,11 @@ fn main() -> Result<(), E> {
     if std::env::args().nth(1).as_deref() == Some("quantized") {
         return quantized_gemv(&mut gpu, &mut rng, copy);
     }
-    prefill::run(&mut gpu, &mut rng)?;
+    // `gemm`: the bf16 products alone.
+    let gemm_only = std::env::args().nth(1).as_deref() == Some("gemm");
+    if !gemm_only {
+        prefill::run(&mut gpu, &mut rng)?;
+    }
     if std::env::args().nth(1).as_deref() == Some("prefill") {
         return Ok(());
     }
@@ -106,9 +110,13 @@ fn main() -> Result<(), E> {
     // q/k/v (6144) and gate/up (28672) included. A kernel that disagrees
     // with cuBLAS prints its error instead of a time, and the rest still
     // runs.
+    for wgmma in [false, true] {
+        let room: Vec<_> = (1..=8).map(|s| gpu.cluster_room(wgmma, 8, s)).collect();
+        println!("resident clusters of 1-8 blocks (wgmma {wgmma}, 64 rows): {room:?}");
+    }
     println!(
-        "{:>14} {:>3} {:>14} {:>14} {:>14}",
-        "n x k", "m", "gemv GB/s", "cublas GB/s", "skinny GB/s"
+        "{:>14} {:>3} {:>14} {:>14} {:>14} {:>14} {:>14}",
+        "n x k", "m", "gemv GB/s", "cublas GB/s", "skinny GB/s", "cluster GB/s", "wgmma GB/s"
     );
     for (nn, k) in [
         (4096usize, 4096usize),
@@ -163,17 +171,27 @@ fn main() -> Result<(), E> {
             } else {
                 "-".into()
             };
+            let mut cluster = |wgmma: bool| {
+                if m < 2 {
+                    return Ok::<String, E>("-".into());
+                }
+                checked(&|o| Ok(gpu.gemm_bf16_cluster_on(wgmma, &scratch, &w, &mut [o], stack)?))
+            };
+            let (tl, tw) = (cluster(false)?, cluster(true)?);
             let tc = time(&gpu, 50, || {
                 Ok(gpu.cublas_bf16(&x, &w, &mut out, shape, &mut scratch)?)
             })?;
             println!(
-                "{:>14} {m:>3} {tg:>14} {:>14} {ts:>14}",
+                "{:>14} {m:>3} {tg:>14} {:>14} {ts:>14} {tl:>14} {tw:>14}",
                 format!("{nn}x{k}"),
                 col(tc),
             );
         }
     }
 
+    if gemm_only {
+        return Ok(());
+    }
     quantized_gemv(&mut gpu, &mut rng, copy)?;
 
     // The page-tag check alone, as a step runs it: every sequence's 80

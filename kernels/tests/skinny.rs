@@ -1,6 +1,7 @@
-//! The skinny bf16 GEMM against float64 over the same bf16
-//! values, for every block count of activation rows, stacked parts and a
-//! tail strip a block leaves alone. CUDA only, so ignored unless asked
+//! The skinny and cluster bf16 GEMMs against float64 over the same bf16
+//! values, for every block count of activation rows, stacked parts, tail
+//! strips and tiles, and every cluster size the Llama-3-8B shapes take.
+//! CUDA only, so ignored unless asked
 //! for: `KILN_TEST_DEVICE=cuda` with `--include-ignored`.
 
 use cudarc::driver::CudaSlice;
@@ -20,6 +21,57 @@ fn skinny_bf16_gemm_matches_float64_for_every_part_and_row_count() {
     for (parts, k) in [(&[144usize, 32, 32][..], 640usize), (&[256][..], 256)] {
         let rows = [2usize, 8, 13, 16, 27, 40, 64];
         check(&gpu, &mut rng, parts, k, &rows, Gpu::gemm_bf16_skinny);
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn cluster_bf16_gemm_matches_float64_for_every_part_row_count_and_cluster_size() {
+    let gpu = Gpu::open(0, true).expect("a CUDA device");
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    // Ragged parts over two tiles (a cluster of 2, the last tile mostly
+    // past the end); 3 tiles split 8 ways; 48 tiles split 5 ways (the
+    // q/k/v split on 132 SMs), uneven stages a block.
+    let rows = [1usize, 17, 31, 32, 33, 64];
+    for (parts, k) in [
+        (&[144usize, 32, 32][..], 640usize),
+        (&[256, 128][..], 4096),
+        (&[4096, 1024, 1024][..], 1344),
+    ] {
+        check(&gpu, &mut rng, parts, k, &rows, |g, x, w, o, s| {
+            g.gemm_bf16_cluster_on(false, x, w, o, s)
+        });
+        check(&gpu, &mut rng, parts, k, &rows, |g, x, w, o, s| {
+            g.gemm_bf16_cluster_on(true, x, w, o, s)
+        });
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn cluster_bf16_gemm_gives_the_same_bits_every_run() {
+    let gpu = Gpu::open(0, true).expect("a CUDA device");
+    let s = gpu.stream().clone();
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let (m, n, k) = (64usize, 512usize, 4096usize);
+    let x: Vec<bf16> = (0..m * k)
+        .map(|_| bf16::from_f32(rng.random_range(-2.0..2.0)))
+        .collect();
+    let w: Vec<bf16> = (0..n * k)
+        .map(|_| bf16::from_f32(rng.random_range(-0.5..0.5)))
+        .collect();
+    let (x, w) = (s.clone_htod(&x).unwrap(), s.clone_htod(&w).unwrap());
+    let shape = StackShape { m, parts: &[n], k };
+    for wgmma in [false, true] {
+        let mut runs = Vec::new();
+        for _ in 0..3 {
+            let mut out = s.alloc_zeros::<f32>(m * n).unwrap();
+            gpu.gemm_bf16_cluster_on(wgmma, &x, &w, &mut [&mut out], shape)
+                .unwrap();
+            runs.push(s.clone_dtoh(&out).unwrap());
+        }
+        let same = runs.iter().all(|r| r == &runs[0]);
+        assert!(same, "wgmma {wgmma}: the partial sums met in another order");
     }
 }
 

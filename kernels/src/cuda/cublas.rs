@@ -69,6 +69,10 @@ impl Gpu {
         {
             return self.gemm_bf16_skinny(&scratch.act, wb, outs, shape);
         }
+        let wide = (super::CLUSTER_MIN_M..=super::CLUSTER_MAX_M).contains(&m);
+        if self.cluster && wide && k.is_multiple_of(64) {
+            return self.gemm_bf16_cluster(&scratch.act, wb, outs, shape);
+        }
         let (wp, _rw) = wb.device_ptr(&self.stream);
         let (xp, _rx) = scratch.act.device_ptr(&self.stream);
         let ty = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;

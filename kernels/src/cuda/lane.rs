@@ -84,6 +84,10 @@ impl Gpu {
             lt: std::sync::Mutex::new(None),
             fp8_tensor: self.fp8_tensor,
             skinny: self.skinny,
+            clusters: self.clusters,
+            cluster: self.cluster,
+            wgmma: self.wgmma,
+            cluster_room: self.cluster_room.clone(),
             prefill_warps: self.prefill_warps,
         })
     }

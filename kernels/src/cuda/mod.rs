@@ -9,6 +9,7 @@
 mod act;
 mod attention;
 mod backend;
+mod cluster;
 mod convert;
 mod cublas;
 mod embed;
@@ -44,6 +45,7 @@ pub use attention::{
     AttentionBuffers, AttentionKind, AttentionPlan, AttnOut, DecodeBatch, FLASH_MAX_PARTITION,
     FLASH_PARTITION, PARTITION, PagedQuery, partition_len,
 };
+pub use cluster::{CLUSTER_MAX_M, CLUSTER_MIN_M};
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};
@@ -82,6 +84,7 @@ pub const SOURCE: &str = concat!(
     include_str!("quant.cu"),
     include_str!("int4.cu"),
     include_str!("skinny.cu"),
+    include_str!("cluster.cu"),
     include_str!("sample.cu"),
     include_str!("prefill.cu")
 );
@@ -212,6 +215,15 @@ pub struct Gpu {
     /// Whether bf16 products of 2 to [`SKINNY_WINS_M`] rows take the
     /// skinny GEMM instead of cuBLAS ([`Gpu::set_skinny`]).
     skinny: bool,
+    /// Whether the device runs thread-block clusters (sm_90 and up).
+    clusters: bool,
+    /// Whether bf16 products of [`CLUSTER_MIN_M`] to [`CLUSTER_MAX_M`]
+    /// rows take the cluster GEMM instead of cuBLAS ([`Gpu::set_cluster`]).
+    cluster: bool,
+    /// Whether the kernels were built for sm_90a, with warpgroup MMAs.
+    wgmma: bool,
+    /// Clusters of each cluster GEMM build the GPU holds at once.
+    cluster_room: cluster::ClusterRoom,
     /// Warps a block of prefill attention: 4 or 8
     /// ([`Gpu::set_prefill_warps`]).
     prefill_warps: usize,
@@ -354,7 +366,10 @@ impl Gpu {
                 )
                 .map_err(cuda_err)?
                 .max(1) as usize;
-            let arch = format!("compute_{major}{minor}");
+            // The H100 and H200 get their arch-specific features
+            // (warpgroup MMAs): PTX for sm_90a runs on sm_90 alone.
+            let wgmma = (major, minor) == (9, 0);
+            let arch = format!("compute_{major}{minor}{}", if wgmma { "a" } else { "" });
             let module = ctx.load_module(compile(&arch)?).map_err(cuda_err)?;
             let mut functions = HashMap::new();
             let names = KERNELS.iter().map(|k| k.to_string());
@@ -362,6 +377,11 @@ impl Gpu {
                 let f = module.load_function(&name).map_err(cuda_err)?;
                 functions.insert(name, f);
             }
+            for name in cluster::cluster_kernels() {
+                let f = module.load_function(&name).map_err(cuda_err)?;
+                functions.insert(name, f);
+            }
+            let clusters = major >= 9;
             let flash_resident = attention::flash_resident(
                 |name| {
                     functions
@@ -380,6 +400,11 @@ impl Gpu {
                 ctx.new_stream().map_err(cuda_err)?
             } else {
                 ctx.default_stream()
+            };
+            let cluster_room = if clusters {
+                cluster::ClusterRoom::measure(&functions, &stream)?
+            } else {
+                cluster::ClusterRoom::default()
             };
             let (blas, workspace) = if own_stream {
                 let (blas, ws) = lane::blas_with_workspace(&stream)?;
@@ -401,6 +426,10 @@ impl Gpu {
                 lt: std::sync::Mutex::new(None),
                 fp8_tensor: major >= 9,
                 skinny: false,
+                clusters,
+                cluster: false,
+                wgmma,
+                cluster_room,
                 prefill_warps: prefill::DEFAULT_WARPS,
             })
         });
@@ -427,6 +456,14 @@ impl Gpu {
     /// cuBLAS (off when a `Gpu` opens; the engine turns it on).
     pub fn set_skinny(&mut self, on: bool) {
         self.skinny = on;
+    }
+
+    /// Whether bf16 products of [`CLUSTER_MIN_M`] to [`CLUSTER_MAX_M`]
+    /// rows (k a multiple of 64) run the cluster GEMM instead of cuBLAS
+    /// (off when a `Gpu` opens; the engine turns it on; a no-op below
+    /// sm_90).
+    pub fn set_cluster(&mut self, on: bool) {
+        self.cluster = on && self.clusters;
     }
 
     /// Warps a block of prefill attention takes (4 or 8; 16 query rows

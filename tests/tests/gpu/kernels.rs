@@ -1,4 +1,5 @@
-//! Kernels that replace others on the device (the skinny GEMM for cuBLAS,
+//! Kernels that replace others on the device (the skinny and cluster GEMMs
+//! for cuBLAS,
 //! the bf16 MLP for the f32 one, the decode kernel for a mixed step's
 //! decode rows) give the engine's logits within rounding, or its tokens.
 
@@ -58,6 +59,29 @@ fn the_skinny_gemm_gives_the_logits_of_cublas() {
             },
             |c| EngineConfig {
                 cuda_skinny: true,
+                ..c
+            },
+            shape,
+            1e-2,
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn the_cluster_gemm_gives_the_logits_of_cublas() {
+    // Prefills of 24 and 64 rows (both row-block counts the cluster GEMM
+    // builds), then one-token steps: every bf16 projection of the prefill
+    // runs the cluster GEMM in the second engine and cuBLAS in the first;
+    // the bound is the skinny GEMM's.
+    for shape in [(28, 24), (68, 64)] {
+        kernels_agree(
+            |c| EngineConfig {
+                cuda_cluster: false,
+                ..c
+            },
+            |c| EngineConfig {
+                cuda_cluster: true,
                 ..c
             },
             shape,

@@ -81,6 +81,9 @@ pub struct EngineConfig {
     /// On CUDA: bf16 products of 2-16 rows run the skinny GEMM instead of
     /// cuBLAS.
     pub cuda_skinny: bool,
+    /// On CUDA (sm_90 and up): bf16 products of 17-64 rows run the cluster
+    /// GEMM instead of cuBLAS.
+    pub cuda_cluster: bool,
     /// On CUDA: warps a block of prefill attention takes (4 or 8); `None`
     /// picks by page format ([`default_prefill_warps`]).
     pub prefill_warps: Option<usize>,
@@ -106,6 +109,7 @@ impl Default for EngineConfig {
             device_sampling: true,
             tensor_prefill: true,
             cuda_skinny: true,
+            cuda_cluster: false,
             prefill_warps: None,
             cuda_bf16_mlp: true,
             pd: false,
@@ -242,6 +246,7 @@ impl Engine {
                 fold: config.cuda_fold,
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,
+                cluster: config.cuda_cluster,
                 prefill_warps: config
                     .prefill_warps
                     .unwrap_or_else(|| default_prefill_warps(config.kv_format)),

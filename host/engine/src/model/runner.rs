@@ -36,6 +36,8 @@ pub struct RunnerOptions {
     pub tensor_prefill: bool,
     /// On CUDA: bf16 products of 2-16 rows run the skinny GEMM.
     pub skinny: bool,
+    /// On CUDA: bf16 products of 17-64 rows run the cluster GEMM.
+    pub cluster: bool,
     /// On CUDA: warps a block of prefill attention (4 or 8).
     pub prefill_warps: usize,
     /// On CUDA: prefill steps run the MLP in bf16.
@@ -97,6 +99,7 @@ impl Runner {
                     m.set_programmatic(o.programmatic);
                     m.set_fold(o.fold);
                     m.set_skinny(o.skinny);
+                    m.set_cluster(o.cluster);
                     m.set_bf16_mlp(o.bf16_mlp);
                     m.set_prefill_warps(o.prefill_warps)
                         .map_err(|e| e.to_string())?;

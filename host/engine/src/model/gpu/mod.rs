@@ -239,6 +239,12 @@ impl GpuModel {
         self.gpus().for_each(|g| g.set_skinny(on));
     }
 
+    /// Whether bf16 products of 17-64 rows run the cluster GEMM instead of
+    /// cuBLAS (sm_90 and up; set before graphs are captured).
+    pub fn set_cluster(&mut self, on: bool) {
+        self.gpus().for_each(|g| g.set_cluster(on));
+    }
+
     /// Warps a block of prefill attention takes (4 or 8).
     pub fn set_prefill_warps(&mut self, warps: usize) -> Result<(), kiln_kernels::KernelError> {
         self.gpus().try_for_each(|g| g.set_prefill_warps(warps))
