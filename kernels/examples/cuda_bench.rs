@@ -11,8 +11,8 @@ use std::time::Instant;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use kiln_kernels::cuda::{
-    AttentionKind, AttentionPlan, DecodeBatch, GemmShape, Gpu, PARTITION, PagedQuery, StackShape,
-    TagLayout, partition_len,
+    AttentionKind, AttentionPlan, ClusterMma, DecodeBatch, GemmShape, Gpu, PARTITION, PagedQuery,
+    StackShape, TagLayout, partition_len,
 };
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use rand::{Rng, SeedableRng};
@@ -110,13 +110,20 @@ fn main() -> Result<(), E> {
     // q/k/v (6144) and gate/up (28672) included. A kernel that disagrees
     // with cuBLAS prints its error instead of a time, and the rest still
     // runs.
-    for wgmma in [false, true] {
-        let room: Vec<_> = (1..=8).map(|s| gpu.cluster_room(wgmma, 8, s)).collect();
-        println!("resident clusters of 1-8 blocks (wgmma {wgmma}, 64 rows): {room:?}");
+    for mma in ClusterMma::ALL {
+        let room: Vec<_> = (1..=8).map(|s| gpu.cluster_room(mma, 8, s)).collect();
+        println!("resident clusters of 1-8 blocks ({mma:?}, 64 rows): {room:?}");
     }
     println!(
-        "{:>14} {:>3} {:>14} {:>14} {:>14} {:>14} {:>14}",
-        "n x k", "m", "gemv GB/s", "cublas GB/s", "skinny GB/s", "cluster GB/s", "wgmma GB/s"
+        "{:>14} {:>3} {:>14} {:>14} {:>14} {:>14} {:>14} {:>14}",
+        "n x k",
+        "m",
+        "gemv GB/s",
+        "cublas GB/s",
+        "skinny GB/s",
+        "cluster GB/s",
+        "wgmma GB/s",
+        "wgmma2 GB/s"
     );
     for (nn, k) in [
         (4096usize, 4096usize),
@@ -171,18 +178,20 @@ fn main() -> Result<(), E> {
             } else {
                 "-".into()
             };
-            let mut cluster = |wgmma: bool| {
+            let mut cluster = |mma: ClusterMma| {
                 if m < 2 {
                     return Ok::<String, E>("-".into());
                 }
-                checked(&|o| Ok(gpu.gemm_bf16_cluster_on(wgmma, &scratch, &w, &mut [o], stack)?))
+                checked(&|o| Ok(gpu.gemm_bf16_cluster_on(mma, &scratch, &w, &mut [o], stack)?))
             };
-            let (tl, tw) = (cluster(false)?, cluster(true)?);
+            let tl = cluster(ClusterMma::Ldmatrix)?;
+            let tw = cluster(ClusterMma::Wgmma)?;
+            let tw2 = cluster(ClusterMma::WgmmaOverlap)?;
             let tc = time(&gpu, 50, || {
                 Ok(gpu.cublas_bf16(&x, &w, &mut out, shape, &mut scratch)?)
             })?;
             println!(
-                "{:>14} {m:>3} {tg:>14} {:>14} {ts:>14} {tl:>14} {tw:>14}",
+                "{:>14} {m:>3} {tg:>14} {:>14} {ts:>14} {tl:>14} {tw:>14} {tw2:>14}",
                 format!("{nn}x{k}"),
                 col(tc),
             );

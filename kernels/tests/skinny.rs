@@ -6,7 +6,7 @@
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use kiln_kernels::cuda::{Gpu, StackShape};
+use kiln_kernels::cuda::{ClusterMma, Gpu, StackShape};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -39,10 +39,13 @@ fn cluster_bf16_gemm_matches_float64_for_every_part_row_count_and_cluster_size()
         (&[4096, 1024, 1024][..], 1344),
     ] {
         check(&gpu, &mut rng, parts, k, &rows, |g, x, w, o, s| {
-            g.gemm_bf16_cluster_on(false, x, w, o, s)
+            g.gemm_bf16_cluster_on(ClusterMma::Ldmatrix, x, w, o, s)
         });
         check(&gpu, &mut rng, parts, k, &rows, |g, x, w, o, s| {
-            g.gemm_bf16_cluster_on(true, x, w, o, s)
+            g.gemm_bf16_cluster_on(ClusterMma::Wgmma, x, w, o, s)
+        });
+        check(&gpu, &mut rng, parts, k, &rows, |g, x, w, o, s| {
+            g.gemm_bf16_cluster_on(ClusterMma::WgmmaOverlap, x, w, o, s)
         });
     }
 }
@@ -62,16 +65,16 @@ fn cluster_bf16_gemm_gives_the_same_bits_every_run() {
         .collect();
     let (x, w) = (s.clone_htod(&x).unwrap(), s.clone_htod(&w).unwrap());
     let shape = StackShape { m, parts: &[n], k };
-    for wgmma in [false, true] {
+    for mma in ClusterMma::ALL {
         let mut runs = Vec::new();
         for _ in 0..3 {
             let mut out = s.alloc_zeros::<f32>(m * n).unwrap();
-            gpu.gemm_bf16_cluster_on(wgmma, &x, &w, &mut [&mut out], shape)
+            gpu.gemm_bf16_cluster_on(mma, &x, &w, &mut [&mut out], shape)
                 .unwrap();
             runs.push(s.clone_dtoh(&out).unwrap());
         }
         let same = runs.iter().all(|r| r == &runs[0]);
-        assert!(same, "wgmma {wgmma}: the partial sums met in another order");
+        assert!(same, "{mma:?}: the partial sums met in another order");
     }
 }
 

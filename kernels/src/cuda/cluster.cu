@@ -127,7 +127,12 @@ __device__ __forceinline__ void wgmma16<32>(float* d, unsigned long long a, unsi
 // products on warpgroup MMAs (sm_90a; each warpgroup 64 weight rows over a
 // stage's whole K), else on m16n8k16 MMAs from ldmatrix fragments (each
 // warp 32 rows over half a stage's K).
-template <int S, int NT, bool WG>
+//
+// LOOK: stages loaded ahead. 3 (the ring less the one computed on), each
+// stage's MMAs waited for before the next; or, with WG, 2, so a stage's
+// MMAs run on while the next stage's land (its slot is reloaded only two
+// stages later).
+template <int S, int NT, bool WG, int LOOK>
 __device__ void cluster_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, Outs o, int M,
                              int K) {
 #if CL_HOPPER
@@ -167,10 +172,10 @@ __device__ void cluster_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, Out
     };
 
     PDL_LAUNCH();
-    for (int i = 0; i < CL_STAGES - 1; i++)
+    for (int i = 0; i < LOOK; i++)
         if (i < count) load_w(i);
     PDL_WAIT();
-    for (int i = 0; i < CL_STAGES - 1; i++) {
+    for (int i = 0; i < LOOK; i++) {
         if (i < count) load_x(i);
         cp_commit();
     }
@@ -188,14 +193,14 @@ __device__ void cluster_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, Out
             for (int c = 0; c < 4; c++) acc[a][j][c] = 0.0f;
     int wn = warp & 3, wk = warp >> 2;
     for (int i = 0; i < count; i++) {
-        // Stage i has landed and every warp is past stage i - 1, whose
-        // slot the next loads take.
-        cp_wait<CL_STAGES - 2>();
+        // Stage i has landed and every warp's MMAs are done with stage
+        // i + LOOK - CL_STAGES, whose slot the next loads take.
+        cp_wait<LOOK - 1>();
         if (WG) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
-        if (i + CL_STAGES - 1 < count) {
-            load_w(i + CL_STAGES - 1);
-            load_x(i + CL_STAGES - 1);
+        if (i + LOOK < count) {
+            load_w(i + LOOK);
+            load_x(i + LOOK);
         }
         cp_commit();
         unsigned sw = base + (i % CL_STAGES) * STAGE, sx = sw + WBYTES;
@@ -207,7 +212,11 @@ __device__ void cluster_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, Out
                 wgmma16<8 * NT>(&acc[0][0][0], gmma_desc(sw + wk * 8192 + 32 * ks),
                                 gmma_desc(sx + 32 * ks));
             wgmma_commit();
-            wgmma_wait0();
+            if (LOOK == CL_STAGES - 1) {
+                wgmma_wait0();
+            } else {
+                asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            }
 #endif
         } else {
 #pragma unroll
@@ -238,6 +247,9 @@ __device__ void cluster_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, Out
         }
     }
     cp_wait<0>();
+#if CL_WGMMA
+    if (WG) wgmma_wait0();
+#endif
     __syncthreads();
 
     // The block's partial tile in shared memory (the ring is free now):
@@ -298,13 +310,19 @@ __device__ void cluster_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, Out
         gemm_bf16_cluster_s##S##_nt##NT(const __nv_bfloat16* x, const __nv_bfloat16* w,       \
                                         float* o0, float* o1, float* o2, int n0, int n1, int M, \
                                         int N, int K) {                                         \
-        cluster_bf16<S, NT, false>(x, w, Outs{o0, o1, o2, n0, n1, N}, M, K);                    \
+        cluster_bf16<S, NT, false, 3>(x, w, Outs{o0, o1, o2, n0, n1, N}, M, K);                 \
     }                                                                                           \
     extern "C" __global__ void CL_DIMS(S) __launch_bounds__(CL_THREADS, 2)                    \
         gemm_bf16_wgmma_s##S##_nt##NT(const __nv_bfloat16* x, const __nv_bfloat16* w,         \
                                       float* o0, float* o1, float* o2, int n0, int n1, int M,   \
                                       int N, int K) {                                           \
-        cluster_bf16<S, NT, true>(x, w, Outs{o0, o1, o2, n0, n1, N}, M, K);                     \
+        cluster_bf16<S, NT, true, 3>(x, w, Outs{o0, o1, o2, n0, n1, N}, M, K);                  \
+    }                                                                                           \
+    extern "C" __global__ void CL_DIMS(S) __launch_bounds__(CL_THREADS, 2)                    \
+        gemm_bf16_wgmma2_s##S##_nt##NT(const __nv_bfloat16* x, const __nv_bfloat16* w,        \
+                                       float* o0, float* o1, float* o2, int n0, int n1, int M,  \
+                                       int N, int K) {                                          \
+        cluster_bf16<S, NT, true, 2>(x, w, Outs{o0, o1, o2, n0, n1, N}, M, K);                  \
     }
 #define CLUSTERS(S) CLUSTER(S, 4) CLUSTER(S, 8)
 

@@ -47,16 +47,41 @@ const MAX_SPLIT: usize = 8;
 /// 64-column stages each block streams at least, so the ring fills.
 const MIN_STAGES_A_BLOCK: usize = 4;
 
-/// A build of the kernel: warpgroup MMAs or not, blocks of 8 activation
-/// rows, cluster size.
-fn kernel_name(wgmma: bool, nt: usize, s: usize) -> String {
-    let kind = if wgmma { "wgmma" } else { "cluster" };
-    format!("gemm_bf16_{kind}_s{s}_nt{nt}")
+/// How the cluster GEMM multiplies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClusterMma {
+    /// m16n8k16 MMAs on ldmatrix fragments (sm_90).
+    Ldmatrix,
+    /// Warpgroup MMAs from shared memory, each stage's waited for before
+    /// the next (sm_90a).
+    Wgmma,
+    /// Warpgroup MMAs that run on while the next stage lands, one stage
+    /// less loaded ahead (sm_90a).
+    WgmmaOverlap,
+}
+
+impl ClusterMma {
+    /// Every kind.
+    pub const ALL: [ClusterMma; 3] = [Self::Ldmatrix, Self::Wgmma, Self::WgmmaOverlap];
+
+    fn kernel(self) -> &'static str {
+        match self {
+            Self::Ldmatrix => "cluster",
+            Self::Wgmma => "wgmma",
+            Self::WgmmaOverlap => "wgmma2",
+        }
+    }
+}
+
+/// A build of the kernel: its MMAs, blocks of 8 activation rows, cluster
+/// size.
+fn kernel_name(mma: ClusterMma, nt: usize, s: usize) -> String {
+    format!("gemm_bf16_{}_s{s}_nt{nt}", mma.kernel())
 }
 
 /// Every build: (name, blocks of 8 rows, cluster size).
 fn builds() -> impl Iterator<Item = (String, usize, usize)> {
-    [false, true].into_iter().flat_map(|wg| {
+    ClusterMma::ALL.into_iter().flat_map(|wg| {
         [4, 8]
             .into_iter()
             .flat_map(move |nt| (1..=MAX_SPLIT).map(move |s| (kernel_name(wg, nt, s), nt, s)))
@@ -104,8 +129,8 @@ impl ClusterRoom {
     }
 
     /// Clusters of a build the GPU holds at once (0 for one not counted).
-    fn clusters(&self, wgmma: bool, nt: usize, s: usize) -> usize {
-        self.0.get(&kernel_name(wgmma, nt, s)).copied().unwrap_or(0)
+    fn clusters(&self, mma: ClusterMma, nt: usize, s: usize) -> usize {
+        self.0.get(&kernel_name(mma, nt, s)).copied().unwrap_or(0)
     }
 }
 
@@ -128,12 +153,28 @@ pub(super) fn split(n: usize, k: usize, room: impl Fn(usize) -> usize) -> usize 
         .unwrap_or(1)
 }
 
+/// Stages a block streams at least where the cluster GEMM takes products
+/// of more than 32 rows: below, its blocks' fixed costs lose to cuBLAS (on
+/// the H200, 4096x4096 and 6144x4096 at 64 rows; perf.md, 2026-12-02).
+const WIDE_MIN_STAGES: usize = 16;
+
 impl Gpu {
+    /// Whether the engine's bf16 product of `m` rows over `n x k` takes the
+    /// cluster GEMM ([`Gpu::set_cluster`]).
+    pub(super) fn cluster_takes(&self, m: usize, n: usize, k: usize) -> bool {
+        let rows = (CLUSTER_MIN_M..=CLUSTER_MAX_M).contains(&m);
+        if !self.cluster || !rows || !k.is_multiple_of(64) {
+            return false;
+        }
+        let s = split(n, k, |s| self.cluster_room.clusters(self.cluster_mma, 8, s));
+        m <= 32 || k / 64 / s >= WIDE_MIN_STAGES
+    }
+
     /// Clusters of `s` blocks (1 to 8) of the cluster GEMM for `nt` (4 or
     /// 8) blocks of 8 activation rows the GPU holds at once, as counted at
     /// load (0 below sm_90).
-    pub fn cluster_room(&self, wgmma: bool, nt: usize, s: usize) -> usize {
-        self.cluster_room.clusters(wgmma, nt, s)
+    pub fn cluster_room(&self, mma: ClusterMma, nt: usize, s: usize) -> usize {
+        self.cluster_room.clusters(mma, nt, s)
     }
 
     /// `outs[p] = x * w_p^T` for each part `p` of a stack of bf16 weights,
@@ -146,14 +187,14 @@ impl Gpu {
         outs: &mut [&mut CudaSlice<f32>],
         shape: StackShape<'_>,
     ) -> R {
-        self.gemm_bf16_cluster_on(self.wgmma, x, w, outs, shape)
+        self.gemm_bf16_cluster_on(self.cluster_mma, x, w, outs, shape)
     }
 
-    /// As [`Self::gemm_bf16_cluster`], on warpgroup MMAs (`wgmma`, sm_90a
-    /// only) or m16n8k16 MMAs.
+    /// As [`Self::gemm_bf16_cluster`], on the MMAs of `mma` (warpgroup
+    /// MMAs on sm_90a only).
     pub fn gemm_bf16_cluster_on(
         &self,
-        wgmma: bool,
+        mma: ClusterMma,
         x: &CudaSlice<bf16>,
         w: &CudaSlice<bf16>,
         outs: &mut [&mut CudaSlice<f32>],
@@ -161,7 +202,7 @@ impl Gpu {
     ) -> R {
         let StackShape { m, parts, k } = shape;
         let n = check_parts(outs, parts, m)?;
-        if wgmma && !self.wgmma {
+        if mma != ClusterMma::Ldmatrix && !self.wgmma {
             return Err(KernelError::Shape(format!(
                 "warpgroup MMAs need sm_90a (an H100 or H200): {}",
                 self.name
@@ -180,12 +221,12 @@ impl Gpu {
             )));
         }
         let nt = if m <= 32 { 4 } else { 8 };
-        let s = split(n, k, |s| self.cluster_room.clusters(wgmma, nt, s));
+        let s = split(n, k, |s| self.cluster_room.clusters(mma, nt, s));
         let o = self.out_ptrs(outs, parts);
         let (mi, ki) = (m as i32, k as i32);
         let mut b = self
             .stream
-            .launch_builder(self.function(&kernel_name(wgmma, nt, s))?);
+            .launch_builder(self.function(&kernel_name(mma, nt, s))?);
         b.arg(x).arg(w);
         b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
         b.arg(&o.n0).arg(&o.n1).arg(&mi).arg(&o.n).arg(&ki);

@@ -69,8 +69,7 @@ impl Gpu {
         {
             return self.gemm_bf16_skinny(&scratch.act, wb, outs, shape);
         }
-        let wide = (super::CLUSTER_MIN_M..=super::CLUSTER_MAX_M).contains(&m);
-        if self.cluster && wide && k.is_multiple_of(64) {
+        if self.cluster_takes(m, n, k) {
             return self.gemm_bf16_cluster(&scratch.act, wb, outs, shape);
         }
         let (wp, _rw) = wb.device_ptr(&self.stream);

@@ -87,6 +87,7 @@ impl Gpu {
             clusters: self.clusters,
             cluster: self.cluster,
             wgmma: self.wgmma,
+            cluster_mma: self.cluster_mma,
             cluster_room: self.cluster_room.clone(),
             prefill_warps: self.prefill_warps,
         })

@@ -45,7 +45,7 @@ pub use attention::{
     AttentionBuffers, AttentionKind, AttentionPlan, AttnOut, DecodeBatch, FLASH_MAX_PARTITION,
     FLASH_PARTITION, PARTITION, PagedQuery, partition_len,
 };
-pub use cluster::{CLUSTER_MAX_M, CLUSTER_MIN_M};
+pub use cluster::{CLUSTER_MAX_M, CLUSTER_MIN_M, ClusterMma};
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};
@@ -222,6 +222,8 @@ pub struct Gpu {
     cluster: bool,
     /// Whether the kernels were built for sm_90a, with warpgroup MMAs.
     wgmma: bool,
+    /// The cluster GEMM's MMAs in the engine's products.
+    cluster_mma: ClusterMma,
     /// Clusters of each cluster GEMM build the GPU holds at once.
     cluster_room: cluster::ClusterRoom,
     /// Warps a block of prefill attention: 4 or 8
@@ -429,6 +431,11 @@ impl Gpu {
                 clusters,
                 cluster: false,
                 wgmma,
+                cluster_mma: if wgmma {
+                    ClusterMma::Wgmma
+                } else {
+                    ClusterMma::Ldmatrix
+                },
                 cluster_room,
                 prefill_warps: prefill::DEFAULT_WARPS,
             })
