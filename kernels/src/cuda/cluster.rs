@@ -166,7 +166,13 @@ impl Gpu {
         if !self.cluster || !rows || !k.is_multiple_of(64) {
             return false;
         }
-        let s = split(n, k, |s| self.cluster_room.clusters(self.cluster_mma, 8, s));
+        let room = |s| self.cluster_room.clusters(self.cluster_mma, 8, s);
+        // More tiles than one wave (the lm_head's 1002) stream as well
+        // through cuBLAS's tiles (86-92% of copy bandwidth).
+        if n.div_ceil(TILE) > room(1) {
+            return false;
+        }
+        let s = split(n, k, room);
         m <= 32 || k / 64 / s >= WIDE_MIN_STAGES
     }
 
