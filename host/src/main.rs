@@ -122,6 +122,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         seed: args.seed,
         stop: args.stop,
         ignore_eos: false,
+        logprobs: None,
     };
     let out = engine
         .generate(TenantId(0), ids, params)

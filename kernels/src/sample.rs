@@ -115,10 +115,85 @@ pub fn sample_with_uniform(logits: &[f32], p: SamplingParams, u: f32) -> u32 {
     idx[probs.len() - 1]
 }
 
+/// Most alternatives [`logprobs`] returns beside the chosen token (as
+/// OpenAI's `top_logprobs`).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// The natural-log probability of `chosen` under softmax(`logits`) (the
+/// model's distribution, before temperature, top-k or top-p), and the
+/// `top` most likely tokens with theirs, most likely first (equal logits
+/// by id). Sums in f64; a NaN logit counts as impossible.
+pub fn logprobs(logits: &[f32], chosen: u32, top: usize) -> (f32, Vec<(u32, f32)>) {
+    let value = |v: f32| {
+        if v.is_nan() {
+            f64::NEG_INFINITY
+        } else {
+            v as f64
+        }
+    };
+    let max = logits
+        .iter()
+        .map(|v| value(*v))
+        .fold(f64::NEG_INFINITY, f64::max);
+    let sum: f64 = logits.iter().map(|v| (value(*v) - max).exp()).sum();
+    let log_z = max + sum.ln();
+    let lp = |i: u32| {
+        logits
+            .get(i as usize)
+            .map_or(f64::NEG_INFINITY, |v| value(*v) - log_z) as f32
+    };
+    let top = top.min(logits.len());
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let order = |a: &u32, b: &u32| {
+        value(logits[*b as usize])
+            .total_cmp(&value(logits[*a as usize]))
+            .then(a.cmp(b))
+    };
+    if top > 0 && top < idx.len() {
+        idx.select_nth_unstable_by(top - 1, order);
+    }
+    idx.truncate(top);
+    idx.sort_unstable_by(order);
+    (lp(chosen), idx.into_iter().map(|i| (i, lp(i))).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use rand::SeedableRng;
+
+    #[test]
+    fn logprobs_are_a_distribution_with_the_most_likely_first() {
+        let logits = [1.0f32, 3.0, -2.0, 3.0, 0.5];
+        let (chosen, top) = logprobs(&logits, 2, 5);
+        let total: f64 = top.iter().map(|(_, lp)| (*lp as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+        // Equal logits by id; the chosen token's figure is its own.
+        let ids: Vec<u32> = top.iter().map(|(i, _)| *i).collect();
+        assert_eq!(ids, [1, 3, 0, 4, 2]);
+        assert_eq!(chosen, top[4].1);
+        assert!((top[0].1 - top[1].1).abs() < 1e-7);
+        // log p(1) - log p(2) is the logits' difference.
+        assert!((top[0].1 - chosen - 5.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn logprobs_keep_the_top_few_of_a_large_vocabulary() {
+        let logits: Vec<f32> = (0..50_000)
+            .map(|i| ((i * 7919) % 1000) as f32 / 100.0)
+            .collect();
+        let (_, top) = logprobs(&logits, 0, MAX_TOP_LOGPROBS);
+        assert_eq!(top.len(), MAX_TOP_LOGPROBS);
+        assert!(top.windows(2).all(|w| w[0].1 >= w[1].1));
+        let best = logits.iter().cloned().fold(f32::MIN, f32::max);
+        assert_eq!(logits[top[0].0 as usize], best);
+        assert!(top.iter().all(|(_, lp)| *lp < 0.0));
+        // None at all, and a NaN that never counts.
+        assert!(logprobs(&logits, 0, 0).1.is_empty());
+        let (lp, top) = logprobs(&[f32::NAN, 0.0], 0, 2);
+        assert_eq!(lp, f32::NEG_INFINITY);
+        assert_eq!(top[0], (1, 0.0));
+    }
 
     #[test]
     fn argmax_takes_the_first_largest_and_never_a_nan() {

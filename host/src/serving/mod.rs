@@ -262,6 +262,8 @@ fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
         seed: p.seed,
         stop: p.stop,
         ignore_eos: false,
+        // kiln:ai@0.1.0 has no log-probabilities to ask for.
+        logprobs: None,
     })
 }
 

@@ -23,7 +23,9 @@ impl Engine {
         loop {
             for e in self.step()? {
                 match e {
-                    Event::Token { seq, token, text } if seq == id => {
+                    Event::Token {
+                        seq, token, text, ..
+                    } if seq == id => {
                         out.tokens.extend(token);
                         out.text.push_str(&text);
                     }

@@ -27,9 +27,10 @@ use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 
 pub use block_pool::{PrefixChange, TenantId};
+pub use kiln_kernels::sample::MAX_TOP_LOGPROBS;
 pub use kv_manager::SeqId;
 pub use prefix::{PageHash, Salt};
-pub use request::{Finish, GenerateParams};
+pub use request::{Finish, GenerateParams, Logprob, TokenLogprobs};
 pub use scheduler::SchedulerConfig;
 
 use crate::model::{KvCache, Loaded, Runner, RunnerOptions};
@@ -131,7 +132,7 @@ pub fn default_prefill_warps(kv_format: KvFormat) -> usize {
 }
 
 /// What happened to a request during a step.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// A new token and the text it completes (may be empty); `token` is
     /// `None` for held-back text flushed when the request ends.
@@ -142,6 +143,9 @@ pub enum Event {
         token: Option<u32>,
         /// New text.
         text: String,
+        /// The token's log-probabilities, when the request asked for them
+        /// ([`GenerateParams::logprobs`]).
+        logprobs: Option<TokenLogprobs>,
     },
     /// The request ended.
     Finished {
@@ -388,6 +392,11 @@ impl Engine {
     ) -> Result<SeqId, String> {
         if prompt.is_empty() {
             return Err("the prompt is empty".into());
+        }
+        if params.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
+            return Err(format!(
+                "at most {MAX_TOP_LOGPROBS} top log-probabilities a token may be asked for"
+            ));
         }
         let limit = self.max_len();
         if prompt.len() + 1 > limit {

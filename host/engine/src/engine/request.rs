@@ -25,6 +25,33 @@ pub struct GenerateParams {
     pub stop: Vec<String>,
     /// Keep generating past EOS (benchmarks).
     pub ignore_eos: bool,
+    /// With `Some(n)`, each token comes with its log-probability and the
+    /// `n` (at most [`super::MAX_TOP_LOGPROBS`]) most likely tokens' ([`Event`]'s
+    /// `logprobs`).
+    ///
+    /// [`Event`]: super::Event
+    pub logprobs: Option<usize>,
+}
+
+/// A generated token's log-probability under the model (before
+/// temperature, top-k or top-p) and the most likely tokens at its place.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The token generated.
+    pub chosen: Logprob,
+    /// The most likely tokens, most likely first (equal ones by id).
+    pub top: Vec<Logprob>,
+}
+
+/// One token's natural-log probability.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logprob {
+    /// The token id.
+    pub id: u32,
+    /// Its text alone (a piece of a character reads as U+FFFD).
+    pub text: String,
+    /// ln p.
+    pub logprob: f32,
 }
 
 /// The server's defaults, defined here and nowhere else: `kiln run`'s flags,
@@ -49,6 +76,7 @@ impl Default for GenerateParams {
             seed: None,
             stop: Vec::new(),
             ignore_eos: false,
+            logprobs: None,
         }
     }
 }

@@ -10,9 +10,10 @@ use rand::Rng;
 use super::block_pool::PageTag;
 use super::kv_manager::{KvCacheManager, SeqId};
 use super::lanes::Lane;
-use super::request::Request;
+use super::request::{Logprob, Request, TokenLogprobs};
 use super::scheduler::{Scheduled, StepCaps};
 use super::{Engine, Event, Finish, PAGE_SIZE};
+use crate::model::Tokenizer;
 use crate::model::step::{Draw, RunLane, SeqOut, Step, StepOut, StepSeq, StepTags};
 
 #[cfg(any(test, feature = "fault-injection"))]
@@ -171,6 +172,8 @@ impl Engine {
         let device_draws = self.runner.on_gpu() && self.device_sampling;
         run.iter()
             .map(|s| match self.requests.get_mut(&s.seq) {
+                // Log-probabilities come from the logits, on the host.
+                Some(r) if r.params.logprobs.is_some() => Draw::Logits,
                 Some(r) if s.sample && r.sampling().is_greedy() => Draw::Greedy,
                 Some(r) if s.sample && device_draws => Draw::Sample {
                     params: r.sampling(),
@@ -239,11 +242,18 @@ impl Engine {
         let Some(r) = self.requests.get_mut(&seq) else {
             return;
         };
-        let token = match row {
-            SeqOut::Logits(l) => sample(&l, r.sampling(), &mut r.rng),
-            SeqOut::Token(t) => t,
-        };
         let tokenizer = &self.loaded.tokenizer;
+        let (token, logprobs) = match row {
+            SeqOut::Logits(l) => {
+                let token = sample(&l, r.sampling(), &mut r.rng);
+                let lp = r
+                    .params
+                    .logprobs
+                    .map(|n| token_logprobs(&l, token, n, tokenizer));
+                (token, lp)
+            }
+            SeqOut::Token(t) => (t, None),
+        };
         let decode = |t: &[u32]| tokenizer.decode(t);
         let eos = tokenizer.is_eos(token) && !r.params.ignore_eos;
         let mut finish = None;
@@ -270,11 +280,27 @@ impl Engine {
                 seq,
                 token: (!eos).then_some(token),
                 text,
+                logprobs: logprobs.filter(|_| !eos),
             });
         }
         if let Some(f) = finish {
             self.finish(seq, f, events);
         }
+    }
+}
+
+/// `token`'s log-probability under `logits` and the `top` most likely
+/// tokens', with their texts.
+fn token_logprobs(logits: &[f32], token: u32, top: usize, tokenizer: &Tokenizer) -> TokenLogprobs {
+    let (lp, best) = kiln_kernels::sample::logprobs(logits, token, top);
+    let piece = |id: u32, logprob: f32| Logprob {
+        id,
+        text: tokenizer.decode(&[id]),
+        logprob,
+    };
+    TokenLogprobs {
+        chosen: piece(token, lp),
+        top: best.into_iter().map(|(id, lp)| piece(id, lp)).collect(),
     }
 }
 
