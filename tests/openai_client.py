@@ -4,6 +4,7 @@ Run by tests/tests/openai.rs with OPENAI_BASE_URL, OPENAI_API_KEY and
 KILN_MODEL set; prints "all checks passed" or fails with an assertion.
 """
 
+import math
 import os
 
 import openai
@@ -44,6 +45,47 @@ assert usage.prompt_tokens_details.cached_tokens > 0, usage
 
 done = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0)
 assert done.object == "text_completion" and done.choices[0].text, done
+
+# Log-probabilities: one entry per generated token, each with its bytes and
+# the most likely tokens, most likely first; greedy picks the first; the
+# alternatives' probabilities make at most a whole distribution.
+lp = client.chat.completions.create(
+    model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=5
+)
+entries = lp.choices[0].logprobs.content
+assert len(entries) == lp.usage.completion_tokens, (entries, lp.usage)
+assert lp.choices[0].message.content == text, (lp.choices[0].message.content, text)
+for e in entries:
+    assert e.logprob <= 0 and len(e.top_logprobs) == 5, e
+    assert e.token == e.top_logprobs[0].token, e
+    assert bytes(e.bytes) == e.token.encode(), e
+    figures = [t.logprob for t in e.top_logprobs]
+    assert figures == sorted(figures, reverse=True), figures
+    assert sum(math.exp(f) for f in figures) <= 1 + 1e-5, figures
+assert "".join(e.token for e in entries).strip() == text.strip(), (entries, text)
+
+streamed = client.chat.completions.create(
+    model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True, stream=True
+)
+tokens = []
+for chunk in streamed:
+    if chunk.choices and chunk.choices[0].logprobs is not None:
+        tokens += [e.token for e in chunk.choices[0].logprobs.content]
+assert tokens == [e.token for e in entries], (tokens, entries)
+
+legacy = client.completions.create(
+    model=model, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=3
+)
+lps = legacy.choices[0].logprobs
+assert len(lps.tokens) == len(lps.token_logprobs) == len(lps.top_logprobs) == 6, lps
+assert all(len(t) <= 3 for t in lps.top_logprobs), lps
+assert lps.text_offset[0] == 0 and lps.text_offset == sorted(lps.text_offset), lps
+
+try:
+    client.chat.completions.create(model=model, messages=messages, top_logprobs=2)
+    raise AssertionError("top_logprobs without logprobs must fail")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "top_logprobs", e.body
 
 try:
     client.chat.completions.create(model="no-such-model", messages=messages)

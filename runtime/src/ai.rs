@@ -53,13 +53,38 @@ pub struct ModelCall {
     /// Sampling parameters as the caller gave them, with the session key
     /// that [`SessionAffinity`] gives the call.
     pub params: Params,
+    /// With `Some(n)`, each generated token's log-probability and the `n`
+    /// most likely tokens' come with the stream ([`TokenStream::logprobs`]).
+    /// Only the HTTP API asks for them: `kiln:ai@0.1.0` has no field for
+    /// them.
+    pub logprobs: Option<u8>,
+}
+
+/// A generated token's natural-log probability under the model, and the
+/// most likely tokens at its place.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The token's text alone (a piece of a character reads as U+FFFD).
+    pub token: String,
+    /// ln p of the token.
+    pub logprob: f32,
+    /// The most likely tokens and theirs, most likely first.
+    pub top: Vec<(String, f32)>,
 }
 
 /// Text arriving from a streaming generation. Dropping it cancels the
 /// generation.
 pub trait TokenStream: Send {
-    /// The next event: a text delta, or the end of the stream.
+    /// The next event: a text delta, or the end of the stream. A call that
+    /// asked for log-probabilities also gets a delta (perhaps of no text)
+    /// for each step that generated tokens.
     fn next(&mut self) -> BoxFuture<'_, Result<StreamEvent, AiError>>;
+
+    /// The log-probabilities of the tokens the last delta carried, taken
+    /// (empty unless the call asked for them).
+    fn logprobs(&mut self) -> Vec<TokenLogprob> {
+        Vec::new()
+    }
 }
 
 /// The model backend behind `kiln:ai/inference` and the OpenAI-compatible
@@ -132,6 +157,7 @@ impl AiCtx {
             model,
             prompt,
             params,
+            logprobs: None,
         }
     }
 }

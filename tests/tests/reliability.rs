@@ -43,6 +43,7 @@ fn chat(content: &str, max_tokens: u32) -> ModelCall {
             stop: Vec::new(),
             session: None,
         },
+        logprobs: None,
     }
 }
 

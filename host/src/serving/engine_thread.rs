@@ -21,12 +21,14 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, mpsc};
 
-use kiln_runtime::AiError;
+use kiln_runtime::{AiError, TokenLogprob};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::mpsc as tmpsc;
 
 use crate::engine::TenantId;
-use crate::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, PageHash, Salt, SeqId};
+use crate::engine::{
+    Engine, EngineConfig, Event, Finish, GenerateParams, PageHash, Salt, SeqId, TokenLogprobs,
+};
 use crate::metrics::{EngineMetrics, PoolPagesLabels};
 use crate::model::Loaded;
 
@@ -57,7 +59,9 @@ pub(super) enum Msg {
 
 /// Messages from the engine thread to one request.
 pub(super) enum Out {
-    Text(String),
+    /// New text, and the log-probabilities of the tokens behind it when
+    /// the call asked for them.
+    Text(String, Vec<TokenLogprob>),
     Done {
         finish: Finish,
         prompt: usize,
@@ -339,10 +343,16 @@ impl PoolThread {
         self.publish(engine);
         for ev in events {
             match ev {
-                Event::Token { seq, text, .. } if !text.is_empty() => {
+                Event::Token {
+                    seq,
+                    text,
+                    logprobs,
+                    ..
+                } if !text.is_empty() || logprobs.is_some() => {
                     if let Some(live) = self.outs.get_mut(&seq) {
                         live.replay = None;
-                        let _ = live.out.send(Out::Text(text));
+                        let lp = logprobs.map(token_logprob).into_iter().collect();
+                        let _ = live.out.send(Out::Text(text, lp));
                     }
                 }
                 Event::Token { .. } => {}
@@ -367,5 +377,14 @@ impl PoolThread {
             }
         }
         Ok(())
+    }
+}
+
+/// The engine's log-probabilities of a token as the runtime passes them on.
+fn token_logprob(lp: TokenLogprobs) -> TokenLogprob {
+    TokenLogprob {
+        token: lp.chosen.text,
+        logprob: lp.chosen.logprob,
+        top: lp.top.into_iter().map(|t| (t.text, t.logprob)).collect(),
     }
 }

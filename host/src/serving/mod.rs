@@ -16,7 +16,7 @@ use std::sync::{Arc, RwLock};
 
 use kiln_runtime::{
     AiError, Completion, FinishReason, Inference, ModelCall, ModelInfo, Params, Prompt, StreamEnd,
-    StreamEvent, TokenStream, Usage,
+    StreamEvent, TokenLogprob, TokenStream, Usage,
 };
 use rand::RngCore;
 use tokio::sync::mpsc as tmpsc;
@@ -157,6 +157,7 @@ impl ServedModels {
         model: &str,
         prompt: Prompt,
         params: Params,
+        logprobs: Option<u8>,
     ) -> Result<tmpsc::UnboundedReceiver<Out>, AiError> {
         let served = self.models.get(model).ok_or_else(|| {
             let mut names: Vec<&str> = self.models.keys().map(String::as_str).collect();
@@ -167,7 +168,8 @@ impl ServedModels {
             ))
         })?;
         let session = params.session.clone();
-        let generate = generate_params(params)?;
+        let mut generate = generate_params(params)?;
+        generate.logprobs = logprobs.map(usize::from);
         let tk = &served.loaded.tokenizer;
         let text = match prompt {
             Prompt::Chat(m) => tk.chat_prompt(&messages(m)),
@@ -262,7 +264,6 @@ fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
         seed: p.seed,
         stop: p.stop,
         ignore_eos: false,
-        // kiln:ai@0.1.0 has no log-probabilities to ask for.
         logprobs: None,
     })
 }
@@ -304,7 +305,7 @@ async fn collect(mut rx: tmpsc::UnboundedReceiver<Out>) -> Result<Completion, Ai
     let mut text = String::new();
     while let Some(out) = rx.recv().await {
         match out {
-            Out::Text(t) => text.push_str(&t),
+            Out::Text(t, _) => text.push_str(&t),
             Out::Error(e) => return Err(e),
             Out::Done {
                 finish,
@@ -323,13 +324,18 @@ async fn collect(mut rx: tmpsc::UnboundedReceiver<Out>) -> Result<Completion, Ai
     Err(dropped())
 }
 
-struct Stream(tmpsc::UnboundedReceiver<Out>);
+/// A request's results as they come, and the log-probabilities of the last
+/// delta's tokens.
+struct Stream(tmpsc::UnboundedReceiver<Out>, Vec<TokenLogprob>);
 
 impl TokenStream for Stream {
     fn next(&mut self) -> kiln_runtime::BoxFuture<'_, Result<StreamEvent, AiError>> {
         Box::pin(async move {
             match self.0.recv().await {
-                Some(Out::Text(t)) => Ok(StreamEvent::Delta(t)),
+                Some(Out::Text(t, lp)) => {
+                    self.1 = lp;
+                    Ok(StreamEvent::Delta(t))
+                }
                 Some(Out::Error(e)) => Err(e),
                 Some(Out::Done {
                     finish,
@@ -343,6 +349,10 @@ impl TokenStream for Stream {
                 None => Err(dropped()),
             }
         })
+    }
+
+    fn logprobs(&mut self) -> Vec<TokenLogprob> {
+        std::mem::take(&mut self.1)
     }
 }
 
@@ -364,13 +374,19 @@ type Fut<'a, T> = kiln_runtime::BoxFuture<'a, Result<T, AiError>>;
 
 impl Inference for ServedModels {
     fn call(&self, call: ModelCall) -> Fut<'_, Completion> {
-        let rx = self.submit(&call.tenant, &call.model, call.prompt, call.params);
+        let rx = self.submit(&call.tenant, &call.model, call.prompt, call.params, None);
         Box::pin(async move { collect(rx?).await })
     }
 
     fn stream(&self, call: ModelCall) -> Fut<'_, Box<dyn TokenStream>> {
-        let rx = self.submit(&call.tenant, &call.model, call.prompt, call.params);
-        Box::pin(async move { Ok(Box::new(Stream(rx?)) as Box<dyn TokenStream>) })
+        let rx = self.submit(
+            &call.tenant,
+            &call.model,
+            call.prompt,
+            call.params,
+            call.logprobs,
+        );
+        Box::pin(async move { Ok(Box::new(Stream(rx?, Vec::new())) as Box<dyn TokenStream>) })
     }
 
     fn set_share_weight(&self, tenant: &str, weight: u32) {

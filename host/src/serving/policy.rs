@@ -452,6 +452,10 @@ impl TokenStream for Guarded {
             ev
         })
     }
+
+    fn logprobs(&mut self) -> Vec<kiln_runtime::TokenLogprob> {
+        self.inner.logprobs()
+    }
 }
 
 impl Drop for Guarded {

@@ -61,6 +61,7 @@ fn req(tenant: &str, model: &str) -> ModelCall {
             stop: Vec::new(),
             session: None,
         },
+        logprobs: None,
     }
 }
 

@@ -6,6 +6,7 @@
 //! `prompt_cache_key` (the precedence of [`SessionAffinity`], the same as
 //! for guests).
 
+mod logprobs;
 mod request;
 mod sse;
 
@@ -13,7 +14,9 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use hyper::{Request, Response, StatusCode};
-use kiln_runtime::{Completion, FinishReason, Inference, ModelCall, SessionAffinity, Usage};
+use kiln_runtime::{
+    Completion, FinishReason, Inference, ModelCall, SessionAffinity, TokenLogprob, Usage,
+};
 use rand::RngCore;
 
 use super::control::read_body;
@@ -60,6 +63,7 @@ impl Call {
             model: self.v.model.clone(),
             prompt: self.v.input.clone(),
             params: self.v.params.clone(),
+            logprobs: self.v.logprobs,
         }
     }
 }
@@ -119,22 +123,36 @@ where
         let stream = app.ai.stream(call.model_call()).await?;
         return Ok(sse::respond(stream, sse::Shape::chat(&call)));
     }
-    let c = app.ai.call(call.model_call()).await?;
-    Ok(json(StatusCode::OK, chat_json(&call, &c)))
+    let (c, lp) = answer(&app, &call).await?;
+    let logprobs = lp.map_or(serde_json::Value::Null, |lp| logprobs::chat(&lp));
+    Ok(json(
+        StatusCode::OK,
+        serde_json::json!({
+            "id": call.id, "object": "chat.completion", "created": call.created,
+            "model": call.v.model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(c.finish_reason),
+            }],
+            "usage": usage_json(&c.usage),
+        }),
+    ))
 }
 
-fn chat_json(call: &Call, c: &Completion) -> serde_json::Value {
-    serde_json::json!({
-        "id": call.id, "object": "chat.completion", "created": call.created,
-        "model": call.v.model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": null,
-            "finish_reason": finish_reason(c.finish_reason),
-        }],
-        "usage": usage_json(&c.usage),
-    })
+/// A call run to its end; with the tokens' log-probabilities when it asked
+/// for them (those come with the stream).
+async fn answer(
+    app: &App,
+    call: &Call,
+) -> Result<(Completion, Option<Vec<TokenLogprob>>), ApiError> {
+    if call.v.logprobs.is_none() {
+        return Ok((app.ai.call(call.model_call()).await?, None));
+    }
+    let stream = app.ai.stream(call.model_call()).await?;
+    let (c, lp) = logprobs::collect(stream).await?;
+    Ok((c, Some(lp)))
 }
 
 /// `POST /v1/completions`.
@@ -151,14 +169,15 @@ where
         let stream = app.ai.stream(call.model_call()).await?;
         return Ok(sse::respond(stream, sse::Shape::completion(&call)));
     }
-    let c = app.ai.call(call.model_call()).await?;
+    let (c, lp) = answer(&app, &call).await?;
+    let logprobs = lp.map_or(serde_json::Value::Null, |lp| logprobs::completion(&lp, 0).0);
     Ok(json(
         StatusCode::OK,
         serde_json::json!({
             "id": call.id, "object": "text_completion", "created": call.created,
             "model": call.v.model,
             "choices": [{
-                "index": 0, "text": c.text, "logprobs": null,
+                "index": 0, "text": c.text, "logprobs": logprobs,
                 "finish_reason": finish_reason(c.finish_reason),
             }],
             "usage": usage_json(&c.usage),

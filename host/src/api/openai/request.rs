@@ -24,7 +24,26 @@ pub(super) struct Validated {
     pub(super) stream: bool,
     /// Whether a streamed answer ends with a usage chunk.
     pub(super) include_usage: bool,
+    /// With `Some(n)`, each token's log-probability and the `n` most likely
+    /// tokens' (chat's `logprobs: true` with `top_logprobs`, completions'
+    /// `logprobs: n`).
+    pub(super) logprobs: Option<u8>,
     _sealed: Sealed,
+}
+
+/// Most `top_logprobs` (and completions' `logprobs`) a request may ask for.
+const MAX_TOP_LOGPROBS: u64 = kiln_engine::engine::MAX_TOP_LOGPROBS as u64;
+
+fn top_count(param: &str, v: &Value) -> Result<u8, ApiError> {
+    v.as_u64()
+        .filter(|n| *n <= MAX_TOP_LOGPROBS)
+        .map(|n| n as u8)
+        .ok_or_else(|| {
+            bad(
+                param,
+                format!("expected an integer from 0 to {MAX_TOP_LOGPROBS}, got {v}"),
+            )
+        })
 }
 
 fn bad(param: &str, msg: impl std::fmt::Display) -> ApiError {
@@ -159,6 +178,7 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
         session: None,
     };
     let (mut stream, mut include_usage, mut stream_options) = (false, false, false);
+    let (mut logprobs, mut top_logprobs) = (None, None);
     for (key, v) in &map {
         let k = key.as_str();
         if v.is_null() && k != "messages" && k != "prompt" && k != "model" {
@@ -228,7 +248,19 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
             "prompt_cache_key" => params.session = Some(string(k, v)?),
             "n" | "best_of" => neutral(k, v, v.as_u64() == Some(1))?,
             "presence_penalty" | "frequency_penalty" => neutral(k, v, v.as_f64() == Some(0.0))?,
-            "logprobs" | "echo" => neutral(k, v, v == &Value::Bool(false))?,
+            "logprobs" if chat => {
+                let on = v
+                    .as_bool()
+                    .ok_or_else(|| bad(k, "expected true or false"))?;
+                logprobs = on.then_some(0);
+            }
+            "top_logprobs" if chat => top_logprobs = Some(top_count(k, v)?),
+            "logprobs" => {
+                logprobs = (v != &Value::Bool(false))
+                    .then(|| top_count(k, v))
+                    .transpose()?
+            }
+            "echo" => neutral(k, v, v == &Value::Bool(false))?,
             "logit_bias" => neutral(k, v, v.as_object().is_some_and(Map::is_empty))?,
             "response_format" => {
                 neutral(k, v, v.get("type").and_then(Value::as_str) == Some("text"))?
@@ -245,6 +277,12 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
     if stream_options && !stream {
         return Err(bad("stream_options", "is only allowed with `stream: true`"));
     }
+    if let Some(n) = top_logprobs {
+        if logprobs.is_none() {
+            return Err(bad("top_logprobs", "needs `logprobs: true`"));
+        }
+        logprobs = Some(n);
+    }
     let field = if chat { "messages" } else { "prompt" };
     Ok(Validated {
         model: model.ok_or_else(|| bad("model", "is required"))?,
@@ -252,6 +290,7 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
         params,
         stream,
         include_usage,
+        logprobs,
         _sealed: Sealed,
     })
 }
@@ -261,71 +300,5 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
 mod fuzz;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn err(body: serde_json::Value) -> ApiError {
-        chat(body.to_string().as_bytes()).unwrap_err()
-    }
-
-    #[test]
-    fn unsupported_fields_are_refused_naming_the_field() {
-        let base = |k: &str, v: Value| {
-            let mut m =
-                serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
-            m[k] = v;
-            m
-        };
-        assert_eq!(err(base("n", 2.into())).param.as_deref(), Some("n"));
-        assert_eq!(
-            err(base("tools", serde_json::json!([]))).param.as_deref(),
-            Some("tools")
-        );
-        assert_eq!(
-            err(base("frobnicate", 1.into())).param.as_deref(),
-            Some("frobnicate")
-        );
-        assert_eq!(
-            err(base("temperature", 3.into())).param.as_deref(),
-            Some("temperature")
-        );
-        let e =
-            err(serde_json::json!({"model": "m", "messages": [{"role": "tool", "content": "x"}]}));
-        assert_eq!(e.param.as_deref(), Some("messages[0].role"));
-        assert_eq!(
-            err(serde_json::json!({"messages": []})).param.as_deref(),
-            Some("messages")
-        );
-        // Neutral values of unsupported features pass.
-        let ok = chat(base("n", 1.into()).to_string().as_bytes());
-        assert!(ok.is_ok());
-    }
-
-    #[test]
-    fn fields_map_onto_params() {
-        let v = chat(
-            serde_json::json!({
-                "model": "m",
-                "messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
-                             {"role": "user", "content": "hi"}],
-                "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": 3,
-                "seed": 9, "stop": "END", "stream": true,
-                "stream_options": {"include_usage": true}, "user": "u1", "prompt_cache_key": "s"
-            })
-            .to_string()
-            .as_bytes(),
-        )
-        .unwrap();
-        assert_eq!(v.params.max_tokens, Some(7));
-        assert_eq!(v.params.top_k, Some(3));
-        assert_eq!(v.params.stop, vec!["END".to_owned()]);
-        assert_eq!(v.params.session.as_deref(), Some("s"));
-        assert!(v.stream && v.include_usage);
-        let Prompt::Chat(m) = v.input else { panic!() };
-        assert_eq!(m[0].role, Role::System);
-        assert_eq!(m[0].content, "be brief");
-        let c = completion(br#"{"model": "m", "prompt": ["once upon"]}"#).unwrap();
-        assert!(matches!(c.input, Prompt::Text(p) if p == "once upon"));
-        assert!(completion(br#"{"model": "m", "messages": []}"#).is_err());
-    }
-}
+#[path = "request_tests.rs"]
+mod tests;

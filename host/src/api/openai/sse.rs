@@ -14,7 +14,7 @@ use kiln_runtime::{StreamEvent, TokenStream};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use super::{Call, finish_reason, usage_json};
+use super::{Call, finish_reason, logprobs, usage_json};
 use crate::api::{ApiError, Body, BoxError};
 
 /// How chunks of one endpoint look.
@@ -25,6 +25,8 @@ pub(super) struct Shape {
     object: &'static str,
     chat: bool,
     include_usage: bool,
+    /// Whether chunks carry their tokens' log-probabilities.
+    logprobs: bool,
 }
 
 impl Shape {
@@ -46,12 +48,13 @@ impl Shape {
             object,
             chat,
             include_usage: call.v.include_usage,
+            logprobs: call.v.logprobs.is_some(),
         }
     }
 
-    /// A chunk with one choice: text (as a delta in chat) and a finish
-    /// reason.
-    fn chunk(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+    /// A chunk with one choice: text (as a delta in chat), the
+    /// log-probabilities of its tokens and a finish reason.
+    fn chunk(&self, text: Option<&str>, role: bool, finish: Option<&str>, lp: Value) -> Value {
         let choice = if self.chat {
             let mut delta = serde_json::Map::new();
             if role {
@@ -60,9 +63,9 @@ impl Shape {
             if let Some(t) = text {
                 delta.insert("content".into(), t.into());
             }
-            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish})
         } else {
-            json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+            json!({"index": 0, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish})
         };
         self.wrap(json!([choice]), Value::Null)
     }
@@ -102,21 +105,32 @@ impl http_body::Body for ChannelBody {
 async fn pump(mut stream: Box<dyn TokenStream>, shape: Shape, tx: mpsc::Sender<Bytes>) {
     if shape.chat
         && tx
-            .send(event(&shape.chunk(Some(""), true, None)))
+            .send(event(&shape.chunk(Some(""), true, None, Value::Null)))
             .await
             .is_err()
     {
         return;
     }
+    // Where the next chunk's text starts in the completion (characters).
+    let mut offset = 0;
     loop {
         let out = match stream.next().await {
-            Ok(StreamEvent::Delta(t)) => vec![event(&shape.chunk(Some(&t), false, None))],
+            Ok(StreamEvent::Delta(t)) => {
+                let tokens = stream.logprobs();
+                let lp = match (shape.logprobs, shape.chat) {
+                    (false, _) => Value::Null,
+                    (true, true) => logprobs::chat(&tokens),
+                    (true, false) => {
+                        let (v, next) = logprobs::completion(&tokens, offset);
+                        offset = next;
+                        v
+                    }
+                };
+                vec![event(&shape.chunk(Some(&t), false, None, lp))]
+            }
             Ok(StreamEvent::Done(end)) => {
-                let mut v = vec![event(&shape.chunk(
-                    None,
-                    false,
-                    Some(finish_reason(end.finish_reason)),
-                ))];
+                let finish = Some(finish_reason(end.finish_reason));
+                let mut v = vec![event(&shape.chunk(None, false, finish, Value::Null))];
                 if shape.include_usage {
                     v.push(event(&shape.wrap(json!([]), usage_json(&end.usage))));
                 }

@@ -1,0 +1,145 @@
+//! Tests of request validation: fields refused by name, fields mapped
+//! onto the call, log-probabilities as each endpoint spells them.
+
+use super::*;
+
+fn err(body: serde_json::Value) -> ApiError {
+    chat(body.to_string().as_bytes()).unwrap_err()
+}
+
+#[test]
+fn unsupported_fields_are_refused_naming_the_field() {
+    let base = |k: &str, v: Value| {
+        let mut m =
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        m[k] = v;
+        m
+    };
+    assert_eq!(err(base("n", 2.into())).param.as_deref(), Some("n"));
+    assert_eq!(
+        err(base("tools", serde_json::json!([]))).param.as_deref(),
+        Some("tools")
+    );
+    assert_eq!(
+        err(base("frobnicate", 1.into())).param.as_deref(),
+        Some("frobnicate")
+    );
+    assert_eq!(
+        err(base("temperature", 3.into())).param.as_deref(),
+        Some("temperature")
+    );
+    let e = err(serde_json::json!({"model": "m", "messages": [{"role": "tool", "content": "x"}]}));
+    assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+    assert_eq!(
+        err(serde_json::json!({"messages": []})).param.as_deref(),
+        Some("messages")
+    );
+    // Neutral values of unsupported features pass.
+    let ok = chat(base("n", 1.into()).to_string().as_bytes());
+    assert!(ok.is_ok());
+}
+
+#[test]
+fn fields_map_onto_params() {
+    let v = chat(
+        serde_json::json!({
+            "model": "m",
+            "messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+                         {"role": "user", "content": "hi"}],
+            "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": 3,
+            "seed": 9, "stop": "END", "stream": true,
+            "stream_options": {"include_usage": true}, "user": "u1", "prompt_cache_key": "s"
+        })
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(v.params.max_tokens, Some(7));
+    assert_eq!(v.params.top_k, Some(3));
+    assert_eq!(v.params.stop, vec!["END".to_owned()]);
+    assert_eq!(v.params.session.as_deref(), Some("s"));
+    assert!(v.stream && v.include_usage);
+    let Prompt::Chat(m) = v.input else { panic!() };
+    assert_eq!(m[0].role, Role::System);
+    assert_eq!(m[0].content, "be brief");
+    let c = completion(br#"{"model": "m", "prompt": ["once upon"]}"#).unwrap();
+    assert!(matches!(c.input, Prompt::Text(p) if p == "once upon"));
+    assert!(completion(br#"{"model": "m", "messages": []}"#).is_err());
+}
+
+#[test]
+fn every_documented_field_kiln_lacks_is_refused_by_name() {
+    let lacking = [
+        ("tools", serde_json::json!([])),
+        ("tool_choice", "auto".into()),
+        ("parallel_tool_calls", true.into()),
+        ("functions", serde_json::json!([])),
+        ("function_call", "auto".into()),
+        ("audio", serde_json::json!({})),
+        ("modalities", serde_json::json!(["text"])),
+        ("prediction", serde_json::json!({})),
+        ("reasoning_effort", "low".into()),
+        ("verbosity", "low".into()),
+        ("web_search_options", serde_json::json!({})),
+        ("metadata", serde_json::json!({})),
+        ("store", false.into()),
+        ("service_tier", "auto".into()),
+        ("safety_identifier", "x".into()),
+        (
+            "response_format",
+            serde_json::json!({"type": "json_object"}),
+        ),
+        ("presence_penalty", 1.into()),
+        ("logit_bias", serde_json::json!({"1": 5})),
+    ];
+    for (k, v) in lacking {
+        let mut m =
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        m[k] = v;
+        assert_eq!(err(m).param.as_deref(), Some(k), "{k}");
+    }
+}
+
+#[test]
+fn log_probabilities_are_asked_for_as_each_endpoint_spells_it() {
+    let chat_with = |extra: Value| {
+        let mut m =
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            m[k] = v.clone();
+        }
+        chat(m.to_string().as_bytes())
+    };
+    let lp = |r: Result<Validated, ApiError>| r.unwrap().logprobs;
+    assert_eq!(lp(chat_with(serde_json::json!({}))), None);
+    assert_eq!(lp(chat_with(serde_json::json!({"logprobs": false}))), None);
+    assert_eq!(
+        lp(chat_with(serde_json::json!({"logprobs": true}))),
+        Some(0)
+    );
+    let both = serde_json::json!({"logprobs": true, "top_logprobs": 20});
+    assert_eq!(lp(chat_with(both)), Some(20));
+    let e = chat_with(serde_json::json!({"top_logprobs": 3})).unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("top_logprobs"));
+    let e = chat_with(serde_json::json!({"logprobs": true, "top_logprobs": 21})).unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("top_logprobs"));
+    let e = chat_with(serde_json::json!({"logprobs": 3})).unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("logprobs"));
+    let c = |body: &str| completion(body.as_bytes());
+    assert_eq!(
+        lp(c(r#"{"model": "m", "prompt": "a", "logprobs": 3}"#)),
+        Some(3)
+    );
+    assert_eq!(
+        lp(c(r#"{"model": "m", "prompt": "a", "logprobs": 0}"#)),
+        Some(0)
+    );
+    assert_eq!(
+        lp(c(r#"{"model": "m", "prompt": "a", "logprobs": false}"#)),
+        None
+    );
+    let e = c(r#"{"model": "m", "prompt": "a", "logprobs": true}"#).unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("logprobs"));
+    let e = c(r#"{"model": "m", "prompt": "a", "top_logprobs": 2}"#).unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("top_logprobs"));
+}
