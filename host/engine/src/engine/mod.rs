@@ -15,6 +15,7 @@ mod lru;
 mod overlap;
 pub mod prefix;
 mod request;
+mod samples;
 pub mod scheduler;
 mod step;
 pub mod step_budget;
@@ -31,6 +32,7 @@ pub use kiln_kernels::sample::MAX_TOP_LOGPROBS;
 pub use kv_manager::SeqId;
 pub use prefix::{PageHash, Salt};
 pub use request::{Finish, GenerateParams, Logprob, TokenLogprobs};
+pub use samples::MAX_SAMPLES;
 pub use scheduler::SchedulerConfig;
 
 use crate::model::{KvCache, Loaded, Runner, RunnerOptions};
@@ -224,6 +226,8 @@ pub struct Engine {
     /// Disaggregated: per runner lane, the pages retagged since its last
     /// step.
     retags: overlap::RetagQueues,
+    /// Samples of one prompt waiting for the first to compute it.
+    waiting: Vec<samples::Waiting>,
     /// Test-only: the next step fails once it has its batch (a panic, or
     /// an error as a device would return).
     #[cfg(any(test, feature = "fault-injection"))]
@@ -287,6 +291,7 @@ impl Engine {
             in_flight: None,
             deferred_free: Vec::new(),
             retags: Default::default(),
+            waiting: Vec::new(),
             #[cfg(any(test, feature = "fault-injection"))]
             fault_next_step: None,
         })
@@ -349,7 +354,7 @@ impl Engine {
 
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
-        !self.lanes.is_empty() || self.in_flight.is_some()
+        !self.lanes.is_empty() || self.in_flight.is_some() || !self.waiting.is_empty()
     }
 
     /// Sets `tenant`'s share weight: while tenants compete for this engine,
@@ -429,6 +434,9 @@ impl Engine {
     /// Cancels a request; its pages are freed now, or when the step in
     /// flight that may still write them lands.
     pub fn cancel(&mut self, seq: SeqId) -> bool {
+        if self.cancel_waiting(seq) {
+            return true;
+        }
         self.lanes.remove(seq);
         self.free_pages_of(seq);
         self.requests.remove(&seq).is_some()

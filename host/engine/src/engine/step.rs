@@ -35,6 +35,7 @@ impl Engine {
     /// lanes' steps overlap (`overlap.rs`).
     pub fn step(&mut self) -> Result<Vec<Event>, String> {
         let mut events = Vec::new();
+        self.release_waiting();
         let caps = self.step_budget.caps(self.lanes.contention());
         if self.lanes.disaggregated() {
             self.overlapped_step(caps, &mut events)?;

@@ -1,0 +1,102 @@
+//! Several samples of one prompt (OpenAI's `n`) that share its pages. The
+//! first sample runs at once; the others wait until its prompt has been
+//! computed and named in the tenant's prefix cache, then join: every full
+//! page of the prompt is a cache hit they share (reference counted, never
+//! written again), and only the last, partial page is computed again for
+//! each, which is the copy of that page each sample writes its own tokens
+//! into. Each sample draws from its own seeded stream.
+
+use super::prefix::{self, Salt};
+use super::request::Request;
+use super::{Engine, GenerateParams, PAGE_SIZE, SeqId, TenantId};
+
+/// Most samples one prompt may ask for.
+pub const MAX_SAMPLES: usize = 16;
+
+/// Samples waiting for their first sample's prompt.
+pub(super) struct Waiting {
+    /// The first sample.
+    leader: SeqId,
+    tenant: TenantId,
+    /// The others, in order, with their ids already given out.
+    rest: Vec<(SeqId, Request)>,
+}
+
+impl Engine {
+    /// Queues `n` (1 to [`MAX_SAMPLES`]) samples of `prompt` for `tenant`,
+    /// salted as [`Engine::add_salted`], sharing the prompt's pages; their
+    /// ids in order. Sample `i` draws with seed `seed + i` (each its own
+    /// random seed when `params` has none), so sample 0 is what one request
+    /// with `params` gives.
+    pub fn add_samples(
+        &mut self,
+        tenant: TenantId,
+        salt: Salt,
+        prompt: Vec<u32>,
+        params: GenerateParams,
+        n: usize,
+    ) -> Result<Vec<SeqId>, String> {
+        if !(1..=MAX_SAMPLES).contains(&n) {
+            return Err(format!(
+                "{n} samples of one prompt: ask for 1 to {MAX_SAMPLES}"
+            ));
+        }
+        let leader = self.add_salted(tenant, salt, prompt.clone(), params.clone())?;
+        let mut ids = vec![leader];
+        let mut rest = Vec::with_capacity(n - 1);
+        for i in 1..n as u64 {
+            let id = self.next_id;
+            self.next_id += 1;
+            let p = GenerateParams {
+                seed: params.seed.map(|s| s.wrapping_add(i)),
+                ..params.clone()
+            };
+            let mut request = Request::new(prompt.clone(), p);
+            prefix::extend_hashes(&mut request.hashes, &salt, &request.tokens, PAGE_SIZE);
+            request.salt = Some(salt);
+            rest.push((id, request));
+            ids.push(id);
+        }
+        if !rest.is_empty() {
+            self.waiting.push(Waiting {
+                leader,
+                tenant,
+                rest,
+            });
+        }
+        Ok(ids)
+    }
+
+    /// Queues the samples whose first sample has computed its prompt (or
+    /// has gone: then they compute it themselves).
+    pub(super) fn release_waiting(&mut self) {
+        let requests = &self.requests;
+        let (ready, still): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|w| {
+                requests
+                    .get(&w.leader)
+                    .is_none_or(|r| r.tokens.len() > r.prompt_len)
+            });
+        self.waiting = still;
+        for w in ready {
+            for (id, request) in w.rest {
+                self.lanes
+                    .add(id, w.tenant, request.prompt_len, request.hashes.clone());
+                self.requests.insert(id, request);
+            }
+        }
+    }
+
+    /// Drops a sample still waiting; whether `seq` was one.
+    pub(super) fn cancel_waiting(&mut self, seq: SeqId) -> bool {
+        let mut found = false;
+        for w in &mut self.waiting {
+            let before = w.rest.len();
+            w.rest.retain(|(id, _)| *id != seq);
+            found |= w.rest.len() < before;
+        }
+        self.waiting.retain(|w| !w.rest.is_empty());
+        found
+    }
+}
