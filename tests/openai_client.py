@@ -93,9 +93,29 @@ try:
 except openai.NotFoundError as e:
     assert e.status_code == 404, e
 
+# n samples: one choice each, sample 0 as the lone call with the same seed.
+story = [{"role": "user", "content": "Tell me a story about a cat."}]
+many = client.chat.completions.create(
+    model=model, messages=story, max_tokens=8, temperature=1.0, seed=5, n=3
+)
+assert [c.index for c in many.choices] == [0, 1, 2], many
+lone = client.chat.completions.create(model=model, messages=story, max_tokens=8, temperature=1.0, seed=5)
+assert many.choices[0].message.content == lone.choices[0].message.content, (many, lone)
+assert many.usage.prompt_tokens == lone.usage.prompt_tokens, many.usage
+# Every sample's tokens count (8 each unless one ended early).
+assert lone.usage.completion_tokens < many.usage.completion_tokens <= 24, many.usage
+streamed = client.chat.completions.create(
+    model=model, messages=story, max_tokens=8, temperature=1.0, seed=5, n=3, stream=True
+)
+texts = ["", "", ""]
+for chunk in streamed:
+    for c in chunk.choices:
+        texts[c.index] += c.delta.content or ""
+assert texts == [c.message.content for c in many.choices], (texts, many.choices)
+
 try:
-    client.chat.completions.create(model=model, messages=messages, n=2)
-    raise AssertionError("n=2 must fail")
+    client.chat.completions.create(model=model, messages=messages, n=17)
+    raise AssertionError("n=17 must fail")
 except openai.BadRequestError as e:
     assert e.body["param"] == "n", e.body
 

@@ -94,6 +94,24 @@ pub trait Inference: Send + Sync + 'static {
     fn call(&self, call: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>>;
     /// Starts a call whose text arrives as it is decoded.
     fn stream(&self, call: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>>;
+    /// Starts `n` samples of one call, each a stream; sample `i` draws
+    /// with the call's seed plus `i`. This default starts `n` calls; a
+    /// backend may let the samples share the prompt's work.
+    fn stream_samples(
+        &self,
+        call: ModelCall,
+        n: usize,
+    ) -> BoxFuture<'_, Result<Vec<Box<dyn TokenStream>>, AiError>> {
+        Box::pin(async move {
+            let mut streams = Vec::with_capacity(n);
+            for i in 0..n as u64 {
+                let mut one = call.clone();
+                one.params.seed = call.params.seed.map(|s| s.wrapping_add(i));
+                streams.push(self.stream(one).await?);
+            }
+            Ok(streams)
+        })
+    }
     /// The models `tenant` may call.
     fn list_models(&self, tenant: &str) -> Vec<ModelInfo>;
     /// Sets `tenant`'s share of shared model capacity while tenants

@@ -133,7 +133,7 @@ async fn api_errors_are_openai_error_objects_naming_the_problem() {
     );
     assert_eq!(e["error"]["param"], "model");
     for (field, value) in [
-        ("n", json!(2)),
+        ("n", json!(17)),
         ("tools", json!([])),
         ("frobnicate", json!(1)),
     ] {
@@ -156,6 +156,32 @@ async fn api_errors_are_openai_error_objects_naming_the_problem() {
     assert_eq!((st, e["error"]["param"].as_str()), (400, Some("prompt")));
     let models = s.get_json(&key, "/v1/models").await;
     assert_eq!(models["data"][0]["id"], DEFAULT_MODEL);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn samples_of_one_prompt_share_its_cached_pages() {
+    let s = TestServer::start_with_models().await;
+    let key = s.tenant("a").await;
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(20);
+    let mut body = chat_body(&long, 4);
+    body["n"] = 3.into();
+    body["temperature"] = 1.0.into();
+    let (st, v) = s.openai(&key, "/v1/chat/completions", None, &body).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"].as_array().map(Vec::len), Some(3), "{v}");
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    let full = prompt / 16 * 16;
+    let hit = [
+        "kiln_prefix_cache_tokens_total{",
+        "tenant=\"a\"",
+        "result=\"hit\"",
+    ];
+    // The two later samples hit every full page the first computed.
+    let hits = s.metric(&hit).await as u64;
+    assert!(
+        hits + 32 >= 2 * full && hits <= 2 * full,
+        "{hits} hit of 2 x {full}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

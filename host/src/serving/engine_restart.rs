@@ -39,7 +39,7 @@ impl PoolThread {
             Failure::Error(e) => (format!("failed: {e}"), false),
         };
         let mut failed = Vec::new();
-        if let Some(live) = self.admitting.take() {
+        for live in std::mem::take(&mut self.admitting) {
             failed.push((None, live.tenant.clone()));
             self.fail(live);
         }
@@ -53,7 +53,7 @@ impl PoolThread {
                         salt,
                         ids,
                         params,
-                        out: live.out,
+                        outs: vec![live.out],
                         restarts: live.restarts + 1,
                     }));
                 }
@@ -136,8 +136,10 @@ impl PoolThread {
             match msg {
                 Msg::Submit(sub) => {
                     let e = "the model's engine is restarting; retry shortly".to_owned();
-                    let _ = sub.out.send(Out::Error(AiError::Overloaded(e)));
-                    self.load.fetch_sub(1, Ordering::Relaxed);
+                    for out in sub.outs {
+                        let _ = out.send(Out::Error(AiError::Overloaded(e.clone())));
+                        self.load.fetch_sub(1, Ordering::Relaxed);
+                    }
                 }
                 #[cfg(feature = "fault-injection")]
                 Msg::InjectFault(_) => {}
@@ -152,8 +154,10 @@ impl PoolThread {
         let e = || AiError::Aborted("the server is shutting down; retry the request".into());
         for msg in std::mem::take(&mut self.inbox) {
             if let Msg::Submit(sub) = msg {
-                let _ = sub.out.send(Out::Error(e()));
-                self.load.fetch_sub(1, Ordering::Relaxed);
+                for out in sub.outs {
+                    let _ = out.send(Out::Error(e()));
+                    self.load.fetch_sub(1, Ordering::Relaxed);
+                }
             }
         }
         for live in std::mem::take(&mut self.outs).into_values() {

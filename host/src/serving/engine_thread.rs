@@ -40,7 +40,9 @@ pub(super) struct Submit {
     pub(super) salt: Salt,
     pub(super) ids: Vec<u32>,
     pub(super) params: GenerateParams,
-    pub(super) out: tmpsc::UnboundedSender<Out>,
+    /// One channel per sample of the prompt (usually one); sample `i`
+    /// draws with the params' seed plus `i`.
+    pub(super) outs: Vec<tmpsc::UnboundedSender<Out>>,
     /// Engine failures the request has lived through (0 when new).
     pub(super) restarts: u32,
 }
@@ -138,8 +140,9 @@ struct PoolThread {
     /// Messages taken from the channel and not yet handled (a failure
     /// leaves the rest here for the rebuilt engine).
     inbox: VecDeque<Msg>,
-    /// The request being admitted: a failure now is its doing.
-    admitting: Option<Live>,
+    /// The request being admitted (a `Live` per sample): a failure now is
+    /// its doing.
+    admitting: Vec<Live>,
     /// A step is running: a failure now concerns its sequences.
     stepping: bool,
 }
@@ -194,7 +197,7 @@ pub(super) fn spawn(
         outs: HashMap::new(),
         aborts_seen: 0,
         inbox: VecDeque::new(),
-        admitting: None,
+        admitting: Vec::new(),
         stepping: false,
     };
     let compute = match threads {
@@ -305,24 +308,39 @@ impl PoolThread {
     fn admit(&mut self, engine: &mut Engine, sub: Submit) {
         let tenant = self.tenant_id(&sub.tenant);
         engine.set_tenant_weight(tenant, sub.weight);
-        self.admitting = Some(Live {
-            out: sub.out,
-            tenant: sub.tenant,
-            weight: sub.weight,
-            replay: Some((sub.salt, sub.ids.clone(), sub.params.clone())),
-            restarts: sub.restarts,
-        });
-        let added = engine.add_salted(tenant, sub.salt, sub.ids, sub.params);
-        let Some(live) = self.admitting.take() else {
-            return;
+        let n = sub.outs.len();
+        // Each sample replays alone, with its own seed.
+        self.admitting = (sub.outs.into_iter().enumerate())
+            .map(|(i, out)| {
+                let seed = sub.params.seed.map(|s| s.wrapping_add(i as u64));
+                let params = GenerateParams {
+                    seed,
+                    ..sub.params.clone()
+                };
+                Live {
+                    out,
+                    tenant: sub.tenant.clone(),
+                    weight: sub.weight,
+                    replay: Some((sub.salt, sub.ids.clone(), params)),
+                    restarts: sub.restarts,
+                }
+            })
+            .collect();
+        let added = if n == 1 {
+            engine
+                .add_salted(tenant, sub.salt, sub.ids, sub.params)
+                .map(|seq| vec![seq])
+        } else {
+            engine.add_samples(tenant, sub.salt, sub.ids, sub.params, n)
         };
+        let lives = std::mem::take(&mut self.admitting);
         match added {
-            Ok(seq) => {
-                self.outs.insert(seq, live);
-            }
+            Ok(seqs) => self.outs.extend(seqs.into_iter().zip(lives)),
             Err(e) => {
-                let _ = live.out.send(Out::Error(AiError::InvalidInput(e)));
-                self.load.fetch_sub(1, Ordering::Relaxed);
+                for live in lives {
+                    let _ = live.out.send(Out::Error(AiError::InvalidInput(e.clone())));
+                    self.load.fetch_sub(1, Ordering::Relaxed);
+                }
             }
         }
     }

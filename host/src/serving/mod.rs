@@ -157,8 +157,8 @@ impl ServedModels {
         model: &str,
         prompt: Prompt,
         params: Params,
-        logprobs: Option<u8>,
-    ) -> Result<tmpsc::UnboundedReceiver<Out>, AiError> {
+        (logprobs, n): (Option<u8>, usize),
+    ) -> Result<Vec<tmpsc::UnboundedReceiver<Out>>, AiError> {
         let served = self.models.get(model).ok_or_else(|| {
             let mut names: Vec<&str> = self.models.keys().map(String::as_str).collect();
             names.sort();
@@ -207,8 +207,8 @@ impl ServedModels {
                 pool: route.pool().to_string(),
             })
             .inc();
-        let (out, rx) = tmpsc::unbounded_channel();
-        pool.load.fetch_add(1, Ordering::Relaxed);
+        let (outs, rxs): (Vec<_>, Vec<_>) = (0..n).map(|_| tmpsc::unbounded_channel()).unzip();
+        pool.load.fetch_add(n, Ordering::Relaxed);
         let weight = self
             .weights
             .read()
@@ -222,16 +222,16 @@ impl ServedModels {
             salt,
             ids,
             params: generate,
-            out,
+            outs,
             restarts: 0,
         }));
         if sent.is_err() {
-            pool.load.fetch_sub(1, Ordering::Relaxed);
+            pool.load.fetch_sub(n, Ordering::Relaxed);
             return Err(AiError::RuntimeError(
                 "the model's engine has stopped".into(),
             ));
         }
-        Ok(rx)
+        Ok(rxs)
     }
 }
 
@@ -372,21 +372,40 @@ fn messages(m: Vec<kiln_runtime::Message>) -> Vec<ChatMessage> {
 
 type Fut<'a, T> = kiln_runtime::BoxFuture<'a, Result<T, AiError>>;
 
+/// The one channel of a call of one sample.
+fn one(
+    mut rxs: Vec<tmpsc::UnboundedReceiver<Out>>,
+) -> Result<tmpsc::UnboundedReceiver<Out>, AiError> {
+    rxs.pop().ok_or_else(dropped)
+}
+
 impl Inference for ServedModels {
     fn call(&self, call: ModelCall) -> Fut<'_, Completion> {
-        let rx = self.submit(&call.tenant, &call.model, call.prompt, call.params, None);
-        Box::pin(async move { collect(rx?).await })
-    }
-
-    fn stream(&self, call: ModelCall) -> Fut<'_, Box<dyn TokenStream>> {
         let rx = self.submit(
             &call.tenant,
             &call.model,
             call.prompt,
             call.params,
-            call.logprobs,
+            (None, 1),
         );
-        Box::pin(async move { Ok(Box::new(Stream(rx?, Vec::new())) as Box<dyn TokenStream>) })
+        Box::pin(async move { collect(one(rx?)?).await })
+    }
+
+    fn stream(&self, call: ModelCall) -> Fut<'_, Box<dyn TokenStream>> {
+        let asked = (call.logprobs, 1);
+        let rx = self.submit(&call.tenant, &call.model, call.prompt, call.params, asked);
+        Box::pin(async move { Ok(Box::new(Stream(one(rx?)?, Vec::new())) as Box<dyn TokenStream>) })
+    }
+
+    fn stream_samples(&self, call: ModelCall, n: usize) -> Fut<'_, Vec<Box<dyn TokenStream>>> {
+        let asked = (call.logprobs, n);
+        let rxs = self.submit(&call.tenant, &call.model, call.prompt, call.params, asked);
+        Box::pin(async move {
+            let streams = rxs?
+                .into_iter()
+                .map(|rx| Box::new(Stream(rx, Vec::new())) as Box<dyn TokenStream>);
+            Ok(streams.collect())
+        })
     }
 
     fn set_share_weight(&self, tenant: &str, weight: u32) {

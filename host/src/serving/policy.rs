@@ -480,6 +480,46 @@ impl Inference for Gateway {
         })
     }
 
+    fn stream_samples(
+        &self,
+        call: ModelCall,
+        n: usize,
+    ) -> BoxFuture<'_, Result<Vec<Box<dyn TokenStream>>, AiError>> {
+        Box::pin(async move {
+            // Each sample is a call of its own to the tenant's quotas.
+            let mut permits = Vec::with_capacity(n);
+            for _ in 0..n {
+                match self.admit(&call.tenant, &call.model, Cost::of_call(&call)) {
+                    Ok(p) => permits.push(p),
+                    Err(e) => {
+                        permits.iter_mut().for_each(|p| p.settle(0, 0));
+                        return Err(e);
+                    }
+                }
+            }
+            let until = tokio::time::Instant::now() + self.deadline;
+            let streams =
+                match tokio::time::timeout_at(until, self.inner.stream_samples(call, n)).await {
+                    Ok(Ok(s)) => s,
+                    Ok(Err(e)) => {
+                        permits.iter_mut().for_each(|p| p.settle_error(&e));
+                        return Err(e);
+                    }
+                    Err(_) => return Err(self.deadline_error()),
+                };
+            let guarded = streams.into_iter().zip(permits).map(|(inner, permit)| {
+                Box::new(Guarded {
+                    inner,
+                    permit,
+                    until,
+                    expired: self.deadline_error(),
+                    deltas: 0,
+                }) as Box<dyn TokenStream>
+            });
+            Ok(guarded.collect())
+        })
+    }
+
     fn set_share_weight(&self, tenant: &str, weight: u32) {
         self.inner.set_share_weight(tenant, weight);
     }

@@ -120,39 +120,58 @@ where
 {
     let call = prepare(&app, req, request::chat, "chatcmpl").await?;
     if call.v.stream {
-        let stream = app.ai.stream(call.model_call()).await?;
-        return Ok(sse::respond(stream, sse::Shape::chat(&call)));
+        let streams = app.ai.stream_samples(call.model_call(), call.v.n).await?;
+        return Ok(sse::respond(streams, sse::Shape::chat(&call)));
     }
-    let (c, lp) = answer(&app, &call).await?;
-    let logprobs = lp.map_or(serde_json::Value::Null, |lp| logprobs::chat(&lp));
+    let answers = answers(&app, &call).await?;
+    let choices: Vec<_> = (answers.iter().enumerate())
+        .map(|(i, (c, lp))| {
+            serde_json::json!({
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": lp.as_deref().map_or(serde_json::Value::Null, logprobs::chat),
+                "finish_reason": finish_reason(c.finish_reason),
+            })
+        })
+        .collect();
     Ok(json(
         StatusCode::OK,
         serde_json::json!({
             "id": call.id, "object": "chat.completion", "created": call.created,
-            "model": call.v.model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason(c.finish_reason),
-            }],
-            "usage": usage_json(&c.usage),
+            "model": call.v.model, "choices": choices, "usage": total_usage(&answers),
         }),
     ))
 }
 
-/// A call run to its end; with the tokens' log-probabilities when it asked
-/// for them (those come with the stream).
-async fn answer(
-    app: &App,
-    call: &Call,
-) -> Result<(Completion, Option<Vec<TokenLogprob>>), ApiError> {
-    if call.v.logprobs.is_none() {
-        return Ok((app.ai.call(call.model_call()).await?, None));
+/// Each sample of a call run to its end; with the tokens'
+/// log-probabilities when it asked for them (those come with streams).
+async fn answers(app: &App, call: &Call) -> Result<Vec<Answer>, ApiError> {
+    if call.v.logprobs.is_none() && call.v.n == 1 {
+        return Ok(vec![(app.ai.call(call.model_call()).await?, None)]);
     }
-    let stream = app.ai.stream(call.model_call()).await?;
-    let (c, lp) = logprobs::collect(stream).await?;
-    Ok((c, Some(lp)))
+    let streams = app.ai.stream_samples(call.model_call(), call.v.n).await?;
+    let mut out = Vec::with_capacity(streams.len());
+    for s in streams {
+        let (c, lp) = logprobs::collect(s).await?;
+        out.push((c, call.v.logprobs.map(|_| lp)));
+    }
+    Ok(out)
+}
+
+/// A sample's completion and its tokens' log-probabilities if asked.
+type Answer = (Completion, Option<Vec<TokenLogprob>>);
+
+/// The usage of a call's samples: the prompt once (the samples share it),
+/// every sample's completion.
+fn total_usage(answers: &[Answer]) -> serde_json::Value {
+    let first = answers.first().map(|(c, _)| c.usage);
+    let mut u = first.unwrap_or(Usage {
+        prompt_tokens: 0,
+        completion_tokens: 0,
+        cached_prompt_tokens: 0,
+    });
+    u.completion_tokens = answers.iter().map(|(c, _)| c.usage.completion_tokens).sum();
+    usage_json(&u)
 }
 
 /// `POST /v1/completions`.
@@ -166,21 +185,24 @@ where
 {
     let call = prepare(&app, req, request::completion, "cmpl").await?;
     if call.v.stream {
-        let stream = app.ai.stream(call.model_call()).await?;
-        return Ok(sse::respond(stream, sse::Shape::completion(&call)));
+        let streams = app.ai.stream_samples(call.model_call(), call.v.n).await?;
+        return Ok(sse::respond(streams, sse::Shape::completion(&call)));
     }
-    let (c, lp) = answer(&app, &call).await?;
-    let logprobs = lp.map_or(serde_json::Value::Null, |lp| logprobs::completion(&lp, 0).0);
+    let answers = answers(&app, &call).await?;
+    let choices: Vec<_> = (answers.iter().enumerate())
+        .map(|(i, (c, lp))| {
+            let lp = lp.as_deref().map(|lp| logprobs::completion(lp, 0).0);
+            serde_json::json!({
+                "index": i, "text": c.text, "logprobs": lp,
+                "finish_reason": finish_reason(c.finish_reason),
+            })
+        })
+        .collect();
     Ok(json(
         StatusCode::OK,
         serde_json::json!({
             "id": call.id, "object": "text_completion", "created": call.created,
-            "model": call.v.model,
-            "choices": [{
-                "index": 0, "text": c.text, "logprobs": logprobs,
-                "finish_reason": finish_reason(c.finish_reason),
-            }],
-            "usage": usage_json(&c.usage),
+            "model": call.v.model, "choices": choices, "usage": total_usage(&answers),
         }),
     ))
 }

@@ -28,6 +28,8 @@ pub(super) struct Validated {
     /// tokens' (chat's `logprobs: true` with `top_logprobs`, completions'
     /// `logprobs: n`).
     pub(super) logprobs: Option<u8>,
+    /// Samples of the prompt to answer with (choices).
+    pub(super) n: usize,
     _sealed: Sealed,
 }
 
@@ -178,7 +180,7 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
         session: None,
     };
     let (mut stream, mut include_usage, mut stream_options) = (false, false, false);
-    let (mut logprobs, mut top_logprobs) = (None, None);
+    let (mut logprobs, mut top_logprobs, mut n) = (None, None, 1);
     for (key, v) in &map {
         let k = key.as_str();
         if v.is_null() && k != "messages" && k != "prompt" && k != "model" {
@@ -246,7 +248,16 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
                 string(k, v)?;
             }
             "prompt_cache_key" => params.session = Some(string(k, v)?),
-            "n" | "best_of" => neutral(k, v, v.as_u64() == Some(1))?,
+            "n" => {
+                let most = kiln_engine::engine::MAX_SAMPLES as u64;
+                n = v
+                    .as_u64()
+                    .filter(|n| (1..=most).contains(n))
+                    .ok_or_else(|| {
+                        bad(k, format!("expected an integer from 1 to {most}, got {v}"))
+                    })? as usize;
+            }
+            "best_of" => neutral(k, v, v.as_u64() == Some(1))?,
             "presence_penalty" | "frequency_penalty" => neutral(k, v, v.as_f64() == Some(0.0))?,
             "logprobs" if chat => {
                 let on = v
@@ -291,6 +302,7 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
         stream,
         include_usage,
         logprobs,
+        n,
         _sealed: Sealed,
     })
 }

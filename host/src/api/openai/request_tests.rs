@@ -15,7 +15,12 @@ fn unsupported_fields_are_refused_naming_the_field() {
         m[k] = v;
         m
     };
-    assert_eq!(err(base("n", 2.into())).param.as_deref(), Some("n"));
+    assert_eq!(err(base("n", 17.into())).param.as_deref(), Some("n"));
+    assert_eq!(err(base("n", 0.into())).param.as_deref(), Some("n"));
+    assert_eq!(
+        err(base("best_of", 2.into())).param.as_deref(),
+        Some("best_of")
+    );
     assert_eq!(
         err(base("tools", serde_json::json!([]))).param.as_deref(),
         Some("tools")
@@ -37,6 +42,8 @@ fn unsupported_fields_are_refused_naming_the_field() {
     // Neutral values of unsupported features pass.
     let ok = chat(base("n", 1.into()).to_string().as_bytes());
     assert!(ok.is_ok());
+    let three = chat(base("n", 3.into()).to_string().as_bytes()).unwrap();
+    assert_eq!(three.n, 3);
 }
 
 #[test]

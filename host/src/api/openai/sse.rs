@@ -1,7 +1,8 @@
 //! Streamed answers as server-sent events: one chunk per decoded piece of
-//! text, a last chunk with the finish reason, a usage chunk if asked, then
-//! `data: [DONE]`. A client that goes away drops the body, which drops the
-//! model stream and cancels the sequence.
+//! text of a sample (its choice `index`), a last chunk per sample with its
+//! finish reason, a usage chunk if asked, then `data: [DONE]`. A client
+//! that goes away drops the body, which drops the samples' streams and
+//! cancels their sequences.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -10,7 +11,7 @@ use bytes::Bytes;
 use http_body::Frame;
 use http_body_util::BodyExt;
 use hyper::{Response, StatusCode, header};
-use kiln_runtime::{StreamEvent, TokenStream};
+use kiln_runtime::{AiError, StreamEvent, TokenLogprob, TokenStream, Usage};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
@@ -52,9 +53,15 @@ impl Shape {
         }
     }
 
-    /// A chunk with one choice: text (as a delta in chat), the
+    /// A chunk with choice `index`: text (as a delta in chat), the
     /// log-probabilities of its tokens and a finish reason.
-    fn chunk(&self, text: Option<&str>, role: bool, finish: Option<&str>, lp: Value) -> Value {
+    fn chunk(
+        &self,
+        index: usize,
+        text: Option<&str>,
+        role: bool,
+        (finish, lp): (Option<&str>, Value),
+    ) -> Value {
         let choice = if self.chat {
             let mut delta = serde_json::Map::new();
             if role {
@@ -63,9 +70,10 @@ impl Shape {
             if let Some(t) = text {
                 delta.insert("content".into(), t.into());
             }
-            json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish})
+            json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
         } else {
-            json!({"index": 0, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish})
+            let text = text.unwrap_or("");
+            json!({"index": index, "text": text, "logprobs": lp, "finish_reason": finish})
         };
         self.wrap(json!([choice]), Value::Null)
     }
@@ -101,40 +109,75 @@ impl http_body::Body for ChannelBody {
     }
 }
 
-/// Pumps `stream` into SSE events until it ends or the client leaves.
-async fn pump(mut stream: Box<dyn TokenStream>, shape: Shape, tx: mpsc::Sender<Bytes>) {
-    if shape.chat
-        && tx
-            .send(event(&shape.chunk(Some(""), true, None, Value::Null)))
-            .await
-            .is_err()
-    {
-        return;
-    }
-    // Where the next chunk's text starts in the completion (characters).
-    let mut offset = 0;
+/// One sample's next event and the log-probabilities of its tokens.
+type Sampled = (usize, Result<StreamEvent, AiError>, Vec<TokenLogprob>);
+
+/// Forwards sample `index`'s events until it ends or nobody listens; then
+/// drops `stream`, which cancels it.
+async fn forward(index: usize, mut stream: Box<dyn TokenStream>, tx: mpsc::Sender<Sampled>) {
     loop {
-        let out = match stream.next().await {
+        let ev = tokio::select! {
+            ev = stream.next() => ev,
+            _ = tx.closed() => return,
+        };
+        let end = !matches!(ev, Ok(StreamEvent::Delta(_)));
+        let lp = stream.logprobs();
+        if tx.send((index, ev, lp)).await.is_err() || end {
+            return;
+        }
+    }
+}
+
+/// Pumps the samples' `streams` into SSE events, each chunk one sample's
+/// choice, until every sample ends, one fails or the client leaves.
+async fn pump(streams: Vec<Box<dyn TokenStream>>, shape: Shape, tx: mpsc::Sender<Bytes>) {
+    let n = streams.len();
+    if shape.chat {
+        for i in 0..n {
+            let first = shape.chunk(i, Some(""), true, (None, Value::Null));
+            if tx.send(event(&first)).await.is_err() {
+                return;
+            }
+        }
+    }
+    let (etx, mut events) = mpsc::channel(64);
+    for (i, s) in streams.into_iter().enumerate() {
+        tokio::spawn(forward(i, s, etx.clone()));
+    }
+    drop(etx);
+    // Where each sample's next chunk starts in its completion (characters).
+    let mut offsets = vec![0; n];
+    let (mut open, mut usage) = (n, None::<Usage>);
+    while let Some((i, ev, tokens)) = events.recv().await {
+        let out = match ev {
             Ok(StreamEvent::Delta(t)) => {
-                let tokens = stream.logprobs();
                 let lp = match (shape.logprobs, shape.chat) {
                     (false, _) => Value::Null,
                     (true, true) => logprobs::chat(&tokens),
                     (true, false) => {
-                        let (v, next) = logprobs::completion(&tokens, offset);
-                        offset = next;
+                        let (v, next) = logprobs::completion(&tokens, offsets[i]);
+                        offsets[i] = next;
                         v
                     }
                 };
-                vec![event(&shape.chunk(Some(&t), false, None, lp))]
+                vec![event(&shape.chunk(i, Some(&t), false, (None, lp)))]
             }
             Ok(StreamEvent::Done(end)) => {
+                open -= 1;
                 let finish = Some(finish_reason(end.finish_reason));
-                let mut v = vec![event(&shape.chunk(None, false, finish, Value::Null))];
-                if shape.include_usage {
-                    v.push(event(&shape.wrap(json!([]), usage_json(&end.usage))));
+                let mut v = vec![event(&shape.chunk(i, None, false, (finish, Value::Null)))];
+                // The prompt once (the samples share it), every completion.
+                let total = usage.get_or_insert(Usage {
+                    completion_tokens: 0,
+                    ..end.usage
+                });
+                total.completion_tokens += end.usage.completion_tokens;
+                if open == 0 {
+                    if shape.include_usage {
+                        v.push(event(&shape.wrap(json!([]), usage_json(total))));
+                    }
+                    v.push(Bytes::from_static(b"data: [DONE]\n\n"));
                 }
-                v.push(Bytes::from_static(b"data: [DONE]\n\n"));
                 v
             }
             Err(e) => vec![
@@ -145,7 +188,7 @@ async fn pump(mut stream: Box<dyn TokenStream>, shape: Shape, tx: mpsc::Sender<B
         let last = out.last().is_some_and(|b| b.starts_with(b"data: [DONE]"));
         for b in out {
             if tx.send(b).await.is_err() {
-                return; // the client went away: dropping `stream` cancels
+                return; // the client went away: the samples are cancelled
             }
         }
         if last {
@@ -154,10 +197,10 @@ async fn pump(mut stream: Box<dyn TokenStream>, shape: Shape, tx: mpsc::Sender<B
     }
 }
 
-/// A `text/event-stream` response fed by `stream`.
-pub(super) fn respond(stream: Box<dyn TokenStream>, shape: Shape) -> Response<Body> {
+/// A `text/event-stream` response fed by the samples' `streams`.
+pub(super) fn respond(streams: Vec<Box<dyn TokenStream>>, shape: Shape) -> Response<Body> {
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(pump(stream, shape, tx));
+    tokio::spawn(pump(streams, shape, tx));
     let mut resp = Response::new(ChannelBody(rx).boxed_unsync());
     *resp.status_mut() = StatusCode::OK;
     let h = resp.headers_mut();
