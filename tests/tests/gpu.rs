@@ -8,6 +8,8 @@ use kiln_host::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, Ten
 use kiln_kernels::Device;
 use kiln_tests::{chat_ids, default_model};
 
+#[path = "gpu/api_features.rs"]
+mod api_features;
 #[path = "gpu/kernels.rs"]
 mod kernels;
 #[path = "gpu/lanes.rs"]

@@ -70,11 +70,12 @@ fn the_skinny_gemm_gives_the_logits_of_cublas() {
 #[test]
 #[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn the_cluster_gemm_gives_the_logits_of_cublas() {
-    // Prefills of 24 and 64 rows (both row-block counts the cluster GEMM
-    // builds), then one-token steps: every bf16 projection of the prefill
-    // runs the cluster GEMM in the second engine and cuBLAS in the first;
-    // the bound is the skinny GEMM's.
-    for shape in [(28, 24), (68, 64)] {
+    // Prefills of 24 and 32 rows, then one-token steps: every bf16
+    // projection of the prefill runs the cluster GEMM in the second engine
+    // and cuBLAS in the first (above 32 rows the engine keeps cuBLAS for
+    // this model's short rows; the kernel's own tests cover 64); the bound
+    // is the skinny GEMM's.
+    for shape in [(28, 24), (36, 32)] {
         kernels_agree(
             |c| EngineConfig {
                 cuda_cluster: false,

@@ -1,0 +1,89 @@
+//! Log-probabilities and samples of one prompt on the test device: the
+//! host reads the device's logits for them, so they must give the tokens
+//! the device's own argmax and sampling give.
+
+use std::collections::HashMap;
+
+use kiln_host::engine::{Event, GenerateParams, Salt, TenantId};
+use kiln_tests::chat_ids;
+
+use super::{device, engine_with};
+
+/// Runs everything queued: each sequence's tokens and log-probabilities.
+fn drain(e: &mut kiln_host::engine::Engine) -> HashMap<u64, Vec<(u32, Option<f32>)>> {
+    let mut out: HashMap<u64, Vec<(u32, Option<f32>)>> = HashMap::new();
+    while e.has_work() {
+        for ev in e.step().unwrap() {
+            if let Event::Token {
+                seq,
+                token: Some(t),
+                logprobs,
+                ..
+            } = ev
+            {
+                let lp = logprobs.map(|l| {
+                    assert_eq!(l.chosen.id, t);
+                    l.chosen.logprob
+                });
+                out.entry(seq).or_default().push((t, lp));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn log_probabilities_on_the_test_device_keep_its_greedy_tokens() {
+    // Graphs on: without log-probabilities the device picks the argmax.
+    let mut e = engine_with(device(), true);
+    let ids = chat_ids(&e, super::PROMPTS[0]);
+    let params = |logprobs| GenerateParams {
+        max_tokens: 12,
+        temperature: 0.0,
+        ignore_eos: true,
+        logprobs,
+        ..Default::default()
+    };
+    let plain = e.add(TenantId(0), ids.clone(), params(None)).unwrap();
+    let asked = e.add(TenantId(1), ids, params(Some(3))).unwrap();
+    let got = drain(&mut e);
+    let tokens = |s: u64| got[&s].iter().map(|(t, _)| *t).collect::<Vec<_>>();
+    assert_eq!(tokens(plain), tokens(asked));
+    assert!(
+        got[&asked]
+            .iter()
+            .all(|(_, lp)| lp.is_some_and(|v| v <= 0.0))
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn samples_on_the_test_device_draw_as_lone_requests() {
+    let ids = {
+        let e = engine_with(device(), true);
+        chat_ids(&e, &super::PROMPTS[1].repeat(3))
+    };
+    let salt = Salt::derive(&[3; 32], "m", "t");
+    let params = |seed| GenerateParams {
+        max_tokens: 10,
+        temperature: 0.8,
+        seed: Some(seed),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut e = engine_with(device(), true);
+    let group = e
+        .add_samples(TenantId(0), salt, ids.clone(), params(9), 3)
+        .unwrap();
+    let got = drain(&mut e);
+    // A lone request after them hits the same cached pages, so it computes
+    // what a later sample did: the same tokens from the same seed.
+    for (i, seq) in group.iter().enumerate().skip(1) {
+        let s = e
+            .add_salted(TenantId(0), salt, ids.clone(), params(9 + i as u64))
+            .unwrap();
+        assert_eq!(got[seq], drain(&mut e)[&s], "sample {i}");
+    }
+    assert_ne!(got[&group[1]], got[&group[2]], "two seeds drew the same");
+}
