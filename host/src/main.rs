@@ -123,6 +123,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         stop: args.stop,
         ignore_eos: false,
         logprobs: None,
+        format: None,
     };
     let out = engine
         .generate(TenantId(0), ids, params)

@@ -265,6 +265,7 @@ fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
         stop: p.stop,
         ignore_eos: false,
         logprobs: None,
+        format: None,
     })
 }
 

@@ -7,6 +7,7 @@
 //! free queue; `model::step` holds the only types that cross to the model.
 
 pub mod block_pool;
+mod constraint;
 mod drive;
 pub mod integrity;
 pub mod kv_manager;
@@ -28,6 +29,7 @@ use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 
 pub use block_pool::{PrefixChange, TenantId};
+pub use constraint::OutputFormat;
 pub use kiln_kernels::sample::MAX_TOP_LOGPROBS;
 pub use kv_manager::SeqId;
 pub use prefix::{PageHash, Salt};
@@ -228,6 +230,9 @@ pub struct Engine {
     retags: overlap::RetagQueues,
     /// Samples of one prompt waiting for the first to compute it.
     waiting: Vec<samples::Waiting>,
+    /// Output formats' compiler for this model, made at the first request
+    /// with a format.
+    formats: Option<constraint::Formats>,
     /// Test-only: the next step fails once it has its batch (a panic, or
     /// an error as a device would return).
     #[cfg(any(test, feature = "fault-injection"))]
@@ -292,6 +297,7 @@ impl Engine {
             deferred_free: Vec::new(),
             retags: Default::default(),
             waiting: Vec::new(),
+            formats: None,
             #[cfg(any(test, feature = "fault-injection"))]
             fault_next_step: None,
         })
@@ -411,9 +417,15 @@ impl Engine {
                 limit - 1
             ));
         }
+        let matcher = params
+            .format
+            .as_ref()
+            .map(|f| self.matcher(f))
+            .transpose()?;
         let id = self.next_id;
         self.next_id += 1;
         let mut request = Request::new(prompt, params);
+        request.matcher = matcher;
         if let Some(salt) = salt {
             prefix::extend_hashes(&mut request.hashes, &salt, &request.tokens, PAGE_SIZE);
             request.salt = Some(salt);
@@ -440,6 +452,19 @@ impl Engine {
         self.lanes.remove(seq);
         self.free_pages_of(seq);
         self.requests.remove(&seq).is_some()
+    }
+
+    /// A matcher for `format` over this model's vocabulary.
+    fn matcher(&mut self, format: &OutputFormat) -> Result<llguidance::Matcher, String> {
+        let formats = match &mut self.formats {
+            Some(f) => f,
+            None => {
+                let vocab = self.loaded.model.config.vocab;
+                let f = constraint::Formats::new(&self.loaded.tokenizer, vocab)?;
+                self.formats.insert(f)
+            }
+        };
+        formats.matcher(format)
     }
 
     /// Test-only: corrupts `victim`'s mapping with one of `donor`'s pages.

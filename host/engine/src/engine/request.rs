@@ -31,6 +31,9 @@ pub struct GenerateParams {
     ///
     /// [`Event`]: super::Event
     pub logprobs: Option<usize>,
+    /// What the output must be (any JSON object, or JSON a schema
+    /// accepts); free text when `None`.
+    pub format: Option<super::OutputFormat>,
 }
 
 /// A generated token's log-probability under the model (before
@@ -77,6 +80,7 @@ impl Default for GenerateParams {
             stop: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            format: None,
         }
     }
 }
@@ -106,6 +110,8 @@ pub(super) struct Request {
     pub(super) hashes: Vec<PageHash>,
     /// Prompt tokens found in the prefix cache at first admission.
     pub(super) cached_tokens: Option<usize>,
+    /// The output format's matcher, at the tokens generated so far.
+    pub(super) matcher: Option<llguidance::Matcher>,
 }
 
 impl Request {
@@ -123,6 +129,7 @@ impl Request {
             salt: None,
             hashes: Vec::new(),
             cached_tokens: None,
+            matcher: None,
         }
     }
 

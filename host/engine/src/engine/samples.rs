@@ -42,6 +42,9 @@ impl Engine {
             ));
         }
         let leader = self.add_salted(tenant, salt, prompt.clone(), params.clone())?;
+        // Every sample starts its output format where the first does.
+        let matcher = self.requests[&leader].matcher.as_ref();
+        let matcher = matcher.map(llguidance::Matcher::deep_clone);
         let mut ids = vec![leader];
         let mut rest = Vec::with_capacity(n - 1);
         for i in 1..n as u64 {
@@ -52,6 +55,7 @@ impl Engine {
                 ..params.clone()
             };
             let mut request = Request::new(prompt.clone(), p);
+            request.matcher = matcher.as_ref().map(llguidance::Matcher::deep_clone);
             prefix::extend_hashes(&mut request.hashes, &salt, &request.tokens, PAGE_SIZE);
             request.salt = Some(salt);
             rest.push((id, request));

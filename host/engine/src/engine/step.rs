@@ -173,8 +173,9 @@ impl Engine {
         let device_draws = self.runner.on_gpu() && self.device_sampling;
         run.iter()
             .map(|s| match self.requests.get_mut(&s.seq) {
-                // Log-probabilities come from the logits, on the host.
-                Some(r) if r.params.logprobs.is_some() => Draw::Logits,
+                // Log-probabilities and output formats take the logits, on
+                // the host.
+                Some(r) if r.params.logprobs.is_some() || r.matcher.is_some() => Draw::Logits,
                 Some(r) if s.sample && r.sampling().is_greedy() => Draw::Greedy,
                 Some(r) if s.sample && device_draws => Draw::Sample {
                     params: r.sampling(),
@@ -244,16 +245,16 @@ impl Engine {
             return;
         };
         let tokenizer = &self.loaded.tokenizer;
-        let (token, logprobs) = match row {
-            SeqOut::Logits(l) => {
-                let token = sample(&l, r.sampling(), &mut r.rng);
-                let lp = r
-                    .params
-                    .logprobs
-                    .map(|n| token_logprobs(&l, token, n, tokenizer));
-                (token, lp)
+        let picked = match row {
+            SeqOut::Logits(mut l) => pick(r, &mut l, tokenizer),
+            SeqOut::Token(t) => Ok((t, None)),
+        };
+        let (token, logprobs) = match picked {
+            Ok(p) => p,
+            Err(e) => {
+                self.finish(seq, Finish::Aborted(e), events);
+                return;
             }
-            SeqOut::Token(t) => (t, None),
         };
         let decode = |t: &[u32]| tokenizer.decode(t);
         let eos = tokenizer.is_eos(token) && !r.params.ignore_eos;
@@ -288,6 +289,35 @@ impl Engine {
             self.finish(seq, f, events);
         }
     }
+}
+
+/// Draws `r`'s next token from `logits` within its output format, if it
+/// has one; with the token's log-probabilities if it asked (the model's,
+/// before the format's mask).
+fn pick(
+    r: &mut Request,
+    logits: &mut [f32],
+    tokenizer: &Tokenizer,
+) -> Result<(u32, Option<TokenLogprobs>), String> {
+    let raw = r
+        .params
+        .logprobs
+        .filter(|_| r.matcher.is_some())
+        .map(|_| logits.to_vec());
+    if let Some(m) = &mut r.matcher {
+        super::constraint::mask(m, logits)?;
+    }
+    let token = sample(logits, r.sampling(), &mut r.rng);
+    // A complete format allows only EOS, which it does not consume.
+    if let Some(m) = r.matcher.as_mut().filter(|m| !m.is_stopped()) {
+        m.consume_token(token)
+            .map_err(|e| format!("the output format failed: {e}"))?;
+    }
+    let lp = r.params.logprobs.map(|n| {
+        let l = raw.as_deref().unwrap_or(logits);
+        token_logprobs(l, token, n, tokenizer)
+    });
+    Ok((token, lp))
 }
 
 /// `token`'s log-probability under `logits` and the `top` most likely

@@ -240,6 +240,25 @@ impl Tokenizer {
         self.eos.contains(&id)
     }
 
+    /// The tokens that end generation.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    /// Every token's bytes, by id, as the model writes them (special
+    /// tokens as their text): what a grammar engine matches output against.
+    pub fn token_bytes(&self) -> Result<Vec<Vec<u8>>, String> {
+        match &self.inner {
+            Inner::Hf(tk) => {
+                let json = tk.to_string(false).map_err(|e| e.to_string())?;
+                let value: serde_json::Value =
+                    serde_json::from_str(&json).map_err(|e| e.to_string())?;
+                llguidance::token_bytes_from_tokenizer_json(&value).map_err(|e| e.to_string())
+            }
+            Inner::Bytes => Ok((0..=255u8).map(|b| vec![b]).collect()),
+        }
+    }
+
     /// The prompt for a conversation, rendered with the model's chat
     /// template and ending where the assistant's reply begins.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, ModelError> {

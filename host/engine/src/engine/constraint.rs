@@ -1,0 +1,89 @@
+//! Output formats (OpenAI's `response_format`): any JSON object, or JSON
+//! that a JSON schema accepts. llguidance compiles a format against the
+//! model's vocabulary into a matcher; before each of the request's tokens
+//! is sampled, the tokens the matcher forbids get no probability, and the
+//! token drawn advances it. Once the format is complete, only EOS is left.
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+
+use crate::model::Tokenizer;
+
+/// What a request's output must be.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutputFormat {
+    /// Any JSON object.
+    JsonObject,
+    /// JSON that this JSON schema accepts.
+    JsonSchema(serde_json::Value),
+}
+
+/// The vocabulary as llguidance sees it: every token's bytes.
+struct Vocabulary {
+    trie: TokTrie,
+}
+
+impl TokenizerEnv for Vocabulary {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        self.trie.greedy_tokenize(s)
+    }
+}
+
+/// Compiles output formats for one model's vocabulary.
+pub(super) struct Formats {
+    factory: ParserFactory,
+}
+
+impl Formats {
+    /// The compiler for `tokenizer`'s `vocab` tokens (ids past the
+    /// tokenizer's own are never allowed).
+    pub(super) fn new(tokenizer: &Tokenizer, vocab: usize) -> Result<Self, String> {
+        let mut words = tokenizer.token_bytes()?;
+        words.resize(vocab.max(words.len()), Vec::new());
+        let eos = tokenizer.eos_ids().first().copied().unwrap_or(0);
+        let info = TokRxInfo::new(words.len() as u32, eos);
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(tokenizer.eos_ids());
+        let env: TokEnv = Arc::new(Vocabulary { trie });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        factory.quiet();
+        Ok(Self { factory })
+    }
+
+    /// A matcher for `format`, or why it cannot be compiled.
+    pub(super) fn matcher(&self, format: &OutputFormat) -> Result<Matcher, String> {
+        let schema = match format {
+            OutputFormat::JsonObject => serde_json::json!({"type": "object"}),
+            OutputFormat::JsonSchema(s) => s.clone(),
+        };
+        let grammar = TopLevelGrammar::from_json_schema(schema);
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| format!("the JSON schema cannot be used: {e}"))?;
+        let m = Matcher::new(Ok(parser));
+        match m.get_error() {
+            Some(e) => Err(format!("the JSON schema cannot be used: {e}")),
+            None => Ok(m),
+        }
+    }
+}
+
+/// Takes every token `matcher` forbids next out of `logits`.
+pub(super) fn mask(matcher: &mut Matcher, logits: &mut [f32]) -> Result<(), String> {
+    let allowed = matcher
+        .compute_mask_or_eos()
+        .map_err(|e| format!("the output format failed: {e}"))?;
+    for (i, l) in logits.iter_mut().enumerate() {
+        if !allowed.is_allowed(i as TokenId) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+    Ok(())
+}
