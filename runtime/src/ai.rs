@@ -58,6 +58,18 @@ pub struct ModelCall {
     /// Only the HTTP API asks for them: `kiln:ai@0.1.0` has no field for
     /// them.
     pub logprobs: Option<u8>,
+    /// What the output must be; free text when `None`. Only the HTTP API
+    /// asks for one: `kiln:ai@0.1.0` has no field for it.
+    pub format: Option<ResponseFormat>,
+}
+
+/// An output format a call asks for (OpenAI's `response_format`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResponseFormat {
+    /// Any JSON object.
+    JsonObject,
+    /// JSON that this JSON schema (its text) accepts.
+    JsonSchema(String),
 }
 
 /// A generated token's natural-log probability under the model, and the
@@ -176,6 +188,7 @@ impl AiCtx {
             prompt,
             params,
             logprobs: None,
+            format: None,
         }
     }
 }

@@ -18,7 +18,8 @@ mod state;
 
 pub use ai::{
     AiError, BoxFuture, Completion, FinishReason, Inference, Message, ModelCall, ModelInfo,
-    NoModels, Params, Prompt, Role, StreamEnd, StreamEvent, TokenLogprob, TokenStream, Usage,
+    NoModels, Params, Prompt, ResponseFormat, Role, StreamEnd, StreamEvent, TokenLogprob,
+    TokenStream, Usage,
 };
 pub use compile::{Deployment, Runtime};
 pub use error::{InvokeError, LimitKind, RuntimeError};

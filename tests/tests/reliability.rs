@@ -44,6 +44,7 @@ fn chat(content: &str, max_tokens: u32) -> ModelCall {
             session: None,
         },
         logprobs: None,
+        format: None,
     }
 }
 

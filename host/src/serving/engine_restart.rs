@@ -47,7 +47,7 @@ impl PoolThread {
         for (seq, mut live) in std::mem::take(&mut self.outs) {
             match live.replay.take() {
                 Some((salt, ids, params)) if !blamed.contains(&seq) && live.restarts == 0 => {
-                    again.push(Msg::Submit(Submit {
+                    again.push(Msg::Submit(Box::new(Submit {
                         tenant: live.tenant,
                         weight: live.weight,
                         salt,
@@ -55,7 +55,7 @@ impl PoolThread {
                         params,
                         outs: vec![live.out],
                         restarts: live.restarts + 1,
-                    }));
+                    })));
                 }
                 _ => {
                     failed.push((Some(seq), live.tenant.clone()));

@@ -50,7 +50,7 @@ pub(super) struct Submit {
 /// Messages to a pool's thread.
 pub(super) enum Msg {
     /// A new request.
-    Submit(Submit),
+    Submit(Box<Submit>),
     /// The server is shutting down: end every request and the thread, and
     /// free the engine's device state on this thread.
     Close,
@@ -273,7 +273,7 @@ impl PoolThread {
     fn turn(&mut self, engine: &mut Engine) -> Result<(), String> {
         while let Some(msg) = self.inbox.pop_front() {
             match msg {
-                Msg::Submit(sub) => self.admit(engine, sub),
+                Msg::Submit(sub) => self.admit(engine, *sub),
                 #[cfg(feature = "fault-injection")]
                 Msg::InjectFault(f) => engine.inject_fault(f),
                 Msg::Close => {}

@@ -15,13 +15,13 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 
 use kiln_runtime::{
-    AiError, Completion, FinishReason, Inference, ModelCall, ModelInfo, Params, Prompt, StreamEnd,
-    StreamEvent, TokenLogprob, TokenStream, Usage,
+    AiError, Completion, FinishReason, Inference, ModelCall, ModelInfo, Params, Prompt,
+    ResponseFormat, StreamEnd, StreamEvent, TokenLogprob, TokenStream, Usage,
 };
 use rand::RngCore;
 use tokio::sync::mpsc as tmpsc;
 
-use crate::engine::{EngineConfig, Finish, GenerateParams, PAGE_SIZE, Salt, prefix};
+use crate::engine::{EngineConfig, Finish, GenerateParams, OutputFormat, PAGE_SIZE, Salt, prefix};
 use crate::metrics::{EngineMetrics, ModelLabels, PoolLabels};
 use crate::model::{ChatMessage, Loaded};
 use engine_thread::{Msg, Out, PoolHandle, Submit};
@@ -153,12 +153,18 @@ impl ServedModels {
 
     fn submit(
         &self,
-        tenant: &str,
-        model: &str,
-        prompt: Prompt,
-        params: Params,
-        (logprobs, n): (Option<u8>, usize),
+        call: ModelCall,
+        n: usize,
     ) -> Result<Vec<tmpsc::UnboundedReceiver<Out>>, AiError> {
+        let ModelCall {
+            tenant,
+            model,
+            prompt,
+            params,
+            logprobs,
+            format,
+        } = call;
+        let (tenant, model) = (tenant.as_str(), model.as_str());
         let served = self.models.get(model).ok_or_else(|| {
             let mut names: Vec<&str> = self.models.keys().map(String::as_str).collect();
             names.sort();
@@ -170,6 +176,7 @@ impl ServedModels {
         let session = params.session.clone();
         let mut generate = generate_params(params)?;
         generate.logprobs = logprobs.map(usize::from);
+        generate.format = format.map(output_format).transpose()?;
         let tk = &served.loaded.tokenizer;
         let text = match prompt {
             Prompt::Chat(m) => tk.chat_prompt(&messages(m)),
@@ -216,7 +223,7 @@ impl ServedModels {
             .get(tenant)
             .copied()
             .unwrap_or(1);
-        let sent = pool.tx.send(Msg::Submit(Submit {
+        let sent = pool.tx.send(Msg::Submit(Box::new(Submit {
             tenant: tenant.into(),
             weight,
             salt,
@@ -224,7 +231,7 @@ impl ServedModels {
             params: generate,
             outs,
             restarts: 0,
-        }));
+        })));
         if sent.is_err() {
             pool.load.fetch_sub(n, Ordering::Relaxed);
             return Err(AiError::RuntimeError(
@@ -267,6 +274,16 @@ fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
         logprobs: None,
         format: None,
     })
+}
+
+/// The engine's form of a call's output format.
+fn output_format(f: ResponseFormat) -> Result<OutputFormat, AiError> {
+    match f {
+        ResponseFormat::JsonObject => Ok(OutputFormat::JsonObject),
+        ResponseFormat::JsonSchema(text) => serde_json::from_str(&text)
+            .map(OutputFormat::JsonSchema)
+            .map_err(|e| AiError::InvalidInput(format!("the JSON schema is not JSON: {e}"))),
+    }
 }
 
 fn finish_reason(f: &Finish) -> Result<FinishReason, AiError> {
@@ -382,25 +399,21 @@ fn one(
 
 impl Inference for ServedModels {
     fn call(&self, call: ModelCall) -> Fut<'_, Completion> {
-        let rx = self.submit(
-            &call.tenant,
-            &call.model,
-            call.prompt,
-            call.params,
-            (None, 1),
-        );
+        let call = ModelCall {
+            logprobs: None,
+            ..call
+        };
+        let rx = self.submit(call, 1);
         Box::pin(async move { collect(one(rx?)?).await })
     }
 
     fn stream(&self, call: ModelCall) -> Fut<'_, Box<dyn TokenStream>> {
-        let asked = (call.logprobs, 1);
-        let rx = self.submit(&call.tenant, &call.model, call.prompt, call.params, asked);
+        let rx = self.submit(call, 1);
         Box::pin(async move { Ok(Box::new(Stream(one(rx?)?, Vec::new())) as Box<dyn TokenStream>) })
     }
 
     fn stream_samples(&self, call: ModelCall, n: usize) -> Fut<'_, Vec<Box<dyn TokenStream>>> {
-        let asked = (call.logprobs, n);
-        let rxs = self.submit(&call.tenant, &call.model, call.prompt, call.params, asked);
+        let rxs = self.submit(call, n);
         Box::pin(async move {
             let streams = rxs?
                 .into_iter()

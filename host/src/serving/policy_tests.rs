@@ -62,6 +62,7 @@ fn req(tenant: &str, model: &str) -> ModelCall {
             session: None,
         },
         logprobs: None,
+        format: None,
     }
 }
 

@@ -64,6 +64,7 @@ impl Call {
             prompt: self.v.input.clone(),
             params: self.v.params.clone(),
             logprobs: self.v.logprobs,
+            format: self.v.format.clone(),
         }
     }
 }

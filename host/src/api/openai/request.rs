@@ -1,7 +1,7 @@
 //! Validation of OpenAI-style request bodies. A [`Validated`] request can
 //! only be built here, so a handler holding one knows every field passed.
 
-use kiln_runtime::{Message, Params, Prompt, Role};
+use kiln_runtime::{Message, Params, Prompt, ResponseFormat, Role};
 use serde_json::{Map, Value};
 
 use crate::api::ApiError;
@@ -30,6 +30,8 @@ pub(super) struct Validated {
     pub(super) logprobs: Option<u8>,
     /// Samples of the prompt to answer with (choices).
     pub(super) n: usize,
+    /// What the output must be (`response_format`); free text when `None`.
+    pub(super) format: Option<ResponseFormat>,
     _sealed: Sealed,
 }
 
@@ -143,6 +145,46 @@ fn messages(v: &Value) -> Result<Vec<Message>, ApiError> {
         .collect()
 }
 
+/// OpenAI's `response_format`: `text`, `json_object`, or `json_schema`
+/// with its `schema` (its `name` and `strict` accepted: Kiln's formats are
+/// always strict).
+fn response_format(v: &Value) -> Result<Option<ResponseFormat>, ApiError> {
+    let at = |f: &str| format!("response_format.{f}");
+    match v.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(ResponseFormat::JsonObject)),
+        Some("json_schema") => {
+            let spec = v
+                .get("json_schema")
+                .and_then(Value::as_object)
+                .ok_or_else(|| bad(&at("json_schema"), "expected an object with a `schema`"))?;
+            for (k, f) in spec {
+                match k.as_str() {
+                    "schema" if f.is_object() || f.is_boolean() => {}
+                    "schema" => {
+                        return Err(bad(
+                            &at("json_schema.schema"),
+                            "expected a JSON schema object",
+                        ));
+                    }
+                    "name" | "description" | "strict" => {}
+                    other => {
+                        return Err(bad(&at(&format!("json_schema.{other}")), "unknown field"));
+                    }
+                }
+            }
+            let schema = spec
+                .get("schema")
+                .ok_or_else(|| bad(&at("json_schema.schema"), "is required"))?;
+            Ok(Some(ResponseFormat::JsonSchema(schema.to_string())))
+        }
+        _ => Err(bad(
+            &at("type"),
+            format!("expected \"text\", \"json_object\" or \"json_schema\", got {v}"),
+        )),
+    }
+}
+
 fn stop(v: &Value) -> Result<Vec<String>, ApiError> {
     match v {
         Value::String(s) => Ok(vec![s.clone()]),
@@ -180,7 +222,7 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
         session: None,
     };
     let (mut stream, mut include_usage, mut stream_options) = (false, false, false);
-    let (mut logprobs, mut top_logprobs, mut n) = (None, None, 1);
+    let (mut logprobs, mut top_logprobs, mut n, mut format) = (None, None, 1, None);
     for (key, v) in &map {
         let k = key.as_str();
         if v.is_null() && k != "messages" && k != "prompt" && k != "model" {
@@ -273,9 +315,7 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
             }
             "echo" => neutral(k, v, v == &Value::Bool(false))?,
             "logit_bias" => neutral(k, v, v.as_object().is_some_and(Map::is_empty))?,
-            "response_format" => {
-                neutral(k, v, v.get("type").and_then(Value::as_str) == Some("text"))?
-            }
+            "response_format" => format = response_format(v)?,
             "tools" | "tool_choice" | "functions" | "function_call" | "parallel_tool_calls" => {
                 return Err(bad(
                     k,
@@ -303,6 +343,7 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
         include_usage,
         logprobs,
         n,
+        format,
         _sealed: Sealed,
     })
 }

@@ -92,10 +92,6 @@ fn every_documented_field_kiln_lacks_is_refused_by_name() {
         ("store", false.into()),
         ("service_tier", "auto".into()),
         ("safety_identifier", "x".into()),
-        (
-            "response_format",
-            serde_json::json!({"type": "json_object"}),
-        ),
         ("presence_penalty", 1.into()),
         ("logit_bias", serde_json::json!({"1": 5})),
     ];
@@ -105,6 +101,46 @@ fn every_documented_field_kiln_lacks_is_refused_by_name() {
         m[k] = v;
         assert_eq!(err(m).param.as_deref(), Some(k), "{k}");
     }
+}
+
+#[test]
+fn response_formats_map_onto_the_call_and_bad_ones_name_their_field() {
+    let with = |rf: Value| {
+        let mut m =
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        m["response_format"] = rf;
+        chat(m.to_string().as_bytes())
+    };
+    assert_eq!(
+        with(serde_json::json!({"type": "text"})).unwrap().format,
+        None
+    );
+    assert_eq!(
+        with(serde_json::json!({"type": "json_object"}))
+            .unwrap()
+            .format,
+        Some(ResponseFormat::JsonObject)
+    );
+    let schema = serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+    let spec = serde_json::json!({"type": "json_schema",
+        "json_schema": {"name": "x", "strict": true, "schema": schema}});
+    let Some(ResponseFormat::JsonSchema(text)) = with(spec).unwrap().format else {
+        panic!("no schema")
+    };
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), schema);
+    let param = |rf: Value| with(rf).unwrap_err().param;
+    assert_eq!(
+        param(serde_json::json!({"type": "xml"})).as_deref(),
+        Some("response_format.type")
+    );
+    assert_eq!(
+        param(serde_json::json!({"type": "json_schema", "json_schema": {"name": "x"}})).as_deref(),
+        Some("response_format.json_schema.schema")
+    );
+    assert_eq!(
+        param(serde_json::json!({"type": "json_schema", "json_schema": {"schema": 3}})).as_deref(),
+        Some("response_format.json_schema.schema")
+    );
 }
 
 #[test]
