@@ -541,12 +541,14 @@ mod tests {
             // `void [__launch_bounds__(..)] name(`: the word before the
             // first parenthesis after the bounds.
             let head = def.split('{').next().unwrap_or_default();
-            let head = head.trim_start().trim_start_matches("void").trim_start();
-            let head = if head.starts_with("__launch_bounds__") {
-                head.split_once(')').map_or("", |(_, rest)| rest)
-            } else {
-                head
-            };
+            let mut head = head.trim_start().trim_start_matches("void").trim_start();
+            // Attributes before the name: launch bounds, cluster dims.
+            while head.starts_with("__launch_bounds__") || head.starts_with("CL_DIMS") {
+                head = head
+                    .split_once(')')
+                    .map_or("", |(_, rest)| rest)
+                    .trim_start();
+            }
             let before = head.split('(').next().unwrap_or_default();
             let name = before
                 .rsplit(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '#'))
