@@ -416,13 +416,23 @@ impl Gateway {
             }
             Err(_) => return Err(self.deadline_error()),
         };
-        Ok(Box::new(Guarded {
+        Ok(self.guarded(inner, permit, until))
+    }
+
+    /// `inner` under the deadline `until`, holding `permit`.
+    fn guarded(
+        &self,
+        inner: Box<dyn TokenStream>,
+        permit: Permit,
+        until: tokio::time::Instant,
+    ) -> Box<dyn TokenStream> {
+        Box::new(Guarded {
             inner,
             permit,
             until,
             expired: self.deadline_error(),
             deltas: 0,
-        }))
+        })
     }
 }
 
@@ -507,16 +517,8 @@ impl Inference for Gateway {
                     }
                     Err(_) => return Err(self.deadline_error()),
                 };
-            let guarded = streams.into_iter().zip(permits).map(|(inner, permit)| {
-                Box::new(Guarded {
-                    inner,
-                    permit,
-                    until,
-                    expired: self.deadline_error(),
-                    deltas: 0,
-                }) as Box<dyn TokenStream>
-            });
-            Ok(guarded.collect())
+            let guarded = streams.into_iter().zip(permits);
+            Ok(guarded.map(|(s, p)| self.guarded(s, p, until)).collect())
         })
     }
 
