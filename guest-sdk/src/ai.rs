@@ -1,4 +1,6 @@
-//! Model calls: builders over `kiln:ai/inference` with the host's defaults.
+//! Model calls: builders over `kiln:ai/inference@0.2.0` with the host's
+//! defaults: chats, raw completions, output formats (a JSON schema or a
+//! grammar), tools and log-probabilities.
 //!
 //! Parameters left unset are filled in by the host: max-tokens 256,
 //! temperature 0.7, top-p 0.9 (the host defines them once, as
@@ -10,11 +12,26 @@
 //! that header (the host's one precedence, the same as for
 //! `prompt_cache_key` on its OpenAI-compatible API).
 
-use crate::bindings::kiln::ai::inference as wit;
-pub use crate::bindings::kiln::ai::inference::{
-    ChatStream, Completion, Error, FinishReason, Message, ModelInfo, Params, Role, StreamEnd,
-    StreamEvent, Usage,
+use crate::bindings::kiln::ai0_2_0::inference as wit;
+pub use crate::bindings::kiln::ai0_2_0::inference::{
+    ChatStream, Completion, Error, FinishReason, Message, ModelInfo, OutputFormat, Params, Role,
+    StreamEnd, StreamEvent, TextDelta, TokenLogprob, Tool, ToolCall, ToolChoice, TopLogprob, Usage,
 };
+
+impl Error {
+    /// The HTTP status a function would answer this error with: 404 for
+    /// an unknown model, 400 for bad input, 429 for a used-up quota, 503
+    /// when the engine is full, 502 otherwise.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            Error::ModelNotFound(_) => 404,
+            Error::InvalidInput(_) => 400,
+            Error::QuotaExceeded(_) => 429,
+            Error::Overloaded(_) => 503,
+            Error::Aborted(_) | Error::RuntimeError(_) => 502,
+        }
+    }
+}
 
 /// The models this function's tenant may call.
 pub fn models() -> Vec<ModelInfo> {
@@ -30,6 +47,11 @@ fn empty_params() -> Params {
         seed: None,
         stop: Vec::new(),
         session: None,
+        format: None,
+        tools: Vec::new(),
+        tool_choice: None,
+        parallel_tool_calls: None,
+        logprobs: None,
     }
 }
 
@@ -71,6 +93,30 @@ macro_rules! param_setters {
             self.params.session = Some(key.into());
             self
         }
+        /// The output must be a JSON object.
+        pub fn json_object(mut self) -> Self {
+            self.params.format = Some(OutputFormat::JsonObject);
+            self
+        }
+        /// The output must be JSON that `schema` (a JSON schema's text)
+        /// accepts.
+        pub fn json_schema(mut self, schema: impl Into<String>) -> Self {
+            self.params.format = Some(OutputFormat::JsonSchema(schema.into()));
+            self
+        }
+        /// The output must be text that `lark` (a grammar in llguidance's
+        /// Lark syntax) accepts.
+        pub fn grammar(mut self, lark: impl Into<String>) -> Self {
+            self.params.format = Some(OutputFormat::Grammar(lark.into()));
+            self
+        }
+        /// Each generated token's log-probability, with the `top` (0 to
+        /// 20) most likely tokens at its place, in the completion's
+        /// `logprobs`.
+        pub fn logprobs(mut self, top: u8) -> Self {
+            self.params.logprobs = Some(top);
+            self
+        }
     };
 }
 
@@ -97,6 +143,59 @@ impl Chat {
         self.messages.push(Message {
             role,
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        });
+        self
+    }
+
+    /// Appends a function the model may call: its name, what it does, and
+    /// a JSON schema (as text) of its arguments.
+    pub fn tool(
+        mut self,
+        name: impl Into<String>,
+        description: impl Into<String>,
+        parameters: impl Into<String>,
+    ) -> Self {
+        self.params.tools.push(Tool {
+            name: name.into(),
+            description: Some(description.into()),
+            parameters: Some(parameters.into()),
+        });
+        self
+    }
+
+    /// Whether and which tools the model calls (`auto` unless set).
+    pub fn tool_choice(mut self, choice: ToolChoice) -> Self {
+        self.params.tool_choice = Some(choice);
+        self
+    }
+
+    /// Whether one reply may call several tools (yes unless set).
+    pub fn parallel_tool_calls(mut self, allowed: bool) -> Self {
+        self.params.parallel_tool_calls = Some(allowed);
+        self
+    }
+
+    /// Appends the model's reply that called tools (a completion's
+    /// `tool-calls`), before their results.
+    pub fn assistant_calls(mut self, calls: Vec<ToolCall>) -> Self {
+        self.messages.push(Message {
+            role: Role::Assistant,
+            content: String::new(),
+            tool_calls: calls,
+            tool_call_id: None,
+        });
+        self
+    }
+
+    /// Appends the result of the tool call `call_id`.
+    pub fn tool_result(mut self, call_id: impl Into<String>, content: impl Into<String>) -> Self {
+        self.messages.push(Message {
+            role: Role::Tool,
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: Some(call_id.into()),
         });
         self
     }
@@ -168,7 +267,8 @@ pub struct TextStream {
 }
 
 impl TextStream {
-    /// Why the stream ended and what it consumed, once it has ended.
+    /// Why the stream ended, what it consumed and the tools the model
+    /// called, once it has ended.
     pub fn end(&self) -> Option<&StreamEnd> {
         self.end.as_ref()
     }
@@ -182,7 +282,7 @@ impl Iterator for TextStream {
             return None;
         }
         match self.inner.next() {
-            Ok(StreamEvent::Delta(text)) => Some(Ok(text)),
+            Ok(StreamEvent::Delta(d)) => Some(Ok(d.text)),
             Ok(StreamEvent::Done(end)) => {
                 self.done = true;
                 self.end = Some(end);

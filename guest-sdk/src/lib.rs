@@ -36,13 +36,13 @@ mod http;
 
 pub use http::{BodyWriter, Handler, Request, Response};
 
-/// Raw bindings of the `kiln:ai/function` world (wasi:http and kiln:ai), for
-/// what the friendly API does not cover.
+/// Raw bindings of the `kiln:ai/function@0.2.0` world (wasi:http and
+/// kiln:ai), for what the friendly API does not cover.
 #[allow(missing_docs, clippy::all)]
 pub mod bindings {
     wit_bindgen::generate!({
         path: "../wit",
-        world: "kiln:ai/function",
+        world: "kiln:ai/function@0.2.0",
         generate_all,
         pub_export_macro: true,
         default_bindings_module: "kiln_guest::bindings",

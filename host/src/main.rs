@@ -104,10 +104,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     let source = model::resolve_model(&args.model, &model::default_cache_dir())?;
     let loaded = model::load_as(&args.model, &source, args.engine.weights)?;
     let prompt = if args.chat {
-        let msgs = [ChatMessage {
-            role: "user".into(),
-            content: args.prompt.clone(),
-        }];
+        let msgs = [ChatMessage::text("user", args.prompt.clone())];
         loaded.tokenizer.chat_prompt(&msgs)?
     } else {
         args.prompt.clone()

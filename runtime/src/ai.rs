@@ -1,5 +1,7 @@
-//! The host side of `kiln:ai/inference`: bindings, the backend trait the
-//! host implements, and the glue that fixes the tenant of every call.
+//! The host side of `kiln:ai/inference@0.2.0`: bindings, the backend trait
+//! the host implements, and the glue that fixes the tenant of every call.
+//! Its types are the runtime's currency; `kiln:ai@0.1.0` guests are served
+//! through `ai_legacy`, which converts.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,19 +14,20 @@ use crate::session::SessionAffinity;
 mod generated {
     wasmtime::component::bindgen!({
         path: "../wit",
-        world: "kiln:ai/host",
+        world: "kiln:ai/host@0.2.0",
         imports: { default: async | trappable },
+        additional_derives: [PartialEq],
         with: {
-            "kiln:ai/inference.chat-stream": super::ChatStreamHandle,
+            "kiln:ai/inference@0.2.0.chat-stream": super::ChatStreamHandle,
         },
         require_store_data_send: true,
     });
 }
 
-use generated::kiln::ai::inference as wit;
+pub(crate) use generated::kiln::ai0_2_0::inference as wit;
 pub use wit::{
-    Completion, Error as AiError, FinishReason, Message, ModelInfo, Params, Role, StreamEnd,
-    StreamEvent, Usage,
+    Completion, Error as AiError, FinishReason, Message, ModelInfo, OutputFormat, Params, Role,
+    StreamEnd, StreamEvent, TextDelta, TokenLogprob, Tool, ToolCall, ToolChoice, TopLogprob, Usage,
 };
 
 /// A boxed, sendable future, as returned by [`Inference`] methods.
@@ -50,38 +53,52 @@ pub struct ModelCall {
     pub model: String,
     /// What the model continues.
     pub prompt: Prompt,
-    /// Sampling parameters as the caller gave them, with the session key
-    /// that [`SessionAffinity`] gives the call.
+    /// Sampling parameters, output format, tools and log-probabilities as
+    /// the caller gave them, with the session key that [`SessionAffinity`]
+    /// gives the call.
     pub params: Params,
-    /// With `Some(n)`, each generated token's log-probability and the `n`
-    /// most likely tokens' come with the stream ([`TokenStream::logprobs`]).
-    /// Only the HTTP API asks for them: `kiln:ai@0.1.0` has no field for
-    /// them.
-    pub logprobs: Option<u8>,
-    /// What the output must be; free text when `None`. Only the HTTP API
-    /// asks for one: `kiln:ai@0.1.0` has no field for it.
-    pub format: Option<ResponseFormat>,
 }
 
-/// An output format a call asks for (OpenAI's `response_format`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ResponseFormat {
-    /// Any JSON object.
-    JsonObject,
-    /// JSON that this JSON schema (its text) accepts.
-    JsonSchema(String),
+impl Params {
+    /// No parameters: the host's defaults for everything.
+    pub fn defaults() -> Self {
+        Self {
+            max_tokens: None,
+            temperature: None,
+            top_p: None,
+            top_k: None,
+            seed: None,
+            stop: Vec::new(),
+            session: None,
+            format: None,
+            tools: Vec::new(),
+            tool_choice: None,
+            parallel_tool_calls: None,
+            logprobs: None,
+        }
+    }
 }
 
-/// A generated token's natural-log probability under the model, and the
-/// most likely tokens at its place.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TokenLogprob {
-    /// The token's text alone (a piece of a character reads as U+FFFD).
-    pub token: String,
-    /// ln p of the token.
-    pub logprob: f32,
-    /// The most likely tokens and theirs, most likely first.
-    pub top: Vec<(String, f32)>,
+impl Message {
+    /// A message of plain text.
+    pub fn text(role: Role, content: impl Into<String>) -> Self {
+        Self {
+            role,
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+}
+
+impl From<&str> for TextDelta {
+    /// A delta of text alone.
+    fn from(text: &str) -> Self {
+        Self {
+            text: text.into(),
+            logprobs: Vec::new(),
+        }
+    }
 }
 
 /// Text arriving from a streaming generation. Dropping it cancels the
@@ -91,11 +108,28 @@ pub trait TokenStream: Send {
     /// asked for log-probabilities also gets a delta (perhaps of no text)
     /// for each step that generated tokens.
     fn next(&mut self) -> BoxFuture<'_, Result<StreamEvent, AiError>>;
+}
 
-    /// The log-probabilities of the tokens the last delta carried, taken
-    /// (empty unless the call asked for them).
-    fn logprobs(&mut self) -> Vec<TokenLogprob> {
-        Vec::new()
+/// Runs `stream` to its end: its text, log-probabilities and tool calls
+/// as one completion.
+pub async fn complete_stream(stream: &mut dyn TokenStream) -> Result<Completion, AiError> {
+    let (mut text, mut logprobs) = (String::new(), Vec::new());
+    loop {
+        match stream.next().await? {
+            StreamEvent::Delta(d) => {
+                text.push_str(&d.text);
+                logprobs.extend(d.logprobs);
+            }
+            StreamEvent::Done(end) => {
+                return Ok(Completion {
+                    text,
+                    finish_reason: end.finish_reason,
+                    usage: end.usage,
+                    tool_calls: end.tool_calls,
+                    logprobs,
+                });
+            }
+        }
     }
 }
 
@@ -187,8 +221,6 @@ impl AiCtx {
             model,
             prompt,
             params,
-            logprobs: None,
-            format: None,
         }
     }
 }
@@ -206,7 +238,7 @@ impl HasData for KilnAi {
     type Data<'a> = AiView<'a>;
 }
 
-/// Adds `kiln:ai/inference` to a linker.
+/// Adds `kiln:ai/inference@0.2.0` to a linker.
 pub(crate) fn add_to_linker<T: Send + 'static>(
     linker: &mut wasmtime::component::Linker<T>,
     get: fn(&mut T) -> AiView<'_>,

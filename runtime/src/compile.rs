@@ -89,6 +89,7 @@ impl Runtime {
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(setup)?;
         wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(setup)?;
         ai::add_to_linker(&mut linker, State::ai).map_err(setup)?;
+        crate::ai_legacy::add_to_linker(&mut linker, State::ai).map_err(setup)?;
 
         let mut hasher = DefaultHasher::new();
         engine.precompile_compatibility_hash().hash(&mut hasher);

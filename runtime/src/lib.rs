@@ -9,6 +9,7 @@
 //! guest never chooses it.
 
 mod ai;
+mod ai_legacy;
 mod compile;
 mod error;
 mod invoke;
@@ -18,8 +19,8 @@ mod state;
 
 pub use ai::{
     AiError, BoxFuture, Completion, FinishReason, Inference, Message, ModelCall, ModelInfo,
-    NoModels, Params, Prompt, ResponseFormat, Role, StreamEnd, StreamEvent, TokenLogprob,
-    TokenStream, Usage,
+    NoModels, OutputFormat, Params, Prompt, Role, StreamEnd, StreamEvent, TextDelta, TokenLogprob,
+    TokenStream, Tool, ToolCall, ToolChoice, TopLogprob, Usage, complete_stream,
 };
 pub use compile::{Deployment, Runtime};
 pub use error::{InvokeError, LimitKind, RuntimeError};

@@ -34,6 +34,8 @@ impl Inference for Instant0 {
                     completion_tokens: 1,
                     cached_prompt_tokens: 0,
                 },
+                tool_calls: Vec::new(),
+                logprobs: Vec::new(),
             })
         })
     }

@@ -48,6 +48,10 @@ pub fn guest(name: &str) -> PathBuf {
                 "summarize",
                 "-p",
                 "misbehave",
+                "-p",
+                "legacy",
+                "-p",
+                "extract",
                 "--target-dir",
             ])
             .arg(&target_dir)
@@ -424,10 +428,7 @@ pub fn default_model_as(
 /// token ids.
 pub fn chat_ids(e: &kiln_host::engine::Engine, prompt: &str) -> Vec<u32> {
     let tk = &e.loaded().tokenizer;
-    let msgs = [kiln_host::model::ChatMessage {
-        role: "user".into(),
-        content: prompt.into(),
-    }];
+    let msgs = [kiln_host::model::ChatMessage::text("user", prompt)];
     tk.encode(&tk.chat_prompt(&msgs).unwrap(), true).unwrap()
 }
 
@@ -457,10 +458,7 @@ pub fn teacher_forced(
     let (mut agree, mut total, mut kl) = (0usize, 0usize, 0f64);
     for p in prompts {
         let tk = &reference.loaded().tokenizer;
-        let msgs = [ChatMessage {
-            role: "user".into(),
-            content: (*p).into(),
-        }];
+        let msgs = [ChatMessage::text("user", *p)];
         let prompt = tk.encode(&tk.chat_prompt(&msgs).unwrap(), true).unwrap();
         let greedy = GenerateParams {
             max_tokens: 32,

@@ -136,10 +136,7 @@ fn safetensors_directory_computes_what_the_gguf_computes() {
     )
     .expect("engine");
     let mut gg = Engine::new(kiln_tests::default_model(), cfg()).expect("engine");
-    let msgs = [model::ChatMessage {
-        role: "user".into(),
-        content: "Name three fruits.".into(),
-    }];
+    let msgs = [model::ChatMessage::text("user", "Name three fruits.")];
     let prompt_hf = hf.loaded().tokenizer.chat_prompt(&msgs).unwrap();
     let prompt_gg = gg.loaded().tokenizer.chat_prompt(&msgs).unwrap();
     assert_eq!(prompt_hf, prompt_gg);

@@ -134,7 +134,7 @@ async fn api_errors_are_openai_error_objects_naming_the_problem() {
     assert_eq!(e["error"]["param"], "model");
     for (field, value) in [
         ("n", json!(17)),
-        ("tools", json!([])),
+        ("functions", json!([])),
         ("frobnicate", json!(1)),
     ] {
         let mut body = chat_body("hi", 1);

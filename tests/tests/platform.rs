@@ -437,7 +437,7 @@ impl kiln_runtime::TokenStream for SlowStream {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
             self.0 += 1;
             Ok(if self.0 <= 100 {
-                kiln_runtime::StreamEvent::Delta(format!("t{}", self.0))
+                kiln_runtime::StreamEvent::Delta(format!("t{}", self.0).as_str().into())
             } else {
                 kiln_runtime::StreamEvent::Done(kiln_runtime::StreamEnd {
                     finish_reason: kiln_runtime::FinishReason::Stop,
@@ -446,6 +446,7 @@ impl kiln_runtime::TokenStream for SlowStream {
                         completion_tokens: 100,
                         cached_prompt_tokens: 0,
                     },
+                    tool_calls: Vec::new(),
                 })
             })
         })

@@ -30,21 +30,12 @@ fn chat(content: &str, max_tokens: u32) -> ModelCall {
     ModelCall {
         tenant: "t".into(),
         model: DEFAULT_MODEL.into(),
-        prompt: Prompt::Chat(vec![Message {
-            role: Role::User,
-            content: content.into(),
-        }]),
+        prompt: Prompt::Chat(vec![Message::text(Role::User, content)]),
         params: Params {
             max_tokens: Some(max_tokens),
             temperature: Some(0.0),
-            top_p: None,
-            top_k: None,
-            seed: None,
-            stop: Vec::new(),
-            session: None,
+            ..Params::defaults()
         },
-        logprobs: None,
-        format: None,
     }
 }
 

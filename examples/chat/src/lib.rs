@@ -81,6 +81,7 @@ impl Handler for ChatFn {
                     "finish_reason": match end.finish_reason {
                         FinishReason::Stop => "stop",
                         FinishReason::Length => "length",
+                        FinishReason::ToolCalls => "tool_calls",
                     },
                     "usage": {
                         "prompt_tokens": end.usage.prompt_tokens,

@@ -4,7 +4,7 @@
 //! that by default), so a client summarizing pieces of one long document
 //! keeps hitting the pool that caches its prefix.
 
-use kiln_guest::ai::{Chat, Error};
+use kiln_guest::ai::Chat;
 use kiln_guest::{Handler, Request, Response};
 
 /// The handler.
@@ -29,17 +29,6 @@ fn error(status: u16, message: &str) -> Response {
         status,
         serde_json::json!({ "error": { "message": message } }).to_string(),
     )
-}
-
-/// The HTTP status a model error answers with.
-fn status_of(e: &Error) -> u16 {
-    match e {
-        Error::ModelNotFound(_) => 404,
-        Error::InvalidInput(_) => 400,
-        Error::QuotaExceeded(_) => 429,
-        Error::Overloaded(_) => 503,
-        Error::Aborted(_) | Error::RuntimeError(_) => 502,
-    }
 }
 
 /// Reads the body as JSON `{"text", ...}` or, failing that, as plain text.
@@ -85,7 +74,7 @@ impl Handler for Summarize {
                 })
                 .to_string(),
             ),
-            Err(e) => error(status_of(&e), &e.to_string()),
+            Err(e) => error(e.http_status(), &e.to_string()),
         }
     }
 }

@@ -21,7 +21,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, mpsc};
 
-use kiln_runtime::{AiError, TokenLogprob};
+use kiln_runtime::{AiError, TokenLogprob, TopLogprob};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::mpsc as tmpsc;
 
@@ -402,7 +402,16 @@ impl PoolThread {
 fn token_logprob(lp: TokenLogprobs) -> TokenLogprob {
     TokenLogprob {
         token: lp.chosen.text,
+        bytes: lp.chosen.bytes,
         logprob: lp.chosen.logprob,
-        top: lp.top.into_iter().map(|t| (t.text, t.logprob)).collect(),
+        top: lp
+            .top
+            .into_iter()
+            .map(|t| TopLogprob {
+                token: t.text,
+                bytes: t.bytes,
+                logprob: t.logprob,
+            })
+            .collect(),
     }
 }

@@ -9,23 +9,25 @@
 mod engine_thread;
 pub mod policy;
 pub mod router;
+mod tools;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 
 use kiln_runtime::{
-    AiError, Completion, FinishReason, Inference, ModelCall, ModelInfo, Params, Prompt,
-    ResponseFormat, StreamEnd, StreamEvent, TokenLogprob, TokenStream, Usage,
+    AiError, Completion, FinishReason, Inference, ModelCall, ModelInfo, OutputFormat as Format,
+    Params, Prompt, StreamEnd, StreamEvent, TextDelta, TokenStream, ToolCall, Usage,
 };
 use rand::RngCore;
 use tokio::sync::mpsc as tmpsc;
 
 use crate::engine::{EngineConfig, Finish, GenerateParams, OutputFormat, PAGE_SIZE, Salt, prefix};
 use crate::metrics::{EngineMetrics, ModelLabels, PoolLabels};
-use crate::model::{ChatMessage, Loaded};
+use crate::model::Loaded;
 use engine_thread::{Msg, Out, PoolHandle, Submit};
 use router::{PoolLoad, Route};
+use tools::{CallFilter, Tools};
 
 /// A snapshot of one model's engines, summed over its pools.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,18 +153,18 @@ impl ServedModels {
         })
     }
 
+    /// Sends `n` samples of `call` to a pool: their channels, and whether
+    /// their replies may be tool calls.
     fn submit(
         &self,
         call: ModelCall,
         n: usize,
-    ) -> Result<Vec<tmpsc::UnboundedReceiver<Out>>, AiError> {
+    ) -> Result<(Vec<tmpsc::UnboundedReceiver<Out>>, bool), AiError> {
         let ModelCall {
             tenant,
             model,
             prompt,
             params,
-            logprobs,
-            format,
         } = call;
         let (tenant, model) = (tenant.as_str(), model.as_str());
         let served = self.models.get(model).ok_or_else(|| {
@@ -174,12 +176,23 @@ impl ServedModels {
             ))
         })?;
         let session = params.session.clone();
+        let tools = Tools::from_params(&params)?;
         let mut generate = generate_params(params)?;
-        generate.logprobs = logprobs.map(usize::from);
-        generate.format = format.map(output_format).transpose()?;
+        if let Some(t) = &tools {
+            generate.format = Some(OutputFormat::Grammar(t.grammar()));
+        }
         let tk = &served.loaded.tokenizer;
         let text = match prompt {
-            Prompt::Chat(m) => tk.chat_prompt(&messages(m)),
+            Prompt::Chat(m) => {
+                let knows = tk.template_knows_tools();
+                let (m, listed) = tools::chat_messages(m, tools.as_ref(), knows);
+                tk.chat_prompt_with_tools(&m, listed.as_deref())
+            }
+            Prompt::Text(_) if tools.is_some() => {
+                return Err(AiError::InvalidInput(
+                    "tools need a chat: send messages, not a raw prompt".into(),
+                ));
+            }
             Prompt::Text(p) => Ok(p),
         };
         let ids = text
@@ -238,7 +251,7 @@ impl ServedModels {
                 "the model's engine has stopped".into(),
             ));
         }
-        Ok(rxs)
+        Ok((rxs, tools.is_some()))
     }
 }
 
@@ -263,6 +276,10 @@ fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
     if max_tokens == 0 {
         return bad("max-tokens must be at least 1".into());
     }
+    let most = crate::engine::MAX_TOP_LOGPROBS;
+    if let Some(n) = p.logprobs.filter(|n| usize::from(*n) > most) {
+        return bad(format!("logprobs {n} is out of range: use 0 to {most}"));
+    }
     Ok(GenerateParams {
         max_tokens,
         temperature,
@@ -271,26 +288,29 @@ fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
         seed: p.seed,
         stop: p.stop,
         ignore_eos: false,
-        logprobs: None,
-        format: None,
+        logprobs: p.logprobs.map(usize::from),
+        format: p.format.map(output_format).transpose()?,
     })
 }
 
 /// The engine's form of a call's output format.
-fn output_format(f: ResponseFormat) -> Result<OutputFormat, AiError> {
+fn output_format(f: Format) -> Result<OutputFormat, AiError> {
     match f {
-        ResponseFormat::JsonObject => Ok(OutputFormat::JsonObject),
-        ResponseFormat::JsonSchema(text) => serde_json::from_str(&text)
+        Format::JsonObject => Ok(OutputFormat::JsonObject),
+        Format::JsonSchema(text) => serde_json::from_str(&text)
             .map(OutputFormat::JsonSchema)
             .map_err(|e| AiError::InvalidInput(format!("the JSON schema is not JSON: {e}"))),
+        Format::Grammar(g) => Ok(OutputFormat::Grammar(g)),
     }
 }
 
-fn finish_reason(f: &Finish) -> Result<FinishReason, AiError> {
+/// Why a generation ended; tool calls when it stopped after making any.
+fn finish_reason(f: &Finish, calls: &[ToolCall]) -> Result<FinishReason, AiError> {
     match f {
-        Finish::Stop => Ok(FinishReason::Stop),
-        Finish::Length => Ok(FinishReason::Length),
         Finish::Aborted(why) => Err(AiError::Aborted(why.clone())),
+        Finish::Length => Ok(FinishReason::Length),
+        Finish::Stop if calls.is_empty() => Ok(FinishReason::Stop),
+        Finish::Stop => Ok(FinishReason::ToolCalls),
     }
 }
 
@@ -319,73 +339,73 @@ fn dropped() -> AiError {
     AiError::RuntimeError("the engine dropped the request".into())
 }
 
-async fn collect(mut rx: tmpsc::UnboundedReceiver<Out>) -> Result<Completion, AiError> {
-    let mut text = String::new();
-    while let Some(out) = rx.recv().await {
-        match out {
-            Out::Text(t, _) => text.push_str(&t),
-            Out::Error(e) => return Err(e),
-            Out::Done {
+async fn collect(rx: tmpsc::UnboundedReceiver<Out>, tools: bool) -> Result<Completion, AiError> {
+    kiln_runtime::complete_stream(&mut Stream::new(rx, tools)).await
+}
+
+/// A request's results as they come; a reply that may be tool calls goes
+/// through a [`CallFilter`].
+struct Stream {
+    rx: tmpsc::UnboundedReceiver<Out>,
+    calls: Option<CallFilter>,
+    /// The end, held while the text a filter held goes out first.
+    end: Option<StreamEnd>,
+}
+
+impl Stream {
+    fn new(rx: tmpsc::UnboundedReceiver<Out>, tools: bool) -> Self {
+        let calls = tools.then(CallFilter::default);
+        Self {
+            rx,
+            calls,
+            end: None,
+        }
+    }
+
+    async fn event(&mut self) -> Result<StreamEvent, AiError> {
+        if let Some(end) = self.end.take() {
+            return Ok(StreamEvent::Done(end));
+        }
+        match self.rx.recv().await {
+            Some(Out::Text(mut text, logprobs)) => {
+                if let Some(f) = &mut self.calls {
+                    text = f.push(&text);
+                }
+                Ok(StreamEvent::Delta(TextDelta { text, logprobs }))
+            }
+            Some(Out::Error(e)) => Err(e),
+            Some(Out::Done {
                 finish,
                 prompt,
                 completion,
                 cached,
-            } => {
-                return Ok(Completion {
-                    text,
-                    finish_reason: finish_reason(&finish)?,
+            }) => {
+                let (held, tool_calls) = (self.calls.as_mut())
+                    .map(CallFilter::finish)
+                    .unwrap_or_default();
+                let end = StreamEnd {
+                    finish_reason: finish_reason(&finish, &tool_calls)?,
                     usage: usage(prompt, completion, cached),
-                });
+                    tool_calls,
+                };
+                if held.is_empty() {
+                    return Ok(StreamEvent::Done(end));
+                }
+                self.end = Some(end);
+                Ok(StreamEvent::Delta(TextDelta {
+                    text: held,
+                    logprobs: Vec::new(),
+                }))
             }
+            None => Err(dropped()),
         }
     }
-    Err(dropped())
 }
-
-/// A request's results as they come, and the log-probabilities of the last
-/// delta's tokens.
-struct Stream(tmpsc::UnboundedReceiver<Out>, Vec<TokenLogprob>);
 
 impl TokenStream for Stream {
     fn next(&mut self) -> kiln_runtime::BoxFuture<'_, Result<StreamEvent, AiError>> {
-        Box::pin(async move {
-            match self.0.recv().await {
-                Some(Out::Text(t, lp)) => {
-                    self.1 = lp;
-                    Ok(StreamEvent::Delta(t))
-                }
-                Some(Out::Error(e)) => Err(e),
-                Some(Out::Done {
-                    finish,
-                    prompt,
-                    completion,
-                    cached,
-                }) => Ok(StreamEvent::Done(StreamEnd {
-                    finish_reason: finish_reason(&finish)?,
-                    usage: usage(prompt, completion, cached),
-                })),
-                None => Err(dropped()),
-            }
-        })
+        Box::pin(self.event())
     }
-
-    fn logprobs(&mut self) -> Vec<TokenLogprob> {
-        std::mem::take(&mut self.1)
-    }
-}
-
-fn messages(m: Vec<kiln_runtime::Message>) -> Vec<ChatMessage> {
-    m.into_iter()
-        .map(|m| ChatMessage {
-            role: match m.role {
-                kiln_runtime::Role::System => "system",
-                kiln_runtime::Role::User => "user",
-                kiln_runtime::Role::Assistant => "assistant",
-            }
-            .into(),
-            content: m.content,
-        })
-        .collect()
 }
 
 type Fut<'a, T> = kiln_runtime::BoxFuture<'a, Result<T, AiError>>;
@@ -399,25 +419,27 @@ fn one(
 
 impl Inference for ServedModels {
     fn call(&self, call: ModelCall) -> Fut<'_, Completion> {
-        let call = ModelCall {
-            logprobs: None,
-            ..call
-        };
-        let rx = self.submit(call, 1);
-        Box::pin(async move { collect(one(rx?)?).await })
+        let sent = self.submit(call, 1);
+        Box::pin(async move {
+            let (rxs, tools) = sent?;
+            collect(one(rxs)?, tools).await
+        })
     }
 
     fn stream(&self, call: ModelCall) -> Fut<'_, Box<dyn TokenStream>> {
-        let rx = self.submit(call, 1);
-        Box::pin(async move { Ok(Box::new(Stream(one(rx?)?, Vec::new())) as Box<dyn TokenStream>) })
+        let sent = self.submit(call, 1);
+        Box::pin(async move {
+            let (rxs, tools) = sent?;
+            Ok(Box::new(Stream::new(one(rxs)?, tools)) as Box<dyn TokenStream>)
+        })
     }
 
     fn stream_samples(&self, call: ModelCall, n: usize) -> Fut<'_, Vec<Box<dyn TokenStream>>> {
-        let rxs = self.submit(call, n);
+        let sent = self.submit(call, n);
         Box::pin(async move {
-            let streams = rxs?
-                .into_iter()
-                .map(|rx| Box::new(Stream(rx, Vec::new())) as Box<dyn TokenStream>);
+            let (rxs, tools) = sent?;
+            let streams = (rxs.into_iter())
+                .map(|rx| Box::new(Stream::new(rx, tools)) as Box<dyn TokenStream>);
             Ok(streams.collect())
         })
     }

@@ -36,7 +36,7 @@ proptest! {
         logits in prop::collection::vec(
             prop_oneof![-30.0f32..30.0, Just(f32::NEG_INFINITY)], 1..64),
     ) {
-        let params = Params { max_tokens, temperature, top_p, top_k, seed, stop, session: None };
+        let params = Params { max_tokens, temperature, top_p, top_k, seed, stop, ..Params::defaults() };
         match generate_params(params) {
             Ok(g) => {
                 prop_assert!((0.0..=2.0).contains(&g.temperature));

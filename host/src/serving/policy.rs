@@ -462,10 +462,6 @@ impl TokenStream for Guarded {
             ev
         })
     }
-
-    fn logprobs(&mut self) -> Vec<kiln_runtime::TokenLogprob> {
-        self.inner.logprobs()
-    }
 }
 
 impl Drop for Guarded {

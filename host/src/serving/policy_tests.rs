@@ -31,6 +31,8 @@ impl Inference for Fixed {
                     completion_tokens: n,
                     cached_prompt_tokens: 0,
                 },
+                tool_calls: Vec::new(),
+                logprobs: Vec::new(),
             })
         })
     }
@@ -52,17 +54,7 @@ fn req(tenant: &str, model: &str) -> ModelCall {
         tenant: tenant.into(),
         model: model.into(),
         prompt: Prompt::Chat(Vec::new()),
-        params: Params {
-            max_tokens: None,
-            temperature: None,
-            top_p: None,
-            top_k: None,
-            seed: None,
-            stop: Vec::new(),
-            session: None,
-        },
-        logprobs: None,
-        format: None,
+        params: Params::defaults(),
     }
 }
 
@@ -205,10 +197,7 @@ async fn a_call_larger_than_the_whole_quota_is_refused_naming_max_tokens() {
 async fn a_stream_dropped_early_pays_its_prompt_and_the_tokens_it_received() {
     let g = gateway(1, 8);
     let mut r = with_max_tokens(req("a", "a"), 100);
-    r.prompt = Prompt::Chat(vec![Message {
-        role: Role::User,
-        content: "x".repeat(30),
-    }]);
+    r.prompt = Prompt::Chat(vec![Message::text(Role::User, "x".repeat(30))]);
     let prompt = Cost::of_call(&r).prompt;
     let mut s = g.stream(r).await.unwrap();
     for _ in 0..3 {

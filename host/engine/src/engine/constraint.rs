@@ -1,5 +1,5 @@
-//! Output formats (OpenAI's `response_format`): any JSON object, or JSON
-//! that a JSON schema accepts. llguidance compiles a format against the
+//! Output formats (OpenAI's `response_format`, tool calls): any JSON
+//! object, JSON that a JSON schema accepts, or text a grammar accepts. llguidance compiles a format against the
 //! model's vocabulary into a matcher; before each of the request's tokens
 //! is sampled, the tokens the matcher forbids get no probability, and the
 //! token drawn advances it. Once the format is complete, only EOS is left.
@@ -19,6 +19,8 @@ pub enum OutputFormat {
     JsonObject,
     /// JSON that this JSON schema accepts.
     JsonSchema(serde_json::Value),
+    /// Text that this grammar accepts, in llguidance's Lark syntax.
+    Grammar(String),
 }
 
 /// The vocabulary as llguidance sees it: every token's bytes.
@@ -58,18 +60,23 @@ impl Formats {
 
     /// A matcher for `format`, or why it cannot be compiled.
     pub(super) fn matcher(&self, format: &OutputFormat) -> Result<Matcher, String> {
-        let schema = match format {
-            OutputFormat::JsonObject => serde_json::json!({"type": "object"}),
-            OutputFormat::JsonSchema(s) => s.clone(),
+        let (grammar, what) = match format {
+            OutputFormat::JsonObject => (
+                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
+                "JSON schema",
+            ),
+            OutputFormat::JsonSchema(s) => {
+                (TopLevelGrammar::from_json_schema(s.clone()), "JSON schema")
+            }
+            OutputFormat::Grammar(g) => (TopLevelGrammar::from_lark(g.clone()), "grammar"),
         };
-        let grammar = TopLevelGrammar::from_json_schema(schema);
         let parser = self
             .factory
             .create_parser(grammar)
-            .map_err(|e| format!("the JSON schema cannot be used: {e}"))?;
+            .map_err(|e| format!("the {what} cannot be used: {e}"))?;
         let m = Matcher::new(Ok(parser));
         match m.get_error() {
-            Some(e) => Err(format!("the JSON schema cannot be used: {e}")),
+            Some(e) => Err(format!("the {what} cannot be used: {e}")),
             None => Ok(m),
         }
     }

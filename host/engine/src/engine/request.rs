@@ -53,6 +53,8 @@ pub struct Logprob {
     pub id: u32,
     /// Its text alone (a piece of a character reads as U+FFFD).
     pub text: String,
+    /// Its bytes (what a piece of a character really is).
+    pub bytes: Vec<u8>,
     /// ln p.
     pub logprob: f32,
 }

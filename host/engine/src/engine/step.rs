@@ -327,6 +327,7 @@ fn token_logprobs(logits: &[f32], token: u32, top: usize, tokenizer: &Tokenizer)
     let piece = |id: u32, logprob: f32| Logprob {
         id,
         text: tokenizer.decode(&[id]),
+        bytes: tokenizer.token_piece(id),
         logprob,
     };
     TokenLogprobs {

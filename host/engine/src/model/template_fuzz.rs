@@ -42,10 +42,7 @@ fn messages() -> impl Strategy<Value = Vec<ChatMessage>> {
     let role = prop::sample::select(vec!["system", "user", "assistant", "tool", ""]);
     prop::collection::vec((role, ".{0,16}"), 0..5).prop_map(|v| {
         v.into_iter()
-            .map(|(role, content)| ChatMessage {
-                role: role.into(),
-                content,
-            })
+            .map(|(role, content)| ChatMessage::text(role, content))
             .collect()
     })
 }

@@ -17,13 +17,32 @@ use super::gguf::Gguf;
 /// any real template needs for a long conversation.
 const TEMPLATE_FUEL: u64 = 10_000_000;
 
-/// One chat message, as templates see it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+/// One chat message, as templates see it (Hugging Face's shape).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ChatMessage {
-    /// `system`, `user` or `assistant`.
+    /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     /// The text.
     pub content: String,
+    /// An assistant message's tool calls:
+    /// `{"id", "type": "function", "function": {"name", "arguments"}}`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<serde_json::Value>,
+    /// A tool message: the call it answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of plain text.
+    pub fn text(role: &str, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
 }
 
 enum Inner {
@@ -41,6 +60,8 @@ pub struct Tokenizer {
     template: Option<String>,
     bos_text: String,
     eos_text: String,
+    /// Every token's bytes, made when first asked for.
+    pieces: std::sync::OnceLock<Vec<Vec<u8>>>,
 }
 
 fn tok_err(e: impl std::fmt::Display) -> ModelError {
@@ -138,6 +159,7 @@ impl Tokenizer {
                 Some(super::gguf::Value::Bool(true))
             ),
             template: g.str("tokenizer.chat_template").map(str::to_owned),
+            pieces: Default::default(),
         })
     }
 
@@ -177,6 +199,7 @@ impl Tokenizer {
             bos,
             bos_text,
             eos_text,
+            pieces: Default::default(),
         })
     }
 
@@ -190,6 +213,7 @@ impl Tokenizer {
             template: None,
             bos_text: String::new(),
             eos_text: String::new(),
+            pieces: Default::default(),
         }
     }
 
@@ -259,9 +283,41 @@ impl Tokenizer {
         }
     }
 
+    /// One token's bytes as the model writes them (its text's when the
+    /// vocabulary's bytes cannot be read).
+    pub fn token_piece(&self, id: u32) -> Vec<u8> {
+        let all = self
+            .pieces
+            .get_or_init(|| self.token_bytes().unwrap_or_default());
+        match all.get(id as usize).map(Vec::as_slice) {
+            // llguidance marks a special token's text with a leading 0xFF.
+            Some([0xFF, text @ ..]) => text.to_vec(),
+            Some(b) if !b.is_empty() => b.to_vec(),
+            _ => self.decode(&[id]).into_bytes(),
+        }
+    }
+
     /// The prompt for a conversation, rendered with the model's chat
     /// template and ending where the assistant's reply begins.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<String, ModelError> {
+        self.chat_prompt_with_tools(messages, None)
+    }
+
+    /// Whether the chat template shows the model a request's tools (it
+    /// reads the `tools` variable).
+    pub fn template_knows_tools(&self) -> bool {
+        self.template
+            .as_deref()
+            .is_some_and(|t| t.contains("tools"))
+    }
+
+    /// [`Self::chat_prompt`] with `tools` (OpenAI's
+    /// `{"type": "function", "function": {...}}` objects) for the template.
+    pub fn chat_prompt_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<String, ModelError> {
         let Some(template) = &self.template else {
             // No template: a plain transcript.
             let mut s: String = messages
@@ -290,6 +346,7 @@ impl Tokenizer {
         let tmpl = env.get_template("chat").map_err(tok_err)?;
         tmpl.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => true,
             bos_token => self.bos_text,
             eos_token => self.eos_text,

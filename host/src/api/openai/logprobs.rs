@@ -3,7 +3,7 @@
 //! completions' parallel lists (`tokens`, `token_logprobs`, `top_logprobs`
 //! as objects, `text_offset`).
 
-use kiln_runtime::{AiError, Completion, StreamEvent, TokenLogprob, TokenStream};
+use kiln_runtime::TokenLogprob;
 use serde_json::{Map, Value, json};
 
 /// JSON has no -inf: OpenAI writes an impossible token's figure as -9999.
@@ -12,11 +12,11 @@ fn figure(lp: f32) -> f64 {
 }
 
 /// Chat's entry for one token (or one of its alternatives).
-fn chat_entry(token: &str, lp: f32) -> Map<String, Value> {
+fn chat_entry(token: &str, bytes: &[u8], lp: f32) -> Map<String, Value> {
     let mut m = Map::new();
     m.insert("token".into(), token.into());
     m.insert("logprob".into(), figure(lp).into());
-    m.insert("bytes".into(), json!(token.as_bytes()));
+    m.insert("bytes".into(), json!(bytes));
     m
 }
 
@@ -25,11 +25,9 @@ pub(super) fn chat(tokens: &[TokenLogprob]) -> Value {
     let content: Vec<Value> = tokens
         .iter()
         .map(|t| {
-            let mut e = chat_entry(&t.token, t.logprob);
-            let top: Vec<Value> = t
-                .top
-                .iter()
-                .map(|(tok, lp)| Value::Object(chat_entry(tok, *lp)))
+            let mut e = chat_entry(&t.token, &t.bytes, t.logprob);
+            let top: Vec<Value> = (t.top.iter())
+                .map(|a| Value::Object(chat_entry(&a.token, &a.bytes, a.logprob)))
                 .collect();
             e.insert("top_logprobs".into(), top.into());
             Value::Object(e)
@@ -38,67 +36,88 @@ pub(super) fn chat(tokens: &[TokenLogprob]) -> Value {
     json!({"content": content, "refusal": null})
 }
 
-/// Completions' `logprobs` for `tokens`, whose text starts `offset`
-/// characters into the completion; the offset after them.
-pub(super) fn completion(tokens: &[TokenLogprob], mut offset: usize) -> (Value, usize) {
-    let mut offsets = Vec::with_capacity(tokens.len());
-    for t in tokens {
-        offsets.push(offset);
-        offset += t.token.chars().count();
+/// Where the next token starts in a completion's text, in characters: a
+/// token that ends inside a character starts no new one.
+#[derive(Debug, Default)]
+pub(super) struct Offset {
+    chars: usize,
+    /// Bytes of a character not yet complete.
+    tail: Vec<u8>,
+}
+
+impl Offset {
+    /// Where a token of `bytes` starts; moves past it.
+    fn advance(&mut self, bytes: &[u8]) -> usize {
+        let at = self.chars;
+        self.tail.extend_from_slice(bytes);
+        loop {
+            match std::str::from_utf8(&self.tail) {
+                Ok(s) => {
+                    self.chars += s.chars().count();
+                    self.tail.clear();
+                    return at;
+                }
+                Err(e) => {
+                    let ok = e.valid_up_to();
+                    // Valid up to `ok`; then a bad byte run (one U+FFFD
+                    // in the text), or a character still to come.
+                    let valid = std::str::from_utf8(&self.tail[..ok]).unwrap_or("");
+                    self.chars += valid.chars().count();
+                    match e.error_len() {
+                        Some(bad) => {
+                            self.chars += 1;
+                            self.tail.drain(..ok + bad);
+                        }
+                        None => {
+                            self.tail.drain(..ok);
+                            return at;
+                        }
+                    }
+                }
+            }
+        }
     }
+}
+
+/// Completions' `logprobs` for `tokens`, placed in the text from `offset`
+/// on.
+pub(super) fn completion(tokens: &[TokenLogprob], offset: &mut Offset) -> Value {
+    let offsets: Vec<usize> = tokens.iter().map(|t| offset.advance(&t.bytes)).collect();
     let top: Vec<Value> = tokens
         .iter()
         .map(|t| {
-            let m: Map<String, Value> = t
-                .top
-                .iter()
-                .map(|(tok, lp)| (tok.clone(), figure(*lp).into()))
+            let m: Map<String, Value> = (t.top.iter())
+                .map(|a| (a.token.clone(), figure(a.logprob).into()))
                 .collect();
             Value::Object(m)
         })
         .collect();
-    let v = json!({
+    json!({
         "tokens": tokens.iter().map(|t| t.token.as_str()).collect::<Vec<_>>(),
         "token_logprobs": tokens.iter().map(|t| figure(t.logprob)).collect::<Vec<_>>(),
         "top_logprobs": top,
         "text_offset": offsets,
-    });
-    (v, offset)
-}
-
-/// Runs `stream` to its end: the completion, and every token's
-/// log-probabilities.
-pub(super) async fn collect(
-    mut stream: Box<dyn TokenStream>,
-) -> Result<(Completion, Vec<TokenLogprob>), AiError> {
-    let (mut text, mut all) = (String::new(), Vec::new());
-    loop {
-        match stream.next().await? {
-            StreamEvent::Delta(t) => {
-                text.push_str(&t);
-                all.extend(stream.logprobs());
-            }
-            StreamEvent::Done(end) => {
-                let c = Completion {
-                    text,
-                    finish_reason: end.finish_reason,
-                    usage: end.usage,
-                };
-                return Ok((c, all));
-            }
-        }
-    }
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    use kiln_runtime::TopLogprob;
+
     fn token(t: &str, lp: f32, top: &[(&str, f32)]) -> TokenLogprob {
         TokenLogprob {
             token: t.into(),
+            bytes: t.as_bytes().to_vec(),
             logprob: lp,
-            top: top.iter().map(|(s, l)| (s.to_string(), *l)).collect(),
+            top: (top.iter())
+                .map(|(s, l)| TopLogprob {
+                    token: s.to_string(),
+                    bytes: s.as_bytes().to_vec(),
+                    logprob: *l,
+                })
+                .collect(),
         }
     }
 
@@ -120,11 +139,27 @@ mod tests {
             token("Hé", -0.1, &[("Hé", -0.1)]),
             token("llo", f32::NEG_INFINITY, &[]),
         ];
-        let (v, end) = completion(&tokens, 3);
+        let mut at = Offset {
+            chars: 3,
+            tail: Vec::new(),
+        };
+        let v = completion(&tokens, &mut at);
         assert_eq!(v["tokens"], json!(["Hé", "llo"]));
         assert_eq!(v["token_logprobs"][1], -9999.0);
         assert_eq!(v["text_offset"], json!([3, 5]));
         assert_eq!(v["top_logprobs"][0]["Hé"].as_f64().unwrap() as f32, -0.1);
-        assert_eq!(end, 8);
+        assert_eq!(at.chars, 8);
+    }
+
+    #[test]
+    fn a_character_split_over_tokens_is_counted_once() {
+        // "é" (c3 a9) in two tokens, then "x", then a stray byte.
+        let mut at = Offset::default();
+        assert_eq!(at.advance(&[0xc3]), 0);
+        assert_eq!(at.advance(&[0xa9]), 0);
+        assert_eq!(at.advance(b"x"), 1);
+        assert_eq!(at.advance(&[0xff]), 2);
+        assert_eq!(at.advance(b"y"), 3);
+        assert_eq!(at.chars, 4);
     }
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use hyper::{Request, Response, StatusCode};
 use kiln_runtime::{
-    Completion, FinishReason, Inference, ModelCall, SessionAffinity, TokenLogprob, Usage,
+    Completion, FinishReason, Inference, ModelCall, SessionAffinity, ToolCall, Usage,
 };
 use rand::RngCore;
 
@@ -63,8 +63,6 @@ impl Call {
             model: self.v.model.clone(),
             prompt: self.v.input.clone(),
             params: self.v.params.clone(),
-            logprobs: self.v.logprobs,
-            format: self.v.format.clone(),
         }
     }
 }
@@ -101,7 +99,24 @@ fn finish_reason(f: FinishReason) -> &'static str {
     match f {
         FinishReason::Stop => "stop",
         FinishReason::Length => "length",
+        FinishReason::ToolCalls => "tool_calls",
     }
+}
+
+/// Tool calls in OpenAI's shape; with `index` for a stream's delta.
+fn tool_calls_json(calls: &[ToolCall], index: bool) -> Vec<serde_json::Value> {
+    (calls.iter().enumerate())
+        .map(|(i, c)| {
+            let mut v = serde_json::json!({
+                "id": c.id, "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            });
+            if index {
+                v["index"] = i.into();
+            }
+            v
+        })
+        .collect()
 }
 
 fn usage_json(u: &Usage) -> serde_json::Value {
@@ -125,12 +140,20 @@ where
         return Ok(sse::respond(streams, sse::Shape::chat(&call)));
     }
     let answers = answers(&app, &call).await?;
+    let asked = call.v.params.logprobs.is_some();
     let choices: Vec<_> = (answers.iter().enumerate())
-        .map(|(i, (c, lp))| {
+        .map(|(i, c)| {
+            let mut message = serde_json::json!({"role": "assistant", "content": c.text});
+            if !c.tool_calls.is_empty() {
+                message["tool_calls"] = tool_calls_json(&c.tool_calls, false).into();
+                if c.text.is_empty() {
+                    message["content"] = serde_json::Value::Null;
+                }
+            }
             serde_json::json!({
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": lp.as_deref().map_or(serde_json::Value::Null, logprobs::chat),
+                "message": message,
+                "logprobs": if asked { logprobs::chat(&c.logprobs) } else { serde_json::Value::Null },
                 "finish_reason": finish_reason(c.finish_reason),
             })
         })
@@ -144,34 +167,30 @@ where
     ))
 }
 
-/// Each sample of a call run to its end; with the tokens'
-/// log-probabilities when it asked for them (those come with streams).
-async fn answers(app: &App, call: &Call) -> Result<Vec<Answer>, ApiError> {
-    if call.v.logprobs.is_none() && call.v.n == 1 {
-        return Ok(vec![(app.ai.call(call.model_call()).await?, None)]);
+/// Each sample of a call run to its end.
+async fn answers(app: &App, call: &Call) -> Result<Vec<Completion>, ApiError> {
+    if call.v.n == 1 {
+        return Ok(vec![app.ai.call(call.model_call()).await?]);
     }
     let streams = app.ai.stream_samples(call.model_call(), call.v.n).await?;
     let mut out = Vec::with_capacity(streams.len());
     for s in streams {
-        let (c, lp) = logprobs::collect(s).await?;
-        out.push((c, call.v.logprobs.map(|_| lp)));
+        let mut s = s;
+        out.push(kiln_runtime::complete_stream(s.as_mut()).await?);
     }
     Ok(out)
 }
 
-/// A sample's completion and its tokens' log-probabilities if asked.
-type Answer = (Completion, Option<Vec<TokenLogprob>>);
-
 /// The usage of a call's samples: the prompt once (the samples share it),
 /// every sample's completion.
-fn total_usage(answers: &[Answer]) -> serde_json::Value {
-    let first = answers.first().map(|(c, _)| c.usage);
+fn total_usage(answers: &[Completion]) -> serde_json::Value {
+    let first = answers.first().map(|c| c.usage);
     let mut u = first.unwrap_or(Usage {
         prompt_tokens: 0,
         completion_tokens: 0,
         cached_prompt_tokens: 0,
     });
-    u.completion_tokens = answers.iter().map(|(c, _)| c.usage.completion_tokens).sum();
+    u.completion_tokens = answers.iter().map(|c| c.usage.completion_tokens).sum();
     usage_json(&u)
 }
 
@@ -190,9 +209,10 @@ where
         return Ok(sse::respond(streams, sse::Shape::completion(&call)));
     }
     let answers = answers(&app, &call).await?;
+    let asked = call.v.params.logprobs.is_some();
     let choices: Vec<_> = (answers.iter().enumerate())
-        .map(|(i, (c, lp))| {
-            let lp = lp.as_deref().map(|lp| logprobs::completion(lp, 0).0);
+        .map(|(i, c)| {
+            let lp = asked.then(|| logprobs::completion(&c.logprobs, &mut Default::default()));
             serde_json::json!({
                 "index": i, "text": c.text, "logprobs": lp,
                 "finish_reason": finish_reason(c.finish_reason),

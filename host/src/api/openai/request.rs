@@ -1,7 +1,7 @@
 //! Validation of OpenAI-style request bodies. A [`Validated`] request can
 //! only be built here, so a handler holding one knows every field passed.
 
-use kiln_runtime::{Message, Params, Prompt, ResponseFormat, Role};
+use kiln_runtime::{Message, OutputFormat, Params, Prompt, Role, Tool, ToolCall, ToolChoice};
 use serde_json::{Map, Value};
 
 use crate::api::ApiError;
@@ -18,20 +18,17 @@ pub(super) struct Validated {
     /// Messages (`/v1/chat/completions`) or a raw prompt
     /// (`/v1/completions`).
     pub(super) input: Prompt,
-    /// Sampling parameters (session from `prompt_cache_key`, if given).
+    /// Sampling parameters (session from `prompt_cache_key`, if given),
+    /// output format, tools and log-probabilities (`Some(n)`: each token's
+    /// and the `n` most likely tokens'; chat's `logprobs: true` with
+    /// `top_logprobs`, completions' `logprobs: n`).
     pub(super) params: Params,
     /// Whether to answer with server-sent events.
     pub(super) stream: bool,
     /// Whether a streamed answer ends with a usage chunk.
     pub(super) include_usage: bool,
-    /// With `Some(n)`, each token's log-probability and the `n` most likely
-    /// tokens' (chat's `logprobs: true` with `top_logprobs`, completions'
-    /// `logprobs: n`).
-    pub(super) logprobs: Option<u8>,
     /// Samples of the prompt to answer with (choices).
     pub(super) n: usize,
-    /// What the output must be (`response_format`); free text when `None`.
-    pub(super) format: Option<ResponseFormat>,
     _sealed: Sealed,
 }
 
@@ -121,6 +118,7 @@ fn messages(v: &Value) -> Result<Vec<Message>, ApiError> {
                 .as_object()
                 .ok_or_else(|| bad(&format!("messages[{i}]"), "expected an object"))?;
             let mut role = None;
+            let mut m = Message::text(Role::User, "");
             let mut text = None;
             for (k, v) in obj {
                 match k.as_str() {
@@ -129,30 +127,141 @@ fn messages(v: &Value) -> Result<Vec<Message>, ApiError> {
                             Some("system" | "developer") => Role::System,
                             Some("user") => Role::User,
                             Some("assistant") => Role::Assistant,
-                            _ => return Err(bad(&at("role"), format!("{v} is not supported; use system, developer, user or assistant"))),
+                            Some("tool") => Role::Tool,
+                            _ => return Err(bad(&at("role"), format!("{v} is not supported; use system, developer, user, assistant or tool"))),
                         })
                     }
+                    "content" if v.is_null() => {}
                     "content" => text = Some(content(&at("content"), v)?),
-                    "name" => {}
+                    "tool_calls" => m.tool_calls = tool_calls(&at("tool_calls"), v)?,
+                    "tool_call_id" => m.tool_call_id = Some(string(&at("tool_call_id"), v)?),
+                    "name" | "refusal" => {}
                     other => return Err(bad(&at(other), "unknown or unsupported field")),
                 }
             }
-            Ok(Message {
-                role: role.ok_or_else(|| bad(&at("role"), "is required"))?,
-                content: text.ok_or_else(|| bad(&at("content"), "is required"))?,
+            m.role = role.ok_or_else(|| bad(&at("role"), "is required"))?;
+            match (m.role, &text) {
+                (Role::Assistant, None) if !m.tool_calls.is_empty() => {}
+                (_, None) => return Err(bad(&at("content"), "is required")),
+                _ => {}
+            }
+            if m.role == Role::Tool && m.tool_call_id.is_none() {
+                return Err(bad(&at("tool_call_id"), "is required in a tool message"));
+            }
+            m.content = text.unwrap_or_default();
+            Ok(m)
+        })
+        .collect()
+}
+
+/// An assistant message's `tool_calls`.
+fn tool_calls(param: &str, v: &Value) -> Result<Vec<ToolCall>, ApiError> {
+    let list = v
+        .as_array()
+        .ok_or_else(|| bad(param, "expected an array"))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let at = |f: &str| format!("{param}[{i}].{f}");
+            let f = c
+                .get("function")
+                .ok_or_else(|| bad(&at("function"), "is required"))?;
+            Ok(ToolCall {
+                id: c
+                    .get("id")
+                    .map(|v| string(&at("id"), v))
+                    .transpose()?
+                    .unwrap_or_default(),
+                name: string(&at("function.name"), f.get("name").unwrap_or(&Value::Null))?,
+                arguments: match f.get("arguments") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(v @ Value::Object(_)) => v.to_string(),
+                    _ => return Err(bad(&at("function.arguments"), "expected a JSON string")),
+                },
             })
         })
         .collect()
 }
 
+/// OpenAI's `tools`: functions only.
+fn tools(v: &Value) -> Result<Vec<Tool>, ApiError> {
+    let list = v
+        .as_array()
+        .ok_or_else(|| bad("tools", "expected an array"))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let at = |f: &str| format!("tools[{i}].{f}");
+            if t.get("type").and_then(Value::as_str) != Some("function") {
+                return Err(bad(&at("type"), "only \"function\" tools are supported"));
+            }
+            let f = t
+                .get("function")
+                .and_then(Value::as_object)
+                .ok_or_else(|| bad(&at("function"), "expected an object"))?;
+            let mut tool = Tool {
+                name: String::new(),
+                description: None,
+                parameters: None,
+            };
+            for (k, v) in f {
+                match k.as_str() {
+                    "name" => tool.name = string(&at("function.name"), v)?,
+                    "description" => {
+                        tool.description = Some(string(&at("function.description"), v)?)
+                    }
+                    "parameters" if v.is_object() => tool.parameters = Some(v.to_string()),
+                    "parameters" => {
+                        return Err(bad(
+                            &at("function.parameters"),
+                            "expected a JSON schema object",
+                        ));
+                    }
+                    "strict" => {}
+                    other => return Err(bad(&at(&format!("function.{other}")), "unknown field")),
+                }
+            }
+            if tool.name.is_empty() {
+                return Err(bad(&at("function.name"), "is required"));
+            }
+            Ok(tool)
+        })
+        .collect()
+}
+
+/// OpenAI's `tool_choice`.
+fn tool_choice(v: &Value) -> Result<ToolChoice, ApiError> {
+    match v {
+        Value::String(s) if s == "auto" => Ok(ToolChoice::Auto),
+        Value::String(s) if s == "none" => Ok(ToolChoice::None),
+        Value::String(s) if s == "required" => Ok(ToolChoice::Required),
+        Value::Object(o) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .unwrap_or(&Value::Null);
+            Ok(ToolChoice::Function(string(
+                "tool_choice.function.name",
+                name,
+            )?))
+        }
+        _ => Err(bad(
+            "tool_choice",
+            format!(
+                "expected \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {v}"
+            ),
+        )),
+    }
+}
+
 /// OpenAI's `response_format`: `text`, `json_object`, or `json_schema`
 /// with its `schema` (its `name` and `strict` accepted: Kiln's formats are
 /// always strict).
-fn response_format(v: &Value) -> Result<Option<ResponseFormat>, ApiError> {
+fn response_format(v: &Value) -> Result<Option<OutputFormat>, ApiError> {
     let at = |f: &str| format!("response_format.{f}");
     match v.get("type").and_then(Value::as_str) {
         Some("text") => Ok(None),
-        Some("json_object") => Ok(Some(ResponseFormat::JsonObject)),
+        Some("json_object") => Ok(Some(OutputFormat::JsonObject)),
         Some("json_schema") => {
             let spec = v
                 .get("json_schema")
@@ -176,7 +285,7 @@ fn response_format(v: &Value) -> Result<Option<ResponseFormat>, ApiError> {
             let schema = spec
                 .get("schema")
                 .ok_or_else(|| bad(&at("json_schema.schema"), "is required"))?;
-            Ok(Some(ResponseFormat::JsonSchema(schema.to_string())))
+            Ok(Some(OutputFormat::JsonSchema(schema.to_string())))
         }
         _ => Err(bad(
             &at("type"),
@@ -212,17 +321,9 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
     })?;
     let mut model = None;
     let mut input = None;
-    let mut params = Params {
-        max_tokens: None,
-        temperature: None,
-        top_p: None,
-        top_k: None,
-        seed: None,
-        stop: Vec::new(),
-        session: None,
-    };
+    let mut params = Params::defaults();
     let (mut stream, mut include_usage, mut stream_options) = (false, false, false);
-    let (mut logprobs, mut top_logprobs, mut n, mut format) = (None, None, 1, None);
+    let (mut logprobs, mut top_logprobs, mut n) = (None, None, 1);
     for (key, v) in &map {
         let k = key.as_str();
         if v.is_null() && k != "messages" && k != "prompt" && k != "model" {
@@ -315,11 +416,19 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
             }
             "echo" => neutral(k, v, v == &Value::Bool(false))?,
             "logit_bias" => neutral(k, v, v.as_object().is_some_and(Map::is_empty))?,
-            "response_format" => format = response_format(v)?,
-            "tools" | "tool_choice" | "functions" | "function_call" | "parallel_tool_calls" => {
+            "response_format" => params.format = response_format(v)?,
+            "tools" if chat => params.tools = tools(v)?,
+            "tool_choice" if chat => params.tool_choice = Some(tool_choice(v)?),
+            "parallel_tool_calls" if chat => {
+                params.parallel_tool_calls = Some(
+                    v.as_bool()
+                        .ok_or_else(|| bad(k, "expected true or false"))?,
+                )
+            }
+            "functions" | "function_call" if chat => {
                 return Err(bad(
                     k,
-                    "tool calling is not supported by Kiln; leave it out",
+                    "is deprecated and not supported; use `tools` and `tool_choice`",
                 ));
             }
             _ => return Err(bad(k, "unknown or unsupported field")),
@@ -334,6 +443,7 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
         }
         logprobs = Some(n);
     }
+    params.logprobs = logprobs;
     let field = if chat { "messages" } else { "prompt" };
     Ok(Validated {
         model: model.ok_or_else(|| bad("model", "is required"))?,
@@ -341,9 +451,7 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
         params,
         stream,
         include_usage,
-        logprobs,
         n,
-        format,
         _sealed: Sealed,
     })
 }

@@ -22,8 +22,10 @@ fn unsupported_fields_are_refused_naming_the_field() {
         Some("best_of")
     );
     assert_eq!(
-        err(base("tools", serde_json::json!([]))).param.as_deref(),
-        Some("tools")
+        err(base("tools", serde_json::json!([{"type": "retrieval"}])))
+            .param
+            .as_deref(),
+        Some("tools[0].type")
     );
     assert_eq!(
         err(base("frobnicate", 1.into())).param.as_deref(),
@@ -34,6 +36,9 @@ fn unsupported_fields_are_refused_naming_the_field() {
         Some("temperature")
     );
     let e = err(serde_json::json!({"model": "m", "messages": [{"role": "tool", "content": "x"}]}));
+    assert_eq!(e.param.as_deref(), Some("messages[0].tool_call_id"));
+    let e =
+        err(serde_json::json!({"model": "m", "messages": [{"role": "critic", "content": "x"}]}));
     assert_eq!(e.param.as_deref(), Some("messages[0].role"));
     assert_eq!(
         err(serde_json::json!({"messages": []})).param.as_deref(),
@@ -77,9 +82,6 @@ fn fields_map_onto_params() {
 #[test]
 fn every_documented_field_kiln_lacks_is_refused_by_name() {
     let lacking = [
-        ("tools", serde_json::json!([])),
-        ("tool_choice", "auto".into()),
-        ("parallel_tool_calls", true.into()),
         ("functions", serde_json::json!([])),
         ("function_call", "auto".into()),
         ("audio", serde_json::json!({})),
@@ -112,19 +114,23 @@ fn response_formats_map_onto_the_call_and_bad_ones_name_their_field() {
         chat(m.to_string().as_bytes())
     };
     assert_eq!(
-        with(serde_json::json!({"type": "text"})).unwrap().format,
+        with(serde_json::json!({"type": "text"}))
+            .unwrap()
+            .params
+            .format,
         None
     );
     assert_eq!(
         with(serde_json::json!({"type": "json_object"}))
             .unwrap()
+            .params
             .format,
-        Some(ResponseFormat::JsonObject)
+        Some(OutputFormat::JsonObject)
     );
     let schema = serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}});
     let spec = serde_json::json!({"type": "json_schema",
         "json_schema": {"name": "x", "strict": true, "schema": schema}});
-    let Some(ResponseFormat::JsonSchema(text)) = with(spec).unwrap().format else {
+    let Some(OutputFormat::JsonSchema(text)) = with(spec).unwrap().params.format else {
         panic!("no schema")
     };
     assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), schema);
@@ -153,7 +159,7 @@ fn log_probabilities_are_asked_for_as_each_endpoint_spells_it() {
         }
         chat(m.to_string().as_bytes())
     };
-    let lp = |r: Result<Validated, ApiError>| r.unwrap().logprobs;
+    let lp = |r: Result<Validated, ApiError>| r.unwrap().params.logprobs;
     assert_eq!(lp(chat_with(serde_json::json!({}))), None);
     assert_eq!(lp(chat_with(serde_json::json!({"logprobs": false}))), None);
     assert_eq!(
@@ -185,4 +191,53 @@ fn log_probabilities_are_asked_for_as_each_endpoint_spells_it() {
     assert_eq!(e.param.as_deref(), Some("logprobs"));
     let e = c(r#"{"model": "m", "prompt": "a", "top_logprobs": 2}"#).unwrap_err();
     assert_eq!(e.param.as_deref(), Some("top_logprobs"));
+}
+
+#[test]
+fn tools_choices_and_tool_messages_map_onto_the_call() {
+    let v = chat(
+        serde_json::json!({
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "weather in Paris?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+            ],
+            "tools": [{"type": "function", "function": {"name": "weather",
+                "description": "today's weather", "strict": true,
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+            "tool_choice": {"type": "function", "function": {"name": "weather"}},
+            "parallel_tool_calls": false
+        })
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    let t = &v.params.tools[0];
+    assert_eq!(t.name, "weather");
+    assert_eq!(t.description.as_deref(), Some("today's weather"));
+    let schema: Value = serde_json::from_str(t.parameters.as_deref().unwrap()).unwrap();
+    assert_eq!(schema["properties"]["city"]["type"], "string");
+    assert_eq!(
+        v.params.tool_choice,
+        Some(ToolChoice::Function("weather".into()))
+    );
+    assert_eq!(v.params.parallel_tool_calls, Some(false));
+    let Prompt::Chat(m) = v.input else { panic!() };
+    assert_eq!(m[1].tool_calls[0].name, "weather");
+    assert_eq!(m[1].tool_calls[0].arguments, r#"{"city": "Paris"}"#);
+    assert_eq!(m[1].content, "");
+    assert_eq!(m[2].role, Role::Tool);
+    assert_eq!(m[2].tool_call_id.as_deref(), Some("call_1"));
+    // Bad choices name their field; an assistant message needs text or calls.
+    let e = err(serde_json::json!({"model": "m", "tool_choice": "sometimes",
+        "messages": [{"role": "user", "content": "hi"}]}));
+    assert_eq!(e.param.as_deref(), Some("tool_choice"));
+    let e = err(serde_json::json!({"model": "m",
+        "messages": [{"role": "assistant", "content": null}]}));
+    assert_eq!(e.param.as_deref(), Some("messages[0].content"));
+    let c = completion(br#"{"model": "m", "prompt": "a", "tools": []}"#).unwrap_err();
+    assert_eq!(c.param.as_deref(), Some("tools"));
 }

@@ -11,11 +11,11 @@ use bytes::Bytes;
 use http_body::Frame;
 use http_body_util::BodyExt;
 use hyper::{Response, StatusCode, header};
-use kiln_runtime::{AiError, StreamEvent, TokenLogprob, TokenStream, Usage};
+use kiln_runtime::{AiError, StreamEvent, TokenStream, Usage};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use super::{Call, finish_reason, logprobs, usage_json};
+use super::{Call, finish_reason, logprobs, tool_calls_json, usage_json};
 use crate::api::{ApiError, Body, BoxError};
 
 /// How chunks of one endpoint look.
@@ -49,7 +49,7 @@ impl Shape {
             object,
             chat,
             include_usage: call.v.include_usage,
-            logprobs: call.v.logprobs.is_some(),
+            logprobs: call.v.params.logprobs.is_some(),
         }
     }
 
@@ -62,6 +62,18 @@ impl Shape {
         role: bool,
         (finish, lp): (Option<&str>, Value),
     ) -> Value {
+        self.chunk_with(index, text, role, (finish, lp), None)
+    }
+
+    /// [`Self::chunk`], in chat with a delta's `tool_calls`.
+    fn chunk_with(
+        &self,
+        index: usize,
+        text: Option<&str>,
+        role: bool,
+        (finish, lp): (Option<&str>, Value),
+        calls: Option<Value>,
+    ) -> Value {
         let choice = if self.chat {
             let mut delta = serde_json::Map::new();
             if role {
@@ -69,6 +81,9 @@ impl Shape {
             }
             if let Some(t) = text {
                 delta.insert("content".into(), t.into());
+            }
+            if let Some(c) = calls {
+                delta.insert("tool_calls".into(), c);
             }
             json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
         } else {
@@ -109,8 +124,8 @@ impl http_body::Body for ChannelBody {
     }
 }
 
-/// One sample's next event and the log-probabilities of its tokens.
-type Sampled = (usize, Result<StreamEvent, AiError>, Vec<TokenLogprob>);
+/// One sample's next event.
+type Sampled = (usize, Result<StreamEvent, AiError>);
 
 /// Forwards sample `index`'s events until it ends or nobody listens; then
 /// drops `stream`, which cancels it.
@@ -121,8 +136,7 @@ async fn forward(index: usize, mut stream: Box<dyn TokenStream>, tx: mpsc::Sende
             _ = tx.closed() => return,
         };
         let end = !matches!(ev, Ok(StreamEvent::Delta(_)));
-        let lp = stream.logprobs();
-        if tx.send((index, ev, lp)).await.is_err() || end {
+        if tx.send((index, ev)).await.is_err() || end {
             return;
         }
     }
@@ -145,27 +159,29 @@ async fn pump(streams: Vec<Box<dyn TokenStream>>, shape: Shape, tx: mpsc::Sender
         tokio::spawn(forward(i, s, etx.clone()));
     }
     drop(etx);
-    // Where each sample's next chunk starts in its completion (characters).
-    let mut offsets = vec![0; n];
+    // Where each sample's next chunk starts in its completion.
+    let mut offsets: Vec<logprobs::Offset> = (0..n).map(|_| Default::default()).collect();
     let (mut open, mut usage) = (n, None::<Usage>);
-    while let Some((i, ev, tokens)) = events.recv().await {
+    while let Some((i, ev)) = events.recv().await {
         let out = match ev {
-            Ok(StreamEvent::Delta(t)) => {
+            Ok(StreamEvent::Delta(d)) => {
                 let lp = match (shape.logprobs, shape.chat) {
                     (false, _) => Value::Null,
-                    (true, true) => logprobs::chat(&tokens),
-                    (true, false) => {
-                        let (v, next) = logprobs::completion(&tokens, offsets[i]);
-                        offsets[i] = next;
-                        v
-                    }
+                    (true, true) => logprobs::chat(&d.logprobs),
+                    (true, false) => logprobs::completion(&d.logprobs, &mut offsets[i]),
                 };
-                vec![event(&shape.chunk(i, Some(&t), false, (None, lp)))]
+                vec![event(&shape.chunk(i, Some(&d.text), false, (None, lp)))]
             }
             Ok(StreamEvent::Done(end)) => {
                 open -= 1;
+                let mut v = Vec::new();
+                if !end.tool_calls.is_empty() {
+                    let calls = tool_calls_json(&end.tool_calls, true).into();
+                    let c = shape.chunk_with(i, None, false, (None, Value::Null), Some(calls));
+                    v.push(event(&c));
+                }
                 let finish = Some(finish_reason(end.finish_reason));
-                let mut v = vec![event(&shape.chunk(i, None, false, (finish, Value::Null)))];
+                v.push(event(&shape.chunk(i, None, false, (finish, Value::Null))));
                 // The prompt once (the samples share it), every completion.
                 let total = usage.get_or_insert(Usage {
                     completion_tokens: 0,
