@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
 
-use crate::engine::{Engine, EngineConfig, Event, GenerateParams, PAGE_SIZE, TenantId};
+use crate::engine::{
+    Engine, EngineConfig, Event, GenerateParams, OutputFormat, PAGE_SIZE, TenantId,
+};
 use crate::model::Loaded;
 
 /// One concurrency's figures.
@@ -148,6 +150,21 @@ pub struct BenchSpec {
     /// Run the page-tag check on every other decode step only, timing
     /// both kinds of step side by side.
     pub integrity_ab: bool,
+    /// Generate under an output format that never completes (a JSON array
+    /// of records), so every token is drawn through its mask.
+    pub constrained: bool,
+}
+
+/// The format of a constrained bench run: JSON that may go on for ever.
+fn endless_json() -> OutputFormat {
+    OutputFormat::JsonSchema(serde_json::json!({
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+        },
+    }))
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -180,6 +197,7 @@ pub fn run(
         prompt_tokens,
         gen_tokens,
         integrity_ab,
+        constrained,
     } = spec;
     let vocab = loaded.model.config.vocab as u32;
     let check = config.integrity;
@@ -189,6 +207,7 @@ pub fn run(
         max_tokens: gen_tokens,
         temperature: 0.0,
         ignore_eos: true,
+        format: constrained.then(endless_json),
         ..Default::default()
     };
     let start = Instant::now();

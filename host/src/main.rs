@@ -169,6 +169,10 @@ struct BenchArgs {
     /// Run every row without CUDA graphs and then with them.
     #[arg(long)]
     compare_graphs: bool,
+    /// Run every row as free text and then under an output format (JSON
+    /// that never ends: every token drawn through its mask), side by side.
+    #[arg(long)]
+    compare_constrained: bool,
     /// Write each row's steps (sequences, tokens, ms, device ms,
     /// preemptions) to DIR/steps-FORMAT[+g]-CONCURRENCY.csv (+g: CUDA
     /// graphs on).
@@ -244,6 +248,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 prompt_tokens: args.prompt_tokens,
                 gen_tokens: 2,
                 integrity_ab: false,
+                constrained: false,
             };
             loaded = kiln_host::bench::run(loaded, warm.clone(), spec)
                 .map_err(anyhow::Error::msg)?
@@ -256,11 +261,18 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         vec![config.cuda_graphs]
     };
+    let constrained_modes = if args.compare_constrained {
+        vec![false, true]
+    } else {
+        vec![false]
+    };
     for (format, graphs) in formats
         .iter()
         .flat_map(|f| graph_modes.iter().map(move |g| (*f, *g)))
     {
-        for &c in &args.concurrency {
+        for (c, constrained) in
+            (args.concurrency.iter()).flat_map(|c| constrained_modes.iter().map(move |k| (*c, *k)))
+        {
             let mut config = config.clone();
             config.kv_format = kv_format(format);
             config.cuda_graphs = graphs;
@@ -269,11 +281,17 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 prompt_tokens: args.prompt_tokens,
                 gen_tokens: args.gen_tokens,
                 integrity_ab: args.integrity_ab,
+                constrained,
             };
             let (row, back) =
                 kiln_host::bench::run(loaded, config, spec).map_err(anyhow::Error::msg)?;
             loaded = back;
-            let mode = if graphs { "+g" } else { "" };
+            let mode = match (graphs, constrained) {
+                (false, false) => "",
+                (true, false) => "+g",
+                (false, true) => "+json",
+                (true, true) => "+g+json",
+            };
             let label = format!("{:?}{mode}", kv_format(format)).to_lowercase();
             if let Some(dir) = &args.trace {
                 std::fs::create_dir_all(dir)?;

@@ -115,6 +115,17 @@ pub trait Backend {
     ) -> R<Vec<bool>>;
     /// The index of each row's largest value (lowest on ties).
     fn argmax_rows(&self, x: &[f32], n: usize) -> R<Vec<u32>>;
+    /// Each row of `x` (`n` wide) with the tokens mask `slot[r]` (of
+    /// `words` words in `masks`) does not allow set to -inf; a negative
+    /// slot leaves its row alone.
+    fn mask_rows(
+        &self,
+        x: &[f32],
+        n: usize,
+        masks: &[u32],
+        words: usize,
+        slot: &[i32],
+    ) -> R<Vec<f32>>;
     /// `out (m x n) = x (m x k) * w^T`, bf16 weights `n x k`.
     fn matmul_bf16(
         &self,
@@ -254,6 +265,23 @@ impl Backend for Cpu {
 
     fn argmax_rows(&self, x: &[f32], n: usize) -> R<Vec<u32>> {
         Ok(x.chunks_exact(n).map(crate::sample::argmax).collect())
+    }
+
+    fn mask_rows(
+        &self,
+        x: &[f32],
+        n: usize,
+        masks: &[u32],
+        words: usize,
+        slot: &[i32],
+    ) -> R<Vec<f32>> {
+        let mut out = x.to_vec();
+        for (row, s) in out.chunks_exact_mut(n).zip(slot) {
+            if let Ok(s) = usize::try_from(*s) {
+                crate::sample::mask_logits(row, &masks[s * words..(s + 1) * words]);
+            }
+        }
+        Ok(out)
     }
 
     fn matmul_bf16(

@@ -15,6 +15,23 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best.map_or(0, |(i, _)| i as u32)
 }
 
+/// Takes every token `mask` does not allow out of `logits`: token `v` is
+/// allowed when bit `v % 32` of word `v / 32` is set (words past the mask
+/// allow nothing).
+pub fn mask_logits(logits: &mut [f32], mask: &[u32]) {
+    for (w, chunk) in logits.chunks_mut(32).enumerate() {
+        let bits = mask.get(w).copied().unwrap_or(0);
+        if bits == u32::MAX {
+            continue;
+        }
+        for (b, l) in chunk.iter_mut().enumerate() {
+            if bits >> b & 1 == 0 {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
 /// Sampling settings for one draw.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingParams {
@@ -48,7 +65,14 @@ pub fn sample_with_uniform(logits: &[f32], p: SamplingParams, u: f32) -> u32 {
     if p.is_greedy() {
         return argmax(logits);
     }
-    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    // Impossible tokens (a mask's) never take part; the argmax is possible
+    // unless every token is impossible.
+    let mut idx: Vec<u32> = (0..logits.len() as u32)
+        .filter(|i| logits[*i as usize] > f32::NEG_INFINITY)
+        .collect();
+    if idx.is_empty() {
+        return argmax(logits);
+    }
     let k = if p.top_k == 0 {
         logits.len()
     } else {

@@ -216,6 +216,36 @@ fn argmax_picks_the_first_largest_logit() {
 }
 
 #[test]
+fn masked_rows_keep_exactly_the_allowed_tokens() {
+    let (be, mut r) = (backend(), rng());
+    // A vocabulary that is not a multiple of 32, and a mask a word short.
+    let n: usize = 1000;
+    let words = n.div_ceil(32);
+    let x = random(&mut r, 3 * n, 5.0);
+    let short = words - 1;
+    let mut masks = vec![0u32; 2 * short];
+    for v in [0, 31, 32, 500] {
+        masks[v / 32] |= 1 << (v % 32);
+    }
+    masks[short..].fill(u32::MAX);
+    let got = be.mask_rows(&x, n, &masks, short, &[0, -1, 1]).unwrap();
+    for v in 0..n {
+        let allowed = [0, 31, 32, 500].contains(&v);
+        let want = if allowed { x[v] } else { f32::NEG_INFINITY };
+        assert_eq!(got[v], want, "{} row 0 token {v}", be.name());
+        assert_eq!(got[n + v], x[n + v], "{}: row 1 has no mask", be.name());
+        // Past the mask's words nothing is allowed.
+        let past = v >= short * 32;
+        let want = if past {
+            f32::NEG_INFINITY
+        } else {
+            x[2 * n + v]
+        };
+        assert_eq!(got[2 * n + v], want, "{} row 2 token {v}", be.name());
+    }
+}
+
+#[test]
 fn bf16_matmul_matches_float64_for_decode_and_prefill_shapes() {
     let (be, mut r) = (backend(), rng());
     let (n, k) = (384, 512);

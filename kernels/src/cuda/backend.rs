@@ -179,6 +179,21 @@ impl Backend for Gpu {
         Ok(self.download(&out)?[..rows].to_vec())
     }
 
+    fn mask_rows(
+        &self,
+        x: &[f32],
+        n: usize,
+        masks: &[u32],
+        words: usize,
+        slot: &[i32],
+    ) -> R<Vec<f32>> {
+        let rows = x.len() / n;
+        let mut dx = self.upload(x)?;
+        let (dm, ds) = (self.upload(masks)?, self.upload(slot)?);
+        self.mask_rows(&mut dx, (rows, n), &dm.slice(..), words, &ds.slice(..))?;
+        Ok(self.download(&dx)?[..rows * n].to_vec())
+    }
+
     fn matmul_bf16(
         &self,
         x: &[f32],

@@ -179,6 +179,7 @@ const KERNELS: &[&str] = &[
     // sample.cu
     "sample_rows",
     "argmax_rows",
+    "mask_rows",
     // prefill.cu
     "prefill_bf16_d64_w4",
     "prefill_bf16_d128_w4",

@@ -200,3 +200,20 @@ extern "C" __global__ void argmax_rows(const float* logits, int n, unsigned* out
         if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
     }
 }
+
+// Output formats: row r of logits (n wide) keeps only the tokens its mask
+// allows (bit v % 32 of word v / 32 of mask slot[r]; words past `words`
+// allow nothing); a row whose slot is negative is left alone. Grid: rows.
+extern "C" __global__ void mask_rows(float* logits, int n, const unsigned* masks, int words,
+                                     const int* slot) {
+    PDL_ENTER();
+    int s = slot[blockIdx.x];
+    if (s < 0) return;
+    float* row = logits + (size_t)blockIdx.x * n;
+    const unsigned* m = masks + (size_t)s * words;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        int w = i >> 5;
+        unsigned bits = w < words ? m[w] : 0u;
+        if (!((bits >> (i & 31)) & 1u)) row[i] = -INFINITY;
+    }
+}

@@ -56,4 +56,31 @@ impl Gpu {
         unsafe { b.launch(cfg((rows as u32, 1, 1), 1024, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
+
+    /// Output formats: row `r` of `logits` (`rows x n`) keeps only the
+    /// tokens mask `slot[r]` of `masks` (`words` bitmask words each, bit
+    /// `v % 32` of word `v / 32` for token `v`) allows; rows whose slot is
+    /// negative are left alone.
+    pub fn mask_rows(
+        &self,
+        logits: &mut CudaSlice<f32>,
+        (rows, n): (usize, usize),
+        masks: &CudaView<'_, u32>,
+        words: usize,
+        slot: &CudaView<'_, i32>,
+    ) -> R {
+        if slot.len() < rows || logits.len() < rows * n || words == 0 {
+            return Err(KernelError::Shape(format!(
+                "masking {rows} rows of {n}: inputs too short"
+            )));
+        }
+        let f = self.function("mask_rows")?;
+        let (ni, wi) = (n as i32, words as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(logits).arg(&ni).arg(masks).arg(&wi).arg(slot);
+        // SAFETY: one block per row; each slot names a mask of `words`
+        // words within `masks` (the caller's layout), bounds checked above.
+        unsafe { b.launch(cfg((rows as u32, 1, 1), 1024, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
 }

@@ -87,3 +87,52 @@ fn samples_on_the_test_device_draw_as_lone_requests() {
     }
     assert_ne!(got[&group[1]], got[&group[2]], "two seeds drew the same");
 }
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn output_formats_on_the_test_device_draw_within_the_mask_it_uploads() {
+    use kiln_host::engine::OutputFormat;
+    // Graphs on: masked greedy decodes are captured too.
+    let mut e = engine_with(device(), true);
+    let ids = chat_ids(&e, "Name one large city and its population, as JSON.");
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20},
+                       "population": {"type": "integer"}},
+        "required": ["city", "population"], "additionalProperties": false
+    });
+    let params = |logprobs, seed: Option<u64>| GenerateParams {
+        max_tokens: 60,
+        temperature: if seed.is_some() { 0.9 } else { 0.0 },
+        seed,
+        logprobs,
+        format: Some(OutputFormat::JsonSchema(schema.clone())),
+        ..Default::default()
+    };
+    // Log-probabilities take the logits to the host, which masks them
+    // there: the device's masked argmax must agree.
+    let device_drawn = e.add(TenantId(0), ids.clone(), params(None, None)).unwrap();
+    let host_drawn = e
+        .add(TenantId(1), ids.clone(), params(Some(0), None))
+        .unwrap();
+    // Sampled, each seed drawn on the device and on the host.
+    let sampled: Vec<(u64, u64)> = (1..4)
+        .map(|s| {
+            let d = e.add(TenantId(2), ids.clone(), params(None, Some(s)));
+            let h = e.add(TenantId(3), ids.clone(), params(Some(0), Some(s)));
+            (d.unwrap(), h.unwrap())
+        })
+        .collect();
+    let got = drain(&mut e);
+    let tokens = |s: u64| got[&s].iter().map(|(t, _)| *t).collect::<Vec<_>>();
+    assert_eq!(tokens(device_drawn), tokens(host_drawn));
+    for (d, h) in &sampled {
+        assert_eq!(tokens(*d), tokens(*h), "seeded draws");
+    }
+    for seq in std::iter::once(device_drawn).chain(sampled.iter().map(|p| p.0)) {
+        let text = e.loaded().tokenizer.decode(&tokens(seq));
+        let v: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|err| panic!("not JSON ({err}): {text:?}"));
+        assert!(v["city"].is_string() && v["population"].is_i64(), "{v}");
+    }
+}

@@ -87,10 +87,17 @@ pub(super) fn mask(matcher: &mut Matcher, logits: &mut [f32]) -> Result<(), Stri
     let allowed = matcher
         .compute_mask_or_eos()
         .map_err(|e| format!("the output format failed: {e}"))?;
-    for (i, l) in logits.iter_mut().enumerate() {
-        if !allowed.is_allowed(i as TokenId) {
-            *l = f32::NEG_INFINITY;
-        }
-    }
+    kiln_kernels::sample::mask_logits(logits, allowed.as_slice());
     Ok(())
+}
+
+/// The tokens `matcher` allows next, as bits (`v % 32` of word `v / 32`)
+/// over a vocabulary of `vocab`: what a device masks its logits with.
+pub(super) fn mask_words(matcher: &mut Matcher, vocab: usize) -> Result<Vec<u32>, String> {
+    let allowed = matcher
+        .compute_mask_or_eos()
+        .map_err(|e| format!("the output format failed: {e}"))?;
+    let mut words = allowed.as_slice().to_vec();
+    words.resize(vocab.div_ceil(32), 0);
+    Ok(words)
 }

@@ -83,6 +83,7 @@ impl Engine {
                     logits: true,
                     write_kv: true,
                     draw: Draw::Logits,
+                    mask: None,
                 };
                 let changes = self.retags_for(RunLane::Main);
                 let step = Step {

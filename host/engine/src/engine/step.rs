@@ -74,14 +74,15 @@ impl Engine {
         if run.is_empty() {
             return Ok(None);
         }
-        let draws = self.draws(&run);
+        let mut draws = self.draws(&run);
+        let masks = self.device_masks(&run, &mut draws);
         let device_check = self.device_checks();
         let mut tags = DeviceTags {
             expected: Vec::new(),
             changes: self.retags_for(on),
         };
         let expected = device_check.then_some(&mut tags.expected);
-        let seqs = build(&self.requests, &self.kv, &run, &draws, expected);
+        let seqs = build(&self.requests, &self.kv, &run, (&draws, &masks), expected);
         let step = Step {
             seqs,
             tags: StepTags {
@@ -169,13 +170,17 @@ impl Engine {
 
     /// How each sequence's next token is chosen. A device samples with the
     /// request's own next draw, so its generator advances as on the host.
+    /// A device draws within an output format's mask ([`Self::device_masks`]).
     fn draws(&mut self, run: &[Scheduled]) -> Vec<Draw> {
-        let device_draws = self.runner.on_gpu() && self.device_sampling;
+        let gpu = self.runner.on_gpu();
+        let device_draws = gpu && self.device_sampling;
         run.iter()
             .map(|s| match self.requests.get_mut(&s.seq) {
-                // Log-probabilities and output formats take the logits, on
-                // the host.
-                Some(r) if r.params.logprobs.is_some() || r.matcher.is_some() => Draw::Logits,
+                // Log-probabilities take the logits, on the host, and so do
+                // output formats on the CPU.
+                Some(r) if r.params.logprobs.is_some() || (r.matcher.is_some() && !gpu) => {
+                    Draw::Logits
+                }
                 Some(r) if s.sample && r.sampling().is_greedy() => Draw::Greedy,
                 Some(r) if s.sample && device_draws => Draw::Sample {
                     params: r.sampling(),
@@ -184,6 +189,37 @@ impl Engine {
                 _ => Draw::Logits,
             })
             .collect()
+    }
+
+    /// The masks of the rows a device draws within an output format,
+    /// computed in parallel (one per row, `None` for the rest). A row
+    /// whose mask cannot be computed takes the logits instead, so the host
+    /// reports why.
+    fn device_masks(&mut self, run: &[Scheduled], draws: &mut [Draw]) -> Vec<Option<Vec<u32>>> {
+        use rayon::prelude::*;
+        let mut masks = vec![None; run.len()];
+        let rows: HashMap<SeqId, usize> = (run.iter().enumerate())
+            .filter(|(i, s)| s.sample && draws[*i] != Draw::Logits)
+            .map(|(i, s)| (s.seq, i))
+            .collect();
+        let mut jobs: Vec<(usize, &mut llguidance::Matcher)> = (self.requests.iter_mut())
+            .filter_map(|(seq, r)| Some((*rows.get(seq)?, r.matcher.as_mut()?)))
+            .collect();
+        if jobs.is_empty() {
+            return masks;
+        }
+        let vocab = self.loaded.model.config.vocab;
+        let done: Vec<(usize, Option<Vec<u32>>)> = jobs
+            .par_iter_mut()
+            .map(|(i, m)| (*i, super::constraint::mask_words(m, vocab).ok()))
+            .collect();
+        for (i, mask) in done {
+            if mask.is_none() {
+                draws[i] = Draw::Logits;
+            }
+            masks[i] = mask;
+        }
+        masks
     }
 
     /// The step's output: aborts for failed tag checks, the prefix cache's
@@ -247,7 +283,7 @@ impl Engine {
         let tokenizer = &self.loaded.tokenizer;
         let picked = match row {
             SeqOut::Logits(mut l) => pick(r, &mut l, tokenizer),
-            SeqOut::Token(t) => Ok((t, None)),
+            SeqOut::Token(t) => advance(r, t).map(|()| (t, None)),
         };
         let (token, logprobs) = match picked {
             Ok(p) => p,
@@ -308,16 +344,23 @@ fn pick(
         super::constraint::mask(m, logits)?;
     }
     let token = sample(logits, r.sampling(), &mut r.rng);
-    // A complete format allows only EOS, which it does not consume.
-    if let Some(m) = r.matcher.as_mut().filter(|m| !m.is_stopped()) {
-        m.consume_token(token)
-            .map_err(|e| format!("the output format failed: {e}"))?;
-    }
+    advance(r, token)?;
     let lp = r.params.logprobs.map(|n| {
         let l = raw.as_deref().unwrap_or(logits);
         token_logprobs(l, token, n, tokenizer)
     });
     Ok((token, lp))
+}
+
+/// Moves `r`'s output format past `token` (a complete format allows only
+/// EOS, which it does not consume).
+fn advance(r: &mut Request, token: u32) -> Result<(), String> {
+    match r.matcher.as_mut().filter(|m| !m.is_stopped()) {
+        Some(m) => m
+            .consume_token(token)
+            .map_err(|e| format!("the output format failed: {e}")),
+        None => Ok(()),
+    }
 }
 
 /// `token`'s log-probability under `logits` and the `top` most likely
@@ -342,12 +385,12 @@ fn build<'a>(
     requests: &'a HashMap<SeqId, Request>,
     kv: &'a KvCacheManager,
     run: &[Scheduled],
-    draws: &[Draw],
+    (draws, masks): (&[Draw], &'a [Option<Vec<u32>>]),
     mut expected: Option<&mut Vec<[u64; 2]>>,
 ) -> Vec<StepSeq<'a>> {
     run.iter()
-        .zip(draws)
-        .map(|(s, draw)| {
+        .zip(draws.iter().zip(masks))
+        .map(|(s, (draw, mask))| {
             let r = &requests[&s.seq];
             let table = kv.table(s.seq);
             if let (Some(e), Some(t)) = (expected.as_deref_mut(), table) {
@@ -360,6 +403,7 @@ fn build<'a>(
                 logits: s.sample,
                 write_kv: s.write_kv,
                 draw: *draw,
+                mask: mask.as_deref(),
             }
         })
         .collect()

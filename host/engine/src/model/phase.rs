@@ -111,6 +111,7 @@ mod tests {
             logits,
             write_kv: true,
             draw: Draw::Greedy,
+            mask: None,
         }
     }
 

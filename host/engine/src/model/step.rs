@@ -33,6 +33,10 @@ pub struct StepSeq<'a> {
     pub write_kv: bool,
     /// How its next token is chosen, as far as a device may choose it.
     pub draw: Draw,
+    /// With a device draw: the tokens its output format allows (bit
+    /// `v % 32` of word `v / 32` for token `v`), taken out of the logits
+    /// before the draw.
+    pub mask: Option<&'a [u32]>,
 }
 
 /// How a sequence's next token is chosen, as far as a device may do it.

@@ -56,6 +56,12 @@ pub(super) struct Inputs {
     pub(super) wanted: Vec<u32>,
     /// How each of those results is chosen.
     pub(super) draws: Vec<Draw>,
+    /// Each result's output-format mask among `masks` (-1: none).
+    pub(super) mask_slot: Vec<i32>,
+    /// The masks, [`Inputs::mask_words`] words each.
+    pub(super) masks: Vec<u32>,
+    /// Words of one mask (the vocabulary's bits).
+    pub(super) mask_words: usize,
     /// Whether every sequence decodes one token, greedily.
     pub(super) greedy_decode: bool,
 }
@@ -80,17 +86,22 @@ pub(super) struct Layout {
     pub(super) expected: usize,
     pub(super) tables: usize,
     pub(super) tiles: usize,
+    pub(super) mask_slot: usize,
+    pub(super) masks: usize,
     pub(super) words: usize,
 }
 
 impl Layout {
+    /// The layout of a step of `n` tokens, `seqs` sequences and `m`
+    /// results, with room for `change_cap` tag changes, `table_cap` table
+    /// entries, `tiles` prefill tiles and `mask_cap` words of masks.
     pub(super) fn new(
         n: usize,
         seqs: usize,
         m: usize,
-        change_cap: usize,
-        table_cap: usize,
+        (change_cap, table_cap): (usize, usize),
         tiles: usize,
+        mask_cap: usize,
     ) -> Self {
         let mut at = 0;
         let mut take = |len: usize| {
@@ -108,6 +119,8 @@ impl Layout {
         let expected = take(4 * table_cap);
         let tables = take(table_cap + 1);
         let tiles = take(2 * tiles);
+        let mask_slot = take(m);
+        let masks = take(mask_cap);
         let words = take(0);
         Self {
             changes,
@@ -125,6 +138,8 @@ impl Layout {
             expected,
             tables,
             tiles,
+            mask_slot,
+            masks,
             words,
         }
     }
@@ -167,6 +182,12 @@ impl Layout {
         });
         put(&mut words, l.expected, expected);
         put(&mut words, l.tables, x.tables.iter().copied());
+        put(
+            &mut words,
+            l.mask_slot,
+            x.mask_slot.iter().map(|s| *s as u32),
+        );
+        put(&mut words, l.masks, x.masks.iter().copied());
         words
     }
 
@@ -216,6 +237,7 @@ impl Inputs {
             seq_tab: vec![0],
             tok_off: vec![0],
             greedy_decode: true,
+            mask_words: vocab.div_ceil(32),
             ..Default::default()
         };
         for b in batch {
@@ -238,6 +260,16 @@ impl Inputs {
             if b.logits && !b.tokens.is_empty() {
                 x.wanted.push(x.ids.len() as u32 - 1);
                 x.draws.push(b.draw);
+                x.mask_slot.push(match b.mask {
+                    Some(m) => {
+                        let slot = x.masks.len() / x.mask_words;
+                        let at = x.masks.len();
+                        x.masks.extend(m.iter().take(x.mask_words));
+                        x.masks.resize(at + x.mask_words, 0);
+                        slot as i32
+                    }
+                    None => -1,
+                });
             }
             x.greedy_decode &=
                 b.tokens.len() == 1 && b.logits && b.draw == Draw::Greedy && b.write_kv;
@@ -245,6 +277,11 @@ impl Inputs {
             x.tok_off.push(x.ids.len() as u32);
         }
         Ok(x)
+    }
+
+    /// Whether some result is drawn within an output format's mask.
+    pub(super) fn masked(&self) -> bool {
+        !self.masks.is_empty()
     }
 
     /// The sequences at the head of the batch that compute one token each
@@ -277,6 +314,7 @@ impl Inputs {
             self.tok_off.push(self.ids.len() as u32);
             self.wanted.push(self.ids.len() as u32 - 1);
             self.draws.push(Draw::Greedy);
+            self.mask_slot.push(-1);
         }
     }
 }
@@ -324,6 +362,9 @@ mod tests {
             wanted: vec![0, 1],
             draws: vec![Draw::Greedy; 2],
             greedy_decode: true,
+            mask_slot: vec![-1, 0],
+            masks: vec![7],
+            mask_words: 1,
         };
         x.pad_decode(4);
         assert_eq!(x.ids, [5, 6, 0, 0]);
@@ -335,6 +376,7 @@ mod tests {
         assert_eq!(x.tok_off, [0, 1, 2, 3, 4], "one token each");
         assert_eq!(x.wanted, [0, 1, 2, 3]);
         assert_eq!(x.draws.len(), 4);
+        assert_eq!(x.mask_slot, [-1, 0, -1, -1], "padding is unmasked");
     }
 
     fn seq<'a>(tokens: &'a [u32], start: usize, pages: &'a [u32]) -> StepSeq<'a> {
@@ -345,6 +387,7 @@ mod tests {
             logits: true,
             write_kv: true,
             draw: Draw::Greedy,
+            mask: None,
         }
     }
 
@@ -369,11 +412,26 @@ mod tests {
     }
 
     #[test]
+    fn a_masked_result_gets_its_mask_in_a_slot_of_the_vocabularys_words() {
+        let bits = [0b1010u32, 1, 0xFFFF_FFFF, 9];
+        let mut masked = seq(&[8], 0, &[6]);
+        masked.mask = Some(&bits);
+        let batch = [seq(&[7], 2, &[5]), masked];
+        // 40 tokens: two words a mask, the rest of the given bits dropped.
+        let x = Inputs::gather(&batch, 4, 40).unwrap();
+        assert!(x.masked());
+        assert_eq!((x.mask_slot, x.mask_words), (vec![-1, 0], 2));
+        assert_eq!(x.masks, [0b1010, 1]);
+        let plain = Inputs::gather(&batch[..1], 4, 40).unwrap();
+        assert!(!plain.masked());
+    }
+
+    #[test]
     fn the_words_hold_each_input_where_the_layout_puts_it() {
         let batch = [seq(&[7], 2, &[5]), seq(&[8], 0, &[6])];
         let x = Inputs::gather(&batch, 4, 100).unwrap();
         // Room for two tag changes, one given; four table entries, two used.
-        let l = Layout::new(2, 2, 2, 2, 4, 0);
+        let l = Layout::new(2, 2, 2, (2, 4), 0, 0);
         let changes = [(3u32, [1u64 << 32 | 2, 9])];
         let expected = [[1, 2], [3, 4]];
         let tags = StepTags {

@@ -16,13 +16,15 @@ use kiln_kernels::cuda::{CudaSlice, Gpu, Graph, Mark};
 use super::{GpuKv, GpuModel, Work};
 use crate::model::step::{Draw, RunLane, StepOut};
 
-/// What identifies a captured step: its sequences, attention partitions
-/// and whether it checks page tags.
+/// What identifies a captured step: its sequences, attention partitions,
+/// whether it checks page tags and whether it masks results.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) struct GraphKey {
     pub seqs: usize,
     pub parts: usize,
     pub check: bool,
+    /// Whether results are drawn within output formats' masks.
+    pub masked: bool,
 }
 
 /// One lane's state over the shared pages.

@@ -39,6 +39,8 @@ pub(super) struct Shape<'a> {
     pub check: bool,
     /// Whether some result is sampled on the device (else argmax).
     pub sample: bool,
+    /// Words of each output-format mask (0: no result is masked).
+    pub mask_words: usize,
     /// Flash-style prefill tiles (none: decode attention per token).
     pub tiles: usize,
     /// With tiles: the step's leading one-token sequences (rows
@@ -430,6 +432,11 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                 )?;
             }
             Pending::Nothing => return Err(no_norm()),
+        }
+        if s.mask_words > 0 {
+            let masks = self.inputs.slice(l.range(l.masks, m * s.mask_words));
+            let slots = ints(&self.inputs, l.range(l.mask_slot, m));
+            g.mask_rows(&mut b.logits, (m, c.vocab), &masks, s.mask_words, &slots)?;
         }
         let mut picks = b.small.slice_mut(s.seqs..s.seqs + m);
         if s.sample {

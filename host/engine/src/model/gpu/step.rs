@@ -54,6 +54,7 @@ impl GpuModel {
                 seqs: n,
                 parts,
                 check: !tags.expected.is_empty(),
+                masked: x.masked(),
             })
     }
 
@@ -161,7 +162,17 @@ impl GpuModel {
             } else {
                 Vec::new()
             };
-        let l = Layout::new(n, seqs, m, change_cap, table_cap, tiles.len() / 2);
+        // A masked step has room for every result's mask, so a captured
+        // one keeps its layout whichever rows are masked.
+        let mask_cap = if x.masked() { m * x.mask_words } else { 0 };
+        let l = Layout::new(
+            n,
+            seqs,
+            m,
+            (change_cap, table_cap),
+            tiles.len() / 2,
+            mask_cap,
+        );
         let words = l.words(&x, &tags, &tiles);
         let g = self.lane_gpu(lane);
         let lk = &mut kv.lanes[lane.index()];
@@ -178,6 +189,7 @@ impl GpuModel {
             max_len,
             check,
             sample: x.draws.iter().any(|d| matches!(d, Draw::Sample { .. })),
+            mask_words: if x.masked() { x.mask_words } else { 0 },
             tiles: tiles.len() / 2,
             decodes,
             decode_len,
