@@ -270,6 +270,18 @@ pd)
             --kv-memory 24GiB --pd "$pd" 2>&1 | grep -v INFO | tee -a "$out/pd.log"
     done
     ;;
+constrained)
+    # Decode free and under an output format (JSON that never ends, so
+    # every token is drawn through its mask), side by side, one call.
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT:-300}" .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda \
+        ${CONSTRAINED_ARGS:---kv fp8 --kv-memory 16GiB --concurrency 1,16,64 --prompt-tokens 512 --gen-tokens 128} \
+        --compare-constrained 2>&1 | grep -v INFO | tee "$out/constrained.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
 clients)
     # Output tok/s and TTFT through the API at 1-256 clients (1024-token
     # prompts, 256 generated), fp8-static pages with room for 256 such

@@ -51,7 +51,12 @@ impl Formats {
         words.resize(vocab.max(words.len()), Vec::new());
         let eos = tokenizer.eos_ids().first().copied().unwrap_or(0);
         let info = TokRxInfo::new(words.len() as u32, eos);
-        let trie = TokTrie::from(&info, &words).with_eos_tokens(tokenizer.eos_ids());
+        let mut trie = TokTrie::from(&info, &words);
+        // A vocabulary without EOS (synthetic models' bytes) ends a
+        // complete format with token 0, as `info` says.
+        if !tokenizer.eos_ids().is_empty() {
+            trie = trie.with_eos_tokens(tokenizer.eos_ids());
+        }
         let env: TokEnv = Arc::new(Vocabulary { trie });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
         factory.quiet();
@@ -100,4 +105,36 @@ pub(super) fn mask_words(matcher: &mut Matcher, vocab: usize) -> Result<Vec<u32>
     let mut words = allowed.as_slice().to_vec();
     words.resize(vocab.div_ceil(32), 0);
     Ok(words)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_byte_vocabulary_without_eos_compiles_formats_and_masks_them() {
+        // Synthetic models: one token per byte, ids past 255 empty.
+        let formats = Formats::new(&Tokenizer::bytes(300), 300).unwrap();
+        let mut m = formats.matcher(&OutputFormat::JsonObject).unwrap();
+        let words = mask_words(&mut m, 300).unwrap();
+        assert_eq!(words.len(), 300usize.div_ceil(32));
+        let allowed: Vec<usize> = (0..300)
+            .filter(|v| words[v / 32] >> (v % 32) & 1 == 1)
+            .collect();
+        // An object starts with `{` (or JSON's leading whitespace).
+        assert!(allowed.contains(&(b'{' as usize)), "{allowed:?}");
+        assert!(!allowed.contains(&(b'a' as usize)), "{allowed:?}");
+        assert!(allowed.iter().all(|v| *v < 256), "{allowed:?}");
+        let grammar = OutputFormat::Grammar("start: \"yes\" | \"no\"".into());
+        let mut g = formats.matcher(&grammar).unwrap();
+        let mut logits = vec![0.0f32; 300];
+        mask(&mut g, &mut logits).unwrap();
+        let open: Vec<usize> = (0..300).filter(|v| logits[*v] == 0.0).collect();
+        assert_eq!(open, [b'n' as usize, b'y' as usize]);
+        let bad = OutputFormat::Grammar("start: undefined_rule".into());
+        let Err(e) = formats.matcher(&bad) else {
+            panic!("an undefined rule compiled")
+        };
+        assert!(e.contains("grammar"), "{e}");
+    }
 }
