@@ -44,6 +44,25 @@ impl Gpu {
             .map_err(cuda_err)
     }
 
+    /// Copies `x` into `dst` from element `at` on.
+    pub fn upload_at<T: cudarc::driver::DeviceRepr>(
+        &self,
+        x: &[T],
+        dst: &mut CudaSlice<T>,
+        at: usize,
+    ) -> R {
+        if dst.len() < at + x.len() {
+            return Err(KernelError::Shape(format!(
+                "copying {} elements at {at} into {}",
+                x.len(),
+                dst.len()
+            )));
+        }
+        self.stream
+            .memcpy_htod(x, &mut dst.slice_mut(at..at + x.len()))
+            .map_err(cuda_err)
+    }
+
     /// Downloads `range` of `x`.
     pub fn download_range<T: cudarc::driver::DeviceRepr + Default + Clone>(
         &self,

@@ -38,9 +38,15 @@ impl TokenizerEnv for Vocabulary {
     }
 }
 
-/// Compiles output formats for one model's vocabulary.
+/// Most compiled formats kept for reuse.
+const CACHED_FORMATS: usize = 64;
+
+/// Compiles output formats for one model's vocabulary, and keeps the
+/// recent ones: requests of one format (an API's schema) then start from a
+/// copy instead of a compile.
 pub(super) struct Formats {
     factory: ParserFactory,
+    compiled: std::collections::HashMap<String, Matcher>,
 }
 
 impl Formats {
@@ -60,11 +66,31 @@ impl Formats {
         let env: TokEnv = Arc::new(Vocabulary { trie });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
         factory.quiet();
-        Ok(Self { factory })
+        Ok(Self {
+            factory,
+            compiled: Default::default(),
+        })
     }
 
-    /// A matcher for `format`, or why it cannot be compiled.
-    pub(super) fn matcher(&self, format: &OutputFormat) -> Result<Matcher, String> {
+    /// A matcher for `format` at its start, or why it cannot be compiled.
+    pub(super) fn matcher(&mut self, format: &OutputFormat) -> Result<Matcher, String> {
+        let key = match format {
+            OutputFormat::JsonObject => "object".to_owned(),
+            OutputFormat::JsonSchema(s) => format!("schema:{s}"),
+            OutputFormat::Grammar(g) => format!("lark:{g}"),
+        };
+        if let Some(m) = self.compiled.get(&key) {
+            return Ok(m.deep_clone());
+        }
+        let m = self.compile(format)?;
+        if self.compiled.len() >= CACHED_FORMATS {
+            self.compiled.clear();
+        }
+        self.compiled.insert(key, m.deep_clone());
+        Ok(m)
+    }
+
+    fn compile(&self, format: &OutputFormat) -> Result<Matcher, String> {
         let (grammar, what) = match format {
             OutputFormat::JsonObject => (
                 TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
@@ -97,14 +123,17 @@ pub(super) fn mask(matcher: &mut Matcher, logits: &mut [f32]) -> Result<(), Stri
 }
 
 /// The tokens `matcher` allows next, as bits (`v % 32` of word `v / 32`)
-/// over a vocabulary of `vocab`: what a device masks its logits with.
+/// over a vocabulary of `vocab`, without the trailing words that allow
+/// nothing (a device reads missing words as zeros): what a device masks
+/// its logits with.
 pub(super) fn mask_words(matcher: &mut Matcher, vocab: usize) -> Result<Vec<u32>, String> {
     let allowed = matcher
         .compute_mask_or_eos()
         .map_err(|e| format!("the output format failed: {e}"))?;
-    let mut words = allowed.as_slice().to_vec();
-    words.resize(vocab.div_ceil(32), 0);
-    Ok(words)
+    let words = allowed.as_slice();
+    let words = &words[..words.len().min(vocab.div_ceil(32))];
+    let used = words.iter().rposition(|w| *w != 0).map_or(1, |i| i + 1);
+    Ok(words[..used.min(words.len())].to_vec())
 }
 
 #[cfg(test)]
@@ -114,12 +143,13 @@ mod tests {
     #[test]
     fn a_byte_vocabulary_without_eos_compiles_formats_and_masks_them() {
         // Synthetic models: one token per byte, ids past 255 empty.
-        let formats = Formats::new(&Tokenizer::bytes(300), 300).unwrap();
+        let mut formats = Formats::new(&Tokenizer::bytes(300), 300).unwrap();
         let mut m = formats.matcher(&OutputFormat::JsonObject).unwrap();
         let words = mask_words(&mut m, 300).unwrap();
-        assert_eq!(words.len(), 300usize.div_ceil(32));
+        // Bytes only: the words past 255 allow nothing and are left out.
+        assert!(words.len() <= 8, "{}", words.len());
         let allowed: Vec<usize> = (0..300)
-            .filter(|v| words[v / 32] >> (v % 32) & 1 == 1)
+            .filter(|v| words.get(v / 32).is_some_and(|w| w >> (v % 32) & 1 == 1))
             .collect();
         // An object starts with `{` (or JSON's leading whitespace).
         assert!(allowed.contains(&(b'{' as usize)), "{allowed:?}");
@@ -131,6 +161,12 @@ mod tests {
         mask(&mut g, &mut logits).unwrap();
         let open: Vec<usize> = (0..300).filter(|v| logits[*v] == 0.0).collect();
         assert_eq!(open, [b'n' as usize, b'y' as usize]);
+        // A second matcher of a format starts where the first started.
+        g.consume_token(b'y' as u32).unwrap();
+        let mut again = formats.matcher(&grammar).unwrap();
+        let mut logits = vec![0.0f32; 300];
+        mask(&mut again, &mut logits).unwrap();
+        assert_eq!(logits.iter().filter(|l| **l == 0.0).count(), 2);
         let bad = OutputFormat::Grammar("start: undefined_rule".into());
         let Err(e) = formats.matcher(&bad) else {
             panic!("an undefined rule compiled")

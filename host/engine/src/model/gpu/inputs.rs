@@ -88,7 +88,10 @@ pub(super) struct Layout {
     pub(super) tiles: usize,
     pub(super) mask_slot: usize,
     pub(super) masks: usize,
+    /// The words [`Layout::words`] fills (the masks' start).
     pub(super) words: usize,
+    /// The input buffer's length, masks included.
+    pub(super) total: usize,
 }
 
 impl Layout {
@@ -120,8 +123,11 @@ impl Layout {
         let tables = take(table_cap + 1);
         let tiles = take(2 * tiles);
         let mask_slot = take(m);
-        let masks = take(mask_cap);
+        // The masks go up in a copy of their own: the buffer of words
+        // stops before them.
         let words = take(0);
+        let masks = take(mask_cap);
+        let total = take(0);
         Self {
             changes,
             change_cap,
@@ -141,6 +147,7 @@ impl Layout {
             mask_slot,
             masks,
             words,
+            total,
         }
     }
 
@@ -187,7 +194,6 @@ impl Layout {
             l.mask_slot,
             x.mask_slot.iter().map(|s| *s as u32),
         );
-        put(&mut words, l.masks, x.masks.iter().copied());
         words
     }
 
@@ -237,9 +243,12 @@ impl Inputs {
             seq_tab: vec![0],
             tok_off: vec![0],
             greedy_decode: true,
-            mask_words: vocab.div_ceil(32),
             ..Default::default()
         };
+        let longest = (batch.iter().filter_map(|b| b.mask.map(<[u32]>::len))).max();
+        if let Some(l) = longest {
+            x.mask_words = l.max(1).next_power_of_two().min(vocab.div_ceil(32));
+        }
         for b in batch {
             let off = x.tables.len() as u32;
             x.tables.extend(b.pages.iter().copied());
@@ -420,8 +429,14 @@ mod tests {
         // 40 tokens: two words a mask, the rest of the given bits dropped.
         let x = Inputs::gather(&batch, 4, 40).unwrap();
         assert!(x.masked());
-        assert_eq!((x.mask_slot, x.mask_words), (vec![-1, 0], 2));
+        assert_eq!((&x.mask_slot, x.mask_words), (&vec![-1, 0], 2));
         assert_eq!(x.masks, [0b1010, 1]);
+        // Shorter masks: a power of two of words, the rest allowing nothing.
+        let three = [1u32, 2, 3];
+        let mut short = seq(&[8], 0, &[6]);
+        short.mask = Some(&three);
+        let x = Inputs::gather(&[short], 4, 1000).unwrap();
+        assert_eq!((x.mask_words, x.masks), (4, vec![1, 2, 3, 0]));
         let plain = Inputs::gather(&batch[..1], 4, 40).unwrap();
         assert!(!plain.masked());
     }

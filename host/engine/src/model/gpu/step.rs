@@ -176,7 +176,7 @@ impl GpuModel {
         let words = l.words(&x, &tags, &tiles);
         let g = self.lane_gpu(lane);
         let lk = &mut kv.lanes[lane.index()];
-        let mut work = self.work(g, &mut lk.work, n, max_len, seqs, l.words)?;
+        let mut work = self.work(g, &mut lk.work, n, max_len, seqs, l.total)?;
         if std::mem::take(&mut work.fresh) {
             // Captured steps point into the buffers just replaced.
             lk.graphs.clear();
@@ -195,7 +195,7 @@ impl GpuModel {
             decode_len,
         };
         let start = std::time::Instant::now();
-        let result = self.run(lane, kv, &mut work, &words, &shape, key);
+        let result = self.run(lane, kv, &mut work, (&words, &x.masks), &shape, key);
         kv.lanes[lane.index()].work = Some(work);
         result?;
         Ok(Flight::Running(Running {
@@ -216,12 +216,15 @@ impl GpuModel {
         lane: RunLane,
         kv: &mut GpuKv,
         w: &mut Work,
-        words: &[u32],
+        (words, masks): (&[u32], &[u32]),
         s: &Shape<'_>,
         key: Option<GraphKey>,
     ) -> R<()> {
         let g = self.lane_gpu(lane);
         g.upload_into(words, &mut w.inputs)?;
+        if !masks.is_empty() {
+            g.upload_at(masks, &mut w.inputs, s.l.masks)?;
+        }
         let GpuKv { layers, lanes, .. } = kv;
         let lk = &mut lanes[lane.index()];
         // A shape is captured the second time it comes: one seen once (a
@@ -268,19 +271,24 @@ impl GpuModel {
         } else {
             vec![true; seqs]
         };
-        let logits = if draws.contains(&Draw::Logits) {
+        // Only the rows drawn on the host come down: one copy for all
+        // when most are, else a copy each.
+        let wanted = draws.iter().filter(|d| **d == Draw::Logits).count();
+        let all = if wanted * 2 > m {
             g.download_range(&w.b.logits, 0..m * c.vocab)?
         } else {
             Vec::new()
         };
-        let rows = draws
-            .iter()
-            .enumerate()
+        let v = c.vocab;
+        let rows = (draws.iter().enumerate())
             .map(|(i, d)| match d {
-                Draw::Logits => SeqOut::Logits(logits[i * c.vocab..(i + 1) * c.vocab].to_vec()),
-                Draw::Greedy | Draw::Sample { .. } => SeqOut::Token(small[seqs + i]),
+                Draw::Logits if all.is_empty() => {
+                    g.download_range(&w.b.logits, i * v..(i + 1) * v).map(SeqOut::Logits)
+                }
+                Draw::Logits => Ok(SeqOut::Logits(all[i * v..(i + 1) * v].to_vec())),
+                Draw::Greedy | Draw::Sample { .. } => Ok(SeqOut::Token(small[seqs + i])),
             })
-            .collect();
+            .collect::<R<Vec<_>>>()?;
         // The padding's flags and tokens are nobody's.
         let mut out = StepOut { rows, ok, device };
         out.ok.truncate(real_seqs);
