@@ -8,7 +8,7 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 
 use crate::engine::{
-    Engine, EngineConfig, Event, GenerateParams, OutputFormat, PAGE_SIZE, TenantId,
+    Engine, EngineConfig, Event, Finish, GenerateParams, OutputFormat, PAGE_SIZE, TenantId,
 };
 use crate::model::Loaded;
 
@@ -255,18 +255,25 @@ pub fn run(
         });
         let mut decoded = 0;
         for e in events {
-            if let Event::Token {
-                seq,
-                token: Some(_),
-                ..
-            } = e
-            {
-                let n = seen.entry(seq).or_insert(0usize);
-                if *n > 0 {
-                    decoded += 1;
+            match e {
+                Event::Token {
+                    seq,
+                    token: Some(_),
+                    ..
+                } => {
+                    let n = seen.entry(seq).or_insert(0usize);
+                    if *n > 0 {
+                        decoded += 1;
+                    }
+                    *n += 1;
+                    generated += 1;
                 }
-                *n += 1;
-                generated += 1;
+                // A lost sequence would make the figures lie.
+                Event::Finished {
+                    finish: Finish::Aborted(why),
+                    ..
+                } => return Err(format!("a bench sequence was aborted: {why}")),
+                _ => {}
             }
         }
         if first_token_all.is_none() && seen.len() == concurrency {

@@ -23,8 +23,9 @@ pub(super) struct GraphKey {
     pub seqs: usize,
     pub parts: usize,
     pub check: bool,
-    /// Whether results are drawn within output formats' masks.
-    pub masked: bool,
+    /// Words of each output-format mask (0: none): the masks' stride,
+    /// which a captured launch keeps.
+    pub mask_words: usize,
 }
 
 /// One lane's state over the shared pages.

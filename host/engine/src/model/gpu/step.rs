@@ -54,7 +54,7 @@ impl GpuModel {
                 seqs: n,
                 parts,
                 check: !tags.expected.is_empty(),
-                masked: x.masked(),
+                mask_words: if x.masked() { x.mask_words } else { 0 },
             })
     }
 
@@ -282,9 +282,9 @@ impl GpuModel {
         let v = c.vocab;
         let rows = (draws.iter().enumerate())
             .map(|(i, d)| match d {
-                Draw::Logits if all.is_empty() => {
-                    g.download_range(&w.b.logits, i * v..(i + 1) * v).map(SeqOut::Logits)
-                }
+                Draw::Logits if all.is_empty() => g
+                    .download_range(&w.b.logits, i * v..(i + 1) * v)
+                    .map(SeqOut::Logits),
                 Draw::Logits => Ok(SeqOut::Logits(all[i * v..(i + 1) * v].to_vec())),
                 Draw::Greedy | Draw::Sample { .. } => Ok(SeqOut::Token(small[seqs + i])),
             })
