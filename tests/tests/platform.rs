@@ -502,3 +502,74 @@ async fn a_model_call_past_its_deadline_is_aborted() {
         "{text}"
     );
 }
+
+/// A model backend whose streams never yield, and which records when one
+/// is dropped (cancelled).
+struct Stalled(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+struct StalledStream(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for StalledStream {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl kiln_runtime::TokenStream for StalledStream {
+    fn next(
+        &mut self,
+    ) -> kiln_runtime::BoxFuture<'_, Result<kiln_runtime::StreamEvent, kiln_runtime::AiError>> {
+        Box::pin(std::future::pending())
+    }
+}
+
+impl kiln_runtime::Inference for Stalled {
+    fn call(
+        &self,
+        _: kiln_runtime::ModelCall,
+    ) -> kiln_runtime::BoxFuture<'_, Result<kiln_runtime::Completion, kiln_runtime::AiError>> {
+        Box::pin(std::future::pending())
+    }
+    fn stream(
+        &self,
+        _: kiln_runtime::ModelCall,
+    ) -> kiln_runtime::BoxFuture<
+        '_,
+        Result<Box<dyn kiln_runtime::TokenStream>, kiln_runtime::AiError>,
+    > {
+        let s = StalledStream(self.0.clone());
+        Box::pin(async { Ok(Box::new(s) as Box<dyn kiln_runtime::TokenStream>) })
+    }
+    fn list_models(&self, _: &str) -> Vec<kiln_runtime::ModelInfo> {
+        Vec::new()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_a_quiet_stream_cancels_its_generation() {
+    let dropped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s = TestServer::start_with_backend(std::sync::Arc::new(Stalled(dropped.clone()))).await;
+    let key = s.tenant("acme").await;
+    let body = serde_json::json!({"model": "m", "stream": true,
+        "messages": [{"role": "user", "content": "hi"}]});
+    let mut resp = s
+        .http
+        .post(format!("{}/v1/chat/completions", s.url))
+        .bearer_auth(&key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    // The role chunk arrives; then nothing, and the client goes away.
+    assert!(resp.chunk().await.unwrap().is_some());
+    drop(resp);
+    let t = std::time::Instant::now();
+    while !dropped.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(5),
+            "the generation outlived its client"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}

@@ -102,12 +102,32 @@ impl Cost {
     fn of_call(call: &ModelCall) -> Self {
         let (bytes, pieces): (usize, usize) = match &call.prompt {
             Prompt::Chat(messages) => (
-                messages.iter().map(|m| m.content.len()).sum(),
+                (messages.iter())
+                    .map(|m| {
+                        m.content.len()
+                            + m.tool_calls
+                                .iter()
+                                .map(|c| c.arguments.len())
+                                .sum::<usize>()
+                    })
+                    .sum(),
                 messages.len(),
             ),
             Prompt::Text(text) => (text.len(), 1),
         };
-        Self::of(bytes, pieces, call.params.max_tokens)
+        // Tools reach the prompt too, their schemas written out.
+        let tools: usize = (call.params.tools.iter())
+            .map(|t| {
+                t.name.len()
+                    + t.description.as_ref().map_or(0, String::len)
+                    + t.parameters.as_ref().map_or(0, String::len)
+            })
+            .sum();
+        Self::of(
+            bytes + tools,
+            pieces + call.params.tools.len(),
+            call.params.max_tokens,
+        )
     }
 }
 
@@ -130,6 +150,8 @@ struct Permit {
     metrics: EngineMetrics,
     cost: Cost,
     settled: bool,
+    /// A later sample of a call: the first one pays the shared prompt.
+    shares_prompt: bool,
 }
 
 impl Permit {
@@ -138,6 +160,7 @@ impl Permit {
         if std::mem::replace(&mut self.settled, true) {
             return;
         }
+        let prompt = if self.shares_prompt { 0 } else { prompt };
         let mut q = self.state.quota.lock().unwrap_or_else(|p| p.into_inner());
         q.reserved = q.reserved.saturating_sub(self.cost.total());
         q.window.push_back((Instant::now(), prompt + completion));
@@ -256,6 +279,13 @@ impl Gateway {
 
     /// The policy check every call starts with: the model, the cap on
     /// calls in flight, then the quota, against which `cost` is reserved.
+    /// Most model calls `tenant` may have in flight.
+    fn concurrency_cap(&self, tenant: &str) -> u32 {
+        let state = self.state(tenant);
+        let policy = state.policy.read().unwrap_or_else(|p| p.into_inner());
+        policy.max_concurrent.unwrap_or(self.default_concurrency)
+    }
+
     fn admit(&self, tenant: &str, model: &str, cost: Cost) -> Result<Permit, AiError> {
         let state = self.state(tenant);
         let policy = state
@@ -294,6 +324,7 @@ impl Gateway {
             metrics: self.metrics.clone(),
             cost,
             settled: false,
+            shares_prompt: false,
         })
     }
 
@@ -492,11 +523,28 @@ impl Inference for Gateway {
         n: usize,
     ) -> BoxFuture<'_, Result<Vec<Box<dyn TokenStream>>, AiError>> {
         Box::pin(async move {
-            // Each sample is a call of its own to the tenant's quotas.
+            // Each sample holds a slot of the tenant's calls in flight (so
+            // more samples than slots can never run), and the first pays
+            // the prompt they share.
+            let cap = self.concurrency_cap(&call.tenant);
+            if n > cap as usize {
+                return Err(AiError::InvalidInput(format!(
+                    "n = {n} samples need {n} model calls in flight, and tenant `{}` may have \
+                     {cap}: ask for at most {cap}",
+                    call.tenant
+                )));
+            }
             let mut permits = Vec::with_capacity(n);
-            for _ in 0..n {
-                match self.admit(&call.tenant, &call.model, Cost::of_call(&call)) {
-                    Ok(p) => permits.push(p),
+            for i in 0..n {
+                let mut cost = Cost::of_call(&call);
+                if i > 0 {
+                    cost.prompt = 0;
+                }
+                match self.admit(&call.tenant, &call.model, cost) {
+                    Ok(mut p) => {
+                        p.shares_prompt = i > 0;
+                        permits.push(p)
+                    }
                     Err(e) => {
                         permits.iter_mut().for_each(|p| p.settle(0, 0));
                         return Err(e);

@@ -269,3 +269,25 @@ fn a_policys_weight_reaches_the_backend_and_an_unset_one_is_one() {
     let seen = inner.0.lock().unwrap().clone();
     assert_eq!(seen, [("a".to_string(), 3), ("b".to_string(), 1)]);
 }
+
+#[tokio::test]
+async fn samples_of_one_call_hold_a_slot_each_and_reserve_their_prompt_once() {
+    let g = gateway(1, 3);
+    let mut r = with_max_tokens(req("a", "a"), 10);
+    r.prompt = Prompt::Chat(vec![Message::text(Role::User, "x".repeat(30))]);
+    let prompt = Cost::of_call(&r).prompt;
+    let e = g.stream_samples(r.clone(), 4).await.err().unwrap();
+    assert!(
+        matches!(&e, AiError::InvalidInput(m) if m.contains("at most 3")),
+        "{e:?}"
+    );
+    assert_eq!(g.usage("a").calls_in_flight, 0, "nothing admitted");
+    let streams = g.stream_samples(r, 3).await.unwrap();
+    let u = g.usage("a");
+    assert_eq!(u.calls_in_flight, 3);
+    assert_eq!(u.tokens_reserved, prompt + 3 * 10);
+    // Dropped after nothing arrived: the prompt is paid once.
+    drop(streams);
+    let u = g.usage("a");
+    assert_eq!((u.tokens_last_minute, u.tokens_reserved), (prompt, 0));
+}

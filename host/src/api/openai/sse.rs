@@ -162,7 +162,16 @@ async fn pump(streams: Vec<Box<dyn TokenStream>>, shape: Shape, tx: mpsc::Sender
     // Where each sample's next chunk starts in its completion.
     let mut offsets: Vec<logprobs::Offset> = (0..n).map(|_| Default::default()).collect();
     let (mut open, mut usage) = (n, None::<Usage>);
-    while let Some((i, ev)) = events.recv().await {
+    loop {
+        // A client that leaves while the samples are quiet (queued, or in
+        // a long prefill) cancels them at once, not at their next event.
+        let (i, ev) = tokio::select! {
+            next = events.recv() => match next {
+                Some(e) => e,
+                None => return,
+            },
+            _ = tx.closed() => return,
+        };
         let out = match ev {
             Ok(StreamEvent::Delta(d)) => {
                 let lp = match (shape.logprobs, shape.chat) {
