@@ -104,3 +104,22 @@ fn a_waiting_sample_can_be_cancelled_and_bad_counts_are_refused() {
         assert!(err.contains("1 to 16"), "{err}");
     }
 }
+
+#[test]
+fn when_the_first_sample_is_cancelled_the_next_computes_the_prompt_for_the_rest() {
+    let mut e = engine();
+    let prompt = long_prompt(&e);
+    let salt = Salt::derive(&[7; 32], "m", "t");
+    let ids = e
+        .add_samples(TenantId(1), salt, prompt.clone(), sampled(100), 3)
+        .unwrap();
+    assert!(e.cancel(ids[0]));
+    let got = drain(&mut e);
+    assert!(!got.contains_key(&ids[0]));
+    assert_eq!(got[&ids[1]].1, 0, "the second sample computes the prompt");
+    assert_eq!(got[&ids[1]].0.len(), 10);
+    assert!(
+        got[&ids[2]].1 > 0,
+        "the third waits for it and shares its pages"
+    );
+}

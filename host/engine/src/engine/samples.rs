@@ -71,25 +71,31 @@ impl Engine {
         Ok(ids)
     }
 
-    /// Queues the samples whose first sample has computed its prompt (or
-    /// has gone: then they compute it themselves).
+    /// Queues the samples whose first sample has computed its prompt. When
+    /// the first has gone before that (cancelled), the next one takes its
+    /// place and the rest wait for it instead.
     pub(super) fn release_waiting(&mut self) {
-        let requests = &self.requests;
-        let (ready, still): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
-            .into_iter()
-            .partition(|w| {
-                requests
-                    .get(&w.leader)
-                    .is_none_or(|r| r.tokens.len() > r.prompt_len)
-            });
-        self.waiting = still;
-        for w in ready {
-            for (id, request) in w.rest {
+        let mut still = Vec::new();
+        for mut w in std::mem::take(&mut self.waiting) {
+            let release = match self.requests.get(&w.leader) {
+                Some(r) if r.tokens.len() > r.prompt_len => std::mem::take(&mut w.rest),
+                Some(_) => Vec::new(),
+                None => {
+                    let next = w.rest.remove(0);
+                    w.leader = next.0;
+                    vec![next]
+                }
+            };
+            for (id, request) in release {
                 self.lanes
                     .add(id, w.tenant, request.prompt_len, request.hashes.clone());
                 self.requests.insert(id, request);
             }
+            if !w.rest.is_empty() {
+                still.push(w);
+            }
         }
+        self.waiting = still;
     }
 
     /// Drops a sample still waiting; whether `seq` was one.
