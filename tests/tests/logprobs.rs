@@ -19,22 +19,32 @@ fn run(
     params: GenerateParams,
 ) -> Vec<(u32, Option<TokenLogprobs>)> {
     let seq = e.add(TenantId(1), prompt.to_vec(), params).unwrap();
-    let mut out = Vec::new();
+    let (mut tokens, mut lps) = (Vec::new(), Vec::new());
     while e.has_work() {
         for ev in e.step().unwrap() {
             if let Event::Token {
                 seq: s,
-                token: Some(t),
+                token,
                 logprobs,
                 ..
             } = ev
                 && s == seq
             {
-                out.push((t, logprobs));
+                tokens.extend(token);
+                lps.extend(logprobs);
             }
         }
     }
-    out
+    // A token's figures may come with a later token's text, never before
+    // its own.
+    assert!(
+        lps.is_empty() || lps.len() == tokens.len(),
+        "{} of {}",
+        lps.len(),
+        tokens.len()
+    );
+    let mut lps = lps.into_iter();
+    tokens.into_iter().map(|t| (t, lps.next())).collect()
 }
 
 fn log_softmax(logits: &[f32]) -> Vec<f64> {
@@ -123,4 +133,59 @@ fn more_top_log_probabilities_than_the_limit_are_refused() {
     };
     let err = e.add(TenantId(1), prompt, params).unwrap_err();
     assert!(err.contains("at most 20"), "{err}");
+}
+
+#[test]
+fn a_stop_strings_tokens_send_no_log_probabilities() {
+    let mut e = engine();
+    let prompt = chat_ids(&e, PROMPTS[0]);
+    let greedy = |stop: Vec<String>| GenerateParams {
+        max_tokens: 12,
+        temperature: 0.0,
+        logprobs: Some(0),
+        stop,
+        ..Default::default()
+    };
+    // The free text, then the same text stopped at its fourth token's.
+    let free = e
+        .generate(TenantId(1), prompt.clone(), greedy(Vec::new()))
+        .unwrap();
+    let tk = &e.loaded().tokenizer;
+    let pieces: Vec<String> = (1..=free.tokens.len())
+        .map(|n| tk.decode(&free.tokens[..n]))
+        .collect();
+    let cut = (3..pieces.len())
+        .find(|i| {
+            let added = pieces[*i].get(pieces[i - 1].len()..).unwrap_or("");
+            !added.trim().is_empty() && !pieces[i - 1].contains(added)
+        })
+        .expect("a token that adds text");
+    let stop = pieces[cut][pieces[cut - 1].len()..].to_owned();
+    let stopped = e
+        .generate(TenantId(1), prompt, greedy(vec![stop.clone()]))
+        .unwrap();
+    assert!(!stopped.text.contains(&stop), "{stopped:?}");
+    let mut lps = Vec::new();
+    let mut e2 = engine();
+    let seq = e2
+        .add(
+            TenantId(1),
+            chat_ids(&e2, PROMPTS[0]),
+            greedy(vec![stop.clone()]),
+        )
+        .unwrap();
+    while e2.has_work() {
+        for ev in e2.step().unwrap() {
+            if let Event::Token {
+                seq: s, logprobs, ..
+            } = ev
+                && s == seq
+            {
+                lps.extend(logprobs);
+            }
+        }
+    }
+    // The tokens before the stop string's have theirs; its own does not.
+    let sent: Vec<u32> = lps.iter().map(|l| l.chosen.id).collect();
+    assert_eq!(sent, free.tokens[..cut], "stop {stop:?}");
 }

@@ -366,10 +366,10 @@ impl PoolThread {
                     text,
                     logprobs,
                     ..
-                } if !text.is_empty() || logprobs.is_some() => {
+                } if !text.is_empty() || !logprobs.is_empty() => {
                     if let Some(live) = self.outs.get_mut(&seq) {
                         live.replay = None;
-                        let lp = logprobs.map(token_logprob).into_iter().collect();
+                        let lp = logprobs.into_iter().map(token_logprob).collect();
                         let _ = live.out.send(Out::Text(text, lp));
                     }
                 }

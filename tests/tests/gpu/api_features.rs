@@ -9,25 +9,40 @@ use kiln_tests::chat_ids;
 
 use super::{device, engine_with};
 
-/// Runs everything queued: each sequence's tokens and log-probabilities.
+/// Runs everything queued: each sequence's tokens and log-probabilities
+/// (which may come with a later token's text, never before their own).
 fn drain(e: &mut kiln_host::engine::Engine) -> HashMap<u64, Vec<(u32, Option<f32>)>> {
-    let mut out: HashMap<u64, Vec<(u32, Option<f32>)>> = HashMap::new();
+    let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut lps: HashMap<u64, Vec<(u32, f32)>> = HashMap::new();
     while e.has_work() {
         for ev in e.step().unwrap() {
             if let Event::Token {
                 seq,
-                token: Some(t),
+                token,
                 logprobs,
                 ..
             } = ev
             {
-                let lp = logprobs.map(|l| {
-                    assert_eq!(l.chosen.id, t);
-                    l.chosen.logprob
-                });
-                out.entry(seq).or_default().push((t, lp));
+                tokens.entry(seq).or_default().extend(token);
+                let l = logprobs.iter().map(|l| (l.chosen.id, l.chosen.logprob));
+                lps.entry(seq).or_default().extend(l);
             }
         }
+    }
+    let mut out = HashMap::new();
+    for (seq, ts) in tokens {
+        let l = lps.remove(&seq).unwrap_or_default();
+        let mut l = l.into_iter();
+        let with: Vec<(u32, Option<f32>)> = (ts.into_iter())
+            .map(|t| {
+                let lp = l.next().map(|(id, lp)| {
+                    assert_eq!(id, t);
+                    lp
+                });
+                (t, lp)
+            })
+            .collect();
+        out.insert(seq, with);
     }
     out
 }

@@ -147,9 +147,12 @@ pub enum Event {
         token: Option<u32>,
         /// New text.
         text: String,
-        /// The token's log-probabilities, when the request asked for them
-        /// ([`GenerateParams::logprobs`]).
-        logprobs: Option<TokenLogprobs>,
+        /// The log-probabilities of the tokens whose text has now gone out
+        /// (this one's, and any held with text that might have begun a
+        /// stop string), when the request asked for them
+        /// ([`GenerateParams::logprobs`]); a stop string's tokens never get
+        /// theirs sent.
+        logprobs: Vec<TokenLogprobs>,
     },
     /// The request ended.
     Finished {

@@ -114,6 +114,9 @@ pub(super) struct Request {
     pub(super) cached_tokens: Option<usize>,
     /// The output format's matcher, at the tokens generated so far.
     pub(super) matcher: Option<llguidance::Matcher>,
+    /// Log-probabilities of tokens whose text has not gone out yet, each
+    /// with where that text ends ([`TextStream::decoded`]).
+    pub(super) held_logprobs: Vec<(usize, TokenLogprobs)>,
 }
 
 impl Request {
@@ -132,6 +135,7 @@ impl Request {
             hashes: Vec::new(),
             cached_tokens: None,
             matcher: None,
+            held_logprobs: Vec::new(),
         }
     }
 

@@ -313,12 +313,22 @@ impl Engine {
             finish = Some(Finish::Stop);
         }
         let text = r.text.take_delta(finish.is_some());
-        if !eos || !text.is_empty() {
+        // A token's log-probabilities go out with its text: held while the
+        // text might begin a stop string, dropped if it did.
+        if let Some(lp) = logprobs.filter(|_| !eos) {
+            r.held_logprobs.push((r.text.decoded(), lp));
+        }
+        let out = r.text.emitted();
+        let ready = (r.held_logprobs.iter())
+            .take_while(|(end, _)| *end <= out)
+            .count();
+        let logprobs: Vec<_> = r.held_logprobs.drain(..ready).map(|(_, l)| l).collect();
+        if !eos || !text.is_empty() || !logprobs.is_empty() {
             events.push(Event::Token {
                 seq,
                 token: (!eos).then_some(token),
                 text,
-                logprobs: logprobs.filter(|_| !eos),
+                logprobs,
             });
         }
         if let Some(f) = finish {

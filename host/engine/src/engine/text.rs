@@ -30,6 +30,9 @@ pub(crate) struct TextStream {
     longest: usize,
     /// A stop string was found.
     stopped: bool,
+    /// Bytes of text decoded so far, a stop string and what follows it
+    /// included: where the newest token's text ends.
+    decoded: usize,
 }
 
 impl TextStream {
@@ -42,6 +45,17 @@ impl TextStream {
             longest,
             ..Self::default()
         }
+    }
+
+    /// Where the newest token's text ends, in bytes of the text decoded so
+    /// far (a stop string and what follows it included).
+    pub(crate) fn decoded(&self) -> usize {
+        self.decoded
+    }
+
+    /// Bytes of text handed out so far.
+    pub(crate) fn emitted(&self) -> usize {
+        self.emitted
     }
 
     /// All the final text so far.
@@ -102,6 +116,7 @@ impl TextStream {
             from -= 1;
         }
         self.text.push_str(new);
+        self.decoded += new.len();
         let hit = self
             .stop
             .iter()
