@@ -191,3 +191,23 @@ async fn a_function_built_for_kiln_ai_0_1_still_calls_models() {
     );
     assert!(parts[3].parse::<u32>().unwrap() >= 1, "{body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_calls_a_tool_with_log_probabilities_and_feeds_back_its_result() {
+    let s = TestServer::start_with_models().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "fn", "misbehave").await;
+    let resp = s.call("acme", "fn", "/tool").await;
+    assert_eq!(resp.status(), 200);
+    let body = resp.text().await.unwrap();
+    let parts: Vec<&str> = body.splitn(6, '|').collect();
+    assert_eq!(parts.len(), 6, "{body}");
+    assert_eq!(parts[0], "get_weather");
+    let args: Value = serde_json::from_str(parts[1]).unwrap_or_else(|e| panic!("{e}: {body}"));
+    assert!(args["city"].is_string(), "{body}");
+    assert_eq!(parts[2], "FinishReason::ToolCalls");
+    // Every generated token's figures, EOS aside.
+    let (lps, tokens): (usize, usize) = (parts[3].parse().unwrap(), parts[4].parse().unwrap());
+    assert!(lps >= 1 && lps <= tokens, "{body}");
+    assert!(!parts[5].is_empty(), "a reply to the tool's result: {body}");
+}

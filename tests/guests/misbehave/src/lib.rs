@@ -6,7 +6,9 @@
 //! returns the request body, `/ai` calls a model and reports the error,
 //! `/ask` asks the default model for a few tokens and reports the text or
 //! the error, `/stream` counts the chunks of a streaming chat with the model
-//! `slow` (and reports the error that ended it, if one did).
+//! `slow` (and reports the error that ended it, if one did), `/tool` makes
+//! the default model call a tool (`kiln:ai@0.2.0`), with log-probabilities,
+//! and feeds the result back.
 
 use kiln_guest::{Handler, Request, Response, ai};
 
@@ -64,6 +66,10 @@ impl Handler for Misbehave {
                 Ok(c) => Response::text(200, c.text),
                 Err(e) => Response::text(502, format!("{e:?}")),
             },
+            "/tool" => match tool_round_trip() {
+                Ok(report) => Response::text(200, report),
+                Err(e) => Response::text(502, format!("{e:?}")),
+            },
             "/ai" => match ai::Chat::new("no-such-model").user("hi").send() {
                 Ok(c) => Response::text(200, c.text),
                 Err(e) => Response::text(502, format!("{e:?}")),
@@ -74,6 +80,42 @@ impl Handler for Misbehave {
 }
 
 kiln_guest::export_handler!(Misbehave);
+
+/// A tool call and its answer: `name|arguments|finish|logprobs|tokens`
+/// of the call, then `|` and the reply to its result.
+fn tool_round_trip() -> Result<String, ai::Error> {
+    let schema = r#"{"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+        "required": ["city"], "additionalProperties": false}"#;
+    let chat = ai::Chat::new("smollm2-135m-instruct")
+        .user("What is the weather in Paris?")
+        .tool("get_weather", "The weather in a city today.", schema)
+        .temperature(0.0)
+        .max_tokens(48);
+    let called = chat
+        .clone()
+        .tool_choice(ai::ToolChoice::Required)
+        .parallel_tool_calls(false)
+        .logprobs(2)
+        .send()?;
+    let Some(call) = called.tool_calls.first().cloned() else {
+        return Ok(format!("no call: {}", called.text));
+    };
+    let answer = chat
+        .assistant_calls(called.tool_calls.clone())
+        .tool_result(call.id.clone(), "Sunny, 21 C")
+        .tool_choice(ai::ToolChoice::None)
+        .max_tokens(12)
+        .send()?;
+    Ok(format!(
+        "{}|{}|{:?}|{}|{}|{}",
+        call.name,
+        call.arguments,
+        called.finish_reason,
+        called.logprobs.len(),
+        called.usage.completion_tokens,
+        answer.text
+    ))
+}
 
 /// Tries an outbound request (to a closed loopback port) and describes the
 /// outcome.
