@@ -78,6 +78,10 @@ pub struct NormedRow<'a> {
     pub eps: f32,
 }
 
+/// A row's drawn token's log-probability and its most likely tokens with
+/// theirs.
+pub type RowLogprobs = (f32, Vec<(u32, f32)>);
+
 /// Every kernel, over host memory.
 pub trait Backend {
     /// The device's name.
@@ -115,6 +119,9 @@ pub trait Backend {
     ) -> R<Vec<bool>>;
     /// The index of each row's largest value (lowest on ties).
     fn argmax_rows(&self, x: &[f32], n: usize) -> R<Vec<u32>>;
+    /// Each row's log-probability of `picks[r]` and its `top` most likely
+    /// tokens with theirs, as [`crate::sample::logprobs`] gives them.
+    fn row_logprobs(&self, x: &[f32], n: usize, picks: &[u32], top: usize) -> R<Vec<RowLogprobs>>;
     /// Each row of `x` (`n` wide) with the tokens mask `slot[r]` (of
     /// `words` words in `masks`) does not allow set to -inf; a negative
     /// slot leaves its row alone.
@@ -265,6 +272,12 @@ impl Backend for Cpu {
 
     fn argmax_rows(&self, x: &[f32], n: usize) -> R<Vec<u32>> {
         Ok(x.chunks_exact(n).map(crate::sample::argmax).collect())
+    }
+
+    fn row_logprobs(&self, x: &[f32], n: usize, picks: &[u32], top: usize) -> R<Vec<RowLogprobs>> {
+        Ok((x.chunks_exact(n).zip(picks))
+            .map(|(row, p)| crate::sample::logprobs(row, *p, top))
+            .collect())
     }
 
     fn mask_rows(

@@ -216,6 +216,42 @@ fn argmax_picks_the_first_largest_logit() {
 }
 
 #[test]
+fn log_probabilities_match_the_cpus_with_ties_by_id() {
+    let (be, mut r) = (backend(), rng());
+    let n = 5000;
+    let mut x = random(&mut r, 3 * n, 8.0);
+    // Ties at the top (lowest id first), a NaN, and a masked row.
+    x[10] = 30.0;
+    x[4000] = 30.0;
+    x[n + 7] = f32::NAN;
+    for v in x[2 * n..3 * n].iter_mut().skip(1).step_by(2) {
+        *v = f32::NEG_INFINITY;
+    }
+    let picks = [4000, 3, 2 * 1000];
+    let got = be.row_logprobs(&x, n, &picks, 20).unwrap();
+    for (i, row) in x.chunks(n).enumerate() {
+        let (want_lp, want_top) = kiln_kernels::sample::logprobs(row, picks[i], 20);
+        let (lp, top) = &got[i];
+        assert!(
+            (lp - want_lp).abs() < 1e-4,
+            "{} row {i}: {lp} vs {want_lp}",
+            be.name()
+        );
+        let ids: Vec<u32> = top.iter().map(|t| t.0).collect();
+        let want_ids: Vec<u32> = want_top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, want_ids, "{} row {i}", be.name());
+        for (a, b) in top.iter().zip(&want_top) {
+            assert!(
+                (a.1 - b.1).abs() < 1e-4,
+                "{} row {i}: {a:?} vs {b:?}",
+                be.name()
+            );
+        }
+    }
+    assert_eq!(got[0].1[0].0, 10, "equal logits by id");
+}
+
+#[test]
 fn masked_rows_keep_exactly_the_allowed_tokens() {
     let (be, mut r) = (backend(), rng());
     // A vocabulary that is not a multiple of 32, and a mask a word short.

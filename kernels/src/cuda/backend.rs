@@ -179,6 +179,31 @@ impl Backend for Gpu {
         Ok(self.download(&out)?[..rows].to_vec())
     }
 
+    fn row_logprobs(
+        &self,
+        x: &[f32],
+        n: usize,
+        picks: &[u32],
+        top: usize,
+    ) -> R<Vec<crate::backend::RowLogprobs>> {
+        let rows = picks.len();
+        let stride = 2 + 2 * top;
+        let slots: Vec<i32> = (0..rows as i32).collect();
+        let (dx, dp, ds) = (self.upload(x)?, self.upload(picks)?, self.upload(&slots)?);
+        let mut out = self.upload(&vec![f32::NAN; rows * stride])?;
+        self.top_logprobs_rows(&dx, (rows, n), &ds.slice(..), top, &mut out)?;
+        self.chosen_logprobs_rows(&dx, (rows, n), &dp.slice(..), &ds.slice(..), top, &mut out)?;
+        let got = self.download(&out)?;
+        Ok((got.chunks_exact(stride).take(rows))
+            .map(|o| {
+                let best = (0..top)
+                    .map(|k| (o[2 + 2 * k].to_bits(), o[3 + 2 * k]))
+                    .collect();
+                (o[1], best)
+            })
+            .collect())
+    }
+
     fn mask_rows(
         &self,
         x: &[f32],

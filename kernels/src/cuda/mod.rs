@@ -180,6 +180,8 @@ const KERNELS: &[&str] = &[
     "sample_rows",
     "argmax_rows",
     "mask_rows",
+    "top_logprobs_rows",
+    "chosen_logprobs_rows",
     // prefill.cu
     "prefill_bf16_d64_w4",
     "prefill_bf16_d128_w4",

@@ -217,3 +217,106 @@ extern "C" __global__ void mask_rows(float* logits, int n, const unsigned* masks
         if (!((bits >> (i & 31)) & 1u)) row[i] = -INFINITY;
     }
 }
+
+// Log-probabilities, part one (before any mask): for each row whose slot s
+// is not negative, out[s * (2 + 2 * top)] = ln of the row's softmax
+// denominator and, from out[... + 2] on, the `top` most likely tokens as
+// (id bits, log-probability) pairs, most likely first, equal logits by id.
+// A NaN logit counts as impossible. Grid: rows; threads: a multiple of 32.
+extern "C" __global__ void top_logprobs_rows(const float* logits, int n, const int* slot, int top,
+                                             float* out) {
+    PDL_ENTER();
+    __shared__ float red[32];
+    __shared__ float wv[32];
+    __shared__ int wi[32];
+    __shared__ float z_s;
+    int s = slot[blockIdx.x];
+    if (s < 0) return;
+    const float* row = logits + (size_t)blockIdx.x * n;
+    float* o = out + (size_t)s * (2 + 2 * top);
+    float mx = -INFINITY;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = row[i];
+        if (v == v) mx = fmaxf(mx, v);
+    }
+    mx = warp_max(mx);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float m = -INFINITY;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) m = fmaxf(m, red[w]);
+        z_s = m;
+    }
+    __syncthreads();
+    float gmax = z_s;
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = row[i];
+        if (v == v) sum += expf(v - gmax);
+    }
+    __syncthreads();
+    sum = block_sum(sum, red);
+    float log_z = gmax + logf(sum);
+    if (threadIdx.x == 0) o[0] = log_z;
+    // The k-th most likely: the largest (value, then lowest index) after
+    // the (k-1)-th in that order.
+    float lv = INFINITY;
+    int li = -1;
+    for (int k = 0; k < top; k++) {
+        float bv = -INFINITY;
+        int bi = 0x7fffffff;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            float v = row[i];
+            if (v != v) v = -INFINITY;
+            bool after = v < lv || (v == lv && i > li);
+            if (after && (v > bv || (v == bv && i < bi))) {
+                bv = v;
+                bi = i;
+            }
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            float v = __shfl_xor_sync(0xffffffff, bv, off);
+            int j = __shfl_xor_sync(0xffffffff, bi, off);
+            if (v > bv || (v == bv && j < bi)) {
+                bv = v;
+                bi = j;
+            }
+        }
+        int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        __syncthreads();
+        if (lane == 0) {
+            wv[warp] = bv;
+            wi[warp] = bi;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < (int)(blockDim.x >> 5); w++) {
+                if (wv[w] > wv[0] || (wv[w] == wv[0] && wi[w] < wi[0])) {
+                    wv[0] = wv[w];
+                    wi[0] = wi[w];
+                }
+            }
+            o[2 + 2 * k] = __int_as_float(wi[0] == 0x7fffffff ? 0 : wi[0]);
+            o[3 + 2 * k] = wv[0] - log_z;
+        }
+        __syncthreads();
+        lv = wv[0];
+        li = wi[0];
+    }
+}
+
+// Log-probabilities, part two (after the draw): the drawn token's, at
+// out[s * (2 + 2 * top) + 1], from part one's denominator. The drawn token
+// is one its mask allows, so its logit is the model's. Grid: rows / 32.
+extern "C" __global__ void chosen_logprobs_rows(const float* logits, int n, int rows,
+                                                const unsigned* picks, const int* slot, int top,
+                                                float* out) {
+    PDL_ENTER();
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    int s = slot[r];
+    if (s < 0) return;
+    float* o = out + (size_t)s * (2 + 2 * top);
+    float v = logits[(size_t)r * n + picks[r]];
+    o[1] = v == v ? v - o[0] : -INFINITY;
+}

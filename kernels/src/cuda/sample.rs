@@ -83,4 +83,65 @@ impl Gpu {
         unsafe { b.launch(cfg((rows as u32, 1, 1), 1024, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
+
+    /// Log-probabilities before the draw: for each row of `logits`
+    /// (`rows x n`) whose slot `s` is not negative, writes at
+    /// `out[s * (2 + 2 * top)]` the softmax's log denominator, then from
+    /// `+ 2` the `top` most likely tokens as (id bits, log-probability)
+    /// pairs, most likely first (`+ 1` is left for
+    /// [`Gpu::chosen_logprobs_rows`]).
+    pub fn top_logprobs_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        (rows, n): (usize, usize),
+        slot: &CudaView<'_, i32>,
+        top: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> R {
+        if slot.len() < rows || logits.len() < rows * n {
+            return Err(KernelError::Shape(format!(
+                "log-probabilities of {rows} rows of {n}: inputs too short"
+            )));
+        }
+        let f = self.function("top_logprobs_rows")?;
+        let (ni, ti) = (n as i32, top as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(logits).arg(&ni).arg(slot).arg(&ti).arg(out);
+        // SAFETY: one block per row; each slot names an entry of `out`
+        // (the caller sizes it for the slots it gives), bounds checked above.
+        unsafe { b.launch(cfg((rows as u32, 1, 1), 1024, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// Log-probabilities after the draw: each slotted row's drawn token
+    /// (`picks`), from [`Gpu::top_logprobs_rows`]'s denominator.
+    pub fn chosen_logprobs_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        (rows, n): (usize, usize),
+        picks: &CudaView<'_, u32>,
+        slot: &CudaView<'_, i32>,
+        top: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> R {
+        if slot.len() < rows || picks.len() < rows || logits.len() < rows * n {
+            return Err(KernelError::Shape(format!(
+                "drawn log-probabilities of {rows} rows: inputs too short"
+            )));
+        }
+        let f = self.function("chosen_logprobs_rows")?;
+        let (ni, ri, ti) = (n as i32, rows as i32, top as i32);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(logits)
+            .arg(&ni)
+            .arg(&ri)
+            .arg(picks)
+            .arg(slot)
+            .arg(&ti)
+            .arg(out);
+        // SAFETY: a thread per row, bounds checked above; picks are token
+        // ids below n (the draw's).
+        unsafe { b.launch(grid_1d((rows as u32).div_ceil(32), 32)) }.map_err(cuda_err)?;
+        Ok(())
+    }
 }

@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 
-use kiln_host::engine::{Event, GenerateParams, Salt, TenantId};
-use kiln_tests::chat_ids;
+use kiln_host::engine::{Engine, EngineConfig, Event, GenerateParams, Salt, TenantId};
+use kiln_tests::{chat_ids, default_model};
 
 use super::{device, engine_with};
 
@@ -61,15 +61,52 @@ fn log_probabilities_on_the_test_device_keep_its_greedy_tokens() {
         ..Default::default()
     };
     let plain = e.add(TenantId(0), ids.clone(), params(None)).unwrap();
-    let asked = e.add(TenantId(1), ids, params(Some(3))).unwrap();
-    let got = drain(&mut e);
-    let tokens = |s: u64| got[&s].iter().map(|(t, _)| *t).collect::<Vec<_>>();
-    assert_eq!(tokens(plain), tokens(asked));
-    assert!(
-        got[&asked]
-            .iter()
-            .all(|(_, lp)| lp.is_some_and(|v| v <= 0.0))
-    );
+    let asked = e.add(TenantId(1), ids.clone(), params(Some(3))).unwrap();
+    let mut tops: Vec<Vec<(u32, f32)>> = Vec::new();
+    let mut got: HashMap<u64, Vec<(u32, f32)>> = HashMap::new();
+    while e.has_work() {
+        for ev in e.step().unwrap() {
+            if let Event::Token { seq, logprobs, .. } = ev {
+                for l in logprobs {
+                    got.entry(seq)
+                        .or_default()
+                        .push((l.chosen.id, l.chosen.logprob));
+                    tops.push(l.top.iter().map(|t| (t.id, t.logprob)).collect());
+                }
+            }
+        }
+    }
+    assert!(!got.contains_key(&plain), "no figures unasked");
+    let asked = &got[&asked];
+    assert_eq!(asked.len(), 12);
+    // The device's figures are the log-softmax of its own logits, which
+    // teacher forcing reads back to the host.
+    let mut all = ids.clone();
+    all.extend(asked.iter().map(|(t, _)| *t));
+    let forced = e
+        .teacher_forced_logits(TenantId(2), &all, ids.len())
+        .unwrap();
+    for (i, ((token, lp), top)) in asked.iter().zip(&tops).enumerate() {
+        let row = &forced[i];
+        let max = row.iter().cloned().fold(f32::MIN, f32::max) as f64;
+        let z = max
+            + row
+                .iter()
+                .map(|v| (*v as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
+        let want = |id: u32| row[id as usize] as f64 - z;
+        assert!(
+            (*lp as f64 - want(*token)).abs() < 0.05,
+            "token {i}: {lp} vs {}",
+            want(*token)
+        );
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0].0, *token, "greedy: the most likely");
+        for (id, l) in top {
+            assert!((*l as f64 - want(*id)).abs() < 0.05, "token {i} id {id}");
+        }
+    }
 }
 
 #[test]
@@ -124,28 +161,47 @@ fn output_formats_on_the_test_device_draw_within_the_mask_it_uploads() {
         format: Some(OutputFormat::JsonSchema(schema.clone())),
         ..Default::default()
     };
-    // Log-probabilities take the logits to the host, which masks them
-    // there: the device's masked argmax must agree. Alone, the greedy
-    // request's decodes are captured, with masks of changing widths.
+    // Alone, the greedy request's decodes are captured, with masks of
+    // changing widths; the CPU engine, masking on the host, must agree.
     let device_drawn = e.add(TenantId(0), ids.clone(), params(None, None)).unwrap();
     let mut got = drain(&mut e);
-    let host_drawn = e
-        .add(TenantId(1), ids.clone(), params(Some(0), None))
+    let mut cpu = Engine::new(
+        default_model(),
+        EngineConfig {
+            kv_memory: 64 << 20,
+            kv_format: kiln_kernels::kv::KvFormat::Bf16,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let on_cpu = cpu
+        .add(TenantId(0), ids.clone(), params(None, None))
         .unwrap();
-    // Sampled, each seed drawn on the device and on the host.
+    let cpu_got = drain(&mut cpu);
+    // Sampled: each seed drawn within its mask on the device, and by an
+    // engine that samples on the host (its logits masked there).
+    let mut host = super::engine_config(EngineConfig {
+        device: device(),
+        device_sampling: false,
+        ..Default::default()
+    });
     let sampled: Vec<(u64, u64)> = (1..4)
         .map(|s| {
             let d = e.add(TenantId(2), ids.clone(), params(None, Some(s)));
-            let h = e.add(TenantId(3), ids.clone(), params(Some(0), Some(s)));
+            let h = host.add(TenantId(2), ids.clone(), params(None, Some(s)));
             (d.unwrap(), h.unwrap())
         })
         .collect();
     got.extend(drain(&mut e));
-    let tokens = |s: u64| got[&s].iter().map(|(t, _)| *t).collect::<Vec<_>>();
-    assert_eq!(tokens(device_drawn), tokens(host_drawn));
+    let host_got = drain(&mut host);
+    let tokens = |m: &HashMap<u64, Vec<(u32, Option<f32>)>>, s: u64| {
+        m[&s].iter().map(|(t, _)| *t).collect::<Vec<_>>()
+    };
+    assert_eq!(tokens(&got, device_drawn), tokens(&cpu_got, on_cpu));
     for (d, h) in &sampled {
-        assert_eq!(tokens(*d), tokens(*h), "seeded draws");
+        assert_eq!(tokens(&got, *d), tokens(&host_got, *h), "seeded draws");
     }
+    let tokens = |s: u64| tokens(&got, s);
     for seq in std::iter::once(device_drawn).chain(sampled.iter().map(|p| p.0)) {
         let text = e.loaded().tokenizer.decode(&tokens(seq));
         let v: serde_json::Value =

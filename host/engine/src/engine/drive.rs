@@ -84,6 +84,7 @@ impl Engine {
                     write_kv: true,
                     draw: Draw::Logits,
                     mask: None,
+                    scores: None,
                 };
                 let changes = self.retags_for(RunLane::Main);
                 let step = Step {
@@ -96,7 +97,7 @@ impl Engine {
                 let rows = self.runner.forward(&self.loaded, &step)?.rows;
                 out.extend(rows.into_iter().filter_map(|r| match r {
                     SeqOut::Logits(l) => Some(l),
-                    SeqOut::Token(_) => None,
+                    SeqOut::Token(_) | SeqOut::Scored { .. } => None,
                 }));
             }
             Ok(out)

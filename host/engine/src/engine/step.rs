@@ -83,6 +83,7 @@ impl Engine {
         };
         let expected = device_check.then_some(&mut tags.expected);
         let seqs = build(&self.requests, &self.kv, &run, (&draws, &masks), expected);
+        let seqs = self.with_scores(seqs, &run);
         let step = Step {
             seqs,
             tags: StepTags {
@@ -176,9 +177,9 @@ impl Engine {
         let device_draws = gpu && self.device_sampling;
         run.iter()
             .map(|s| match self.requests.get_mut(&s.seq) {
-                // Log-probabilities take the logits, on the host, and so do
-                // output formats on the CPU.
-                Some(r) if r.params.logprobs.is_some() || (r.matcher.is_some() && !gpu) => {
+                // On the CPU, log-probabilities and output formats take the
+                // logits, on the host; a device computes both.
+                Some(r) if !gpu && (r.params.logprobs.is_some() || r.matcher.is_some()) => {
                     Draw::Logits
                 }
                 Some(r) if s.sample && r.sampling().is_greedy() => Draw::Greedy,
@@ -220,6 +221,17 @@ impl Engine {
             masks[i] = mask;
         }
         masks
+    }
+
+    /// `seqs` asking the device for the log-probabilities their requests
+    /// want, where the device draws.
+    fn with_scores<'a>(&self, mut seqs: Vec<StepSeq<'a>>, run: &[Scheduled]) -> Vec<StepSeq<'a>> {
+        for (b, s) in seqs.iter_mut().zip(run) {
+            if b.logits && b.draw != Draw::Logits {
+                b.scores = self.requests.get(&s.seq).and_then(|r| r.params.logprobs);
+            }
+        }
+        seqs
     }
 
     /// The step's output: aborts for failed tag checks, the prefix cache's
@@ -284,6 +296,26 @@ impl Engine {
         let picked = match row {
             SeqOut::Logits(mut l) => pick(r, &mut l, tokenizer),
             SeqOut::Token(t) => advance(r, t).map(|()| (t, None)),
+            SeqOut::Scored {
+                token,
+                logprob,
+                top,
+            } => advance(r, token).map(|()| {
+                let n = r.params.logprobs.unwrap_or(0);
+                let piece = |id: u32, logprob: f32| Logprob {
+                    id,
+                    text: tokenizer.decode(&[id]),
+                    bytes: tokenizer.token_piece(id),
+                    logprob,
+                };
+                let lp = TokenLogprobs {
+                    chosen: piece(token, logprob),
+                    top: (top.into_iter().take(n))
+                        .map(|(id, lp)| piece(id, lp))
+                        .collect(),
+                };
+                (token, Some(lp))
+            }),
         };
         let (token, logprobs) = match picked {
             Ok(p) => p,
@@ -414,6 +446,7 @@ fn build<'a>(
                 write_kv: s.write_kv,
                 draw: *draw,
                 mask: mask.as_deref(),
+                scores: None,
             }
         })
         .collect()

@@ -112,6 +112,7 @@ mod tests {
             write_kv: true,
             draw: Draw::Greedy,
             mask: None,
+            scores: None,
         }
     }
 

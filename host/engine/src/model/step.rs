@@ -37,6 +37,9 @@ pub struct StepSeq<'a> {
     /// `v % 32` of word `v / 32` for token `v`), taken out of the logits
     /// before the draw.
     pub mask: Option<&'a [u32]>,
+    /// With a device draw: return the drawn token's log-probability and
+    /// this many of the most likely tokens' ([`SeqOut::Scored`]).
+    pub scores: Option<usize>,
 }
 
 /// How a sequence's next token is chosen, as far as a device may do it.
@@ -73,6 +76,17 @@ pub enum SeqOut {
     Logits(Vec<f32>),
     /// Its token, chosen on the device.
     Token(u32),
+    /// Its token, chosen on the device, with log-probabilities under the
+    /// model's logits (before any mask), as the step asked
+    /// ([`StepSeq::scores`]).
+    Scored {
+        /// The token.
+        token: u32,
+        /// Its log-probability.
+        logprob: f32,
+        /// The most likely tokens and theirs, most likely first.
+        top: Vec<(u32, f32)>,
+    },
 }
 
 /// What a step returns.

@@ -60,7 +60,12 @@ pub(super) struct Inputs {
     pub(super) mask_slot: Vec<i32>,
     /// The masks, [`Inputs::mask_words`] words each.
     pub(super) masks: Vec<u32>,
-    /// Words of one mask (the vocabulary's bits).
+    /// Each result's log-probability slot (-1: none asked).
+    pub(super) score_slot: Vec<i32>,
+    /// Most likely tokens each slot holds (the most any result asked).
+    pub(super) score_top: usize,
+    /// Words of one mask: the longest mask's, rounded up to a power of
+    /// two (so captured steps see few sizes), at most the vocabulary's.
     pub(super) mask_words: usize,
     /// Whether every sequence decodes one token, greedily.
     pub(super) greedy_decode: bool,
@@ -87,6 +92,7 @@ pub(super) struct Layout {
     pub(super) tables: usize,
     pub(super) tiles: usize,
     pub(super) mask_slot: usize,
+    pub(super) score_slot: usize,
     pub(super) masks: usize,
     /// The words [`Layout::words`] fills (the masks' start).
     pub(super) words: usize,
@@ -123,6 +129,7 @@ impl Layout {
         let tables = take(table_cap + 1);
         let tiles = take(2 * tiles);
         let mask_slot = take(m);
+        let score_slot = take(m);
         // The masks go up in a copy of their own: the buffer of words
         // stops before them.
         let words = take(0);
@@ -145,6 +152,7 @@ impl Layout {
             tables,
             tiles,
             mask_slot,
+            score_slot,
             masks,
             words,
             total,
@@ -193,6 +201,11 @@ impl Layout {
             &mut words,
             l.mask_slot,
             x.mask_slot.iter().map(|s| *s as u32),
+        );
+        put(
+            &mut words,
+            l.score_slot,
+            x.score_slot.iter().map(|s| *s as u32),
         );
         words
     }
@@ -279,9 +292,20 @@ impl Inputs {
                     }
                     None => -1,
                 });
+                x.score_slot.push(match b.scores {
+                    Some(top) => {
+                        x.score_top = x.score_top.max(top);
+                        x.score_slot.iter().filter(|s| **s >= 0).count() as i32
+                    }
+                    None => -1,
+                });
             }
-            x.greedy_decode &=
-                b.tokens.len() == 1 && b.logits && b.draw == Draw::Greedy && b.write_kv;
+            // Steps that score their tokens are never captured.
+            x.greedy_decode &= b.tokens.len() == 1
+                && b.logits
+                && b.draw == Draw::Greedy
+                && b.write_kv
+                && b.scores.is_none();
             x.seq_tab.push(x.tables.len() as u32);
             x.tok_off.push(x.ids.len() as u32);
         }
@@ -324,6 +348,7 @@ impl Inputs {
             self.wanted.push(self.ids.len() as u32 - 1);
             self.draws.push(Draw::Greedy);
             self.mask_slot.push(-1);
+            self.score_slot.push(-1);
         }
     }
 }
@@ -374,6 +399,8 @@ mod tests {
             mask_slot: vec![-1, 0],
             masks: vec![7],
             mask_words: 1,
+            score_slot: vec![-1, -1],
+            score_top: 0,
         };
         x.pad_decode(4);
         assert_eq!(x.ids, [5, 6, 0, 0]);
@@ -397,6 +424,7 @@ mod tests {
             write_kv: true,
             draw: Draw::Greedy,
             mask: None,
+            scores: None,
         }
     }
 

@@ -74,6 +74,9 @@ pub(super) struct Running {
     /// Whether the step checked page tags.
     pub check: bool,
     pub draws: Vec<Draw>,
+    /// Each result's log-probability slot (-1: none) and the tokens a
+    /// slot holds.
+    pub scores: (Vec<i32>, usize),
     pub start: Instant,
     /// After the step's kernels, on the side lane (the main lane's steps
     /// are finished at once and keep none).

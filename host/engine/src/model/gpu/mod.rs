@@ -141,6 +141,9 @@ pub(super) struct Buffers {
     pub last: CudaSlice<f32>,
     /// Their logits.
     pub logits: CudaSlice<f32>,
+    /// Log-probabilities of the rows that asked (see
+    /// `Gpu::top_logprobs_rows`), grown when a step needs more.
+    pub scores: Option<CudaSlice<f32>>,
     /// Per sequence: its tag-check flag; then each result row's token.
     pub small: CudaSlice<u32>,
     /// The residual stream.
@@ -340,6 +343,7 @@ impl GpuModel {
             b: Buffers {
                 last: g.zeros(rows * c.hidden)?,
                 logits: g.zeros(rows * c.vocab)?,
+                scores: None,
                 small: g.zeros(2 * rows)?,
                 h: g.zeros(n * c.hidden)?,
                 xn: g.zeros(n * c.hidden)?,

@@ -41,6 +41,8 @@ pub(super) struct Shape<'a> {
     pub sample: bool,
     /// Words of each output-format mask (0: no result is masked).
     pub mask_words: usize,
+    /// Most likely tokens a scored result returns (0: none is scored).
+    pub score_top: usize,
     /// Flash-style prefill tiles (none: decode attention per token).
     pub tiles: usize,
     /// With tiles: the step's leading one-token sequences (rows
@@ -433,6 +435,13 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
             }
             Pending::Nothing => return Err(no_norm()),
         }
+        // Log-probabilities are the model's: taken before any mask.
+        let scored = ints(&self.inputs, l.range(l.score_slot, m));
+        if s.score_top > 0
+            && let Some(out) = &mut b.scores
+        {
+            g.top_logprobs_rows(&b.logits, (m, c.vocab), &scored, s.score_top, out)?;
+        }
         if s.mask_words > 0 {
             let masks = self.inputs.slice(l.range(l.masks, m * s.mask_words));
             let slots = ints(&self.inputs, l.range(l.mask_slot, m));
@@ -444,9 +453,16 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
             // SAFETY: the words hold f32 bit patterns (`f32::to_bits`).
             let params = unsafe { params.transmute::<f32>(3 * m) }.expect("same size");
             let top_k = ints(&self.inputs, l.range(l.top_k, m));
-            g.sample_rows(&b.logits, m, c.vocab, &params, &top_k, &mut picks)
+            g.sample_rows(&b.logits, m, c.vocab, &params, &top_k, &mut picks)?;
         } else {
-            g.argmax_rows(&b.logits, m, c.vocab, &mut picks)
+            g.argmax_rows(&b.logits, m, c.vocab, &mut picks)?;
         }
+        if s.score_top > 0
+            && let Some(out) = &mut b.scores
+        {
+            let picks = b.small.slice(s.seqs..s.seqs + m);
+            g.chosen_logprobs_rows(&b.logits, (m, c.vocab), &picks, &scored, s.score_top, out)?;
+        }
+        Ok(())
     }
 }

@@ -177,6 +177,11 @@ impl GpuModel {
         let g = self.lane_gpu(lane);
         let lk = &mut kv.lanes[lane.index()];
         let mut work = self.work(g, &mut lk.work, n, max_len, seqs, l.total)?;
+        let scored = x.score_slot.iter().filter(|s| **s >= 0).count();
+        let want = scored * (2 + 2 * x.score_top);
+        if want > 0 && work.b.scores.as_ref().is_none_or(|s| s.len() < want) {
+            work.b.scores = Some(g.zeros(want.next_power_of_two())?);
+        }
         if std::mem::take(&mut work.fresh) {
             // Captured steps point into the buffers just replaced.
             lk.graphs.clear();
@@ -190,6 +195,7 @@ impl GpuModel {
             check,
             sample: x.draws.iter().any(|d| matches!(d, Draw::Sample { .. })),
             mask_words: if x.masked() { x.mask_words } else { 0 },
+            score_top: x.score_top,
             tiles: tiles.len() / 2,
             decodes,
             decode_len,
@@ -205,6 +211,7 @@ impl GpuModel {
             real_m,
             check,
             draws: x.draws,
+            scores: (x.score_slot, x.score_top),
             start,
             mark: (lane == RunLane::Side).then(|| g.mark()).transpose()?,
         }))
@@ -261,6 +268,7 @@ impl GpuModel {
             real_m,
             check,
             draws,
+            scores: (score_slot, top),
             start,
             ..
         } = r;
@@ -289,6 +297,7 @@ impl GpuModel {
                 Draw::Greedy | Draw::Sample { .. } => Ok(SeqOut::Token(small[seqs + i])),
             })
             .collect::<R<Vec<_>>>()?;
+        let rows = scored(g, w, rows, &score_slot, top)?;
         // The padding's flags and tokens are nobody's.
         let mut out = StepOut { rows, ok, device };
         out.ok.truncate(real_seqs);
@@ -321,4 +330,30 @@ impl GpuModel {
         let mut ops = CudaStep::new(self, g, layers, w, s);
         self.config.arch.forward(&mut ops, &self.weights)
     }
+}
+
+/// `rows` with the log-probabilities the device computed for those that
+/// asked (slot `score_slot[i]` of `w`'s scores, `top` tokens each).
+fn scored(g: &Gpu, w: &Work, rows: Vec<SeqOut>, score_slot: &[i32], top: usize) -> R<Vec<SeqOut>> {
+    let Some(scores) = w.b.scores.as_ref().filter(|_| top > 0) else {
+        return Ok(rows);
+    };
+    let stride = 2 + 2 * top;
+    let slots = score_slot.iter().filter(|s| **s >= 0).count();
+    let got = g.download_range(scores, 0..slots * stride)?;
+    Ok((rows.into_iter().zip(score_slot))
+        .map(|(row, slot)| match (row, usize::try_from(*slot)) {
+            (SeqOut::Token(token), Ok(s)) => {
+                let o = &got[s * stride..(s + 1) * stride];
+                SeqOut::Scored {
+                    token,
+                    logprob: o[1],
+                    top: (0..top)
+                        .map(|k| (o[2 + 2 * k].to_bits(), o[3 + 2 * k]))
+                        .collect(),
+                }
+            }
+            (row, _) => row,
+        })
+        .collect())
 }
