@@ -1,7 +1,11 @@
 //! The engine settings `run`, `bench` and `serve` share, as command-line
 //! arguments, and what they parse into.
 
-/// Engine settings shared by `run`, `bench` and `serve`.
+/// Engine settings shared by `run`, `bench` and `serve`. The engine's A/B
+/// switches (`--cuda-graphs`, `--cuda-pdl`, `--cuda-fold`,
+/// `--device-sampling`, `--tensor-prefill`, `--cuda-skinny`,
+/// `--cuda-cluster`, `--cuda-bf16-mlp`, `--prefill-warps`) keep their
+/// defaults unless a benchmark asks: they are left out of the help.
 #[derive(clap::Args)]
 pub(crate) struct EngineArgs {
     /// Weights of the projections: `native` (as the model stores them),
@@ -38,41 +42,41 @@ pub(crate) struct EngineArgs {
     step_target: Option<f64>,
     /// On CUDA, capture greedy decode steps (up to 256 sequences) as CUDA
     /// graphs and replay them.
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_graphs: OnOff,
     /// On CUDA (sm_90 and up), let each kernel of a captured step start
     /// while the one before it finishes (programmatic dependent launch).
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_pdl: OnOff,
     /// On CUDA, fold the norms and SiLU-and-multiply of one-token steps
     /// into their GEMVs (bf16 weights).
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_fold: OnOff,
     /// On CUDA, sample (temperature, top-k, top-p) on the device.
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     device_sampling: OnOff,
     /// On CUDA, attend prefill chunks with the tensor-core prefill kernel
     /// (off: one decode-attention query per token).
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     tensor_prefill: OnOff,
     /// On CUDA, run bf16 products of 2-16 rows (small decode batches) on
     /// the skinny tensor-core GEMM instead of cuBLAS.
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_skinny: OnOff,
     /// On CUDA (sm_90 and up), run bf16 products of 17-64 rows (decode
     /// batches) on the cluster GEMM, which splits each weight tile's
     /// columns over a thread-block cluster, instead of cuBLAS.
-    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
     cuda_cluster: OnOff,
     /// On CUDA, warps a block of prefill attention takes: 4 (three blocks
     /// an SM) or 8 (one block, twice the query rows per key tile read)
     /// [default: 4 for bf16 pages, 8 for fp8 pages].
-    #[arg(long)]
+    #[arg(long, hide = true)]
     prefill_warps: Option<usize>,
     /// On CUDA, run the MLP of prefill steps in bf16 (one GEMM over the
     /// stacked gate/up weights with a bf16 product, as PyTorch's bf16
     /// models do).
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_bf16_mlp: OnOff,
     /// Prefill/decode disaggregation: a prefill lane admits and computes
     /// prompts and a decode lane runs the streams, each with its own

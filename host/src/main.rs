@@ -321,63 +321,63 @@ enum TenantCommand {
 #[derive(clap::Args)]
 struct ServeArgs {
     /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1:8080")]
+    #[arg(long, default_value = "127.0.0.1:8080", help_heading = "Listening")]
     listen: SocketAddr,
     /// Directory for the database, components and compiled artifacts.
-    #[arg(long, default_value = "./.kiln")]
+    #[arg(long, default_value = "./.kiln", help_heading = "Listening")]
     data_dir: PathBuf,
     /// PEM certificate chain; enables TLS together with --tls-key.
-    #[arg(long, requires = "tls_key")]
+    #[arg(long, requires = "tls_key", help_heading = "Listening")]
     tls_cert: Option<PathBuf>,
     /// PEM private key for --tls-cert.
-    #[arg(long, requires = "tls_cert")]
+    #[arg(long, requires = "tls_cert", help_heading = "Listening")]
     tls_key: Option<PathBuf>,
     /// Largest component upload accepted, in bytes.
-    #[arg(long, default_value_t = 32 << 20)]
+    #[arg(long, default_value_t = 32 << 20, help_heading = "Tenants and limits")]
     max_upload_bytes: usize,
     /// Linear memory limit per request, in MiB.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, help_heading = "Tenants and limits")]
     memory_limit_mib: usize,
     /// Guest CPU time limit per request, in milliseconds.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 50, help_heading = "Tenants and limits")]
     cpu_limit_ms: u64,
     /// Wall time limit per request, in seconds.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, help_heading = "Tenants and limits")]
     wall_limit_s: u64,
     /// Most instances alive at once (pooling allocator slots).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, help_heading = "Tenants and limits")]
     max_instances: u32,
     /// Seconds shutdown waits for requests in flight.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, help_heading = "Listening")]
     drain_timeout_s: u64,
     /// A model to serve, as NAME=SOURCE (SOURCE as for `kiln run --model`);
     /// repeatable. Without it, the models of --config, else the default
     /// model.
-    #[arg(long = "model", value_name = "NAME=SOURCE")]
+    #[arg(long = "model", value_name = "NAME=SOURCE", help_heading = "Models")]
     models: Vec<String>,
     /// A `kiln.toml` listing models as `[[model]]` tables with `name` and
     /// `source` (default: ./kiln.toml when it exists).
-    #[arg(long)]
+    #[arg(long, help_heading = "Models")]
     config: Option<PathBuf>,
     /// Serve functions only, no models.
-    #[arg(long, conflicts_with = "models")]
+    #[arg(long, conflicts_with = "models", help_heading = "Models")]
     no_models: bool,
     /// Decode pools per model; sessions stick to one by rendezvous hashing.
     /// On the CPU each pool gets an equal share of the cores and of
     /// --kv-memory.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64), help_heading = "Models")]
     decode_pools: u32,
     /// Deadline of one model call, in seconds (guest calls are also bounded
     /// by --wall-limit-s).
-    #[arg(long, default_value_t = 120)]
+    #[arg(long, default_value_t = 120, help_heading = "Tenants and limits")]
     model_deadline_s: u64,
     /// Model calls a tenant may have in flight unless its policy says
     /// otherwise.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, help_heading = "Tenants and limits")]
     max_concurrent_calls: u32,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Connections")]
     limits: kiln_host::config::LimitArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Engine")]
     engine: EngineArgs,
 }
 
@@ -524,5 +524,38 @@ async fn main() -> anyhow::Result<()> {
             println!("{}", serde_json::to_string_pretty(&out)?);
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    #[test]
+    fn serve_help_is_grouped_and_leaves_the_engines_ab_switches_out() {
+        let mut cli = super::Cli::command();
+        let serve = cli.find_subcommand_mut("serve").expect("serve");
+        let help = serve.render_help().to_string();
+        for heading in [
+            "Listening:",
+            "Tenants and limits:",
+            "Models:",
+            "Connections:",
+            "Engine:",
+        ] {
+            assert!(help.contains(heading), "no {heading} in\n{help}");
+        }
+        assert!(help.contains("--kv-memory") && help.contains("--weights"));
+        for hidden in [
+            "--cuda-graphs",
+            "--cuda-pdl",
+            "--cuda-fold",
+            "--device-sampling",
+        ] {
+            assert!(!help.contains(hidden), "{hidden} in\n{help}");
+        }
+        // Still accepted.
+        let args = ["kiln", "serve", "--cuda-graphs", "off", "--no-models"];
+        assert!(super::Cli::try_parse_from(args).is_ok());
     }
 }
