@@ -107,8 +107,8 @@ pub struct LimitArgs {
     /// 503 and is closed (a TLS one is closed).
     #[arg(long, default_value_t = 10_000)]
     pub max_connections: usize,
-    /// Largest request body a function is given, in bytes; past it, 413.
-    #[arg(long, default_value_t = 16 << 20)]
+    /// Largest request body a function is given (`16MiB`); past it, 413.
+    #[arg(long = "max-body", alias = "max-body-bytes", default_value = "16MiB", value_parser = parse_size_u64)]
     pub max_body_bytes: u64,
     /// The share of --max-instances one tenant may hold at once, unless its
     /// policy sets `max_instances`; past it, that tenant gets 429.
@@ -167,6 +167,30 @@ impl FileConfig {
         }
         Ok(c)
     }
+}
+
+/// Parses `123`, `64KiB`, `512MiB`, `2GiB` (also KB/MB/GB as powers of 1024).
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size such as 512MiB"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        other => return Err(format!("unknown size unit `{other}` (use KiB, MiB or GiB)")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("`{s}` is too large"))
+}
+
+/// [`parse_size`], as a u64.
+fn parse_size_u64(s: &str) -> Result<u64, String> {
+    parse_size(s).map(|n| n as u64)
 }
 
 #[cfg(test)]

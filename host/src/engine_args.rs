@@ -19,7 +19,7 @@ pub(crate) struct EngineArgs {
     #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
     pub(crate) kv: KvArg,
     /// KV memory budget (of each model): bytes, or with a unit (`512MiB`, `2GiB`).
-    #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+    #[arg(long, default_value = "512MiB", value_parser = kiln_host::config::parse_size)]
     pub(crate) kv_memory: usize,
     /// Check KV page tags before each step.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
@@ -149,25 +149,6 @@ pub(crate) enum KvArg {
 enum OnOff {
     On,
     Off,
-}
-
-/// Parses `123`, `64KiB`, `512MiB`, `2GiB` (also KB/MB/GB as powers of 1024).
-fn parse_size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: usize = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size such as 512MiB"))?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        other => return Err(format!("unknown size unit `{other}` (use KiB, MiB or GiB)")),
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("`{s}` is too large"))
 }
 
 pub(crate) fn kv_format(kv: KvArg) -> kiln_kernels::kv::KvFormat {

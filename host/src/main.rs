@@ -332,12 +332,17 @@ struct ServeArgs {
     /// PEM private key for --tls-cert.
     #[arg(long, requires = "tls_cert", help_heading = "Listening")]
     tls_key: Option<PathBuf>,
-    /// Largest component upload accepted, in bytes.
-    #[arg(long, default_value_t = 32 << 20, help_heading = "Tenants and limits")]
+    /// Largest component upload accepted (`32MiB`, or bytes).
+    #[arg(long = "max-upload", alias = "max-upload-bytes", default_value = "32MiB",
+          value_parser = kiln_host::config::parse_size, help_heading = "Tenants and limits")]
     max_upload_bytes: usize,
-    /// Linear memory limit per request, in MiB.
-    #[arg(long, default_value_t = 128, help_heading = "Tenants and limits")]
-    memory_limit_mib: usize,
+    /// Linear memory limit per request (`128MiB`, or bytes).
+    #[arg(long, default_value = "128MiB", value_parser = kiln_host::config::parse_size,
+          help_heading = "Tenants and limits")]
+    memory_limit: usize,
+    /// The same in MiB (the older flag).
+    #[arg(long, hide = true, conflicts_with = "memory_limit")]
+    memory_limit_mib: Option<usize>,
     /// Guest CPU time limit per request, in milliseconds.
     #[arg(long, default_value_t = 50, help_heading = "Tenants and limits")]
     cpu_limit_ms: u64,
@@ -441,7 +446,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.listen = args.listen;
     config.tls = args.tls_cert.clone().zip(args.tls_key.clone());
     config.max_upload_bytes = args.max_upload_bytes;
-    config.limits.memory_bytes = args.memory_limit_mib << 20;
+    config.limits.memory_bytes = args.memory_limit_mib.map_or(args.memory_limit, |m| m << 20);
     config.limits.cpu_time = Duration::from_millis(args.cpu_limit_ms);
     config.limits.wall_time = Duration::from_secs(args.wall_limit_s);
     config.limits.max_instances = args.max_instances;
@@ -557,5 +562,29 @@ mod tests {
         // Still accepted.
         let args = ["kiln", "serve", "--cuda-graphs", "off", "--no-models"];
         assert!(super::Cli::try_parse_from(args).is_ok());
+        // Sizes in one style, the older flags still taken.
+        let sizes = [
+            "--memory-limit",
+            "64MiB",
+            "--max-upload",
+            "1MiB",
+            "--max-body",
+            "2MiB",
+        ];
+        let parsed = super::Cli::try_parse_from(["kiln", "serve"].into_iter().chain(sizes));
+        let super::Command::Serve(a) = parsed.unwrap().command else {
+            panic!("not serve")
+        };
+        assert_eq!((a.memory_limit, a.max_upload_bytes), (64 << 20, 1 << 20));
+        assert_eq!(a.limits.max_body_bytes, 2 << 20);
+        for old in [
+            ["--memory-limit-mib", "64"],
+            ["--max-upload-bytes", "1048576"],
+        ] {
+            let args = ["kiln", "serve"].into_iter().chain(old);
+            assert!(super::Cli::try_parse_from(args).is_ok(), "{old:?}");
+        }
+        assert!(help.contains("--max-upload <MAX_UPLOAD_BYTES>"), "{help}");
+        assert!(!help.contains("--memory-limit-mib"));
     }
 }

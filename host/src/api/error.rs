@@ -90,7 +90,7 @@ impl ApiError {
         Self::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "payload_too_large",
-            format!("upload exceeds the limit of {limit} bytes (see --max-upload-bytes)"),
+            format!("upload exceeds the limit of {limit} bytes (see --max-upload)"),
         )
     }
 
@@ -104,7 +104,7 @@ impl ApiError {
         Self::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "payload_too_large",
-            format!("the request body exceeds the limit of {limit} bytes (see --max-body-bytes)"),
+            format!("the request body exceeds the limit of {limit} bytes (see --max-body)"),
         )
     }
 
