@@ -83,7 +83,6 @@ impl Engine {
         };
         let expected = device_check.then_some(&mut tags.expected);
         let seqs = build(&self.requests, &self.kv, &run, (&draws, &masks), expected);
-        let seqs = self.with_scores(seqs, &run);
         let step = Step {
             seqs,
             tags: StepTags {
@@ -199,6 +198,12 @@ impl Engine {
     fn device_masks(&mut self, run: &[Scheduled], draws: &mut [Draw]) -> Vec<Option<Vec<u32>>> {
         use rayon::prelude::*;
         let mut masks = vec![None; run.len()];
+        // Most steps have no constrained row: nothing more to do.
+        let constrained =
+            |s: &Scheduled| (self.requests.get(&s.seq)).is_some_and(|r| r.matcher.is_some());
+        if !run.iter().any(constrained) {
+            return masks;
+        }
         let rows: HashMap<SeqId, usize> = (run.iter().enumerate())
             .filter(|(i, s)| s.sample && draws[*i] != Draw::Logits)
             .map(|(i, s)| (s.seq, i))
@@ -221,17 +226,6 @@ impl Engine {
             masks[i] = mask;
         }
         masks
-    }
-
-    /// `seqs` asking the device for the log-probabilities their requests
-    /// want, where the device draws.
-    fn with_scores<'a>(&self, mut seqs: Vec<StepSeq<'a>>, run: &[Scheduled]) -> Vec<StepSeq<'a>> {
-        for (b, s) in seqs.iter_mut().zip(run) {
-            if b.logits && b.draw != Draw::Logits {
-                b.scores = self.requests.get(&s.seq).and_then(|r| r.params.logprobs);
-            }
-        }
-        seqs
     }
 
     /// The step's output: aborts for failed tag checks, the prefix cache's
@@ -302,19 +296,8 @@ impl Engine {
                 top,
             } => advance(r, token).map(|()| {
                 let n = r.params.logprobs.unwrap_or(0);
-                let piece = |id: u32, logprob: f32| Logprob {
-                    id,
-                    text: tokenizer.decode(&[id]),
-                    bytes: tokenizer.token_piece(id),
-                    logprob,
-                };
-                let lp = TokenLogprobs {
-                    chosen: piece(token, logprob),
-                    top: (top.into_iter().take(n))
-                        .map(|(id, lp)| piece(id, lp))
-                        .collect(),
-                };
-                (token, Some(lp))
+                let top = top.into_iter().take(n).collect();
+                (token, Some(with_texts(tokenizer, (token, logprob), top)))
             }),
         };
         let (token, logprobs) = match picked {
@@ -409,6 +392,16 @@ fn advance(r: &mut Request, token: u32) -> Result<(), String> {
 /// tokens', with their texts.
 fn token_logprobs(logits: &[f32], token: u32, top: usize, tokenizer: &Tokenizer) -> TokenLogprobs {
     let (lp, best) = kiln_kernels::sample::logprobs(logits, token, top);
+    with_texts(tokenizer, (token, lp), best)
+}
+
+/// A token's log-probability and the most likely tokens', with their texts
+/// and bytes.
+fn with_texts(
+    tokenizer: &Tokenizer,
+    (token, lp): (u32, f32),
+    best: Vec<(u32, f32)>,
+) -> TokenLogprobs {
     let piece = |id: u32, logprob: f32| Logprob {
         id,
         text: tokenizer.decode(&[id]),
@@ -446,7 +439,10 @@ fn build<'a>(
                 write_kv: s.write_kv,
                 draw: *draw,
                 mask: mask.as_deref(),
-                scores: None,
+                // A device draw returns the figures the request asked for.
+                scores: (s.sample && *draw != Draw::Logits)
+                    .then_some(r.params.logprobs)
+                    .flatten(),
             }
         })
         .collect()
