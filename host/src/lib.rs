@@ -17,6 +17,7 @@ pub mod fairness;
 pub mod loadgen;
 pub mod metrics;
 pub mod names;
+pub mod project;
 pub mod server;
 pub mod serving;
 pub use kiln_engine::{engine, model};

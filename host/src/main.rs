@@ -40,15 +40,32 @@ enum Command {
         #[command(subcommand)]
         command: TenantCommand,
     },
-    /// Deploy a component as a tenant's function on a running server.
+    /// Make a new function project (its directory's name is the function's).
+    Init {
+        /// The project's directory, made here; its name is the function's.
+        name: PathBuf,
+        /// The language.
+        #[arg(long, value_enum, default_value = "rust")]
+        lang: kiln_host::project::Lang,
+    },
+    /// Build a function project into a component and print its path.
+    Build {
+        /// The project: a crate, or a directory with `app.py` or `app.js`.
+        #[arg(default_value = ".")]
+        dir: PathBuf,
+    },
+    /// Deploy a component, or a project (built first), as a tenant's
+    /// function on a running server.
     Deploy {
         /// The tenant that owns the function (must match the API key).
         #[arg(long)]
         tenant: String,
-        /// The function's name, `[a-z0-9-]{1,63}`.
+        /// The function's name, `[a-z0-9-]{1,63}` (default: the project
+        /// directory's or the file's name).
         #[arg(long)]
-        name: String,
-        /// The component (`.wasm`, built for wasm32-wasip2).
+        name: Option<String>,
+        /// A built component (`.wasm`) or a project directory.
+        #[arg(default_value = ".")]
         file: PathBuf,
         /// The server's base URL.
         #[arg(long, default_value = "http://127.0.0.1:8080")]
@@ -514,6 +531,16 @@ async fn main() -> anyhow::Result<()> {
             println!("{}", serde_json::to_string_pretty(&out)?);
             Ok(())
         }
+        Command::Init { name, lang } => {
+            print!("{}", kiln_host::project::init(&name, lang)?);
+            Ok(())
+        }
+        Command::Build { dir } => {
+            let wasm =
+                tokio::task::spawn_blocking(move || kiln_host::project::build(&dir)).await??;
+            println!("{}", wasm.display());
+            Ok(())
+        }
         Command::Deploy {
             tenant,
             name,
@@ -521,8 +548,9 @@ async fn main() -> anyhow::Result<()> {
             server,
             token,
         } => {
+            let (name, wasm) = component_of(file, name).await?;
             let bytes =
-                std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+                std::fs::read(&wasm).with_context(|| format!("reading {}", wasm.display()))?;
             let out = Client::new(&server, &token)?
                 .deploy(&tenant, &name, bytes)
                 .await?;
@@ -530,6 +558,28 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// The function name and component for `kiln deploy PATH`: a project
+/// directory is built first; the name defaults to the directory's or the
+/// file's.
+async fn component_of(path: PathBuf, name: Option<String>) -> anyhow::Result<(String, PathBuf)> {
+    let full = std::path::absolute(&path)?;
+    let stem = if path.is_dir() {
+        full.file_name()
+    } else {
+        full.file_stem()
+    }
+    .map(|s| s.to_string_lossy().replace('_', "-"));
+    let name = name.or(stem).context("no function name: pass --name")?;
+    let wasm = if path.is_dir() {
+        kiln_host::project::detect(&path)?;
+        eprintln!("building {} ...", path.display());
+        tokio::task::spawn_blocking(move || kiln_host::project::build(&path)).await??
+    } else {
+        path
+    };
+    Ok((name, wasm))
 }
 
 #[cfg(test)]

@@ -1,7 +1,9 @@
 //! Support for Kiln's end-to-end tests: guest components built from the
 //! workspace, and a real server on 127.0.0.1:0.
 
+pub mod polyglot;
 pub mod staggered;
+pub use polyglot::{build_project, guest_tools};
 pub use staggered::{Arrivals, PROMPTS, staggered};
 
 use std::path::{Path, PathBuf};
