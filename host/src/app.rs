@@ -29,6 +29,8 @@ pub struct App {
     pub(crate) db: Db,
     pub(crate) runtime: Runtime,
     pub(crate) metrics: Metrics,
+    /// The status page's history of the metrics.
+    pub(crate) status: crate::status::History,
     /// Model calls of guests and of the API, behind tenant policy.
     pub(crate) ai: Arc<Gateway>,
     pub(crate) config: ServeConfig,
@@ -38,6 +40,9 @@ pub struct App {
     routes: RwLock<HashMap<(String, String), Arc<Route>>>,
     instances: InstanceCaps,
 }
+
+/// How far back the status page's plots go.
+const STATUS_SPAN: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// Why an [`App`] operation failed. The HTTP status and JSON body of each
 /// are chosen in one place, `api/error.rs`.
@@ -70,6 +75,12 @@ pub enum AppError {
 }
 
 impl App {
+    /// Samples the metrics into the status page's history.
+    pub fn sample_status(&self) {
+        self.status
+            .record(&crate::status::parse(&self.metrics.encode()));
+    }
+
     /// Opens the data directory and builds the runtime over `backend`
     /// wrapped in tenant policy. Functions are listed from the database;
     /// each compiles (or loads its cached artifact) on first use.
@@ -118,6 +129,7 @@ impl App {
             db,
             runtime,
             metrics,
+            status: crate::status::History::new(config.status_interval, STATUS_SPAN),
             ai,
             metrics_hash: config.metrics_token.as_deref().map(auth::hash),
             config,

@@ -35,6 +35,8 @@ pub struct ServeConfig {
     pub metrics_token: Option<String>,
     /// Limits of connections and request bodies.
     pub net: NetLimits,
+    /// How often the status page's history samples the metrics.
+    pub status_interval: Duration,
 }
 
 /// Limits that keep slow or greedy clients from holding the server.
@@ -84,6 +86,7 @@ impl ServeConfig {
             max_concurrent_calls: 32,
             tenant_instance_share: 0.25,
             metrics_token: None,
+            status_interval: Duration::from_secs(2),
             net: NetLimits::default(),
         }
     }

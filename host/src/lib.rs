@@ -20,6 +20,7 @@ pub mod names;
 pub mod project;
 pub mod server;
 pub mod serving;
+pub mod status;
 pub use kiln_engine::{engine, model};
 /// The model backend of a server that serves none.
 pub use kiln_runtime::NoModels;

@@ -92,9 +92,23 @@ pub struct RejectLabels {
     pub reason: String,
 }
 
+/// Labels of a tenant's calls of one model.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantModelLabels {
+    /// The tenant.
+    pub tenant: String,
+    /// The model.
+    pub model: String,
+}
+
+/// A latency histogram's constructor.
+type NewHistogram = fn() -> Histogram;
+
 /// The engines' metrics; cheap to clone (every family is shared).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct EngineMetrics {
+    /// Time from a model call's arrival to its first token, by tenant.
+    pub first_token: Family<TenantModelLabels, Histogram, NewHistogram>,
     /// Prompt tokens served from the prefix cache or computed, by tenant.
     pub prefix_tokens: Family<PrefixLabels, Counter>,
     /// KV pages by pool and state.
@@ -115,8 +129,30 @@ pub struct EngineMetrics {
     pub engine_replays: Family<PoolLabels, Counter>,
 }
 
+impl Default for EngineMetrics {
+    fn default() -> Self {
+        Self {
+            first_token: Family::new_with_constructor(latency as NewHistogram),
+            prefix_tokens: Family::default(),
+            kv_pages: Family::default(),
+            integrity_aborts: Family::default(),
+            pool_requests: Family::default(),
+            pool_spills: Family::default(),
+            tokens: Family::default(),
+            policy_rejections: Family::default(),
+            engine_restarts: Family::default(),
+            engine_replays: Family::default(),
+        }
+    }
+}
+
 impl EngineMetrics {
     fn register(&self, r: &mut Registry) {
+        r.register(
+            "model_first_token_seconds",
+            "Time from a model call's arrival to its first token, by tenant and model",
+            self.first_token.clone(),
+        );
         r.register(
             "prefix_cache_tokens",
             "Prompt tokens served from the prefix cache (hit) or computed (miss), by tenant",

@@ -120,6 +120,8 @@ impl Server {
             .keep_alive_timeout(net.keep_alive)
             .max_concurrent_streams(MAX_STREAMS);
         let connections = Arc::new(Semaphore::new(net.max_connections));
+        let sampler = tokio::spawn(sample_status(self.app.clone()));
+        let _stop_sampler = AbortOnDrop(sampler);
         tokio::pin!(shutdown);
         loop {
             let (stream, peer) = tokio::select! {
@@ -307,5 +309,24 @@ pub async fn shutdown_signal() {
     #[cfg(not(unix))]
     {
         let _ = ctrl_c.await;
+    }
+}
+
+/// Samples the metrics into the status page's history, forever.
+async fn sample_status(app: Arc<App>) {
+    let mut every = tokio::time::interval(app.config.status_interval);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        app.sample_status();
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }

@@ -124,6 +124,17 @@ where
                 app.metrics.encode(),
             )
         }),
+        (["status"], &Method::GET) => Ok(full(
+            StatusCode::OK,
+            "text/html; charset=utf-8",
+            crate::status::PAGE.to_owned(),
+        )),
+        (["v1", "status"], &Method::GET) => require_metrics_reader(&app, &req).map(|()| {
+            json(
+                StatusCode::OK,
+                crate::status::snapshot(&app.metrics.encode(), &app.status),
+            )
+        }),
         (["v1", "usage"], &Method::GET) => tenant_of(&app, &req).map(|tenant| {
             let usage = app.ai.usage(&tenant);
             json(
@@ -149,9 +160,8 @@ where
             control::deploy(&app, req, &name).await
         }
         (["v1", "functions", name], &Method::DELETE) => control::delete_function(&app, &req, name),
-        (["healthz"] | ["metrics"] | ["v1", "functions"] | ["v1", "usage"], _) => {
-            Err(ApiError::method_not_allowed("GET"))
-        }
+        (["healthz"] | ["metrics"] | ["status"] | ["v1", "status"], _)
+        | (["v1", "functions"] | ["v1", "usage"], _) => Err(ApiError::method_not_allowed("GET")),
         (["v1", "tenants"] | ["v1", "chat", "completions"] | ["v1", "completions"], _) => {
             Err(ApiError::method_not_allowed("POST"))
         }

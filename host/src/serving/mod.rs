@@ -14,6 +14,7 @@ mod tools;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
+use std::time::Instant;
 
 use kiln_runtime::{
     AiError, Completion, FinishReason, Inference, ModelCall, ModelInfo, OutputFormat as Format,
@@ -23,9 +24,10 @@ use rand::RngCore;
 use tokio::sync::mpsc as tmpsc;
 
 use crate::engine::{EngineConfig, Finish, GenerateParams, OutputFormat, PAGE_SIZE, Salt, prefix};
-use crate::metrics::{EngineMetrics, ModelLabels, PoolLabels};
+use crate::metrics::{EngineMetrics, ModelLabels, PoolLabels, TenantModelLabels};
 use crate::model::Loaded;
 use engine_thread::{Msg, Out, PoolHandle, Submit};
+use prometheus_client::metrics::histogram::Histogram;
 use router::{PoolLoad, Route};
 use tools::{CallFilter, Tools};
 
@@ -155,11 +157,8 @@ impl ServedModels {
 
     /// Sends `n` samples of `call` to a pool: their channels, and whether
     /// their replies may be tool calls.
-    fn submit(
-        &self,
-        call: ModelCall,
-        n: usize,
-    ) -> Result<(Vec<tmpsc::UnboundedReceiver<Out>>, bool), AiError> {
+    fn submit(&self, call: ModelCall, n: usize) -> Result<Submitted, AiError> {
+        let arrived = Instant::now();
         let ModelCall {
             tenant,
             model,
@@ -251,7 +250,38 @@ impl ServedModels {
                 "the model's engine has stopped".into(),
             ));
         }
-        Ok((rxs, tools.is_some()))
+        let first_token = self
+            .metrics
+            .first_token
+            .get_or_create(&TenantModelLabels {
+                tenant: tenant.to_owned(),
+                model: model.to_owned(),
+            })
+            .clone();
+        Ok(Submitted {
+            rxs,
+            tools: tools.is_some(),
+            first_token: (first_token, arrived),
+        })
+    }
+}
+
+/// A call handed to a pool: a channel per sample, whether replies may be
+/// tool calls, and the histogram its first tokens' latency goes to.
+struct Submitted {
+    rxs: Vec<tmpsc::UnboundedReceiver<Out>>,
+    tools: bool,
+    first_token: (Histogram, Instant),
+}
+
+impl Submitted {
+    fn streams(self) -> impl Iterator<Item = Stream> {
+        let (tools, first) = (self.tools, self.first_token);
+        (self.rxs.into_iter()).map(move |rx| Stream::new(rx, tools, Some(first.clone())))
+    }
+
+    fn one(self) -> Result<Stream, AiError> {
+        self.streams().next().ok_or_else(dropped)
     }
 }
 
@@ -339,8 +369,8 @@ fn dropped() -> AiError {
     AiError::RuntimeError("the engine dropped the request".into())
 }
 
-async fn collect(rx: tmpsc::UnboundedReceiver<Out>, tools: bool) -> Result<Completion, AiError> {
-    kiln_runtime::complete_stream(&mut Stream::new(rx, tools)).await
+async fn collect(mut stream: Stream) -> Result<Completion, AiError> {
+    kiln_runtime::complete_stream(&mut stream).await
 }
 
 /// A request's results as they come; a reply that may be tool calls goes
@@ -350,15 +380,22 @@ struct Stream {
     calls: Option<CallFilter>,
     /// The end, held while the text a filter held goes out first.
     end: Option<StreamEnd>,
+    /// Where the first token's latency goes, and when the call arrived.
+    first_token: Option<(Histogram, Instant)>,
 }
 
 impl Stream {
-    fn new(rx: tmpsc::UnboundedReceiver<Out>, tools: bool) -> Self {
+    fn new(
+        rx: tmpsc::UnboundedReceiver<Out>,
+        tools: bool,
+        first_token: Option<(Histogram, Instant)>,
+    ) -> Self {
         let calls = tools.then(CallFilter::default);
         Self {
             rx,
             calls,
             end: None,
+            first_token,
         }
     }
 
@@ -368,6 +405,9 @@ impl Stream {
         }
         match self.rx.recv().await {
             Some(Out::Text(mut text, logprobs)) => {
+                if let Some((h, arrived)) = self.first_token.take() {
+                    h.observe(arrived.elapsed().as_secs_f64());
+                }
                 if let Some(f) = &mut self.calls {
                     text = f.push(&text);
                 }
@@ -410,37 +450,24 @@ impl TokenStream for Stream {
 
 type Fut<'a, T> = kiln_runtime::BoxFuture<'a, Result<T, AiError>>;
 
-/// The one channel of a call of one sample.
-fn one(
-    mut rxs: Vec<tmpsc::UnboundedReceiver<Out>>,
-) -> Result<tmpsc::UnboundedReceiver<Out>, AiError> {
-    rxs.pop().ok_or_else(dropped)
-}
-
 impl Inference for ServedModels {
     fn call(&self, call: ModelCall) -> Fut<'_, Completion> {
         let sent = self.submit(call, 1);
-        Box::pin(async move {
-            let (rxs, tools) = sent?;
-            collect(one(rxs)?, tools).await
-        })
+        Box::pin(async move { collect(sent?.one()?).await })
     }
 
     fn stream(&self, call: ModelCall) -> Fut<'_, Box<dyn TokenStream>> {
         let sent = self.submit(call, 1);
-        Box::pin(async move {
-            let (rxs, tools) = sent?;
-            Ok(Box::new(Stream::new(one(rxs)?, tools)) as Box<dyn TokenStream>)
-        })
+        Box::pin(async move { Ok(Box::new(sent?.one()?) as Box<dyn TokenStream>) })
     }
 
     fn stream_samples(&self, call: ModelCall, n: usize) -> Fut<'_, Vec<Box<dyn TokenStream>>> {
         let sent = self.submit(call, n);
         Box::pin(async move {
-            let (rxs, tools) = sent?;
-            let streams = (rxs.into_iter())
-                .map(|rx| Box::new(Stream::new(rx, tools)) as Box<dyn TokenStream>);
-            Ok(streams.collect())
+            let streams = sent?.streams();
+            Ok(streams
+                .map(|s| Box::new(s) as Box<dyn TokenStream>)
+                .collect())
         })
     }
 
