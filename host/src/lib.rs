@@ -9,6 +9,7 @@ pub mod api;
 pub mod app;
 pub mod auth;
 pub mod bench;
+pub mod bench_plot;
 pub mod client;
 pub mod components;
 pub mod config;

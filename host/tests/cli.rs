@@ -16,7 +16,7 @@ fn kiln(args: &[&str]) -> (bool, String) {
 fn help_documents_every_command() {
     let (ok, text) = kiln(&["--help"]);
     assert!(ok, "{text}");
-    for cmd in ["serve", "tenant", "deploy"] {
+    for cmd in ["serve", "tenant", "deploy", "init", "build"] {
         assert!(text.contains(cmd), "`{cmd}` missing from:\n{text}");
     }
     let (ok, text) = kiln(&["serve", "--help"]);
@@ -183,4 +183,51 @@ fn device_cuda_without_cuda_fails_with_a_clear_error() {
     );
     let (ok, out) = kiln(&["run", "--prompt", "hi", "--device", "tpu"]);
     assert!(!ok && out.contains("use cpu, cuda or cuda:N"), "{out}");
+}
+
+#[test]
+fn bench_draws_its_rows_into_a_png() {
+    let dir = tempfile::tempdir().unwrap();
+    let png = dir.path().join("bench.png");
+    let (ok, text) = kiln(&[
+        "bench",
+        "--concurrency",
+        "1,2",
+        "--prompt-tokens",
+        "16",
+        "--gen-tokens",
+        "4",
+        "--kv-formats",
+        "bf16,fp8",
+        "--kv-memory",
+        "32MiB",
+        "--plot",
+        png.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    // Two formats at two concurrencies: four rows, then the picture.
+    let rows = text
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|label| label.starts_with("bf16") || label.starts_with("fp8"))
+        .count();
+    assert_eq!(rows, 4, "{text}");
+    let bytes = std::fs::read(&png).expect("the plot");
+    assert!(
+        bytes.starts_with(b"\x89PNG") && bytes.len() > 10_000,
+        "{} bytes",
+        bytes.len()
+    );
+}
+
+#[test]
+fn init_refuses_a_name_that_is_not_a_function_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("Not_Valid");
+    let (ok, text) = kiln(&["init", "--lang", "python", bad.to_str().unwrap()]);
+    assert!(!ok);
+    assert!(text.contains("[a-z0-9-]{1,63}"), "{text}");
+    let (ok, text) = kiln(&["build", dir.path().to_str().unwrap()]);
+    assert!(!ok);
+    assert!(text.contains("kiln init"), "{text}");
 }

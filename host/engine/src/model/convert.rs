@@ -29,9 +29,11 @@ pub enum WeightFormat {
 pub fn convert(model: &mut Model, format: WeightFormat) -> (usize, usize) {
     let weights = projections(model);
     let total = weights.len();
+    let bar = super::progress::bar(total, format!("converting projections to {format:?}"));
     let done = weights
         .into_iter()
         .filter_map(|w| {
+            bar.inc(1);
             let new = match format {
                 WeightFormat::Native => None,
                 WeightFormat::Bf16 => rows_as(w, DType::BF16),
@@ -41,6 +43,7 @@ pub fn convert(model: &mut Model, format: WeightFormat) -> (usize, usize) {
             new.map(|n| *w = n)
         })
         .count();
+    bar.finish_and_clear();
     (done, total - done)
 }
 

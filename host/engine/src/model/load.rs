@@ -96,7 +96,9 @@ fn build(
     let embed = need(names.embed.into())?;
     let norm = vector(need(names.norm.into())?);
     let mut blocks = Vec::with_capacity(config.layers);
+    let bar = super::progress::bar(config.layers, "loading layers".into());
     for i in 0..config.layers {
+        bar.inc(1);
         let t = |suffix: &str| (names.layer)(i, suffix);
         let qkv_bias = if config.arch.qkv_bias() {
             Some([
@@ -117,6 +119,7 @@ fn build(
             down: need(t("down"))?,
         });
     }
+    bar.finish_and_clear();
     let output = get(names.output)?;
     let rope = Rope::new(
         config.head_dim,

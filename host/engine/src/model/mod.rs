@@ -13,6 +13,7 @@ pub mod gpu;
 pub mod int4;
 mod load;
 mod phase;
+mod progress;
 mod runner;
 pub mod step;
 mod synthetic;

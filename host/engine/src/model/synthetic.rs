@@ -76,7 +76,9 @@ pub(super) fn synthetic(spec: &str) -> Result<(Model, Tokenizer), ModelError> {
     let mut seeds = Seeds(0x6b696c6e);
     let (q_dim, kv_dim) = (heads * hd, kv_heads * hd);
     let mut blocks = Vec::with_capacity(layers);
+    let bar = super::progress::bar(layers, format!("making {spec}'s random layers"));
     for _ in 0..layers {
+        bar.inc(1);
         let mut w = |rows, cols| seeds.weight(rows, cols).map_err(ModelError::from);
         let qkv = vec![w(q_dim, hidden)?, w(kv_dim, hidden)?, w(kv_dim, hidden)?];
         let wo = w(hidden, q_dim)?;
@@ -95,6 +97,7 @@ pub(super) fn synthetic(spec: &str) -> Result<(Model, Tokenizer), ModelError> {
             down,
         });
     }
+    bar.finish_and_clear();
     let embed = seeds.weight(vocab, hidden).map_err(ModelError::from)?;
     let model = Model {
         config,
