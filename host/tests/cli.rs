@@ -231,3 +231,36 @@ fn init_refuses_a_name_that_is_not_a_function_name() {
     assert!(!ok);
     assert!(text.contains("kiln init"), "{text}");
 }
+
+#[test]
+fn build_runs_the_projects_own_componentize_js_from_a_relative_path() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, text) = kiln(&[
+        "init",
+        "--lang",
+        "js",
+        dir.path().join("hi").to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    // A stand-in for npm's componentize-js: it runs in the build's copy
+    // of the project and writes the component there.
+    let bin = dir.path().join("hi/node_modules/.bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let fake = bin.join("componentize-js");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\ntest -f kiln-entry.js && test -f kiln.js && echo wasm > app.wasm\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .current_dir(dir.path())
+        .args(["build", "hi"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let wasm = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    assert_eq!(std::fs::read_to_string(&wasm).unwrap(), "wasm\n", "{wasm}");
+}

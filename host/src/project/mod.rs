@@ -197,7 +197,8 @@ fn build_rust(dir: &Path) -> Result<PathBuf, ProjectError> {
 fn tool(given: &Option<PathBuf>, local: &Path, name: &str) -> PathBuf {
     given
         .clone()
-        .or_else(|| local.is_file().then(|| local.to_owned()))
+        // Absolute: the tool may run in another directory.
+        .or_else(|| local.is_file().then(|| std::path::absolute(local).ok())?)
         .unwrap_or_else(|| PathBuf::from(name))
 }
 
