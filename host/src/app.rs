@@ -31,6 +31,8 @@ pub struct App {
     pub(crate) metrics: Metrics,
     /// The status page's history of the metrics.
     pub(crate) status: crate::status::History,
+    /// This node's name, as the `x-kiln-node` header sends it.
+    pub(crate) node: hyper::header::HeaderValue,
     /// Model calls of guests and of the API, behind tenant policy.
     pub(crate) ai: Arc<Gateway>,
     pub(crate) config: ServeConfig,
@@ -130,6 +132,8 @@ impl App {
             runtime,
             metrics,
             status: crate::status::History::new(config.status_interval, STATUS_SPAN),
+            node: hyper::header::HeaderValue::from_str(&config.node_name)
+                .map_err(|_| anyhow::anyhow!("--node-name must be printable ASCII"))?,
             ai,
             metrics_hash: config.metrics_token.as_deref().map(auth::hash),
             config,

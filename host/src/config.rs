@@ -37,6 +37,12 @@ pub struct ServeConfig {
     pub net: NetLimits,
     /// How often the status page's history samples the metrics.
     pub status_interval: Duration,
+    /// This node's name in the `x-kiln-node` header of every response
+    /// (empty: `HOST:PORT`).
+    pub node_name: String,
+    /// Where to serve the gateway's load figures (vLLM's names) without a
+    /// token, if anywhere.
+    pub gateway_metrics: Option<SocketAddr>,
 }
 
 /// Limits that keep slow or greedy clients from holding the server.
@@ -87,6 +93,8 @@ impl ServeConfig {
             tenant_instance_share: 0.25,
             metrics_token: None,
             status_interval: Duration::from_secs(2),
+            node_name: String::new(),
+            gateway_metrics: None,
             net: NetLimits::default(),
         }
     }
@@ -134,6 +142,28 @@ impl LimitArgs {
         };
         config.tenant_instance_share = self.tenant_instance_share;
         config.metrics_token = self.metrics_token.clone().filter(|t| !t.is_empty());
+    }
+}
+
+/// `kiln serve`'s flags for running as one node of several.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClusterArgs {
+    /// This node's name, sent in every response's `x-kiln-node` header
+    /// [default: HOST:PORT].
+    #[arg(long, env = "KILN_NODE_NAME", help_heading = "Cluster")]
+    pub node_name: Option<String>,
+    /// Serve `GET /metrics` with only the Gateway API Inference Extension's
+    /// load figures (`vllm:num_requests_waiting`, ...; no tenant names) on
+    /// this address, without a token, for its endpoint picker.
+    #[arg(long, value_name = "ADDR", help_heading = "Cluster")]
+    pub gateway_metrics_listen: Option<SocketAddr>,
+}
+
+impl ClusterArgs {
+    /// Sets these in `config`.
+    pub fn apply(&self, config: &mut ServeConfig) {
+        config.node_name = self.node_name.clone().unwrap_or_default();
+        config.gateway_metrics = self.gateway_metrics_listen;
     }
 }
 

@@ -15,6 +15,7 @@ pub mod components;
 pub mod config;
 pub mod db;
 pub mod fairness;
+pub mod gateway_metrics;
 pub mod loadgen;
 pub mod metrics;
 pub mod names;

@@ -237,6 +237,8 @@ struct ServeArgs {
     max_concurrent_calls: u32,
     #[command(flatten, next_help_heading = "Connections")]
     limits: kiln_host::config::LimitArgs,
+    #[command(flatten, next_help_heading = "Cluster")]
+    cluster: kiln_host::config::ClusterArgs,
     #[command(flatten, next_help_heading = "Engine")]
     engine: EngineArgs,
 }
@@ -309,6 +311,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.model_deadline = Duration::from_secs(args.model_deadline_s);
     config.max_concurrent_calls = args.max_concurrent_calls;
     args.limits.apply(&mut config);
+    args.cluster.apply(&mut config);
     let admin = std::env::var("KILN_ADMIN_TOKEN")
         .ok()
         .filter(|t| !t.is_empty());

@@ -93,6 +93,9 @@ impl Server {
         let local_addr = listener.local_addr()?;
         let mut config = config;
         config.listen = local_addr;
+        if config.node_name.is_empty() {
+            config.node_name = format!("{}:{}", hostname(), local_addr.port());
+        }
         let app = Arc::new(App::open(config, &admin_token.token, backend, metrics)?);
         Ok(Self {
             app,
@@ -122,6 +125,18 @@ impl Server {
         let connections = Arc::new(Semaphore::new(net.max_connections));
         let sampler = tokio::spawn(sample_status(self.app.clone()));
         let _stop_sampler = AbortOnDrop(sampler);
+        let _stop_gateway_metrics = match self.app.config.gateway_metrics {
+            Some(addr) => {
+                let listener = TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("binding --gateway-metrics-listen {addr}"))?;
+                Some(AbortOnDrop(tokio::spawn(gateway_metrics(
+                    self.app.clone(),
+                    listener,
+                ))))
+            }
+            None => None,
+        };
         tokio::pin!(shutdown);
         loop {
             let (stream, peer) = tokio::select! {
@@ -147,7 +162,12 @@ impl Server {
             let app = self.app.clone();
             let service = service_fn(move |req| {
                 let app = app.clone();
-                async move { Ok::<_, std::convert::Infallible>(crate::api::handle(app, req).await) }
+                async move {
+                    let node = app.node.clone();
+                    let mut resp = crate::api::handle(app, req).await;
+                    resp.headers_mut().insert(NODE_HEADER, node);
+                    Ok::<_, std::convert::Infallible>(resp)
+                }
             });
             match &self.tls {
                 None => {
@@ -309,6 +329,47 @@ pub async fn shutdown_signal() {
     #[cfg(not(unix))]
     {
         let _ = ctrl_c.await;
+    }
+}
+
+/// The header naming the node that served a response.
+pub const NODE_HEADER: &str = "x-kiln-node";
+
+/// This machine's host name (or `kiln`).
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "kiln".into())
+}
+
+/// Serves the gateway's load figures on their own listener: `GET` of any
+/// path answers them, with no token (they name models, not tenants).
+async fn gateway_metrics(app: Arc<App>, listener: TcpListener) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let app = app.clone();
+        let service = service_fn(move |_req| {
+            let text = crate::gateway_metrics::render(&app.ai.load());
+            async move {
+                let mut resp =
+                    hyper::Response::new(http_body_util::Full::new(bytes::Bytes::from(text)));
+                resp.headers_mut().insert(
+                    hyper::header::CONTENT_TYPE,
+                    hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"),
+                );
+                Ok::<_, std::convert::Infallible>(resp)
+            }
+        });
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service);
+            let _ = tokio::time::timeout(Duration::from_secs(30), conn).await;
+        });
     }
 }
 

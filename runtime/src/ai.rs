@@ -133,6 +133,23 @@ pub async fn complete_stream(stream: &mut dyn TokenStream) -> Result<Completion,
     }
 }
 
+/// How loaded one served model is, for a gateway choosing among servers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelLoad {
+    /// The model.
+    pub model: String,
+    /// Requests in a step now.
+    pub running: usize,
+    /// Requests held but not yet running.
+    pub waiting: usize,
+    /// KV pages in all.
+    pub kv_pages: usize,
+    /// KV pages an allocation can take (reusable cached ones included).
+    pub kv_pages_free: usize,
+    /// Tokens a KV page holds.
+    pub page_tokens: usize,
+}
+
 /// The model backend behind `kiln:ai/inference` and the OpenAI-compatible
 /// API, implemented by the host.
 pub trait Inference: Send + Sync + 'static {
@@ -164,6 +181,11 @@ pub trait Inference: Send + Sync + 'static {
     /// compete: running slots and prompt tokens in proportion to `weight`
     /// (1 unless set). A backend with nothing shared ignores it.
     fn set_share_weight(&self, _tenant: &str, _weight: u32) {}
+    /// The load of every served model (none for a backend that serves no
+    /// models).
+    fn load(&self) -> Vec<ModelLoad> {
+        Vec::new()
+    }
     /// Ends every call in flight with an error, refuses new ones and
     /// releases the backend's devices; returns once they are released. The
     /// server calls it when it shuts down, after draining.

@@ -1,6 +1,7 @@
 //! Support for Kiln's end-to-end tests: guest components built from the
 //! workspace, and a real server on 127.0.0.1:0.
 
+pub mod nginx;
 pub mod polyglot;
 pub mod staggered;
 pub use polyglot::{build_project, guest_tools};
@@ -68,6 +69,23 @@ pub fn guest(name: &str) -> PathBuf {
         Ok(dir) => dir.join(format!("{name}.wasm")),
         Err(e) => panic!("building the guest components failed:\n{e}"),
     }
+}
+
+/// Runs the project's install script `scripts/NAME` (which installs a
+/// tool once, then prints its path) and returns that path.
+pub fn installed_by(name: &str) -> PathBuf {
+    let script = workspace().join("scripts").join(name);
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+    assert!(
+        out.status.success(),
+        "{} failed:\n{}",
+        script.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
 /// A running server with a temporary (or given) data directory.

@@ -4,29 +4,14 @@
 //! saved to `target/screenshots/status-page.png`.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::time::Duration;
 
-use kiln_tests::{TestServer, workspace};
-
-fn chromium() -> PathBuf {
-    let script = workspace().join("scripts").join("chromium.sh");
-    let out = std::process::Command::new("bash")
-        .arg(&script)
-        .output()
-        .expect("running scripts/chromium.sh");
-    assert!(
-        out.status.success(),
-        "installing Chromium failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-}
+use kiln_tests::{TestServer, installed_by, workspace};
 
 /// Chromium, headless, on `url` with `extra` (what to produce); stdout.
 fn headless(url: &str, extra: &[&str]) -> String {
     let profile = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(chromium())
+    let out = std::process::Command::new(installed_by("chromium.sh"))
         .args([
             "--headless",
             "--no-sandbox",

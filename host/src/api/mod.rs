@@ -100,6 +100,18 @@ fn require_metrics_reader<B>(app: &App, req: &Request<B>) -> Result<(), ApiError
     }
 }
 
+/// Kiln's metrics, then the gateway's load figures (before the
+/// exposition's closing `# EOF`).
+fn metrics_text(app: &App) -> String {
+    use kiln_runtime::Inference;
+    let own = app.metrics.encode();
+    let gateway = crate::gateway_metrics::render(&app.ai.load());
+    match own.strip_suffix("# EOF\n") {
+        Some(body) => format!("{body}{gateway}# EOF\n"),
+        None => own + &gateway,
+    }
+}
+
 /// Routes one request. Every failure becomes a JSON error response; this
 /// never panics on bad input.
 pub async fn handle<B>(app: Arc<App>, req: Request<B>) -> Response<Body>
@@ -121,7 +133,7 @@ where
             full(
                 StatusCode::OK,
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                app.metrics.encode(),
+                metrics_text(&app),
             )
         }),
         (["status"], &Method::GET) => Ok(full(

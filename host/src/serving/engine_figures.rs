@@ -22,7 +22,8 @@ impl PoolThread {
         }
     }
 
-    /// Publishes page counts, integrity aborts and prefix-cache changes.
+    /// Publishes page counts, integrity aborts, running requests and
+    /// prefix-cache changes (in the slots `super::FREE_PAGES` and on).
     pub(super) fn publish(&mut self, engine: &mut Engine) {
         let (free, cached, total) = (
             engine.free_pages(),
@@ -30,10 +31,10 @@ impl PoolThread {
             engine.total_pages(),
         );
         let aborts = engine.stats().integrity_aborts;
-        for (slot, v) in self
-            .figures
-            .iter()
-            .zip([free, cached, total, aborts as usize])
+        for (slot, v) in
+            self.figures
+                .iter()
+                .zip([free, cached, total, aborts as usize, engine.running()])
         {
             slot.store(v, Ordering::Relaxed);
         }

@@ -85,7 +85,7 @@ pub(super) struct PoolHandle {
     pub(super) prefixes: Arc<RwLock<HashSet<PageHash>>>,
     /// Free (cached included), cached and total pages, and integrity
     /// aborts, as last published.
-    pub(super) figures: Arc<[AtomicUsize; 4]>,
+    pub(super) figures: Arc<[AtomicUsize; 5]>,
     /// The engine's thread, until joined.
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -133,7 +133,7 @@ struct PoolThread {
     page_gauges: [Gauge; 3],
     load: Arc<AtomicUsize>,
     prefixes: Arc<RwLock<HashSet<PageHash>>>,
-    figures: Arc<[AtomicUsize; 4]>,
+    figures: Arc<[AtomicUsize; 5]>,
     tenants: HashMap<Arc<str>, TenantId>,
     outs: HashMap<SeqId, Live>,
     aborts_seen: u64,

@@ -46,6 +46,13 @@ pub struct EngineSnapshot {
     pub requests: usize,
 }
 
+/// The slots of a pool's published figures (`PoolHandle::figures`).
+const FREE_PAGES: usize = 0;
+const CACHED_PAGES: usize = 1;
+const TOTAL_PAGES: usize = 2;
+const INTEGRITY_ABORTS: usize = 3;
+const RUNNING: usize = 4;
+
 /// One served model and its pools.
 struct Served {
     loaded: Arc<Loaded>,
@@ -147,10 +154,10 @@ impl ServedModels {
                 .sum()
         };
         Some(EngineSnapshot {
-            free_pages: sum(0),
-            cached_pages: sum(1),
-            total_pages: sum(2),
-            integrity_aborts: sum(3) as u64,
+            free_pages: sum(FREE_PAGES),
+            cached_pages: sum(CACHED_PAGES),
+            total_pages: sum(TOTAL_PAGES),
+            integrity_aborts: sum(INTEGRITY_ABORTS) as u64,
             requests: pools.iter().map(|p| p.load.load(Ordering::Relaxed)).sum(),
         })
     }
@@ -469,6 +476,32 @@ impl Inference for ServedModels {
                 .map(|s| Box::new(s) as Box<dyn TokenStream>)
                 .collect())
         })
+    }
+
+    fn load(&self) -> Vec<kiln_runtime::ModelLoad> {
+        let mut loads: Vec<kiln_runtime::ModelLoad> = (self.models.iter())
+            .map(|(name, served)| {
+                let sum = |i: usize| -> usize {
+                    (served.pools.iter())
+                        .map(|p| p.figures[i].load(Ordering::Relaxed))
+                        .sum()
+                };
+                let held: usize = (served.pools.iter())
+                    .map(|p| p.load.load(Ordering::Relaxed))
+                    .sum();
+                let running = sum(RUNNING);
+                kiln_runtime::ModelLoad {
+                    model: name.clone(),
+                    running,
+                    waiting: held.saturating_sub(running),
+                    kv_pages: sum(TOTAL_PAGES),
+                    kv_pages_free: sum(FREE_PAGES),
+                    page_tokens: PAGE_SIZE,
+                }
+            })
+            .collect();
+        loads.sort_by(|a, b| a.model.cmp(&b.model));
+        loads
     }
 
     fn set_share_weight(&self, tenant: &str, weight: u32) {

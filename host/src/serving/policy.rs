@@ -574,6 +574,10 @@ impl Inference for Gateway {
         self.inner.close();
     }
 
+    fn load(&self) -> Vec<kiln_runtime::ModelLoad> {
+        self.inner.load()
+    }
+
     fn list_models(&self, tenant: &str) -> Vec<ModelInfo> {
         let policy = self.policy(tenant);
         let mut all = self.inner.list_models(tenant);
