@@ -93,7 +93,10 @@ impl App {
         metrics: Metrics,
     ) -> anyhow::Result<Self> {
         let components = ComponentStore::open(config.data_dir.join("components"))?;
-        let db = Db::open(&config.data_dir.join("kiln.db"))?;
+        let db = match &config.database {
+            Some(url) => Db::connect(url)?,
+            None => Db::open(&config.data_dir.join("kiln.db"))?,
+        };
         let in_use = db.digests()?;
         let removed = components.collect_orphans(|d| in_use.contains(d))?;
         if removed > 0 {

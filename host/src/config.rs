@@ -43,6 +43,9 @@ pub struct ServeConfig {
     /// Where to serve the gateway's load figures (vLLM's names) without a
     /// token, if anywhere.
     pub gateway_metrics: Option<SocketAddr>,
+    /// A PostgreSQL URL for the control plane; `None`: SQLite in the data
+    /// directory.
+    pub database: Option<String>,
 }
 
 /// Limits that keep slow or greedy clients from holding the server.
@@ -95,6 +98,7 @@ impl ServeConfig {
             status_interval: Duration::from_secs(2),
             node_name: String::new(),
             gateway_metrics: None,
+            database: None,
             net: NetLimits::default(),
         }
     }
@@ -157,6 +161,17 @@ pub struct ClusterArgs {
     /// this address, without a token, for its endpoint picker.
     #[arg(long, value_name = "ADDR", help_heading = "Cluster")]
     pub gateway_metrics_listen: Option<SocketAddr>,
+    /// Keep tenants, keys, functions and policies in this PostgreSQL
+    /// database (`postgres://USER@HOST:PORT/DB`) instead of SQLite in
+    /// --data-dir.
+    #[arg(
+        long,
+        env = "KILN_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL",
+        help_heading = "Cluster"
+    )]
+    pub database: Option<String>,
 }
 
 impl ClusterArgs {
@@ -164,6 +179,7 @@ impl ClusterArgs {
     pub fn apply(&self, config: &mut ServeConfig) {
         config.node_name = self.node_name.clone().unwrap_or_default();
         config.gateway_metrics = self.gateway_metrics_listen;
+        config.database = self.database.clone().filter(|u| !u.is_empty());
     }
 }
 

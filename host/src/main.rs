@@ -29,7 +29,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the server.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Generate once from a model, without a server.
     Run(RunArgs),
     /// Measure prompt and decode throughput at several concurrencies.
@@ -343,7 +343,7 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve(args) => serve(args).await,
+        Command::Serve(args) => serve(*args).await,
         Command::Run(args) => tokio::task::spawn_blocking(move || run(args)).await?,
         Command::Bench(args) => tokio::task::spawn_blocking(move || bench(args)).await?,
         Command::Loadgen(args) => {

@@ -3,6 +3,7 @@
 
 pub mod nginx;
 pub mod polyglot;
+pub mod postgres;
 pub mod staggered;
 pub use polyglot::{build_project, guest_tools};
 pub use staggered::{Arrivals, PROMPTS, staggered};
@@ -72,8 +73,21 @@ pub fn guest(name: &str) -> PathBuf {
 }
 
 /// Runs the project's install script `scripts/NAME` (which installs a
-/// tool once, then prints its path) and returns that path.
+/// tool once, then prints its path) and returns that path. Scripts run
+/// one at a time (two apt-gets would fight over its lock), each once per
+/// test process.
 pub fn installed_by(name: &str) -> PathBuf {
+    static DONE: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+    let mut done = DONE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, path)) = done.iter().find(|(n, _)| n == name) {
+        return path.clone();
+    }
+    let path = run_install_script(name);
+    done.push((name.to_owned(), path.clone()));
+    path
+}
+
+fn run_install_script(name: &str) -> PathBuf {
     let script = workspace().join("scripts").join(name);
     let out = std::process::Command::new("bash")
         .arg(&script)
@@ -216,9 +230,15 @@ impl TestServer {
 
     /// Stops the server (graceful drain) and starts a new one on the same
     /// data directory.
-    pub async fn restart(mut self) -> Self {
+    pub async fn restart(self) -> Self {
+        self.restart_with(|_| {}).await
+    }
+
+    /// Stops the server and starts another on the same data dir after
+    /// `tweak` edits the config.
+    pub async fn restart_with(mut self, tweak: impl FnOnce(&mut ServeConfig)) -> Self {
         self.stop().await;
-        let mut next = Self::start_in(&self.data_dir, |_| {}).await;
+        let mut next = Self::start_in(&self.data_dir, tweak).await;
         next._tmp = self._tmp.take();
         next
     }

@@ -187,7 +187,13 @@ impl From<DbError> for ApiError {
     fn from(e: DbError) -> Self {
         match e {
             DbError::TenantExists(_) => Self::conflict(e.to_string()),
-            DbError::Sqlite(_) => {
+            DbError::Postgres(_) | DbError::Closed => {
+                tracing::error!("{e}");
+                Self::unavailable(
+                    "the control-plane database is unreachable; retry shortly (see the server log)",
+                )
+            }
+            DbError::Sqlite(_) | DbError::Migration(_) => {
                 tracing::error!("{e}");
                 Self::internal("the control-plane database failed; see the server log")
             }

@@ -1,0 +1,237 @@
+//! A control plane that nodes share: PostgreSQL through one connection on
+//! a thread of its own. The `postgres` client blocks on a runtime of its
+//! own, which must not run inside the server's; callers wait on a channel
+//! instead, as they wait on SQLite's disk. A lost connection is made again
+//! before the next statement, so a restarted database needs no restart of
+//! Kiln.
+
+use std::sync::mpsc;
+
+use ::postgres::{Client, GenericClient, NoTls, Row};
+
+use super::{Db, DbError, FunctionRow, Store};
+
+mod embedded {
+    refinery::embed_migrations!("migrations/postgres");
+}
+
+type Job = Box<dyn FnOnce(&mut Client) + Send>;
+
+/// Sends statements to the connection's thread.
+pub(super) struct Postgres {
+    jobs: mpsc::Sender<Job>,
+}
+
+fn connect(url: &str) -> Result<Client, DbError> {
+    let mut client = Client::connect(url, NoTls)?;
+    embedded::migrations::runner()
+        .run(&mut client)
+        .map_err(|e| DbError::Migration(e.to_string()))?;
+    Ok(client)
+}
+
+impl Postgres {
+    /// Connects to `url` and migrates its schema.
+    pub(super) fn connect(url: &str) -> Result<Self, DbError> {
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let (ready, started) = mpsc::channel();
+        let url = url.to_owned();
+        std::thread::Builder::new()
+            .name("kiln-postgres".into())
+            .spawn(move || {
+                let mut client = match connect(&url) {
+                    Ok(c) => {
+                        let _ = ready.send(Ok(()));
+                        c
+                    }
+                    Err(e) => {
+                        let _ = ready.send(Err(e));
+                        return;
+                    }
+                };
+                for job in queue {
+                    if client.is_closed() {
+                        match connect(&url) {
+                            Ok(c) => client = c,
+                            Err(e) => tracing::warn!("reconnecting to PostgreSQL: {e}"),
+                        }
+                    }
+                    job(&mut client);
+                }
+            })
+            .map_err(|_| DbError::Closed)?;
+        started.recv().map_err(|_| DbError::Closed)??;
+        Ok(Self { jobs })
+    }
+
+    /// Runs `f` on the connection and waits for its result.
+    fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Client) -> Result<T, DbError> + Send + 'static,
+    ) -> Result<T, DbError> {
+        let (done, result) = mpsc::sync_channel(1);
+        let job: Job = Box::new(move |c| {
+            let _ = done.send(f(c));
+        });
+        self.jobs.send(job).map_err(|_| DbError::Closed)?;
+        result.recv().map_err(|_| DbError::Closed)?
+    }
+}
+
+const FUNCTION: &str = "SELECT tenant, name, digest, size, created FROM functions";
+
+fn function_of(r: &Row) -> FunctionRow {
+    FunctionRow {
+        tenant: r.get(0),
+        name: r.get(1),
+        digest: r.get(2),
+        size: r.get::<_, i64>(3) as u64,
+        created: r.get(4),
+    }
+}
+
+fn digest_in_use(c: &mut impl GenericClient, digest: &str) -> Result<bool, DbError> {
+    let q = "SELECT 1 FROM functions WHERE digest = $1 LIMIT 1";
+    Ok(c.query_opt(q, &[&digest])?.is_some())
+}
+
+impl Store for Postgres {
+    fn create_tenant(&self, name: &str, key_id: &str, key_hash: &[u8]) -> Result<(), DbError> {
+        let (name, key_id, key_hash) = (name.to_owned(), key_id.to_owned(), key_hash.to_vec());
+        self.run(move |c| {
+            let mut tx = c.transaction()?;
+            let inserted = tx.execute(
+                "INSERT INTO tenants (name, created) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                &[&name, &Db::now()],
+            )?;
+            if inserted == 0 {
+                return Err(DbError::TenantExists(name));
+            }
+            tx.execute(
+                "INSERT INTO api_keys (id, tenant, hash, created) VALUES ($1, $2, $3, $4)",
+                &[&key_id, &name, &key_hash, &Db::now()],
+            )?;
+            tx.commit()?;
+            Ok(())
+        })
+    }
+
+    fn api_key(&self, key_id: &str) -> Result<Option<(String, Vec<u8>)>, DbError> {
+        let key_id = key_id.to_owned();
+        self.run(move |c| {
+            let q = "SELECT tenant, hash FROM api_keys WHERE id = $1";
+            Ok(c.query_opt(q, &[&key_id])?.map(|r| (r.get(0), r.get(1))))
+        })
+    }
+
+    fn upsert_function(&self, row: &FunctionRow) -> Result<Option<String>, DbError> {
+        let row = row.clone();
+        self.run(move |c| {
+            let mut tx = c.transaction()?;
+            let previous: Option<String> = tx
+                .query_opt(
+                    "SELECT digest FROM functions WHERE tenant = $1 AND name = $2 FOR UPDATE",
+                    &[&row.tenant, &row.name],
+                )?
+                .map(|r| r.get(0));
+            tx.execute(
+                "INSERT INTO functions (tenant, name, digest, size, created)
+                 VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (tenant, name) DO UPDATE SET
+                   digest = EXCLUDED.digest, size = EXCLUDED.size, created = EXCLUDED.created",
+                &[
+                    &row.tenant,
+                    &row.name,
+                    &row.digest,
+                    &(row.size as i64),
+                    &row.created,
+                ],
+            )?;
+            let unused = match previous {
+                Some(old) if !digest_in_use(&mut tx, &old)? => Some(old),
+                _ => None,
+            };
+            tx.commit()?;
+            Ok(unused)
+        })
+    }
+
+    fn function(&self, tenant: &str, name: &str) -> Result<Option<FunctionRow>, DbError> {
+        let (tenant, name) = (tenant.to_owned(), name.to_owned());
+        self.run(move |c| {
+            let q = format!("{FUNCTION} WHERE tenant = $1 AND name = $2");
+            Ok(c.query_opt(&q, &[&tenant, &name])?
+                .as_ref()
+                .map(function_of))
+        })
+    }
+
+    fn functions(&self, tenant: Option<&str>) -> Result<Vec<FunctionRow>, DbError> {
+        let tenant = tenant.map(str::to_owned);
+        self.run(move |c| {
+            let q =
+                format!("{FUNCTION} WHERE $1::TEXT IS NULL OR tenant = $1 ORDER BY tenant, name");
+            Ok(c.query(&q, &[&tenant])?.iter().map(function_of).collect())
+        })
+    }
+
+    fn delete_function(
+        &self,
+        tenant: &str,
+        name: &str,
+    ) -> Result<Option<(FunctionRow, bool)>, DbError> {
+        let (tenant, name) = (tenant.to_owned(), name.to_owned());
+        self.run(move |c| {
+            let mut tx = c.transaction()?;
+            let q = format!("{FUNCTION} WHERE tenant = $1 AND name = $2 FOR UPDATE");
+            let Some(row) = tx
+                .query_opt(&q, &[&tenant, &name])?
+                .as_ref()
+                .map(function_of)
+            else {
+                return Ok(None);
+            };
+            tx.execute(
+                "DELETE FROM functions WHERE tenant = $1 AND name = $2",
+                &[&tenant, &name],
+            )?;
+            let shared = digest_in_use(&mut tx, &row.digest)?;
+            tx.commit()?;
+            Ok(Some((row, shared)))
+        })
+    }
+
+    fn digests(&self) -> Result<std::collections::HashSet<String>, DbError> {
+        self.run(|c| {
+            let rows = c.query("SELECT DISTINCT digest FROM functions", &[])?;
+            Ok(rows.iter().map(|r| r.get(0)).collect())
+        })
+    }
+
+    fn tenant_exists(&self, name: &str) -> Result<bool, DbError> {
+        let name = name.to_owned();
+        self.run(move |c| {
+            let q = "SELECT 1 FROM tenants WHERE name = $1";
+            Ok(c.query_opt(q, &[&name])?.is_some())
+        })
+    }
+
+    fn set_policy(&self, tenant: &str, policy_json: &str) -> Result<(), DbError> {
+        let (tenant, policy) = (tenant.to_owned(), policy_json.to_owned());
+        self.run(move |c| {
+            c.execute(
+                "INSERT INTO policies (tenant, policy) VALUES ($1, $2)
+                 ON CONFLICT (tenant) DO UPDATE SET policy = EXCLUDED.policy",
+                &[&tenant, &policy],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn policies(&self) -> Result<Vec<(String, String)>, DbError> {
+        self.run(|c| {
+            let rows = c.query("SELECT tenant, policy FROM policies ORDER BY tenant", &[])?;
+            Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+        })
+    }
+}

@@ -1,0 +1,118 @@
+//! A throwaway PostgreSQL server (Debian's, installed by
+//! `scripts/postgres.sh`) in a temporary directory on a free port.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A running PostgreSQL; stopped and removed when dropped.
+pub struct Postgres {
+    /// `postgres://kiln@127.0.0.1:PORT/postgres`.
+    pub url: String,
+    bin: PathBuf,
+    data: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+/// Runs a PostgreSQL tool, as the `postgres` user when this process is
+/// root (initdb refuses to run as root).
+fn as_postgres(bin: &Path, tool: &str, args: &[&str]) -> std::process::Output {
+    let exe = bin.join(tool);
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0\n"));
+    let mut cmd = if root {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(&exe);
+        c
+    } else {
+        Command::new(&exe)
+    };
+    cmd.args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", exe.display()))
+}
+
+impl Postgres {
+    /// Initializes and starts a server; returns once it accepts
+    /// connections.
+    pub fn start() -> Self {
+        let bin = crate::installed_by("postgres.sh");
+        let dir = tempfile::tempdir().expect("tempdir");
+        // The server runs as `postgres`, which must own its directory.
+        let _ = Command::new("chown")
+            .arg("postgres")
+            .arg(dir.path())
+            .status();
+        let data = dir.path().join("data");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let out = as_postgres(
+            &bin,
+            "initdb",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "--auth=trust",
+                "-U",
+                "kiln",
+                "-E",
+                "UTF8",
+            ],
+        );
+        assert!(
+            out.status.success(),
+            "initdb: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let opts = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            dir.path().display()
+        );
+        let log = dir.path().join("log");
+        let out = as_postgres(
+            &bin,
+            "pg_ctl",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-o",
+                &opts,
+                "-l",
+                log.to_str().unwrap(),
+                "-w",
+                "start",
+            ],
+        );
+        assert!(
+            out.status.success(),
+            "pg_ctl start: {}{}",
+            String::from_utf8_lossy(&out.stderr),
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        Self {
+            url: format!("postgres://kiln@127.0.0.1:{port}/postgres"),
+            bin,
+            data,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        let _ = as_postgres(
+            &self.bin,
+            "pg_ctl",
+            &[
+                "-D",
+                self.data.to_str().unwrap_or_default(),
+                "-m",
+                "immediate",
+                "stop",
+            ],
+        );
+    }
+}

@@ -1,0 +1,96 @@
+//! The control plane's two databases keep the same records the same way:
+//! SQLite in the data directory and PostgreSQL (a throwaway server), both
+//! migrated by the same tool; and a server runs on PostgreSQL.
+
+use kiln_host::db::{Db, DbError, FunctionRow};
+use kiln_tests::TestServer;
+use kiln_tests::postgres::Postgres;
+
+fn row(tenant: &str, name: &str, digest: &str) -> FunctionRow {
+    FunctionRow {
+        tenant: tenant.into(),
+        name: name.into(),
+        digest: digest.into(),
+        size: 1,
+        created: 1,
+    }
+}
+
+/// The records' rules, whichever database holds them.
+fn keeps_the_control_plane(db: &Db) {
+    // A tenant's name is taken once; its key resolves to it.
+    db.create_tenant("acme", "k1", b"h1").unwrap();
+    assert!(matches!(
+        db.create_tenant("acme", "k2", b"h"),
+        Err(DbError::TenantExists(_))
+    ));
+    assert_eq!(db.api_key("k2").unwrap(), None);
+    assert_eq!(
+        db.api_key("k1").unwrap(),
+        Some(("acme".into(), b"h1".to_vec()))
+    );
+    assert!(db.tenant_exists("acme").unwrap() && !db.tenant_exists("nobody").unwrap());
+
+    // A redeploy replaces the row and frees the old digest.
+    let mut f = row("acme", "f", "aa");
+    assert_eq!(db.upsert_function(&f).unwrap(), None);
+    f.digest = "bb".into();
+    assert_eq!(db.upsert_function(&f).unwrap(), Some("aa".into()));
+    assert_eq!(db.functions(Some("acme")).unwrap(), vec![f.clone()]);
+    assert_eq!(db.function("acme", "f").unwrap(), Some(f.clone()));
+
+    // A digest two tenants share stays in use until both let go.
+    db.create_tenant("beta", "k3", b"h3").unwrap();
+    db.upsert_function(&row("beta", "g", "bb")).unwrap();
+    let (gone, shared) = db.delete_function("acme", "f").unwrap().unwrap();
+    assert_eq!((gone, shared), (f, true));
+    assert!(db.delete_function("acme", "f").unwrap().is_none());
+    assert_eq!(db.digests().unwrap(), ["bb".to_owned()].into());
+    assert_eq!(db.functions(None).unwrap().len(), 1);
+
+    // Policies are stored and replaced.
+    db.set_policy("acme", "{\"weight\":2}").unwrap();
+    db.set_policy("acme", "{\"weight\":3}").unwrap();
+    assert_eq!(
+        db.policies().unwrap(),
+        vec![("acme".to_owned(), "{\"weight\":3}".to_owned())]
+    );
+}
+
+#[test]
+fn sqlite_and_postgres_keep_the_control_plane_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    keeps_the_control_plane(&Db::open(&dir.path().join("kiln.db")).unwrap());
+    // Opening again finds the schema migrated and the records kept.
+    let again = Db::open(&dir.path().join("kiln.db")).unwrap();
+    assert!(again.tenant_exists("beta").unwrap());
+
+    let pg = Postgres::start();
+    keeps_the_control_plane(&Db::connect(&pg.url).unwrap());
+    let again = Db::connect(&pg.url).unwrap();
+    assert!(again.tenant_exists("beta").unwrap());
+}
+
+#[test]
+fn an_unreachable_postgres_is_a_clear_error() {
+    let err = Db::connect("postgres://kiln@127.0.0.1:1/postgres")
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("database error"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_on_postgres_keeps_its_tenants_and_functions_across_restarts() {
+    let pg = tokio::task::spawn_blocking(Postgres::start).await.unwrap();
+    let url = pg.url.clone();
+    let s = TestServer::start_with(move |c| c.database = Some(url)).await;
+    let url = pg.url.clone();
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "hello", "hello").await;
+    let first = s.call("acme", "hello", "/").await;
+    assert_eq!(first.status(), 200, "{:?}", first.text().await);
+    let s = s.restart_with(move |c| c.database = Some(url)).await;
+    assert_eq!(s.call("acme", "hello", "/").await.status(), 200);
+    let listed = s.get_json(&key, "/v1/functions").await;
+    assert_eq!(listed["functions"][0]["name"], "hello", "{listed}");
+}
