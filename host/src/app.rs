@@ -10,11 +10,15 @@ use sha2::{Digest, Sha256};
 use crate::auth;
 use crate::components::ComponentStore;
 use crate::config::ServeConfig;
-use crate::db::{Db, DbError, FunctionRow};
+use crate::db::{Change, Db, DbError, FunctionRow, Subscription};
 use crate::fairness::{InstanceCaps, InstanceSlot, default_cap};
 use crate::metrics::Metrics;
 use crate::names::Name;
 use crate::serving::policy::{Gateway, TenantPolicy};
+
+#[path = "app_cluster.rs"]
+mod cluster;
+pub use cluster::follow;
 
 /// A deployed function as the router sees it. Replaced whole on redeploy,
 /// so in-flight requests finish on the version they started with.
@@ -40,6 +44,8 @@ pub struct App {
     metrics_hash: Option<[u8; 32]>,
     components: ComponentStore,
     routes: RwLock<HashMap<(String, String), Arc<Route>>>,
+    /// Other nodes' changes, until the server starts following them.
+    subscription: std::sync::Mutex<Option<Subscription>>,
     instances: InstanceCaps,
 }
 
@@ -97,6 +103,8 @@ impl App {
             Some(url) => Db::connect(url)?,
             None => Db::open(&config.data_dir.join("kiln.db"))?,
         };
+        // Subscribed before reading: a change made meanwhile is not lost.
+        let db_subscription = db.subscribe();
         let in_use = db.digests()?;
         let removed = components.collect_orphans(|d| in_use.contains(d))?;
         if removed > 0 {
@@ -143,6 +151,7 @@ impl App {
             admin_hash: auth::hash(admin_token),
             components,
             routes: RwLock::new(routes),
+            subscription: std::sync::Mutex::new(db_subscription),
             instances: InstanceCaps::default(),
         })
     }
@@ -186,6 +195,9 @@ impl App {
             .map_err(|e| AppError::Internal(format!("encoding the policy: {e}")))?;
         self.db.set_policy(tenant.as_str(), &json)?;
         self.ai.set_policy(tenant.as_str(), policy);
+        self.db.publish(&Change::Policy {
+            tenant: tenant.as_str().to_owned(),
+        })?;
         Ok(())
     }
 
@@ -227,6 +239,7 @@ impl App {
         self.components
             .put(&guard, &digest, bytes)
             .map_err(|e| AppError::Internal(format!("storing the component failed: {e}")))?;
+        self.db.put_component(&digest, bytes)?;
         let row = FunctionRow {
             tenant: tenant.to_owned(),
             name: name.as_str().to_owned(),
@@ -245,7 +258,12 @@ impl App {
         );
         if let Some(old) = unused {
             self.components.remove(&guard, &old);
+            self.db.forget_component(&old)?;
         }
+        self.db.publish(&Change::Function {
+            tenant: tenant.to_owned(),
+            name: name.as_str().to_owned(),
+        })?;
         Ok(row)
     }
 
@@ -259,7 +277,12 @@ impl App {
             .remove(&(tenant.to_owned(), name.as_str().to_owned()));
         if !shared {
             self.components.remove(&guard, &row.digest);
+            self.db.forget_component(&row.digest)?;
         }
+        self.db.publish(&Change::Function {
+            tenant: tenant.to_owned(),
+            name: name.as_str().to_owned(),
+        })?;
         Ok(true)
     }
 
@@ -280,12 +303,26 @@ impl App {
         if let Some(d) = route.deployment.get() {
             return Ok(d.clone());
         }
-        let bytes = std::fs::read(self.components.path(&route.row.digest)).map_err(|e| {
-            AppError::Internal(format!(
-                "component {} of function `{}` is missing from the data dir: {e}",
-                route.row.digest, route.row.name
-            ))
-        })?;
+        let digest = &route.row.digest;
+        let bytes = match std::fs::read(self.components.path(digest)) {
+            Ok(b) => b,
+            // Deployed through another node: the shared database has it.
+            Err(e) => match self.db.component(digest)? {
+                Some(b) => {
+                    let guard = self.components.lock();
+                    self.components.put(&guard, digest, &b).map_err(|e| {
+                        AppError::Internal(format!("storing the component failed: {e}"))
+                    })?;
+                    b
+                }
+                None => {
+                    return Err(AppError::Internal(format!(
+                        "component {digest} of function `{}` is missing from the data dir: {e}",
+                        route.row.name
+                    )));
+                }
+            },
+        };
         let d = self.runtime.load(&route.row.digest, &bytes)?;
         Ok(route.deployment.get_or_init(|| d).clone())
     }

@@ -123,6 +123,9 @@ impl Server {
             .keep_alive_timeout(net.keep_alive)
             .max_concurrent_streams(MAX_STREAMS);
         let connections = Arc::new(Semaphore::new(net.max_connections));
+        if let Some(sub) = self.app.take_subscription() {
+            crate::app::follow(Arc::downgrade(&self.app), sub);
+        }
         let sampler = tokio::spawn(sample_status(self.app.clone()));
         let _stop_sampler = AbortOnDrop(sampler);
         let _stop_gateway_metrics = match self.app.config.gateway_metrics {

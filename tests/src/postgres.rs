@@ -10,6 +10,9 @@ pub struct Postgres {
     pub url: String,
     bin: PathBuf,
     data: PathBuf,
+    /// The server's options (port, socket directory).
+    opts: String,
+    log: PathBuf,
     _dir: tempfile::TempDir,
 }
 
@@ -96,8 +99,36 @@ impl Postgres {
             url: format!("postgres://kiln@127.0.0.1:{port}/postgres"),
             bin,
             data,
+            opts,
+            log,
             _dir: dir,
         }
+    }
+
+    /// Stops the server (dropping every connection) and starts it again
+    /// on the same data and port.
+    pub fn restart(&self) {
+        let out = as_postgres(
+            &self.bin,
+            "pg_ctl",
+            &[
+                "-D",
+                self.data.to_str().unwrap(),
+                "-o",
+                &self.opts,
+                "-l",
+                self.log.to_str().unwrap(),
+                "-m",
+                "fast",
+                "-w",
+                "restart",
+            ],
+        );
+        assert!(
+            out.status.success(),
+            "pg_ctl restart: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 

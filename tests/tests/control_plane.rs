@@ -72,6 +72,24 @@ fn sqlite_and_postgres_keep_the_control_plane_alike() {
 }
 
 #[test]
+fn a_restarted_postgres_is_reconnected_without_restarting_kiln() {
+    let pg = Postgres::start();
+    let db = Db::connect(&pg.url).unwrap();
+    db.create_tenant("acme", "k1", b"h").unwrap();
+    pg.restart();
+    // The statement that finds the connection gone fails; the next
+    // reconnects.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match db.tenant_exists("acme") {
+            Ok(found) => break assert!(found),
+            Err(e) => assert!(std::time::Instant::now() < deadline, "still failing: {e}"),
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+#[test]
 fn an_unreachable_postgres_is_a_clear_error() {
     let err = Db::connect("postgres://kiln@127.0.0.1:1/postgres")
         .err()
@@ -93,4 +111,66 @@ async fn a_server_on_postgres_keeps_its_tenants_and_functions_across_restarts() 
     assert_eq!(s.call("acme", "hello", "/").await.status(), 200);
     let listed = s.get_json(&key, "/v1/functions").await;
     assert_eq!(listed["functions"][0]["name"], "hello", "{listed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_one_node_changes_another_serves_within_a_second() {
+    use std::time::Duration;
+    let pg = tokio::task::spawn_blocking(Postgres::start).await.unwrap();
+    let on_pg = |url: String| move |c: &mut kiln_host::config::ServeConfig| c.database = Some(url);
+    let a = TestServer::start_with_pools(1, on_pg(pg.url.clone())).await;
+    let b = TestServer::start_with_pools(1, on_pg(pg.url.clone())).await;
+    let bound = Duration::from_secs(1);
+
+    // A tenant made on one node is known to the other.
+    let key = a.tenant("acme").await;
+    let listed = b.get_json(&key, "/v1/functions").await;
+    assert_eq!(listed["functions"], serde_json::json!([]), "{listed}");
+
+    // A deploy answered on A is served by B (from B's own data dir, which
+    // never saw the upload) once the bound has passed.
+    a.deploy(&key, "f", "hello").await;
+    tokio::time::sleep(bound).await;
+    let resp = b.call("acme", "f", "/").await;
+    assert_eq!(resp.status(), 200);
+    assert!(resp.text().await.unwrap().starts_with("Hello from Kiln!"));
+
+    // A new version replaces the old one on B too.
+    let bytes = std::fs::read(kiln_tests::guest("misbehave")).unwrap();
+    assert_eq!(a.put(&key, "f", bytes).await.status(), 201);
+    tokio::time::sleep(bound).await;
+    assert_eq!(b.call("acme", "f", "/").await.text().await.unwrap(), "ok");
+
+    // A policy set on A holds on B.
+    let resp = a
+        .set_policy(
+            "acme",
+            serde_json::json!({"allowed_models": ["another-model"]}),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    tokio::time::sleep(bound).await;
+    let body = serde_json::json!({
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+    });
+    let (status, v) = b.openai(&key, "/v1/chat/completions", None, &body).await;
+    let refused = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        status == 404 && refused.contains("may not call"),
+        "{status} {v}"
+    );
+
+    // A delete on A stops the function on B.
+    let resp = a
+        .http
+        .delete(format!("{}/v1/functions/f", a.url))
+        .bearer_auth(&key)
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.status().is_success(), "{}", resp.status());
+    tokio::time::sleep(bound).await;
+    assert_eq!(b.call("acme", "f", "/").await.status(), 404);
 }

@@ -44,6 +44,68 @@ pub struct FunctionRow {
     pub created: i64,
 }
 
+/// A change one node made to the control plane that the others must see.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// A function was deployed, replaced or deleted.
+    Function {
+        /// Its tenant.
+        tenant: String,
+        /// Its name.
+        name: String,
+    },
+    /// A tenant's policy was set.
+    Policy {
+        /// The tenant.
+        tenant: String,
+    },
+    /// Changes may have been missed (the listener connected again):
+    /// reload everything.
+    Resync,
+}
+
+impl Change {
+    /// The change as a notification's payload (names hold no tabs).
+    pub fn encode(&self) -> String {
+        match self {
+            Change::Function { tenant, name } => format!("f\t{tenant}\t{name}"),
+            Change::Policy { tenant } => format!("p\t{tenant}"),
+            Change::Resync => "r".into(),
+        }
+    }
+
+    /// The change a payload names, if it names one.
+    pub fn decode(payload: &str) -> Option<Self> {
+        let mut parts = payload.split('\t');
+        let change = match (parts.next()?, parts.next(), parts.next()) {
+            ("f", Some(tenant), Some(name)) => Change::Function {
+                tenant: tenant.into(),
+                name: name.into(),
+            },
+            ("p", Some(tenant), None) => Change::Policy {
+                tenant: tenant.into(),
+            },
+            ("r", None, None) => Change::Resync,
+            _ => return None,
+        };
+        Some(change)
+    }
+}
+
+/// Changes other nodes publish, as they arrive; dropping it stops the
+/// listening.
+pub struct Subscription {
+    /// The changes.
+    pub changes: std::sync::mpsc::Receiver<Change>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// What the control plane keeps, whichever database keeps it.
 pub trait Store: Send + Sync {
     /// Creates a tenant and its first API key (given as id and hash).
@@ -74,6 +136,27 @@ pub trait Store: Send + Sync {
     fn set_policy(&self, tenant: &str, policy_json: &str) -> Result<(), DbError>;
     /// Every stored policy, as (tenant, JSON).
     fn policies(&self) -> Result<Vec<(String, String)>, DbError>;
+    /// Keeps a component's bytes where every node can fetch them. A
+    /// database of one node keeps none: its data dir has them.
+    fn put_component(&self, _digest: &str, _bytes: &[u8]) -> Result<(), DbError> {
+        Ok(())
+    }
+    /// A component's bytes, if the database keeps them.
+    fn component(&self, _digest: &str) -> Result<Option<Vec<u8>>, DbError> {
+        Ok(None)
+    }
+    /// Forgets a component's bytes unless a function still refers to them.
+    fn forget_component(&self, _digest: &str) -> Result<(), DbError> {
+        Ok(())
+    }
+    /// Tells the other nodes about `change` (no one else to tell: nothing).
+    fn publish(&self, _change: &Change) -> Result<(), DbError> {
+        Ok(())
+    }
+    /// The changes other nodes publish, if the database carries them.
+    fn subscribe(&self) -> Option<Subscription> {
+        None
+    }
 }
 
 /// The database handle.
@@ -105,5 +188,29 @@ impl Deref for Db {
 
     fn deref(&self) -> &Self::Target {
         &*self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Change;
+
+    #[test]
+    fn changes_survive_their_payloads_and_junk_is_refused() {
+        for c in [
+            Change::Function {
+                tenant: "acme".into(),
+                name: "f-1".into(),
+            },
+            Change::Policy {
+                tenant: "acme".into(),
+            },
+            Change::Resync,
+        ] {
+            assert_eq!(Change::decode(&c.encode()), Some(c));
+        }
+        for junk in ["", "f\tacme", "p", "x\ty", "r\textra"] {
+            assert_eq!(Change::decode(junk), None, "{junk:?}");
+        }
     }
 }

@@ -7,9 +7,17 @@
 
 use std::sync::mpsc;
 
+use ::postgres::fallible_iterator::FallibleIterator;
 use ::postgres::{Client, GenericClient, NoTls, Row};
 
-use super::{Db, DbError, FunctionRow, Store};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use super::{Change, Db, DbError, FunctionRow, Store, Subscription};
+
+/// The channel nodes announce control-plane changes on.
+const CHANNEL: &str = "kiln_changes";
 
 mod embedded {
     refinery::embed_migrations!("migrations/postgres");
@@ -20,6 +28,7 @@ type Job = Box<dyn FnOnce(&mut Client) + Send>;
 /// Sends statements to the connection's thread.
 pub(super) struct Postgres {
     jobs: mpsc::Sender<Job>,
+    url: String,
 }
 
 fn connect(url: &str) -> Result<Client, DbError> {
@@ -36,6 +45,7 @@ impl Postgres {
         let (jobs, queue) = mpsc::channel::<Job>();
         let (ready, started) = mpsc::channel();
         let url = url.to_owned();
+        let this_url = url.clone();
         std::thread::Builder::new()
             .name("kiln-postgres".into())
             .spawn(move || {
@@ -61,7 +71,10 @@ impl Postgres {
             })
             .map_err(|_| DbError::Closed)?;
         started.recv().map_err(|_| DbError::Closed)??;
-        Ok(Self { jobs })
+        Ok(Self {
+            jobs,
+            url: this_url,
+        })
     }
 
     /// Runs `f` on the connection and waits for its result.
@@ -233,5 +246,97 @@ impl Store for Postgres {
             let rows = c.query("SELECT tenant, policy FROM policies ORDER BY tenant", &[])?;
             Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
         })
+    }
+
+    fn put_component(&self, digest: &str, bytes: &[u8]) -> Result<(), DbError> {
+        let (digest, bytes) = (digest.to_owned(), bytes.to_vec());
+        self.run(move |c| {
+            c.execute(
+                "INSERT INTO components (digest, bytes) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                &[&digest, &bytes],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn component(&self, digest: &str) -> Result<Option<Vec<u8>>, DbError> {
+        let digest = digest.to_owned();
+        self.run(move |c| {
+            let q = "SELECT bytes FROM components WHERE digest = $1";
+            Ok(c.query_opt(q, &[&digest])?.map(|r| r.get(0)))
+        })
+    }
+
+    fn forget_component(&self, digest: &str) -> Result<(), DbError> {
+        let digest = digest.to_owned();
+        self.run(move |c| {
+            c.execute(
+                "DELETE FROM components WHERE digest = $1
+                 AND NOT EXISTS (SELECT 1 FROM functions WHERE digest = $1)",
+                &[&digest],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn publish(&self, change: &Change) -> Result<(), DbError> {
+        let payload = change.encode();
+        self.run(move |c| {
+            c.execute("SELECT pg_notify($1, $2)", &[&CHANNEL, &payload])?;
+            Ok(())
+        })
+    }
+
+    fn subscribe(&self) -> Option<Subscription> {
+        let (tx, changes) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (url, stopped) = (self.url.clone(), stop.clone());
+        let spawned = std::thread::Builder::new()
+            .name("kiln-postgres-listen".into())
+            .spawn(move || listen(&url, &tx, &stopped));
+        spawned.ok().map(|_| Subscription { changes, stop })
+    }
+}
+
+/// Forwards the channel's notifications to `tx` until `stop`, connecting
+/// again whenever the connection is lost; each (re)connection first sends
+/// a resync, as notifications sent meanwhile are gone.
+fn listen(url: &str, tx: &mpsc::Sender<Change>, stop: &AtomicBool) {
+    while !stop.load(Ordering::Relaxed) {
+        let mut client = match Client::connect(url, NoTls) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("listening for control-plane changes: {e}");
+                std::thread::sleep(Duration::from_millis(250));
+                continue;
+            }
+        };
+        if client.batch_execute(&format!("LISTEN {CHANNEL}")).is_err() {
+            continue;
+        }
+        if tx.send(Change::Resync).is_err() {
+            return;
+        }
+        loop {
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let next = client
+                .notifications()
+                .timeout_iter(Duration::from_millis(250))
+                .next();
+            match next {
+                Ok(Some(n)) => {
+                    if let Some(change) = Change::decode(n.payload())
+                        && tx.send(change).is_err()
+                    {
+                        return;
+                    }
+                }
+                Err(_) => break,
+                Ok(None) if client.is_closed() => break,
+                Ok(None) => {}
+            }
+        }
     }
 }

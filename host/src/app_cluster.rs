@@ -1,0 +1,108 @@
+//! Nodes that share a control plane: each applies the changes the others
+//! publish (deploys, deletes, policies) to its own routes and policies, so
+//! a deploy answered on one node is served by every node within moments.
+
+use std::sync::mpsc::RecvTimeoutError;
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use super::{App, Route};
+use crate::db::{Change, DbError, Subscription};
+use crate::serving::policy::TenantPolicy;
+
+impl App {
+    /// Applies one change another node published (or this node: applying
+    /// its own again changes nothing).
+    pub fn apply(&self, change: &Change) -> Result<(), DbError> {
+        match change {
+            Change::Function { tenant, name } => {
+                let row = self.db.function(tenant, name)?;
+                let key = (tenant.clone(), name.clone());
+                let mut routes = self.routes_mut();
+                match row {
+                    Some(row) if routes.get(&key).is_some_and(|r| r.row == row) => {}
+                    Some(row) => {
+                        let route = Route {
+                            row,
+                            deployment: OnceLock::new(),
+                        };
+                        routes.insert(key, Arc::new(route));
+                    }
+                    None => {
+                        routes.remove(&key);
+                    }
+                }
+            }
+            Change::Policy { tenant } => {
+                for (t, json) in self.db.policies()? {
+                    if t == *tenant {
+                        self.set_stored_policy(&t, &json);
+                    }
+                }
+            }
+            Change::Resync => {
+                let rows = self.db.functions(None)?;
+                let mut routes = self.routes_mut();
+                let mut next = std::collections::HashMap::new();
+                for row in rows {
+                    let key = (row.tenant.clone(), row.name.clone());
+                    let route = match routes.remove(&key) {
+                        Some(r) if r.row == row => r,
+                        _ => Arc::new(Route {
+                            row,
+                            deployment: OnceLock::new(),
+                        }),
+                    };
+                    next.insert(key, route);
+                }
+                *routes = next;
+                drop(routes);
+                for (t, json) in self.db.policies()? {
+                    self.set_stored_policy(&t, &json);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn set_stored_policy(&self, tenant: &str, json: &str) {
+        match serde_json::from_str::<TenantPolicy>(json) {
+            Ok(p) => self.ai.set_policy(tenant, p),
+            Err(e) => tracing::error!("stored policy of tenant `{tenant}`: {e}"),
+        }
+    }
+
+    /// The changes other nodes publish, once: the caller follows them.
+    pub fn take_subscription(&self) -> Option<Subscription> {
+        self.subscription
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+}
+
+/// Applies `sub`'s changes to `app` on a thread of its own until the app
+/// is gone.
+pub fn follow(app: Weak<App>, sub: Subscription) {
+    let spawned = std::thread::Builder::new()
+        .name("kiln-follow".into())
+        .spawn(move || {
+            loop {
+                let change = match sub.changes.recv_timeout(Duration::from_millis(250)) {
+                    Ok(c) => Some(c),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                };
+                let Some(app) = app.upgrade() else { return };
+                if let Some(change) = change
+                    && let Err(e) = app.apply(&change)
+                {
+                    // The listener resyncs when its connection comes back.
+                    tracing::warn!("applying {change:?}: {e}");
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!("following control-plane changes: {e}");
+    }
+}
