@@ -18,7 +18,7 @@ use crate::serving::policy::{Gateway, TenantPolicy};
 
 #[path = "app_cluster.rs"]
 mod cluster;
-pub use cluster::follow;
+pub use cluster::{QUOTA_SYNC, follow, share_quotas};
 
 /// A deployed function as the router sees it. Replaced whole on redeploy,
 /// so in-flight requests finish on the version they started with.
@@ -37,6 +37,9 @@ pub struct App {
     pub(crate) status: crate::status::History,
     /// This node's name, as the `x-kiln-node` header sends it.
     pub(crate) node: hyper::header::HeaderValue,
+    /// This node among the others sharing its database: its name and a
+    /// random suffix, so two nodes given one name stay apart.
+    node_id: String,
     /// Model calls of guests and of the API, behind tenant policy.
     pub(crate) ai: Arc<Gateway>,
     pub(crate) config: ServeConfig,
@@ -145,6 +148,7 @@ impl App {
             status: crate::status::History::new(config.status_interval, STATUS_SPAN),
             node: hyper::header::HeaderValue::from_str(&config.node_name)
                 .map_err(|_| anyhow::anyhow!("--node-name must be printable ASCII"))?,
+            node_id: format!("{}-{:016x}", config.node_name, rand::random::<u64>()),
             ai,
             metrics_hash: config.metrics_token.as_deref().map(auth::hash),
             config,

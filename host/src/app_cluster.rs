@@ -72,6 +72,19 @@ impl App {
         }
     }
 
+    /// Trades quota figures with the other nodes: records what this
+    /// node's tenants hold, and counts what they hold elsewhere.
+    pub fn share_quota_load(&self) -> Result<(), DbError> {
+        let remote = self.db.share_load(&self.node_id, &self.ai.local_load())?;
+        self.ai.set_remote_load(&remote);
+        Ok(())
+    }
+
+    /// Whether this node shares its control plane (and quotas) with others.
+    pub fn is_clustered(&self) -> bool {
+        self.db.shared()
+    }
+
     /// The changes other nodes publish, once: the caller follows them.
     pub fn take_subscription(&self) -> Option<Subscription> {
         self.subscription
@@ -104,5 +117,28 @@ pub fn follow(app: Weak<App>, sub: Subscription) {
         });
     if let Err(e) = spawned {
         tracing::error!("following control-plane changes: {e}");
+    }
+}
+
+/// How often a node trades quota figures with the others: a quota may be
+/// overdrawn by what the cluster admits within about this long.
+pub const QUOTA_SYNC: Duration = Duration::from_millis(200);
+
+/// Trades `app`'s quota figures every [`QUOTA_SYNC`] on a thread of its
+/// own until the app is gone.
+pub fn share_quotas(app: Weak<App>) {
+    let spawned = std::thread::Builder::new()
+        .name("kiln-quotas".into())
+        .spawn(move || {
+            while let Some(app) = app.upgrade() {
+                if let Err(e) = app.share_quota_load() {
+                    tracing::warn!("sharing quota figures: {e}");
+                }
+                drop(app);
+                std::thread::sleep(QUOTA_SYNC);
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!("sharing quota figures: {e}");
     }
 }

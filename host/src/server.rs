@@ -126,6 +126,9 @@ impl Server {
         if let Some(sub) = self.app.take_subscription() {
             crate::app::follow(Arc::downgrade(&self.app), sub);
         }
+        if self.app.is_clustered() {
+            crate::app::share_quotas(Arc::downgrade(&self.app));
+        }
         let sampler = tokio::spawn(sample_status(self.app.clone()));
         let _stop_sampler = AbortOnDrop(sampler);
         let _stop_gateway_metrics = match self.app.config.gateway_metrics {

@@ -174,3 +174,87 @@ async fn what_one_node_changes_another_serves_within_a_second() {
     tokio::time::sleep(bound).await;
     assert_eq!(b.call("acme", "f", "/").await.status(), 404);
 }
+
+/// Calls `node`'s chat API with `key` until its quota refuses one (429);
+/// how many it admitted.
+async fn call_until_refused(node: &TestServer, key: &str) -> usize {
+    let body = serde_json::json!({
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 16, "temperature": 0,
+    });
+    for admitted in 0..1000 {
+        let (status, v) = node.openai(key, "/v1/chat/completions", None, &body).await;
+        if status == 429 {
+            return admitted;
+        }
+        assert_eq!(status, 200, "{v}");
+    }
+    panic!("never refused");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quota_holds_for_the_cluster_not_per_node() {
+    use std::time::Duration;
+    let pg = tokio::task::spawn_blocking(Postgres::start).await.unwrap();
+    let on_pg = |url: String| move |c: &mut kiln_host::config::ServeConfig| c.database = Some(url);
+    let a = TestServer::start_with_pools(1, on_pg(pg.url.clone())).await;
+    let b = TestServer::start_with_pools(1, on_pg(pg.url.clone())).await;
+    let key = a.tenant("acme").await;
+    let tpm = 1500u64;
+    let resp = a
+        .set_policy(
+            "acme",
+            serde_json::json!({"tokens_per_minute": tpm, "max_concurrent": 2}),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    // Both nodes spend the one quota at once, until each is refused.
+    let (on_a, on_b) = tokio::join!(call_until_refused(&a, &key), call_until_refused(&b, &key));
+    assert!(on_a > 0 && on_b > 0, "a {on_a}, b {on_b}");
+    let used = |v: serde_json::Value| v["usage"]["tokens_last_minute"].as_u64().unwrap();
+    let total =
+        used(a.get_json(&key, "/v1/usage").await) + used(b.get_json(&key, "/v1/usage").await);
+    assert!(
+        total <= tpm + tpm / 10,
+        "the cluster spent {total} of a {tpm}-token quota ({on_a} calls on a, {on_b} on b)"
+    );
+
+    // Calls in flight on one node count against the cap on the other.
+    let c = TestServer::start_with_pools(1, on_pg(pg.url.clone())).await;
+    let key2 = c.tenant("beta").await;
+    let resp = c
+        .set_policy("beta", serde_json::json!({"max_concurrent": 2}))
+        .await;
+    assert_eq!(resp.status(), 200);
+    let long = serde_json::json!({
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": "Write a long story."}],
+        "max_tokens": 400, "temperature": 0.8, "stream": true,
+    });
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let resp = c
+            .http
+            .post(format!("{}/v1/chat/completions", c.url))
+            .bearer_auth(&key2)
+            .json(&long)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        streams.push(resp);
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let short = serde_json::json!({
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+    });
+    let (status, v) = a.openai(&key2, "/v1/chat/completions", None, &short).await;
+    assert_eq!(status, 429, "{v}");
+    assert!(v.to_string().contains("in flight"), "{v}");
+    drop(streams);
+}

@@ -157,6 +157,26 @@ pub trait Store: Send + Sync {
     fn subscribe(&self) -> Option<Subscription> {
         None
     }
+    /// Whether other nodes share this database (and so its quotas).
+    fn shared(&self) -> bool {
+        false
+    }
+    /// Records what `node`'s tenants hold of their quotas and returns
+    /// what the other live nodes' tenants hold, summed by tenant.
+    fn share_load(&self, _node: &str, _load: &[TenantLoad]) -> Result<Vec<TenantLoad>, DbError> {
+        Ok(Vec::new())
+    }
+}
+
+/// What a tenant holds of its quotas on one node, or on several.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TenantLoad {
+    /// The tenant.
+    pub tenant: String,
+    /// Tokens charged in the last minute plus tokens reserved.
+    pub tokens: u64,
+    /// Model calls in flight.
+    pub inflight: u32,
 }
 
 /// The database handle.

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use super::{Change, Db, DbError, FunctionRow, Store, Subscription};
+use super::{Change, Db, DbError, FunctionRow, Store, Subscription, TenantLoad};
 
 /// The channel nodes announce control-plane changes on.
 const CHANNEL: &str = "kiln_changes";
@@ -284,6 +284,41 @@ impl Store for Postgres {
         self.run(move |c| {
             c.execute("SELECT pg_notify($1, $2)", &[&CHANNEL, &payload])?;
             Ok(())
+        })
+    }
+
+    fn shared(&self) -> bool {
+        true
+    }
+
+    fn share_load(&self, node: &str, load: &[TenantLoad]) -> Result<Vec<TenantLoad>, DbError> {
+        let (node, load) = (node.to_owned(), load.to_vec());
+        self.run(move |c| {
+            let mut tx = c.transaction()?;
+            tx.execute("DELETE FROM quota_load WHERE node = $1", &[&node])?;
+            for l in &load {
+                tx.execute(
+                    "INSERT INTO quota_load (node, tenant, tokens, inflight) VALUES ($1, $2, $3, $4)",
+                    &[&node, &l.tenant, &(l.tokens as i64), &(l.inflight as i32)],
+                )?;
+            }
+            // A node that stopped refreshing (down, or cut off) holds
+            // nothing after a few seconds.
+            let rows = tx.query(
+                "SELECT tenant, SUM(tokens)::BIGINT, SUM(inflight)::BIGINT FROM quota_load
+                 WHERE node <> $1 AND updated > now() - interval '3 seconds'
+                 GROUP BY tenant",
+                &[&node],
+            )?;
+            tx.commit()?;
+            Ok(rows
+                .iter()
+                .map(|r| TenantLoad {
+                    tenant: r.get(0),
+                    tokens: r.get::<_, i64>(1).max(0) as u64,
+                    inflight: r.get::<_, i64>(2).clamp(0, i64::from(u32::MAX)) as u32,
+                })
+                .collect())
         })
     }
 

@@ -48,6 +48,9 @@ struct TenantState {
     policy: RwLock<TenantPolicy>,
     quota: Mutex<Quota>,
     inflight: AtomicU32,
+    /// What the tenant holds on the other nodes of a cluster: tokens
+    /// (charged in the last minute plus reserved) and calls in flight.
+    remote: Mutex<(u64, u32)>,
 }
 
 /// Tokens charged in the window, and tokens reserved by calls in flight.
@@ -304,7 +307,8 @@ impl Gateway {
             return Err(self.reject(tenant, "model_not_allowed", e));
         }
         let cap = policy.max_concurrent.unwrap_or(self.default_concurrency);
-        if state.inflight.fetch_add(1, Ordering::AcqRel) >= cap {
+        let (_, remote_inflight) = *state.remote.lock().unwrap_or_else(|p| p.into_inner());
+        if state.inflight.fetch_add(1, Ordering::AcqRel) + remote_inflight >= cap {
             state.inflight.fetch_sub(1, Ordering::AcqRel);
             let e = AiError::QuotaExceeded(format!(
                 "tenant `{tenant}` already has {cap} model calls in flight, its cap; wait for \
@@ -338,10 +342,12 @@ impl Gateway {
         cost: Cost,
     ) -> Result<(), AiError> {
         let now = Instant::now();
+        let (remote, _) = *state.remote.lock().unwrap_or_else(|p| p.into_inner());
         let mut q = state.quota.lock().unwrap_or_else(|p| p.into_inner());
         let need = cost.total();
         if let Some(tpm) = tpm {
-            let used = q.used(now);
+            // Tokens other nodes charged or hold count as used here.
+            let used = q.used(now) + remote;
             if need > tpm {
                 return Err(AiError::QuotaExceeded(format!(
                     "this call may use {need} tokens (about {} of prompt and max-tokens {}), more \
@@ -587,6 +593,9 @@ impl Inference for Gateway {
         all
     }
 }
+
+#[path = "policy_cluster.rs"]
+mod cluster;
 
 #[cfg(test)]
 #[path = "policy_tests.rs"]

@@ -1,0 +1,54 @@
+//! A tenant's quotas across the nodes of a cluster: each node reports what
+//! its tenants hold and counts what they hold on the others
+//! (`App::share_quota_load`), so a tenant's `tokens_per_minute` and
+//! `max_concurrent` bound the whole cluster, overdrawn at most by what the
+//! nodes admit between two exchanges.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::{Gateway, TenantState};
+use crate::db::TenantLoad;
+
+impl Gateway {
+    /// What each tenant holds of its quotas on this node (tenants holding
+    /// nothing left out), for the other nodes of a cluster.
+    pub fn local_load(&self) -> Vec<TenantLoad> {
+        let tenants: Vec<(String, Arc<TenantState>)> = {
+            let map = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
+            map.iter().map(|(t, s)| (t.clone(), s.clone())).collect()
+        };
+        let now = Instant::now();
+        tenants
+            .into_iter()
+            .map(|(tenant, state)| {
+                let mut q = state.quota.lock().unwrap_or_else(|p| p.into_inner());
+                TenantLoad {
+                    tenant,
+                    tokens: q.used(now) + q.reserved,
+                    inflight: state.inflight.load(Ordering::Acquire),
+                }
+            })
+            .filter(|l| l.tokens > 0 || l.inflight > 0)
+            .collect()
+    }
+
+    /// Sets what each tenant holds on the other nodes (a tenant left out
+    /// holds nothing there).
+    pub fn set_remote_load(&self, remote: &[TenantLoad]) {
+        let tenants: Vec<(String, Arc<TenantState>)> = {
+            let map = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
+            map.iter().map(|(t, s)| (t.clone(), s.clone())).collect()
+        };
+        for (tenant, state) in tenants {
+            let r = remote.iter().find(|l| l.tenant == tenant);
+            *state.remote.lock().unwrap_or_else(|p| p.into_inner()) =
+                r.map_or((0, 0), |l| (l.tokens, l.inflight));
+        }
+        for l in remote {
+            let state = self.state(&l.tenant);
+            *state.remote.lock().unwrap_or_else(|p| p.into_inner()) = (l.tokens, l.inflight);
+        }
+    }
+}
