@@ -258,3 +258,53 @@ async fn a_quota_holds_for_the_cluster_not_per_node() {
     assert!(v.to_string().contains("in flight"), "{v}");
     drop(streams);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_burst_of_deploys_over_three_nodes_every_node_serves_the_last_versions() {
+    use std::time::Duration;
+    let pg = tokio::task::spawn_blocking(Postgres::start).await.unwrap();
+    let mut nodes = Vec::new();
+    for _ in 0..3 {
+        let url = pg.url.clone();
+        nodes.push(TestServer::start_with(move |c| c.database = Some(url)).await);
+    }
+    let key = nodes[0].tenant("acme").await;
+    let versions = [
+        (
+            std::fs::read(kiln_tests::guest("hello")).unwrap(),
+            "Hello from Kiln!",
+        ),
+        (std::fs::read(kiln_tests::guest("misbehave")).unwrap(), "ok"),
+    ];
+    // 60 functions, each deployed twice (one version, then the other),
+    // the deploys spread over the nodes in turn.
+    let (functions, mut last) = (60, Vec::new());
+    for round in 0..2 {
+        for f in 0..functions {
+            let v = (f + round) % 2;
+            let node = &nodes[(f + round) % 3];
+            let resp = node
+                .put(&key, &format!("f{f}"), versions[v].0.clone())
+                .await;
+            assert_eq!(resp.status(), 201);
+            if round == 1 {
+                last.push(versions[v].1);
+            }
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for (i, n) in nodes.iter().enumerate() {
+        for (f, want) in last.iter().enumerate() {
+            let got = n
+                .call("acme", &format!("f{f}"), "/")
+                .await
+                .text()
+                .await
+                .unwrap();
+            assert!(
+                got.starts_with(want),
+                "node {i}, f{f}: {got:?}, not {want:?}"
+            );
+        }
+    }
+}

@@ -144,6 +144,13 @@ async fn mixed_hostile_traffic_leaves_the_server_up_and_good_tenants_served() {
                     .await;
                 let Ok(resp) = sent else { continue };
                 let status = resp.status().as_u16();
+                if status == 504 {
+                    // A call of 5000 tokens may outlast the model-call
+                    // deadline under this load: the bound at work, said so.
+                    let text = resp.text().await.unwrap_or_default();
+                    assert!(text.contains("deadline_exceeded"), "504 for {body}: {text}");
+                    continue;
+                }
                 assert!(
                     status < 500 || status == 503,
                     "{status} for {body}: {}",

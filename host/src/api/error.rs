@@ -155,6 +155,12 @@ impl From<AiError> for ApiError {
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m)
                     .with_code(crate::serving::ENGINE_RESTARTED)
             }
+            // The operator's bound on a call, not a fault: the gateway
+            // timeout, as for a slow upstream.
+            AiError::Aborted(m) if m.starts_with(crate::serving::policy::DEADLINE_EXCEEDED) => {
+                Self::new(StatusCode::GATEWAY_TIMEOUT, "server_error", m)
+                    .with_code("deadline_exceeded")
+            }
             AiError::Aborted(m) => {
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m).with_code("aborted")
             }
@@ -310,6 +316,14 @@ mod tests {
         assert_eq!(
             s(AiError::Overloaded(String::new())),
             StatusCode::SERVICE_UNAVAILABLE
+        );
+        let late = format!("{} of 1 s", crate::serving::policy::DEADLINE_EXCEEDED);
+        let e = ApiError::from(AiError::Aborted(late));
+        assert_eq!(e.status, StatusCode::GATEWAY_TIMEOUT);
+        assert!(e.body().contains("deadline_exceeded"), "{}", e.body());
+        assert_eq!(
+            s(AiError::Aborted("cancelled".into())),
+            StatusCode::INTERNAL_SERVER_ERROR
         );
     }
 }

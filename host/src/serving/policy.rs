@@ -39,6 +39,9 @@ pub struct TenantPolicy {
     pub weight: Option<u32>,
 }
 
+/// How the error of a call stopped at its deadline begins.
+pub const DEADLINE_EXCEEDED: &str = "the model call did not finish within its deadline";
+
 /// The largest share weight a policy may give.
 pub const MAX_WEIGHT: u32 = 1000;
 
@@ -412,8 +415,8 @@ impl Gateway {
 
     fn deadline_error(&self) -> AiError {
         AiError::Aborted(format!(
-            "the model call did not finish within its deadline of {} s; ask for fewer tokens \
-             (max-tokens), or ask the operator to raise `--model-deadline-s`",
+            "{DEADLINE_EXCEEDED} of {} s; ask for fewer tokens (max-tokens), or ask the operator \
+             to raise `--model-deadline-s`",
             self.deadline.as_secs_f64()
         ))
     }
