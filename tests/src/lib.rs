@@ -88,6 +88,11 @@ pub fn installed_by(name: &str) -> PathBuf {
 }
 
 fn run_install_script(name: &str) -> PathBuf {
+    PathBuf::from(script_output(name).trim())
+}
+
+/// What the project's script `scripts/NAME` prints, once it has succeeded.
+pub fn script_output(name: &str) -> String {
     let script = workspace().join("scripts").join(name);
     let out = std::process::Command::new("bash")
         .arg(&script)
@@ -99,7 +104,7 @@ fn run_install_script(name: &str) -> PathBuf {
         script.display(),
         String::from_utf8_lossy(&out.stderr)
     );
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// A running server with a temporary (or given) data directory.

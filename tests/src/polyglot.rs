@@ -14,18 +14,7 @@ pub fn guest_tools() -> Tools {
     static TOOLS: OnceLock<Tools> = OnceLock::new();
     TOOLS
         .get_or_init(|| {
-            let script = workspace().join("scripts").join("guest-tools.sh");
-            let out = std::process::Command::new("bash")
-                .arg(&script)
-                .output()
-                .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-            assert!(
-                out.status.success(),
-                "{} failed:\n{}",
-                script.display(),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let stdout = String::from_utf8_lossy(&out.stdout);
+            let stdout = crate::script_output("guest-tools.sh");
             let path = |var: &str| {
                 stdout
                     .lines()

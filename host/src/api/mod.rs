@@ -139,7 +139,7 @@ where
         (["status"], &Method::GET) => Ok(full(
             StatusCode::OK,
             "text/html; charset=utf-8",
-            crate::status::PAGE.to_owned(),
+            crate::status::PAGE,
         )),
         (["v1", "status"], &Method::GET) => require_metrics_reader(&app, &req).map(|()| {
             json(

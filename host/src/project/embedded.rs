@@ -77,8 +77,9 @@ pub const RUST_SDK: &[File] = &[
     ("src/ai.rs", include_str!("../../../guest-sdk/src/ai.rs")),
 ];
 
-/// Writes `files` under `dir`, making directories as needed.
-pub fn write(dir: &Path, files: &[File]) -> std::io::Result<()> {
+/// Writes `files` (relative paths and contents) under `dir`, making
+/// directories as needed.
+pub fn write(dir: &Path, files: &[(&str, &str)]) -> std::io::Result<()> {
     for (path, text) in files {
         let path = dir.join(path);
         if let Some(parent) = path.parent() {
@@ -97,23 +98,23 @@ pub fn write_wit(dir: &Path, wasi_version: &str) -> std::io::Result<()> {
         return write(dir, WIT);
     }
     let gate = format!("@since(version = {WASI_VERSION})");
-    for (path, text) in WIT {
-        let renamed = text.replace(&format!("@{WASI_VERSION}"), &format!("@{wasi_version}"));
-        let mut out = String::with_capacity(renamed.len());
-        let mut lines = renamed.lines();
-        while let Some(line) = lines.next() {
-            if line.trim() == gate {
-                lines.next(); // the gated item (one line) goes with its gate
-                continue;
+    let renamed: Vec<(&str, String)> = WIT
+        .iter()
+        .map(|(path, text)| {
+            let text = text.replace(&format!("@{WASI_VERSION}"), &format!("@{wasi_version}"));
+            let mut out = String::with_capacity(text.len());
+            let mut lines = text.lines();
+            while let Some(line) = lines.next() {
+                if line.trim() == gate {
+                    lines.next(); // the gated item (one line) goes with its gate
+                    continue;
+                }
+                out.push_str(line);
+                out.push('\n');
             }
-            out.push_str(line);
-            out.push('\n');
-        }
-        let path = dir.join(path);
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent)?;
-        }
-        std::fs::write(path, out)?;
-    }
-    Ok(())
+            (*path, out)
+        })
+        .collect();
+    let files: Vec<(&str, &str)> = renamed.iter().map(|(p, t)| (*p, t.as_str())).collect();
+    write(dir, &files)
 }

@@ -91,16 +91,7 @@ pub fn init(dir: &Path, lang: Lang) -> Result<String, ProjectError> {
         return Err(ProjectError::Exists(dir.to_owned()));
     }
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let write = |files: &[(&str, &str)]| {
-        for (path, text) in files {
-            let path = dir.join(path);
-            if let Some(parent) = path.parent() {
-                std::fs::create_dir_all(parent).map_err(io(parent))?;
-            }
-            std::fs::write(&path, text).map_err(io(&path))?;
-        }
-        Ok::<_, ProjectError>(())
-    };
+    let write = |files: &[(&str, &str)]| embedded::write(dir, files).map_err(io(dir));
     let setup = match lang {
         Lang::Rust => {
             write(&[

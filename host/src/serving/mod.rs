@@ -53,6 +53,13 @@ const TOTAL_PAGES: usize = 2;
 const INTEGRITY_ABORTS: usize = 3;
 const RUNNING: usize = 4;
 
+/// The published figure in `slot` summed over `pools`.
+fn figure(pools: &[PoolHandle], slot: usize) -> usize {
+    (pools.iter())
+        .map(|p| p.figures[slot].load(Ordering::Relaxed))
+        .sum()
+}
+
 /// One served model and its pools.
 struct Served {
     loaded: Arc<Loaded>,
@@ -147,12 +154,7 @@ impl ServedModels {
     /// The latest figures of `model`'s engines.
     pub fn snapshot(&self, model: &str) -> Option<EngineSnapshot> {
         let pools = &self.models.get(model)?.pools;
-        let sum = |i: usize| -> usize {
-            pools
-                .iter()
-                .map(|p| p.figures[i].load(Ordering::Relaxed))
-                .sum()
-        };
+        let sum = |slot| figure(pools, slot);
         Some(EngineSnapshot {
             free_pages: sum(FREE_PAGES),
             cached_pages: sum(CACHED_PAGES),
@@ -481,11 +483,7 @@ impl Inference for ServedModels {
     fn load(&self) -> Vec<kiln_runtime::ModelLoad> {
         let mut loads: Vec<kiln_runtime::ModelLoad> = (self.models.iter())
             .map(|(name, served)| {
-                let sum = |i: usize| -> usize {
-                    (served.pools.iter())
-                        .map(|p| p.figures[i].load(Ordering::Relaxed))
-                        .sum()
-                };
+                let sum = |slot| figure(&served.pools, slot);
                 let held: usize = (served.pools.iter())
                     .map(|p| p.load.load(Ordering::Relaxed))
                     .sum();

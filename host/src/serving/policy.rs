@@ -9,11 +9,10 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use kiln_runtime::{
-    AiError, BoxFuture, Completion, Inference, ModelCall, ModelInfo, Prompt, StreamEvent,
-    TokenStream, Usage,
+    AiError, BoxFuture, Completion, Inference, ModelCall, ModelInfo, StreamEvent, TokenStream,
+    Usage,
 };
 
-use crate::engine::GenerateParams;
 use crate::metrics::{EngineMetrics, RejectLabels, TokenLabels};
 
 /// The quota window.
@@ -79,61 +78,6 @@ impl Quota {
         self.window
             .front()
             .map_or(1, |(t, _)| (WINDOW - (now - *t)).as_secs() + 1)
-    }
-}
-
-/// What one call may cost, reserved against the quota when it starts.
-#[derive(Debug, Clone, Copy)]
-struct Cost {
-    /// An estimate of the prompt's tokens (a little over for most text).
-    prompt: u64,
-    /// The most tokens it may generate.
-    completion: u64,
-}
-
-impl Cost {
-    fn of(prompt_bytes: usize, messages: usize, max_tokens: Option<u32>) -> Self {
-        // Byte-level BPE tokens average three to four bytes of text; the
-        // chat template adds a few tokens around each message.
-        Self {
-            prompt: prompt_bytes.div_ceil(3) as u64 + 8 * messages as u64,
-            completion: max_tokens.map_or(GenerateParams::DEFAULT_MAX_TOKENS as u64, u64::from),
-        }
-    }
-
-    fn total(self) -> u64 {
-        self.prompt + self.completion
-    }
-
-    fn of_call(call: &ModelCall) -> Self {
-        let (bytes, pieces): (usize, usize) = match &call.prompt {
-            Prompt::Chat(messages) => (
-                (messages.iter())
-                    .map(|m| {
-                        m.content.len()
-                            + m.tool_calls
-                                .iter()
-                                .map(|c| c.arguments.len())
-                                .sum::<usize>()
-                    })
-                    .sum(),
-                messages.len(),
-            ),
-            Prompt::Text(text) => (text.len(), 1),
-        };
-        // Tools reach the prompt too, their schemas written out.
-        let tools: usize = (call.params.tools.iter())
-            .map(|t| {
-                t.name.len()
-                    + t.description.as_ref().map_or(0, String::len)
-                    + t.parameters.as_ref().map_or(0, String::len)
-            })
-            .sum();
-        Self::of(
-            bytes + tools,
-            pieces + call.params.tools.len(),
-            call.params.max_tokens,
-        )
     }
 }
 
@@ -599,6 +543,9 @@ impl Inference for Gateway {
 
 #[path = "policy_cluster.rs"]
 mod cluster;
+#[path = "policy_cost.rs"]
+mod cost;
+use cost::Cost;
 
 #[cfg(test)]
 #[path = "policy_tests.rs"]

@@ -15,12 +15,8 @@ impl Gateway {
     /// What each tenant holds of its quotas on this node (tenants holding
     /// nothing left out), for the other nodes of a cluster.
     pub fn local_load(&self) -> Vec<TenantLoad> {
-        let tenants: Vec<(String, Arc<TenantState>)> = {
-            let map = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
-            map.iter().map(|(t, s)| (t.clone(), s.clone())).collect()
-        };
         let now = Instant::now();
-        tenants
+        self.tenant_states()
             .into_iter()
             .map(|(tenant, state)| {
                 let mut q = state.quota.lock().unwrap_or_else(|p| p.into_inner());
@@ -37,18 +33,20 @@ impl Gateway {
     /// Sets what each tenant holds on the other nodes (a tenant left out
     /// holds nothing there).
     pub fn set_remote_load(&self, remote: &[TenantLoad]) {
-        let tenants: Vec<(String, Arc<TenantState>)> = {
-            let map = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
-            map.iter().map(|(t, s)| (t.clone(), s.clone())).collect()
-        };
-        for (tenant, state) in tenants {
-            let r = remote.iter().find(|l| l.tenant == tenant);
-            *state.remote.lock().unwrap_or_else(|p| p.into_inner()) =
-                r.map_or((0, 0), |l| (l.tokens, l.inflight));
+        for (tenant, state) in self.tenant_states() {
+            if !remote.iter().any(|l| l.tenant == tenant) {
+                *state.remote.lock().unwrap_or_else(|p| p.into_inner()) = (0, 0);
+            }
         }
         for l in remote {
             let state = self.state(&l.tenant);
             *state.remote.lock().unwrap_or_else(|p| p.into_inner()) = (l.tokens, l.inflight);
         }
+    }
+
+    /// Every tenant's state, copied out of the map's lock.
+    fn tenant_states(&self) -> Vec<(String, Arc<TenantState>)> {
+        let map = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
+        map.iter().map(|(t, s)| (t.clone(), s.clone())).collect()
     }
 }

@@ -1,5 +1,5 @@
 use super::*;
-use kiln_runtime::{FinishReason, Message, Params, Role};
+use kiln_runtime::{FinishReason, Message, Params, Prompt, Role};
 
 /// Answers every call with `tokens` completion tokens (after `gate`
 /// opens, when there is one); streams deltas of one token without end.
