@@ -8,21 +8,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{http, serve};
-
-/// `component` with a custom section carrying `tag`: the same function,
-/// another digest.
-fn variant(component: &[u8], tag: u8) -> Vec<u8> {
-    let name = b"kiln-crash-test";
-    let payload_len = 1 + name.len() + 1;
-    let mut out = component.to_vec();
-    out.push(0); // custom section
-    out.push(payload_len as u8);
-    out.push(name.len() as u8);
-    out.extend_from_slice(name);
-    out.push(tag);
-    out
-}
+use common::{http, serve, variant};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Op {

@@ -60,7 +60,10 @@ impl Postgres {
                     }
                 };
                 for job in queue {
-                    if client.is_closed() {
+                    // A restarted server leaves the socket looking open until
+                    // a statement fails; one round trip finds out first, so
+                    // the job itself runs on a live connection.
+                    if client.is_closed() || client.is_valid(Duration::from_secs(1)).is_err() {
                         match connect(&url) {
                             Ok(c) => client = c,
                             Err(e) => tracing::warn!("reconnecting to PostgreSQL: {e}"),

@@ -19,21 +19,75 @@ pub fn http(
     token: &str,
     body: &[u8],
 ) -> Option<(u16, String)> {
+    let auth = format!("Bearer {token}");
+    exchange(port, method, path, &[("authorization", &auth)], body).map(|a| (a.status, a.body))
+}
+
+/// An answer read off the wire.
+pub struct Answer {
+    /// Its status code.
+    pub status: u16,
+    /// Its header lines, as sent.
+    pub head: String,
+    /// Its body (still chunked, when it came so).
+    pub body: String,
+}
+
+impl Answer {
+    /// The value of header `name` (any case), if it came.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().skip(1).find_map(|l| {
+            let (n, v) = l.split_once(':')?;
+            n.eq_ignore_ascii_case(name).then(|| v.trim())
+        })
+    }
+}
+
+/// One HTTP/1.1 exchange on a fresh connection with `headers`; the answer,
+/// or `None` if nothing came back.
+pub fn exchange(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Option<Answer> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(120))).ok()?;
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {token}\r\n\
-         content-length: {}\r\nconnection: close\r\n\r\n",
+    let mut head = format!("{method} {path} HTTP/1.1\r\nhost: x\r\n");
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str(&format!(
+        "content-length: {}\r\nconnection: close\r\n\r\n",
         body.len()
-    );
+    ));
     s.write_all(head.as_bytes()).ok()?;
     s.write_all(body).ok()?;
     let mut out = Vec::new();
     s.read_to_end(&mut out).ok()?;
     let text = String::from_utf8_lossy(&out).into_owned();
     let status = text.split(' ').nth(1)?.parse().ok()?;
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
-    Some((status, body))
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    Some(Answer {
+        status,
+        head: head.to_owned(),
+        body: body.to_owned(),
+    })
+}
+
+/// `component` with a custom section carrying `tag`: the same function,
+/// another digest.
+pub fn variant(component: &[u8], tag: u8) -> Vec<u8> {
+    let name = b"kiln-crash-test";
+    let payload_len = 1 + name.len() + 1;
+    let mut out = component.to_vec();
+    out.push(0); // custom section
+    out.push(payload_len as u8);
+    out.push(name.len() as u8);
+    out.extend_from_slice(name);
+    out.push(tag);
+    out
 }
 
 /// Starts `kiln serve` on `dir` and `port` with `args`, its log appended
