@@ -19,7 +19,8 @@
 # engine's decode matrix and the PyTorch baseline), writing logs to $OUT
 # (or ./gpu-out), and fails if a parity or engine test fails;
 # `scripts/gpu.sh bench` runs only the last two, `scripts/gpu.sh shutdown`
-# checks SIGTERM under load (carry .gpu-bench).
+# checks SIGTERM under load (carry .gpu-bench), `scripts/gpu.sh int4` the
+# int4 kernels and int4 decode beside a base build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -339,6 +340,39 @@ for l in sys.stdin:
 unpack)
     xz -d -c .gpu-bench/kiln-base.xz >/tmp/kiln-base
     chmod +x /tmp/kiln-base
+    # This tree's kiln travels compressed beside the test binaries.
+    if [ ! -x .gpu-bench/kiln ] && [ -f .gpu-bench/kiln.xz ]; then
+        xz -d -k .gpu-bench/kiln.xz
+        chmod +x .gpu-bench/kiln
+    fi
+    ;;
+int4)
+    # Int4 decode at one sequence: the kernel tests (parity, the device
+    # tests), the one-row int4 products timed beside the two-launch path
+    # (`cuda_bench quantized`), then int4 decode at 1 and 8 sequences by the
+    # base build (`baseline` here) and this tree's in turn (carry .gpu,
+    # .gpu-bench/kiln.xz, .gpu-bench/kiln-base.xz). Fails if a test fails.
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    "$0" unpack
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+    set +e
+    KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" | tail -4
+    failed=${PIPESTATUS[0]}
+    KILN_TEST_DEVICE=cuda timeout 60 .gpu/cuda_graphs --include-ignored 2>&1 | tee -a "$out/parity.log" | tail -12
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    timeout 150 .gpu/cuda_bench quantized 2>&1 | tee "$out/bench.log" | grep -E "Int4|two launches|cold|device"
+    for round in $(seq "${ROUNDS:-1}"); do
+        for bin in /tmp/kiln-base .gpu-bench/kiln; do
+            echo "== round $round: $bin" | tee -a "$out/ab.log"
+            timeout 200 "$bin" bench --model synthetic:llama-3-8b --device cuda --weights int4 --kv fp8 \
+                --kv-memory 16GiB --concurrency "${CONC:-1,8}" --prompt-tokens 512 --gen-tokens 128 \
+                2>&1 | grep -v INFO | tee -a "$out/ab.log"
+            [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+        done
+    done
+    exit "$failed"
     ;;
 ab)
     # The base build (`baseline` here) and this tree's, the same decode

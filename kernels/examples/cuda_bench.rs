@@ -291,6 +291,24 @@ fn quantized_gemv(gpu: &mut Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Res
                 if m == 1 {
                     cold_gemv(gpu, &w, &wb, &x, &mut out, &mut scratch, copy)?;
                 }
+                if m == 1 && dtype == DType::Int4G128 {
+                    // The two-launch path (int4_xfrag, then the GEMV of up to
+                    // 8 rows) beside the one-launch GEMV timed above.
+                    gpu.set_int4_one(false);
+                    gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?;
+                    let err = rel_diff(&s.clone_dtoh(&out)?, &theirs);
+                    let t2 = time_graph(gpu, 30, || {
+                        Ok(gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?)
+                    })?;
+                    println!(
+                        "{:>10} {:>14}   1 two launches: {:.1} us (one launch above), rel err vs cuBLAS {err:.1e}",
+                        "",
+                        format!("{nn}x{k}"),
+                        t2 * 1e6
+                    );
+                    cold_gemv(gpu, &w, &wb, &x, &mut out, &mut scratch, copy)?;
+                    gpu.set_int4_one(true);
+                }
             }
         }
     }

@@ -2,8 +2,8 @@
 //! start early (programmatic edges) computes exactly what the same launches
 //! compute one after another, and kernels that write a bf16 GEMM's input
 //! give exactly their f32 results rounded, fused launches write exactly
-//! what the launches they replace write, and the streaming int4 GEMV sums
-//! what the strip GEMV sums. CUDA only, so ignored
+//! what the launches they replace write, and the one-launch one-row int4
+//! GEMV sums what the two-launch path sums. CUDA only, so ignored
 //! unless asked for: `KILN_TEST_DEVICE=cuda` with `--include-ignored` (the
 //! GPU machine, where a CUDA that does not work fails the tests).
 
@@ -18,6 +18,8 @@ use rand_chacha::ChaCha8Rng;
 mod attention_out;
 #[path = "cuda_graphs/fold.rs"]
 mod fold;
+#[path = "cuda_graphs/int4_one.rs"]
+mod int4_one;
 
 const DIM: usize = 4096;
 const ROUNDS: usize = 6;

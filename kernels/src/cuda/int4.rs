@@ -114,6 +114,9 @@ impl Gpu {
             )));
         }
         let (mi, ki, gi) = (m as i32, k as i32, group as i32);
+        if m == 1 && self.int4_one {
+            return self.gemv_int4_one(x, w, group, outs, parts, k);
+        }
         let hi_lo = m <= super::GEMV_MAX_M;
         let lo = hi_lo as i32;
         let mut b = self.stream.launch_builder(self.function("int4_xfrag")?);
@@ -146,6 +149,34 @@ impl Gpu {
         // SAFETY: one block per `strips_per_block` strips of 16 of the n
         // rows (a multiple of 16 by construction of the tiles; the kernel
         // skips strips past them); outputs checked above.
+        unsafe { b.launch(super::launch::cfg((grid, 1, 1), 32 * WARPS, 0)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// One row of `x` times the stack, in one launch (`int4_one.cu`): each
+    /// warp splits its own groups of `x` as `int4_xfrag` would.
+    fn gemv_int4_one(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<u8>,
+        group: usize,
+        outs: &mut [&mut CudaSlice<f32>],
+        parts: &[usize],
+        k: usize,
+    ) -> R {
+        let n: usize = parts.iter().sum();
+        let o = self.out_ptrs(outs, parts);
+        let ki = k as i32;
+        let mut b = self
+            .stream
+            .launch_builder(self.function(&format!("gemv_int4_one_g{group}"))?);
+        b.arg(x).arg(w);
+        b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
+        b.arg(&o.n0).arg(&o.n1).arg(&o.n).arg(&ki);
+        let grid = (n / STRIP) as u32;
+        // SAFETY: one block per strip of 16 of the n rows (a multiple of 16
+        // by construction of the tiles); x holds k floats and the outputs
+        // their parts (checked by the caller).
         unsafe { b.launch(super::launch::cfg((grid, 1, 1), 32 * WARPS, 0)) }.map_err(cuda_err)?;
         Ok(())
     }

@@ -89,6 +89,7 @@ impl Gpu {
             wgmma: self.wgmma,
             cluster_mma: self.cluster_mma,
             cluster_room: self.cluster_room.clone(),
+            int4_one: self.int4_one,
             prefill_warps: self.prefill_warps,
         })
     }

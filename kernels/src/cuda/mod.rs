@@ -83,6 +83,7 @@ pub const SOURCE: &str = concat!(
     include_str!("gemv_norm.cu"),
     include_str!("quant.cu"),
     include_str!("int4.cu"),
+    include_str!("int4_one.cu"),
     include_str!("skinny.cu"),
     include_str!("cluster.cu"),
     include_str!("sample.cu"),
@@ -163,6 +164,8 @@ const KERNELS: &[&str] = &[
     "int4_xfrag",
     "gemv_int4_g64",
     "gemv_int4_g128",
+    "gemv_int4_one_g64",
+    "gemv_int4_one_g128",
     "gemm_int4_g64_nb2",
     "gemm_int4_g64_nb4",
     "gemm_int4_g64_nb8",
@@ -229,6 +232,9 @@ pub struct Gpu {
     cluster_mma: ClusterMma,
     /// Clusters of each cluster GEMM build the GPU holds at once.
     cluster_room: cluster::ClusterRoom,
+    /// Whether one-row int4 products take the one-launch GEMV
+    /// ([`Gpu::set_int4_one`]).
+    int4_one: bool,
     /// Warps a block of prefill attention: 4 or 8
     /// ([`Gpu::set_prefill_warps`]).
     prefill_warps: usize,
@@ -440,6 +446,7 @@ impl Gpu {
                     ClusterMma::Ldmatrix
                 },
                 cluster_room,
+                int4_one: true,
                 prefill_warps: prefill::DEFAULT_WARPS,
             })
         });
@@ -474,6 +481,13 @@ impl Gpu {
     /// sm_90).
     pub fn set_cluster(&mut self, on: bool) {
         self.cluster = on && self.clusters;
+    }
+
+    /// Whether one-row int4 products (decode at one sequence) run in one
+    /// launch that splits the activations itself (on when a `Gpu` opens),
+    /// or through `int4_xfrag` and the GEMV of up to 8 rows.
+    pub fn set_int4_one(&mut self, on: bool) {
+        self.int4_one = on;
     }
 
     /// Warps a block of prefill attention takes (4 or 8; 16 query rows

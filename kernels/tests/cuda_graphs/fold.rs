@@ -117,7 +117,7 @@ impl Chain {
     }
 }
 
-fn rel(a: &[f32], b: &[f32]) -> f64 {
+pub(super) fn rel(a: &[f32], b: &[f32]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     (num / den).sqrt()

@@ -152,13 +152,15 @@ fn long_quantized_rows_match_float64_through_every_load_loop() {
     // FP8 rows of 4128: two whole rounds of four 16-byte loads a lane in
     // the one-row GEMV, then a tail two lanes take; 68 rows, so the last
     // block's last four warps have none. Int4 rows of 4096: 32
-    // and 64 groups, so each warp of the one-row GEMV takes two groups at
-    // a time, twice or more.
+    // and 64 groups, so each warp of the GEMV of up to 8 rows takes two
+    // groups at a time, twice or more; rows of 14336 (112 groups) take the
+    // one-row GEMV through four batches of loads a warp.
     let (be, mut r) = (backend(), rng());
     for (dtype, n, k) in [
         (DType::Fp8Row, 68, 4128),
         (DType::Int4G128, 48, 4096),
         (DType::Int4G64, 48, 4096),
+        (DType::Int4G128, 32, 14336),
     ] {
         let w = random_weight(&mut r, dtype, n, k);
         let rows = values_of(&w);
