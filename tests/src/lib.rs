@@ -170,6 +170,13 @@ impl TestServer {
         s
     }
 
+    /// Starts a node of a cluster: the default model on one pool, the
+    /// control plane on the database at `url` (PostgreSQL).
+    pub async fn start_on_database(url: &str) -> Self {
+        let url = url.to_owned();
+        Self::start_with_pools(1, move |c| c.database = Some(url)).await
+    }
+
     /// Starts a server on a fresh data dir with a given model backend.
     pub async fn start_with_backend(backend: Arc<dyn kiln_runtime::Inference>) -> Self {
         let tmp = tempfile::tempdir().expect("tempdir");

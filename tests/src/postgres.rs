@@ -74,56 +74,42 @@ impl Postgres {
             "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
             dir.path().display()
         );
-        let log = dir.path().join("log");
-        let out = as_postgres(
-            &bin,
-            "pg_ctl",
-            &[
-                "-D",
-                data.to_str().unwrap(),
-                "-o",
-                &opts,
-                "-l",
-                log.to_str().unwrap(),
-                "-w",
-                "start",
-            ],
-        );
-        assert!(
-            out.status.success(),
-            "pg_ctl start: {}{}",
-            String::from_utf8_lossy(&out.stderr),
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        Self {
+        let pg = Self {
             url: format!("postgres://kiln@127.0.0.1:{port}/postgres"),
             bin,
             data,
             opts,
-            log,
+            log: dir.path().join("log"),
             _dir: dir,
-        }
+        };
+        let out = pg.pg_ctl(&["-w", "start"]);
+        assert!(
+            out.status.success(),
+            "pg_ctl start: {}{}",
+            String::from_utf8_lossy(&out.stderr),
+            std::fs::read_to_string(&pg.log).unwrap_or_default()
+        );
+        pg
+    }
+
+    /// Runs `pg_ctl` on this server's data, options and log with `action`.
+    fn pg_ctl(&self, action: &[&str]) -> std::process::Output {
+        let mut args = vec![
+            "-D",
+            self.data.to_str().unwrap(),
+            "-o",
+            &self.opts,
+            "-l",
+            self.log.to_str().unwrap(),
+        ];
+        args.extend_from_slice(action);
+        as_postgres(&self.bin, "pg_ctl", &args)
     }
 
     /// Stops the server (dropping every connection) and starts it again
     /// on the same data and port.
     pub fn restart(&self) {
-        let out = as_postgres(
-            &self.bin,
-            "pg_ctl",
-            &[
-                "-D",
-                self.data.to_str().unwrap(),
-                "-o",
-                &self.opts,
-                "-l",
-                self.log.to_str().unwrap(),
-                "-m",
-                "fast",
-                "-w",
-                "restart",
-            ],
-        );
+        let out = self.pg_ctl(&["-m", "fast", "-w", "restart"]);
         assert!(
             out.status.success(),
             "pg_ctl restart: {}",

@@ -23,7 +23,11 @@ mod embedded {
     refinery::embed_migrations!("migrations/postgres");
 }
 
-type Job = Box<dyn FnOnce(&mut Client) + Send>;
+/// A statement run on the connection's thread. Given `last: false`, it
+/// hands back `false` instead of its result when it found the connection
+/// closed (the server restarted since the last statement), to be run again
+/// on a new connection.
+type Job = Box<dyn FnMut(&mut Client, bool) -> bool + Send>;
 
 /// Sends statements to the connection's thread.
 pub(super) struct Postgres {
@@ -59,17 +63,21 @@ impl Postgres {
                         return;
                     }
                 };
-                for job in queue {
-                    // A restarted server leaves the socket looking open until
-                    // a statement fails; one round trip finds out first, so
-                    // the job itself runs on a live connection.
-                    if client.is_closed() || client.is_valid(Duration::from_secs(1)).is_err() {
-                        match connect(&url) {
-                            Ok(c) => client = c,
-                            Err(e) => tracing::warn!("reconnecting to PostgreSQL: {e}"),
-                        }
+                let reconnect = |client: &mut Client| match connect(&url) {
+                    Ok(c) => *client = c,
+                    Err(e) => tracing::warn!("reconnecting to PostgreSQL: {e}"),
+                };
+                for mut job in queue {
+                    if client.is_closed() {
+                        reconnect(&mut client);
                     }
-                    job(&mut client);
+                    // A restarted server leaves the socket looking open until
+                    // a statement fails on it: that statement never reached a
+                    // live server, so it runs once more on a new connection.
+                    if !job(&mut client, false) {
+                        reconnect(&mut client);
+                        job(&mut client, true);
+                    }
                 }
             })
             .map_err(|_| DbError::Closed)?;
@@ -83,15 +91,29 @@ impl Postgres {
     /// Runs `f` on the connection and waits for its result.
     fn run<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut Client) -> Result<T, DbError> + Send + 'static,
+        f: impl Fn(&mut Client) -> Result<T, DbError> + Send + 'static,
     ) -> Result<T, DbError> {
         let (done, result) = mpsc::sync_channel(1);
-        let job: Job = Box::new(move |c| {
-            let _ = done.send(f(c));
+        let job: Job = Box::new(move |c, last| {
+            let out = f(c);
+            if !last && matches!(&out, Err(DbError::Postgres(e)) if connection_lost(e)) {
+                return false;
+            }
+            let _ = done.send(out);
+            true
         });
         self.jobs.send(job).map_err(|_| DbError::Closed)?;
         result.recv().map_err(|_| DbError::Closed)?
     }
+}
+
+/// Whether `e` says the connection is gone: closed, or ended by the
+/// server's shutdown (SQLSTATE 57P01-03) or a connection failure (08xxx),
+/// which the server reports on an idle connection before it goes.
+fn connection_lost(e: &::postgres::Error) -> bool {
+    e.is_closed()
+        || e.code()
+            .is_some_and(|c| c.code().starts_with("57P") || c.code().starts_with("08"))
 }
 
 const FUNCTION: &str = "SELECT tenant, name, digest, size, created FROM functions";
@@ -121,7 +143,7 @@ impl Store for Postgres {
                 &[&name, &Db::now()],
             )?;
             if inserted == 0 {
-                return Err(DbError::TenantExists(name));
+                return Err(DbError::TenantExists(name.clone()));
             }
             tx.execute(
                 "INSERT INTO api_keys (id, tenant, hash, created) VALUES ($1, $2, $3, $4)",
