@@ -374,6 +374,57 @@ int4)
     done
     exit "$failed"
     ;;
+fp8-prefill)
+    # Issue 18's FP8 prefill: the FP8 GEMM and parity tests, prompt tok/s
+    # by weight format at 1x1024, 8x1024 and 8x1024 in one 8192-token step,
+    # by the base build (`baseline` here, FP8 rows) and this tree's, then
+    # Nsight Compute's kernel durations over one 1024-token prefill step of
+    # each format (carry .gpu, .gpu-bench/kiln.xz, .gpu-bench/kiln-base.xz).
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    "$0" unpack
+    set +e
+    KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" | tail -3
+    failed=${PIPESTATUS[0]}
+    KILN_TEST_DEVICE=cuda timeout 60 .gpu/fp8_gemm --include-ignored --nocapture 2>&1 | tee -a "$out/parity.log" |
+        grep -E "rel err|test result"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    KILN_TEST_DEVICE=cuda timeout 60 .gpu/cuda_graphs --include-ignored 2>&1 | tee -a "$out/parity.log" | tail -3
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    # The engine on the synthetic models' kernels (no staged model needed).
+    KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --test-threads 1 --nocapture \
+        fp8_weights bf16_mlp skinny_gemm cluster_gemm bf16_weights_through 2>&1 | tee -a "$out/parity.log" |
+        grep -E "differ by|test result|panicked|FAILED"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    # The base build on FP8 rows only (bf16 weights take the same path in
+    # both); CASES="BIN WEIGHTS,..." overrides.
+    IFS=, read -ra cases <<<"${CASES:-/tmp/kiln-base fp8,.gpu-bench/kiln fp8,.gpu-bench/kiln native}"
+    for case in "${cases[@]}"; do
+        set -- $case
+        bin="$1" weights="$2"
+        for run in "1,8" "8 --step-tokens 8192"; do
+            echo "== $bin --weights $weights --concurrency $run" | tee -a "$out/fp8-prefill.log"
+            # Each step's wall and device time, to tell kernels from gaps.
+            trace="$out/trace-$(basename "$bin")-$weights-${run%% *}"
+            mkdir -p "$trace"
+            # shellcheck disable=SC2086
+            timeout 120 "$bin" bench --model synthetic:llama-3-8b --device cuda --weights "$weights" \
+                --kv fp8 --kv-memory 16GiB --prompt-tokens 1024 --gen-tokens 2 --trace "$trace" --concurrency $run 2>&1 |
+                grep -v INFO | tee -a "$out/fp8-prefill.log"
+            [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+        done
+    done
+    for weights in ${PROFILE_WEIGHTS:-fp8 native}; do
+        csv="$out/ncu-prefill-$weights.csv"
+        timeout 200 /usr/local/cuda/bin/ncu --csv --print-units base --clock-control none \
+            --cache-control none --metrics gpu__time_duration.sum .gpu-bench/kiln bench \
+            --model synthetic:llama-3-8b --device cuda --weights "$weights" --kv fp8 --kv-memory 8GiB \
+            --concurrency 1 --prompt-tokens 1024 --gen-tokens 2 --cuda-graphs off >"$csv" 2>"$csv.err"
+        python3 scripts/ncu_step.py "$csv" prefill 2>&1 | head -40 | tee -a "$out/fp8-prefill.log"
+    done
+    exit "$failed"
+    ;;
 ab)
     # The base build (`baseline` here) and this tree's, the same decode
     # benchmark side by side, ROUNDS times in turn (AB_ARGS overrides it).

@@ -1,6 +1,7 @@
 """Sums Nsight Compute's kernel durations (ncu --csv, gpu__time_duration)
-over the largest whole decode step of a `kiln bench` run: a step starts at
-its embedding gather. Prints one row per kernel name and grid."""
+over the largest whole decode step of a `kiln bench` run (or, with
+`prefill` after the CSV, the last step that embeds the most tokens): a step
+starts at its embedding gather. Prints one row per kernel name and grid."""
 import collections
 import csv
 import sys
@@ -17,11 +18,15 @@ steps = [ks[a:b] for a, b in zip(starts, starts[1:])]
 def rows(step):
     grids = [k[1] for k in step if k[0].startswith(("embed_", "argmax_"))]
     return int(grids[0].strip("()").split(",")[0]) if len(grids) == 2 and grids[0] == grids[1] else 0
-if len(steps) < 2 or max(map(rows, steps)) == 0:
-    sys.exit(f"no whole decode step among {len(steps)} profiled")
-best = max(map(rows, steps))
-step = [s for s in steps if rows(s) == best][-1]
-print(f"decode step of {best} rows ({len(steps)} steps profiled)")
+def embedded(step):
+    return int(step[0][1].strip("()").split(",")[0]) if step else 0
+prefill = sys.argv[2:] == ["prefill"]
+size, kind = (embedded, "prefill") if prefill else (rows, "decode")
+if len(steps) < 2 or max(map(size, steps)) == 0:
+    sys.exit(f"no whole {kind} step among {len(steps)} profiled")
+best = max(map(size, steps))
+step = [s for s in steps if size(s) == best][-1]
+print(f"{kind} step of {best} rows ({len(steps)} steps profiled)")
 tot = collections.defaultdict(lambda: [0, 0.0])
 for name, grid, ns in step:
     key = f"{name.split('(')[0]} {grid}"

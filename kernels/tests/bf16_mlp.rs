@@ -42,7 +42,7 @@ fn the_bf16_mlp_rounds_only_its_outputs() {
         .unwrap();
     let mut gu = s.alloc_zeros::<bf16>(m * 2 * f).unwrap();
     let shape = GemmShape { m, n: 2 * f, k };
-    gpu.matmul_bf16_out(&weight, &mut gu, shape, &scratch)
+    gpu.matmul_bf16_out(&weight, &mut gu, shape, &mut scratch)
         .unwrap();
     let gu = s.clone_dtoh(&gu).unwrap();
     // The product, from the bf16 activations, in float64.

@@ -5,6 +5,7 @@
 //! ignored unless asked for: `KILN_TEST_DEVICE=cuda` with
 //! `--include-ignored`.
 
+use half::bf16;
 use kiln_kernels::cuda::{GemmShape, Gpu};
 use kiln_kernels::fp8;
 use kiln_kernels::quant::{DType, FP8_ROW_HEADER, dequantize_row, quantize_rows};
@@ -79,5 +80,58 @@ fn fp8_rows_times_fp8_activations_match_float64_over_the_same_values() {
         // FP8 tensor cores keep fewer accumulator bits than f32 (the H200
         // reads ~1e-4 here); a wrong layout, stride or scale reads ~1.
         assert!(rel < 1e-3, "{m} x {k} by {n}: rel err {rel}");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn bf16_activations_quantize_as_the_host_and_the_gemm_writes_bf16() {
+    let gpu = Gpu::open(0, true).expect("a CUDA device");
+    let s = gpu.stream().clone();
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    // 100 columns take the kernel's one-at-a-time path, 512 its 8-wide one.
+    for (m, n, k) in [(5usize, 32usize, 100usize), (70, 112, 512)] {
+        let x: Vec<bf16> = (0..m * k)
+            .map(|_| bf16::from_f32(rng.random_range(-3.0..3.0)))
+            .collect();
+        let wide: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+        let xd = s.clone_htod(&x).unwrap();
+        let mut xq = s.alloc_zeros::<u8>(m * k).unwrap();
+        let mut xs = s.alloc_zeros::<f32>(m).unwrap();
+        gpu.quantize_rows_e4m3(&xd, &mut xq, &mut xs, m, k).unwrap();
+        let (q, scales) = (s.clone_dtoh(&xq).unwrap(), s.clone_dtoh(&xs).unwrap());
+        for r in 0..m {
+            let mut want = vec![0u8; k];
+            let scale = fp8::encode(&wide[r * k..(r + 1) * k], &mut want);
+            assert_eq!(scales[r], scale, "row {r}'s scale");
+            assert_eq!(&q[r * k..(r + 1) * k], &want[..], "row {r}'s e4m3 bytes");
+        }
+        if !k.is_multiple_of(16) {
+            continue;
+        }
+        // The same product into bf16 and into f32: one bf16 rounding apart
+        // (a step of up to 2^-7 of the value where the two kernels' f32
+        // sums fall either side of a rounding boundary).
+        let values: Vec<f32> = (0..n * k).map(|_| rng.random_range(-0.5..0.5)).collect();
+        let w = quantize_rows(DType::Fp8Row, k, &values);
+        let wd = s.clone_htod(&w).unwrap();
+        let mut ws = s.alloc_zeros::<f32>(n).unwrap();
+        gpu.fp8_row_scales(&wd.slice(..), &mut ws, n, k).unwrap();
+        let mut out16 = s.alloc_zeros::<bf16>(m * n).unwrap();
+        let mut out32 = s.alloc_zeros::<f32>(m * n).unwrap();
+        let shape = GemmShape { m, n, k };
+        let (wv, sv) = (wd.slice(..), ws.slice(..));
+        gpu.gemm_fp8_rows(&wv, &sv, &xq, &xs, &mut out16, shape)
+            .unwrap();
+        gpu.gemm_fp8_rows(&wv, &sv, &xq, &xs, &mut out32, shape)
+            .unwrap();
+        let (got, want) = (s.clone_dtoh(&out16).unwrap(), s.clone_dtoh(&out32).unwrap());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let err = (g.to_f32() - w).abs();
+            assert!(
+                err <= w.abs() / 128.0 + 1e-6,
+                "element {i}: bf16 {g} against f32 {w}"
+            );
+        }
     }
 }

@@ -8,7 +8,9 @@
 //! gate/up, SiLU-and-multiply before the down projection) can round their
 //! results to bf16 into the scratch themselves, so no separate f32 -> bf16
 //! pass reads and writes them again. The values are the ones the f32
-//! kernel and that pass would give, bit for bit.
+//! kernel and that pass would give, bit for bit. FP8 rows read the same
+//! bf16 activations and quantize them per token for the W8A8 GEMM
+//! (`fp8_gemm.rs`).
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
@@ -19,6 +21,10 @@ use super::{DeviceWeight, GemmScratch, Gpu, cuda_err};
 use crate::KernelError;
 
 type R<T = ()> = Result<T, KernelError>;
+
+pub(super) fn no_fp8_scratch() -> KernelError {
+    KernelError::Shape("no FP8 scratch for a product of FP8 rows".into())
+}
 
 /// Checks that `scratch` holds `len` bf16 activations.
 pub(super) fn room(scratch: &GemmScratch, len: usize) -> R {
@@ -32,33 +38,67 @@ pub(super) fn room(scratch: &GemmScratch, len: usize) -> R {
 }
 
 impl Gpu {
-    /// Whether a product of `m` rows of `k` with `w` runs cuBLAS on bf16
-    /// activations from its scratch (a bf16 weight the decode GEMV does not
-    /// take), so [`Self::rmsnorm_residual_bf16`] and [`Self::silu_mul_bf16`]
-    /// can feed [`Self::matmul_parts_bf16`]. [`Self::matmul_parts`] routes
-    /// by it too.
+    /// Whether a product of `m` rows of `k` with `w` reads bf16
+    /// activations from its scratch: a bf16 weight through cuBLAS (rows the
+    /// decode GEMV does not take), or FP8 rows with their scales gathered at
+    /// upload through the W8A8 GEMM (rows the FP8 GEMV does not take), which
+    /// quantizes them per token. [`Self::rmsnorm_residual_bf16`] and
+    /// [`Self::silu_mul_bf16`] then feed [`Self::matmul_parts_bf16`], and
+    /// [`Self::matmul_parts`] routes by it too.
     pub fn takes_bf16_input(&self, w: &DeviceWeight, m: usize, k: usize) -> bool {
-        let gemv = m <= super::BF16_GEMV_ROWS && k.is_multiple_of(8);
-        matches!(w, DeviceWeight::Bf16(_)) && !gemv
+        match w {
+            DeviceWeight::Bf16(_) => !(m <= super::BF16_GEMV_ROWS && k.is_multiple_of(8)),
+            _ => self.fp8_stack(w, m, k).is_some(),
+        }
     }
 
-    /// As [`Self::matmul_parts`] with a bf16 weight through cuBLAS, on the
-    /// `m x k` bf16 activations already in `scratch`.
+    /// `w` as FP8 rows for the W8A8 GEMM at `m` rows of `k`, where it is
+    /// FP8 rows with scales from upload and the GEMM takes that product.
+    pub(super) fn fp8_stack<'a>(
+        &self,
+        w: &'a DeviceWeight,
+        m: usize,
+        k: usize,
+    ) -> Option<super::fp8_gemm::Fp8Rows<'a>> {
+        match w {
+            DeviceWeight::Blocks {
+                dtype: crate::quant::DType::Fp8Row,
+                bytes,
+                scales: Some(scales),
+            } if self.fp8_tensor && m > super::FP8_GEMV_ROWS && k.is_multiple_of(16) => {
+                Some(super::fp8_gemm::Fp8Rows {
+                    bytes,
+                    scales: Some(scales),
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// As [`Self::matmul_parts`] for a weight that
+    /// [takes bf16 input](Self::takes_bf16_input), on the `m x k` bf16
+    /// activations already in `scratch`: cuBLAS (or Kiln's skinny and
+    /// cluster GEMMs) on bf16 weights, the W8A8 GEMM on FP8 rows.
     pub fn matmul_parts_bf16(
         &self,
         w: &DeviceWeight,
         outs: &mut [&mut CudaSlice<f32>],
         shape: StackShape<'_>,
-        scratch: &GemmScratch,
+        scratch: &mut GemmScratch,
     ) -> R {
         let StackShape { m, parts, k } = shape;
-        let DeviceWeight::Bf16(wb) = w else {
-            return Err(KernelError::Shape(
-                "bf16 activations need a bf16 weight".into(),
-            ));
-        };
         let n = super::shape::check_parts(outs, parts, m)?;
         room(scratch, m * k)?;
+        if let Some(w8) = self.fp8_stack(w, m, k) {
+            let GemmScratch { act, fp8, .. } = scratch;
+            let fp8 = fp8.as_mut().ok_or_else(no_fp8_scratch)?;
+            return self.gemm_fp8_parts(act, w8, outs, shape, fp8);
+        }
+        let DeviceWeight::Bf16(wb) = w else {
+            return Err(KernelError::Shape(
+                "bf16 activations need a bf16 weight or FP8 rows".into(),
+            ));
+        };
         if wb.len() < n * k {
             return Err(KernelError::Shape(format!(
                 "{n} stacked rows of {k}: weight too small"
@@ -168,22 +208,29 @@ impl Gpu {
     }
 
     /// `out (m x n) = x (m x k) * w^T` in bf16 (f32 accumulation) for a
-    /// bf16 `w` (`n x k`), on the bf16 activations in `scratch`: the
-    /// product a bf16 kernel reads next, at half the bytes of f32.
+    /// `w` (`n x k`) that [takes bf16 input](Self::takes_bf16_input), on the
+    /// bf16 activations in `scratch`: the product a bf16 kernel reads next,
+    /// at half the bytes of f32.
     pub fn matmul_bf16_out(
         &self,
         w: &DeviceWeight,
         out: &mut CudaSlice<bf16>,
         shape: GemmShape,
-        scratch: &GemmScratch,
+        scratch: &mut GemmScratch,
     ) -> R {
         let GemmShape { m, n, k } = shape;
+        room(scratch, m * k)?;
+        if let Some(w8) = self.fp8_stack(w, m, k) {
+            let GemmScratch { act, fp8, .. } = scratch;
+            let fp8 = fp8.as_mut().ok_or_else(no_fp8_scratch)?;
+            let shape = StackShape { m, parts: &[n], k };
+            return self.gemm_fp8_parts(act, w8, &mut [out], shape, fp8);
+        }
         let DeviceWeight::Bf16(wb) = w else {
             return Err(KernelError::Shape(
-                "a bf16 product needs a bf16 weight".into(),
+                "a bf16 product needs a bf16 weight or FP8 rows".into(),
             ));
         };
-        room(scratch, m * k)?;
         if wb.len() < n * k || out.len() < m * n {
             return Err(KernelError::Shape(format!(
                 "{m} x {n} from {k}: weight or output too small"

@@ -14,6 +14,7 @@ mod convert;
 mod cublas;
 mod embed;
 mod fold;
+mod fp8_act;
 mod fp8_gemm;
 mod gemv;
 mod graph;
@@ -49,7 +50,8 @@ pub use cluster::{CLUSTER_MAX_M, CLUSTER_MIN_M, ClusterMma};
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};
-pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Scratch};
+pub use fp8_act::Fp8Input;
+pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Out, Fp8Scratch};
 pub use graph::Graph;
 pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_tiles};
 pub use kv::PagedKv;
@@ -82,6 +84,7 @@ pub const SOURCE: &str = concat!(
     include_str!("gemv.cu"),
     include_str!("gemv_norm.cu"),
     include_str!("quant.cu"),
+    include_str!("fp8_act.cu"),
     include_str!("int4.cu"),
     include_str!("int4_one.cu"),
     include_str!("skinny.cu"),
@@ -158,8 +161,10 @@ const KERNELS: &[&str] = &[
     "embed_q4_0",
     "embed_q4_1",
     "dequant_fp8row_bf16",
-    "quant_rows_e4m3",
     "fp8_row_scales",
+    // fp8_act.cu
+    "quant_rows_e4m3",
+    "quant_rows_e4m3_bf16",
     // int4.cu
     "int4_xfrag",
     "gemv_int4_g64",

@@ -292,26 +292,6 @@ QUANT_ENTRIES(q8_0, 0)
 QUANT_ENTRIES(q4_0, 1)
 QUANT_ENTRIES(q4_1, 2)
 
-// Activations as e4m3 with a scale per row (its largest magnitude over 448,
-// as fp8.rs encodes): one block per row.
-extern "C" __global__ void quant_rows_e4m3(const float* x, unsigned char* q, float* scales,
-                                           int K) {
-    PDL_ENTER();
-    __shared__ float red[32];
-    const float* r = x + (size_t)blockIdx.x * K;
-    float amax = 0.0f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) amax = fmaxf(amax, fabsf(r[i]));
-    amax = block_max(amax, red);
-    float scale = (amax > 0.0f && isfinite(amax)) ? amax / FP8_MAX : 1.0f;
-    float inv = 1.0f / scale;
-    unsigned char* o = q + (size_t)blockIdx.x * K;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-        __nv_fp8_e4m3 v(fminf(fmaxf(r[i] * inv, -FP8_MAX), FP8_MAX));
-        o[i] = v.__x;
-    }
-    if (threadIdx.x == 0) scales[blockIdx.x] = scale;
-}
-
 // The f32 scales of N FP8 rows of K, gathered from their headers.
 extern "C" __global__ void fp8_row_scales(const unsigned char* w, float* out, int N, int K) {
     PDL_ENTER();

@@ -1,11 +1,14 @@
 //! Kernels that replace others on the device (the skinny and cluster GEMMs
 //! for cuBLAS,
 //! the bf16 MLP for the f32 one, the decode kernel for a mixed step's
-//! decode rows) give the engine's logits within rounding, or its tokens.
+//! decode rows, the W8A8 GEMM on bf16 activations for the CPU's FP8
+//! rows) give the engine's logits within rounding, or its tokens.
 
 use std::collections::HashMap;
 
 use kiln_host::engine::{Engine, EngineConfig, Event, GenerateParams, TenantId};
+use kiln_host::model::{WeightFormat, load_as};
+use kiln_kernels::Device;
 use kiln_tests::chat_ids;
 
 use super::{device, rel_diff, synthetic_bf16, synthetic_ids_n};
@@ -162,4 +165,36 @@ fn decodes_beside_a_prompt_chunk_give_the_tokens_they_give_alone() {
     assert_eq!(mixed, 1, "B's prompt never ran beside A's decode");
     assert_eq!(tokens[&a], want_a);
     assert_eq!(tokens[&b.unwrap()], want_b);
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn fp8_weights_on_the_test_device_give_the_cpus_logits() {
+    // FP8 rows as W8A8 on both sides: the CPU rounds each f32 row of
+    // activations to e4m3 with its own scale; the device rounds the bf16
+    // rows a bf16 GEMM would read (one GEMM for q/k/v and one for
+    // gate/up, the MLP in bf16, cuBLASLt's fast accumulation). A prefill
+    // of 80 rows, then 16 one-token steps (the FP8 GEMV, W8A16). A value
+    // near the midpoint of two e4m3 codes may round either way on either
+    // side, a step of up to 2^-3 of it, so the bound is wider than bf16
+    // weights' 3e-2; a wrong layout, scale or stride reads ~1.
+    let name = "synthetic:smollm2-135m";
+    let loaded = std::sync::Arc::new(load_as(name, name, WeightFormat::Fp8).expect(name));
+    let config = |device| EngineConfig {
+        device,
+        kv_memory: 64 << 20,
+        kv_format: kiln_kernels::kv::KvFormat::Bf16,
+        ..Default::default()
+    };
+    let mut cpu = Engine::new(loaded.clone(), config(Device::Cpu)).unwrap();
+    let mut dev = Engine::new(loaded.clone(), config(device())).unwrap();
+    let ids = synthetic_ids_n(&loaded, 96);
+    let a = cpu.teacher_forced_logits(TenantId(0), &ids, 80).unwrap();
+    let b = dev.teacher_forced_logits(TenantId(0), &ids, 80).unwrap();
+    assert_eq!(a.len(), 17, "positions 80..=96");
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let rel = rel_diff(x, y);
+        eprintln!("FP8 weights, row {i}: device and CPU logits differ by {rel:.2e}");
+        assert!(rel < 8e-2, "row {i}: logits differ by {rel}");
+    }
 }

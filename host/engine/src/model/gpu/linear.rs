@@ -7,8 +7,25 @@ use kiln_kernels::cuda::{
     CudaSlice, DeviceWeight, GemmScratch, GemmShape, Gpu, NormArgs, StackShape,
 };
 use kiln_kernels::matmul::Weight;
+use kiln_kernels::quant::DType;
 
 type R<T> = Result<T, KernelError>;
+
+/// Whether a weight's GEMMs can read bf16 activations from the scratch:
+/// bf16 rows (cuBLAS) or FP8 rows with their scales gathered at upload (the
+/// W8A8 GEMM, which quantizes them per token). `Gpu::takes_bf16_input`
+/// decides it per product; this is the weight's part of that.
+pub(super) fn gemm_input(w: &DeviceWeight) -> bool {
+    matches!(
+        w,
+        DeviceWeight::Bf16(_)
+            | DeviceWeight::Blocks {
+                dtype: DType::Fp8Row,
+                scales: Some(_),
+                ..
+            }
+    )
+}
 
 /// The norm before a projection: the hidden rows `h` (`norm.rows` of
 /// `norm.cols`), with the residual to add to them first, the norm's
@@ -103,8 +120,9 @@ impl Linear {
         self.apply(g, xn, outs, m, k, scratch)
     }
 
-    /// The stack as one cuBLAS GEMM at `m` rows of `k`, where it is one
-    /// bf16 weight that runs cuBLAS there; else `None`.
+    /// The stack as one GEMM at `m` rows of `k` on bf16 activations, where
+    /// it is one weight that [takes them](Gpu::takes_bf16_input) there
+    /// (cuBLAS on bf16 rows, the W8A8 GEMM on FP8 rows); else `None`.
     pub(super) fn cublas_stack(&self, g: &Gpu, m: usize, k: usize) -> Option<CublasStack<'_>> {
         match self {
             Linear::Stacked { w, parts } if g.takes_bf16_input(w, m, k) => Some(CublasStack {
@@ -130,7 +148,7 @@ impl Linear {
     }
 }
 
-/// A stack that runs as one cuBLAS GEMM at its rows: only
+/// A stack that runs as one GEMM on bf16 activations at its rows: only
 /// [`Linear::cublas_stack`] makes one.
 pub(super) struct CublasStack<'a> {
     w: &'a DeviceWeight,

@@ -225,13 +225,16 @@ impl GpuModel {
     /// Whether steps of several rows run the MLP in bf16: one GEMM over
     /// the stacked gate/up weights writes bf16 (f32 accumulation), as
     /// PyTorch's bf16 models do, and SiLU-and-multiply reads it, half the
-    /// bytes of f32 (only where every block's gate/up and down are bf16;
-    /// set before the first step).
+    /// bytes of f32 (only where every block's gate/up is one stack and
+    /// gate/up and down read bf16 activations: bf16 weights, or FP8 rows
+    /// with scales from upload; set before the first step).
     pub fn set_bf16_mlp(&mut self, on: bool) {
         let c = &self.config;
         let able = c.ffn.is_multiple_of(8)
             && self.weights.blocks.iter().all(|b| {
-                fold::bf16_stack(&b.gate_up, &[c.ffn, c.ffn]).is_ok() && fold::bf16(&b.down).is_ok()
+                let stack = matches!(&b.gate_up, Linear::Stacked { w, parts }
+                    if parts[..] == [c.ffn, c.ffn] && linear::gemm_input(w));
+                stack && linear::gemm_input(&b.down)
             });
         self.bf16_mlp = on && able;
     }
@@ -292,10 +295,10 @@ impl GpuModel {
             LaneKv::new(self.gpu.zeros(2 * num_pages)?),
             LaneKv::new(self.gpu.zeros(2 * num_pages)?),
         ];
-        if self.side.is_some() {
-            // The side lane reads the pages and its tags from its own stream.
-            self.gpu.synchronize()?;
-        }
+        // Zeroed before the engine serves: the side lane reads the pages
+        // and its tags from its own stream, and a first step queued behind
+        // the memset of many GiB of pages would wait milliseconds for it.
+        self.gpu.synchronize()?;
         Ok(GpuKv {
             _settle: self.gpu.settle(),
             layers,

@@ -343,7 +343,7 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                     parts: &[c.hidden],
                     k,
                 };
-                g.matmul_parts_bf16(w, &mut [&mut b.proj], shape, &b.scratch)?;
+                g.matmul_parts_bf16(w, &mut [&mut b.proj], shape, &mut b.scratch)?;
             }
             Input::Attention => g.matmul(
                 &b.attn,
@@ -361,7 +361,7 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                     parts: &[c.hidden],
                     k,
                 };
-                g.matmul_parts_bf16(w, &mut [&mut b.proj], shape, &b.scratch)?;
+                g.matmul_parts_bf16(w, &mut [&mut b.proj], shape, &mut b.scratch)?;
             }
             Input::Mlp if self.mlp_ready => {
                 return Err(KernelError::Shape(

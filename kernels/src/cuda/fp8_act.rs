@@ -1,0 +1,75 @@
+//! Activations for the FP8 W8A8 GEMM (`fp8_act.cu`): rows quantized to
+//! e4m3 with a scale per row, from f32 or from the bf16 activations a bf16
+//! GEMM would read, and the weights' row scales gathered from their
+//! headers.
+
+use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
+use half::bf16;
+
+use super::{Gpu, cuda_err, grid_1d as cfg};
+use crate::KernelError;
+use crate::quant::FP8_ROW_HEADER;
+
+type R<T = ()> = Result<T, KernelError>;
+
+/// An activation type the quantizer reads: f32, or bf16 from a GEMM's
+/// scratch.
+pub trait Fp8Input: DeviceRepr {
+    /// The kernel that quantizes rows of this type.
+    const KERNEL: &'static str;
+}
+
+impl Fp8Input for f32 {
+    const KERNEL: &'static str = "quant_rows_e4m3";
+}
+
+impl Fp8Input for bf16 {
+    const KERNEL: &'static str = "quant_rows_e4m3_bf16";
+}
+
+impl Gpu {
+    /// Quantizes `m` rows of `k` activations to e4m3 with a scale per row
+    /// (what `fp8::encode` does to each row, after widening bf16 to f32).
+    pub fn quantize_rows_e4m3<T: Fp8Input>(
+        &self,
+        x: &CudaSlice<T>,
+        q: &mut CudaSlice<u8>,
+        scales: &mut CudaSlice<f32>,
+        m: usize,
+        k: usize,
+    ) -> R {
+        if x.len() < m * k || q.len() < m * k || scales.len() < m {
+            return Err(KernelError::Shape(format!(
+                "quantizing {m} rows of {k}: buffers too small"
+            )));
+        }
+        let ki = k as i32;
+        let mut b = self.stream.launch_builder(self.function(T::KERNEL)?);
+        b.arg(x).arg(q).arg(scales).arg(&ki);
+        // SAFETY: one block per row, sizes checked above.
+        unsafe { b.launch(cfg(m as u32, 256)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
+    /// The scales of `n` FP8 rows of `k`, gathered from their headers (for
+    /// cuBLASLt, which takes a contiguous vector).
+    pub fn fp8_row_scales(
+        &self,
+        w: &CudaView<'_, u8>,
+        out: &mut CudaSlice<f32>,
+        n: usize,
+        k: usize,
+    ) -> R {
+        if w.len() < n * (FP8_ROW_HEADER + k) || out.len() < n {
+            return Err(KernelError::Shape(format!(
+                "scales of {n} FP8 rows of {k}: buffers too small"
+            )));
+        }
+        let (ni, ki) = (n as i32, k as i32);
+        let mut b = self.stream.launch_builder(self.function("fp8_row_scales")?);
+        b.arg(w).arg(out).arg(&ni).arg(&ki);
+        // SAFETY: one thread per row, sizes checked above.
+        unsafe { b.launch(cfg(n.div_ceil(256) as u32, 256)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+}
