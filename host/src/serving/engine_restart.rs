@@ -38,10 +38,13 @@ impl PoolThread {
             Failure::Panic(m) => (format!("panicked: {m}"), true),
             Failure::Error(e) => (format!("failed: {e}"), false),
         };
-        let mut failed = Vec::new();
+        // The requests to fail are failed after the restart is counted, so
+        // a client that reads the metrics once its request has failed sees
+        // the restart that failed it.
+        let (mut failed, mut lost) = (Vec::new(), Vec::new());
         for live in std::mem::take(&mut self.admitting) {
             failed.push((None, live.tenant.clone()));
-            self.fail(live);
+            lost.push(live);
         }
         let mut again = Vec::new();
         for (seq, mut live) in std::mem::take(&mut self.outs) {
@@ -59,7 +62,7 @@ impl PoolThread {
                 }
                 _ => {
                     failed.push((Some(seq), live.tenant.clone()));
-                    self.fail(live);
+                    lost.push(live);
                 }
             }
         }
@@ -79,6 +82,9 @@ impl PoolThread {
             .engine_replays
             .get_or_create(&labels)
             .inc_by(again.len() as u64);
+        for live in lost {
+            self.fail(live);
+        }
         // Replays go first, in their order, before what arrived since.
         for msg in again.into_iter().rev() {
             self.inbox.push_front(msg);
