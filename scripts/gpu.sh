@@ -385,8 +385,12 @@ fp8-prefill)
     export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
     "$0" unpack
     set +e
-    KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" | tail -3
-    failed=${PIPESTATUS[0]}
+    failed=0
+    # PARITY=0 leaves out the parity suite (a minute) where no kernel of it changed.
+    if [ "${PARITY:-1}" != 0 ]; then
+        KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" | tail -3
+        failed=${PIPESTATUS[0]}
+    fi
     KILN_TEST_DEVICE=cuda timeout 60 .gpu/fp8_gemm --include-ignored --nocapture 2>&1 | tee -a "$out/parity.log" |
         grep -E "rel err|test result"
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
@@ -415,7 +419,7 @@ fp8-prefill)
             [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
         done
     done
-    for weights in ${PROFILE_WEIGHTS:-fp8 native}; do
+    for weights in ${PROFILE_WEIGHTS-fp8 native}; do
         csv="$out/ncu-prefill-$weights.csv"
         timeout 200 /usr/local/cuda/bin/ncu --csv --print-units base --clock-control none \
             --cache-control none --metrics gpu__time_duration.sum .gpu-bench/kiln bench \

@@ -195,7 +195,7 @@ fn fused_rope_and_kv_write_write_what_the_two_launches_write_from_separate_or_st
     let (gpu, seed) = device();
     let rng = &mut ChaCha8Rng::seed_from_u64(seed);
     let (tokens, heads, kv_heads, pages) = (6usize, 8usize, 2usize, 4usize);
-    for hd in [64usize, 128] {
+    for hd in [64usize, 128, 256] {
         let layout = KvLayout {
             page_size: 16,
             kv_heads,

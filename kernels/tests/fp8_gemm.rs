@@ -6,8 +6,9 @@
 //! `--include-ignored`.
 
 use half::bf16;
-use kiln_kernels::cuda::{GemmShape, Gpu};
+use kiln_kernels::cuda::{DeviceWeight, GemmShape, Gpu, NormArgs, StackShape};
 use kiln_kernels::fp8;
+use kiln_kernels::matmul::Weight;
 use kiln_kernels::quant::{DType, FP8_ROW_HEADER, dequantize_row, quantize_rows};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -133,5 +134,118 @@ fn bf16_activations_quantize_as_the_host_and_the_gemm_writes_bf16() {
                 "element {i}: bf16 {g} against f32 {w}"
             );
         }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn silu_pairs_quantize_in_one_pass_as_in_two() {
+    let gpu = Gpu::open(0, true).expect("a CUDA device");
+    let s = gpu.stream().clone();
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    // Rows of 17408 hold more pieces than a thread keeps in registers.
+    for (rows, f) in [(3usize, 64usize), (33, 1536), (4, 17408)] {
+        let gu: Vec<bf16> = (0..rows * 2 * f)
+            .map(|_| bf16::from_f32(rng.random_range(-6.0..6.0)))
+            .collect();
+        let gud = s.clone_htod(&gu).unwrap();
+        let mut scratch = gpu.gemm_scratch(rows, f, false).unwrap();
+        gpu.silu_mul_pairs(&gud, &mut scratch, rows, f).unwrap();
+        let (mut q1, mut s1) = (
+            s.alloc_zeros::<u8>(rows * f).unwrap(),
+            s.alloc_zeros(rows).unwrap(),
+        );
+        let (mut q2, mut s2) = (
+            s.alloc_zeros::<u8>(rows * f).unwrap(),
+            s.alloc_zeros(rows).unwrap(),
+        );
+        gpu.quantize_rows_e4m3(scratch.activations(), &mut q1, &mut s1, rows, f)
+            .unwrap();
+        gpu.silu_mul_pairs_e4m3(&gud, &mut q2, &mut s2, rows, f)
+            .unwrap();
+        let (s1, s2): (Vec<f32>, Vec<f32>) =
+            (s.clone_dtoh(&s1).unwrap(), s.clone_dtoh(&s2).unwrap());
+        assert_eq!(s1, s2, "{rows} x {f}: row scales");
+        assert_eq!(
+            s.clone_dtoh(&q1).unwrap(),
+            s.clone_dtoh(&q2).unwrap(),
+            "{rows} x {f}: e4m3 codes"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn a_norm_into_e4m3_gives_the_product_of_the_f32_norm() {
+    // The norm writes e4m3 codes and row scales for the W8A8 GEMM itself:
+    // the same residual sum, codes and so products, bit for bit, as the
+    // norm into f32 whose rows the GEMM then quantizes.
+    let gpu = Gpu::open(0, true).expect("a CUDA device");
+    let s = gpu.stream().clone();
+    let mut rng = ChaCha8Rng::seed_from_u64(14);
+    let (m, k, parts) = (70usize, 512usize, [96usize, 32]);
+    let n: usize = parts.iter().sum();
+    let values: Vec<f32> = (0..n * k).map(|_| rng.random_range(-0.5..0.5)).collect();
+    let bytes = quantize_rows(DType::Fp8Row, k, &values);
+    let dw = gpu
+        .weight(&Weight::from_bytes(DType::Fp8Row, n, k, bytes).unwrap())
+        .unwrap();
+    if !matches!(
+        dw,
+        DeviceWeight::Blocks {
+            scales: Some(_),
+            ..
+        }
+    ) {
+        eprintln!("skipped: FP8 rows take the W8A8 GEMM from sm_90");
+        return;
+    }
+    let mut v = |n: usize, lo: f32, hi: f32| -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(lo..hi)).collect()
+    };
+    let (x, res, nw) = (v(m * k, -2.0, 2.0), v(m * k, -1.0, 1.0), v(k, 0.5, 1.5));
+    let (res, nw) = (s.clone_htod(&res).unwrap(), s.clone_htod(&nw).unwrap());
+    let norm = NormArgs {
+        residual: Some(&res),
+        w: &nw,
+        rows: m,
+        cols: k,
+        eps: 1e-5,
+    };
+    let mut scratch = gpu.gemm_scratch(m, k, true).unwrap();
+    let mut run = |fused: bool| {
+        let mut h = s.clone_htod(&x).unwrap();
+        let mut outs: Vec<_> = parts
+            .iter()
+            .map(|p| s.alloc_zeros::<f32>(m * p).unwrap())
+            .collect();
+        let mut refs: Vec<&mut _> = outs.iter_mut().collect();
+        if fused {
+            gpu.normed_parts(&mut h, &norm, &dw, &mut refs, &parts, &mut scratch)
+                .unwrap();
+        } else {
+            let mut xn = s.alloc_zeros::<f32>(m * k).unwrap();
+            gpu.rmsnorm_residual(&mut h, &mut xn, &norm).unwrap();
+            let shape = StackShape {
+                m,
+                parts: &parts,
+                k,
+            };
+            gpu.matmul_parts(&xn, &dw, &mut refs, shape, &mut scratch)
+                .unwrap();
+        }
+        let bits = |d: &cudarc::driver::CudaSlice<f32>| -> Vec<u32> {
+            s.clone_dtoh(d)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        (bits(&h), outs.iter().map(bits).collect::<Vec<_>>())
+    };
+    let (want, got) = (run(false), run(true));
+    assert!(want.0 == got.0, "the residual sums differ");
+    for (p, (w, g)) in want.1.iter().zip(&got.1).enumerate() {
+        assert!(w == g, "part {p}'s products differ");
     }
 }

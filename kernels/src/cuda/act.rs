@@ -1,12 +1,14 @@
 //! SiLU-and-multiply (`act.cu`), in place or straight into a bf16 GEMM's
-//! input, from f32 or from a bf16 gate/up product.
+//! input, from f32 or from a bf16 gate/up product, and the down projection
+//! that reads it.
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
 
 use super::cublas::room;
 use super::launch::{blocks, cfg};
-use super::{GemmScratch, Gpu, cuda_err};
+use super::shape::{GemmShape, StackShape};
+use super::{DeviceWeight, GemmScratch, Gpu, cuda_err};
 use crate::KernelError;
 
 type R<T = ()> = Result<T, KernelError>;
@@ -76,5 +78,31 @@ impl Gpu {
         // (a multiple of 8), reading rows x 2f.
         unsafe { b.launch(cfg((blocks(n / 8, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
         Ok(())
+    }
+    /// The down projection from a gate/up product: `out (m x n) =
+    /// (silu(gate) * up) * w^T`, `gu` holding `m` rows of gate then up (`k`
+    /// each, bf16) as one GEMM over the stacked weights writes them, for a
+    /// `w` that [takes bf16 input](Self::takes_bf16_input) at `m x k`. FP8
+    /// rows get the activation as e4m3 in the same pass that makes it.
+    pub fn down_from_pairs(
+        &self,
+        gu: &CudaSlice<bf16>,
+        w: &DeviceWeight,
+        out: &mut CudaSlice<f32>,
+        shape: GemmShape,
+        scratch: &mut GemmScratch,
+    ) -> R {
+        let GemmShape { m, n, k } = shape;
+        let stack = StackShape { m, parts: &[n], k };
+        if let Some(w8) = self.fp8_stack(w, m, k) {
+            let fp8 = scratch
+                .fp8
+                .as_mut()
+                .ok_or_else(super::cublas::no_fp8_scratch)?;
+            self.silu_mul_pairs_e4m3(gu, &mut fp8.xq, &mut fp8.xs, m, k)?;
+            return self.gemm_fp8_quantized(w8, &mut [out], stack, fp8);
+        }
+        self.silu_mul_pairs(gu, scratch, m, k)?;
+        self.matmul_parts_bf16(w, &mut [out], stack, scratch)
     }
 }

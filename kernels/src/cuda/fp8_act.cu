@@ -88,3 +88,136 @@ extern "C" __global__ void quant_rows_e4m3_bf16(const __nv_bfloat16* x, unsigned
     size_t row = blockIdx.x;
     quant_row_e4m3(x + row * K, q + row * K, scales + row, K);
 }
+
+// The down projection's input straight from a gate/up product: row r of
+// gu (rows x 2f bf16, gate then up) to e4m3 codes of bf16(silu(g) * u),
+// the values silu_mul_pairs writes, with the row's scale as
+// quant_rows_e4m3_bf16 takes it from them (so the same codes, without the
+// bf16 row's write and read). One block of SILU_Q_THREADS per row, f a
+// multiple of 8; a thread keeps up to SILU_Q_PIECES pieces of 8 in
+// registers, and wider rows compute their pieces twice.
+#define SILU_Q_THREADS 256
+#define SILU_Q_PIECES 8
+
+__device__ __forceinline__ void silu_piece(const __nv_bfloat16* row, int f, int p, float v[8]) {
+    uint4 g = *(const uint4*)(row + 8 * p);
+    uint4 u = *(const uint4*)(row + f + 8 * p);
+    const __nv_bfloat162* g2 = (const __nv_bfloat162*)&g;
+    const __nv_bfloat162* u2 = (const __nv_bfloat162*)&u;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        float2 gf = __bfloat1622float2(g2[e]), uf = __bfloat1622float2(u2[e]);
+        float2 o = __bfloat1622float2(
+            __floats2bfloat162_rn(silu_times(gf.x, uf.x), silu_times(gf.y, uf.y)));
+        v[2 * e] = o.x;
+        v[2 * e + 1] = o.y;
+    }
+}
+
+extern "C" __global__ void silu_mul_pairs_e4m3(const __nv_bfloat16* gu, unsigned char* q,
+                                               float* scales, int f) {
+    PDL_ENTER();
+    __shared__ float red[32];
+    const __nv_bfloat16* row = gu + (size_t)blockIdx.x * 2 * f;
+    unsigned char* o = q + (size_t)blockIdx.x * f;
+    int pieces = f / 8;
+    float v[SILU_Q_PIECES][8];
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < SILU_Q_PIECES; j++) {
+        int p = threadIdx.x + j * SILU_Q_THREADS;
+        if (p < pieces) {
+            silu_piece(row, f, p, v[j]);
+#pragma unroll
+            for (int e = 0; e < 8; e++) amax = fmaxf(amax, fabsf(v[j][e]));
+        }
+    }
+    for (int p = threadIdx.x + SILU_Q_PIECES * SILU_Q_THREADS; p < pieces; p += SILU_Q_THREADS) {
+        float w[8];
+        silu_piece(row, f, p, w);
+#pragma unroll
+        for (int e = 0; e < 8; e++) amax = fmaxf(amax, fabsf(w[e]));
+    }
+    amax = block_max(amax, red);
+    float scale = (amax > 0.0f && isfinite(amax)) ? amax / FP8_MAX : 1.0f;
+    float inv = 1.0f / scale;
+#pragma unroll
+    for (int j = 0; j < SILU_Q_PIECES; j++) {
+        int p = threadIdx.x + j * SILU_Q_THREADS;
+        if (p < pieces) ((uint2*)o)[p] = e4m3_piece(v[j], inv);
+    }
+    for (int p = threadIdx.x + SILU_Q_PIECES * SILU_Q_THREADS; p < pieces; p += SILU_Q_THREADS) {
+        float w[8];
+        silu_piece(row, f, p, w);
+        ((uint2*)o)[p] = e4m3_piece(w, inv);
+    }
+    if (threadIdx.x == 0) scales[blockIdx.x] = scale;
+}
+
+// rmsnorm_residual's norm with its row written as e4m3 codes and the row's
+// scale, as quant_rows_e4m3 takes them from the f32 row rmsnorm_residual
+// writes (the codes of the W8A8 GEMM after it, without that row's write
+// and read): x[row] += residual[row] (if residual is not null), then
+// q[row] = e4m3(rmsnorm(x[row]) * w / scale). One block per row, dim a
+// multiple of 4 and at most 4 NORM_PIECES x blockDim (the row held in
+// registers, as rmsnorm_residual holds it).
+extern "C" __global__ void rmsnorm_residual_e4m3(float* x, const float* residual, const float* w,
+                                                 unsigned char* q, float* scales, int dim,
+                                                 float eps) {
+    PDL_LAUNCH();
+    __shared__ float red[32];
+    float* xr = x + (size_t)blockIdx.x * dim;
+    const float* rr = residual ? residual + (size_t)blockIdx.x * dim : nullptr;
+    int n4 = dim >> 2;
+    // The weights (never written by a step) load before the wait.
+    float4 g[NORM_PIECES];
+#pragma unroll
+    for (int k = 0; k < NORM_PIECES; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        if (i < n4) g[k] = ((const float4*)w)[i];
+    }
+    PDL_WAIT();
+    float4 v[NORM_PIECES];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_PIECES; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        if (i < n4) {
+            float4 a = ((const float4*)xr)[i];
+            if (rr) {
+                float4 b = ((const float4*)rr)[i];
+                a = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+                ((float4*)xr)[i] = a;
+            }
+            v[k] = a;
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+        }
+    }
+    float inv = norm_factor(block_sum(ss, red), dim, eps);
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_PIECES; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        if (i < n4) {
+            v[k] = make_float4(v[k].x * inv * g[k].x, v[k].y * inv * g[k].y,
+                               v[k].z * inv * g[k].z, v[k].w * inv * g[k].w);
+            amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)),
+                                     fmaxf(fabsf(v[k].z), fabsf(v[k].w))));
+        }
+    }
+    amax = block_max(amax, red);
+    float scale = (amax > 0.0f && isfinite(amax)) ? amax / FP8_MAX : 1.0f;
+    float qinv = 1.0f / scale;
+    unsigned int* o = (unsigned int*)(q + (size_t)blockIdx.x * dim);
+#pragma unroll
+    for (int k = 0; k < NORM_PIECES; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        if (i < n4) {
+            o[i] = (unsigned int)e4m3_code(v[k].x, qinv) |
+                   (unsigned int)e4m3_code(v[k].y, qinv) << 8 |
+                   (unsigned int)e4m3_code(v[k].z, qinv) << 16 |
+                   (unsigned int)e4m3_code(v[k].w, qinv) << 24;
+        }
+    }
+    if (threadIdx.x == 0) scales[blockIdx.x] = scale;
+}

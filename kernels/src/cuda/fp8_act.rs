@@ -51,6 +51,39 @@ impl Gpu {
         Ok(())
     }
 
+    /// `silu(gate) * up` of `rows` rows of a gate/up product `gu` (`2 f`
+    /// bf16 each, gate then up) as e4m3 codes with a scale per row: the
+    /// codes [`Self::silu_mul_pairs`] then [`Self::quantize_rows_e4m3`]
+    /// give, without the bf16 rows between them (`f` a multiple of 8).
+    pub fn silu_mul_pairs_e4m3(
+        &self,
+        gu: &CudaSlice<bf16>,
+        q: &mut CudaSlice<u8>,
+        scales: &mut CudaSlice<f32>,
+        rows: usize,
+        f: usize,
+    ) -> R {
+        if !f.is_multiple_of(8)
+            || gu.len() < 2 * rows * f
+            || q.len() < rows * f
+            || scales.len() < rows
+        {
+            return Err(KernelError::Shape(format!(
+                "silu-mul pairs of {rows} rows of 2 x {f} into e4m3: widths of whole 8s and \
+                 buffers that hold them"
+            )));
+        }
+        let fi = f as i32;
+        let mut b = self
+            .stream
+            .launch_builder(self.function("silu_mul_pairs_e4m3")?);
+        b.arg(gu).arg(q).arg(scales).arg(&fi);
+        // SAFETY: one block of SILU_Q_THREADS (256) per row, sizes checked
+        // above.
+        unsafe { b.launch(cfg(rows as u32, 256)) }.map_err(cuda_err)?;
+        Ok(())
+    }
+
     /// The scales of `n` FP8 rows of `k`, gathered from their headers (for
     /// cuBLASLt, which takes a contiguous vector).
     pub fn fp8_row_scales(

@@ -25,6 +25,7 @@ mod lane;
 mod launch;
 mod memory;
 mod norm;
+mod normed;
 mod prefill;
 mod quant;
 mod rope;
@@ -165,6 +166,8 @@ const KERNELS: &[&str] = &[
     // fp8_act.cu
     "quant_rows_e4m3",
     "quant_rows_e4m3_bf16",
+    "silu_mul_pairs_e4m3",
+    "rmsnorm_residual_e4m3",
     // int4.cu
     "int4_xfrag",
     "gemv_int4_g64",

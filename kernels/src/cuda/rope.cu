@@ -38,72 +38,159 @@ extern "C" __global__ void rope(float* x, float* x2, const int* pos, const float
     }
 }
 
+// Heads rope_kv_write takes: up to ROPE_HD_MAX elements (a multiple of
+// 32), ROPE_WARPS heads a block, a warp a head.
+#define ROPE_HD_MAX 256
+#define ROPE_WARPS 4
+
+// hadamard_shared over one head held by a warp, lane l holding elements
+// l + 32m in x[m]: the same stages in the same order, so the same bits
+// (stages below 32 pair lanes, the others a lane's own elements).
+__device__ __forceinline__ void hadamard_warp(float (&x)[ROPE_HD_MAX / 32], int hd, int lane) {
+#pragma unroll
+    for (int h = 1; h < 32; h <<= 1) {
+        if (h < hd) {
+#pragma unroll
+            for (int m = 0; m < ROPE_HD_MAX / 32; m++) {
+                float a = x[m], b = __shfl_xor_sync(0xffffffffu, a, h);
+                x[m] = (lane & h) ? b - a : a + b;
+            }
+        }
+    }
+#pragma unroll
+    for (int hm = 1; hm < ROPE_HD_MAX / 32; hm <<= 1) {
+        if (32 * hm < hd) {
+#pragma unroll
+            for (int m = 0; m < ROPE_HD_MAX / 32; m++) {
+                if ((m & hm) == 0) {
+                    float a = x[m], b = x[m | hm];
+                    x[m] = a + b;
+                    x[m | hm] = a - b;
+                }
+            }
+        }
+    }
+    float f = 1.0f / sqrtf((float)hd);
+#pragma unroll
+    for (int m = 0; m < ROPE_HD_MAX / 32; m++) x[m] *= f;
+}
+
+// One head vector (lane l's elements l + 32m in x) into its page slot:
+// MODE 0 bf16, 1 e4m3 with the vector's scale (as fp8_store), 2 e4m3.
+template <int MODE>
+__device__ __forceinline__ void store_head(const float (&x)[ROPE_HD_MAX / 32], void* cache,
+                                           float* scales, size_t vec, int hd, int lane) {
+    float inv = 1.0f;
+    if (MODE == 1) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int m = 0; m < ROPE_HD_MAX / 32; m++)
+            if (lane + 32 * m < hd) amax = fmaxf(amax, fabsf(x[m]));
+        amax = warp_max(amax);
+        float scale = (amax > 0.0f && isfinite(amax)) ? amax / FP8_MAX : 1.0f;
+        inv = 1.0f / scale;
+        if (lane == 0) scales[vec] = scale;
+    }
+#pragma unroll
+    for (int m = 0; m < ROPE_HD_MAX / 32; m++) {
+        int e = lane + 32 * m;
+        if (e >= hd) break;
+        size_t at = vec * hd + e;
+        if (MODE == 0) {
+            ((__nv_bfloat16*)cache)[at] = __float2bfloat16(x[m]);
+        } else if (MODE == 1) {
+            __nv_fp8_e4m3 q(fminf(fmaxf(x[m] * inv, -FP8_MAX), FP8_MAX));
+            ((unsigned char*)cache)[at] = q.__x;
+        } else {
+            fp8_store_unit(x[m], (unsigned char*)cache + at);
+        }
+    }
+}
+
 // rope over a step's queries and keys, then kv_write, in one launch (a
 // decode step's layer saves a launch and a pass over the keys). Grid:
-// tokens x (heads + kv_heads); threads: dim (a multiple of 32, up to 1024).
-// Block y < heads rotates query head y into `q_out` (tokens x heads x hd;
-// `q` itself when rotating in place); the others rotate key head
+// tokens x ceil((heads + kv_heads) / ROPE_WARPS), ROPE_WARPS warps a
+// block, one head a warp (a block a head left a 1024-token prefill's
+// 40960 blocks latency-bound at a sixth of copy bandwidth).
+// Head y < heads is query head y, rotated into `q_out` (tokens x heads x
+// hd; `q` itself when rotating in place); the others rotate key head
 // y - heads in place and write it, rotated, and its value into the pages.
 // Token t's query heads start at q + t * q_ld, its key and value heads at
 // k + t * kv_ld and v + t * kv_ld: separate buffers, or the rows of one
 // stacked projection [q | k | v].
 //
 // MODE 0: bf16 pages; 1: fp8 with a scale per vector; 2: static fp8 (no
-// scales), queries and keys rotated by hadamard_shared after RoPE, the
+// scales), queries and keys rotated by hadamard_warp after RoPE, the
 // rotated values what q_out, k and the pages get.
 template <int MODE>
 __device__ void rope_kv_write(const float* q, float* k, const float* v, int q_ld, int kv_ld,
                               float* q_out, const int* pos, const float* inv_freq,
                               const int* slots, void* kc, void* vc, float* ks, float* vs,
                               int heads, int kv_heads, int hd, int page_size, int interleaved) {
-    __shared__ float rot[1024];
-    __shared__ float red[32];
-    int t = blockIdx.x, y = blockIdx.y, i = threadIdx.x, half = hd / 2;
+    __shared__ float rot[ROPE_WARPS][ROPE_HD_MAX];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int t = blockIdx.x, y = blockIdx.y * ROPE_WARPS + warp, half = hd / 2;
+    // A warp past the last head leaves: nothing below syncs the block.
+    if (y >= heads + kv_heads) return;
     bool is_q = y < heads;
     int kvh = y - heads;
     const float* src = is_q ? q + (size_t)t * q_ld + (size_t)y * hd
                             : k + (size_t)t * kv_ld + (size_t)kvh * hd;
     float* dst = is_q ? q_out + ((size_t)t * heads + y) * hd
                       : k + (size_t)t * kv_ld + (size_t)kvh * hd;
-    // The angle before the wait: positions are step inputs no kernel
-    // writes, the frequencies constants.
-    float s = 0.0f, c = 0.0f;
-    if (i < half) sincosf((float)pos[t] * inv_freq[i], &s, &c);
+    float* r = rot[warp];
+    // The angles before the wait: positions are step inputs no kernel
+    // writes, the frequencies constants. Lane l rotates pairs l + 32j.
+    float s[ROPE_HD_MAX / 64], c[ROPE_HD_MAX / 64];
+    float p = (float)pos[t];
+#pragma unroll
+    for (int j = 0; j < ROPE_HD_MAX / 64; j++) {
+        int i = lane + 32 * j;
+        if (i < half) sincosf(p * inv_freq[i], &s[j], &c[j]);
+    }
     PDL_WAIT();
-    if (i < half) {
-        int a = interleaved ? 2 * i : i;
-        int b = interleaved ? 2 * i + 1 : i + half;
-        float o0, o1;
-        rotate_pair(src[a], src[b], s, c, &o0, &o1);
-        if (MODE != 2) {
-            dst[a] = o0;
-            dst[b] = o1;
+#pragma unroll
+    for (int j = 0; j < ROPE_HD_MAX / 64; j++) {
+        int i = lane + 32 * j;
+        if (i < half) {
+            int a = interleaved ? 2 * i : i;
+            int b = interleaved ? 2 * i + 1 : i + half;
+            float o0, o1;
+            rotate_pair(src[a], src[b], s[j], c[j], &o0, &o1);
+            if (MODE != 2) {
+                dst[a] = o0;
+                dst[b] = o1;
+            }
+            r[a] = o0;
+            r[b] = o1;
         }
-        rot[a] = o0;
-        rot[b] = o1;
+    }
+    __syncwarp();
+    float x[ROPE_HD_MAX / 32];
+#pragma unroll
+    for (int m = 0; m < ROPE_HD_MAX / 32; m++) {
+        int e = lane + 32 * m;
+        x[m] = e < hd ? r[e] : 0.0f;
     }
     if (MODE == 2) {
-        __syncthreads();  // rot complete
-        hadamard_shared(rot, hd);
-        dst[i] = rot[i];
+        hadamard_warp(x, hd, lane);
+#pragma unroll
+        for (int m = 0; m < ROPE_HD_MAX / 32; m++)
+            if (lane + 32 * m < hd) dst[lane + 32 * m] = x[m];
     }
     if (is_q) return;
     int slot = slots[t];  // after the wait: the tag check clears it
     if (slot < 0) return;
-    __syncthreads();  // rot complete
-    float kx = rot[i];
-    float vx = v[(size_t)t * kv_ld + (size_t)kvh * hd + i];
     size_t vec = kv_vec(slot / page_size, slot % page_size, kvh, kv_heads, page_size);
-    if (MODE == 2) {
-        fp8_store_unit(kx, (unsigned char*)kc + vec * hd + i);
-        fp8_store_unit(vx, (unsigned char*)vc + vec * hd + i);
-    } else if (MODE == 1) {
-        fp8_store(kx, red, (unsigned char*)kc + vec * hd + i, ks + vec, hd);
-        fp8_store(vx, red, (unsigned char*)vc + vec * hd + i, vs + vec, hd);
-    } else {
-        ((__nv_bfloat16*)kc)[vec * hd + i] = __float2bfloat16(kx);
-        ((__nv_bfloat16*)vc)[vec * hd + i] = __float2bfloat16(vx);
+    const float* vr = v + (size_t)t * kv_ld + (size_t)kvh * hd;
+    float vx[ROPE_HD_MAX / 32];
+#pragma unroll
+    for (int m = 0; m < ROPE_HD_MAX / 32; m++) {
+        int e = lane + 32 * m;
+        vx[m] = e < hd ? vr[e] : 0.0f;
     }
+    store_head<MODE>(x, kc, ks, vec, hd, lane);
+    store_head<MODE>(vx, vc, vs, vec, hd, lane);
 }
 
 #define ROPE_KV_WRITE(NAME, MODE)                                                              \

@@ -12,6 +12,11 @@ use crate::kv::KvFormat;
 
 type R<T = ()> = Result<T, KernelError>;
 
+/// Heads of [`Gpu::rope_kv_write`] a block (`ROPE_WARPS` in rope.cu).
+const ROPE_WARPS: usize = 4;
+/// The widest head it takes (`ROPE_HD_MAX`).
+const ROPE_HD_MAX: usize = 256;
+
 /// Where and how [`Gpu::rope_kv_write`] rotates and writes a step's tokens.
 #[derive(Clone, Copy)]
 pub struct RopeKv<'a> {
@@ -178,6 +183,11 @@ impl Gpu {
                 "rope and KV write over {tokens} tokens: slots, positions or frequencies too short"
             )));
         }
+        if !head_dim.is_multiple_of(32) || head_dim > ROPE_HD_MAX {
+            return Err(KernelError::Shape(format!(
+                "rope and KV write: heads of {head_dim}, not a multiple of 32 up to {ROPE_HD_MAX}"
+            )));
+        }
         let name = match kv.format {
             KvFormat::Bf16 => "rope_kv_write_bf16",
             KvFormat::Fp8 => "rope_kv_write_fp8",
@@ -208,10 +218,14 @@ impl Gpu {
             b.arg(&NULL_SCALES).arg(&NULL_SCALES);
         }
         b.arg(&h).arg(&kvh).arg(&d).arg(&ps).arg(&il);
-        let grid = (tokens as u32, (heads + kv_heads) as u32, 1);
+        let grid = (
+            tokens as u32,
+            (heads + kv_heads).div_ceil(ROPE_WARPS) as u32,
+            1,
+        );
         // SAFETY: the caller vouches for the rows; slots index vectors
-        // inside the pages.
-        unsafe { b.launch(cfg(grid, head_dim as u32, 0)) }.map_err(cuda_err)?;
+        // inside the pages; a warp a head, past the last one idle.
+        unsafe { b.launch(cfg(grid, 32 * ROPE_WARPS as u32, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
 

@@ -3,9 +3,7 @@
 //! them in one GEMV launch instead of one each.
 
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{
-    CudaSlice, DeviceWeight, GemmScratch, GemmShape, Gpu, NormArgs, StackShape,
-};
+use kiln_kernels::cuda::{CudaSlice, DeviceWeight, GemmScratch, Gpu, NormArgs, StackShape};
 use kiln_kernels::matmul::Weight;
 use kiln_kernels::quant::DType;
 
@@ -111,6 +109,9 @@ impl Linear {
     ) -> R<()> {
         let (m, k) = (norm.rows, norm.cols);
         if self.weights().all(|w| g.takes_bf16_input(w, m, k)) {
+            if let Linear::Stacked { w, parts } = self {
+                return g.normed_parts(h, &norm, w, outs, parts, scratch);
+            }
             g.rmsnorm_residual_bf16(h, scratch, &norm)?;
             return self.each_stack(k, outs, |w, outs, parts| {
                 g.matmul_parts_bf16(w, outs, StackShape { m, parts, k }, scratch)
@@ -165,9 +166,7 @@ impl CublasStack<'_> {
         out: &mut CudaSlice<f32>,
         scratch: &mut GemmScratch,
     ) -> R<()> {
-        let (m, k, parts) = (norm.rows, norm.cols, &[self.rows][..]);
-        g.rmsnorm_residual_bf16(h, scratch, &norm)?;
-        g.matmul_parts_bf16(self.w, &mut [out], StackShape { m, parts, k }, scratch)
+        g.normed_parts(h, &norm, self.w, &mut [out], &[self.rows], scratch)
     }
 
     /// As [`Self::apply_normed`], the product in bf16.
@@ -178,9 +177,6 @@ impl CublasStack<'_> {
         out: &mut CudaSlice<half::bf16>,
         scratch: &mut GemmScratch,
     ) -> R<()> {
-        let (m, k) = (norm.rows, norm.cols);
-        g.rmsnorm_residual_bf16(h, scratch, &norm)?;
-        let shape = GemmShape { m, n: self.rows, k };
-        g.matmul_bf16_out(self.w, out, shape, scratch)
+        g.normed_bf16_out(h, &norm, self.w, out, self.rows, scratch)
     }
 }

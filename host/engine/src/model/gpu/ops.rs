@@ -124,7 +124,8 @@ pub(super) struct CudaStep<'a, 'w> {
     fold: bool,
     /// The MLP in bf16 (`GpuModel::set_bf16_mlp`).
     bf16_mlp: bool,
-    /// The scratch holds the MLP's activation for the down projection.
+    /// The bf16 MLP's gate/up product waits in `gu16` for the down
+    /// projection, which makes its activation.
     mlp_ready: bool,
     /// The blocks: a block's output projection says what its attention
     /// writes, the bf16 input of a bf16 GEMM (cuBLAS or skinny) or f32
@@ -302,10 +303,9 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                     b.gu16.as_mut(),
                     gate_up.cublas_stack(g, n, c.hidden),
                 ) {
-                    // One bf16 GEMM, then SiLU-and-multiply into the down
-                    // projection's input.
+                    // One GEMM into bf16; SiLU-and-multiply runs with the
+                    // down projection, into its input.
                     stack.apply_normed_bf16(g, norm, gu, &mut b.scratch)?;
-                    g.silu_mul_pairs(gu, &mut b.scratch, n, c.ffn)?;
                     self.mlp_ready = true;
                     return Ok(());
                 }
@@ -352,21 +352,21 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                 gemm(n, c.hidden, k),
                 &mut b.scratch,
             )?,
+            Input::Mlp if std::mem::take(&mut self.mlp_ready) => {
+                let gu = b.gu16.as_ref().ok_or_else(|| {
+                    KernelError::Shape("a bf16 MLP without its gate/up buffer".into())
+                })?;
+                let shape = gemm(n, c.hidden, k);
+                g.down_from_pairs(gu, w, &mut b.proj, shape, &mut b.scratch)?;
+            }
             Input::Mlp if g.takes_bf16_input(w, n, k) => {
-                if !std::mem::take(&mut self.mlp_ready) {
-                    g.silu_mul_bf16(&b.gate, &b.up, &mut b.scratch, n * k)?;
-                }
+                g.silu_mul_bf16(&b.gate, &b.up, &mut b.scratch, n * k)?;
                 let shape = StackShape {
                     m: n,
                     parts: &[c.hidden],
                     k,
                 };
                 g.matmul_parts_bf16(w, &mut [&mut b.proj], shape, &mut b.scratch)?;
-            }
-            Input::Mlp if self.mlp_ready => {
-                return Err(KernelError::Shape(
-                    "a bf16 MLP's activation for a down projection that is not bf16".into(),
-                ));
             }
             Input::Mlp => {
                 g.silu_mul(&mut b.gate, &b.up, n * k)?;
