@@ -79,6 +79,7 @@ impl Gpu {
         unsafe { b.launch(cfg((blocks(n / 8, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
+
     /// The down projection from a gate/up product: `out (m x n) =
     /// (silu(gate) * up) * w^T`, `gu` holding `m` rows of gate then up (`k`
     /// each, bf16) as one GEMM over the stacked weights writes them, for a

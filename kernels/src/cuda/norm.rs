@@ -35,6 +35,16 @@ pub(super) enum NormOut<'a> {
     Bf16(&'a mut CudaSlice<bf16>),
 }
 
+/// 16-byte pieces a thread of the norms keeps in registers (`NORM_PIECES`
+/// in norm.cu).
+pub(super) const NORM_PIECES: usize = 4;
+
+/// Threads of a norm's block over rows of `dim`: one per 16-byte piece of
+/// a row (up to 1024), so one row (a decode step) is read in a single round.
+pub(super) fn norm_threads(dim: usize) -> usize {
+    dim.div_ceil(4).next_multiple_of(32).clamp(32, 1024)
+}
+
 impl Gpu {
     /// `x += residual` (if given), then `out = rmsnorm(x) * w`, per row.
     pub fn rmsnorm_residual(
@@ -76,9 +86,7 @@ impl Gpu {
         };
         let dim_i = dim as i32;
         b.arg(&dim_i).arg(&eps);
-        // A thread per 16-byte piece of a row (up to 1024), so one row (a
-        // decode step) is read in a single round.
-        let threads = dim.div_ceil(4).next_multiple_of(32).clamp(32, 1024) as u32;
+        let threads = norm_threads(dim) as u32;
         // SAFETY: the kernel reads and writes `rows x dim` of each buffer.
         unsafe { b.launch(cfg((rows as u32, 1, 1), threads, 0)) }.map_err(cuda_err)?;
         Ok(())

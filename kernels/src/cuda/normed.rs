@@ -9,15 +9,12 @@ use half::bf16;
 use super::cublas::no_fp8_scratch;
 use super::fp8_gemm::{Fp8Rows, Fp8Scratch};
 use super::launch::cfg;
+use super::norm::{NORM_PIECES, norm_threads};
 use super::shape::StackShape;
 use super::{DeviceWeight, GemmScratch, Gpu, NormArgs, cuda_err};
 use crate::KernelError;
 
 type R<T = ()> = Result<T, KernelError>;
-
-/// 16-byte pieces a thread of the norms keeps in registers (`NORM_PIECES`
-/// in norm.cu).
-const NORM_PIECES: usize = 4;
 
 impl Gpu {
     /// `outs[i] = rmsnorm(h += residual) * norm_w * w_i^T` for a stack
@@ -76,7 +73,7 @@ impl Gpu {
         scratch: &'s mut GemmScratch,
     ) -> R<Option<(Fp8Rows<'w>, &'s mut Fp8Scratch)>> {
         let (rows, dim) = (norm.rows, norm.cols);
-        let threads = dim.div_ceil(4).next_multiple_of(32).clamp(32, 1024);
+        let threads = norm_threads(dim);
         let fits = dim.is_multiple_of(4) && dim <= 4 * NORM_PIECES * threads;
         let Some(w8) = self.fp8_stack(w, rows, dim).filter(|_| fits) else {
             return Ok(None);
