@@ -234,7 +234,12 @@ fn quantized_gemv(gpu: &mut Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Res
         "{:>10} {:>14} {:>3} {:>10} {:>16} {:>12}",
         "weights", "n x k", "m", "us", "GB/s", "bf16 us"
     );
-    for (nn, k) in [(4096usize, 4096usize), (6144, 4096), (4096, 14336)] {
+    for (nn, k) in [
+        (4096usize, 4096usize),
+        (6144, 4096),
+        (28672, 4096),
+        (4096, 14336),
+    ] {
         let values: Vec<f32> = (0..nn * k).map(|_| rng.random_range(-0.05..0.05)).collect();
         for dtype in [DType::Fp8Row, DType::Int4G128] {
             let bytes: Vec<u8> = values
@@ -290,6 +295,25 @@ fn quantized_gemv(gpu: &mut Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Res
                 );
                 if m == 1 {
                     cold_gemv(gpu, &w, &wb, &x, &mut out, &mut scratch, copy)?;
+                }
+                if dtype == DType::Fp8Row && m <= kiln_kernels::cuda::E4M3_MMA_MAX_M {
+                    // The same product through cuBLASLt, which the FP8
+                    // tensor-core kernel above replaces at these rows.
+                    gpu.set_fp8_mma(false);
+                    gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?;
+                    let err = rel_diff(&s.clone_dtoh(&out)?, &theirs);
+                    let t2 = time_graph(gpu, 30, || {
+                        Ok(gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?)
+                    })?;
+                    gpu.set_fp8_mma(true);
+                    let g2 = dw.size_bytes() as f64 / t2 / 1e9;
+                    println!(
+                        "{:>10} {:>14} {m:>3} cuBLASLt: {:.1} us, {g2:.0} GB/s ({:.0}%), rel err vs cuBLAS {err:.1e}",
+                        "",
+                        format!("{nn}x{k}"),
+                        t2 * 1e6,
+                        100.0 * g2 / copy
+                    );
                 }
                 if m == 1 && dtype == DType::Int4G128 {
                     // The two-launch path (int4_xfrag, then the GEMV of up to

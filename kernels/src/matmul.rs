@@ -134,8 +134,10 @@ impl Weight {
 /// FP8 rows multiply more activation rows than this as W8A8: each row
 /// quantized to e4m3 with a scale of its own, as FP8 tensor cores take them
 /// (per row, so a sequence's numbers do not depend on its batch's other
-/// rows). One row (decode) keeps its f32 activations.
-pub const FP8_GEMV_ROWS: usize = 1;
+/// rows). None keeps f32 activations: decode at one sequence is W8A8 too,
+/// so a sequence's numbers do not depend on its batch's size either, and
+/// its product streams e4m3 codes into tensor cores unconverted.
+pub const FP8_GEMV_ROWS: usize = 0;
 
 /// `out[b][r] = Σ_c x[b][c] · W[r][c]` for `n` activation rows.
 pub fn matmul(x: &[f32], n: usize, w: &Weight, out: &mut [f32]) -> Result<(), KernelError> {

@@ -93,10 +93,10 @@ extern "C" __global__ void quant_rows_e4m3_bf16(const __nv_bfloat16* x, unsigned
 // gu (rows x 2f bf16, gate then up) to e4m3 codes of bf16(silu(g) * u),
 // the values silu_mul_pairs writes, with the row's scale as
 // quant_rows_e4m3_bf16 takes it from them (so the same codes, without the
-// bf16 row's write and read). One block of SILU_Q_THREADS per row, f a
-// multiple of 8; a thread keeps up to SILU_Q_PIECES pieces of 8 in
-// registers, and wider rows compute their pieces twice.
-#define SILU_Q_THREADS 256
+// bf16 row's write and read). One block per row, f a multiple of 8; a
+// thread keeps up to SILU_Q_PIECES pieces of 8 in registers, and wider rows
+// compute their pieces twice. Blocks of 256 threads, or of 512 for a few
+// rows (decode), where one block's row is the whole launch.
 #define SILU_Q_PIECES 8
 
 __device__ __forceinline__ void silu_piece(const __nv_bfloat16* row, int f, int p, float v[8]) {
@@ -114,9 +114,10 @@ __device__ __forceinline__ void silu_piece(const __nv_bfloat16* row, int f, int 
     }
 }
 
-extern "C" __global__ void silu_mul_pairs_e4m3(const __nv_bfloat16* gu, unsigned char* q,
+extern "C" __global__ void __launch_bounds__(512) silu_mul_pairs_e4m3(const __nv_bfloat16* gu, unsigned char* q,
                                                float* scales, int f) {
     PDL_ENTER();
+    const int threads = blockDim.x;
     __shared__ float red[32];
     const __nv_bfloat16* row = gu + (size_t)blockIdx.x * 2 * f;
     unsigned char* o = q + (size_t)blockIdx.x * f;
@@ -125,14 +126,14 @@ extern "C" __global__ void silu_mul_pairs_e4m3(const __nv_bfloat16* gu, unsigned
     float amax = 0.0f;
 #pragma unroll
     for (int j = 0; j < SILU_Q_PIECES; j++) {
-        int p = threadIdx.x + j * SILU_Q_THREADS;
+        int p = threadIdx.x + j * threads;
         if (p < pieces) {
             silu_piece(row, f, p, v[j]);
 #pragma unroll
             for (int e = 0; e < 8; e++) amax = fmaxf(amax, fabsf(v[j][e]));
         }
     }
-    for (int p = threadIdx.x + SILU_Q_PIECES * SILU_Q_THREADS; p < pieces; p += SILU_Q_THREADS) {
+    for (int p = threadIdx.x + SILU_Q_PIECES * threads; p < pieces; p += threads) {
         float w[8];
         silu_piece(row, f, p, w);
 #pragma unroll
@@ -143,10 +144,10 @@ extern "C" __global__ void silu_mul_pairs_e4m3(const __nv_bfloat16* gu, unsigned
     float inv = 1.0f / scale;
 #pragma unroll
     for (int j = 0; j < SILU_Q_PIECES; j++) {
-        int p = threadIdx.x + j * SILU_Q_THREADS;
+        int p = threadIdx.x + j * threads;
         if (p < pieces) ((uint2*)o)[p] = e4m3_piece(v[j], inv);
     }
-    for (int p = threadIdx.x + SILU_Q_PIECES * SILU_Q_THREADS; p < pieces; p += SILU_Q_THREADS) {
+    for (int p = threadIdx.x + SILU_Q_PIECES * threads; p < pieces; p += threads) {
         float w[8];
         silu_piece(row, f, p, w);
         ((uint2*)o)[p] = e4m3_piece(w, inv);

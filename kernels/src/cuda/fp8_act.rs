@@ -78,9 +78,15 @@ impl Gpu {
             .stream
             .launch_builder(self.function("silu_mul_pairs_e4m3")?);
         b.arg(gu).arg(q).arg(scales).arg(&fi);
-        // SAFETY: one block of SILU_Q_THREADS (256) per row, sizes checked
-        // above.
-        unsafe { b.launch(cfg(rows as u32, 256)) }.map_err(cuda_err)?;
+        // A few rows (decode) are the whole launch: twice the threads a row.
+        let threads = if rows <= super::E4M3_MMA_MAX_M {
+            512
+        } else {
+            256
+        };
+        // SAFETY: one block per row (of at most 512 threads, the kernel's
+        // bound), sizes checked above.
+        unsafe { b.launch(cfg(rows as u32, threads)) }.map_err(cuda_err)?;
         Ok(())
     }
 

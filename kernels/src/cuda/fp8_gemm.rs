@@ -5,7 +5,9 @@
 //! applied by cuBLASLt's outer-vector scaling (sm_90, CUDA 12.9 and up).
 //!
 //! Products of FP8 rows with more than [`FP8_GEMV_ROWS`] activation rows
-//! take this path; a single row takes the W8A16 GEMV of `quant.cu`.
+//! take this path, those of up to [`super::E4M3_MMA_MAX_M`] rows through
+//! Kiln's own kernel (`fp8_mma.rs`); GPUs without FP8 tensor cores take the
+//! W8A16 GEMV of `quant.cu`.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -88,6 +90,9 @@ impl Gpu {
         shape: super::StackShape<'_>,
         scratch: &mut Fp8Scratch,
     ) -> R {
+        if self.fp8_mma_takes(&w, &shape) {
+            return self.gemm_fp8_mma(w, outs, shape, scratch);
+        }
         let super::StackShape { m, parts, k } = shape;
         let Fp8Scratch { xq, xs, ws } = scratch;
         let stride = FP8_ROW_HEADER + k;
@@ -122,14 +127,18 @@ impl Gpu {
 pub trait Fp8Out: DeviceRepr {
     /// cuBLASLt's name for the type.
     const TYPE: sys::cudaDataType;
+    /// The suffix of Kiln's kernels that write it.
+    const SUFFIX: &'static str;
 }
 
 impl Fp8Out for f32 {
     const TYPE: sys::cudaDataType = sys::cudaDataType::CUDA_R_32F;
+    const SUFFIX: &'static str = "f32";
 }
 
 impl Fp8Out for bf16 {
     const TYPE: sys::cudaDataType = sys::cudaDataType::CUDA_R_16BF;
+    const SUFFIX: &'static str = "bf16";
 }
 
 // SAFETY: the handle is used only under the `Mutex` that holds it, on the

@@ -207,7 +207,11 @@ impl Gpu {
         Ok(())
     }
 
-    pub(super) fn out_ptrs(&self, outs: &mut [&mut CudaSlice<f32>], parts: &[usize]) -> OutPtrs {
+    pub(super) fn out_ptrs<T: cudarc::driver::DeviceRepr>(
+        &self,
+        outs: &mut [&mut CudaSlice<T>],
+        parts: &[usize],
+    ) -> OutPtrs {
         let mut ptrs = [0u64; 3];
         for (p, o) in ptrs.iter_mut().zip(outs.iter_mut()) {
             // The launch is queued on this same stream, so no guard is

@@ -16,6 +16,7 @@ mod embed;
 mod fold;
 mod fp8_act;
 mod fp8_gemm;
+mod fp8_mma;
 mod gemv;
 mod graph;
 mod hadamard;
@@ -53,6 +54,7 @@ pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};
 pub use fp8_act::Fp8Input;
 pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Out, Fp8Scratch};
+pub use fp8_mma::E4M3_MMA_MAX_M;
 pub use graph::Graph;
 pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_tiles};
 pub use kv::PagedKv;
@@ -86,6 +88,7 @@ pub const SOURCE: &str = concat!(
     include_str!("gemv_norm.cu"),
     include_str!("quant.cu"),
     include_str!("fp8_act.cu"),
+    include_str!("fp8_mma.cu"),
     include_str!("int4.cu"),
     include_str!("int4_one.cu"),
     include_str!("skinny.cu"),
@@ -168,6 +171,11 @@ const KERNELS: &[&str] = &[
     "quant_rows_e4m3_bf16",
     "silu_mul_pairs_e4m3",
     "rmsnorm_residual_e4m3",
+    // fp8_mma.cu
+    "gemm_e4m3_nb1_f32",
+    "gemm_e4m3_nb2_f32",
+    "gemm_e4m3_nb1_bf16",
+    "gemm_e4m3_nb2_bf16",
     // int4.cu
     "int4_xfrag",
     "gemv_int4_g64",
@@ -243,6 +251,9 @@ pub struct Gpu {
     /// Whether one-row int4 products take the one-launch GEMV
     /// ([`Gpu::set_int4_one`]).
     int4_one: bool,
+    /// Whether W8A8 products of few rows take `fp8_mma.cu`
+    /// ([`Gpu::set_fp8_mma`]).
+    fp8_mma: bool,
     /// Warps a block of prefill attention: 4 or 8
     /// ([`Gpu::set_prefill_warps`]).
     prefill_warps: usize,
@@ -455,6 +466,7 @@ impl Gpu {
                 },
                 cluster_room,
                 int4_one: true,
+                fp8_mma: true,
                 prefill_warps: prefill::DEFAULT_WARPS,
             })
         });
@@ -489,6 +501,12 @@ impl Gpu {
     /// sm_90).
     pub fn set_cluster(&mut self, on: bool) {
         self.cluster = on && self.clusters;
+    }
+
+    /// Whether W8A8 products of up to [`E4M3_MMA_MAX_M`] rows take Kiln's
+    /// FP8 tensor-core kernel (on when a `Gpu` opens) or cuBLASLt.
+    pub fn set_fp8_mma(&mut self, on: bool) {
+        self.fp8_mma = on;
     }
 
     /// Whether one-row int4 products (decode at one sequence) run in one

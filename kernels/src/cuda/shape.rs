@@ -58,7 +58,7 @@ pub(super) fn row_blocks(m: usize) -> (usize, usize) {
 
 /// Checks one output per part, each big enough for `m` rows of its part;
 /// the stack's total rows.
-pub(super) fn check_parts(outs: &[&mut CudaSlice<f32>], parts: &[usize], m: usize) -> R<usize> {
+pub(super) fn check_parts<T>(outs: &[&mut CudaSlice<T>], parts: &[usize], m: usize) -> R<usize> {
     if outs.len() != parts.len() || parts.is_empty() || parts.len() > 3 {
         return Err(KernelError::Shape(format!(
             "{} outputs for {} row blocks: one to three, one output each",

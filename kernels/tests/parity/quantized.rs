@@ -149,9 +149,11 @@ fn block_quantized_matmul_and_embedding_match_float64() {
 
 #[test]
 fn long_quantized_rows_match_float64_through_every_load_loop() {
-    // FP8 rows of 4128: two whole rounds of four 16-byte loads a lane in
-    // the one-row GEMV, then a tail two lanes take; 68 rows, so the last
-    // block's last four warps have none. Int4 rows of 4096: 32
+    // FP8 rows of 4128: on FP8 tensor cores, 64 pieces of 64 and a 32-wide
+    // tail, and 68 rows, so the last strip reads past the end (without
+    // them, two whole rounds of four 16-byte loads a lane in the GEMV,
+    // then a tail two lanes take, and a last block whose last four warps
+    // have none). Int4 rows of 4096: 32
     // and 64 groups, so each warp of the GEMV of up to 8 rows takes two
     // groups at a time, twice or more; rows of 14336 (112 groups) take the
     // one-row GEMV through four batches of loads a warp.

@@ -134,6 +134,19 @@ impl Linear {
         }
     }
 
+    /// Whether every weight is FP8 rows.
+    pub(super) fn fp8_rows(&self) -> bool {
+        self.weights().all(|w| {
+            matches!(
+                w,
+                DeviceWeight::Blocks {
+                    dtype: DType::Fp8Row,
+                    ..
+                }
+            )
+        })
+    }
+
     /// Bytes of weights on the device.
     pub(super) fn size_bytes(&self) -> usize {
         self.weights().map(DeviceWeight::size_bytes).sum()

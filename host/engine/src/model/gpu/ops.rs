@@ -294,12 +294,14 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
             }
             Pending::Norm { w, residual } => {
                 let norm = norm_in(&mut b.h, &b.proj, w, residual, c, n);
-                // Steps with a prompt chunk past the decode batches' sizes
-                // only: decode steps (and their captured graphs) keep the
-                // f32 MLP.
+                // Steps with a prompt chunk past the decode batches' sizes,
+                // and any step on FP8 rows (SiLU-and-multiply of the pairs
+                // then writes the down projection's e4m3 input in one
+                // pass): bf16 weights' decode steps (and their captured
+                // graphs) keep the f32 MLP.
                 let prefill = n > self.s.seqs && n > SKINNY_MAX_M;
                 if let (true, Some(gu), Some(stack)) = (
-                    self.bf16_mlp && prefill,
+                    self.bf16_mlp && (prefill || gate_up.fp8_rows()),
                     b.gu16.as_mut(),
                     gate_up.cublas_stack(g, n, c.hidden),
                 ) {
