@@ -20,9 +20,42 @@
 # (or ./gpu-out), and fails if a parity or engine test fails;
 # `scripts/gpu.sh bench` runs only the last two, `scripts/gpu.sh shutdown`
 # checks SIGTERM under load (carry .gpu-bench), `scripts/gpu.sh int4` the
-# int4 kernels and int4 decode beside a base build.
+# int4 kernels and int4 decode beside a base build, `scripts/gpu.sh
+# fp8-decode` FP8 rows' kernels and decode beside a base build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# There, for a mode that runs builds side by side: $out, the environment,
+# the base build unpacked, and the GPU's name and clocks.
+prepare() {
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    "$0" unpack
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+}
+
+# The FP8 modes' tests (there, under `set +e`, with $out set): the parity
+# suite (PARITY=0 leaves it out where none of its kernels changed), the
+# FP8 tensor-core and FP8 GEMM tests, the CUDA-graph tests, then the
+# engine's tests on the synthetic models named by the arguments. Sets
+# `failed` to 1 if any fails.
+fp8_tests() {
+    if [ "${PARITY:-1}" != 0 ]; then
+        KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" | tail -3
+        [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    fi
+    for t in fp8_mma fp8_gemm; do
+        KILN_TEST_DEVICE=cuda timeout 60 ".gpu/$t" --include-ignored --nocapture 2>&1 | tee -a "$out/parity.log" |
+            grep -E "rel err|test result|panicked" | tail -12
+        [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    done
+    KILN_TEST_DEVICE=cuda timeout 60 .gpu/cuda_graphs --include-ignored 2>&1 | tee -a "$out/parity.log" | tail -3
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --test-threads 1 --nocapture "$@" 2>&1 |
+        tee -a "$out/parity.log" | grep -E "differ by|test result|panicked|FAILED" | tail -20
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+}
 
 case "${1:-}" in
 build)
@@ -38,6 +71,7 @@ for l in sys.stdin:
     cp "$(test_bin kiln-kernels parity)" .gpu/parity
     cp "$(test_bin kiln-kernels cuda_graphs)" .gpu/cuda_graphs
     cp "$(test_bin kiln-kernels fp8_gemm)" .gpu/fp8_gemm
+    cp "$(test_bin kiln-kernels fp8_mma)" .gpu/fp8_mma
     cp "$(test_bin kiln-kernels skinny)" .gpu/skinny
     cp "$(test_bin kiln-kernels bf16_mlp)" .gpu/bf16_mlp
     cp "$(test_bin kiln-tests gpu)" .gpu/engine
@@ -49,8 +83,13 @@ for l in sys.stdin:
     cp target/release/kiln .gpu-bench/kiln
     strip .gpu-bench/kiln
     model="${KILN_CACHE:-$HOME/.cache/kiln}/SmolLM2-135M-Instruct.Q4_1.gguf"
-    head -c 50000000 "$model" >.gpu-model/a
-    tail -c +50000001 "$model" >.gpu-model/b
+    if [ -f "$model" ]; then
+        head -c 50000000 "$model" >.gpu-model/a
+        tail -c +50000001 "$model" >.gpu-model/b
+    else
+        # The synthetic models' modes need no staged model.
+        echo "no $model: .gpu-model not staged (run kiln once to fetch it)"
+    fi
     ls -l .gpu .gpu-bench .gpu-model
     ;;
 stage)
@@ -74,6 +113,8 @@ run)
     KILN_TEST_DEVICE=cuda timeout 60 .gpu/cuda_graphs --include-ignored 2>&1 | tee -a "$out/parity.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
     KILN_TEST_DEVICE=cuda timeout 60 .gpu/fp8_gemm --include-ignored --nocapture 2>&1 | tee -a "$out/parity.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
+    KILN_TEST_DEVICE=cuda timeout 60 .gpu/fp8_mma --include-ignored 2>&1 | tee -a "$out/parity.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
     KILN_TEST_DEVICE=cuda timeout 60 .gpu/skinny --include-ignored 2>&1 | tee -a "$out/parity.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
@@ -321,8 +362,8 @@ baseline)
     rev="${2:-main}"
     wt="$(mktemp -d)"
     git worktree add -q --detach "$wt" "$rev"
-    # The same target directory: the worktree's crates build apart (their
-    # paths differ) and the dependencies are reused.
+    # The same target directory, so the dependencies are reused (this
+    # tree's crates are touched after it; see below).
     target="$PWD/target"
     (cd "$wt" && CARGO_TARGET_DIR="$target" cargo build --release -p kiln-host --message-format=json 2>/dev/null |
         python3 -c 'import json,sys
@@ -334,6 +375,11 @@ for l in sys.stdin:
     strip -o "$wt/kiln" "$(cat "$wt/.kiln-path")"
     xz -T2 -6 -c "$wt/kiln" >.gpu-bench/kiln-base.xz
     git worktree remove --force "$wt"
+    # Cargo names a path crate's artifacts by its path within the
+    # workspace, so the worktree's crates overwrote this tree's in the
+    # shared target directory with fingerprints that look fresh: touch this
+    # tree's crates so the next build compiles them again.
+    touch kernels/src/lib.rs host/engine/src/lib.rs host/src/main.rs runtime/src/lib.rs tests/src/lib.rs 2>/dev/null || true
     echo "$(git rev-parse --short "$rev"): .gpu-bench/kiln-base.xz"
     ls -l .gpu-bench
     ;;
@@ -352,11 +398,7 @@ int4)
     # (`cuda_bench quantized`), then int4 decode at 1 and 8 sequences by the
     # base build (`baseline` here) and this tree's in turn (carry .gpu,
     # .gpu-bench/kiln.xz, .gpu-bench/kiln-base.xz). Fails if a test fails.
-    out="${OUT:-./gpu-out}"
-    mkdir -p "$out"
-    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-    "$0" unpack
-    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+    prepare
     set +e
     KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" | tail -4
     failed=${PIPESTATUS[0]}
@@ -374,33 +416,47 @@ int4)
     done
     exit "$failed"
     ;;
+fp8-decode)
+    # FP8 rows at decode: the parity suite, the FP8 tensor-core kernel's
+    # tests, its products beside cuBLASLt's (`cuda_bench quantized`), the
+    # engine's FP8 and graph tests, then decode tok/s at 1-64 sequences on
+    # FP8 rows by the base build (`baseline` here) and this tree's, and on
+    # bf16 weights by this tree's (carry .gpu, .gpu-bench/kiln.xz,
+    # .gpu-bench/kiln-base.xz). Fails if a test fails.
+    prepare
+    set +e
+    failed=0
+    fp8_tests fp8_weights bf16_mlp bf16_weights_through
+    # BENCH=0 leaves out the products alone.
+    if [ "${BENCH:-1}" != 0 ]; then
+        timeout 150 .gpu/cuda_bench quantized 2>&1 | tee "$out/bench.log" | grep -E "Fp8|cuBLASLt|cold|device|copy"
+    fi
+    IFS=, read -ra cases <<<"${CASES:-/tmp/kiln-base fp8,.gpu-bench/kiln fp8,.gpu-bench/kiln native}"
+    for case in "${cases[@]}"; do
+        set -- $case
+        echo "== $1 --weights $2" | tee -a "$out/fp8-decode.log"
+        timeout 200 "$1" bench --model synthetic:llama-3-8b --device cuda --weights "$2" --kv fp8 \
+            --kv-memory 16GiB --concurrency "${CONC:-1,8,16,32,64}" --prompt-tokens 512 --gen-tokens 128 \
+            2>&1 | grep -v INFO | tee -a "$out/fp8-decode.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    done
+    # PROFILE=1: Nsight Compute's kernel durations over one decode step of
+    # one sequence on FP8 rows.
+    if [ -n "${PROFILE:-}" ]; then
+        WEIGHTS=fp8 NCU_ONLY=1 GEN=4 scripts/ncu_step.sh fp8 1 512 2>&1 | head -40 | tee -a "$out/fp8-decode.log"
+    fi
+    exit "$failed"
+    ;;
 fp8-prefill)
     # Issue 18's FP8 prefill: the FP8 GEMM and parity tests, prompt tok/s
     # by weight format at 1x1024, 8x1024 and 8x1024 in one 8192-token step,
     # by the base build (`baseline` here, FP8 rows) and this tree's, then
     # Nsight Compute's kernel durations over one 1024-token prefill step of
     # each format (carry .gpu, .gpu-bench/kiln.xz, .gpu-bench/kiln-base.xz).
-    out="${OUT:-./gpu-out}"
-    mkdir -p "$out"
-    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-    "$0" unpack
+    prepare
     set +e
     failed=0
-    # PARITY=0 leaves out the parity suite (a minute) where no kernel of it changed.
-    if [ "${PARITY:-1}" != 0 ]; then
-        KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" | tail -3
-        failed=${PIPESTATUS[0]}
-    fi
-    KILN_TEST_DEVICE=cuda timeout 60 .gpu/fp8_gemm --include-ignored --nocapture 2>&1 | tee -a "$out/parity.log" |
-        grep -E "rel err|test result"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    KILN_TEST_DEVICE=cuda timeout 60 .gpu/cuda_graphs --include-ignored 2>&1 | tee -a "$out/parity.log" | tail -3
-    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    # The engine on the synthetic models' kernels (no staged model needed).
-    KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --test-threads 1 --nocapture \
-        fp8_weights bf16_mlp skinny_gemm cluster_gemm bf16_weights_through 2>&1 | tee -a "$out/parity.log" |
-        grep -E "differ by|test result|panicked|FAILED"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    fp8_tests fp8_weights bf16_mlp skinny_gemm cluster_gemm bf16_weights_through
     # The base build on FP8 rows only (bf16 weights take the same path in
     # both); CASES="BIN WEIGHTS,..." overrides.
     IFS=, read -ra cases <<<"${CASES:-/tmp/kiln-base fp8,.gpu-bench/kiln fp8,.gpu-bench/kiln native}"

@@ -7,7 +7,8 @@
 # prints the table.
 # Usage: scripts/ncu_step.sh [KV_FORMAT [CONCURRENCY [PROMPT_TOKENS]]]
 # (defaults fp8, 1, 1024; a big batch with a short prompt times the GEMMs
-# at that batch without profiling a long prefill).
+# at that batch without profiling a long prefill); WEIGHTS picks the
+# weight format (default native).
 set -uo pipefail
 out="${OUT:-./gpu-out}"
 mkdir -p "$out"
@@ -15,12 +16,14 @@ export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LI
 kv="${1:-fp8}" conc="${2:-1}" prompt="${3:-1024}"
 csv="$out/ncu-step-$kv-$conc.csv"
 args=(bench --model synthetic:llama-3-8b --device cuda --concurrency "$conc" --prompt-tokens "$prompt"
-    --kv "$kv" --kv-memory 8GiB)
+    --kv "$kv" --kv-memory 8GiB --weights "${WEIGHTS:-native}")
 gen="${GEN:-4}"
 timeout 300 /usr/local/cuda/bin/ncu --csv --print-units base --clock-control none \
     --cache-control none --metrics gpu__time_duration.sum .gpu-bench/kiln "${args[@]}" --gen-tokens "$gen" \
     --cuda-graphs off >"$csv" 2>"$csv.err"
 python3 scripts/ncu_step.py "$csv"
+# NCU_ONLY=1 leaves out the step times without the profiler.
+[ -n "${NCU_ONLY:-}" ] && exit 0
 for mode in "on on" "on off" "off off"; do
     set -- $mode
     timeout 120 .gpu-bench/kiln "${args[@]}" --gen-tokens 64 --cuda-graphs "$1" --cuda-pdl "$2" 2>&1 |
