@@ -58,16 +58,19 @@ fn int4_weights_agree_with_bf16_weights_under_teacher_forcing() {
     assert!(kl <= 0.373, "mean KL {kl}");
 }
 
-/// FP8 rows (e4m3, a scale per output channel) as W8A8: a prompt's rows
-/// go to e4m3 with a scale per token, as FP8 tensor cores read them on the
-/// GPU. Measured 169/188 (0.899) and a mean KL of 0.0348 nats (with f32
-/// activations, W8A16: 170/188, 0.0275). Issue 18 asks 98%; on this model
-/// 8-bit Q8_0 weights reach only 0.963 (see above), and e4m3 keeps 3
+/// FP8 rows (e4m3, a scale per output channel) as W8A8: every activation
+/// row, one-row decode steps included, goes to e4m3 with a scale per
+/// token, as FP8 tensor cores read them on the GPU (as batched decode rows
+/// always did, so a sequence's numbers no longer depend on its batch's
+/// size). Measured 164/188 (0.872) and a mean KL of 0.0501 nats; with the
+/// one-row steps' activations in f32 (W8A16) it was 169/188 and 0.0348,
+/// and with every row's, 170/188 and 0.0275. Issue 18 asks 98%; on this
+/// model 8-bit Q8_0 weights reach only 0.963 (see above), and e4m3 keeps 3
 /// mantissa bits against Q8_0's 7.
 #[test]
 fn fp8_weights_agree_with_bf16_weights_under_teacher_forcing() {
     let (agree, total, kl) = against_bf16(WeightFormat::Fp8);
     let rate = agree as f64 / total as f64;
-    assert!(rate >= 0.88, "agreement {rate}");
-    assert!(kl <= 0.037, "mean KL {kl}");
+    assert!(rate >= 0.86, "agreement {rate}");
+    assert!(kl <= 0.053, "mean KL {kl}");
 }
