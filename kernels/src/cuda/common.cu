@@ -1,7 +1,7 @@
 // Kiln's CUDA kernels, compiled at run time by NVRTC. Every kernel has a CPU
 // reference in kiln-kernels; the parity tests hold them to it.
 //
-// This file comes first in `SOURCE` (mod.rs): the includes, macros and
+// This file comes first in `SOURCE` (source.rs): the includes, macros and
 // device helpers the other files use. Each file after it uses only what
 // the files before it define.
 //
