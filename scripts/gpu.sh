@@ -457,19 +457,26 @@ fp8-prefill)
     set +e
     failed=0
     fp8_tests fp8_weights bf16_mlp skinny_gemm cluster_gemm bf16_weights_through
+    # cuBLASLt's W8A8 algorithms one by one at prefill's products (BENCH=0
+    # leaves it out).
+    if [ "${BENCH:-1}" != 0 ]; then
+        timeout 200 .gpu/cuda_bench fp8lt 2>&1 | tee "$out/fp8lt.log"
+    fi
     # The base build on FP8 rows only (bf16 weights take the same path in
-    # both); CASES="BIN WEIGHTS,..." overrides.
+    # both); CASES="BIN WEIGHTS [FLAGS...],..." overrides.
     IFS=, read -ra cases <<<"${CASES:-/tmp/kiln-base fp8,.gpu-bench/kiln fp8,.gpu-bench/kiln native}"
     for case in "${cases[@]}"; do
         set -- $case
         bin="$1" weights="$2"
+        shift 2
+        flags="$*"
         for run in "1,8" "8 --step-tokens 8192"; do
-            echo "== $bin --weights $weights --concurrency $run" | tee -a "$out/fp8-prefill.log"
+            echo "== $bin --weights $weights $flags --concurrency $run" | tee -a "$out/fp8-prefill.log"
             # Each step's wall and device time, to tell kernels from gaps.
-            trace="$out/trace-$(basename "$bin")-$weights-${run%% *}"
+            trace="$out/trace-$(basename "$bin")-$weights-$(tr , - <<<"${run%% *}")"
             mkdir -p "$trace"
             # shellcheck disable=SC2086
-            timeout 120 "$bin" bench --model synthetic:llama-3-8b --device cuda --weights "$weights" \
+            timeout 120 "$bin" bench --model synthetic:llama-3-8b --device cuda --weights "$weights" $flags \
                 --kv fp8 --kv-memory 16GiB --prompt-tokens 1024 --gen-tokens 2 --trace "$trace" --concurrency $run 2>&1 |
                 grep -v INFO | tee -a "$out/fp8-prefill.log"
             [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1

@@ -17,6 +17,9 @@ use kiln_kernels::cuda::{
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use rand::{Rng, SeedableRng};
 
+/// cuBLASLt's W8A8 algorithms one by one.
+#[path = "bench/fp8_lt.rs"]
+mod fp8_lt;
 /// Random KV pages for the attention benchmarks.
 #[path = "bench/pages.rs"]
 mod pages;
@@ -92,6 +95,10 @@ fn main() -> Result<(), E> {
         t * 1e3
     );
     drop((src, dst));
+    // `fp8lt`: cuBLASLt's W8A8 algorithms at prefill's products.
+    if std::env::args().nth(1).as_deref() == Some("fp8lt") {
+        return fp8_lt::run(&gpu, &mut rng);
+    }
     // `quantized`: the FP8-row and int4 products alone.
     if std::env::args().nth(1).as_deref() == Some("quantized") {
         return quantized_gemv(&mut gpu, &mut rng, copy);

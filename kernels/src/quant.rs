@@ -31,6 +31,23 @@ pub const INT4_HEADER: usize = 4;
 /// Bytes of a [`DType::Fp8Row`] row's header (f32 scale, 12 zeros).
 pub const FP8_ROW_HEADER: usize = 16;
 
+/// [`DType::Fp8Row`] rows of `k` split as FP8 tensor cores read them: each
+/// row's e4m3 codes, packed, and each row's scale. `None` if `bytes` is not
+/// whole rows.
+pub fn fp8_rows_packed(bytes: &[u8], k: usize) -> Option<(Vec<u8>, Vec<f32>)> {
+    let stride = FP8_ROW_HEADER + k;
+    if !bytes.len().is_multiple_of(stride) {
+        return None;
+    }
+    let rows = bytes.len() / stride;
+    let (mut codes, mut scales) = (Vec::with_capacity(rows * k), Vec::with_capacity(rows));
+    for row in bytes.chunks_exact(stride) {
+        scales.push(f32::from_le_bytes([row[0], row[1], row[2], row[3]]));
+        codes.extend_from_slice(&row[FP8_ROW_HEADER..]);
+    }
+    Some((codes, scales))
+}
+
 /// The element type of a weight tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
@@ -388,6 +405,30 @@ pub fn quantize(dtype: DType, values: &[f32]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn packed_fp8_rows_hold_each_rows_codes_and_scale() {
+        let (k, rows) = (64, 3);
+        let values: Vec<f32> = (0..rows * k).map(|i| (i as f32 - 90.0) * 0.01).collect();
+        let bytes: Vec<u8> = values
+            .chunks(k)
+            .flat_map(|r| quantize(DType::Fp8Row, r))
+            .collect();
+        let (codes, scales) = fp8_rows_packed(&bytes, k).unwrap();
+        assert_eq!((codes.len(), scales.len()), (rows * k, rows));
+        for r in 0..rows {
+            let mut want = vec![0.0f32; k];
+            dequantize_row(
+                DType::Fp8Row,
+                &bytes[r * (k + 16)..(r + 1) * (k + 16)],
+                &mut want,
+            );
+            let mut got = vec![0.0f32; k];
+            crate::fp8::decode(&codes[r * k..(r + 1) * k], scales[r], &mut got);
+            assert_eq!(got, want, "row {r}");
+        }
+        assert!(fp8_rows_packed(&bytes[1..], k).is_none(), "a partial row");
+    }
 
     #[test]
     fn quantize_then_dequantize_is_close_for_every_format() {

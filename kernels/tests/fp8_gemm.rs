@@ -1,7 +1,7 @@
 //! FP8 W8A8 GEMMs through cuBLASLt: activations quantized on the device
 //! exactly as `fp8::encode` quantizes each row on the host, and the GEMM
-//! over FP8 rows (headers skipped in place, both scale vectors applied by
-//! cuBLASLt) matching float64 over the same e4m3 values. CUDA only, so
+//! over FP8 rows (packed codes and a scale vector, as uploaded; both scale
+//! vectors applied by cuBLASLt) matching float64 over the same e4m3 values. CUDA only, so
 //! ignored unless asked for: `KILN_TEST_DEVICE=cuda` with
 //! `--include-ignored`.
 
@@ -9,7 +9,7 @@ use half::bf16;
 use kiln_kernels::cuda::{DeviceWeight, GemmShape, Gpu, NormArgs, StackShape};
 use kiln_kernels::fp8;
 use kiln_kernels::matmul::Weight;
-use kiln_kernels::quant::{DType, FP8_ROW_HEADER, dequantize_row, quantize_rows};
+use kiln_kernels::quant::{DType, FP8_ROW_HEADER, dequantize_row, fp8_rows_packed, quantize_rows};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -24,13 +24,17 @@ fn fp8_rows_times_fp8_activations_match_float64_over_the_same_values() {
         let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-3.0..3.0)).collect();
         let values: Vec<f32> = (0..n * k).map(|_| rng.random_range(-0.5..0.5)).collect();
         let w = quantize_rows(DType::Fp8Row, k, &values);
-        let (xd, wd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&w).unwrap());
+        // The weights as the device packs them for FP8 tensor cores.
+        let (codes, scales) = fp8_rows_packed(&w, k).unwrap();
+        let xd = s.clone_htod(&x).unwrap();
+        let (wd, ws) = (
+            s.clone_htod(&codes).unwrap(),
+            s.clone_htod(&scales).unwrap(),
+        );
         let mut xq = s.alloc_zeros::<u8>(m * k).unwrap();
         let mut xs = s.alloc_zeros::<f32>(m).unwrap();
-        let mut ws = s.alloc_zeros::<f32>(n).unwrap();
         let mut out = s.alloc_zeros::<f32>(m * n).unwrap();
         gpu.quantize_rows_e4m3(&xd, &mut xq, &mut xs, m, k).unwrap();
-        gpu.fp8_row_scales(&wd.slice(..), &mut ws, n, k).unwrap();
         gpu.gemm_fp8_rows(
             &wd.slice(..),
             &ws.slice(..),
@@ -115,9 +119,11 @@ fn bf16_activations_quantize_as_the_host_and_the_gemm_writes_bf16() {
         // sums fall either side of a rounding boundary).
         let values: Vec<f32> = (0..n * k).map(|_| rng.random_range(-0.5..0.5)).collect();
         let w = quantize_rows(DType::Fp8Row, k, &values);
-        let wd = s.clone_htod(&w).unwrap();
-        let mut ws = s.alloc_zeros::<f32>(n).unwrap();
-        gpu.fp8_row_scales(&wd.slice(..), &mut ws, n, k).unwrap();
+        let (codes, scales) = fp8_rows_packed(&w, k).unwrap();
+        let (wd, ws) = (
+            s.clone_htod(&codes).unwrap(),
+            s.clone_htod(&scales).unwrap(),
+        );
         let mut out16 = s.alloc_zeros::<bf16>(m * n).unwrap();
         let mut out32 = s.alloc_zeros::<f32>(m * n).unwrap();
         let shape = GemmShape { m, n, k };
@@ -183,69 +189,67 @@ fn a_norm_into_e4m3_gives_the_product_of_the_f32_norm() {
     let gpu = Gpu::open(0, true).expect("a CUDA device");
     let s = gpu.stream().clone();
     let mut rng = ChaCha8Rng::seed_from_u64(14);
-    let (m, k, parts) = (70usize, 512usize, [96usize, 32]);
-    let n: usize = parts.iter().sum();
-    let values: Vec<f32> = (0..n * k).map(|_| rng.random_range(-0.5..0.5)).collect();
-    let bytes = quantize_rows(DType::Fp8Row, k, &values);
-    let dw = gpu
-        .weight(&Weight::from_bytes(DType::Fp8Row, n, k, bytes).unwrap())
-        .unwrap();
-    if !matches!(
-        dw,
-        DeviceWeight::Blocks {
-            scales: Some(_),
-            ..
+    // A few rows (a block of a thread a piece) and many (prefill's fewer
+    // threads a block, each holding several pieces).
+    for m in [70usize, 300] {
+        let (k, parts) = (512usize, [96usize, 32]);
+        let n: usize = parts.iter().sum();
+        let values: Vec<f32> = (0..n * k).map(|_| rng.random_range(-0.5..0.5)).collect();
+        let bytes = quantize_rows(DType::Fp8Row, k, &values);
+        let dw = gpu
+            .weight(&Weight::from_bytes(DType::Fp8Row, n, k, bytes).unwrap())
+            .unwrap();
+        if !matches!(dw, DeviceWeight::Fp8 { .. }) {
+            eprintln!("skipped: FP8 rows take the W8A8 GEMM from sm_90");
+            return;
         }
-    ) {
-        eprintln!("skipped: FP8 rows take the W8A8 GEMM from sm_90");
-        return;
-    }
-    let mut v = |n: usize, lo: f32, hi: f32| -> Vec<f32> {
-        (0..n).map(|_| rng.random_range(lo..hi)).collect()
-    };
-    let (x, res, nw) = (v(m * k, -2.0, 2.0), v(m * k, -1.0, 1.0), v(k, 0.5, 1.5));
-    let (res, nw) = (s.clone_htod(&res).unwrap(), s.clone_htod(&nw).unwrap());
-    let norm = NormArgs {
-        residual: Some(&res),
-        w: &nw,
-        rows: m,
-        cols: k,
-        eps: 1e-5,
-    };
-    let mut scratch = gpu.gemm_scratch(m, k, true).unwrap();
-    let mut run = |fused: bool| {
-        let mut h = s.clone_htod(&x).unwrap();
-        let mut outs: Vec<_> = parts
-            .iter()
-            .map(|p| s.alloc_zeros::<f32>(m * p).unwrap())
-            .collect();
-        let mut refs: Vec<&mut _> = outs.iter_mut().collect();
-        if fused {
-            gpu.normed_parts(&mut h, &norm, &dw, &mut refs, &parts, &mut scratch)
-                .unwrap();
-        } else {
-            let mut xn = s.alloc_zeros::<f32>(m * k).unwrap();
-            gpu.rmsnorm_residual(&mut h, &mut xn, &norm).unwrap();
-            let shape = StackShape {
-                m,
-                parts: &parts,
-                k,
-            };
-            gpu.matmul_parts(&xn, &dw, &mut refs, shape, &mut scratch)
-                .unwrap();
-        }
-        let bits = |d: &cudarc::driver::CudaSlice<f32>| -> Vec<u32> {
-            s.clone_dtoh(d)
-                .unwrap()
-                .iter()
-                .map(|v| v.to_bits())
-                .collect()
+        let mut v = |n: usize, lo: f32, hi: f32| -> Vec<f32> {
+            (0..n).map(|_| rng.random_range(lo..hi)).collect()
         };
-        (bits(&h), outs.iter().map(bits).collect::<Vec<_>>())
-    };
-    let (want, got) = (run(false), run(true));
-    assert!(want.0 == got.0, "the residual sums differ");
-    for (p, (w, g)) in want.1.iter().zip(&got.1).enumerate() {
-        assert!(w == g, "part {p}'s products differ");
+        let (x, res, nw) = (v(m * k, -2.0, 2.0), v(m * k, -1.0, 1.0), v(k, 0.5, 1.5));
+        let (res, nw) = (s.clone_htod(&res).unwrap(), s.clone_htod(&nw).unwrap());
+        let norm = NormArgs {
+            residual: Some(&res),
+            w: &nw,
+            rows: m,
+            cols: k,
+            eps: 1e-5,
+        };
+        let mut scratch = gpu.gemm_scratch(m, k, true).unwrap();
+        let mut run = |fused: bool| {
+            let mut h = s.clone_htod(&x).unwrap();
+            let mut outs: Vec<_> = parts
+                .iter()
+                .map(|p| s.alloc_zeros::<f32>(m * p).unwrap())
+                .collect();
+            let mut refs: Vec<&mut _> = outs.iter_mut().collect();
+            if fused {
+                gpu.normed_parts(&mut h, &norm, &dw, &mut refs, &parts, &mut scratch)
+                    .unwrap();
+            } else {
+                let mut xn = s.alloc_zeros::<f32>(m * k).unwrap();
+                gpu.rmsnorm_residual(&mut h, &mut xn, &norm).unwrap();
+                let shape = StackShape {
+                    m,
+                    parts: &parts,
+                    k,
+                };
+                gpu.matmul_parts(&xn, &dw, &mut refs, shape, &mut scratch)
+                    .unwrap();
+            }
+            let bits = |d: &cudarc::driver::CudaSlice<f32>| -> Vec<u32> {
+                s.clone_dtoh(d)
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            (bits(&h), outs.iter().map(bits).collect::<Vec<_>>())
+        };
+        let (want, got) = (run(false), run(true));
+        assert!(want.0 == got.0, "{m} rows: the residual sums differ");
+        for (p, (w, g)) in want.1.iter().zip(&got.1).enumerate() {
+            assert!(w == g, "{m} rows: part {p}'s products differ");
+        }
     }
 }

@@ -23,16 +23,10 @@ fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     (num / den).sqrt()
 }
 
-/// Whether `w` is FP8 rows with scales from upload, which the kernel takes
+/// Whether `w` is FP8 rows packed for tensor cores, which the kernel takes
 /// (sm_90 and up); says so where it skips.
 fn takes_the_kernel(w: &DeviceWeight) -> bool {
-    let yes = matches!(
-        w,
-        DeviceWeight::Blocks {
-            scales: Some(_),
-            ..
-        }
-    );
+    let yes = matches!(w, DeviceWeight::Fp8 { .. });
     if !yes {
         eprintln!("skipped: FP8 rows take FP8 tensor cores from sm_90");
     }

@@ -40,9 +40,9 @@ pub(super) fn room(scratch: &GemmScratch, len: usize) -> R {
 impl Gpu {
     /// Whether a product of `m` rows of `k` with `w` reads bf16
     /// activations from its scratch: a bf16 weight through cuBLAS (rows the
-    /// decode GEMV does not take), or FP8 rows with their scales gathered at
-    /// upload through the W8A8 GEMM (rows the FP8 GEMV does not take), which
-    /// quantizes them per token. [`Self::rmsnorm_residual_bf16`] and
+    /// decode GEMV does not take), or FP8 rows packed for tensor cores
+    /// ([`DeviceWeight::Fp8`]) through the W8A8 GEMM, which quantizes them
+    /// per token. [`Self::rmsnorm_residual_bf16`] and
     /// [`Self::silu_mul_bf16`] then feed [`Self::matmul_parts_bf16`], and
     /// [`Self::matmul_parts`] routes by it too.
     pub fn takes_bf16_input(&self, w: &DeviceWeight, m: usize, k: usize) -> bool {
@@ -53,7 +53,7 @@ impl Gpu {
     }
 
     /// `w` as FP8 rows for the W8A8 GEMM at `m` rows of `k`, where it is
-    /// FP8 rows with scales from upload and the GEMM takes that product.
+    /// FP8 rows packed for tensor cores and the GEMM takes that product.
     pub(super) fn fp8_stack<'a>(
         &self,
         w: &'a DeviceWeight,
@@ -61,15 +61,10 @@ impl Gpu {
         k: usize,
     ) -> Option<super::fp8_gemm::Fp8Rows<'a>> {
         match w {
-            DeviceWeight::Blocks {
-                dtype: crate::quant::DType::Fp8Row,
-                bytes,
-                scales: Some(scales),
-            } if self.fp8_tensor && m > super::FP8_GEMV_ROWS && k.is_multiple_of(16) => {
-                Some(super::fp8_gemm::Fp8Rows {
-                    bytes,
-                    scales: Some(scales),
-                })
+            DeviceWeight::Fp8 { codes, scales }
+                if m > super::FP8_GEMV_ROWS && k.is_multiple_of(16) =>
+            {
+                Some(super::fp8_gemm::Fp8Rows { codes, scales })
             }
             _ => None,
         }

@@ -41,8 +41,18 @@ impl Gpu {
     ) -> R {
         let (name, src) = match table {
             DeviceWeight::Bf16(t) => return self.embed(t, ids, out, tokens, hidden),
-            DeviceWeight::Blocks { dtype, bytes, .. } => {
+            DeviceWeight::Blocks { dtype, bytes } => {
                 (format!("embed_{}", kernel_suffix(*dtype)?), bytes)
+            }
+            DeviceWeight::Fp8 { codes, scales } => {
+                let h = hidden as i32;
+                let mut b = self
+                    .stream
+                    .launch_builder(self.function("embed_fp8_packed")?);
+                b.arg(codes).arg(scales).arg(ids).arg(out).arg(&h);
+                // SAFETY: ids are checked against the vocabulary by the caller.
+                unsafe { b.launch(grid_1d(tokens as u32, 256)) }.map_err(cuda_err)?;
+                return Ok(());
             }
             DeviceWeight::Int4 { group, rows, bytes } => {
                 let (n, h, g) = (*rows as i32, hidden as i32, *group as i32);

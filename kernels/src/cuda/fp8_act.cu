@@ -10,15 +10,19 @@ __device__ __forceinline__ void load8(const float* p, float v[8]) {
     v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float v[8]) {
-    uint4 u = *(const uint4*)p;
-    const __nv_bfloat162* h = (const __nv_bfloat162*)&u;
+// The 8 floats of a packed piece of bf16.
+__device__ __forceinline__ void unpack8(uint4 p, float v[8]) {
+    const __nv_bfloat162* h = (const __nv_bfloat162*)&p;
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        float2 f = __bfloat1622float2(h[j]);
-        v[2 * j] = f.x;
-        v[2 * j + 1] = f.y;
+    for (int e = 0; e < 4; e++) {
+        float2 f = __bfloat1622float2(h[e]);
+        v[2 * e] = f.x;
+        v[2 * e + 1] = f.y;
     }
+}
+
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float v[8]) {
+    unpack8(*(const uint4*)p, v);
 }
 
 __device__ __forceinline__ float load1(const float* p) { return *p; }
@@ -94,24 +98,29 @@ extern "C" __global__ void quant_rows_e4m3_bf16(const __nv_bfloat16* x, unsigned
 // the values silu_mul_pairs writes, with the row's scale as
 // quant_rows_e4m3_bf16 takes it from them (so the same codes, without the
 // bf16 row's write and read). One block per row, f a multiple of 8; a
-// thread keeps up to SILU_Q_PIECES pieces of 8 in registers, and wider rows
-// compute their pieces twice. Blocks of 256 threads, or of 512 for a few
-// rows (decode), where one block's row is the whole launch.
+// thread issues the loads of all its (up to SILU_Q_PIECES) pieces of 8
+// before it computes any, so a prefill row's ~57 KB are in flight at once,
+// and keeps the bf16 products in their registers; wider rows compute their
+// pieces twice. Blocks of 256 threads, or of 512 for a few rows (decode),
+// where one block's row is the whole launch.
 #define SILU_Q_PIECES 8
 
-__device__ __forceinline__ void silu_piece(const __nv_bfloat16* row, int f, int p, float v[8]) {
-    uint4 g = *(const uint4*)(row + 8 * p);
-    uint4 u = *(const uint4*)(row + f + 8 * p);
+// bf16(silu(g) * u) of 8 gate and 8 up values, packed as g and u were.
+__device__ __forceinline__ uint4 silu_pack(uint4 g, uint4 u) {
     const __nv_bfloat162* g2 = (const __nv_bfloat162*)&g;
     const __nv_bfloat162* u2 = (const __nv_bfloat162*)&u;
+    uint4 o;
+    __nv_bfloat162* o2 = (__nv_bfloat162*)&o;
 #pragma unroll
     for (int e = 0; e < 4; e++) {
         float2 gf = __bfloat1622float2(g2[e]), uf = __bfloat1622float2(u2[e]);
-        float2 o = __bfloat1622float2(
-            __floats2bfloat162_rn(silu_times(gf.x, uf.x), silu_times(gf.y, uf.y)));
-        v[2 * e] = o.x;
-        v[2 * e + 1] = o.y;
+        o2[e] = __floats2bfloat162_rn(silu_times(gf.x, uf.x), silu_times(gf.y, uf.y));
     }
+    return o;
+}
+
+__device__ __forceinline__ void silu_piece(const __nv_bfloat16* row, int f, int p, float v[8]) {
+    unpack8(silu_pack(*(const uint4*)(row + 8 * p), *(const uint4*)(row + f + 8 * p)), v);
 }
 
 extern "C" __global__ void __launch_bounds__(512) silu_mul_pairs_e4m3(const __nv_bfloat16* gu, unsigned char* q,
@@ -122,15 +131,25 @@ extern "C" __global__ void __launch_bounds__(512) silu_mul_pairs_e4m3(const __nv
     const __nv_bfloat16* row = gu + (size_t)blockIdx.x * 2 * f;
     unsigned char* o = q + (size_t)blockIdx.x * f;
     int pieces = f / 8;
-    float v[SILU_Q_PIECES][8];
+    uint4 g[SILU_Q_PIECES], u[SILU_Q_PIECES];
+#pragma unroll
+    for (int j = 0; j < SILU_Q_PIECES; j++) {
+        int p = threadIdx.x + j * threads;
+        if (p < pieces) {
+            g[j] = *(const uint4*)(row + 8 * p);
+            u[j] = *(const uint4*)(row + f + 8 * p);
+        }
+    }
     float amax = 0.0f;
 #pragma unroll
     for (int j = 0; j < SILU_Q_PIECES; j++) {
         int p = threadIdx.x + j * threads;
         if (p < pieces) {
-            silu_piece(row, f, p, v[j]);
+            g[j] = silu_pack(g[j], u[j]);
+            float v[8];
+            unpack8(g[j], v);
 #pragma unroll
-            for (int e = 0; e < 8; e++) amax = fmaxf(amax, fabsf(v[j][e]));
+            for (int e = 0; e < 8; e++) amax = fmaxf(amax, fabsf(v[e]));
         }
     }
     for (int p = threadIdx.x + SILU_Q_PIECES * threads; p < pieces; p += threads) {
@@ -145,7 +164,11 @@ extern "C" __global__ void __launch_bounds__(512) silu_mul_pairs_e4m3(const __nv
 #pragma unroll
     for (int j = 0; j < SILU_Q_PIECES; j++) {
         int p = threadIdx.x + j * threads;
-        if (p < pieces) ((uint2*)o)[p] = e4m3_piece(v[j], inv);
+        if (p < pieces) {
+            float v[8];
+            unpack8(g[j], v);
+            ((uint2*)o)[p] = e4m3_piece(v, inv);
+        }
     }
     for (int p = threadIdx.x + SILU_Q_PIECES * threads; p < pieces; p += threads) {
         float w[8];

@@ -1,14 +1,12 @@
 //! Activations for the FP8 W8A8 GEMM (`fp8_act.cu`): rows quantized to
 //! e4m3 with a scale per row, from f32 or from the bf16 activations a bf16
-//! GEMM would read, and the weights' row scales gathered from their
-//! headers.
+//! GEMM would read, and straight from the norm and SiLU-and-multiply.
 
-use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
 use half::bf16;
 
 use super::{Gpu, cuda_err, grid_1d as cfg};
 use crate::KernelError;
-use crate::quant::FP8_ROW_HEADER;
 
 type R<T = ()> = Result<T, KernelError>;
 
@@ -87,28 +85,6 @@ impl Gpu {
         // SAFETY: one block per row (of at most 512 threads, the kernel's
         // bound), sizes checked above.
         unsafe { b.launch(cfg(rows as u32, threads)) }.map_err(cuda_err)?;
-        Ok(())
-    }
-
-    /// The scales of `n` FP8 rows of `k`, gathered from their headers (for
-    /// cuBLASLt, which takes a contiguous vector).
-    pub fn fp8_row_scales(
-        &self,
-        w: &CudaView<'_, u8>,
-        out: &mut CudaSlice<f32>,
-        n: usize,
-        k: usize,
-    ) -> R {
-        if w.len() < n * (FP8_ROW_HEADER + k) || out.len() < n {
-            return Err(KernelError::Shape(format!(
-                "scales of {n} FP8 rows of {k}: buffers too small"
-            )));
-        }
-        let (ni, ki) = (n as i32, k as i32);
-        let mut b = self.stream.launch_builder(self.function("fp8_row_scales")?);
-        b.arg(w).arg(out).arg(&ni).arg(&ki);
-        // SAFETY: one thread per row, sizes checked above.
-        unsafe { b.launch(cfg(n.div_ceil(256) as u32, 256)) }.map_err(cuda_err)?;
         Ok(())
     }
 }

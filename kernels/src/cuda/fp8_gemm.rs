@@ -1,7 +1,7 @@
 //! FP8 W8A8 GEMMs through cuBLASLt (prefill and large batches on FP8
 //! rows): activations quantized to e4m3 with a scale per token, weights the
-//! FP8 rows as stored (the 16-byte row headers skipped by the leading
-//! dimension), f32 accumulation on tensor cores, and both scale vectors
+//! FP8 rows' codes as uploaded (`DeviceWeight::Fp8`: packed rows, their
+//! scales apart), f32 accumulation on tensor cores, and both scale vectors
 //! applied by cuBLASLt's outer-vector scaling (sm_90, CUDA 12.9 and up).
 //!
 //! Products of FP8 rows with more than [`FP8_GEMV_ROWS`] activation rows
@@ -9,43 +9,29 @@
 //! Kiln's own kernel (`fp8_mma.rs`); GPUs without FP8 tensor cores take the
 //! W8A16 GEMV of `quant.cu`.
 
-use std::collections::HashMap;
-use std::ffi::c_void;
-
-use cudarc::cublaslt::{result as lt, sys};
+use cudarc::cublaslt::sys;
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr};
 use half::bf16;
 
 use super::fp8_act::Fp8Input;
+use super::lt::{Descs, Lt, W8a8Ptrs};
 use super::shape::GemmShape;
 use super::{Gpu, cuda_err};
 use crate::KernelError;
-use crate::quant::FP8_ROW_HEADER;
 
 type R<T = ()> = Result<T, KernelError>;
-
-/// Bytes of cuBLASLt's workspace.
-const LT_WORKSPACE: usize = 32 << 20;
 
 /// Most activation rows that go to the FP8-row GEMV rather than the W8A8
 /// GEMM, as on the CPU (the GEMV streams at a third of copy bandwidth at
 /// one row and worse above it; the GEMM reads each weight byte once).
 pub use crate::matmul::FP8_GEMV_ROWS;
 
-/// A cuBLASLt handle, its workspace and the algorithm it chose per shape
-/// (the heuristic query costs host time on every product otherwise).
-pub(super) struct Lt {
-    handle: sys::cublasLtHandle_t,
-    workspace: CudaSlice<u8>,
-    algos: HashMap<(usize, usize, usize, u32), sys::cublasLtMatmulAlgo_t>,
-}
-
-/// A stack of FP8 rows as a product reads it: the rows, and their scales
-/// when gathered at upload.
+/// A stack of FP8 rows as a product reads it: `rows x k` packed e4m3
+/// codes and a scale a row.
 #[derive(Clone, Copy)]
 pub(super) struct Fp8Rows<'a> {
-    pub bytes: &'a CudaSlice<u8>,
-    pub scales: Option<&'a CudaSlice<f32>>,
+    pub codes: &'a CudaSlice<u8>,
+    pub scales: &'a CudaSlice<f32>,
 }
 
 /// Activations quantized for the W8A8 GEMM and the weights' scale vector.
@@ -90,32 +76,37 @@ impl Gpu {
         shape: super::StackShape<'_>,
         scratch: &mut Fp8Scratch,
     ) -> R {
-        if self.fp8_mma_takes(&w, &shape) {
+        if self.fp8_mma_takes(&shape) {
             return self.gemm_fp8_mma(w, outs, shape, scratch);
         }
         let super::StackShape { m, parts, k } = shape;
+        let n: usize = parts.iter().sum();
+        if w.codes.len() < n * k || w.scales.len() < n {
+            return Err(KernelError::Shape(format!(
+                "an FP8 stack of {n} rows of {k}: codes or scales too small"
+            )));
+        }
         let Fp8Scratch { xq, xs, ws } = scratch;
-        let stride = FP8_ROW_HEADER + k;
         let mut base = 0;
         for (out, &rows) in outs.iter_mut().zip(parts) {
-            let part = w.bytes.slice(base * stride..(base + rows) * stride);
+            let part = w.codes.slice(base * k..(base + rows) * k);
             let shape = GemmShape { m, n: rows, k };
-            // A part's scales from upload where its slice starts 16-byte
-            // aligned, as cuBLASLt's vectors may need.
-            match w.scales {
-                Some(s) if s.len() >= base + rows && base.is_multiple_of(4) => {
-                    let s = s.slice(base..base + rows);
-                    self.gemm_fp8_rows(&part, &s, xq, xs, *out, shape)?;
+            let scales = w.scales.slice(base..base + rows);
+            // A part's scales in place where they start 16-byte aligned, as
+            // cuBLASLt's vectors may need; else copied to the scratch's.
+            if base.is_multiple_of(4) {
+                self.gemm_fp8_rows(&part, &scales, xq, xs, *out, shape)?;
+            } else {
+                if ws.len() < rows {
+                    return Err(KernelError::Shape(format!(
+                        "an FP8 part of {rows} rows: more than the scratch's scales"
+                    )));
                 }
-                _ => {
-                    if ws.len() < rows {
-                        return Err(KernelError::Shape(format!(
-                            "an FP8 part of {rows} rows: more than the scratch's scales"
-                        )));
-                    }
-                    self.fp8_row_scales(&part, ws, rows, k)?;
-                    self.gemm_fp8_rows(&part, &ws.slice(..), xq, xs, *out, shape)?;
-                }
+                let mut to = ws.slice_mut(..rows);
+                self.stream
+                    .memcpy_dtod(&scales, &mut to)
+                    .map_err(cuda_err)?;
+                self.gemm_fp8_rows(&part, &ws.slice(..rows), xq, xs, *out, shape)?;
             }
             base += rows;
         }
@@ -141,62 +132,21 @@ impl Fp8Out for bf16 {
     const SUFFIX: &'static str = "bf16";
 }
 
-// SAFETY: the handle is used only under the `Mutex` that holds it, on the
-// stream of the `Gpu` that owns it.
-unsafe impl Send for Lt {}
-
-impl Drop for Lt {
-    fn drop(&mut self) {
-        // SAFETY: created by `create_handle`, destroyed once.
-        let _ = unsafe { lt::destroy_handle(self.handle) };
-    }
-}
-
-/// Sets one attribute of a matmul descriptor from a plain value.
-///
-/// # Safety
-/// `desc` is live and `T` is the attribute's type.
-unsafe fn set_desc<T>(
-    desc: sys::cublasLtMatmulDesc_t,
-    attr: sys::cublasLtMatmulDescAttributes_t,
-    v: &T,
-) -> R {
-    unsafe {
-        lt::set_matmul_desc_attribute(
-            desc,
-            attr,
-            v as *const T as *const c_void,
-            std::mem::size_of::<T>(),
-        )
-    }
-    .map_err(cuda_err)
-}
-
-/// Descriptors of one GEMM, destroyed when dropped.
-struct Descs {
-    desc: sys::cublasLtMatmulDesc_t,
-    layouts: [sys::cublasLtMatrixLayout_t; 3],
-    pref: sys::cublasLtMatmulPreference_t,
-}
-
-impl Drop for Descs {
-    fn drop(&mut self) {
-        // SAFETY: each created once below and destroyed once here.
-        unsafe {
-            let _ = lt::destroy_matmul_desc(self.desc);
-            for l in self.layouts {
-                let _ = lt::destroy_matrix_layout(l);
-            }
-            let _ = lt::destroy_matmul_pref(self.pref);
-        }
-    }
+/// How a W8A8 GEMM's weights lie: bytes before the first code, bytes from
+/// one row to the next, and whether the scales are vectors (one a weight
+/// row, one a token) or one f32 an operand.
+#[derive(Clone, Copy)]
+pub(super) struct W8a8Layout {
+    pub offset: usize,
+    pub ldw: usize,
+    pub outer: bool,
 }
 
 impl Gpu {
     /// `out (m x n) = (xq * x_scales) (w * w_scales)^T` (f32 or bf16; f32
-    /// accumulation) by cuBLASLt on
-    /// FP8 tensor cores: `w` is `n` FP8 rows of `k` (`k` a multiple of 16),
-    /// `xq` `m` rows of `k` e4m3 from [`Self::quantize_rows_e4m3`].
+    /// accumulation) by cuBLASLt on FP8 tensor cores: `w` is `n` packed
+    /// rows of `k` e4m3 codes (`k` a multiple of 16), `xq` `m` rows of `k`
+    /// e4m3 from [`Self::quantize_rows_e4m3`].
     pub fn gemm_fp8_rows<T: Fp8Out>(
         &self,
         w: &CudaView<'_, u8>,
@@ -207,128 +157,88 @@ impl Gpu {
         shape: GemmShape,
     ) -> R {
         let GemmShape { m, n, k } = shape;
-        let stride = FP8_ROW_HEADER + k;
+        let layout = W8a8Layout {
+            offset: 0,
+            ldw: k,
+            outer: true,
+        };
+        self.w8a8(
+            w,
+            w_scales,
+            xq,
+            x_scales,
+            out,
+            shape,
+            layout,
+            |lt_state, descs, p| {
+                let key = (m, n, k, T::TYPE as u32);
+                let algo = match lt_state.algos.get(&key) {
+                    Some(algo) => *algo,
+                    None => {
+                        let algo = lt_state.heuristics(descs, 1)?[0].algo;
+                        lt_state.algos.insert(key, algo);
+                        algo
+                    }
+                };
+                // SAFETY: `w8a8` checked the buffers' sizes and holds their
+                // guards while this runs.
+                unsafe { lt_state.run(descs, &algo, p, &self.stream) }
+            },
+        )
+    }
+
+    /// Checks a W8A8 GEMM's buffers against `shape` and `layout`, then runs
+    /// `f` on the cuBLASLt handle with the GEMM's descriptors and its
+    /// operands' pointers, whose guards it holds until `f` returns.
+    #[allow(clippy::too_many_arguments, reason = "a GEMM's operands")]
+    pub(super) fn w8a8<T: Fp8Out, V>(
+        &self,
+        w: &CudaView<'_, u8>,
+        w_scales: &CudaView<'_, f32>,
+        xq: &CudaSlice<u8>,
+        x_scales: &CudaSlice<f32>,
+        out: &mut CudaSlice<T>,
+        shape: GemmShape,
+        layout: W8a8Layout,
+        f: impl FnOnce(&mut Lt, &Descs, &W8a8Ptrs) -> R<V>,
+    ) -> R<V> {
+        let GemmShape { m, n, k } = shape;
+        let W8a8Layout { offset, ldw, outer } = layout;
+        let scales = |rows: usize| if outer { rows } else { 1 };
         if !k.is_multiple_of(16)
-            || w.len() < n * stride
-            || w_scales.len() < n
+            || ldw < k
+            || !offset.is_multiple_of(16)
+            || !ldw.is_multiple_of(16)
+            || w.len() < offset + n.saturating_sub(1) * ldw + k
+            || w_scales.len() < scales(n)
             || xq.len() < m * k
-            || x_scales.len() < m
+            || x_scales.len() < scales(m)
             || out.len() < m * n
         {
             return Err(KernelError::Shape(format!(
-                "FP8 GEMM of {m} x {k} by {n} rows: buffers too small or k not a multiple of 16"
+                "FP8 GEMM of {m} x {k} by {n} rows: buffers too small or rows not of whole \
+                 16-byte pieces"
             )));
         }
         let mut guard = self
             .lt
             .lock()
             .map_err(|_| KernelError::Shape("cuBLASLt handle poisoned".into()))?;
-        if guard.is_none() {
-            let handle = lt::create_handle().map_err(cuda_err)?;
-            let workspace = self
-                .stream
-                .alloc_zeros::<u8>(LT_WORKSPACE)
-                .map_err(cuda_err)?;
-            *guard = Some(Lt {
-                handle,
-                workspace,
-                algos: HashMap::new(),
-            });
-        }
-        let Some(lt_state) = guard.as_mut() else {
-            return Err(KernelError::Shape("no cuBLASLt handle".into()));
-        };
-        use sys::cublasLtMatmulDescAttributes_t as D;
-        let e4m3 = sys::cudaDataType::CUDA_R_8F_E4M3;
-        let f32_ty = sys::cudaDataType::CUDA_R_32F;
-        // Row-major out (m x n) is column-major n x m: out^T = W X^T, W
-        // stored as k x n columns (a row of weights each) of stride k + 16.
-        let descs = Descs {
-            desc: lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32_ty)
-                .map_err(cuda_err)?,
-            layouts: [
-                lt::create_matrix_layout(e4m3, k as u64, n as u64, stride as i64)
-                    .map_err(cuda_err)?,
-                lt::create_matrix_layout(e4m3, k as u64, m as u64, k as i64).map_err(cuda_err)?,
-                lt::create_matrix_layout(T::TYPE, n as u64, m as u64, n as i64)
-                    .map_err(cuda_err)?,
-            ],
-            pref: lt::create_matmul_pref().map_err(cuda_err)?,
-        };
+        let lt_state = Lt::get(&mut guard, self)?;
         let (wp, _rw) = w.device_ptr(&self.stream);
         let (ws, _rws) = w_scales.device_ptr(&self.stream);
         let (xp, _rx) = xq.device_ptr(&self.stream);
         let (xs, _rxs) = x_scales.device_ptr(&self.stream);
         let (op, _ro) = out.device_ptr_mut(&self.stream);
-        let (wsp, _rwsp) = lt_state.workspace.device_ptr_mut(&self.stream);
-        let outer =
-            sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as i32;
-        let (ws_ptr, xs_ptr) = (ws as *const c_void, xs as *const c_void);
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        // SAFETY: live descriptors; attribute values of the documented
-        // types; pointers to live device buffers of the sizes checked above
-        // (guards held); the weights start past their first row header and
-        // stay 16-byte aligned (k a multiple of 16).
-        unsafe {
-            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
-            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?;
-            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
-            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
-            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws_ptr)?;
-            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs_ptr)?;
-            // Accumulate in the tensor cores' own registers, not promoted to
-            // f32 every few k steps: the FP8 kernels' main cost on Hopper,
-            // within the bound the parity test holds (a wider accumulator
-            // error than f32's, far below e4m3's rounding of the inputs).
-            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &1i8)?;
-            use sys::cublasLtMatmulPreferenceAttributes_t as P;
-            let size = LT_WORKSPACE as u64;
-            lt::set_matmul_pref_attribute(
-                descs.pref,
-                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &size as *const u64 as *const c_void,
-                8,
-            )
-            .map_err(cuda_err)?;
-            let align = 16u32;
-            lt::set_matmul_pref_attribute(
-                descs.pref,
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                &align as *const u32 as *const c_void,
-                4,
-            )
-            .map_err(cuda_err)?;
-            let [a, b, c] = descs.layouts;
-            let handle = lt_state.handle;
-            let algo = match lt_state.algos.get(&(m, n, k, T::TYPE as u32)) {
-                Some(algo) => *algo,
-                None => {
-                    let heur =
-                        lt::get_matmul_algo_heuristic(handle, descs.desc, a, b, c, c, descs.pref)
-                            .map_err(cuda_err)?;
-                    lt_state.algos.insert((m, n, k, T::TYPE as u32), heur.algo);
-                    heur.algo
-                }
-            };
-            lt::matmul(
-                handle,
-                descs.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                (wp + FP8_ROW_HEADER as u64) as *const c_void,
-                a,
-                xp as *const c_void,
-                b,
-                op as *const c_void,
-                c,
-                op as *mut c_void,
-                c,
-                &algo,
-                wsp as *mut c_void,
-                LT_WORKSPACE,
-                self.stream.cu_stream() as sys::cudaStream_t,
-            )
-            .map_err(cuda_err)
-        }
+        let p = W8a8Ptrs {
+            w: wp + offset as u64,
+            ldw,
+            w_scales: ws,
+            xq: xp,
+            x_scales: xs,
+            out: op,
+        };
+        let descs = Lt::descs(shape, T::TYPE, &p, outer)?;
+        f(lt_state, &descs, &p)
     }
 }

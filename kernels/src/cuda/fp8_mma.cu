@@ -4,7 +4,7 @@
 //
 // out[m][n] = xs[m] ws[n] sum_k xq[m][k] w[n][k], with xq the e4m3 codes of
 // the activations (a scale per row, as fp8_act.cu writes them) and w the
-// FP8 rows as stored (a 16-byte header, then K e4m3 codes). Nothing is
+// FP8 rows' codes as uploaded (K a row, packed; their scales in ws). Nothing is
 // converted: the codes go into m16n8k32 e4m3 MMAs (`mma_e4m3`,
 // attention_mma.cu; sm_89 and up, where the host alone launches these) as
 // loaded.
@@ -93,10 +93,9 @@ __device__ __forceinline__ void gemm_e4m3_strip(const unsigned char* __restrict_
     __shared__ float red[W][4 * NB][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * 16;
-    const size_t stride = (size_t)K + 16;
     // Rows past the end read the last row; their sums are never written.
-    const unsigned char* ra = w + (size_t)min(row0 + g, o.n - 1) * stride + 16;
-    const unsigned char* rb = w + (size_t)min(row0 + g + 8, o.n - 1) * stride + 16;
+    const unsigned char* ra = w + (size_t)min(row0 + g, o.n - 1) * K;
+    const unsigned char* rb = w + (size_t)min(row0 + g + 8, o.n - 1) * K;
     const uint4* wa = (const uint4*)ra + t;
     const uint4* wb = (const uint4*)rb + t;
     const int pieces = K / 64;

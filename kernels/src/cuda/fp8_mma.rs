@@ -31,15 +31,13 @@ const THREADS: u32 = 256;
 impl Gpu {
     /// Whether the product of `m` rows of `k` with `w` takes the FP8
     /// tensor-core kernel: on (see [`Self::set_fp8_mma`]), few enough rows,
-    /// rows of whole 32-wide pieces, scales from upload and at most three
-    /// parts.
-    pub(super) fn fp8_mma_takes(&self, w: &Fp8Rows<'_>, shape: &StackShape<'_>) -> bool {
+    /// rows of whole 32-wide pieces and at most three parts.
+    pub(super) fn fp8_mma_takes(&self, shape: &StackShape<'_>) -> bool {
         self.fp8_mma
             && self.fp8_tensor
             && shape.m <= E4M3_MMA_MAX_M
             && shape.k.is_multiple_of(32)
             && shape.parts.len() <= 3
-            && w.scales.is_some()
     }
 
     /// `outs[p] = (xq * xs) (w_p * ws_p)^T` for the parts of a stack, on
@@ -54,10 +52,7 @@ impl Gpu {
     ) -> R {
         let StackShape { m, parts, k } = shape;
         let n = super::shape::check_parts(outs, parts, m)?;
-        let scales = w
-            .scales
-            .ok_or_else(|| KernelError::Shape("FP8 rows without scales from upload".into()))?;
-        let stride = crate::quant::FP8_ROW_HEADER + k;
+        let scales = w.scales;
         if m == 0 || m > E4M3_MMA_MAX_M || !k.is_multiple_of(32) || parts.len() > 3 {
             return Err(KernelError::Shape(format!(
                 "the FP8 MMA kernel takes 1-{E4M3_MMA_MAX_M} rows of a multiple of 32 into at \
@@ -65,7 +60,7 @@ impl Gpu {
                 parts.len()
             )));
         }
-        if w.bytes.len() < n * stride
+        if w.codes.len() < n * k
             || scales.len() < n
             || scratch.xq.len() < m * k
             || scratch.xs.len() < m
@@ -79,7 +74,7 @@ impl Gpu {
         let o = self.out_ptrs(outs, parts);
         let (mi, ki) = (m as i32, k as i32);
         let mut b = self.stream.launch_builder(self.function(&name)?);
-        b.arg(w.bytes).arg(scales).arg(&scratch.xq).arg(&scratch.xs);
+        b.arg(w.codes).arg(scales).arg(&scratch.xq).arg(&scratch.xs);
         b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
         b.arg(&o.n0).arg(&o.n1).arg(&o.n).arg(&mi).arg(&ki);
         let grid = n.div_ceil(STRIP) as u32;

@@ -52,25 +52,18 @@ impl Gpu {
                 self.to_bf16_scratch(x, &mut scratch.act, m * k)?;
                 self.matmul_parts_bf16(w, outs, shape, scratch)
             }
-            DeviceWeight::Blocks {
-                dtype,
-                bytes,
-                scales,
-            } => {
+            DeviceWeight::Fp8 { codes, scales } => {
+                let fp8_scratch = scratch.fp8.as_mut().ok_or_else(no_chunk)?;
+                let w = super::fp8_gemm::Fp8Rows { codes, scales };
+                self.gemm_fp8_parts(x, w, outs, shape, fp8_scratch)
+            }
+            DeviceWeight::Blocks { dtype, bytes } => {
                 if !k.is_multiple_of(32) {
                     return Err(KernelError::Shape(format!(
                         "{dtype:?} rows of {k}: a multiple of 32"
                     )));
                 }
                 let fp8 = *dtype == crate::quant::DType::Fp8Row;
-                if fp8 && m > super::FP8_GEMV_ROWS && self.fp8_tensor {
-                    let fp8_scratch = scratch.fp8.as_mut().ok_or_else(no_chunk)?;
-                    let w = super::fp8_gemm::Fp8Rows {
-                        bytes,
-                        scales: scales.as_ref(),
-                    };
-                    return self.gemm_fp8_parts(x, w, outs, shape, fp8_scratch);
-                }
                 if m <= GEMV_MAX_M {
                     // One FP8 row has its own entry point (fewer registers,
                     // one wave).

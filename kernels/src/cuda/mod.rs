@@ -17,6 +17,7 @@ mod fold;
 mod fp8_act;
 mod fp8_gemm;
 mod fp8_mma;
+mod fp8_tune;
 mod gemv;
 mod graph;
 mod hadamard;
@@ -24,6 +25,7 @@ mod int4;
 mod kv;
 mod lane;
 mod launch;
+mod lt;
 mod memory;
 mod norm;
 mod normed;
@@ -56,6 +58,7 @@ pub use fold::{NextNorm, NormSum, Normed};
 pub use fp8_act::Fp8Input;
 pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Out, Fp8Scratch};
 pub use fp8_mma::E4M3_MMA_MAX_M;
+pub use fp8_tune::{LtProbe, LtTiming};
 pub use graph::Graph;
 pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_tiles};
 pub use kv::PagedKv;
@@ -88,7 +91,7 @@ pub struct Gpu {
     /// ([`attention::flash_resident`]).
     flash_resident: HashMap<String, usize>,
     /// cuBLASLt for FP8 GEMMs, made at the first one.
-    lt: std::sync::Mutex<Option<fp8_gemm::Lt>>,
+    lt: std::sync::Mutex<Option<lt::Lt>>,
     /// Whether FP8 rows multiply on FP8 tensor cores with outer-vector
     /// scales (sm_90 and up); below, they dequantize to bf16 for cuBLAS.
     fp8_tensor: bool,

@@ -270,6 +270,22 @@ extern "C" __global__ void embed_fp8row(const unsigned char* table, const unsign
     }
 }
 
+// As embed_fp8row, from FP8 rows packed for tensor cores: the codes of
+// each row without its header, and the rows' scales apart.
+extern "C" __global__ void embed_fp8_packed(const unsigned char* codes, const float* scales,
+                                            const unsigned* ids, float* out, int cols) {
+    PDL_ENTER();
+    unsigned id = ids[blockIdx.x];
+    const unsigned char* row = codes + (size_t)id * cols;
+    float scale = scales[id];
+    float* o = out + (size_t)blockIdx.x * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        __nv_fp8_e4m3 v;
+        v.__x = row[i];
+        o[i] = (float)v * scale;
+    }
+}
+
 #define QUANT_ENTRIES(SUFFIX, DT)                                                               \
     extern "C" __global__ void gemv_##SUFFIX(const float* x, const unsigned char* w, float* o0,  \
                                              float* o1, float* o2, int n0, int n1, int M,       \
@@ -291,10 +307,3 @@ extern "C" __global__ void embed_fp8row(const unsigned char* table, const unsign
 QUANT_ENTRIES(q8_0, 0)
 QUANT_ENTRIES(q4_0, 1)
 QUANT_ENTRIES(q4_1, 2)
-
-// The f32 scales of N FP8 rows of K, gathered from their headers.
-extern "C" __global__ void fp8_row_scales(const unsigned char* w, float* out, int N, int K) {
-    PDL_ENTER();
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < N) out[i] = *(const float*)(w + (size_t)i * (16 + K));
-}

@@ -92,6 +92,7 @@ pub(super) const KERNELS: &[&str] = &[
     "gemv_fp8row_1",
     "dequant_fp8row",
     "embed_fp8row",
+    "embed_fp8_packed",
     "dequant_q8_0",
     "dequant_q4_0",
     "dequant_q4_1",
@@ -99,7 +100,6 @@ pub(super) const KERNELS: &[&str] = &[
     "embed_q4_0",
     "embed_q4_1",
     "dequant_fp8row_bf16",
-    "fp8_row_scales",
     // fp8_act.cu
     "quant_rows_e4m3",
     "quant_rows_e4m3_bf16",

@@ -37,7 +37,9 @@ pub(super) fn bf16_stack<'a>(
 pub(super) fn bf16(w: &DeviceWeight) -> R<&CudaSlice<bf16>> {
     match w {
         DeviceWeight::Bf16(w) => Ok(w),
-        DeviceWeight::Blocks { .. } | DeviceWeight::Int4 { .. } => Err(unfoldable()),
+        DeviceWeight::Blocks { .. } | DeviceWeight::Int4 { .. } | DeviceWeight::Fp8 { .. } => {
+            Err(unfoldable())
+        }
     }
 }
 

@@ -10,19 +10,11 @@ use kiln_kernels::quant::DType;
 type R<T> = Result<T, KernelError>;
 
 /// Whether a weight's GEMMs can read bf16 activations from the scratch:
-/// bf16 rows (cuBLAS) or FP8 rows with their scales gathered at upload (the
-/// W8A8 GEMM, which quantizes them per token). `Gpu::takes_bf16_input`
-/// decides it per product; this is the weight's part of that.
+/// bf16 rows (cuBLAS) or FP8 rows packed for tensor cores (the W8A8 GEMM,
+/// which quantizes them per token). `Gpu::takes_bf16_input` decides it
+/// per product; this is the weight's part of that.
 pub(super) fn gemm_input(w: &DeviceWeight) -> bool {
-    matches!(
-        w,
-        DeviceWeight::Bf16(_)
-            | DeviceWeight::Blocks {
-                dtype: DType::Fp8Row,
-                scales: Some(_),
-                ..
-            }
-    )
+    matches!(w, DeviceWeight::Bf16(_) | DeviceWeight::Fp8 { .. })
 }
 
 /// The norm before a projection: the hidden rows `h` (`norm.rows` of
@@ -139,10 +131,11 @@ impl Linear {
         self.weights().all(|w| {
             matches!(
                 w,
-                DeviceWeight::Blocks {
-                    dtype: DType::Fp8Row,
-                    ..
-                }
+                DeviceWeight::Fp8 { .. }
+                    | DeviceWeight::Blocks {
+                        dtype: DType::Fp8Row,
+                        ..
+                    }
             )
         })
     }

@@ -227,7 +227,7 @@ impl GpuModel {
     /// PyTorch's bf16 models do, and SiLU-and-multiply reads it, half the
     /// bytes of f32 (only where every block's gate/up is one stack and
     /// gate/up and down read bf16 activations: bf16 weights, or FP8 rows
-    /// with scales from upload; set before the first step).
+    /// packed for tensor cores; set before the first step).
     pub fn set_bf16_mlp(&mut self, on: bool) {
         let c = &self.config;
         let able = c.ffn.is_multiple_of(8)
