@@ -1,8 +1,9 @@
 //! cuBLASLt's W8A8 algorithms one by one at prefill's products: for each
 //! Llama-3-8B product at 1024-8192 rows, the algorithm Kiln takes (rank 0)
-//! against the fastest of the first 16, on the weights as Kiln stores them
-//! (16-byte row headers, a scale per row and per token), on dense codes,
-//! and on dense codes with one scale per operand.
+//! against the fastest of the first 16, on FP8 rows read in place with
+//! their 16-byte headers (the stored format, a scale per row and per
+//! token), on packed codes (as the device now uploads them), and on packed
+//! codes with one scale per operand.
 
 use cudarc::driver::CudaSlice;
 use half::bf16;

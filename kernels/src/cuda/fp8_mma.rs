@@ -1,8 +1,8 @@
 //! W8A8 products of up to [`E4M3_MMA_MAX_M`] activation rows on FP8 tensor
 //! cores (`fp8_mma.cu`): the decode batches' products with FP8 rows. The
 //! activations arrive as e4m3 codes with a scale per row (the norm, SiLU or
-//! [`Gpu::quantize_rows_e4m3`] wrote them), the weights are read as stored,
-//! and the e4m3 codes of both go into the MMAs unconverted, so the product
+//! [`Gpu::quantize_rows_e4m3`] wrote them), the weights are the FP8 rows'
+//! codes as packed at upload (their scales apart), and the e4m3 codes of both go into the MMAs unconverted, so the product
 //! streams its weights like the bf16 GEMV streams twice the bytes. Larger
 //! batches take cuBLASLt ([`Gpu::gemm_fp8_rows`]).
 

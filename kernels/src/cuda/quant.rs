@@ -26,8 +26,9 @@ pub const DEQUANT_CHUNK: usize = 1 << 24;
 pub enum DeviceWeight {
     /// bf16 rows (models stored in f32, f16 or bf16).
     Bf16(CudaSlice<bf16>),
-    /// GGUF Q8_0, Q4_0 or Q4_1 blocks, or FP8 rows (before sm_90), as
-    /// stored.
+    /// GGUF Q8_0, Q4_0 or Q4_1 blocks, or FP8 rows where FP8 tensor cores
+    /// do not read them (before sm_90, or rows not of whole 16-byte
+    /// pieces), as stored.
     Blocks {
         /// The block type.
         dtype: DType,
