@@ -39,8 +39,9 @@ pub struct BenchArgs {
     #[arg(long)]
     compare_constrained: bool,
     /// Write each row's steps (sequences, tokens, ms, device ms,
-    /// preemptions) to DIR/steps-FORMAT[+g]-CONCURRENCY.csv (+g: CUDA
-    /// graphs on).
+    /// preemptions) to DIR/steps-FORMAT[_g]-CONCURRENCY.csv (_g: CUDA
+    /// graphs on; `_json`: constrained), names of plain characters that
+    /// any copy tool passes.
     #[arg(long, value_name = "DIR")]
     trace: Option<std::path::PathBuf>,
     /// Also draw output tokens/s and ITL p50 against concurrency, a line
@@ -175,7 +176,8 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             let label = format!("{:?}{mode}", kv_format(format)).to_lowercase();
             if let Some(dir) = &args.trace {
                 std::fs::create_dir_all(dir)?;
-                row.write_trace(&dir.join(format!("steps-{label}-{c}.csv")))?;
+                let file = format!("steps-{}-{c}.csv", label.replace('+', "_"));
+                row.write_trace(&dir.join(file))?;
             }
             progress.suspend(|| println!("{}", row.table_line(&label, bw)));
             progress.inc(1);
