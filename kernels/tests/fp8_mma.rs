@@ -23,14 +23,18 @@ fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     (num / den).sqrt()
 }
 
-/// Whether `w` is FP8 rows packed for tensor cores, which the kernel takes
-/// (sm_90 and up); says so where it skips.
-fn takes_the_kernel(w: &DeviceWeight) -> bool {
-    let yes = matches!(w, DeviceWeight::Fp8 { .. });
-    if !yes {
-        eprintln!("skipped: FP8 rows take FP8 tensor cores from sm_90");
+/// `n` FP8 rows of `k` on the device where they are packed for tensor
+/// cores, which the kernel takes (sm_90 and up); `None`, saying the test
+/// skipped, elsewhere.
+fn kernel_weight(gpu: &Gpu, n: usize, k: usize, bytes: Vec<u8>) -> Option<DeviceWeight> {
+    let dw = gpu
+        .weight(&Weight::from_bytes(DType::Fp8Row, n, k, bytes).unwrap())
+        .unwrap();
+    if matches!(dw, DeviceWeight::Fp8 { .. }) {
+        return Some(dw);
     }
-    yes
+    eprintln!("skipped: FP8 rows take FP8 tensor cores from sm_90");
+    None
 }
 
 /// `x`'s rows as W8A8 reads them: each row's e4m3 values times its scale.
@@ -75,12 +79,9 @@ fn few_rows_on_fp8_tensor_cores_match_float64_and_cublaslt() {
                 row,
             );
         }
-        let dw = gpu
-            .weight(&Weight::from_bytes(DType::Fp8Row, n, k, bytes).unwrap())
-            .unwrap();
-        if !takes_the_kernel(&dw) {
+        let Some(dw) = kernel_weight(&gpu, n, k, bytes) else {
             return;
-        }
+        };
         let mut scratch = gpu.gemm_scratch(E4M3_MMA_MAX_M, k, true).unwrap();
         for m in [1usize, 3, 8, 9, E4M3_MMA_MAX_M] {
             let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-3.0..3.0)).collect();
@@ -138,12 +139,9 @@ fn the_mma_kernels_bf16_output_is_its_f32_output_rounded() {
     let (n, k) = (272usize, 1024usize);
     let values: Vec<f32> = (0..n * k).map(|_| rng.random_range(-0.5..0.5)).collect();
     let bytes = quantize_rows(DType::Fp8Row, k, &values);
-    let dw = gpu
-        .weight(&Weight::from_bytes(DType::Fp8Row, n, k, bytes).unwrap())
-        .unwrap();
-    if !takes_the_kernel(&dw) {
+    let Some(dw) = kernel_weight(&gpu, n, k, bytes) else {
         return;
-    }
+    };
     let mut scratch = gpu.gemm_scratch(E4M3_MMA_MAX_M, k, true).unwrap();
     for m in [1usize, 5, 9, E4M3_MMA_MAX_M] {
         let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-3.0..3.0)).collect();

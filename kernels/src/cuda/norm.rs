@@ -39,25 +39,22 @@ pub(super) enum NormOut<'a> {
 /// in norm.cu).
 pub(super) const NORM_PIECES: usize = 4;
 
-/// Threads of a norm's block over rows of `dim`: one per 16-byte piece of
-/// a row (up to 1024), so one row (a decode step) is read in a single round.
-pub(super) fn norm_threads(dim: usize) -> usize {
-    dim.div_ceil(4).next_multiple_of(32).clamp(32, 1024)
-}
-
 /// Rows from which a norm's blocks take [`NORM_PIECES`] pieces a thread.
 const NORM_MANY_ROWS: usize = 256;
 
-/// Threads of a norm's block over `rows` rows of `dim`: [`norm_threads`]
-/// for a few rows (decode, where one block's latency is the launch's), and
-/// for many (prefill) as few as hold a row in [`NORM_PIECES`] pieces a
-/// thread, so that several blocks share an SM and one block's reductions
-/// overlap another's loads rather than all blocks meeting at each barrier.
-pub(super) fn norm_threads_rows(dim: usize, rows: usize) -> usize {
-    if rows < NORM_MANY_ROWS {
-        return norm_threads(dim);
-    }
-    dim.div_ceil(4 * NORM_PIECES)
+/// Threads of a norm's block over `rows` rows of `dim` (up to 1024): for a
+/// few rows (decode, where one block's latency is the launch's) one per
+/// 16-byte piece of a row, so a row is read in a single round; for many
+/// (prefill) as few as hold a row in [`NORM_PIECES`] pieces a thread, so
+/// that several blocks share an SM and one block's reductions overlap
+/// another's loads rather than all blocks meeting at each barrier.
+pub(super) fn norm_threads(dim: usize, rows: usize) -> usize {
+    let pieces = if rows < NORM_MANY_ROWS {
+        1
+    } else {
+        NORM_PIECES
+    };
+    dim.div_ceil(4 * pieces)
         .next_multiple_of(32)
         .clamp(32, 1024)
 }
@@ -103,7 +100,7 @@ impl Gpu {
         };
         let dim_i = dim as i32;
         b.arg(&dim_i).arg(&eps);
-        let threads = norm_threads_rows(dim, rows) as u32;
+        let threads = norm_threads(dim, rows) as u32;
         // SAFETY: the kernel reads and writes `rows x dim` of each buffer.
         unsafe { b.launch(cfg((rows as u32, 1, 1), threads, 0)) }.map_err(cuda_err)?;
         Ok(())

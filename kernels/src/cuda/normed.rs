@@ -9,7 +9,7 @@ use half::bf16;
 use super::cublas::no_fp8_scratch;
 use super::fp8_gemm::{Fp8Rows, Fp8Scratch};
 use super::launch::cfg;
-use super::norm::{NORM_PIECES, norm_threads_rows};
+use super::norm::{NORM_PIECES, norm_threads};
 use super::shape::StackShape;
 use super::{DeviceWeight, GemmScratch, Gpu, NormArgs, cuda_err};
 use crate::KernelError;
@@ -73,7 +73,7 @@ impl Gpu {
         scratch: &'s mut GemmScratch,
     ) -> R<Option<(Fp8Rows<'w>, &'s mut Fp8Scratch)>> {
         let (rows, dim) = (norm.rows, norm.cols);
-        let threads = norm_threads_rows(dim, rows);
+        let threads = norm_threads(dim, rows);
         let fits = dim.is_multiple_of(4) && dim <= 4 * NORM_PIECES * threads;
         let Some(w8) = self.fp8_stack(w, rows, dim).filter(|_| fits) else {
             return Ok(None);
