@@ -470,7 +470,9 @@ fp8-prefill)
         bin="$1" weights="$2"
         shift 2
         flags="$*"
-        for run in "1,8" "8 --step-tokens 8192"; do
+        # RUNS="CONC[ FLAGS];..." overrides the runs of each case.
+        IFS=';' read -ra runs <<<"${RUNS:-1,8;8 --step-tokens 8192}"
+        for run in "${runs[@]}"; do
             echo "== $bin --weights $weights $flags --concurrency $run" | tee -a "$out/fp8-prefill.log"
             # Each step's wall and device time, to tell kernels from gaps.
             trace="$out/trace-$(basename "$bin")-$weights-$(tr , - <<<"${run%% *}")"

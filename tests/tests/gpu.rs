@@ -14,6 +14,8 @@ mod api_features;
 mod kernels;
 #[path = "gpu/lanes.rs"]
 mod lanes;
+#[path = "gpu/memory.rs"]
+mod memory;
 
 /// Why each test here is ignored by default.
 const NEEDS_GPU: &str = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored";

@@ -37,7 +37,7 @@ pub use request::{Finish, GenerateParams, Logprob, TokenLogprobs};
 pub use samples::MAX_SAMPLES;
 pub use scheduler::SchedulerConfig;
 
-use crate::model::{KvCache, Loaded, Runner, RunnerOptions};
+use crate::model::{KvCache, Loaded, Reserve, Runner, RunnerOptions};
 use integrity::{IntegrityCheck, NoCheck, TagCheck};
 use kv_manager::KvCacheManager;
 use lanes::Lanes;
@@ -268,6 +268,10 @@ impl Engine {
                     .unwrap_or_else(|| default_prefill_warps(config.kv_format)),
                 bf16_mlp: config.cuda_bf16_mlp,
                 side_lane: config.pd,
+                reserve: Reserve {
+                    tokens: config.scheduler.max_tokens_per_step,
+                    rows: config.scheduler.max_running,
+                },
             },
         )?;
         let checker: Box<dyn IntegrityCheck> = if config.integrity {

@@ -24,7 +24,7 @@ pub use convert::{WeightFormat, WeightPlan};
 pub use cpu::{KvCache, Model};
 pub use fetch::{DEFAULT_MODEL, default_cache_dir, resolve_model};
 pub use load::{load, load_as};
-pub use runner::{Runner, RunnerOptions};
+pub use runner::{Reserve, Runner, RunnerOptions};
 pub use tokenizer::{ChatMessage, Tokenizer};
 
 /// Errors of loading a model or its tokenizer.

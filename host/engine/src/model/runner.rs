@@ -44,6 +44,19 @@ pub struct RunnerOptions {
     pub bf16_mlp: bool,
     /// Open the side lane (its own stream on a GPU).
     pub side_lane: bool,
+    /// On CUDA: working buffers made at start for steps of up to this
+    /// many tokens and sequences (the scheduler's limits), so no step the
+    /// engine serves waits on an allocation.
+    pub reserve: Reserve,
+}
+
+/// The largest step a runner's working buffers are made for at start.
+#[derive(Debug, Clone, Copy)]
+pub struct Reserve {
+    /// Tokens in one step.
+    pub tokens: usize,
+    /// Sequences in one step.
+    pub rows: usize,
 }
 
 /// Where the KV pages live and the forward pass runs, and the results of
@@ -112,6 +125,20 @@ impl Runner {
                     .kv(o.kv_format, o.page_size, o.num_pages)
                     .map_err(|e| e.to_string())?;
                 kv.set_tensor_prefill(o.tensor_prefill);
+                let Reserve { tokens, rows } = o.reserve;
+                // Disaggregated, the side lane prefills and the main lane
+                // decodes (a token a sequence).
+                let (prefill_lane, decode_lane) = if o.side_lane {
+                    (RunLane::Side, Some(RunLane::Main))
+                } else {
+                    (RunLane::Main, None)
+                };
+                model
+                    .reserve(&mut kv, prefill_lane, tokens, rows)
+                    .and_then(|()| {
+                        decode_lane.map_or(Ok(()), |l| model.reserve(&mut kv, l, rows, rows))
+                    })
+                    .map_err(|e| format!("working buffers for a step of {tokens} tokens: {e}"))?;
                 Place::Gpu(model, Box::new(kv), decode)
             }
         };

@@ -24,6 +24,7 @@ use kiln_kernels::matmul::Weight;
 
 use super::arch::{Backend, Convert, Decoder};
 use super::cpu::{Host, Model};
+use super::step::RunLane;
 use super::{ModelConfig, ModelError};
 
 type R<T> = Result<T, KernelError>;
@@ -306,6 +307,22 @@ impl GpuModel {
             lanes,
             tensor_prefill: false,
         })
+    }
+
+    /// Makes `lane`'s working buffers now for steps of up to `tokens`
+    /// tokens (contexts as long) and `rows` sequences: made on a first
+    /// step instead, they would add the allocation's wait and mapping,
+    /// about a millisecond, to that step, and fail for memory only once
+    /// serving.
+    pub fn reserve(&self, kv: &mut GpuKv, lane: RunLane, tokens: usize, rows: usize) -> R<()> {
+        let g = self.lane_gpu(lane);
+        let lk = &mut kv.lanes[lane.index()];
+        // Room for the inputs of a step that size (ids, positions, slots,
+        // tables and tags: a few words a token and a sequence).
+        let words = 8 * tokens + 64 * rows;
+        let work = self.work(g, &mut lk.work, tokens, tokens, rows, words)?;
+        lk.work = Some(work);
+        g.synchronize()
     }
 
     /// Working buffers for `n` tokens and contexts up to `max_len`, reused
