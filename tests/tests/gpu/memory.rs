@@ -2,31 +2,28 @@
 //! for the largest step its scheduler may run, so a step that cannot fit
 //! fails the start with a reason instead of a request while serving.
 
+use super::{device, synthetic_bf16, synthetic_ids_n};
 use kiln_host::engine::{Engine, EngineConfig, Event, GenerateParams, SchedulerConfig, TenantId};
-use kiln_tests::default_model;
-
-use super::device;
 
 #[test]
 #[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn a_step_budget_the_device_cannot_hold_fails_the_start_and_says_so() {
+    let (loaded, base) = synthetic_bf16();
     let config = |tokens| EngineConfig {
-        device: device(),
-        kv_memory: 64 << 20,
         scheduler: SchedulerConfig {
             max_tokens_per_step: tokens,
             ..Default::default()
         },
-        ..Default::default()
+        ..base(device())
     };
-    // 2^30 tokens of the default model's activations: hundreds of TB.
-    let err = Engine::new(default_model(), config(1 << 30))
+    // 2^30 tokens of SmolLM2-135M's activations: terabytes.
+    let err = Engine::new(loaded.clone(), config(1 << 30))
         .err()
         .expect("an engine whose step cannot fit the device");
     assert!(err.contains("working buffers for a step of"), "{err}");
     // A budget that fits starts, and serves a prompt of that size.
-    let mut e = Engine::new(default_model(), config(2048)).expect("an engine of 2048-token steps");
-    let ids: Vec<u32> = (0..2000).map(|i| 100 + i % 1000).collect();
+    let mut e = Engine::new(loaded.clone(), config(2048)).expect("an engine of 2048-token steps");
+    let ids = synthetic_ids_n(&loaded, 2000);
     let want = 3;
     let params = GenerateParams {
         max_tokens: want,
