@@ -264,16 +264,18 @@ neighbour)
     # tree's server with the step time target off and at its default, same
     # call (carry .gpu-bench; this tree's `kiln loadgen` drives every run).
     # TARGETS and SERVERS override (SERVERS="/tmp/kiln-base .gpu-bench/kiln"
-    # after `unpack` for the base build beside this one).
+    # after `unpack` for the base build beside this one); SERVE_ARGS adds
+    # serve arguments (`--pd on`).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
     export ALONE_S="${ALONE_S:-10}" BURST_S="${BURST_S:-20}"
     for server in ${SERVERS:-.gpu-bench/kiln}; do
         for target in ${TARGETS:-0 1.8}; do
-            echo "== $server --step-target $target" | tee -a "$out/neighbour.log"
+            echo "== $server --step-target $target ${SERVE_ARGS:-}" | tee -a "$out/neighbour.log"
+            # shellcheck disable=SC2086
             timeout 150 python3 scripts/noisy_neighbour.py "$server" .gpu-bench/kiln big synthetic:llama-3-8b \
-                --device cuda --kv fp8-static --kv-memory 16GiB --step-target "$target" 2>&1 |
+                --device cuda --kv fp8-static --kv-memory 16GiB --step-target "$target" ${SERVE_ARGS:-} 2>&1 |
                 grep -v INFO | tee -a "$out/neighbour.log"
         done
     done

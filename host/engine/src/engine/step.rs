@@ -36,10 +36,12 @@ impl Engine {
     pub fn step(&mut self) -> Result<Vec<Event>, String> {
         let mut events = Vec::new();
         self.release_waiting();
-        let caps = self.step_budget.caps(self.lanes.contention());
+        let now = self.lanes.contention();
         if self.lanes.disaggregated() {
+            let caps = self.step_budget.caps_apart(now);
             self.overlapped_step(caps, &mut events)?;
         } else {
+            let caps = self.step_budget.caps(now);
             self.lane_step(Lane::Prefill, RunLane::Main, caps, &mut events)?;
         }
         Ok(events)

@@ -120,6 +120,30 @@ impl StepBudget {
         };
         StepCaps { decodes, prompt }
     }
+
+    /// What the two lanes of a disaggregated step may carry: the decode
+    /// lane's step holds no prompt tokens, so its decodes fill the whole
+    /// target, known from decode steps alone; the prefill lane's step runs
+    /// beside it on a stream of its own, within the token budget.
+    pub fn caps_apart(&self, now: Contention) -> StepCaps {
+        let whole = StepCaps {
+            decodes: usize::MAX,
+            prompt: self.max,
+        };
+        if !now.competing || self.target <= 1.0 {
+            return whole;
+        }
+        let (Some(lone), Some(per)) = (self.lone_ms, self.per_stream()) else {
+            return whole;
+        };
+        let room = (self.target - 1.0) * lone;
+        let decodes = if per > 0.0 {
+            ((room / per) as usize).saturating_add(1)
+        } else {
+            usize::MAX
+        };
+        StepCaps { decodes, ..whole }
+    }
 }
 
 #[cfg(test)]
@@ -196,6 +220,37 @@ mod tests {
         };
         // 10 ms beside the lone step: 101 streams (100 at 0.1 ms more).
         assert_eq!(measured(2.0).caps(idle).decodes, 101);
+    }
+
+    #[test]
+    fn disaggregated_decodes_fill_the_target_without_prompt_measurements() {
+        // Decode steps only, as a disaggregated decode lane measures them.
+        let mut b = StepBudget::new(1.3, 2048);
+        b.observe(1, 0, 10.0);
+        b.observe(64, 0, 16.3);
+        assert_eq!(
+            b.caps(busy(200)).decodes,
+            usize::MAX,
+            "mixed steps wait for prompts' cost"
+        );
+        // 3 ms beside the lone step: 30 streams more at 0.1 ms each.
+        assert_eq!(
+            b.caps_apart(busy(200)),
+            StepCaps {
+                decodes: 31,
+                prompt: 2048
+            }
+        );
+        let alone = Contention {
+            competing: false,
+            ..busy(200)
+        };
+        assert_eq!(b.caps_apart(alone).decodes, usize::MAX, "no rival");
+        assert_eq!(
+            StepBudget::new(1.3, 2048).caps_apart(busy(200)).decodes,
+            usize::MAX,
+            "nothing measured yet"
+        );
     }
 
     #[test]
