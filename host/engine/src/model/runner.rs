@@ -45,8 +45,9 @@ pub struct RunnerOptions {
     /// Open the side lane (its own stream on a GPU).
     pub side_lane: bool,
     /// On CUDA: working buffers made at start for steps of up to this
-    /// many tokens and sequences (the scheduler's limits), so no step the
-    /// engine serves waits on an allocation.
+    /// many tokens and sequences (the scheduler's limits), so a step of
+    /// fresh prompts never waits on an allocation (contexts longer than a
+    /// step's tokens still grow the attention scratch, once).
     pub reserve: Reserve,
 }
 
