@@ -477,7 +477,7 @@ fp8-prefill)
         for run in "${runs[@]}"; do
             echo "== $bin --weights $weights $flags --concurrency $run" | tee -a "$out/fp8-prefill.log"
             # Each step's wall and device time, to tell kernels from gaps.
-            trace="$out/trace-$(basename "$bin")-$weights-$(tr , - <<<"${run%% *}")"
+            trace="$out/trace-$(basename "$bin")-$weights-$(tr ' ,' '_-' <<<"$run")"
             mkdir -p "$trace"
             # shellcheck disable=SC2086
             timeout 120 "$bin" bench --model synthetic:llama-3-8b --device cuda --weights "$weights" $flags \

@@ -244,8 +244,9 @@ pub struct Engine {
 
 impl Engine {
     /// An engine for `loaded` with a pool sized by `config.kv_memory`, on
-    /// `config.device`. Engines may share one model's weights. Fails only
-    /// when the device cannot be used (no CUDA, say).
+    /// `config.device`. Engines may share one model's weights. Fails when
+    /// the device cannot be used (no CUDA, say) or cannot hold the pool or
+    /// the working buffers of the scheduler's largest step.
     pub fn new(loaded: impl Into<Arc<Loaded>>, config: EngineConfig) -> Result<Self, String> {
         let loaded = loaded.into();
         let page_bytes = KvCache::page_bytes(&loaded.model.config, config.kv_format, PAGE_SIZE);

@@ -30,7 +30,13 @@ impl Engine {
         }
         self.lane_step(Lane::Decode, RunLane::Main, caps, events)?;
         if self.in_flight.is_none() {
-            self.in_flight = self.launch(Lane::Prefill, RunLane::Side, caps, events)?;
+            // The cap on streams is the decode lane's; the prefill lane
+            // hands every stream over before it plans.
+            let prefill = StepCaps {
+                decodes: usize::MAX,
+                ..caps
+            };
+            self.in_flight = self.launch(Lane::Prefill, RunLane::Side, prefill, events)?;
         }
         Ok(())
     }

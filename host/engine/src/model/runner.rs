@@ -45,9 +45,9 @@ pub struct RunnerOptions {
     /// Open the side lane (its own stream on a GPU).
     pub side_lane: bool,
     /// On CUDA: working buffers made at start for steps of up to this
-    /// many tokens and sequences (the scheduler's limits), so a step of
-    /// fresh prompts never waits on an allocation (contexts longer than a
-    /// step's tokens still grow the attention scratch, once).
+    /// many tokens and sequences (the scheduler's limits) over contexts as
+    /// long as a step's tokens, so the first steps wait on no allocation
+    /// (a step that outgrows them in any way remakes them at its size).
     pub reserve: Reserve,
 }
 
@@ -127,19 +127,28 @@ impl Runner {
                     .map_err(|e| e.to_string())?;
                 kv.set_tensor_prefill(o.tensor_prefill);
                 let Reserve { tokens, rows } = o.reserve;
-                // Disaggregated, the side lane prefills and the main lane
-                // decodes (a token a sequence).
-                let (prefill_lane, decode_lane) = if o.side_lane {
-                    (RunLane::Side, Some(RunLane::Main))
-                } else {
-                    (RunLane::Main, None)
+                let fail = |e: kiln_kernels::KernelError| {
+                    format!(
+                        "working buffers for steps of {tokens} tokens and {rows} sequences: {e}"
+                    )
                 };
-                model
-                    .reserve(&mut kv, prefill_lane, tokens, rows)
-                    .and_then(|()| {
-                        decode_lane.map_or(Ok(()), |l| model.reserve(&mut kv, l, rows, rows))
-                    })
-                    .map_err(|e| format!("working buffers for a step of {tokens} tokens: {e}"))?;
+                if o.side_lane {
+                    // The side lane prefills; the main lane decodes, a
+                    // token a sequence, on the decode weights where the
+                    // phases have their own.
+                    model
+                        .reserve(&mut kv, RunLane::Side, (tokens, tokens, rows))
+                        .map_err(fail)?;
+                    let decoder = decode.as_deref().unwrap_or(&*model);
+                    let len = tokens.max(rows);
+                    decoder
+                        .reserve(&mut kv, RunLane::Main, (rows, len, rows))
+                        .map_err(fail)?;
+                } else {
+                    model
+                        .reserve(&mut kv, RunLane::Main, (tokens, tokens, rows))
+                        .map_err(fail)?;
+                }
                 Place::Gpu(model, Box::new(kv), decode)
             }
         };

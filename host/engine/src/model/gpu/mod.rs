@@ -310,17 +310,24 @@ impl GpuModel {
     }
 
     /// Makes `lane`'s working buffers now for steps of up to `tokens`
-    /// tokens (contexts as long) and `rows` sequences: made on a first
+    /// tokens, contexts of `max_len` and `rows` sequences: made on a first
     /// step instead, they would add the allocation's wait and mapping,
     /// about a millisecond, to that step, and fail for memory only once
     /// serving.
-    pub fn reserve(&self, kv: &mut GpuKv, lane: RunLane, tokens: usize, rows: usize) -> R<()> {
+    pub fn reserve(
+        &self,
+        kv: &mut GpuKv,
+        lane: RunLane,
+        (tokens, max_len, rows): (usize, usize, usize),
+    ) -> R<()> {
         let g = self.lane_gpu(lane);
+        let page_size = kv.page_size;
         let lk = &mut kv.lanes[lane.index()];
-        // Room for the inputs of a step that size (ids, positions, slots,
-        // tables and tags: a few words a token and a sequence).
-        let words = 8 * tokens + 64 * rows;
-        let work = self.work(g, &mut lk.work, tokens, tokens, rows, words)?;
+        // Room for the inputs of a step that size: a few words a token and
+        // a sequence, and each sequence's table and tags (five words a
+        // page).
+        let words = 8 * tokens + 64 * rows + 5 * rows * max_len.div_ceil(page_size);
+        let work = self.work(g, &mut lk.work, tokens, max_len, rows, words)?;
         lk.work = Some(work);
         g.synchronize()
     }
@@ -343,8 +350,9 @@ impl GpuModel {
             && w.max_len >= max_len
             && w.rows >= rows
             // Buffers another model made (the phases' other weights) may
-            // lack the bf16 MLP's.
+            // lack the bf16 MLP's or the dequantizing GEMMs' scratch.
             && (!self.bf16_mlp || w.b.gu16.is_some())
+            && (!self.blocks || w.b.scratch.dequantizes())
         {
             return grow_inputs(g, w, words);
         }
