@@ -104,12 +104,6 @@ pub struct GemmScratch {
 }
 
 impl GemmScratch {
-    /// Whether it holds the scratch GGUF blocks and FP8 rows need (made
-    /// for a model with such weights).
-    pub fn dequantizes(&self) -> bool {
-        self.deq.is_some()
-    }
-
     /// The bf16 activations the last bf16 GEMM read (or a kernel wrote for
     /// the next one).
     pub fn activations(&self) -> &CudaSlice<bf16> {

@@ -350,9 +350,8 @@ impl GpuModel {
             && w.max_len >= max_len
             && w.rows >= rows
             // Buffers another model made (the phases' other weights) may
-            // lack the bf16 MLP's or the dequantizing GEMMs' scratch.
+            // lack the bf16 MLP's.
             && (!self.bf16_mlp || w.b.gu16.is_some())
-            && (!self.blocks || w.b.scratch.dequantizes())
         {
             return grow_inputs(g, w, words);
         }
