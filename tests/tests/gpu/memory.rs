@@ -20,7 +20,7 @@ fn a_step_budget_the_device_cannot_hold_fails_the_start_and_says_so() {
     let err = Engine::new(loaded.clone(), config(1 << 30))
         .err()
         .expect("an engine whose step cannot fit the device");
-    assert!(err.contains("working buffers for a step of"), "{err}");
+    assert!(err.contains("working buffers for steps of"), "{err}");
     // A budget that fits starts, and serves a prompt of that size.
     let mut e = Engine::new(loaded.clone(), config(2048)).expect("an engine of 2048-token steps");
     let ids = synthetic_ids_n(&loaded, 2000);

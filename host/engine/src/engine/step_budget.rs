@@ -106,12 +106,7 @@ impl StepBudget {
         let limit = self.target * lone;
         let floor = MIN_PROMPT_TOKENS.min(self.max);
         let kept = if prompting { floor as f64 * token } else { 0.0 };
-        let decodes = if per > 0.0 {
-            let room = limit - lone - kept;
-            ((room.max(0.0) / per) as usize).saturating_add(1)
-        } else {
-            usize::MAX
-        };
+        let decodes = streams_within(limit - lone - kept, per);
         let spent = self.decode_ms(streams.min(decodes)).unwrap_or(lone);
         let prompt = if token > 0.0 {
             (((limit - spent) / token).max(0.0) as usize).clamp(floor, self.max)
@@ -136,13 +131,18 @@ impl StepBudget {
         let (Some(lone), Some(per)) = (self.lone_ms, self.per_stream()) else {
             return whole;
         };
-        let room = (self.target - 1.0) * lone;
-        let decodes = if per > 0.0 {
-            ((room / per) as usize).saturating_add(1)
-        } else {
-            usize::MAX
-        };
+        let decodes = streams_within((self.target - 1.0) * lone, per);
         StepCaps { decodes, ..whole }
+    }
+}
+
+/// Streams a decode step holds within `room` ms beside its lone stream,
+/// each costing `per` ms more (every stream if they cost nothing).
+fn streams_within(room: f64, per: f64) -> usize {
+    if per > 0.0 {
+        ((room.max(0.0) / per) as usize).saturating_add(1)
+    } else {
+        usize::MAX
     }
 }
 

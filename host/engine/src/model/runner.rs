@@ -132,21 +132,21 @@ impl Runner {
                         "working buffers for steps of {tokens} tokens and {rows} sequences: {e}"
                     )
                 };
-                if o.side_lane {
-                    // The side lane prefills; the main lane decodes, a
-                    // token a sequence, on the decode weights where the
-                    // phases have their own.
-                    model
-                        .reserve(&mut kv, RunLane::Side, (tokens, tokens, rows))
-                        .map_err(fail)?;
-                    let decoder = decode.as_deref().unwrap_or(&*model);
-                    let len = tokens.max(rows);
-                    decoder
-                        .reserve(&mut kv, RunLane::Main, (rows, len, rows))
-                        .map_err(fail)?;
+                // Disaggregated, the side lane prefills and the main lane
+                // decodes, a token a sequence, on the decode weights where
+                // the phases have their own.
+                let prefill_lane = if o.side_lane {
+                    RunLane::Side
                 } else {
-                    model
-                        .reserve(&mut kv, RunLane::Main, (tokens, tokens, rows))
+                    RunLane::Main
+                };
+                model
+                    .reserve(&mut kv, prefill_lane, (tokens, tokens, rows))
+                    .map_err(fail)?;
+                if o.side_lane {
+                    let decoder = decode.as_deref().unwrap_or(&*model);
+                    decoder
+                        .reserve(&mut kv, RunLane::Main, (rows, tokens.max(rows), rows))
                         .map_err(fail)?;
                 }
                 Place::Gpu(model, Box::new(kv), decode)
