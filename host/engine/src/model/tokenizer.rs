@@ -203,7 +203,8 @@ impl Tokenizer {
         })
     }
 
-    /// A byte tokenizer for synthetic models: token = byte value.
+    /// A byte tokenizer for synthetic models: token = byte value; ids past
+    /// 255 (most of a synthetic vocabulary) write one printable character.
     pub fn bytes(_vocab: usize) -> Self {
         Self {
             inner: Inner::Bytes,
@@ -253,7 +254,7 @@ impl Tokenizer {
         match &self.inner {
             Inner::Hf(tk) => tk.decode(ids, true).unwrap_or_default(),
             Inner::Bytes => {
-                String::from_utf8_lossy(&ids.iter().map(|i| *i as u8).collect::<Vec<_>>())
+                String::from_utf8_lossy(&ids.iter().map(|i| byte_token(*i)).collect::<Vec<_>>())
                     .into_owned()
             }
         }
@@ -358,3 +359,33 @@ impl Tokenizer {
 #[cfg(test)]
 #[path = "template_fuzz.rs"]
 mod fuzz;
+
+/// A byte tokenizer's text for `id`: its byte below 256; above, a
+/// printable ASCII character, so a random model's tokens are whole
+/// characters as a real tokenizer's mostly are (a byte of 0x80 or more is
+/// half a character, held back until the next token: streams would carry
+/// two tokens a chunk).
+fn byte_token(id: u32) -> u8 {
+    match u8::try_from(id) {
+        Ok(b) => b,
+        Err(_) => b' ' + (id % 95) as u8,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Tokenizer;
+
+    #[test]
+    fn a_synthetic_vocabularys_tokens_past_a_byte_decode_to_whole_characters() {
+        let t = Tokenizer::bytes(128_256);
+        assert_eq!(t.decode(&t.encode("hi {", false).unwrap()), "hi {");
+        for id in [256, 383, 40_000, 128_255] {
+            let text = t.decode(&[id]);
+            assert_eq!(text.chars().count(), 1, "{id}: {text:?}");
+            assert!(!text.contains('\u{FFFD}'), "{id}: {text:?}");
+        }
+        // A byte below 256 is still that byte: half a character alone.
+        assert!(t.decode(&[0xC3]).contains('\u{FFFD}'));
+    }
+}
