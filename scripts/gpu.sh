@@ -57,6 +57,20 @@ fp8_tests() {
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
 }
 
+# API clients of one tenant (there, with $out set): `pd_clients CLIENTS
+# PD...` runs scripts/clients.py at each client count of CLIENTS with each
+# `--pd` mode in turn (DURATION_S seconds, default 25).
+pd_clients() {
+    local clients="$1" pd
+    shift
+    for pd in "$@"; do
+        echo "== clients, --pd $pd" | tee -a "$out/pd.log"
+        CLIENTS="$clients" DURATION_S="${DURATION_S:-25}" timeout 200 python3 scripts/clients.py \
+            .gpu-bench/kiln .gpu-bench/kiln big synthetic:llama-3-8b --device cuda --kv fp8-static \
+            --kv-memory 24GiB --pd "$pd" 2>&1 | grep -v INFO | tee -a "$out/pd.log"
+    done
+}
+
 case "${1:-}" in
 build)
     mkdir -p .gpu .gpu-model
@@ -280,6 +294,28 @@ neighbour)
         done
     done
     ;;
+pd-goals)
+    # Issue 18's PD goals in one call (carry .gpu, .gpu-bench/kiln.xz,
+    # .gpu-bench/kiln-base.xz): the CUDA-graph tests and the engine's
+    # working-buffer tests first, then the neighbour at target 1.3 with
+    # `--pd on` and `--pd off` (PD_ARGS overrides, ";" apart), then 256
+    # clients of one tenant with PD on and off (PD_CLIENTS overrides; empty
+    # skips them). Fails if a test fails.
+    prepare
+    set +e
+    failed=0
+    KILN_TEST_DEVICE=cuda timeout 60 .gpu/cuda_graphs --include-ignored 2>&1 | tee "$out/tests.log" | tail -3
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --test-threads 1 memory:: 2>&1 |
+        tee -a "$out/tests.log" | grep -E "test |test result|panicked" | tail -8
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    IFS=';' read -ra pd_args <<<"${PD_ARGS:---pd on;--pd off}"
+    for args in "${pd_args[@]}"; do
+        TARGETS="${TARGETS:-1.3}" SERVE_ARGS="$args" "$0" neighbour
+    done
+    [ -z "${PD_CLIENTS-256}" ] || DURATION_S="${DURATION_S:-20}" pd_clients "${PD_CLIENTS-256}" on off
+    exit "$failed"
+    ;;
 prefill-weights)
     # Prompt tok/s by weight format at 1x1024 and 8x1024 (WEIGHTS, default
     # "native fp8"; carry .gpu-bench): issue 18's FP8 prefill against bf16.
@@ -306,13 +342,7 @@ pd)
             --kv-memory 16GiB --concurrency 1,16,64 --prompt-tokens 512 --gen-tokens 128 \
             --pd "$pd" 2>&1 | grep -v INFO | tee -a "$out/pd.log"
     done
-    for pd in off on; do
-        [ -n "${PD_CLIENTS-64 256}" ] || break
-        echo "== clients, --pd $pd" | tee -a "$out/pd.log"
-        CLIENTS="${PD_CLIENTS-64 256}" DURATION_S="${DURATION_S:-25}" timeout 200 python3 scripts/clients.py \
-            .gpu-bench/kiln .gpu-bench/kiln big synthetic:llama-3-8b --device cuda --kv fp8-static \
-            --kv-memory 24GiB --pd "$pd" 2>&1 | grep -v INFO | tee -a "$out/pd.log"
-    done
+    [ -z "${PD_CLIENTS-64 256}" ] || pd_clients "${PD_CLIENTS-64 256}" off on
     ;;
 constrained)
     # Decode free and under an output format (JSON that never ends, so

@@ -486,7 +486,7 @@ fn attention(
             s.clone_htod(&lens)?,
             s.clone_htod(&q)?,
         );
-        let mut scratch = gpu.attention_buffers(batch, heads, 8, 128, ctx)?;
+        let mut scratch = gpu.attention_buffers((batch, ctx), (heads, 8, 128), 0)?;
         let mut out: CudaSlice<f32> = s.alloc_zeros(batch * heads * 128)?;
         let small = partition_len(batch, 8, ctx, 1).min(PARTITION);
         // The shuffle kernel in partitions of 256 first: every other plan is

@@ -325,3 +325,24 @@ fn fused_rope_and_kv_write_write_what_the_two_launches_write_from_separate_or_st
         }
     }
 }
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn a_graph_replayed_on_an_urgent_lane_computes_what_eager_launches_compute() {
+    let (gpu, seed) = device();
+    let mut eager = Chain::new(&gpu, &mut ChaCha8Rng::seed_from_u64(seed));
+    eager.launch(&gpu).unwrap();
+    let want = eager.results(&gpu);
+    let lane = gpu.lane().unwrap();
+    // Urgent, level, urgent again: each graph captured and replayed.
+    for urgent in [true, false, true] {
+        lane.set_urgent(urgent).unwrap();
+        let mut chain = Chain::new(&lane, &mut ChaCha8Rng::seed_from_u64(seed));
+        let graph = lane.capture(|| chain.launch(&lane)).unwrap();
+        lane.replay(&graph).unwrap();
+        lane.synchronize().unwrap();
+        let got = chain.results(&lane);
+        assert_eq!(got.2, want.2, "argmax, urgent {urgent}");
+        assert!(got.0 == want.0 && got.1 == want.1, "urgent {urgent}");
+    }
+}

@@ -26,6 +26,11 @@ fn run(e: &mut Engine, max_tokens: usize) -> Vec<(Vec<u32>, Finish)> {
 /// An engine with `pages` KV pages and steps of at most 32 tokens (so
 /// prompts take several chunks).
 fn engine(pd: bool, pages: usize) -> Engine {
+    engine_aiming(pd, pages, 0.0)
+}
+
+/// [`engine`] with a step time target.
+fn engine_aiming(pd: bool, pages: usize, step_target: f64) -> Engine {
     let page = KvCache::page_bytes(&default_model().model.config, KvFormat::Fp8, 16);
     Engine::new(
         default_model(),
@@ -34,6 +39,7 @@ fn engine(pd: bool, pages: usize) -> Engine {
             kv_memory: pages * page,
             scheduler: SchedulerConfig {
                 max_tokens_per_step: 32,
+                step_target,
                 ..Default::default()
             },
             pd,
@@ -139,4 +145,35 @@ fn a_sequence_cancelled_while_its_prefill_is_in_flight_frees_its_pages_when_the_
     );
     assert_eq!(e.free_pages(), start);
     assert!(!e.has_work());
+}
+
+#[test]
+fn decodes_go_first_on_the_device_only_while_tenants_compete_under_the_step_target() {
+    let params = GenerateParams {
+        max_tokens: 24,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let first_while = |e: &mut Engine, steps: usize| {
+        (0..steps).any(|_| {
+            e.step().unwrap();
+            e.stats().decode_first
+        })
+    };
+    for (target, competing_first) in [(1.3, true), (0.0, false)] {
+        let mut e = engine_aiming(true, 256, target);
+        let ids = chat_ids(&e, PROMPTS[0]);
+        e.add(TenantId(1), ids, params.clone()).unwrap();
+        // One tenant alone: its own prompts are never held behind its
+        // streams.
+        assert!(!first_while(&mut e, 12), "target {target}: alone");
+        let ids = chat_ids(&e, PROMPTS[1]);
+        e.add(TenantId(2), ids, params.clone()).unwrap();
+        assert_eq!(first_while(&mut e, 16), competing_first, "target {target}");
+        while e.has_work() {
+            e.step().unwrap();
+        }
+        e.step().unwrap();
+        assert!(!e.stats().decode_first, "target {target}: idle");
+    }
 }

@@ -89,6 +89,31 @@ pub struct DecodeBatch {
 pub struct AttentionBuffers {
     part_out: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
+    /// Partitions (of every head) it holds.
+    rows: usize,
+}
+
+impl AttentionBuffers {
+    /// Whether it holds attention over up to `seqs` sequences of at most
+    /// `max_len`.
+    pub fn holds(&self, seqs: usize, kv_heads: usize, max_len: usize) -> bool {
+        self.rows >= attention_rows(seqs, kv_heads, max_len)
+    }
+
+    /// Partitions (of every head) it holds.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// Partitions (of every head) that attention over up to `seqs` sequences
+/// of at most `max_len` may need: for every batch size up to `seqs` (a
+/// smaller batch splits into more partitions).
+fn attention_rows(seqs: usize, kv_heads: usize, max_len: usize) -> usize {
+    (1..=seqs.max(1))
+        .map(|b| b * max_parts(b, kv_heads, max_len))
+        .max()
+        .unwrap_or(1)
 }
 
 /// Most tokens per attention partition (`PART` in the source).
@@ -261,24 +286,20 @@ fn split_len(seqs: usize, kv_heads: usize, max_len: usize, most: usize) -> usize
 impl Gpu {
     /// Scratch for attention over up to `seqs` sequences of at most
     /// `max_len` (for every batch size up to `seqs`: smaller batches split
-    /// into more partitions).
+    /// into more partitions), and at least `at_least` partitions (what
+    /// [`AttentionBuffers::rows`] of buffers it replaces held).
     pub fn attention_buffers(
         &self,
-        seqs: usize,
-        heads: usize,
-        kv_heads: usize,
-        hd: usize,
-        max_len: usize,
+        (seqs, max_len): (usize, usize),
+        (heads, kv_heads, hd): (usize, usize, usize),
+        at_least: usize,
     ) -> R<AttentionBuffers> {
-        // Every batch size up to `seqs` at every length up to `max_len`.
-        let rows = (1..=seqs.max(1))
-            .map(|b| b * max_parts(b, kv_heads, max_len))
-            .max()
-            .unwrap_or(1);
+        let rows = attention_rows(seqs, kv_heads, max_len).max(at_least);
         let s = &self.stream;
         Ok(AttentionBuffers {
             part_out: s.alloc_zeros(rows * heads * hd).map_err(cuda_err)?,
             part_ml: s.alloc_zeros(rows * heads * 2).map_err(cuda_err)?,
+            rows,
         })
     }
 

@@ -104,7 +104,8 @@ impl Backend for Gpu {
         let max_len = c.lens.iter().copied().max().unwrap_or(1);
         let seqs = c.lens.len();
         let hd = c.layout.head_dim;
-        let mut scratch = self.attention_buffers(seqs, c.heads, c.layout.kv_heads, hd, max_len)?;
+        let mut scratch =
+            self.attention_buffers((seqs, max_len), (c.heads, c.layout.kv_heads, hd), 0)?;
         let mut out = self.poisoned(c.q.len())?;
         let (dq, dt) = (self.upload(&c.q)?, self.upload(&flat)?);
         let (doff, dl) = (

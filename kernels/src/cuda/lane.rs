@@ -95,6 +95,29 @@ impl Gpu {
         })
     }
 
+    /// Runs this lane's work ahead of other lanes' where both have work
+    /// ready (the GPU's greatest stream priority), or at the default
+    /// priority. Kernels already queued keep the priority they had; CUDA
+    /// graphs launched later take the new one.
+    pub fn set_urgent(&self, urgent: bool) -> Result<(), KernelError> {
+        use cudarc::driver::sys;
+        let (mut least, mut greatest) = (0, 0);
+        self.ctx.bind_to_thread().map_err(cuda_err)?;
+        // SAFETY: two live out-parameters, on the lane's context.
+        unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) }
+            .result()
+            .map_err(cuda_err)?;
+        // SAFETY: a zeroed union then its priority field, read by the
+        // driver for this attribute alone.
+        let mut value: sys::CUstreamAttrValue = unsafe { std::mem::zeroed() };
+        value.priority = if urgent { greatest } else { least };
+        let attr = sys::CUstreamAttrID::CU_LAUNCH_ATTRIBUTE_PRIORITY;
+        // SAFETY: the lane's live stream and an initialized value.
+        unsafe { sys::cuStreamSetAttribute(self.stream.cu_stream(), attr, &value) }
+            .result()
+            .map_err(cuda_err)
+    }
+
     /// A [`Settle`] for this GPU.
     pub fn settle(&self) -> Settle {
         Settle(self.ctx.clone())

@@ -116,6 +116,12 @@ impl GemmScratch {
         super::cublas::room(self, len)?;
         Ok(&mut self.act)
     }
+
+    /// Whether it holds the scratch of weights that dequantize (made with
+    /// `blocks`).
+    pub fn dequantizes(&self) -> bool {
+        self.deq.is_some()
+    }
 }
 
 pub(super) fn kernel_suffix(dtype: DType) -> R<&'static str> {

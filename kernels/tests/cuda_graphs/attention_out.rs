@@ -92,7 +92,9 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
             seqs: n,
             max_len: 1500,
         };
-        let mut scratch = gpu.attention_buffers(n, HEADS, 2, 128, 1500).unwrap();
+        let mut scratch = gpu
+            .attention_buffers((n, 1500), (HEADS, 2, 128), 0)
+            .unwrap();
         let plans = [
             (AttentionKind::Flash, 1504, "flash, one partition"),
             (AttentionKind::Flash, 256, "flash, merged"),

@@ -203,6 +203,14 @@ pub struct EngineStats {
     /// Sequences handed from the prefill lane to the decode lane
     /// (disaggregated only).
     pub handoffs: u64,
+    /// Disaggregated: whether the decode lane's steps go ahead of the
+    /// prefill lane's on the device, as they do while the step target caps
+    /// them (tenants compete). Otherwise the lanes share it evenly, so one
+    /// tenant's own prompts are not starved by its streams.
+    pub decode_first: bool,
+    /// On a GPU: steps that found new working buffers (the first step's,
+    /// then one a remake; each drops the captured graphs).
+    pub buffers_made: u64,
 }
 
 /// One model, its KV pool and its schedulers.

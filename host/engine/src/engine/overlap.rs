@@ -20,9 +20,13 @@ impl Engine {
     /// step, and, with none in flight, the prefill lane launches its next.
     pub(super) fn overlapped_step(
         &mut self,
-        caps: StepCaps,
+        (caps, first): (StepCaps, bool),
         events: &mut Vec<Event>,
     ) -> Result<(), String> {
+        if first != self.stats.decode_first {
+            self.runner.set_urgent(RunLane::Main, first)?;
+            self.stats.decode_first = first;
+        }
         if self.in_flight.is_some()
             && (self.runner.is_done(RunLane::Side) || !self.lanes.decoding())
         {

@@ -39,7 +39,10 @@ impl Engine {
         let now = self.lanes.contention();
         if self.lanes.disaggregated() {
             let caps = self.step_budget.caps_apart(now);
-            self.overlapped_step(caps, &mut events)?;
+            // Decodes go first on the device while the target guards
+            // streams; a lone tenant's prompts and streams share it.
+            let first = self.step_budget.guards(now);
+            self.overlapped_step((caps, first), &mut events)?;
         } else {
             let caps = self.step_budget.caps(now);
             self.lane_step(Lane::Prefill, RunLane::Main, caps, &mut events)?;
@@ -242,6 +245,7 @@ impl Engine {
         events: &mut Vec<Event>,
     ) {
         let StepOut { rows, ok, device } = out;
+        self.stats.buffers_made = self.runner.buffers_made();
         if on == RunLane::Main {
             self.stats.last_step_device_us = device.as_micros() as u64;
             let decodes = run.iter().filter(|s| s.count == 1).count();

@@ -82,21 +82,25 @@ impl StepBudget {
         })
     }
 
+    /// Whether the target guards streams now: it is set, and tenants
+    /// compete.
+    pub fn guards(&self, now: Contention) -> bool {
+        now.competing && self.target > 1.0
+    }
+
     /// What the next step may carry: with competing tenants (another's
     /// streams to guard), a step of at most `target` lone steps, room kept
     /// for the floor of prompt tokens if some are waiting; otherwise every
     /// token.
     pub fn caps(&self, now: Contention) -> StepCaps {
         let Contention {
-            competing,
-            streams,
-            prompting,
+            streams, prompting, ..
         } = now;
         let whole = StepCaps {
             decodes: usize::MAX,
             prompt: self.max,
         };
-        if !competing || self.target <= 1.0 {
+        if !self.guards(now) {
             return whole;
         }
         let (Some(lone), Some(per), Some(token)) = (self.lone_ms, self.per_stream(), self.token_ms)
@@ -125,7 +129,7 @@ impl StepBudget {
             decodes: usize::MAX,
             prompt: self.max,
         };
-        if !now.competing || self.target <= 1.0 {
+        if !self.guards(now) {
             return whole;
         }
         let (Some(lone), Some(per)) = (self.lone_ms, self.per_stream()) else {

@@ -193,6 +193,25 @@ impl Runner {
         }
     }
 
+    /// Puts `lane`'s steps ahead of the other lane's on a GPU, or level
+    /// with them again (on the CPU a step runs at launch: nothing to do).
+    pub fn set_urgent(&mut self, lane: RunLane, urgent: bool) -> Result<(), String> {
+        if let Place::Gpu(model, _, decode) = &self.place {
+            for m in std::iter::once(model).chain(decode) {
+                m.set_urgent(lane, urgent).map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Steps that found new working buffers on a GPU (0 on the CPU).
+    pub fn buffers_made(&self) -> u64 {
+        match &self.place {
+            Place::Gpu(_, kv, _) => kv.buffers_made(),
+            Place::Cpu(_) => 0,
+        }
+    }
+
     /// Runs one step on the main lane, launched and finished.
     pub fn forward(&mut self, loaded: &Loaded, step: &Step<'_>) -> Result<StepOut, String> {
         self.launch(loaded, RunLane::Main, step)?;

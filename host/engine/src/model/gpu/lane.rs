@@ -41,6 +41,9 @@ pub(super) struct LaneKv {
     pub seen: HashSet<GraphKey>,
     /// The step launched and not yet finished.
     pub flight: Option<Flight>,
+    /// Steps that found the working buffers new (each drops the captured
+    /// graphs).
+    pub made: u64,
 }
 
 impl LaneKv {
@@ -52,6 +55,7 @@ impl LaneKv {
             graphs: HashMap::new(),
             seen: HashSet::new(),
             flight: None,
+            made: 0,
         }
     }
 }
@@ -91,6 +95,12 @@ impl GpuModel {
             self.side = Some(self.gpu.lane()?);
         }
         Ok(())
+    }
+
+    /// Puts `lane`'s work ahead of the other lane's where both have work
+    /// ready, or level with it again.
+    pub fn set_urgent(&self, lane: RunLane, urgent: bool) -> Result<(), KernelError> {
+        self.lane_gpu(lane).set_urgent(urgent)
     }
 
     /// The stream `lane` runs on: the side lane's own once opened, else

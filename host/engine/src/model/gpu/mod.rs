@@ -18,6 +18,7 @@ use linear::Linear;
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{
     AttentionBuffers, CudaSlice, DeviceWeight, GemmScratch, Gpu, NormSum, PagedKv, Settle,
+    prefill_supports,
 };
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use kiln_kernels::matmul::Weight;
@@ -119,6 +120,12 @@ impl GpuKv {
     pub fn set_tensor_prefill(&mut self, on: bool) {
         self.tensor_prefill = on;
     }
+
+    /// Steps, on either lane, that found new working buffers (and so
+    /// dropped the captured graphs): the first step's, then each remake's.
+    pub fn buffers_made(&self) -> u64 {
+        self.lanes.iter().map(|l| l.made).sum()
+    }
 }
 
 /// Activation buffers for up to `tokens` tokens attending over at most
@@ -127,7 +134,6 @@ struct Work {
     /// Just allocated (graphs captured on older buffers are stale).
     fresh: bool,
     tokens: usize,
-    max_len: usize,
     rows: usize,
     /// The step's inputs (32-bit words), one upload per step.
     inputs: CudaSlice<u32>,
@@ -327,46 +333,68 @@ impl GpuModel {
         // a sequence, and each sequence's table and tags (five words a
         // page).
         let words = 8 * tokens + 64 * rows + 5 * rows * max_len.div_ceil(page_size);
-        let work = self.work(g, &mut lk.work, tokens, max_len, rows, words)?;
+        // Prompt chunks on tensor cores leave the decode-attention kernel
+        // the decoding sequences alone.
+        let c = &self.config;
+        let queries = if kv.tensor_prefill && prefill_supports(c.heads, c.kv_heads, c.head_dim) {
+            rows
+        } else {
+            tokens
+        };
+        let need = Need {
+            tokens,
+            rows,
+            attend: (queries, max_len),
+            words,
+        };
+        let work = self.work(g, &mut lk.work, need)?;
         lk.work = Some(work);
         g.synchronize()
     }
 
-    /// Working buffers for `n` tokens and contexts up to `max_len`, reused
-    /// when big enough (sizes round up to powers of two, so a growing
-    /// batch reallocates only a few times).
-    fn work(
-        &self,
-        g: &Gpu,
-        slot: &mut Option<Work>,
-        n: usize,
-        max_len: usize,
-        rows: usize,
-        words: usize,
-    ) -> R<Work> {
-        // A buffer set too small is dropped before the bigger one is made.
-        if let Some(w) = slot.take()
-            && w.tokens >= n
-            && w.max_len >= max_len
-            && w.rows >= rows
-            // Buffers another model made (the phases' other weights) may
-            // lack the bf16 MLP's.
-            && (!self.bf16_mlp || w.b.gu16.is_some())
-        {
-            return grow_inputs(g, w, words);
-        }
+    /// Working buffers for a step that needs `need`, reused when they hold
+    /// it. Remade, they are never smaller than before in any way (and sizes
+    /// round up to powers of two): steps that alternate shapes, and the
+    /// phases' two models on one lane, settle on one set after a remake or
+    /// two instead of remaking it, and dropping the captured graphs, at
+    /// every switch.
+    fn work(&self, g: &Gpu, slot: &mut Option<Work>, need: Need) -> R<Work> {
         let c = &self.config;
-        let n = n.next_power_of_two();
-        let max_len = max_len.next_power_of_two();
-        let rows = rows.next_power_of_two();
+        let (a_seqs, a_len) = need.attend;
+        let old = slot.take();
+        let fits = old.as_ref().is_some_and(|w| {
+            w.tokens >= need.tokens
+                && w.rows >= need.rows
+                && w.b.abuf.holds(a_seqs, c.kv_heads, a_len)
+                && (!self.bf16_mlp || w.b.gu16.is_some())
+                && (!self.blocks || w.b.scratch.dequantizes())
+        });
+        if fits && let Some(w) = old {
+            return grow_inputs(g, w, need.words);
+        }
+        // What the old set held, kept; the set itself is dropped before the
+        // bigger one is made.
+        let kept = old.map(|w| Kept {
+            tokens: w.tokens,
+            rows: w.rows,
+            attention: w.b.abuf.rows(),
+            bf16_mlp: w.b.gu16.is_some(),
+            blocks: w.b.scratch.dequantizes(),
+        });
+        let k = kept.unwrap_or_default();
+        let n = need.tokens.max(k.tokens).next_power_of_two();
+        let rows = need.rows.max(k.rows).next_power_of_two();
+        let attend = (a_seqs.next_power_of_two(), a_len.next_power_of_two());
         let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
         let widest = c.hidden.max(c.ffn).max(q_dim);
+        let blocks = self.blocks || k.blocks;
+        let gu16 = self.bf16_mlp || k.bf16_mlp;
+        let heads = (c.heads, c.kv_heads, c.head_dim);
         Ok(Work {
             fresh: true,
             tokens: n,
-            max_len,
             rows,
-            inputs: g.zeros(words.next_power_of_two())?,
+            inputs: g.zeros(need.words.next_power_of_two())?,
             b: Buffers {
                 last: g.zeros(rows * c.hidden)?,
                 logits: g.zeros(rows * c.vocab)?,
@@ -383,12 +411,39 @@ impl GpuModel {
                 gate: g.zeros(n * c.ffn)?,
                 up: g.zeros(n * c.ffn)?,
                 norm_sum: g.norm_sum(c.hidden)?,
-                scratch: g.gemm_scratch(n, widest, self.blocks)?,
-                gu16: self.bf16_mlp.then(|| g.zeros(n * 2 * c.ffn)).transpose()?,
-                abuf: g.attention_buffers(n, c.heads, c.kv_heads, c.head_dim, max_len)?,
+                scratch: g.gemm_scratch(n, widest, blocks)?,
+                gu16: gu16.then(|| g.zeros(n * 2 * c.ffn)).transpose()?,
+                abuf: g.attention_buffers(attend, heads, k.attention)?,
             },
         })
     }
+}
+
+/// What a step's working buffers must hold.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Need {
+    /// Tokens in the step.
+    pub tokens: usize,
+    /// Sequences in the step (rows of results).
+    pub rows: usize,
+    /// Queries of the decode-attention kernel (a token each, or only the
+    /// decoding sequences' where prompt chunks attend on tensor cores)
+    /// and their longest context.
+    pub attend: (usize, usize),
+    /// 32-bit words of the step's inputs.
+    pub words: usize,
+}
+
+/// What working buffers about to be replaced held.
+#[derive(Debug, Default)]
+struct Kept {
+    tokens: usize,
+    rows: usize,
+    /// Attention partitions.
+    attention: usize,
+    bf16_mlp: bool,
+    /// The dequantizing weights' scratch.
+    blocks: bool,
 }
 
 /// `w` with an input buffer of at least `words`, made on `g`'s lane.

@@ -21,7 +21,7 @@ use kiln_kernels::cuda::Gpu;
 use super::inputs::{GRAPH_MAX_SEQS, Inputs, Layout, graph_bucket};
 use super::lane::{Flight, GraphKey, LaneKv, Running};
 use super::ops::{CudaStep, Shape};
-use super::{GpuKv, GpuModel, Work};
+use super::{GpuKv, GpuModel, Need, Work};
 use crate::model::step::{Draw, RunLane, SeqOut, Step, StepOut, StepTags};
 
 type R<T> = Result<T, KernelError>;
@@ -176,7 +176,17 @@ impl GpuModel {
         let words = l.words(&x, &tags, &tiles);
         let g = self.lane_gpu(lane);
         let lk = &mut kv.lanes[lane.index()];
-        let mut work = self.work(g, &mut lk.work, n, max_len, seqs, l.total)?;
+        let need = Need {
+            tokens: n,
+            rows: seqs,
+            attend: if tiles.is_empty() {
+                (n, max_len)
+            } else {
+                (decodes, decode_len)
+            },
+            words: l.total,
+        };
+        let mut work = self.work(g, &mut lk.work, need)?;
         let scored = x.score_slot.iter().filter(|s| **s >= 0).count();
         let want = scored * (2 + 2 * x.score_top);
         if want > 0 && work.b.scores.as_ref().is_none_or(|s| s.len() < want) {
@@ -185,6 +195,7 @@ impl GpuModel {
         if std::mem::take(&mut work.fresh) {
             // Captured steps point into the buffers just replaced.
             lk.graphs.clear();
+            lk.made += 1;
         }
         let shape = Shape {
             l: &l,
