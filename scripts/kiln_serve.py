@@ -72,3 +72,26 @@ def call(port, admin, method, path, body):
     if status >= 300:
         raise SystemExit(f"{method} {path}: {status} {rest[:300]!r}")
     return json.loads(rest) if rest.strip() else {}
+
+
+def step_times(port, admin):
+    """The engines' step counters from /metrics: (steps, wall seconds,
+    device seconds), summed over pools."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.sendall(f"GET /metrics HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {admin}\r\n"
+              "connection: close\r\n\r\n".encode())
+    reply = b""
+    while chunk := s.recv(65536):
+        reply += chunk
+    s.close()
+    steps = wall = device = 0.0
+    for line in reply.decode(errors="replace").splitlines():
+        value = line.rsplit(" ", 1)[-1]
+        if line.startswith("kiln_engine_steps_total{"):
+            steps += float(value)
+        elif line.startswith("kiln_engine_step_seconds_total{"):
+            if 'time="wall"' in line:
+                wall += float(value)
+            elif 'time="device"' in line:
+                device += float(value)
+    return steps, wall, device

@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 
-from kiln_serve import call, start_from_argv
+from kiln_serve import call, start_from_argv, step_times
 
 ADMIN = "noisy-neighbour-admin"
 ALONE_S = int(os.environ.get("ALONE_S", "20"))
@@ -38,7 +38,12 @@ def main():
         for t in tenants:
             args += ["--tenant", t]
         print(f"== {name}", flush=True)
+        before = step_times(port, ADMIN)
         subprocess.run(args, check=True)
+        steps, wall, device = (b - a for a, b in zip(before, step_times(port, ADMIN)))
+        if steps:
+            print(f"engine steps {steps:.0f}: wall {wall / steps * 1e3:.2f} ms, "
+                  f"device {device / steps * 1e3:.2f} ms a step", flush=True)
     proc.send_signal(signal.SIGTERM)
     print(f"server exit {proc.wait(timeout=60)}")
 

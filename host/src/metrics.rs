@@ -1,5 +1,7 @@
 //! Prometheus metrics of the HTTP front end, the runtime and the engines.
 
+use std::sync::atomic::AtomicU64;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -52,6 +54,18 @@ pub struct PoolLabels {
     pub model: String,
     /// The pool's index.
     pub pool: String,
+}
+
+/// Labels of a pool's step time.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StepTimeLabels {
+    /// The model.
+    pub model: String,
+    /// The pool's index.
+    pub pool: String,
+    /// `wall` (a step as its streams see it) or `device` (of which the
+    /// host waited on the device).
+    pub time: String,
 }
 
 /// Labels of a pool's page counts.
@@ -127,6 +141,10 @@ pub struct EngineMetrics {
     pub engine_restarts: Family<PoolLabels, Counter>,
     /// Requests given to a rebuilt engine after a failure, by pool.
     pub engine_replays: Family<PoolLabels, Counter>,
+    /// Engine steps that ran a forward pass, by pool.
+    pub steps: Family<PoolLabels, Counter>,
+    /// Those steps' seconds, wall and device, by pool.
+    pub step_seconds: Family<StepTimeLabels, Counter<f64, AtomicU64>>,
 }
 
 impl Default for EngineMetrics {
@@ -142,6 +160,8 @@ impl Default for EngineMetrics {
             policy_rejections: Family::default(),
             engine_restarts: Family::default(),
             engine_replays: Family::default(),
+            steps: Family::default(),
+            step_seconds: Family::default(),
         }
     }
 }
@@ -197,6 +217,16 @@ impl EngineMetrics {
             "engine_replays",
             "Requests given to a rebuilt engine after a failure, by pool",
             self.engine_replays.clone(),
+        );
+        r.register(
+            "engine_steps",
+            "Engine steps that ran a forward pass, by pool",
+            self.steps.clone(),
+        );
+        r.register(
+            "engine_step_seconds",
+            "Seconds of engine steps by pool: wall (as streams see them) and device (the host waiting on the device)",
+            self.step_seconds.clone(),
         );
     }
 }

@@ -55,6 +55,17 @@ async fn same_long_prompt_is_cached_for_its_tenant_and_never_for_another() {
     assert_eq!(s.metric(&hit_b).await, 0.0);
     let in_use = s.metric(&["kiln_kv_pages{", "state=\"cached\""]).await;
     assert!(in_use > 0.0, "cached pages are exported");
+    // Three calls of two tokens: at least a step each, every one timed
+    // whole (wall) and on the device (on the CPU, its forward pass).
+    let steps = s.metric(&["kiln_engine_steps_total{"]).await;
+    let wall = ["kiln_engine_step_seconds_total{", "time=\"wall\""];
+    let device = ["kiln_engine_step_seconds_total{", "time=\"device\""];
+    let (wall, device) = (s.metric(&wall).await, s.metric(&device).await);
+    assert!(steps >= 3.0, "{steps} steps");
+    assert!(
+        wall >= device && device > 0.0,
+        "wall {wall} s, device {device} s"
+    );
 }
 
 /// The `data:` payloads of an SSE body.

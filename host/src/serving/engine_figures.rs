@@ -2,9 +2,10 @@
 //! aborts, prefix-cache hits and the prefix hashes the router reads.
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use crate::engine::{Engine, PrefixChange};
-use crate::metrics::{PoolLabels, PrefixLabels};
+use crate::metrics::{PoolLabels, PrefixLabels, StepTimeLabels};
 
 use super::PoolThread;
 
@@ -19,6 +20,31 @@ impl PoolThread {
                     result: result.into(),
                 })
                 .inc_by(n as u64);
+        }
+    }
+
+    /// Counts a step that ran a forward pass: its `wall` time and the
+    /// device time the engine reports for it.
+    pub(super) fn count_step(&mut self, engine: &Engine, wall: Duration) {
+        let stats = engine.stats();
+        if stats.steps == self.steps_seen {
+            return;
+        }
+        self.steps_seen = stats.steps;
+        let pool = PoolLabels {
+            model: self.model.clone(),
+            pool: self.pool.clone(),
+        };
+        self.metrics.steps.get_or_create(&pool).inc();
+        let device = Duration::from_micros(stats.last_step_device_us);
+        for (time, d) in [("wall", wall), ("device", device)] {
+            let labels = StepTimeLabels {
+                model: pool.model.clone(),
+                pool: pool.pool.clone(),
+                time: time.into(),
+            };
+            let counter = self.metrics.step_seconds.get_or_create(&labels);
+            counter.inc_by(d.as_secs_f64());
         }
     }
 

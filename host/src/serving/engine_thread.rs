@@ -137,6 +137,8 @@ struct PoolThread {
     tenants: HashMap<Arc<str>, TenantId>,
     outs: HashMap<SeqId, Live>,
     aborts_seen: u64,
+    /// The engine's step count when last published.
+    steps_seen: u64,
     /// Messages taken from the channel and not yet handled (a failure
     /// leaves the rest here for the rebuilt engine).
     inbox: VecDeque<Msg>,
@@ -196,6 +198,7 @@ pub(super) fn spawn(
         tenants: HashMap::new(),
         outs: HashMap::new(),
         aborts_seen: 0,
+        steps_seen: 0,
         inbox: VecDeque::new(),
         admitting: Vec::new(),
         stepping: false,
@@ -355,7 +358,9 @@ impl PoolThread {
     }
 
     fn step(&mut self, engine: &mut Engine) -> Result<(), String> {
+        let start = std::time::Instant::now();
         let events = engine.step()?;
+        self.count_step(engine, start.elapsed());
         // Figures first, so that anyone who sees this step's tokens also
         // sees the pages it holds.
         self.publish(engine);
