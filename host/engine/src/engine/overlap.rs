@@ -17,7 +17,8 @@ impl Engine {
     /// One disaggregated step: the prefill step in flight lands once it has
     /// run (or at once when no stream would decode beside it), its
     /// finished prompts move to the decode lane, the decode lane runs a
-    /// step, and, with none in flight, the prefill lane launches its next.
+    /// step, and, with none in flight and none owed to the step target
+    /// (`StepBudget::prefill_due`), the prefill lane launches its next.
     pub(super) fn overlapped_step(
         &mut self,
         (caps, first): (StepCaps, bool),
@@ -33,7 +34,7 @@ impl Engine {
             self.land_prefill(events)?;
         }
         self.lane_step(Lane::Decode, RunLane::Main, caps, events)?;
-        if self.in_flight.is_none() {
+        if self.in_flight.is_none() && self.step_budget.prefill_due() {
             // The cap on streams is the decode lane's; the prefill lane
             // hands every stream over before it plans.
             let prefill = StepCaps {

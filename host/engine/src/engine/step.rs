@@ -3,6 +3,7 @@
 //! model's output to the requests).
 
 use std::collections::{HashMap, HashSet};
+use std::time::Instant;
 
 use kiln_kernels::sample::sample;
 use rand::Rng;
@@ -34,19 +35,23 @@ impl Engine {
     /// Runs one step: plan, build, run, apply; disaggregated, the two
     /// lanes' steps overlap (`overlap.rs`).
     pub fn step(&mut self) -> Result<Vec<Event>, String> {
+        let start = Instant::now();
         let mut events = Vec::new();
         self.release_waiting();
         let now = self.lanes.contention();
+        let guarding = self.step_budget.guards(now);
         if self.lanes.disaggregated() {
             let caps = self.step_budget.caps_apart(now);
             // Decodes go first on the device while the target guards
             // streams; a lone tenant's prompts and streams share it.
-            let first = self.step_budget.guards(now);
-            self.overlapped_step((caps, first), &mut events)?;
+            self.overlapped_step((caps, guarding), &mut events)?;
         } else {
             let caps = self.step_budget.caps(now);
             self.lane_step(Lane::Prefill, RunLane::Main, caps, &mut events)?;
         }
+        // Timed whole: the streams wait for the host's part too.
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        self.step_budget.close(ms, guarding);
         Ok(events)
     }
 
@@ -250,8 +255,8 @@ impl Engine {
             self.stats.last_step_device_us = device.as_micros() as u64;
             let decodes = run.iter().filter(|s| s.count == 1).count();
             let prompt: usize = run.iter().filter(|s| s.count > 1).map(|s| s.count).sum();
-            let ms = device.as_secs_f64() * 1e3;
-            self.step_budget.observe(decodes, prompt, ms);
+            let beside = (self.lanes.disaggregated()).then_some(self.in_flight.is_some());
+            self.step_budget.carried(decodes, prompt, beside);
         }
         // Sequences the device's check stopped: their results are void.
         let mut failed = HashSet::new();

@@ -1,8 +1,10 @@
 //! What a step may carry while tenants compete, so every tenant's streams
 //! see a step at most `target` times a lone decode step (the weights' read:
 //! the step a stream sees with the GPU to itself): decode tokens and prompt
-//! tokens, from a linear model of a step's device time fitted to what steps
-//! measured.
+//! tokens, from a linear model of a step's time fitted to what steps
+//! measured. A step is timed whole, as its streams wait for it: the host's
+//! planning and bookkeeping, and with disaggregation the prefill lane's
+//! launches between decode steps, count as the device's time does.
 
 use super::scheduler::{Contention, StepCaps};
 
@@ -12,6 +14,15 @@ const MIN_PROMPT_TOKENS: usize = 64;
 
 /// Weight of the newest measurement in the running means.
 const NEW: f64 = 0.2;
+
+/// Disaggregated: the least a decode step with no prefill beside it repays
+/// of what steps beside prefill owe, in lone steps (so prompts always
+/// progress, even when decode steps alone fill the target).
+const REPAY: f64 = 0.1;
+
+/// Disaggregated: the most decode steps may owe, in lone steps (a prefill
+/// step waits at most about this many lone steps' worth of repayment).
+const MAX_OWED: f64 = 8.0;
 
 /// A step's time as `lone + per_stream * (decodes - 1) + token * prompt
 /// tokens`, each term measured.
@@ -27,6 +38,14 @@ pub struct StepBudget {
     lone_ms: Option<f64>,
     /// One prompt token's time, ms.
     token_ms: Option<f64>,
+    /// What the engine step under way carried on the main lane: decodes,
+    /// prompt tokens and, disaggregated, whether a prefill step was in
+    /// flight beside it; observed when [`Self::close`] times it.
+    carried: Option<(usize, usize, Option<bool>)>,
+    /// Disaggregated, while the target guards streams: ms by which decode
+    /// steps beside a prefill step passed the target, less what steps
+    /// alone since repaid. The prefill lane launches only with none owed.
+    owed: f64,
 }
 
 fn mean(old: Option<f64>, new: f64) -> Option<f64> {
@@ -43,7 +62,50 @@ impl StepBudget {
             decode: None,
             lone_ms: None,
             token_ms: None,
+            carried: None,
+            owed: 0.0,
         }
+    }
+
+    /// Notes that the engine step under way ran `decodes` one-token
+    /// sequences and `prompt_tokens` prompt tokens on the main lane, and,
+    /// disaggregated (`beside` is `Some`), whether a prefill step was in
+    /// flight beside it.
+    pub fn carried(&mut self, decodes: usize, prompt_tokens: usize, beside: Option<bool>) {
+        self.carried = Some((decodes, prompt_tokens, beside));
+    }
+
+    /// Ends an engine step that took `ms` whole: observes what it carried,
+    /// if it ran a step on the main lane, and, disaggregated while the
+    /// target `guarding` streams, what it owes or repays.
+    pub fn close(&mut self, ms: f64, guarding: bool) {
+        let Some((decodes, prompt_tokens, beside)) = self.carried.take() else {
+            // No stream decoded: none to guard.
+            self.owed = 0.0;
+            return;
+        };
+        self.observe(decodes, prompt_tokens, ms);
+        let (Some(beside), Some(lone), true) = (beside, self.lone_ms, guarding) else {
+            self.owed = 0.0;
+            return;
+        };
+        let over = ms - self.target * lone;
+        let change = if beside {
+            over
+        } else {
+            over.min(-REPAY * lone)
+        };
+        self.owed = (self.owed + change).clamp(0.0, MAX_OWED * lone);
+    }
+
+    /// Disaggregated: whether the prefill lane may launch its next step. A
+    /// prefill step beside decode steps slows them, by more than the
+    /// target allows when decodes alone nearly fill it: while the target
+    /// guards streams, prefill waits until the decode steps beside the last
+    /// one are repaid by steps alone, so the streams' steps stay within the
+    /// target on average.
+    pub fn prefill_due(&self) -> bool {
+        self.owed <= 0.0
     }
 
     /// Records a step of `decodes` one-token sequences and `prompt_tokens`
@@ -286,5 +348,60 @@ mod tests {
         assert_eq!(b.lone_ms, Some(10.0));
         b.observe(1, 0, 8.0);
         assert_eq!(b.lone_ms, Some(8.0));
+    }
+
+    #[test]
+    fn an_engine_step_is_observed_when_it_closes_and_only_if_it_ran_the_main_lane() {
+        let mut b = StepBudget::new(1.3, 2048);
+        b.close(100.0, true);
+        assert_eq!(b.lone_ms, None, "a step with nothing carried");
+        b.carried(1, 0, None);
+        assert_eq!(b.lone_ms, None, "observed before it closed");
+        b.close(10.0, true);
+        b.close(100.0, true);
+        b.carried(64, 0, None);
+        b.close(16.3, true);
+        // As `measured`'s first two steps: caps from the closed times alone.
+        let mut want = StepBudget::new(1.3, 2048);
+        want.observe(1, 0, 10.0);
+        want.observe(64, 0, 16.3);
+        assert_eq!(b.caps_apart(busy(200)), want.caps_apart(busy(200)));
+        assert_eq!(b.lone_ms, Some(10.0));
+    }
+
+    #[test]
+    fn disaggregated_prefill_waits_until_the_decode_steps_beside_it_are_repaid() {
+        // A lone step of 10 ms: the target allows 15.
+        let mut b = StepBudget::new(1.5, 2048);
+        let mut step = |ms: f64, beside: bool, guarding: bool| {
+            b.carried(1, 0, Some(beside));
+            b.close(ms, guarding);
+            b.prefill_due()
+        };
+        assert!(step(10.0, false, true));
+        assert!(!step(19.0, true, true), "4 ms over");
+        assert!(!step(18.0, true, true), "7 ms over");
+        assert!(!step(12.0, false, true), "3 ms repaid, 4 owed");
+        assert!(step(11.0, false, true), "repaid");
+        // Steps alone past the target still repay a tenth of a lone step.
+        assert!(!step(19.0, true, true));
+        let repaid: Vec<bool> = (0..4).map(|_| step(16.0, false, true)).collect();
+        assert_eq!(repaid, [false, false, false, true]);
+        // What may be owed is bounded: eight lone steps.
+        for _ in 0..50 {
+            step(100.0, true, true);
+        }
+        let waits = (0..100).take_while(|_| !step(16.0, false, true)).count();
+        assert_eq!(waits, 79);
+        // Nothing is owed without a rival to guard, or with no stream
+        // decoding, or without disaggregation.
+        assert!(!step(40.0, true, true));
+        assert!(step(40.0, true, false), "no rival");
+        assert!(!step(40.0, true, true));
+        b.close(1.0, true);
+        assert!(b.prefill_due(), "no stream decoded");
+        b.carried(1, 0, None);
+        b.close(40.0, true);
+        assert!(b.prefill_due(), "one lane");
     }
 }
