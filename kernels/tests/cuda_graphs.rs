@@ -3,7 +3,8 @@
 //! compute one after another, and kernels that write a bf16 GEMM's input
 //! give exactly their f32 results rounded, fused launches write exactly
 //! what the launches they replace write, and the one-launch one-row int4
-//! GEMV sums what the two-launch path sums. CUDA only, so ignored
+//! GEMV sums what the two-launch path sums, and a graph replayed as its
+//! lane's priority changes computes the same. CUDA only, so ignored
 //! unless asked for: `KILN_TEST_DEVICE=cuda` with `--include-ignored` (the
 //! GPU machine, where a CUDA that does not work fails the tests).
 
@@ -328,17 +329,20 @@ fn fused_rope_and_kv_write_write_what_the_two_launches_write_from_separate_or_st
 
 #[test]
 #[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
-fn a_graph_replayed_on_an_urgent_lane_computes_what_eager_launches_compute() {
+fn a_graph_replayed_on_a_lane_whose_priority_changes_computes_what_eager_launches_compute() {
     let (gpu, seed) = device();
-    let mut eager = Chain::new(&gpu, &mut ChaCha8Rng::seed_from_u64(seed));
-    eager.launch(&gpu).unwrap();
-    let want = eager.results(&gpu);
     let lane = gpu.lane().unwrap();
-    // Urgent, level, urgent again: each graph captured and replayed.
+    assert!(!lane.is_urgent().unwrap(), "a new lane is level");
+    let mut eager = Chain::new(&gpu, &mut ChaCha8Rng::seed_from_u64(seed));
+    let mut chain = Chain::new(&lane, &mut ChaCha8Rng::seed_from_u64(seed));
+    // Captured once, replayed as the priority flips, as the engine does:
+    // each replay continues from the last, as each eager round does.
+    let graph = lane.capture(|| chain.launch(&lane)).unwrap();
     for urgent in [true, false, true] {
         lane.set_urgent(urgent).unwrap();
-        let mut chain = Chain::new(&lane, &mut ChaCha8Rng::seed_from_u64(seed));
-        let graph = lane.capture(|| chain.launch(&lane)).unwrap();
+        assert_eq!(lane.is_urgent().unwrap(), urgent);
+        eager.launch(&gpu).unwrap();
+        let want = eager.results(&gpu);
         lane.replay(&graph).unwrap();
         lane.synchronize().unwrap();
         let got = chain.results(&lane);

@@ -101,6 +101,7 @@ impl PoolThread {
             .unwrap_or_else(|p| p.into_inner())
             .clear();
         self.aborts_seen = 0;
+        self.steps_seen = 0;
         loop {
             match Engine::new(self.loaded.clone(), self.config.clone()) {
                 Ok(engine) => {

@@ -101,12 +101,7 @@ impl Gpu {
     /// graphs launched later take the new one.
     pub fn set_urgent(&self, urgent: bool) -> Result<(), KernelError> {
         use cudarc::driver::sys;
-        let (mut least, mut greatest) = (0, 0);
-        self.ctx.bind_to_thread().map_err(cuda_err)?;
-        // SAFETY: two live out-parameters, on the lane's context.
-        unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) }
-            .result()
-            .map_err(cuda_err)?;
+        let (least, greatest) = self.priorities()?;
         // SAFETY: a zeroed union then its priority field, read by the
         // driver for this attribute alone.
         let mut value: sys::CUstreamAttrValue = unsafe { std::mem::zeroed() };
@@ -116,6 +111,32 @@ impl Gpu {
         unsafe { sys::cuStreamSetAttribute(self.stream.cu_stream(), attr, &value) }
             .result()
             .map_err(cuda_err)
+    }
+
+    /// Whether this lane's work runs ahead of other lanes' ([`Self::set_urgent`]).
+    pub fn is_urgent(&self) -> Result<bool, KernelError> {
+        use cudarc::driver::sys;
+        let (_, greatest) = self.priorities()?;
+        // SAFETY: a zeroed union the driver fills for this attribute.
+        let mut value: sys::CUstreamAttrValue = unsafe { std::mem::zeroed() };
+        let attr = sys::CUstreamAttrID::CU_LAUNCH_ATTRIBUTE_PRIORITY;
+        // SAFETY: the lane's live stream and a live out-parameter.
+        unsafe { sys::cuStreamGetAttribute(self.stream.cu_stream(), attr, &mut value) }
+            .result()
+            .map_err(cuda_err)?;
+        // SAFETY: the driver wrote the priority field for this attribute.
+        Ok(unsafe { value.priority } == greatest)
+    }
+
+    /// The GPU's least and greatest stream priorities.
+    fn priorities(&self) -> Result<(i32, i32), KernelError> {
+        let (mut least, mut greatest) = (0, 0);
+        self.ctx.bind_to_thread().map_err(cuda_err)?;
+        // SAFETY: two live out-parameters, on the lane's context.
+        unsafe { cudarc::driver::sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) }
+            .result()
+            .map_err(cuda_err)?;
+        Ok((least, greatest))
     }
 
     /// A [`Settle`] for this GPU.

@@ -196,9 +196,10 @@ pub struct EngineStats {
     /// Tokens the last step computed (equal to its sequences when it only
     /// decoded).
     pub last_step_tokens: usize,
-    /// Microseconds the last step waited on the device (upload, kernels,
-    /// download; on the CPU the whole forward): the rest of a step is the
-    /// host's scheduling and bookkeeping, during which the device idles.
+    /// Microseconds the last step waited on the device for its main lane's
+    /// step (upload, kernels, download; on the CPU the whole forward; 0 if
+    /// it ran none): the rest of a step is the host's scheduling and
+    /// bookkeeping, during which the device idles.
     pub last_step_device_us: u64,
     /// Sequences handed from the prefill lane to the decode lane
     /// (disaggregated only).

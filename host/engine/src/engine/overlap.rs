@@ -25,7 +25,11 @@ impl Engine {
         events: &mut Vec<Event>,
     ) -> Result<(), String> {
         if first != self.stats.decode_first {
-            self.runner.set_urgent(RunLane::Main, first)?;
+            // A priority the driver refuses costs the neighbour some ITL,
+            // never a step.
+            if let Err(e) = self.runner.set_urgent(RunLane::Main, first) {
+                tracing::warn!("decode lane priority not changed: {e}");
+            }
             self.stats.decode_first = first;
         }
         if self.in_flight.is_some()

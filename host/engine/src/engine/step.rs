@@ -36,6 +36,8 @@ impl Engine {
     /// lanes' steps overlap (`overlap.rs`).
     pub fn step(&mut self) -> Result<Vec<Event>, String> {
         let start = Instant::now();
+        // Set again if the main lane runs a step now.
+        self.stats.last_step_device_us = 0;
         let mut events = Vec::new();
         self.release_waiting();
         let now = self.lanes.contention();

@@ -109,7 +109,7 @@ impl StepBudget {
     }
 
     /// Records a step of `decodes` one-token sequences and `prompt_tokens`
-    /// prompt tokens that took `ms` on the device.
+    /// prompt tokens that took `ms` whole.
     pub fn observe(&mut self, decodes: usize, prompt_tokens: usize, ms: f64) {
         if prompt_tokens == 0 {
             if decodes > 0 {

@@ -119,6 +119,11 @@ impl Runner {
                         .map_err(|e| e.to_string())?;
                     if o.side_lane {
                         m.open_side_lane().map_err(|e| e.to_string())?;
+                        // Weights a failed engine gave back may have left
+                        // the decode stream ahead; a new engine starts level.
+                        if let Err(e) = m.set_urgent(RunLane::Main, false) {
+                            tracing::warn!("decode lane priority left as it was: {e}");
+                        }
                     }
                 }
                 tracing::info!(device = model.device_name(), "model weights on the GPU");

@@ -377,6 +377,7 @@ impl GpuModel {
         let kept = old.map(|w| Kept {
             tokens: w.tokens,
             rows: w.rows,
+            words: w.inputs.len(),
             attention: w.b.abuf.rows(),
             bf16_mlp: w.b.gu16.is_some(),
             blocks: w.b.scratch.dequantizes(),
@@ -394,7 +395,7 @@ impl GpuModel {
             fresh: true,
             tokens: n,
             rows,
-            inputs: g.zeros(need.words.next_power_of_two())?,
+            inputs: g.zeros(need.words.max(k.words).next_power_of_two())?,
             b: Buffers {
                 last: g.zeros(rows * c.hidden)?,
                 logits: g.zeros(rows * c.vocab)?,
@@ -439,6 +440,8 @@ pub(super) struct Need {
 struct Kept {
     tokens: usize,
     rows: usize,
+    /// Words of the inputs.
+    words: usize,
     /// Attention partitions.
     attention: usize,
     bf16_mlp: bool,
