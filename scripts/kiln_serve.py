@@ -54,21 +54,25 @@ def start_from_argv(admin):
     return srv, loadgen, model
 
 
-def call(port, admin, method, path, body):
-    """One admin API call (JSON in and out); exits on an error status."""
+def exchange(port, admin, method, path, body=b""):
+    """One admin HTTP request: (status, the answer's body as bytes)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=60)
-    data = json.dumps(body).encode()
     s.sendall(
         f"{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {admin}\r\n"
-        f"content-type: application/json\r\ncontent-length: {len(data)}\r\n"
-        f"connection: close\r\n\r\n".encode() + data
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        f"connection: close\r\n\r\n".encode() + body
     )
     reply = b""
     while chunk := s.recv(65536):
         reply += chunk
     s.close()
     head, rest = reply.split(b"\r\n\r\n", 1)
-    status = int(head.split(b" ")[1])
+    return int(head.split(b" ")[1]), rest
+
+
+def call(port, admin, method, path, body):
+    """One admin API call (JSON in and out); exits on an error status."""
+    status, rest = exchange(port, admin, method, path, json.dumps(body).encode())
     if status >= 300:
         raise SystemExit(f"{method} {path}: {status} {rest[:300]!r}")
     return json.loads(rest) if rest.strip() else {}
@@ -77,15 +81,9 @@ def call(port, admin, method, path, body):
 def step_times(port, admin):
     """The engines' step counters from /metrics: (steps, wall seconds,
     device seconds), summed over pools."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=60)
-    s.sendall(f"GET /metrics HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {admin}\r\n"
-              "connection: close\r\n\r\n".encode())
-    reply = b""
-    while chunk := s.recv(65536):
-        reply += chunk
-    s.close()
+    _, text = exchange(port, admin, "GET", "/metrics")
     steps = wall = device = 0.0
-    for line in reply.decode(errors="replace").splitlines():
+    for line in text.decode(errors="replace").splitlines():
         value = line.rsplit(" ", 1)[-1]
         if line.startswith("kiln_engine_steps_total{"):
             steps += float(value)

@@ -1,13 +1,45 @@
 //! What a pool's thread publishes after each step: page counts, integrity
 //! aborts, prefix-cache hits and the prefix hashes the router reads.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::engine::{Engine, PrefixChange};
-use crate::metrics::{PoolLabels, PrefixLabels, StepTimeLabels};
+use prometheus_client::metrics::counter::Counter;
+
+use crate::metrics::{EngineMetrics, PoolLabels, PrefixLabels, StepTimeLabels};
 
 use super::PoolThread;
+
+/// One pool's step counters: steps, and their wall and device seconds.
+pub(super) struct StepCounters {
+    steps: Counter,
+    wall: Counter<f64, AtomicU64>,
+    device: Counter<f64, AtomicU64>,
+}
+
+impl StepCounters {
+    /// The counters of pool `index` of `model`.
+    pub(super) fn new(metrics: &EngineMetrics, model: &str, index: usize) -> Self {
+        let pool = PoolLabels {
+            model: model.to_owned(),
+            pool: index.to_string(),
+        };
+        let seconds = |time: &str| {
+            let labels = StepTimeLabels {
+                model: pool.model.clone(),
+                pool: pool.pool.clone(),
+                time: time.into(),
+            };
+            metrics.step_seconds.get_or_create(&labels).clone()
+        };
+        Self {
+            steps: metrics.steps.get_or_create(&pool).clone(),
+            wall: seconds("wall"),
+            device: seconds("device"),
+        }
+    }
+}
 
 impl PoolThread {
     pub(super) fn count_prefix(&self, tenant: &str, prompt: usize, cached: usize) {
@@ -31,21 +63,10 @@ impl PoolThread {
             return;
         }
         self.steps_seen = stats.steps;
-        let pool = PoolLabels {
-            model: self.model.clone(),
-            pool: self.pool.clone(),
-        };
-        self.metrics.steps.get_or_create(&pool).inc();
-        let device = Duration::from_micros(stats.last_step_device_us);
-        for (time, d) in [("wall", wall), ("device", device)] {
-            let labels = StepTimeLabels {
-                model: pool.model.clone(),
-                pool: pool.pool.clone(),
-                time: time.into(),
-            };
-            let counter = self.metrics.step_seconds.get_or_create(&labels);
-            counter.inc_by(d.as_secs_f64());
-        }
+        let c = &self.step_counters;
+        c.steps.inc();
+        c.wall.inc_by(wall.as_secs_f64());
+        c.device.inc_by(stats.last_step_device_us as f64 / 1e6);
     }
 
     /// Publishes page counts, integrity aborts, running requests and

@@ -13,6 +13,7 @@
 
 #[path = "engine_figures.rs"]
 mod figures;
+use figures::StepCounters;
 #[path = "engine_restart.rs"]
 mod restart;
 
@@ -131,6 +132,8 @@ struct PoolThread {
     metrics: EngineMetrics,
     /// This pool's `kv_pages` gauges (in use, cached, free), looked up once.
     page_gauges: [Gauge; 3],
+    /// This pool's step counters, looked up once.
+    step_counters: StepCounters,
     load: Arc<AtomicUsize>,
     prefixes: Arc<RwLock<HashSet<PageHash>>>,
     figures: Arc<[AtomicUsize; 5]>,
@@ -185,6 +188,7 @@ pub(super) fn spawn(
             })
             .clone()
     });
+    let step_counters = StepCounters::new(&metrics, model, index);
     let mut state = PoolThread {
         loaded,
         config,
@@ -192,6 +196,7 @@ pub(super) fn spawn(
         pool: index.to_string(),
         metrics,
         page_gauges,
+        step_counters,
         load: handle.load.clone(),
         prefixes: handle.prefixes.clone(),
         figures: handle.figures.clone(),
