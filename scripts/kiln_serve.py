@@ -78,6 +78,37 @@ def call(port, admin, method, path, body):
     return json.loads(rest) if rest.strip() else {}
 
 
+def step_walls(port, admin):
+    """The engines' step wall-time histogram from /metrics: {upper bound
+    in seconds: steps at most that long}, summed over pools."""
+    _, text = exchange(port, admin, "GET", "/metrics")
+    counts = {}
+    for line in text.decode(errors="replace").splitlines():
+        if line.startswith("kiln_engine_step_wall_seconds_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            bound = float("inf") if le == "+Inf" else float(le)
+            counts[bound] = counts.get(bound, 0.0) + float(line.rsplit(" ", 1)[-1])
+    return counts
+
+
+def quantile(before, after, q):
+    """Quantile q of the steps counted between two `step_walls` readings,
+    in ms, interpolated inside its bucket (None with no step)."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    want, lower, below = q * counts[-1], 0.0, 0.0
+    for bound, count in zip(bounds, counts):
+        if count >= want:
+            if bound == float("inf"):
+                return lower * 1e3
+            inside = (want - below) / (count - below) if count > below else 1.0
+            return (lower + inside * (bound - lower)) * 1e3
+        lower, below = bound, count
+    return lower * 1e3
+
+
 def step_times(port, admin):
     """The engines' step counters from /metrics: (steps, wall seconds,
     device seconds), summed over pools."""

@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 
-from kiln_serve import call, start_from_argv, step_times
+from kiln_serve import call, quantile, start_from_argv, step_times, step_walls
 
 ADMIN = "noisy-neighbour-admin"
 ALONE_S = int(os.environ.get("ALONE_S", "20"))
@@ -38,12 +38,16 @@ def main():
         for t in tenants:
             args += ["--tenant", t]
         print(f"== {name}", flush=True)
-        before = step_times(port, ADMIN)
+        before, walls = step_times(port, ADMIN), step_walls(port, ADMIN)
         subprocess.run(args, check=True)
         steps, wall, device = (b - a for a, b in zip(before, step_times(port, ADMIN)))
         if steps:
+            after = step_walls(port, ADMIN)
+            # A build without the histogram shows the means alone.
+            qs = [quantile(walls, after, q) for q in (0.5, 0.7, 0.9, 0.99)]
+            spread = "" if None in qs else "; wall p50 / p70 / p90 / p99 " + " / ".join(f"{q:.2f}" for q in qs) + " ms"
             print(f"engine steps {steps:.0f}: wall {wall / steps * 1e3:.2f} ms, "
-                  f"device {device / steps * 1e3:.2f} ms a step", flush=True)
+                  f"device {device / steps * 1e3:.2f} ms a step{spread}", flush=True)
     proc.send_signal(signal.SIGTERM)
     print(f"server exit {proc.wait(timeout=60)}")
 

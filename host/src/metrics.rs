@@ -145,6 +145,9 @@ pub struct EngineMetrics {
     pub steps: Family<PoolLabels, Counter>,
     /// Those steps' seconds, wall and device, by pool.
     pub step_seconds: Family<StepTimeLabels, Counter<f64, AtomicU64>>,
+    /// Those steps' wall times, by pool: what the step time target holds
+    /// (a stream's inter-token latency is a step).
+    pub step_wall: Family<PoolLabels, Histogram, NewHistogram>,
 }
 
 impl Default for EngineMetrics {
@@ -162,6 +165,7 @@ impl Default for EngineMetrics {
             engine_replays: Family::default(),
             steps: Family::default(),
             step_seconds: Family::default(),
+            step_wall: Family::new_with_constructor(step_wall as NewHistogram),
         }
     }
 }
@@ -228,7 +232,21 @@ impl EngineMetrics {
             "Seconds of engine steps by pool: wall (as streams see them) and device (the host waiting on the device)",
             self.step_seconds.clone(),
         );
+        r.register(
+            "engine_step_wall_seconds",
+            "Wall time of engine steps that ran a forward pass, by pool",
+            self.step_wall.clone(),
+        );
     }
+}
+
+fn step_wall() -> Histogram {
+    // Half a millisecond apart where decode steps fall, then coarser.
+    const MS: [f64; 24] = [
+        1.0, 2.0, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0, 9.0, 10.0, 12.0, 15.0,
+        20.0, 30.0, 50.0, 100.0, 200.0, 500.0, 1000.0,
+    ];
+    Histogram::new(MS.iter().map(|ms| ms / 1e3))
 }
 
 fn latency() -> Histogram {

@@ -6,16 +6,19 @@ use std::time::Duration;
 
 use crate::engine::{Engine, PrefixChange};
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
 
 use crate::metrics::{EngineMetrics, PoolLabels, PrefixLabels, StepTimeLabels};
 
 use super::PoolThread;
 
-/// One pool's step counters: steps, and their wall and device seconds.
+/// One pool's step counters: steps, their wall and device seconds, and
+/// their wall times' histogram.
 pub(super) struct StepCounters {
     steps: Counter,
     wall: Counter<f64, AtomicU64>,
     device: Counter<f64, AtomicU64>,
+    walls: Histogram,
 }
 
 impl StepCounters {
@@ -37,6 +40,7 @@ impl StepCounters {
             steps: metrics.steps.get_or_create(&pool).clone(),
             wall: seconds("wall"),
             device: seconds("device"),
+            walls: metrics.step_wall.get_or_create(&pool).clone(),
         }
     }
 }
@@ -66,6 +70,7 @@ impl PoolThread {
         let c = &self.step_counters;
         c.steps.inc();
         c.wall.inc_by(wall.as_secs_f64());
+        c.walls.observe(wall.as_secs_f64());
         c.device.inc_by(stats.last_step_device_us as f64 / 1e6);
     }
 

@@ -5,6 +5,12 @@
 //! measured. A step is timed whole, as its streams wait for it: the host's
 //! planning and bookkeeping, and with disaggregation the prefill lane's
 //! launches between decode steps, count as the device's time does.
+//!
+//! What a stream's inter-token latency reads is its steps' median, and a
+//! model fitted to means lands half its steps above whatever it plans for.
+//! So steps are planned to an aim under the target, steered so that few
+//! steps pass the target; disaggregated, the prefill lane is paced so that
+//! the decode steps beside it are repaid, against the aim, by steps alone.
 
 use super::scheduler::{Contention, StepCaps};
 
@@ -23,6 +29,13 @@ const REPAY: f64 = 0.1;
 /// Disaggregated: the most decode steps may owe, in lone steps (a prefill
 /// step waits at most about this many lone steps' worth of repayment).
 const MAX_OWED: f64 = 8.0;
+
+/// The share of guarded steps that may pass the target: well under half,
+/// so the streams' median step stays under it.
+const OVER_SHARE: f64 = 0.3;
+
+/// How far one step moves the aim, in lone steps per unit of surprise.
+const AIM_STEP: f64 = 0.005;
 
 /// A step's time as `lone + per_stream * (decodes - 1) + token * prompt
 /// tokens`, each term measured.
@@ -43,9 +56,12 @@ pub struct StepBudget {
     /// flight beside it; observed when [`Self::close`] times it.
     carried: Option<(usize, usize, Option<bool>)>,
     /// Disaggregated, while the target guards streams: ms by which decode
-    /// steps beside a prefill step passed the target, less what steps
-    /// alone since repaid. The prefill lane launches only with none owed.
+    /// steps beside a prefill step passed the aim, less what steps alone
+    /// since repaid. The prefill lane launches only with none owed.
     owed: f64,
+    /// What steps are planned to, in lone steps: between halfway to the
+    /// target and the target, steered by how often steps pass the target.
+    aim: f64,
 }
 
 fn mean(old: Option<f64>, new: f64) -> Option<f64> {
@@ -64,6 +80,7 @@ impl StepBudget {
             token_ms: None,
             carried: None,
             owed: 0.0,
+            aim: target,
         }
     }
 
@@ -85,11 +102,14 @@ impl StepBudget {
             return;
         };
         self.observe(decodes, prompt_tokens, ms);
+        if let (Some(lone), true) = (self.lone_ms, guarding) {
+            self.steer(ms, lone);
+        }
         let (Some(beside), Some(lone), true) = (beside, self.lone_ms, guarding) else {
             self.owed = 0.0;
             return;
         };
-        let over = ms - self.target * lone;
+        let over = ms - self.aim * lone;
         let change = if beside {
             over
         } else {
@@ -98,12 +118,21 @@ impl StepBudget {
         self.owed = (self.owed + change).clamp(0.0, MAX_OWED * lone);
     }
 
+    /// Moves the aim after a guarded step of `ms` (a lone step takes
+    /// `lone`): down when it passed the target, up when it did not, in
+    /// proportions that settle where `OVER_SHARE` of steps pass it.
+    fn steer(&mut self, ms: f64, lone: f64) {
+        let over = if ms > self.target * lone { 1.0 } else { 0.0 };
+        let floor = 1.0 + (self.target - 1.0) / 2.0;
+        self.aim = (self.aim + AIM_STEP * (OVER_SHARE - over)).clamp(floor, self.target);
+    }
+
     /// Disaggregated: whether the prefill lane may launch its next step. A
     /// prefill step beside decode steps slows them, by more than the
     /// target allows when decodes alone nearly fill it: while the target
     /// guards streams, prefill waits until the decode steps beside the last
-    /// one are repaid by steps alone, so the streams' steps stay within the
-    /// target on average.
+    /// one are repaid by steps alone, so the streams' steps keep to the aim
+    /// on average.
     pub fn prefill_due(&self) -> bool {
         self.owed <= 0.0
     }
@@ -151,7 +180,7 @@ impl StepBudget {
     }
 
     /// What the next step may carry: with competing tenants (another's
-    /// streams to guard), a step of at most `target` lone steps, room kept
+    /// streams to guard), a step of at most the aim's lone steps, room kept
     /// for the floor of prompt tokens if some are waiting; otherwise every
     /// token.
     pub fn caps(&self, now: Contention) -> StepCaps {
@@ -169,7 +198,7 @@ impl StepBudget {
         else {
             return whole;
         };
-        let limit = self.target * lone;
+        let limit = self.aim * lone;
         let floor = MIN_PROMPT_TOKENS.min(self.max);
         let kept = if prompting { floor as f64 * token } else { 0.0 };
         let decodes = streams_within(limit - lone - kept, per);
@@ -184,7 +213,7 @@ impl StepBudget {
 
     /// What the two lanes of a disaggregated step may carry: the decode
     /// lane's step holds no prompt tokens, so its decodes fill the whole
-    /// target, known from decode steps alone; the prefill lane's step runs
+    /// aim, known from decode steps alone; the prefill lane's step runs
     /// beside it on a stream of its own, within the token budget.
     pub fn caps_apart(&self, now: Contention) -> StepCaps {
         let whole = StepCaps {
@@ -197,7 +226,7 @@ impl StepBudget {
         let (Some(lone), Some(per)) = (self.lone_ms, self.per_stream()) else {
             return whole;
         };
-        let decodes = streams_within((self.target - 1.0) * lone, per);
+        let decodes = streams_within((self.aim - 1.0) * lone, per);
         StepCaps { decodes, ..whole }
     }
 }
@@ -352,7 +381,8 @@ mod tests {
 
     #[test]
     fn an_engine_step_is_observed_when_it_closes_and_only_if_it_ran_the_main_lane() {
-        let mut b = StepBudget::new(1.3, 2048);
+        // A target none of these steps passes: the aim stays on it.
+        let mut b = StepBudget::new(2.0, 2048);
         b.close(100.0, true);
         assert_eq!(b.lone_ms, None, "a step with nothing carried");
         b.carried(1, 0, None);
@@ -362,7 +392,7 @@ mod tests {
         b.carried(64, 0, None);
         b.close(16.3, true);
         // As `measured`'s first two steps: caps from the closed times alone.
-        let mut want = StepBudget::new(1.3, 2048);
+        let mut want = StepBudget::new(2.0, 2048);
         want.observe(1, 0, 10.0);
         want.observe(64, 0, 16.3);
         assert_eq!(b.caps_apart(busy(200)), want.caps_apart(busy(200)));
@@ -371,7 +401,9 @@ mod tests {
 
     #[test]
     fn disaggregated_prefill_waits_until_the_decode_steps_beside_it_are_repaid() {
-        // A lone step of 10 ms: the target allows 15.
+        // A lone step of 10 ms: the target allows 15, and the aim starts
+        // there (the steps past it below bring it down by a few hundredths
+        // of a millisecond each).
         let mut b = StepBudget::new(1.5, 2048);
         let mut step = |ms: f64, beside: bool, guarding: bool| {
             b.carried(1, 0, Some(beside));
@@ -379,14 +411,14 @@ mod tests {
             b.prefill_due()
         };
         assert!(step(10.0, false, true));
-        assert!(!step(19.0, true, true), "4 ms over");
-        assert!(!step(18.0, true, true), "7 ms over");
-        assert!(!step(12.0, false, true), "3 ms repaid, 4 owed");
-        assert!(step(11.0, false, true), "repaid");
-        // Steps alone past the target still repay a tenth of a lone step.
-        assert!(!step(19.0, true, true));
-        let repaid: Vec<bool> = (0..4).map(|_| step(16.0, false, true)).collect();
-        assert_eq!(repaid, [false, false, false, true]);
+        assert!(!step(19.0, true, true), "~4 ms over");
+        assert!(!step(18.0, true, true), "~7 ms over");
+        assert!(!step(12.0, false, true), "~3 ms repaid, ~4 owed");
+        assert!(step(10.5, false, true), "repaid");
+        // Steps alone past the aim still repay a tenth of a lone step.
+        assert!(!step(19.0, true, true), "~4 ms over");
+        let waits = (0..10).take_while(|_| !step(16.0, false, true)).count();
+        assert_eq!(waits, 4, "a ms a step, ~4.2 owed");
         // What may be owed is bounded: eight lone steps.
         for _ in 0..50 {
             step(100.0, true, true);
@@ -403,5 +435,80 @@ mod tests {
         b.carried(1, 0, None);
         b.close(40.0, true);
         assert!(b.prefill_due(), "one lane");
+    }
+
+    /// One guarded engine step of `ms` on the main lane.
+    fn closed(b: &mut StepBudget, ms: f64, beside: Option<bool>) -> f64 {
+        b.carried(64, 0, beside);
+        b.close(ms, true);
+        b.aim
+    }
+
+    #[test]
+    fn steps_past_the_target_bring_the_aim_under_it_and_back() {
+        // A lone step of 10 ms; the target allows 15.
+        let mut b = StepBudget::new(1.5, 2048);
+        b.observe(1, 0, 10.0);
+        assert_eq!(closed(&mut b, 14.0, Some(false)), 1.5);
+        // Every step past the target, beside prefill or not: the aim comes
+        // down to halfway, and no lower.
+        let down: Vec<f64> = (0..200)
+            .map(|i| closed(&mut b, 15.5, Some(i % 2 == 0)))
+            .collect();
+        assert!(down.windows(2).all(|w| w[1] <= w[0]), "{down:?}");
+        assert!(down[0] < 1.5);
+        assert_eq!(down[199], 1.25);
+        // An unguarded step does not move it (a lone tenant has no caps).
+        b.carried(64, 0, Some(false));
+        b.close(30.0, false);
+        assert_eq!(b.aim, 1.25);
+        // Steps under the target bring it back up, less than half as fast.
+        let up: Vec<f64> = (0..1000).map(|_| closed(&mut b, 12.0, None)).collect();
+        assert!(up.windows(2).all(|w| w[1] >= w[0]), "{up:?}");
+        assert!(up[99] < 1.5, "{}", up[99]);
+        assert_eq!(up[999], 1.5);
+    }
+
+    #[test]
+    fn the_aim_settles_where_three_steps_in_ten_pass_the_target() {
+        let run = |over: &[usize]| {
+            let mut b = StepBudget::new(1.5, 2048);
+            b.observe(1, 0, 10.0);
+            for i in 0..2000 {
+                closed(
+                    &mut b,
+                    if over.contains(&(i % 10)) { 16.0 } else { 14.0 },
+                    None,
+                );
+            }
+            b.aim
+        };
+        let half = run(&[0, 2, 4, 6, 8]);
+        assert!(
+            half < 1.26,
+            "half the steps over: down to the floor, {half}"
+        );
+        assert_eq!(run(&[0]), 1.5, "one in ten over: at the target");
+        let three = run(&[1, 4, 7]);
+        assert!((1.48..=1.5).contains(&three), "three in ten: held, {three}");
+        let four = run(&[1, 3, 5, 7]);
+        assert!(four < 1.26, "four in ten: down, {four}");
+    }
+
+    #[test]
+    fn steps_are_planned_to_the_aim() {
+        let mut b = measured(2.0);
+        b.aim = 1.5;
+        // 15 ms a step: the floor of 64 prompt tokens takes 2.56 ms, 24
+        // streams more the next 2.4, and 65 prompt tokens what is left.
+        assert_eq!(
+            b.caps(busy(64)),
+            StepCaps {
+                decodes: 25,
+                prompt: 65
+            }
+        );
+        // Disaggregated: 5 ms beside the lone step, 50 streams more.
+        assert_eq!(b.caps_apart(busy(200)).decodes, 51);
     }
 }
