@@ -93,7 +93,8 @@ def step_walls(port, admin):
 
 def quantile(before, after, q):
     """Quantile q of the steps counted between two `step_walls` readings,
-    in ms, interpolated inside its bucket (None with no step)."""
+    in ms, interpolated inside its bucket (None with no step; the last
+    finite bound, an understatement, when it falls past it)."""
     bounds = sorted(after)
     counts = [after[b] - before.get(b, 0.0) for b in bounds]
     if not counts or counts[-1] <= 0:

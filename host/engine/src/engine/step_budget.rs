@@ -61,6 +61,7 @@ pub struct StepBudget {
     owed: f64,
     /// What steps are planned to, in lone steps: between halfway to the
     /// target and the target, steered by how often steps pass the target.
+    /// It is kept between bursts: the pool's steps stay what they were.
     aim: f64,
 }
 
@@ -93,8 +94,9 @@ impl StepBudget {
     }
 
     /// Ends an engine step that took `ms` whole: observes what it carried,
-    /// if it ran a step on the main lane, and, disaggregated while the
-    /// target `guarding` streams, what it owes or repays.
+    /// if it ran a step on the main lane, and, while the target is
+    /// `guarding` streams, steers the aim by it and, disaggregated, counts
+    /// what it owes or repays.
     pub fn close(&mut self, ms: f64, guarding: bool) {
         let Some((decodes, prompt_tokens, beside)) = self.carried.take() else {
             // No stream decoded: none to guard.
@@ -122,6 +124,9 @@ impl StepBudget {
     /// `lone`): down when it passed the target, up when it did not, in
     /// proportions that settle where `OVER_SHARE` of steps pass it.
     fn steer(&mut self, ms: f64, lone: f64) {
+        if self.target <= 1.0 {
+            return; // no target below which to aim
+        }
         let over = if ms > self.target * lone { 1.0 } else { 0.0 };
         let floor = 1.0 + (self.target - 1.0) / 2.0;
         self.aim = (self.aim + AIM_STEP * (OVER_SHARE - over)).clamp(floor, self.target);
@@ -418,7 +423,7 @@ mod tests {
         // Steps alone past the aim still repay a tenth of a lone step.
         assert!(!step(19.0, true, true), "~4 ms over");
         let waits = (0..10).take_while(|_| !step(16.0, false, true)).count();
-        assert_eq!(waits, 4, "a ms a step, ~4.2 owed");
+        assert_eq!(waits, 4, "a ms a step, ~4.1 owed");
         // What may be owed is bounded: eight lone steps.
         for _ in 0..50 {
             step(100.0, true, true);
@@ -467,6 +472,15 @@ mod tests {
         assert!(up.windows(2).all(|w| w[1] >= w[0]), "{up:?}");
         assert!(up[99] < 1.5, "{}", up[99]);
         assert_eq!(up[999], 1.5);
+    }
+
+    #[test]
+    fn a_target_of_one_lone_step_or_none_has_no_aim_to_steer() {
+        for target in [0.0, 0.5, 1.0] {
+            let mut b = StepBudget::new(target, 2048);
+            b.observe(1, 0, 10.0);
+            assert_eq!(closed(&mut b, 50.0, None), target, "target {target}");
+        }
     }
 
     #[test]
