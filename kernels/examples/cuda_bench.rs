@@ -99,9 +99,12 @@ fn main() -> Result<(), E> {
     if std::env::args().nth(1).as_deref() == Some("fp8lt") {
         return fp8_lt::run(&gpu, &mut rng);
     }
-    // `quantized`: the FP8-row and int4 products alone.
-    if std::env::args().nth(1).as_deref() == Some("quantized") {
-        return quantized_gemv(&mut gpu, &mut rng, copy);
+    // `quantized`: the FP8-row and int4 products alone; `one-row [NxK]`:
+    // their one-row products alone, or at one shape (for a profiler).
+    match std::env::args().nth(1).as_deref() {
+        Some("quantized") => return quantized_gemv(&mut gpu, &mut rng, copy, false),
+        Some("one-row") => return quantized_gemv(&mut gpu, &mut rng, copy, true),
+        _ => {}
     }
     // `gemm`: the bf16 products alone.
     let gemm_only = std::env::args().nth(1).as_deref() == Some("gemm");
@@ -208,7 +211,7 @@ fn main() -> Result<(), E> {
     if gemm_only {
         return Ok(());
     }
-    quantized_gemv(&mut gpu, &mut rng, copy)?;
+    quantized_gemv(&mut gpu, &mut rng, copy, false)?;
 
     // The page-tag check alone, as a step runs it: every sequence's 80
     // pages (1280 tokens of 16), tags all current, so every flag is 1.
@@ -232,7 +235,13 @@ fn main() -> Result<(), E> {
 /// Products with FP8-row and int4 weights at Llama-3-8B shapes (the GEMVs
 /// up to 8 rows, dequantize + cuBLAS above), each checked against cuBLAS on
 /// the same values as bf16 first; bandwidth counts the format's own bytes.
-fn quantized_gemv(gpu: &mut Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Result<(), E> {
+/// `one_row` keeps only products of one row.
+fn quantized_gemv(
+    gpu: &mut Gpu,
+    rng: &mut rand::rngs::StdRng,
+    copy: f64,
+    one_row: bool,
+) -> Result<(), E> {
     use kiln_kernels::matmul::Weight;
     use kiln_kernels::quant::{DType, dequantize_row, quantize};
     use rayon::prelude::*;
@@ -247,6 +256,10 @@ fn quantized_gemv(gpu: &mut Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Res
         (28672, 4096),
         (4096, 14336),
     ] {
+        let only = std::env::args().nth(2);
+        if one_row && only.is_some_and(|o| o != format!("{nn}x{k}")) {
+            continue;
+        }
         let values: Vec<f32> = (0..nn * k).map(|_| rng.random_range(-0.05..0.05)).collect();
         for dtype in [DType::Fp8Row, DType::Int4G128] {
             let bytes: Vec<u8> = values
@@ -262,7 +275,12 @@ fn quantized_gemv(gpu: &mut Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Res
             let dw = gpu.weight(&w)?;
             let wb = s.clone_htod(&deq.iter().map(|v| bf16::from_f32(*v)).collect::<Vec<_>>())?;
             let mut scratch = gpu.gemm_scratch(1024, k, true)?;
-            for m in [1usize, 8, 16, 32, 64, 1024] {
+            let rows: &[usize] = if one_row {
+                &[1]
+            } else {
+                &[1, 8, 16, 32, 64, 1024]
+            };
+            for &m in rows {
                 let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
                 let x = s.clone_htod(&x)?;
                 let mut out: CudaSlice<f32> = s.alloc_zeros(m * nn)?;
@@ -324,21 +342,30 @@ fn quantized_gemv(gpu: &mut Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Res
                 }
                 if m == 1 && dtype == DType::Int4G128 {
                     // The two-launch path (int4_xfrag, then the GEMV of up to
-                    // 8 rows) beside the one-launch GEMV timed above.
-                    gpu.set_int4_one(false);
-                    gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?;
-                    let err = rel_diff(&s.clone_dtoh(&out)?, &theirs);
-                    let t2 = time_graph(gpu, 30, || {
-                        Ok(gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?)
-                    })?;
-                    println!(
-                        "{:>10} {:>14}   1 two launches: {:.1} us (one launch above), rel err vs cuBLAS {err:.1e}",
-                        "",
-                        format!("{nn}x{k}"),
-                        t2 * 1e6
-                    );
-                    cold_gemv(gpu, &w, &wb, &x, &mut out, &mut scratch, copy)?;
+                    // 8 rows), then each block size of the one-launch GEMV,
+                    // beside the one-launch GEMV timed above.
+                    for (one, strips, what) in [
+                        (false, None, "two launches"),
+                        (true, Some(1), "one launch, 1 strip a block"),
+                        (true, Some(2), "one launch, 2 strips a block"),
+                    ] {
+                        gpu.set_int4_one(one);
+                        gpu.set_int4_one_strips(strips)?;
+                        gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?;
+                        let err = rel_diff(&s.clone_dtoh(&out)?, &theirs);
+                        let t2 = time_graph(gpu, 30, || {
+                            Ok(gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?)
+                        })?;
+                        println!(
+                            "{:>10} {:>14}   1 {what}: {:.1} us (one launch above), rel err vs cuBLAS {err:.1e}",
+                            "",
+                            format!("{nn}x{k}"),
+                            t2 * 1e6
+                        );
+                        cold_gemv(gpu, &w, &wb, &x, &mut out, &mut scratch, copy)?;
+                    }
                     gpu.set_int4_one(true);
+                    gpu.set_int4_one_strips(None)?;
                 }
             }
         }

@@ -14,8 +14,15 @@
 
 #define INT4_WARPS 8
 
+// One LOP3 after the shift: written as C, the mask and the or are two
+// (a LOP3 holds one immediate; ptxas keeps the other in a register only
+// when asked like this), a third of a one-row GEMV's instructions.
 __device__ __forceinline__ unsigned int4_pair(unsigned v, int j) {
-    return ((v >> (4 * j)) & 0x000F000Fu) | 0x43004300u;
+    unsigned d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;"  // (a & b) | c
+        : "=r"(d)
+        : "r"(v >> (4 * j)), "r"(0x000F000Fu), "r"(0x43004300u));
+    return d;
 }
 
 // The activations as B fragments: for tile kt, row m < M and t < 4, 64
@@ -62,6 +69,16 @@ __device__ __forceinline__ StripPtrs strip_ptrs(const unsigned char* w, int stri
     const unsigned* params = (const unsigned*)(w + (size_t)N * (K / 2));
     const unsigned* p0 = params + (size_t)(strip * 16 + (lane >> 2)) * NG;
     return {(const uint4*)(w + (size_t)strip * 16 * (K / 2)) + lane, p0, p0 + (size_t)8 * NG};
+}
+
+// One tile's four k steps for this lane: c += A (tile w) * B (b's 8 words,
+// two a step).
+__device__ __forceinline__ void int4_tile_steps(float* c, const uint4& w, const unsigned* b) {
+    unsigned ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int s = 0; s < 4; s++)
+        mma16<false>(c, int4_pair(ws[s], 0), int4_pair(ws[s], 1), int4_pair(ws[s], 2),
+                     int4_pair(ws[s], 3), b[2 * s], b[2 * s + 1]);
 }
 
 // One tile's MMAs for this lane: c += A (tile w) * B (hw's 8 words of hi,
@@ -230,15 +247,7 @@ __device__ void gemm_int4_strips(const __nv_bfloat16* frag, const unsigned char*
                                    mb < M ? xf[at + 1] : make_uint4(0, 0, 0, 0)};
                     const unsigned* hw = (const unsigned*)hb;
 #pragma unroll
-                    for (int j = 0; j < S; j++) {
-                        uint4 wv = wq[j][h * TILES + i];
-                        unsigned ws[4] = {wv.x, wv.y, wv.z, wv.w};
-#pragma unroll
-                        for (int s = 0; s < 4; s++)
-                            mma16<false>(c[j], int4_pair(ws[s], 0), int4_pair(ws[s], 1),
-                                         int4_pair(ws[s], 2), int4_pair(ws[s], 3), hw[2 * s],
-                                         hw[2 * s + 1]);
-                    }
+                    for (int j = 0; j < S; j++) int4_tile_steps(c[j], wq[j][h * TILES + i], hw);
                 }
                 int r0 = 8 * cb + 2 * t;
                 float s0 = r0 < M ? sx[(size_t)r0 * NG + gi] : 0.0f;

@@ -14,13 +14,25 @@ use crate::quant::{DType, INT4_HEADER, QK};
 
 type R<T = ()> = Result<T, KernelError>;
 
-/// Rows a tile strip holds and columns a tile spans.
 /// Most activation rows the int4 tensor-core kernels take; above, int4
 /// dequantizes to bf16 for cuBLAS.
 pub const INT4_MMA_MAX_M: usize = 64;
 
+/// Rows a tile strip holds and columns a tile spans.
 const STRIP: usize = 16;
 const TILE: usize = 64;
+
+/// Strips of 16 rows a block of the one-launch GEMV may take (built as
+/// `gemv_int4_one_g{G}_r{R}`).
+pub(super) const INT4_ONE_STRIPS: [usize; 2] = [1, 2];
+
+/// Strips a block of the one-launch GEMV takes for a matrix of `strips`:
+/// two (a block's activation work and B-fragment reads then serve twice
+/// the weights) where that still leaves a full wave of blocks, three an SM
+/// on the H200's 132.
+fn int4_one_strips(strips: usize) -> usize {
+    if strips >= 2 * 3 * 132 { 2 } else { 1 }
+}
 
 /// Warps per block of `gemv_int4` (`INT4_WARPS` in int4.cu).
 const WARPS: u32 = 8;
@@ -165,18 +177,21 @@ impl Gpu {
         k: usize,
     ) -> R {
         let n: usize = parts.iter().sum();
+        let strips = n / STRIP;
+        let per_block = self.int4_one_strips.unwrap_or(int4_one_strips(strips));
         let o = self.out_ptrs(outs, parts);
         let ki = k as i32;
         let mut b = self
             .stream
-            .launch_builder(self.function(&format!("gemv_int4_one_g{group}"))?);
+            .launch_builder(self.function(&format!("gemv_int4_one_g{group}_r{per_block}"))?);
         b.arg(x).arg(w);
         b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
         b.arg(&o.n0).arg(&o.n1).arg(&o.n).arg(&ki);
-        let grid = (n / STRIP) as u32;
-        // SAFETY: one block per strip of 16 of the n rows (a multiple of 16
-        // by construction of the tiles); x holds k floats and the outputs
-        // their parts (checked by the caller).
+        let grid = strips.div_ceil(per_block) as u32;
+        // SAFETY: one block per `per_block` strips of 16 of the n rows (a
+        // multiple of 16 by construction of the tiles; a block's strips past
+        // the last are read again from the last and not written); x holds k
+        // floats and the outputs their parts (checked by the caller).
         unsafe { b.launch(super::launch::cfg((grid, 1, 1), 32 * WARPS, 0)) }.map_err(cuda_err)?;
         Ok(())
     }

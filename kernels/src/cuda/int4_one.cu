@@ -1,34 +1,61 @@
 // One activation row (decode at one sequence) against int4 tiles in one
-// launch, where gemv_int4 takes two (int4_xfrag, then the GEMV). Here:
+// launch, where gemv_int4 takes two (int4_xfrag, then the GEMV). At one
+// row the product is bound by instructions as much as by bytes (Nsight
+// Compute on the H200: ~105 a 512-byte tile with issue slots half busy,
+// where streaming at copy bandwidth leaves ~130 at full issue), so all but
+// dequantizing (int4_pair) and the MMA is paid once for many tiles:
+// - a block takes R strips of 16 rows; each warp splits its own groups of
+//   x into bf16 hi + lo (as int4_xfrag does) once for all R strips, and
+//   reads a tile's B fragments from shared memory once for them too;
+// - hi and lo ride in two columns of one MMA (column 0 hi, column 1 lo:
+//   lanes g = 0 and g = 1 supply them, the other columns are never read),
+//   so a weight word costs one MMA, not two;
 // - a lane's first batch of weight tiles and their groups' (d, m) load
 //   before the PDL wait: weights depend on no earlier kernel, so they
-//   stream while the kernel before this one finishes;
-// - each warp reads only its own groups of x (a float4 or float2 a lane),
-//   splits them into bf16 hi + lo as int4_xfrag does, sums each group with
-//   a warp sum, and lays the B fragments out in its own shared memory, from
-//   where the four lanes whose MMA column is activation row 0 read them;
-// - the next batch's tiles load while this batch's MMAs run.
-// A block per strip of 16 rows; its warps take the groups in turn.
+//   stream while the kernel before this one finishes; the next batch loads
+//   while this one's MMAs run, in two register sets used in turn.
 
-// Groups a warp takes at once (a batch): their weight tiles stay in flight.
+// Groups a warp takes at once (a batch) at one strip a block; R strips
+// take INT4_ONE_GROUPS / R, so a batch is 2 KB of weights a warp.
 #define INT4_ONE_GROUPS 2
 
-template <int TILES>
-__device__ __forceinline__ void int4_one_batch(uint4* wq, unsigned* pa, unsigned* pb,
-                                               const StripPtrs& sp, int warp, int first,
-                                               int mine) {
-    constexpr int GB = INT4_ONE_GROUPS;
+template <int TILES, int R>
+struct Int4OneBatch {
+    static constexpr int GB = INT4_ONE_GROUPS / R;
+    uint4 wq[GB][R][TILES];
+    unsigned pa[GB][R], pb[GB][R];
+};
+
+// Where a lane's next loads are: its 16 bytes of strip 0's tiles of the
+// warp's next group at `nib` (strip r's r * step uint4 further) and the
+// group's (d, m) of row g of strip 0 at `p` (strip r's r * pstep words
+// further, rows g + 8 at 8 NG); step and pstep are 0 where a block's
+// second strip is past the last, which is then read again.
+struct Int4OneRows {
+    const uint4* nib;
+    const unsigned* p;
+    int step, pstep, ng8;
+};
+
+// Loads a batch and moves `rw` past it (a group of INT4_WARPS further).
+template <int TILES, int R>
+__device__ __forceinline__ void int4_one_load(Int4OneBatch<TILES, R>& b, Int4OneRows& rw,
+                                              int first, int mine) {
+    constexpr int GB = Int4OneBatch<TILES, R>::GB;
 #pragma unroll
     for (int j = 0; j < GB; j++) {
-        int n = first + j;
-        bool live = n < mine;
-        int gi = warp + n * INT4_WARPS;
+        bool live = first + j < mine;
 #pragma unroll
-        for (int i = 0; i < TILES; i++)
-            wq[j * TILES + i] =
-                live ? __ldcs(sp.nib + (size_t)(gi * TILES + i) * 32) : make_uint4(0, 0, 0, 0);
-        pa[j] = live ? sp.p0[gi] : 0u;
-        pb[j] = live ? sp.p1[gi] : 0u;
+        for (int r = 0; r < R; r++) {
+#pragma unroll
+            for (int i = 0; i < TILES; i++)
+                b.wq[j][r][i] =
+                    live ? __ldcs(rw.nib + r * rw.step + i * 32) : make_uint4(0, 0, 0, 0);
+            b.pa[j][r] = live ? rw.p[r * rw.pstep] : 0u;
+            b.pb[j][r] = live ? rw.p[r * rw.pstep + rw.ng8] : 0u;
+        }
+        rw.nib += INT4_WARPS * TILES * 32;
+        rw.p += INT4_WARPS;
     }
 }
 
@@ -65,87 +92,111 @@ __device__ __forceinline__ float int4_one_stage(const float* x, unsigned* frag, 
     return warp_sum(sum);
 }
 
-template <int TILES>
-__device__ void gemv_int4_one_strip(const float* x, const unsigned char* w, Outs o, int K) {
-    constexpr int GB = INT4_ONE_GROUPS;
+// One batch: stage its groups of x, start loading the next batch into
+// `next`, then the MMAs of this one; acc[r] holds rows g and g + 8 of
+// strip r (meaningful on lanes t == 0).
+template <int TILES, int R>
+__device__ __forceinline__ void int4_one_step(const Int4OneBatch<TILES, R>& cur,
+                                              Int4OneBatch<TILES, R>& next, const float* x,
+                                              unsigned* frag, Int4OneRows& rw, float2* acc,
+                                              int warp, int lane, int first, int mine) {
+    constexpr int GB = Int4OneBatch<TILES, R>::GB;
+    float sums[GB];
+#pragma unroll
+    for (int j = 0; j < GB; j++)
+        sums[j] = first + j < mine ? int4_one_stage<TILES>(x, frag + j * TILES * 64,
+                                                           warp + (first + j) * INT4_WARPS, lane)
+                                   : 0.0f;
+    __syncwarp();
+    int4_one_load<TILES, R>(next, rw, first + GB, mine);
+    // Column g of B: hi for g != 1 (only g = 0 is read back), lo for g = 1.
+    int g = lane >> 2, t = lane & 3, part = (g == 1) ? 8 : 0;
+#pragma unroll
+    for (int j = 0; j < GB; j++) {
+        if (first + j >= mine) break;  // the same for the whole warp
+        float c[R][4];
+#pragma unroll
+        for (int r = 0; r < R; r++) c[r][0] = c[r][1] = c[r][2] = c[r][3] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < TILES; i++) {
+            const uint4* tw = (const uint4*)(frag + ((j * TILES + i) * 4 + t) * 16 + part);
+            uint4 b0 = tw[0], b1 = tw[1];
+            unsigned bw[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int r = 0; r < R; r++) int4_tile_steps(c[r], cur.wq[j][r][i], bw);
+        }
+        float s0 = sums[j];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float2 da = __half22float2(*(const __half2*)&cur.pa[j][r]);
+            float2 db = __half22float2(*(const __half2*)&cur.pb[j][r]);
+            acc[r].x += da.x * ((c[r][0] + c[r][1]) - 128.0f * s0) + da.y * s0;
+            acc[r].y += db.x * ((c[r][2] + c[r][3]) - 128.0f * s0) + db.y * s0;
+        }
+    }
+    __syncwarp();  // the fragments are read before the next batch's land
+}
+
+template <int TILES, int R>
+__device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Outs o, int K) {
+    constexpr int GB = Int4OneBatch<TILES, R>::GB;
     // Each warp's B fragments for one batch: GB groups of TILES tiles.
     __shared__ __align__(16) unsigned frags[INT4_WARPS][GB * TILES * 64];
-    __shared__ float red[INT4_WARPS][8][2];
-    const int G = 64 * TILES, NG = K / G;
+    __shared__ float2 red[INT4_WARPS][R][8];
+    const int G = 64 * TILES, NG = K / G, strips = o.n / 16;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    StripPtrs sp = strip_ptrs(w, blockIdx.x, o.n, K, NG, lane);
+    int strip0 = blockIdx.x * R;
+    StripPtrs sp = strip_ptrs(w, strip0, o.n, K, NG, lane);
+    bool second = strip0 + 1 < strips;
+    Int4OneRows rw{sp.nib + warp * TILES * 32, sp.p0 + warp, second ? K / 2 : 0,
+                   second ? 16 * NG : 0, 8 * NG};
     // This warp's groups are warp, warp + INT4_WARPS, ...: `mine` of them.
     int mine = warp < NG ? (NG - warp + INT4_WARPS - 1) / INT4_WARPS : 0;
     unsigned* frag = frags[warp];
-    uint4 wq[GB * TILES];
-    unsigned pa[GB], pb[GB];
+    Int4OneBatch<TILES, R> b0, b1;
     PDL_LAUNCH();
-    int4_one_batch<TILES>(wq, pa, pb, sp, warp, 0, mine);
+    int4_one_load<TILES, R>(b0, rw, 0, mine);
     PDL_WAIT();
-    float acc0 = 0.0f, acc8 = 0.0f;  // rows g and g + 8 (lanes t == 0)
-    for (int first = 0; first < mine; first += GB) {
-        float sums[GB];
+    float2 acc[R];
 #pragma unroll
-        for (int j = 0; j < GB; j++)
-            sums[j] = first + j < mine
-                          ? int4_one_stage<TILES>(x, frag + j * TILES * 64,
-                                                  warp + (first + j) * INT4_WARPS, lane)
-                          : 0.0f;
-        __syncwarp();
-        uint4 nq[GB * TILES];
-        unsigned na[GB], nb[GB];
-        int4_one_batch<TILES>(nq, na, nb, sp, warp, first + GB, mine);
-#pragma unroll
-        for (int j = 0; j < GB; j++) {
-            if (first + j >= mine) break;  // the same for the whole warp
-            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < TILES; i++) {
-                uint4 hw[4] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0),
-                               make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-                if (g == 0) {
-                    const uint4* tw = (const uint4*)(frag + ((j * TILES + i) * 4 + t) * 16);
-#pragma unroll
-                    for (int q = 0; q < 4; q++) hw[q] = tw[q];
-                }
-                int4_tile_mma(c, wq[j * TILES + i], (const unsigned*)hw);
-            }
-            float s0 = sums[j];
-            float2 da = __half22float2(*(const __half2*)&pa[j]);
-            float2 db = __half22float2(*(const __half2*)&pb[j]);
-            acc0 += da.x * (c[0] - 128.0f * s0) + da.y * s0;
-            acc8 += db.x * (c[2] - 128.0f * s0) + db.y * s0;
-        }
-        __syncwarp();  // the fragments are read before the next batch's land
-#pragma unroll
-        for (int i = 0; i < GB * TILES; i++) wq[i] = nq[i];
-#pragma unroll
-        for (int j = 0; j < GB; j++) {
-            pa[j] = na[j];
-            pb[j] = nb[j];
-        }
+    for (int r = 0; r < R; r++) acc[r] = make_float2(0.0f, 0.0f);
+    for (int first = 0; first < mine; first += 2 * GB) {
+        int4_one_step<TILES, R>(b0, b1, x, frag, rw, acc, warp, lane, first, mine);
+        if (first + GB >= mine) break;
+        int4_one_step<TILES, R>(b1, b0, x, frag, rw, acc, warp, lane, first + GB, mine);
     }
     if (t == 0) {
-        red[warp][g][0] = acc0;
-        red[warp][g][1] = acc8;
+#pragma unroll
+        for (int r = 0; r < R; r++) red[warp][r][g] = acc[r];
     }
     __syncthreads();
+    // Warp 0's lanes t == 0 add the warps' sums, one strip at a time.
     if (warp != 0 || t != 0) return;
-    for (int v = 1; v < INT4_WARPS; v++) {
-        acc0 += red[v][g][0];
-        acc8 += red[v][g][1];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        int strip = blockIdx.x * R + r;
+        if (strip >= strips) break;
+        float2 s = red[0][r][g];
+        for (int v = 1; v < INT4_WARPS; v++) {
+            s.x += red[v][r][g].x;
+            s.y += red[v][r][g].y;
+        }
+        put_out(o, 0, strip * 16 + g, s.x);
+        put_out(o, 0, strip * 16 + g + 8, s.y);
     }
-    int row = blockIdx.x * 16 + g;
-    put_out(o, 0, row, acc0);
-    put_out(o, 0, row + 8, acc8);
 }
 
-#define GEMV_INT4_ONE(G)                                                                      \
-    extern "C" __global__ void __launch_bounds__(32 * INT4_WARPS, 3)                        \
-        gemv_int4_one_g##G(const float* x, const unsigned char* w, float* o0, float* o1,     \
-                           float* o2, int n0, int n1, int N, int K) {                        \
-        gemv_int4_one_strip<G / 64>(x, w, Outs{o0, o1, o2, n0, n1, N}, K);                   \
+// Three blocks an SM at one strip (80 registers); two at two strips, whose
+// second strip's tiles, scales and sums would not fit 80 without spilling
+// (a spilled register that a load writes stalls the warp on that load).
+#define GEMV_INT4_ONE(G, R)                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * INT4_WARPS, R == 1 ? 3 : 2)           \
+        gemv_int4_one_g##G##_r##R(const float* x, const unsigned char* w, float* o0,         \
+                                  float* o1, float* o2, int n0, int n1, int N, int K) {      \
+        gemv_int4_one_strips<G / 64, R>(x, w, Outs{o0, o1, o2, n0, n1, N}, K);               \
     }
 
-GEMV_INT4_ONE(64)
-GEMV_INT4_ONE(128)
+GEMV_INT4_ONE(64, 1)
+GEMV_INT4_ONE(64, 2)
+GEMV_INT4_ONE(128, 1)
+GEMV_INT4_ONE(128, 2)

@@ -90,6 +90,7 @@ impl Gpu {
             cluster_mma: self.cluster_mma,
             cluster_room: self.cluster_room.clone(),
             int4_one: self.int4_one,
+            int4_one_strips: self.int4_one_strips,
             fp8_mma: self.fp8_mma,
             prefill_warps: self.prefill_warps,
         })

@@ -60,6 +60,7 @@ pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Out, Fp8Scratch};
 pub use fp8_mma::E4M3_MMA_MAX_M;
 pub use fp8_tune::{LtProbe, LtTiming};
 pub use graph::Graph;
+use int4::INT4_ONE_STRIPS;
 pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_tiles};
 pub use kv::PagedKv;
 pub use lane::{Mark, Settle};
@@ -112,6 +113,9 @@ pub struct Gpu {
     /// Whether one-row int4 products take the one-launch GEMV
     /// ([`Gpu::set_int4_one`]).
     int4_one: bool,
+    /// Strips of 16 rows a block of the one-launch int4 GEMV takes: `None`
+    /// chooses by the row count ([`Gpu::set_int4_one_strips`]).
+    int4_one_strips: Option<usize>,
     /// Whether W8A8 products of few rows take `fp8_mma.cu`
     /// ([`Gpu::set_fp8_mma`]).
     fp8_mma: bool,
@@ -327,6 +331,7 @@ impl Gpu {
                 },
                 cluster_room,
                 int4_one: true,
+                int4_one_strips: None,
                 fp8_mma: true,
                 prefill_warps: prefill::DEFAULT_WARPS,
             })
@@ -375,6 +380,19 @@ impl Gpu {
     /// or through `int4_xfrag` and the GEMV of up to 8 rows.
     pub fn set_int4_one(&mut self, on: bool) {
         self.int4_one = on;
+    }
+
+    /// Strips of 16 rows a block of the one-launch int4 GEMV takes (1 or
+    /// 2), or `None` (as a `Gpu` opens) to choose by the row count; for
+    /// tests and benchmarks of each build.
+    pub fn set_int4_one_strips(&mut self, strips: Option<usize>) -> Result<(), KernelError> {
+        if strips.is_some_and(|s| !INT4_ONE_STRIPS.contains(&s)) {
+            return Err(KernelError::Shape(format!(
+                "one-launch int4 GEMV blocks of {strips:?} strips: {INT4_ONE_STRIPS:?} are built"
+            )));
+        }
+        self.int4_one_strips = strips;
+        Ok(())
     }
 
     /// Warps a block of prefill attention takes (4 or 8; 16 query rows
