@@ -373,7 +373,10 @@ profile)
     # .gpu): `scripts/gpu.sh profile REGEX [SECTION...]`, e.g.
     # `profile prefill_bf16_d128_w4 WarpStateStats SchedulerStats`. The
     # process ends right after the launch, so the report is printed even
-    # when the rest of the bench would outlast the call.
+    # when the rest of the bench would outlast the call. BENCH_ARGS picks
+    # the bench's part (`one-row 28672x4096`: the one-row int4 and FP8-row
+    # products at one shape), SKIP the launches to pass over first; the
+    # per-instruction samples go to $out/profile.sass.csv.
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
@@ -383,8 +386,13 @@ profile)
     for s in "${@:-SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats InstructionStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis SourceCounters}"; do
         for one in $s; do sections+=(--section "$one"); done
     done
-    timeout "${PROFILE_TIMEOUT:-150}" /usr/local/cuda/bin/ncu -k "regex:$kernel" -c 1 --kill on \
-        "${sections[@]}" .gpu/cuda_bench 2>&1 | tee "$out/profile.log"
+    # shellcheck disable=SC2086
+    timeout "${PROFILE_TIMEOUT:-150}" /usr/local/cuda/bin/ncu -k "regex:$kernel" -s "${SKIP:-0}" -c 1 \
+        --kill on --clock-control none "${sections[@]}" --export /tmp/profile \
+        .gpu/cuda_bench ${BENCH_ARGS:-} 2>&1 | tee "$out/profile.log"
+    /usr/local/cuda/bin/ncu --import /tmp/profile.ncu-rep --page details 2>&1 | tee -a "$out/profile.log"
+    /usr/local/cuda/bin/ncu --import /tmp/profile.ncu-rep --page source --print-source sass --csv \
+        >"$out/profile.sass.csv" 2>&1
     ;;
 baseline)
     # Here: the `kiln` of another revision (default: main), stripped and
