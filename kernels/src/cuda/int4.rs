@@ -27,11 +27,12 @@ const TILE: usize = 64;
 pub(super) const INT4_ONE_STRIPS: [usize; 2] = [1, 2];
 
 /// Strips a block of the one-launch GEMV takes for a matrix of `strips`:
-/// two (a block's activation work and B-fragment reads then serve twice
-/// the weights) where that still leaves a full wave of blocks, three an SM
-/// on the H200's 132.
+/// two wherever there are two (a warp's split of x and its B-fragment
+/// reads then serve twice the weights, and its registers leave room to
+/// load x with the weights; on the H200 two beat one at every Llama-3-8B
+/// shape, down by 22%, perf.md 2026-12-04).
 fn int4_one_strips(strips: usize) -> usize {
-    if strips >= 2 * 3 * 132 { 2 } else { 1 }
+    strips.clamp(1, 2)
 }
 
 /// Warps per block of `gemv_int4` (`INT4_WARPS` in int4.cu).

@@ -13,7 +13,9 @@
 // - a lane's first batch of weight tiles and their groups' (d, m) load
 //   before the PDL wait: weights depend on no earlier kernel, so they
 //   stream while the kernel before this one finishes; the next batch loads
-//   while this one's MMAs run, in two register sets used in turn.
+//   while this one's MMAs run, in two register sets used in turn, and at
+//   two strips its columns of x with it (a split that waited on its x
+//   load stalled the warp: down 13.5 -> 10.6 us on the H200).
 
 // Groups a warp takes at once (a batch) at one strip a block; R strips
 // take INT4_ONE_GROUPS / R, so a batch is 2 KB of weights a warp.
@@ -24,7 +26,23 @@ struct Int4OneBatch {
     static constexpr int GB = INT4_ONE_GROUPS / R;
     uint4 wq[GB][R][TILES];
     unsigned pa[GB][R], pb[GB][R];
+    // At two strips (registers to spare) the lane's columns of x load with
+    // the weights; at one they load as the split needs them.
+    float xv[GB][2 * TILES];
 };
+
+// This lane's G / 32 columns of group gi of x (4 at G = 128, else 2).
+template <int TILES>
+__device__ __forceinline__ void int4_one_x(const float* x, int gi, int lane, float* v) {
+    const float* p = x + gi * 64 * TILES + lane * 2 * TILES;
+    if constexpr (TILES == 2) {
+        float4 q = *(const float4*)p;
+        v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+    } else {
+        float2 q = *(const float2*)p;
+        v[0] = q.x, v[1] = q.y;
+    }
+}
 
 // Where a lane's next loads are: its 16 bytes of strip 0's tiles of the
 // warp's next group at `nib` (strip r's r * step uint4 further) and the
@@ -40,11 +58,13 @@ struct Int4OneRows {
 // Loads a batch and moves `rw` past it (a group of INT4_WARPS further).
 template <int TILES, int R>
 __device__ __forceinline__ void int4_one_load(Int4OneBatch<TILES, R>& b, Int4OneRows& rw,
-                                              int first, int mine) {
+                                              const float* x, int warp, int lane, int first,
+                                              int mine) {
     constexpr int GB = Int4OneBatch<TILES, R>::GB;
 #pragma unroll
     for (int j = 0; j < GB; j++) {
         bool live = first + j < mine;
+        if (R > 1 && live && x) int4_one_x<TILES>(x, warp + (first + j) * INT4_WARPS, lane, b.xv[j]);
 #pragma unroll
         for (int r = 0; r < R; r++) {
 #pragma unroll
@@ -59,23 +79,14 @@ __device__ __forceinline__ void int4_one_load(Int4OneBatch<TILES, R>& b, Int4One
     }
 }
 
-// This lane's G / 32 columns of group gi of x, split into bf16 hi + lo
-// words at their places among the group's B fragments in `frag` (a tile
-// holds 4 t x 16 words: 8 of hi, then 8 of lo); returns the group's sum of
-// hi + lo (every lane gets it).
+// This lane's G / 32 columns of group gi of x (in v) split into bf16 hi +
+// lo words at their places among the group's B fragments in `frag` (a
+// tile holds 4 t x 16 words: 8 of hi, then 8 of lo); returns the group's
+// sum of hi + lo (every lane gets it).
 template <int TILES>
-__device__ __forceinline__ float int4_one_stage(const float* x, unsigned* frag, int gi,
-                                                int lane) {
+__device__ __forceinline__ float int4_one_stage(const float* v, unsigned* frag, int lane) {
     constexpr int PER = 2 * TILES;  // columns a lane: 4 (G = 128) or 2
     int c0 = lane * PER;            // within the group
-    float v[4];
-    if constexpr (PER == 4) {
-        float4 q = *(const float4*)(x + gi * 64 * TILES + c0);
-        v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
-    } else {
-        float2 q = *(const float2*)(x + gi * 64 * TILES + c0);
-        v[0] = q.x, v[1] = q.y;
-    }
     float sum = 0.0f;
 #pragma unroll
     for (int p = 0; p < PER; p += 2) {
@@ -103,12 +114,22 @@ __device__ __forceinline__ void int4_one_step(const Int4OneBatch<TILES, R>& cur,
     constexpr int GB = Int4OneBatch<TILES, R>::GB;
     float sums[GB];
 #pragma unroll
-    for (int j = 0; j < GB; j++)
-        sums[j] = first + j < mine ? int4_one_stage<TILES>(x, frag + j * TILES * 64,
-                                                           warp + (first + j) * INT4_WARPS, lane)
-                                   : 0.0f;
+    for (int j = 0; j < GB; j++) {
+        if (first + j >= mine) {
+            sums[j] = 0.0f;
+            continue;
+        }
+        float v[2 * TILES];
+        if constexpr (R > 1) {
+#pragma unroll
+            for (int c = 0; c < 2 * TILES; c++) v[c] = cur.xv[j][c];
+        } else {
+            int4_one_x<TILES>(x, warp + (first + j) * INT4_WARPS, lane, v);
+        }
+        sums[j] = int4_one_stage<TILES>(v, frag + j * TILES * 64, lane);
+    }
     __syncwarp();
-    int4_one_load<TILES, R>(next, rw, first + GB, mine);
+    int4_one_load<TILES, R>(next, rw, x, warp, lane, first + GB, mine);
     // Column g of B: hi for g != 1 (only g = 0 is read back), lo for g = 1.
     int g = lane >> 2, t = lane & 3, part = (g == 1) ? 8 : 0;
 #pragma unroll
@@ -155,8 +176,9 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     unsigned* frag = frags[warp];
     Int4OneBatch<TILES, R> b0, b1;
     PDL_LAUNCH();
-    int4_one_load<TILES, R>(b0, rw, 0, mine);
+    int4_one_load<TILES, R>(b0, rw, nullptr, warp, lane, 0, mine);  // x: after the wait
     PDL_WAIT();
+    if (R > 1 && mine > 0) int4_one_x<TILES>(x, warp, lane, b0.xv[0]);
     float2 acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = make_float2(0.0f, 0.0f);
