@@ -176,8 +176,10 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     unsigned* frag = frags[warp];
     Int4OneBatch<TILES, R> b0, b1;
     PDL_LAUNCH();
-    int4_one_load<TILES, R>(b0, rw, nullptr, warp, lane, 0, mine);  // x: after the wait
+    int4_one_load<TILES, R>(b0, rw, nullptr, warp, lane, 0, mine);
     PDL_WAIT();
+    // The first batch's x, written by the kernel before: after the wait.
+    static_assert(R == 1 || GB == 1, "a batch of one group at two strips");
     if (R > 1 && mine > 0) int4_one_x<TILES>(x, warp, lane, b0.xv[0]);
     float2 acc[R];
 #pragma unroll
