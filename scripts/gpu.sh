@@ -448,7 +448,7 @@ int4)
     for round in $(seq "${ROUNDS:-1}"); do
         for bin in /tmp/kiln-base .gpu-bench/kiln; do
             echo "== round $round: $bin" | tee -a "$out/ab.log"
-            timeout 200 "$bin" bench --model synthetic:llama-3-8b --device cuda --weights int4 --kv fp8 \
+            timeout 300 "$bin" bench --model synthetic:llama-3-8b --device cuda --weights int4 --kv fp8 \
                 --kv-memory 16GiB --concurrency "${CONC:-1,8}" --prompt-tokens 512 --gen-tokens 128 \
                 2>&1 | grep -v INFO | tee -a "$out/ab.log"
             [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1

@@ -52,6 +52,10 @@ pub(crate) struct EngineArgs {
     /// into their GEMVs (bf16 weights).
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_fold: OnOff,
+    /// On CUDA, fold int4 tiles' one-token steps too (off until measured
+    /// faster than the separate launches beside them; docs/perf.md).
+    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
+    cuda_fold_int4: OnOff,
     /// On CUDA, sample (temperature, top-k, top-p) on the device.
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     device_sampling: OnOff,
@@ -115,6 +119,7 @@ impl EngineArgs {
             cuda_graphs: self.cuda_graphs == OnOff::On,
             cuda_pdl: self.cuda_pdl == OnOff::On,
             cuda_fold: self.cuda_fold == OnOff::On,
+            cuda_fold_int4: self.cuda_fold_int4 == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,
             tensor_prefill: self.tensor_prefill == OnOff::On,
             cuda_skinny: self.cuda_skinny == OnOff::On,

@@ -12,8 +12,9 @@
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
 
+use super::int4_fold::Int4Tiles;
 use super::shape::{OutPtrs, check_parts};
-use super::{Gpu, cuda_err, grid_1d};
+use super::{DeviceWeight, Gpu, cuda_err, grid_1d};
 use crate::KernelError;
 
 type R<T = ()> = Result<T, KernelError>;
@@ -29,9 +30,9 @@ const NORMED_ROWS: usize = 4;
 /// What a folded norm carries from the product that writes the hidden row
 /// to the products after the norm: each of its blocks' sum of squares.
 pub struct NormSum {
-    partials: CudaSlice<f32>,
+    pub(super) partials: CudaSlice<f32>,
     /// How many the last residual product wrote.
-    parts: usize,
+    pub(super) parts: usize,
 }
 
 /// The norm after a residual product, whose first half
@@ -44,6 +45,20 @@ pub struct NextNorm<'a> {
     pub gh: &'a mut CudaSlice<f32>,
     /// The partial sums of `h^2`.
     pub sum: &'a mut NormSum,
+}
+
+impl NextNorm<'_> {
+    /// Checks that `h`, the norm's weights and `gh` hold `n` rows and the
+    /// sum room for `blocks` partials.
+    pub(super) fn check(&self, h: &CudaSlice<f32>, n: usize, blocks: usize) -> R {
+        let (g, gh) = (self.g.len(), self.gh.len());
+        if h.len() < n || g < n || gh < n || self.sum.partials.len() < blocks {
+            return Err(KernelError::Shape(format!(
+                "residual GEMV of {n} rows: h, g, gh or the norm's sum too small"
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// The input of a product after a folded norm, as a residual product left
@@ -60,7 +75,7 @@ pub struct Normed<'a> {
 
 /// The partial sums a residual product left, as a kernel argument
 /// (refused before any residual product ran on `sum`).
-fn summed(sum: &NormSum) -> R<i32> {
+pub(super) fn summed(sum: &NormSum) -> R<i32> {
     if sum.parts == 0 {
         return Err(KernelError::Shape(
             "a product after a folded norm before any residual product".into(),
@@ -127,14 +142,10 @@ impl Gpu {
         n: usize,
         k: usize,
     ) -> R {
-        let NextNorm { g, gh, sum } = next;
         check(x, w, n, k)?;
         let grid = n.div_ceil(RESID_ROWS);
-        if h.len() < n || g.len() < n || gh.len() < n || sum.partials.len() < grid {
-            return Err(KernelError::Shape(format!(
-                "residual GEMV of {n} rows: h, g, gh or the norm's sum too small"
-            )));
-        }
+        next.check(h, n, grid)?;
+        let NextNorm { g, gh, sum } = next;
         let f = self.function("gemv_bf16_resid")?;
         let (ni, ki) = (n as i32, k as i32);
         let mut b = self.stream.launch_builder(f);
@@ -203,5 +214,80 @@ impl Gpu {
         // each; sizes checked.
         unsafe { b.launch(grid_1d(grid, 32 * NORMED_ROWS as u32)) }.map_err(cuda_err)?;
         Ok(())
+    }
+}
+
+/// A weight as the fold's products take it.
+enum FoldWeight<'a> {
+    Bf16(&'a CudaSlice<bf16>),
+    Int4(Int4Tiles<'a>),
+}
+
+/// `w` as the fold's products take it: bf16, or int4 tiles.
+fn fold_weight(w: &DeviceWeight) -> R<FoldWeight<'_>> {
+    match w {
+        DeviceWeight::Bf16(w) => Ok(FoldWeight::Bf16(w)),
+        DeviceWeight::Int4 { group, rows, bytes } => Ok(FoldWeight::Int4(Int4Tiles {
+            bytes,
+            group: *group,
+            rows: *rows,
+        })),
+        DeviceWeight::Blocks { .. } | DeviceWeight::Fp8 { .. } => Err(KernelError::Shape(
+            "a folded product needs bf16 weights or int4 tiles".into(),
+        )),
+    }
+}
+
+impl Gpu {
+    /// Whether the folded products take `w` (bf16, or int4 tiles).
+    pub fn folds_weight(w: &DeviceWeight) -> bool {
+        fold_weight(w).is_ok()
+    }
+
+    /// [`Self::gemv_bf16_resid`] for a weight the fold takes
+    /// ([`Self::folds_weight`]).
+    pub fn gemv_resid(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &DeviceWeight,
+        h: &mut CudaSlice<f32>,
+        next: NextNorm<'_>,
+        n: usize,
+        k: usize,
+    ) -> R {
+        match fold_weight(w)? {
+            FoldWeight::Bf16(w) => self.gemv_bf16_resid(x, w, h, next, n, k),
+            FoldWeight::Int4(w) => self.gemv_int4_resid(x, w, h, next, n, k),
+        }
+    }
+
+    /// [`Self::gemv_bf16_normed`] for a weight the fold takes.
+    pub fn gemv_normed(
+        &self,
+        input: &Normed<'_>,
+        w: &DeviceWeight,
+        outs: &mut [&mut CudaSlice<f32>],
+        parts: &[usize],
+        k: usize,
+    ) -> R {
+        match fold_weight(w)? {
+            FoldWeight::Bf16(w) => self.gemv_bf16_normed(input, w, outs, parts, k),
+            FoldWeight::Int4(w) => self.gemv_int4_normed(input, w, outs, parts, k),
+        }
+    }
+
+    /// [`Self::gemv_bf16_normed_silu`] for a weight the fold takes.
+    pub fn gemv_normed_silu(
+        &self,
+        input: &Normed<'_>,
+        w: &DeviceWeight,
+        out: &mut CudaSlice<f32>,
+        f: usize,
+        k: usize,
+    ) -> R {
+        match fold_weight(w)? {
+            FoldWeight::Bf16(w) => self.gemv_bf16_normed_silu(input, w, out, f, k),
+            FoldWeight::Int4(w) => self.gemv_int4_normed_silu(input, w, out, f, k),
+        }
     }
 }

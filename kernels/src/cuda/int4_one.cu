@@ -158,19 +158,97 @@ __device__ __forceinline__ void int4_one_step(const Int4OneBatch<TILES, R>& cur,
     __syncwarp();  // the fragments are read before the next batch's land
 }
 
-template <int TILES, int R>
-__device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Outs o, int K) {
+// What a folded decode step (fold.rs, gemv_norm.cu) adds to the product:
+// with `sums`, the input is g * h of a norm whose factor comes from the
+// `parts` partial sums of h^2 there (each block adds them up after the
+// wait) and scales every output; with `pair`, block b takes strip b of
+// the gate half and strip b of the up half of a gate/up stack (R = 2) and
+// writes silu(gate) * up of its 16 rows to o0; with `h`, the product adds
+// into h and writes gh = gn * h for the next norm's weights gn and the
+// block's sum of h^2 to psum[block].
+struct Int4OneFold {
+    const float* sums;
+    int parts;
+    float eps;
+    int pair;
+    float* h;
+    const float* gn;
+    float* gh;
+    float* psum;
+};
+
+// The folded ending (warp 0, after the block's sums meet in `red`): every
+// lane adds the warps' sums of its rows, scales them by the norm's factor,
+// then lanes t == 0 write rows g and g + 8 of each strip as `f` says.
+template <int R>
+__device__ __forceinline__ void int4_one_fold_out(float2 (*red)[R][8], const Int4OneFold& f,
+                                                  const Outs& o, int K, int strip0, int strips) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float fac = 1.0f;
+    if (f.sums) {
+        float v = 0.0f;
+        for (int i = lane; i < f.parts; i += 32) v += f.sums[i];
+        fac = norm_factor(warp_sum(v), K, f.eps);
+    }
+    float2 s[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        s[r] = red[0][r][g];
+        for (int v = 1; v < INT4_WARPS; v++) {
+            s[r].x += red[v][r][g].x;
+            s[r].y += red[v][r][g].y;
+        }
+        s[r].x *= fac;
+        s[r].y *= fac;
+    }
+    if (f.pair) {
+        if (t == 0) {
+            o.o0[strip0 * 16 + g] = silu_times(s[0].x, s[R - 1].x);
+            o.o0[strip0 * 16 + g + 8] = silu_times(s[0].y, s[R - 1].y);
+        }
+        return;
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        int strip = strip0 + r;
+        if (strip >= strips || t != 0) continue;
+        float v[2] = {s[r].x, s[r].y};
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            int row = strip * 16 + g + 8 * e;
+            if (f.h) {
+                float hn = f.h[row] + v[e];
+                f.h[row] = hn;
+                f.gh[row] = f.gn[row] * hn;
+                ss += hn * hn;
+            } else {
+                put_out(o, 0, row, v[e]);
+            }
+        }
+    }
+    if (f.h) {
+        ss = warp_sum(ss);
+        if (lane == 0) f.psum[blockIdx.x] = ss;
+    }
+}
+
+template <int TILES, int R, bool FOLD>
+__device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Outs o, int K,
+                                     Int4OneFold f) {
     constexpr int GB = Int4OneBatch<TILES, R>::GB;
     // Each warp's B fragments for one batch: GB groups of TILES tiles.
     __shared__ __align__(16) unsigned frags[INT4_WARPS][GB * TILES * 64];
     __shared__ float2 red[INT4_WARPS][R][8];
     const int G = 64 * TILES, NG = K / G, strips = o.n / 16;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int strip0 = blockIdx.x * R;
+    // A pair's second strip is the first's twin in the up half.
+    bool pair = FOLD && f.pair;
+    int strip0 = pair ? blockIdx.x : blockIdx.x * R, apart = pair ? strips / 2 : 1;
     StripPtrs sp = strip_ptrs(w, strip0, o.n, K, NG, lane);
-    bool second = strip0 + 1 < strips;
-    Int4OneRows rw{sp.nib + warp * TILES * 32, sp.p0 + warp, second ? K / 2 : 0,
-                   second ? 16 * NG : 0, 8 * NG};
+    bool second = pair || strip0 + 1 < strips;
+    Int4OneRows rw{sp.nib + warp * TILES * 32, sp.p0 + warp, second ? apart * (K / 2) : 0,
+                   second ? apart * 16 * NG : 0, 8 * NG};
     // This warp's groups are warp, warp + INT4_WARPS, ...: `mine` of them.
     int mine = warp < NG ? (NG - warp + INT4_WARPS - 1) / INT4_WARPS : 0;
     unsigned* frag = frags[warp];
@@ -194,6 +272,10 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
         for (int r = 0; r < R; r++) red[warp][r][g] = acc[r];
     }
     __syncthreads();
+    if constexpr (FOLD) {
+        if (warp == 0) int4_one_fold_out<R>(red, f, o, K, strip0, strips);
+        return;
+    }
     // Warp 0's lanes t == 0 add the warps' sums, one strip at a time.
     if (warp != 0 || t != 0) return;
 #pragma unroll
@@ -217,10 +299,26 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     extern "C" __global__ void __launch_bounds__(32 * INT4_WARPS, R == 1 ? 3 : 2)           \
         gemv_int4_one_g##G##_r##R(const float* x, const unsigned char* w, float* o0,         \
                                   float* o1, float* o2, int n0, int n1, int N, int K) {      \
-        gemv_int4_one_strips<G / 64, R>(x, w, Outs{o0, o1, o2, n0, n1, N}, K);               \
+        gemv_int4_one_strips<G / 64, R, false>(x, w, Outs{o0, o1, o2, n0, n1, N}, K,         \
+                                               Int4OneFold{});                               \
     }
 
 GEMV_INT4_ONE(64, 1)
 GEMV_INT4_ONE(64, 2)
 GEMV_INT4_ONE(128, 1)
 GEMV_INT4_ONE(128, 2)
+
+// The folded products of a one-token step (Int4OneFold), two strips a
+// block.
+#define GEMV_INT4_FOLD(G)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * INT4_WARPS, 2) gemv_int4_fold_g##G(    \
+        const float* x, const unsigned char* w, float* o0, float* o1, float* o2, int n0,     \
+        int n1, int N, int K, const float* sums, int parts, float eps, int pair, float* h,   \
+        const float* gn, float* gh, float* psum) {                                           \
+        gemv_int4_one_strips<G / 64, 2, true>(x, w, Outs{o0, o1, o2, n0, n1, N}, K,          \
+                                              Int4OneFold{sums, parts, eps, pair, h, gn, gh, \
+                                                          psum});                            \
+    }
+
+GEMV_INT4_FOLD(64)
+GEMV_INT4_FOLD(128)

@@ -22,6 +22,7 @@ mod gemv;
 mod graph;
 mod hadamard;
 mod int4;
+mod int4_fold;
 mod kv;
 mod lane;
 mod launch;

@@ -118,6 +118,8 @@ pub(super) const KERNELS: &[&str] = &[
     "gemv_int4_one_g64_r2",
     "gemv_int4_one_g128_r1",
     "gemv_int4_one_g128_r2",
+    "gemv_int4_fold_g64",
+    "gemv_int4_fold_g128",
     "gemm_int4_g64_nb2",
     "gemm_int4_g64_nb4",
     "gemm_int4_g64_nb8",

@@ -1,14 +1,18 @@
 //! The folded one-row GEMVs (norm and SiLU-and-multiply inside the
-//! products) in a chain as a decode step runs them: the same results as
-//! the separate norm, GEMV and SiLU launches they replace (to rounding),
-//! and bit for bit the same whether launched one by one, replayed from a
-//! plain graph or from one with programmatic edges, replay after replay
-//! (each product after the norm reads the partial sums of squares the
-//! product before it wrote, while that one may still be finishing).
+//! products) in a chain as a decode step runs them, on bf16 weights and on
+//! int4 tiles: the same results as the separate norm, GEMV and SiLU
+//! launches they replace (to rounding), and bit for bit the same whether
+//! launched one by one, replayed from a plain graph or from one with
+//! programmatic edges, replay after replay (each product after the norm
+//! reads the partial sums of squares the product before it wrote, while
+//! that one may still be finishing).
 
-use half::bf16;
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{CudaSlice, Gpu, NextNorm, NormArgs, NormSum, Normed, StackShape};
+use kiln_kernels::cuda::{
+    CudaSlice, DeviceWeight, GemmScratch, Gpu, NextNorm, NormArgs, NormSum, Normed, StackShape,
+};
+use kiln_kernels::matmul::Weight;
+use kiln_kernels::quant::{DType, quantize};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -17,17 +21,22 @@ use super::device;
 /// Hidden width, and the FFN's.
 const DIM: usize = 4096;
 const FFN: usize = 1536;
+/// The parts of a q/k/v-shaped stack after the same norm.
+const QKV: [usize; 3] = [512, 256, 256];
 const ROUNDS: usize = 4;
 const EPS: f32 = 1e-5;
 
-/// Device state of a chain whose rounds are a layer's FFN half:
-/// `h += down u`, then `u = silu(gate) * up` of `rmsnorm(h) * g`.
+/// Device state of a chain whose rounds are a layer's FFN half with a
+/// q/k/v-shaped product beside it: `h += down u`, then `u = silu(gate) *
+/// up` and `q = qkv` of `rmsnorm(h) * g`.
 struct Chain {
     h: CudaSlice<f32>,
     u: CudaSlice<f32>,
     g: CudaSlice<f32>,
-    down: CudaSlice<bf16>,
-    gate_up: CudaSlice<bf16>,
+    down: DeviceWeight,
+    gate_up: DeviceWeight,
+    qkv: DeviceWeight,
+    q: [CudaSlice<f32>; 3],
     // Folded: the row times g and its sum of squares.
     gh: CudaSlice<f32>,
     sum: NormSum,
@@ -36,27 +45,44 @@ struct Chain {
     xn: CudaSlice<f32>,
     gate: CudaSlice<f32>,
     up: CudaSlice<f32>,
+    scratch: GemmScratch,
 }
 
 impl Chain {
-    fn new(gpu: &Gpu, seed: u64) -> Chain {
+    fn new(gpu: &Gpu, seed: u64, dtype: DType) -> Chain {
         let rng = &mut ChaCha8Rng::seed_from_u64(seed);
         let mut v =
             |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| rng.random_range(-s..s)).collect() };
-        let bf = |x: Vec<f32>| -> Vec<bf16> { x.into_iter().map(bf16::from_f32).collect() };
         let nan = |n: usize| gpu.upload(&vec![f32::NAN; n]).unwrap();
+        let mut weight = |rows: usize, cols: usize| {
+            let bytes: Vec<u8> = v(rows * cols, 0.05)
+                .chunks(cols)
+                .flat_map(|row| quantize(dtype, row))
+                .collect();
+            gpu.weight(&Weight::from_bytes(dtype, rows, cols, bytes).unwrap())
+                .unwrap()
+        };
+        let (down, gate_up) = (weight(DIM, FFN), weight(2 * FFN, DIM));
+        let qkv = weight(QKV.iter().sum(), DIM);
+        assert!(
+            Gpu::folds_weight(&down),
+            "{dtype:?}: the fold does not take it"
+        );
         Chain {
+            down,
+            gate_up,
+            qkv,
             h: gpu.upload(&v(DIM, 1.0)).unwrap(),
             u: gpu.upload(&v(FFN, 1.0)).unwrap(),
             g: gpu.upload(&v(DIM, 2.0)).unwrap(),
-            down: gpu.upload(&bf(v(DIM * FFN, 0.05))).unwrap(),
-            gate_up: gpu.upload(&bf(v(2 * FFN * DIM, 0.05))).unwrap(),
+            q: QKV.map(nan),
             gh: nan(DIM),
             sum: gpu.norm_sum(DIM).unwrap(),
             p: nan(DIM),
             xn: nan(DIM),
             gate: nan(FFN),
             up: nan(FFN),
+            scratch: gpu.gemm_scratch(1, FFN.max(DIM), true).unwrap(),
         }
     }
 
@@ -68,26 +94,25 @@ impl Chain {
                 gh: &mut c.gh,
                 sum: &mut c.sum,
             };
-            gpu.gemv_bf16_resid(&c.u, &c.down, &mut c.h, next, DIM, FFN)?;
+            gpu.gemv_resid(&c.u, &c.down, &mut c.h, next, DIM, FFN)?;
             let normed = Normed {
                 gh: &c.gh,
                 sum: &c.sum,
                 eps: EPS,
             };
-            gpu.gemv_bf16_normed_silu(&normed, &c.gate_up, &mut c.u, FFN, DIM)?;
+            let [q, k, v] = &mut c.q;
+            gpu.gemv_normed(&normed, &c.qkv, &mut [q, k, v], &QKV, DIM)?;
+            gpu.gemv_normed_silu(&normed, &c.gate_up, &mut c.u, FFN, DIM)?;
         }
         Ok(())
     }
 
     fn apart(&mut self, gpu: &Gpu) -> Result<(), KernelError> {
+        let shape = |parts, k| StackShape { m: 1, parts, k };
         for _ in 0..ROUNDS {
             let c = &mut *self;
-            let down = StackShape {
-                m: 1,
-                parts: &[DIM],
-                k: FFN,
-            };
-            gpu.gemv_bf16_parts(&c.u, &c.down, &mut [&mut c.p], down)?;
+            let s = &mut c.scratch;
+            gpu.matmul_parts(&c.u, &c.down, &mut [&mut c.p], shape(&[DIM], FFN), s)?;
             let norm = NormArgs {
                 residual: Some(&c.p),
                 w: &c.g,
@@ -96,23 +121,23 @@ impl Chain {
                 eps: EPS,
             };
             gpu.rmsnorm_residual(&mut c.h, &mut c.xn, &norm)?;
+            let [q, k, v] = &mut c.q;
+            gpu.matmul_parts(&c.xn, &c.qkv, &mut [q, k, v], shape(&QKV, DIM), s)?;
             let outs = &mut [&mut c.gate, &mut c.up];
-            let gate_up = StackShape {
-                m: 1,
-                parts: &[FFN, FFN],
-                k: DIM,
-            };
-            gpu.gemv_bf16_parts(&c.xn, &c.gate_up, outs, gate_up)?;
+            gpu.matmul_parts(&c.xn, &c.gate_up, outs, shape(&[FFN, FFN], DIM), s)?;
             gpu.silu_mul(&mut c.gate, &c.up, FFN)?;
             std::mem::swap(&mut c.u, &mut c.gate);
         }
         Ok(())
     }
 
-    fn results(&self, gpu: &Gpu) -> (Vec<f32>, Vec<f32>) {
+    /// h, u and the q/k/v parts, one after another.
+    fn results(&self, gpu: &Gpu) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let q = self.q.iter().flat_map(|p| gpu.download(p).unwrap());
         (
             gpu.download(&self.h).unwrap(),
             gpu.download(&self.u).unwrap(),
+            q.collect(),
         )
     }
 }
@@ -127,44 +152,60 @@ pub(super) fn rel(a: &[f32], b: &[f32]) -> f64 {
 #[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn folded_norm_gemvs_match_the_launches_they_replace_and_replay_exactly() {
     let (mut gpu, seed) = device();
-    let mut apart = Chain::new(&gpu, seed);
-    apart.apart(&gpu).unwrap();
-    let want = apart.results(&gpu);
-    // Launched one by one, twice (the second pass starts where the first
-    // ended).
-    let mut eager = Chain::new(&gpu, seed);
-    eager.folded(&gpu).unwrap();
-    let once = eager.results(&gpu);
-    assert!(once.0.iter().chain(&once.1).all(|v| v.is_finite()));
-    let e = (rel(&once.0, &want.0), rel(&once.1, &want.1));
-    eprintln!("folded against apart: h {:.2e}, u {:.2e}", e.0, e.1);
-    assert!(e.0 < 1e-4 && e.1 < 1e-4, "folded chain differs: {e:?}");
-    eager.folded(&gpu).unwrap();
-    let twice = eager.results(&gpu);
-    let mut apart2 = Chain::new(&gpu, seed);
-    apart2.apart(&gpu).unwrap();
-    apart2.apart(&gpu).unwrap();
-    let want2 = apart2.results(&gpu);
-    let e2 = (rel(&twice.0, &want2.0), rel(&twice.1, &want2.1));
-    assert!(
-        e2.0 < 1e-4 && e2.1 < 1e-4,
-        "second folded pass differs: {e2:?}"
-    );
-    for programmatic in [false, true] {
-        gpu.set_programmatic(programmatic);
-        let mut chain = Chain::new(&gpu, seed);
-        let graph = gpu.capture(|| chain.folded(&gpu)).unwrap();
-        gpu.replay(&graph).unwrap();
-        gpu.synchronize().unwrap();
-        assert!(
-            chain.results(&gpu) == once,
-            "graph (programmatic {programmatic}), replay 1"
+    // Both paths keep f32 activations; int4's products round their sums
+    // at up to 2.3e-5 each (int4_one.rs), over four rounds of three.
+    for (dtype, bound) in [(DType::BF16, 1e-4), (DType::Int4G128, 2e-4)] {
+        gpu.set_programmatic(false);
+        let mut apart = Chain::new(&gpu, seed, dtype);
+        apart.apart(&gpu).unwrap();
+        let want = apart.results(&gpu);
+        // Launched one by one, twice (the second pass starts where the
+        // first ended).
+        let mut eager = Chain::new(&gpu, seed, dtype);
+        eager.folded(&gpu).unwrap();
+        let once = eager.results(&gpu);
+        let all = |r: &(Vec<f32>, Vec<f32>, Vec<f32>)| {
+            r.0.iter().chain(&r.1).chain(&r.2).all(|v| v.is_finite())
+        };
+        assert!(all(&once), "{dtype:?}: not finite");
+        let errs = |a: &(Vec<f32>, Vec<f32>, Vec<f32>), b: &(Vec<f32>, Vec<f32>, Vec<f32>)| {
+            [rel(&a.0, &b.0), rel(&a.1, &b.1), rel(&a.2, &b.2)]
+        };
+        let e = errs(&once, &want);
+        eprintln!(
+            "{dtype:?}: folded against apart: h {:.2e}, u {:.2e}, q {:.2e}",
+            e[0], e[1], e[2]
         );
-        gpu.replay(&graph).unwrap();
-        gpu.synchronize().unwrap();
         assert!(
-            chain.results(&gpu) == twice,
-            "graph (programmatic {programmatic}), replay 2"
+            e.iter().all(|e| *e < bound),
+            "{dtype:?}: folded chain differs: {e:?}"
         );
+        eager.folded(&gpu).unwrap();
+        let twice = eager.results(&gpu);
+        let mut apart2 = Chain::new(&gpu, seed, dtype);
+        apart2.apart(&gpu).unwrap();
+        apart2.apart(&gpu).unwrap();
+        let e2 = errs(&twice, &apart2.results(&gpu));
+        assert!(
+            e2.iter().all(|e| *e < bound),
+            "{dtype:?}: second folded pass differs: {e2:?}"
+        );
+        for programmatic in [false, true] {
+            gpu.set_programmatic(programmatic);
+            let mut chain = Chain::new(&gpu, seed, dtype);
+            let graph = gpu.capture(|| chain.folded(&gpu)).unwrap();
+            gpu.replay(&graph).unwrap();
+            gpu.synchronize().unwrap();
+            assert!(
+                chain.results(&gpu) == once,
+                "{dtype:?}: graph (programmatic {programmatic}), replay 1"
+            );
+            gpu.replay(&graph).unwrap();
+            gpu.synchronize().unwrap();
+            assert!(
+                chain.results(&gpu) == twice,
+                "{dtype:?}: graph (programmatic {programmatic}), replay 2"
+            );
+        }
     }
 }

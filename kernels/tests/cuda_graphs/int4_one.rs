@@ -121,10 +121,14 @@ fn one_launch_int4_gemv_keeps_to_float64_as_two_launches_do_and_its_programmatic
         let e_two = rel(&two, &exact);
         // Both round x to bf16 hi + lo alike and differ in the order of
         // their float sums (the one launch keeps lo's products in a column
-        // of their own); each sum carries 128 a quant, taken back out after
-        // (int4_one.cu), so rounding shows at 3e-6 to 7e-6 (H200,
-        // 2026-12-04), and the two differ by up to 1.2e-5.
-        assert!(e_two < 2e-5, "{what}: two launches vs float64: {e_two}");
+        // of their own). Each group's sum carries 128 a quant, taken back
+        // out after (int4_one.cu), so it is ~30x the size of what remains
+        // and loses ~5 of f32's 24 bits: over seeds the error spreads from
+        // 2.7e-6 to 2.3e-5 (H200, 2026-12-04). 5e-5 (parity's bound for
+        // these products) is still 80x below the bf16 rounding of the
+        // activations, and a dropped lo part or a wrong quant shows at
+        // 1e-3 or more.
+        assert!(e_two < 5e-5, "{what}: two launches vs float64: {e_two}");
         gpu.set_int4_one(true);
         // Blocks of one strip, then of two (an odd count of strips leaves
         // the last block one past the end), then the block size the row
@@ -141,7 +145,7 @@ fn one_launch_int4_gemv_keeps_to_float64_as_two_launches_do_and_its_programmatic
                 "{what}, {strips:?} strips: vs float64 {e_one:.2e} (two launches {e_two:.2e})"
             );
             assert!(
-                e_one < 2e-5,
+                e_one < 5e-5,
                 "{what}, {strips:?} strips: one launch vs float64: {e_one}"
             );
         }

@@ -77,6 +77,9 @@ pub struct EngineConfig {
     /// On CUDA: steps of one token with bf16 weights fold the norms and
     /// SiLU-and-multiply into their GEMVs (no norm or SiLU launches).
     pub cuda_fold: bool,
+    /// On CUDA: with `cuda_fold`, steps of one token with int4 tiles fold
+    /// too (off by default until measured faster).
+    pub cuda_fold_int4: bool,
     /// On CUDA: sample (temperature, top-k, top-p) on the device with the
     /// request's own draws, instead of downloading logits.
     pub device_sampling: bool,
@@ -111,6 +114,7 @@ impl Default for EngineConfig {
             cuda_graphs: true,
             cuda_pdl: true,
             cuda_fold: true,
+            cuda_fold_int4: false,
             device_sampling: true,
             tensor_prefill: true,
             cuda_skinny: true,
@@ -270,6 +274,7 @@ impl Engine {
                 graphs: config.cuda_graphs,
                 programmatic: config.cuda_pdl,
                 fold: config.cuda_fold,
+                fold_int4: config.cuda_fold_int4,
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,
                 cluster: config.cuda_cluster,

@@ -31,6 +31,8 @@ pub struct RunnerOptions {
     /// On CUDA: one-token steps with bf16 weights fold the norms into
     /// their GEMVs.
     pub fold: bool,
+    /// On CUDA: with `fold`, one-token steps with int4 tiles fold too.
+    pub fold_int4: bool,
     /// On CUDA: prefill chunks attend with the tensor-core prefill kernel
     /// instead of one decode-attention query per token.
     pub tensor_prefill: bool,
@@ -111,7 +113,7 @@ impl Runner {
                 let mut model = model.map_err(|e| e.to_string())?;
                 for m in std::iter::once(&mut model).chain(decode.as_mut()) {
                     m.set_programmatic(o.programmatic);
-                    m.set_fold(o.fold);
+                    m.set_fold(o.fold, o.fold_int4);
                     m.set_skinny(o.skinny);
                     m.set_cluster(o.cluster);
                     m.set_bf16_mlp(o.bf16_mlp);

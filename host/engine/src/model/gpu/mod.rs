@@ -210,16 +210,16 @@ impl GpuModel {
             fold: false,
             bf16_mlp: false,
         };
-        uploaded.fold = uploaded.foldable();
+        uploaded.fold = uploaded.foldable(false);
         Ok(uploaded)
     }
 
     /// Whether one-token steps fold their norms into the GEMVs, where the
-    /// model's weights allow it (they do by default). Set it before
-    /// [`Self::kv`]: a step captured as a graph keeps the path it was
-    /// captured with.
-    pub fn set_fold(&mut self, on: bool) {
-        self.fold = on && self.foldable();
+    /// model's weights allow it (bf16 weights do by default; int4 tiles
+    /// with `int4`). Set it before [`Self::kv`]: a step captured as a
+    /// graph keeps the path it was captured with.
+    pub fn set_fold(&mut self, on: bool, int4: bool) {
+        self.fold = on && self.foldable(int4);
     }
 
     /// Whether graphs captured from now on join consecutive kernels by

@@ -16,7 +16,7 @@ use kiln_kernels::cuda::{
 };
 use kiln_kernels::ops::RopeStyle;
 
-use super::fold::{bf16, bf16_stack};
+use super::fold::{fold_stack, fold_weight};
 use super::inputs::{Layout, ints};
 use super::linear::{Linear, NormIn};
 use super::{Buffers, Cuda, GpuModel, Work};
@@ -203,14 +203,14 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
         let pages = &mut self.pages[layer];
         match self.pending {
             Pending::Folded => {
-                let (w, parts) = bf16_stack(qkv, &[q_dim, kv_dim, kv_dim])?;
+                let (w, parts) = fold_stack(qkv, &[q_dim, kv_dim, kv_dim])?;
                 let outs = &mut [&mut b.q, &mut b.k, &mut b.v];
                 let input = Normed {
                     gh: &b.xn,
                     sum: &b.norm_sum,
                     eps: c.eps,
                 };
-                g.gemv_bf16_normed(&input, w, outs, parts, c.hidden)?;
+                g.gemv_normed(&input, w, outs, parts, c.hidden)?;
                 g.rope_kv_write(pages, &mut b.q, &mut b.k, &b.v, &at)?;
             }
             Pending::Norm { w, residual } => {
@@ -284,13 +284,13 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
         let b = &mut self.b;
         match self.pending {
             Pending::Folded => {
-                let (w, _) = bf16_stack(gate_up, &[c.ffn, c.ffn])?;
+                let (w, _) = fold_stack(gate_up, &[c.ffn, c.ffn])?;
                 let input = Normed {
                     gh: &b.xn,
                     sum: &b.norm_sum,
                     eps: c.eps,
                 };
-                g.gemv_bf16_normed_silu(&input, w, &mut b.gate, c.ffn, c.hidden)
+                g.gemv_normed_silu(&input, w, &mut b.gate, c.ffn, c.hidden)
             }
             Pending::Norm { w, residual } => {
                 let norm = norm_in(&mut b.h, &b.proj, w, residual, c, n);
@@ -334,7 +334,7 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                 gh: &mut b.xn,
                 sum: &mut b.norm_sum,
             };
-            g.gemv_bf16_resid(x, bf16(w)?, &mut b.h, next, c.hidden, k)?;
+            g.gemv_resid(x, fold_weight(w)?, &mut b.h, next, c.hidden, k)?;
             self.pending = Pending::Folded;
             return Ok(());
         }
@@ -405,7 +405,7 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                     sum: &b.norm_sum,
                     eps: c.eps,
                 };
-                g.gemv_bf16_normed(&input, bf16(w)?, outs, &[c.vocab], c.hidden)?;
+                g.gemv_normed(&input, fold_weight(w)?, outs, &[c.vocab], c.hidden)?;
             }
             Pending::Norm {
                 w: norm_w,
