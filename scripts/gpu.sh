@@ -434,21 +434,33 @@ unpack)
     ;;
 int4)
     # Int4 decode at one sequence: the kernel tests (parity, the device
-    # tests), the one-row int4 products timed beside the two-launch path
-    # (`cuda_bench quantized`), then int4 decode at 1 and 8 sequences by the
-    # base build (`baseline` here) and this tree's in turn (carry .gpu,
+    # tests, the engine's fold test), the one-row int4 products timed beside the two-launch path
+    # (`cuda_bench quantized`; QUANTIZED=0 leaves it out), then int4 decode
+    # at CONC sequences (default 1,8) by the base build (`baseline` here)
+    # and this tree's in turn, and this tree's again with the flags in ALSO
+    # (e.g. ALSO="--cuda-fold-int4 on") where set (carry .gpu,
     # .gpu-bench/kiln.xz, .gpu-bench/kiln-base.xz). Fails if a test fails.
     prepare
     set +e
     KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" | tail -4
     failed=${PIPESTATUS[0]}
-    KILN_TEST_DEVICE=cuda timeout 60 .gpu/cuda_graphs --include-ignored 2>&1 | tee -a "$out/parity.log" | tail -12
+    KILN_TEST_DEVICE=cuda timeout 100 .gpu/cuda_graphs --include-ignored --nocapture 2>&1 |
+        tee -a "$out/parity.log" | grep -E "against|vs float64|test result|panicked" | tail -16
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    timeout 150 .gpu/cuda_bench quantized 2>&1 | tee "$out/bench.log" | grep -E "Int4|two launches|cold|device"
+    # The engine's int4 test: folded steps against unfolded ones.
+    KILN_TEST_DEVICE=cuda timeout 100 .gpu/engine --include-ignored --nocapture folded_norms 2>&1 |
+        tee -a "$out/parity.log" | grep -E "row 35|test result|panicked" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    if [ "${QUANTIZED:-1}" != 0 ]; then
+        timeout 150 .gpu/cuda_bench quantized 2>&1 | tee "$out/bench.log" | grep -E "Int4|two launches|cold|device"
+    fi
+    runs=(/tmp/kiln-base .gpu-bench/kiln)
+    [ -n "${ALSO:-}" ] && runs+=(".gpu-bench/kiln $ALSO")
     for round in $(seq "${ROUNDS:-1}"); do
-        for bin in /tmp/kiln-base .gpu-bench/kiln; do
-            echo "== round $round: $bin" | tee -a "$out/ab.log"
-            timeout 300 "$bin" bench --model synthetic:llama-3-8b --device cuda --weights int4 --kv fp8 \
+        for run in "${runs[@]}"; do
+            echo "== round $round: $run" | tee -a "$out/ab.log"
+            # shellcheck disable=SC2086
+            timeout 300 $run bench --model synthetic:llama-3-8b --device cuda --weights int4 --kv fp8 \
                 --kv-memory 16GiB --concurrency "${CONC:-1,8}" --prompt-tokens 512 --gen-tokens 128 \
                 2>&1 | grep -v INFO | tee -a "$out/ab.log"
             [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
