@@ -177,17 +177,40 @@ struct Int4OneFold {
     float* psum;
 };
 
+// Partial sums a lane of warp 0 loads right after the wait (lane, lane +
+// 32, ...): they land while the products run, where loading them at the
+// end cost each block four dependent L2 round trips after its products.
+#define INT4_FOLD_EARLY 4
+
+// This lane's first INT4_FOLD_EARLY partial sums of a folded norm, by
+// volatile loads: the compiler would otherwise sink plain ones to their
+// use, past the products.
+__device__ __forceinline__ void int4_fold_early(const Int4OneFold& f, float* early) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < INT4_FOLD_EARLY; j++) {
+        int i = lane + 32 * j;
+        early[j] = 0.0f;
+        if (f.sums && i < f.parts)
+            asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(early[j]) : "l"(f.sums + i));
+    }
+}
+
 // The folded ending (warp 0, after the block's sums meet in `red`): every
-// lane adds the warps' sums of its rows, scales them by the norm's factor,
-// then lanes t == 0 write rows g and g + 8 of each strip as `f` says.
+// lane adds the warps' sums of its rows, scales them by the norm's factor
+// (from the partial sums loaded early, and any past them), then lanes
+// t == 0 write rows g and g + 8 of each strip as `f` says.
 template <int R>
 __device__ __forceinline__ void int4_one_fold_out(float2 (*red)[R][8], const Int4OneFold& f,
-                                                  const Outs& o, int K, int strip0, int strips) {
+                                                  const float* early, const Outs& o, int K,
+                                                  int strip0, int strips) {
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     float fac = 1.0f;
     if (f.sums) {
         float v = 0.0f;
-        for (int i = lane; i < f.parts; i += 32) v += f.sums[i];
+#pragma unroll
+        for (int j = 0; j < INT4_FOLD_EARLY; j++) v += early[j];
+        for (int i = lane + 32 * INT4_FOLD_EARLY; i < f.parts; i += 32) v += f.sums[i];
         fac = norm_factor(warp_sum(v), K, f.eps);
     }
     float2 s[R];
@@ -259,6 +282,10 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     // The first batch's x, written by the kernel before: after the wait.
     static_assert(R == 1 || GB == 1, "a batch of one group at two strips");
     if (R > 1 && mine > 0) int4_one_x<TILES>(x, warp, lane, b0.xv[0]);
+    float early[INT4_FOLD_EARLY];
+    if constexpr (FOLD) {
+        if (warp == 0) int4_fold_early(f, early);
+    }
     float2 acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = make_float2(0.0f, 0.0f);
@@ -273,7 +300,7 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     }
     __syncthreads();
     if constexpr (FOLD) {
-        if (warp == 0) int4_one_fold_out<R>(red, f, o, K, strip0, strips);
+        if (warp == 0) int4_one_fold_out<R>(red, f, early, o, K, strip0, strips);
         return;
     }
     // Warp 0's lanes t == 0 add the warps' sums, one strip at a time.
