@@ -177,22 +177,44 @@ struct Int4OneFold {
     float* psum;
 };
 
-// Partial sums a lane of warp 0 loads right after the wait (lane, lane +
-// 32, ...): they land while the products run, where loading them at the
-// end cost each block four dependent L2 round trips after its products.
+// What warp 0 of a folded product loads right after the wait, so it lands
+// while the products run (loaded at the end, it cost each block dependent
+// L2 round trips after its products, a wave at a time): the norm's first
+// partial sums (lane, lane + 32, ...), and at lanes t == 0 the residual's
+// h and next-norm weights of rows g and g + 8 of each strip.
 #define INT4_FOLD_EARLY 4
+template <int R>
+struct Int4FoldEarly {
+    float sums[INT4_FOLD_EARLY];
+    float h[R][2], gn[R][2];
+};
 
-// This lane's first INT4_FOLD_EARLY partial sums of a folded norm, by
-// volatile loads: the compiler would otherwise sink plain ones to their
-// use, past the products.
-__device__ __forceinline__ void int4_fold_early(const Int4OneFold& f, float* early) {
-    int lane = threadIdx.x & 31;
+// A volatile load: the compiler sinks plain ones to their use, past the
+// products.
+__device__ __forceinline__ float ld_early(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+template <int R>
+__device__ __forceinline__ void int4_fold_early(const Int4OneFold& f, Int4FoldEarly<R>& e,
+                                                int strip0, int strips) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int j = 0; j < INT4_FOLD_EARLY; j++) {
         int i = lane + 32 * j;
-        early[j] = 0.0f;
-        if (f.sums && i < f.parts)
-            asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(early[j]) : "l"(f.sums + i));
+        e.sums[j] = f.sums && i < f.parts ? ld_early(f.sums + i) : 0.0f;
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            int row = (strip0 + r) * 16 + g + 8 * k;
+            bool mine = f.h && t == 0 && strip0 + r < strips;
+            e.h[r][k] = mine ? ld_early(f.h + row) : 0.0f;
+            e.gn[r][k] = mine ? ld_early(f.gn + row) : 0.0f;
+        }
     }
 }
 
@@ -202,14 +224,14 @@ __device__ __forceinline__ void int4_fold_early(const Int4OneFold& f, float* ear
 // t == 0 write rows g and g + 8 of each strip as `f` says.
 template <int R>
 __device__ __forceinline__ void int4_one_fold_out(float2 (*red)[R][8], const Int4OneFold& f,
-                                                  const float* early, const Outs& o, int K,
-                                                  int strip0, int strips) {
+                                                  const Int4FoldEarly<R>& early, const Outs& o,
+                                                  int K, int strip0, int strips) {
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     float fac = 1.0f;
     if (f.sums) {
         float v = 0.0f;
 #pragma unroll
-        for (int j = 0; j < INT4_FOLD_EARLY; j++) v += early[j];
+        for (int j = 0; j < INT4_FOLD_EARLY; j++) v += early.sums[j];
         for (int i = lane + 32 * INT4_FOLD_EARLY; i < f.parts; i += 32) v += f.sums[i];
         fac = norm_factor(warp_sum(v), K, f.eps);
     }
@@ -241,9 +263,9 @@ __device__ __forceinline__ void int4_one_fold_out(float2 (*red)[R][8], const Int
         for (int e = 0; e < 2; e++) {
             int row = strip * 16 + g + 8 * e;
             if (f.h) {
-                float hn = f.h[row] + v[e];
+                float hn = early.h[r][e] + v[e];
                 f.h[row] = hn;
-                f.gh[row] = f.gn[row] * hn;
+                f.gh[row] = early.gn[r][e] * hn;
                 ss += hn * hn;
             } else {
                 put_out(o, 0, row, v[e]);
@@ -282,9 +304,9 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     // The first batch's x, written by the kernel before: after the wait.
     static_assert(R == 1 || GB == 1, "a batch of one group at two strips");
     if (R > 1 && mine > 0) int4_one_x<TILES>(x, warp, lane, b0.xv[0]);
-    float early[INT4_FOLD_EARLY];
+    Int4FoldEarly<R> early;
     if constexpr (FOLD) {
-        if (warp == 0) int4_fold_early(f, early);
+        if (warp == 0) int4_fold_early<R>(f, early, strip0, strips);
     }
     float2 acc[R];
 #pragma unroll
