@@ -434,8 +434,9 @@ unpack)
     ;;
 int4)
     # Int4 decode at one sequence: the kernel tests (parity, the device
-    # tests, the engine's fold test), the one-row int4 products timed beside the two-launch path
-    # (`cuda_bench quantized`; QUANTIZED=0 leaves it out), then int4 decode
+    # tests, the engine's fold test), the one-row int4 products timed
+    # beside the two-launch path (`cuda_bench quantized`; QUANTIZED=0
+    # leaves it out), then int4 decode
     # at CONC sequences (default 1,8) by the base build (`baseline` here)
     # and this tree's in turn, and this tree's again with the flags in ALSO
     # (e.g. ALSO="--cuda-fold-int4 on") where set (carry .gpu,

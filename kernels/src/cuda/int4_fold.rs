@@ -57,6 +57,16 @@ impl FoldArgs {
         gh: 0,
         psum: 0,
     };
+
+    /// A product after the norm that `input` carries.
+    fn normed(gpu: &Gpu, input: &Normed<'_>) -> R<FoldArgs> {
+        Ok(FoldArgs {
+            sums: input.sum.partials.device_ptr(&gpu.stream).0,
+            parts: summed(input.sum)?,
+            eps: input.eps,
+            ..FoldArgs::NONE
+        })
+    }
 }
 
 impl Int4Tiles<'_> {
@@ -123,17 +133,12 @@ impl Gpu {
         parts: &[usize],
         k: usize,
     ) -> R {
-        let Normed { gh, sum, eps } = *input;
         let n = check_parts(outs, parts, 1)?;
-        w.check(gh, n, k)?;
+        w.check(input.gh, n, k)?;
+        let fold = FoldArgs::normed(self, input)?;
         let o = self.out_ptrs(outs, parts);
-        let fold = FoldArgs {
-            sums: sum.partials.device_ptr(&self.stream).0,
-            parts: summed(sum)?,
-            eps,
-            ..FoldArgs::NONE
-        };
-        self.launch_int4_fold(gh, w, o.ptrs, parts, k, fold, n.div_ceil(STRIP * STRIPS))
+        let grid = n.div_ceil(STRIP * STRIPS);
+        self.launch_int4_fold(input.gh, w, o.ptrs, parts, k, fold, grid)
     }
 
     /// `out = silu(gate) * up` after the norm, where the int4 stack `w`
@@ -147,8 +152,7 @@ impl Gpu {
         f: usize,
         k: usize,
     ) -> R {
-        let Normed { gh, sum, eps } = *input;
-        w.check(gh, 2 * f, k)?;
+        w.check(input.gh, 2 * f, k)?;
         if out.len() < f || !f.is_multiple_of(STRIP) {
             return Err(KernelError::Shape(format!(
                 "SiLU int4 GEMV output of {} for {f} (a multiple of {STRIP})",
@@ -156,14 +160,11 @@ impl Gpu {
             )));
         }
         let fold = FoldArgs {
-            sums: sum.partials.device_ptr(&self.stream).0,
-            parts: summed(sum)?,
-            eps,
             pair: 1,
-            ..FoldArgs::NONE
+            ..FoldArgs::normed(self, input)?
         };
         let o = [self.address(out), 0, 0];
-        self.launch_int4_fold(gh, w, o, &[2 * f], k, fold, f / STRIP)
+        self.launch_int4_fold(input.gh, w, o, &[2 * f], k, fold, f / STRIP)
     }
 
     /// Launches `gemv_int4_fold_g{G}` on `grid` blocks (sizes checked by

@@ -218,6 +218,17 @@ __device__ __forceinline__ void int4_fold_early(const Int4OneFold& f, Int4FoldEa
     }
 }
 
+// Rows g and g + 8 of strip r, summed over the block's warps in `red`.
+template <int R>
+__device__ __forceinline__ float2 int4_one_rows(float2 (*red)[R][8], int r, int g) {
+    float2 s = red[0][r][g];
+    for (int v = 1; v < INT4_WARPS; v++) {
+        s.x += red[v][r][g].x;
+        s.y += red[v][r][g].y;
+    }
+    return s;
+}
+
 // The folded ending (warp 0, after the block's sums meet in `red`): every
 // lane adds the warps' sums of its rows, scales them by the norm's factor
 // (from the partial sums loaded early, and any past them), then lanes
@@ -238,11 +249,7 @@ __device__ __forceinline__ void int4_one_fold_out(float2 (*red)[R][8], const Int
     float2 s[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        s[r] = red[0][r][g];
-        for (int v = 1; v < INT4_WARPS; v++) {
-            s[r].x += red[v][r][g].x;
-            s[r].y += red[v][r][g].y;
-        }
+        s[r] = int4_one_rows<R>(red, r, g);
         s[r].x *= fac;
         s[r].y *= fac;
     }
@@ -331,11 +338,7 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     for (int r = 0; r < R; r++) {
         int strip = blockIdx.x * R + r;
         if (strip >= strips) break;
-        float2 s = red[0][r][g];
-        for (int v = 1; v < INT4_WARPS; v++) {
-            s.x += red[v][r][g].x;
-            s.y += red[v][r][g].y;
-        }
+        float2 s = int4_one_rows<R>(red, r, g);
         put_out(o, 0, strip * 16 + g, s.x);
         put_out(o, 0, strip * 16 + g + 8, s.y);
     }

@@ -45,10 +45,11 @@ fn unfoldable() -> KernelError {
 
 /// Whether the fold may take `w`: bf16, or int4 tiles where `int4`.
 fn takes(w: &DeviceWeight, int4: bool) -> bool {
-    match w {
-        DeviceWeight::Int4 { .. } => int4,
-        w => fold_weight(w).is_ok(),
-    }
+    Gpu::folds_weight(w) && (int4 || !is_int4(w))
+}
+
+fn is_int4(w: &DeviceWeight) -> bool {
+    matches!(w, DeviceWeight::Int4 { .. })
 }
 
 /// Whether a block runs folded: every weight bf16 (or int4 tiles, with
@@ -56,19 +57,11 @@ fn takes(w: &DeviceWeight, int4: bool) -> bool {
 fn foldable_block(b: &Block<Cuda>, c: &ModelConfig, int4: bool) -> bool {
     let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
     let widths = [c.hidden, q_dim, c.ffn].iter().all(|k| k.is_multiple_of(8));
-    let stack = |l: &Linear, want: &[usize]| fold_stack(l, want).is_ok_and(|(w, _)| takes(w, int4));
+    let qkv = fold_stack(&b.qkv, &[q_dim, kv_dim, kv_dim]).is_ok_and(|(w, _)| takes(w, int4));
     // Int4 pairs each gate strip of 16 rows with its up strip.
-    let pairs = !matches!(
-        fold_stack(&b.gate_up, &[c.ffn, c.ffn]),
-        Ok((DeviceWeight::Int4 { .. }, _))
-    ) || c.ffn.is_multiple_of(16);
-    widths
-        && b.qkv_bias.is_none()
-        && stack(&b.qkv, &[q_dim, kv_dim, kv_dim])
-        && stack(&b.gate_up, &[c.ffn, c.ffn])
-        && pairs
-        && takes(&b.wo, int4)
-        && takes(&b.down, int4)
+    let gate_up = fold_stack(&b.gate_up, &[c.ffn, c.ffn])
+        .is_ok_and(|(w, _)| takes(w, int4) && (!is_int4(w) || c.ffn.is_multiple_of(16)));
+    widths && b.qkv_bias.is_none() && qkv && gate_up && takes(&b.wo, int4) && takes(&b.down, int4)
 }
 
 impl GpuModel {
