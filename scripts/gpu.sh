@@ -439,31 +439,40 @@ int4)
     # leaves it out), then int4 decode
     # at CONC sequences (default 1,8) by the base build (`baseline` here)
     # and this tree's in turn, and this tree's again with the flags in ALSO
-    # (e.g. ALSO="--cuda-fold-int4 on") where set (carry .gpu,
+    # (e.g. ALSO="--cuda-fold-int4 on") where set; BASE=0 leaves out the
+    # base build (carry .gpu,
     # .gpu-bench/kiln.xz, .gpu-bench/kiln-base.xz). Fails if a test fails.
     prepare
     set +e
-    KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" | tail -4
-    failed=${PIPESTATUS[0]}
-    KILN_TEST_DEVICE=cuda timeout 100 .gpu/cuda_graphs --include-ignored --nocapture 2>&1 |
-        tee -a "$out/parity.log" | grep -E "against|vs float64|test result|panicked" | tail -16
-    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    # The engine's int4 test: folded steps against unfolded ones.
-    KILN_TEST_DEVICE=cuda timeout 100 .gpu/engine --include-ignored --nocapture folded_norms 2>&1 |
-        tee -a "$out/parity.log" | grep -E "row 35|test result|panicked" | tail -4
-    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    failed=0
+    # TESTS=0 leaves the tests out (for a second call on a warm machine
+    # that already ran them: one call's ten minutes hold three decode runs
+    # or the tests and two).
+    if [ "${TESTS:-1}" != 0 ]; then
+        KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" | tail -4
+        [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+        KILN_TEST_DEVICE=cuda timeout 100 .gpu/cuda_graphs --include-ignored --nocapture 2>&1 |
+            tee -a "$out/parity.log" | grep -E "against|vs float64|test result|panicked" | tail -16
+        [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+        # The engine's int4 test: folded steps against unfolded ones.
+        KILN_TEST_DEVICE=cuda timeout 100 .gpu/engine --include-ignored --nocapture folded_norms 2>&1 |
+            tee -a "$out/parity.log" | grep -E "row 35|test result|panicked" | tail -4
+        [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    fi
     if [ "${QUANTIZED:-1}" != 0 ]; then
         timeout 150 .gpu/cuda_bench quantized 2>&1 | tee "$out/bench.log" | grep -E "Int4|two launches|cold|device"
     fi
+    # Each run: a binary, then any flags for its bench.
     runs=(/tmp/kiln-base .gpu-bench/kiln)
     [ -n "${ALSO:-}" ] && runs+=(".gpu-bench/kiln $ALSO")
+    [ "${BASE:-1}" != 0 ] || runs=("${runs[@]:1}")
     for round in $(seq "${ROUNDS:-1}"); do
         for run in "${runs[@]}"; do
             echo "== round $round: $run" | tee -a "$out/ab.log"
-            # shellcheck disable=SC2086
-            timeout 300 $run bench --model synthetic:llama-3-8b --device cuda --weights int4 --kv fp8 \
-                --kv-memory 16GiB --concurrency "${CONC:-1,8}" --prompt-tokens 512 --gen-tokens 128 \
-                2>&1 | grep -v INFO | tee -a "$out/ab.log"
+            read -ra flags <<<"$run"
+            timeout 300 "${flags[0]}" bench "${flags[@]:1}" --model synthetic:llama-3-8b --device cuda \
+                --weights int4 --kv fp8 --kv-memory 16GiB --concurrency "${CONC:-1,8}" \
+                --prompt-tokens 512 --gen-tokens 128 2>&1 | grep -v INFO | tee -a "$out/ab.log"
             [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
         done
     done

@@ -78,7 +78,7 @@ pub struct EngineConfig {
     /// SiLU-and-multiply into their GEMVs (no norm or SiLU launches).
     pub cuda_fold: bool,
     /// On CUDA: with `cuda_fold`, steps of one token with int4 tiles fold
-    /// too (off by default until measured faster).
+    /// too.
     pub cuda_fold_int4: bool,
     /// On CUDA: sample (temperature, top-k, top-p) on the device with the
     /// request's own draws, instead of downloading logits.
@@ -114,7 +114,7 @@ impl Default for EngineConfig {
             cuda_graphs: true,
             cuda_pdl: true,
             cuda_fold: true,
-            cuda_fold_int4: false,
+            cuda_fold_int4: true,
             device_sampling: true,
             tensor_prefill: true,
             cuda_skinny: true,
