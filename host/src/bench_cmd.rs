@@ -98,11 +98,11 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         args.engine.kv_memory >> 20,
         args.prompt_tokens,
         args.gen_tokens,
-        args.engine.device,
+        config.device,
         bw.map_or("-".into(), |b| format!("{b:.0} GB/s")),
         rayon::current_num_threads()
     );
-    if matches!(args.engine.device, kiln_kernels::Device::Cuda(_)) {
+    if matches!(config.device, kiln_kernels::Device::Cuda(_)) {
         // Discarded runs first: a process loads its kernels at their first
         // launch and cuBLAS picks its algorithms at a shape's first GEMM,
         // which would land on the first row alone. One sequence (a lone
@@ -192,7 +192,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.plot {
         let title = format!(
             "kiln bench: {} | prompt {} | generate {} | {:?}",
-            args.model, args.prompt_tokens, args.gen_tokens, args.engine.device
+            args.model, args.prompt_tokens, args.gen_tokens, config.device
         );
         kiln_host::bench_plot::plot(&lines, &title, path)?;
         println!("plot: {}", path.display());

@@ -1,6 +1,8 @@
 //! The engine settings `run`, `bench` and `serve` share, as command-line
 //! arguments, and what they parse into.
 
+use kiln_host::serving::devices::DeviceSpec;
+
 /// Engine settings shared by `run`, `bench` and `serve`. The engine's A/B
 /// switches (`--cuda-graphs`, `--cuda-pdl`, `--cuda-fold`,
 /// `--device-sampling`, `--tensor-prefill`, `--cuda-skinny`,
@@ -18,15 +20,18 @@ pub(crate) struct EngineArgs {
     /// KV page format.
     #[arg(long, value_enum, default_value_t = KvArg::Fp8)]
     pub(crate) kv: KvArg,
-    /// KV memory budget (of each model): bytes, or with a unit (`512MiB`, `2GiB`).
+    /// KV memory budget (of each model on each device): bytes, or with a
+    /// unit (`512MiB`, `2GiB`).
     #[arg(long, default_value = "512MiB", value_parser = kiln_host::config::parse_size)]
     pub(crate) kv_memory: usize,
     /// Check KV page tags before each step.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     kv_integrity: OnOff,
-    /// Where the forward pass runs: `cpu`, `cuda` or `cuda:N`.
+    /// Where the forward pass runs: `cpu`, `cuda` or `cuda:N`; for `serve`
+    /// also several GPUs, `cuda:all` or a list such as `cuda:0,1` (each
+    /// runs --decode-pools pools of each model).
     #[arg(long, default_value = "cpu")]
-    pub(crate) device: kiln_kernels::Device,
+    pub(crate) device: DeviceSpec,
     /// Most sequences running at once [default: 64 on the CPU, 256 on CUDA].
     #[arg(long)]
     max_seqs: Option<usize>,
@@ -91,18 +96,43 @@ pub(crate) struct EngineArgs {
 }
 
 impl EngineArgs {
-    /// The engine settings; fails at once (before any model loads) when the
-    /// device cannot be used.
+    /// The engine settings of a command that runs one engine (`run`,
+    /// `bench`); fails at once (before any model loads) when the device
+    /// cannot be used or `--device` names several.
     pub(crate) fn config(&self) -> anyhow::Result<kiln_host::engine::EngineConfig> {
-        if let kiln_kernels::Device::Cuda(n) = self.device {
-            kiln_kernels::cuda::Gpu::probe(n)?;
+        let device = self.device.single().map_err(anyhow::Error::msg)?;
+        self.config_on(&[device])
+    }
+
+    /// The devices `--device` names (`cuda:all` counted) and the engine
+    /// settings of the first (`ServedModels::start_on` places each pool);
+    /// fails at once when any of them cannot be used.
+    pub(crate) fn devices(
+        &self,
+    ) -> anyhow::Result<(Vec<kiln_kernels::Device>, kiln_host::engine::EngineConfig)> {
+        let count = || kiln_kernels::cuda::Gpu::count().map_err(|e| e.to_string());
+        let devices = self.device.resolve(count).map_err(anyhow::Error::msg)?;
+        let config = self.config_on(&devices)?;
+        Ok((devices, config))
+    }
+
+    /// The settings for engines on `devices` (one or more, all probed).
+    fn config_on(
+        &self,
+        devices: &[kiln_kernels::Device],
+    ) -> anyhow::Result<kiln_host::engine::EngineConfig> {
+        for d in devices {
+            if let kiln_kernels::Device::Cuda(n) = *d {
+                kiln_kernels::cuda::Gpu::probe(n)?;
+            }
         }
+        let device = devices.first().copied().unwrap_or_default();
         anyhow::ensure!(
             matches!(self.prefill_warps, None | Some(4 | 8)),
             "--prefill-warps {}: a block of prefill attention takes 4 or 8 warps",
             self.prefill_warps.unwrap_or_default()
         );
-        let gpu = matches!(self.device, kiln_kernels::Device::Cuda(_));
+        let gpu = matches!(device, kiln_kernels::Device::Cuda(_));
         let scheduler = kiln_host::engine::SchedulerConfig {
             max_running: self.max_seqs.unwrap_or(if gpu { 256 } else { 64 }),
             max_tokens_per_step: self.step_tokens.unwrap_or(if gpu { 2048 } else { 256 }),
@@ -114,7 +144,7 @@ impl EngineArgs {
             kv_format: kv_format(self.kv),
             kv_memory: self.kv_memory,
             integrity: self.kv_integrity == OnOff::On,
-            device: self.device,
+            device,
             scheduler,
             cuda_graphs: self.cuda_graphs == OnOff::On,
             cuda_pdl: self.cuda_pdl == OnOff::On,

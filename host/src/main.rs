@@ -222,9 +222,9 @@ struct ServeArgs {
     /// Serve functions only, no models.
     #[arg(long, conflicts_with = "models", help_heading = "Models")]
     no_models: bool,
-    /// Decode pools per model; sessions stick to one by rendezvous hashing.
-    /// On the CPU each pool gets an equal share of the cores and of
-    /// --kv-memory.
+    /// Decode pools per model on each device; sessions stick to one by
+    /// rendezvous hashing. Each pool gets an equal share of its device's
+    /// --kv-memory, and on the CPU of the cores.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64), help_heading = "Models")]
     decode_pools: u32,
     /// Deadline of one model call, in seconds (guest calls are also bounded
@@ -283,7 +283,7 @@ fn model_backend(
             model::DEFAULT_MODEL.to_owned(),
         )]
     };
-    let config = args.engine.config()?;
+    let (devices, config) = args.engine.devices()?;
     let mut engines = Vec::new();
     for (name, spec) in specs {
         let source = model::resolve_model(&spec, &model::default_cache_dir())?;
@@ -291,8 +291,9 @@ fn model_backend(
         tracing::info!(model = %name, "loaded {} parameters", loaded.model.config.parameters());
         engines.push((loaded, config.clone()));
     }
-    Ok(Arc::new(kiln_host::serving::ServedModels::start(
+    Ok(Arc::new(kiln_host::serving::ServedModels::start_on(
         engines,
+        &devices,
         args.decode_pools as usize,
         metrics.engine.clone(),
     )?))

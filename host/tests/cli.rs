@@ -186,6 +186,19 @@ fn device_cuda_without_cuda_fails_with_a_clear_error() {
 }
 
 #[test]
+fn several_devices_are_for_serve_alone() {
+    for devices in ["cuda:all", "cuda:0,1"] {
+        let (ok, out) = kiln(&["bench", "--concurrency", "1", "--device", devices]);
+        assert!(
+            !ok && out.contains("runs one engine on one device"),
+            "{out}"
+        );
+    }
+    let (ok, out) = kiln(&["serve", "--device", "cuda:0,0"]);
+    assert!(!ok && out.contains("GPU 0 twice"), "{out}");
+}
+
+#[test]
 fn bench_draws_its_rows_into_a_png() {
     let dir = tempfile::tempdir().unwrap();
     let png = dir.path().join("bench.png");

@@ -11,12 +11,16 @@ use kiln_tests::{chat_ids, default_model};
 
 #[path = "gpu/api_features.rs"]
 mod api_features;
+#[path = "gpu/devices.rs"]
+mod devices;
 #[path = "gpu/kernels.rs"]
 mod kernels;
 #[path = "gpu/lanes.rs"]
 mod lanes;
 #[path = "gpu/memory.rs"]
 mod memory;
+#[path = "shared/pools.rs"]
+mod pools;
 
 /// Why each test here is ignored by default.
 const NEEDS_GPU: &str = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored";

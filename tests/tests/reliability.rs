@@ -7,37 +7,17 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use kiln_host::engine::{EngineConfig, Fault, SchedulerConfig};
-use kiln_host::metrics::{Metrics, PoolLabels};
+use kiln_host::metrics::Metrics;
 use kiln_host::model::DEFAULT_MODEL;
 use kiln_host::serving::ServedModels;
-use kiln_runtime::{AiError, Inference, Message, ModelCall, Params, Prompt, Role};
+use kiln_runtime::{AiError, Inference};
 use kiln_tests::{TestServer, default_model, error_of};
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// The default model's counter `family` for `pool`.
-fn pool_count(family: &Family<PoolLabels, Counter>, pool: usize) -> u64 {
-    let labels = PoolLabels {
-        model: DEFAULT_MODEL.into(),
-        pool: pool.to_string(),
-    };
-    family.get_or_create(&labels).get()
-}
-
-fn chat(content: &str, max_tokens: u32) -> ModelCall {
-    ModelCall {
-        tenant: "t".into(),
-        model: DEFAULT_MODEL.into(),
-        prompt: Prompt::Chat(vec![Message::text(Role::User, content)]),
-        params: Params {
-            max_tokens: Some(max_tokens),
-            temperature: Some(0.0),
-            ..Params::defaults()
-        },
-    }
-}
+#[path = "shared/pools.rs"]
+mod pools;
+use pools::{chat, pool_count};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_panic_fails_the_step_it_hit_and_replays_requests_still_waiting() {
@@ -97,52 +77,7 @@ async fn an_engine_panic_in_one_pool_leaves_the_other_pools_streams_running() {
     let served = Arc::new(
         ServedModels::start(vec![(default_model(), config)], 2, metrics.engine.clone()).unwrap(),
     );
-    let routed = |pool: usize| pool_count(&metrics.engine.pool_requests, pool);
-    let with_session = |content: &str, max_tokens: u32, session: &str| {
-        let mut r = chat(content, max_tokens);
-        r.params.session = Some(session.into());
-        r
-    };
-    // A session key for each pool, found by where one-token calls land.
-    let mut sessions: [Option<String>; 2] = [None, None];
-    for i in 0..64 {
-        let key = format!("s{i}");
-        let before = [routed(0), routed(1)];
-        served.call(with_session("Hi", 1, &key)).await.unwrap();
-        let pool = usize::from(routed(1) > before[1]);
-        sessions[pool].get_or_insert(key);
-        if sessions.iter().all(Option::is_some) {
-            break;
-        }
-    }
-    let [Some(calm), Some(failing)] = sessions else {
-        panic!("no session key reached both pools: {sessions:?}");
-    };
-    let mut stream = served
-        .stream(with_session("Count from 1 to 100.", 200, &calm))
-        .await
-        .unwrap();
-    assert!(stream.next().await.is_ok());
-    assert!(served.inject_panic(DEFAULT_MODEL, 1));
-    let hit = served.call(with_session("Say hi.", 4, &failing)).await;
-    assert!(
-        matches!(&hit, Err(AiError::Aborted(m)) if m.starts_with("engine_restarted")),
-        "{hit:?}"
-    );
-    // The other pool's stream runs on, to its end.
-    let mut later = 0;
-    loop {
-        match stream.next().await {
-            Ok(kiln_runtime::StreamEvent::Delta(_)) => later += 1,
-            Ok(kiln_runtime::StreamEvent::Done(_)) => break,
-            Err(e) => panic!("pool 0's stream failed: {e:?}"),
-        }
-    }
-    assert!(later > 1, "pool 0's stream had ended before pool 1 failed");
-    let after = served.call(with_session("Say hi.", 4, &failing)).await;
-    assert!(after.is_ok(), "{after:?}");
-    let restarts = |pool| pool_count(&metrics.engine.engine_restarts, pool);
-    assert_eq!((restarts(0), restarts(1)), (0, 1));
+    pools::one_pool_fails_alone(&served, &metrics).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,6 +6,7 @@
 //! Tenant policy is not checked here: [`policy::Gateway`] wraps this and
 //! checks it first in every call.
 
+pub mod devices;
 mod engine_thread;
 pub mod policy;
 pub mod router;
@@ -79,10 +80,23 @@ pub struct ServedModels {
 }
 
 impl ServedModels {
-    /// Starts `pools` decode pools per model, splitting each model's KV
-    /// memory and the machine's cores between them.
+    /// Starts `pools` decode pools per model on the device its config
+    /// names, splitting each model's KV memory and the machine's cores
+    /// between them.
     pub fn start(
         models: Vec<(Loaded, EngineConfig)>,
+        pools: usize,
+        metrics: EngineMetrics,
+    ) -> std::io::Result<Self> {
+        Self::start_on(models, &[], pools, metrics)
+    }
+
+    /// Starts `pools` decode pools per model on each of `devices` (none:
+    /// the config's own), each pool with its share of that device's KV
+    /// memory ([`devices::pool_configs`]); pools on the CPU share its cores.
+    pub fn start_on(
+        models: Vec<(Loaded, EngineConfig)>,
+        devices: &[kiln_kernels::Device],
         pools: usize,
         metrics: EngineMetrics,
     ) -> std::io::Result<Self> {
@@ -100,12 +114,9 @@ impl ServedModels {
                 id: loaded.name.clone(),
                 context_length: loaded.model.config.context_length as u32,
             };
-            let mut handles = Vec::with_capacity(pools);
-            for i in 0..pools {
-                let config = EngineConfig {
-                    kv_memory: config.kv_memory / pools,
-                    ..config.clone()
-                };
+            let configs = devices::pool_configs(&config, devices, pools);
+            let mut handles = Vec::with_capacity(configs.len());
+            for (i, config) in configs.into_iter().enumerate() {
                 handles.push(engine_thread::spawn(
                     loaded.clone(),
                     config,

@@ -205,16 +205,23 @@ impl Gpu {
     /// Checks, cheaply, that GPU `ordinal` can be opened (driver, NVRTC and
     /// the device are there) without compiling anything.
     pub fn probe(ordinal: usize) -> Result<(), KernelError> {
-        Self::check_libraries()?;
-        let count = std::panic::catch_unwind(CudaContext::device_count)
-            .map_err(|_| unavailable("the CUDA driver could not be initialized".into()))?
-            .map_err(cuda_err)?;
-        if ordinal as i32 >= count {
+        let count = Self::count()?;
+        if ordinal >= count {
             return Err(unavailable(format!(
                 "no CUDA device {ordinal}: this machine has {count}"
             )));
         }
         Ok(())
+    }
+
+    /// How many CUDA GPUs this machine has (an error where the driver or
+    /// NVRTC is missing), without opening any.
+    pub fn count() -> Result<usize, KernelError> {
+        Self::check_libraries()?;
+        let count = std::panic::catch_unwind(CudaContext::device_count)
+            .map_err(|_| unavailable("the CUDA driver could not be initialized".into()))?
+            .map_err(cuda_err)?;
+        Ok(count.max(0) as usize)
     }
 
     fn check_libraries() -> Result<(), KernelError> {
