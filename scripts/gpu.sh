@@ -21,7 +21,8 @@
 # `scripts/gpu.sh bench` runs only the last two, `scripts/gpu.sh shutdown`
 # checks SIGTERM under load (carry .gpu-bench), `scripts/gpu.sh int4` the
 # int4 kernels and int4 decode beside a base build, `scripts/gpu.sh
-# fp8-decode` FP8 rows' kernels and decode beside a base build.
+# fp8-decode` FP8 rows' kernels and decode beside a base build,
+# `scripts/gpu.sh gpus` decode pools across GPUs (two or more).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -343,6 +344,31 @@ pd)
             --pd "$pd" 2>&1 | grep -v INFO | tee -a "$out/pd.log"
     done
     [ -z "${PD_CLIENTS-64 256}" ] || pd_clients "${PD_CLIENTS-64 256}" off on
+    ;;
+gpus)
+    # Decode pools across GPUs (issue 22; a machine of two GPUs or more):
+    # the engine's two-GPU pool test, then output tok/s through the API at
+    # CLIENTS (default 256) with one pool on GPU 0 and one pool on each GPU
+    # (`--device cuda:all`), same call (carry .gpu, .gpu-bench/kiln.xz).
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    if [ ! -x .gpu-bench/kiln ]; then
+        xz -d -k .gpu-bench/kiln.xz && chmod +x .gpu-bench/kiln
+    fi
+    nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$out/gpu.txt"
+    set +e
+    KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --nocapture pools_on_two_gpus 2>&1 |
+        tee "$out/pools.log" | grep -E "SKIPPED|test result|panicked" | tail -4
+    failed=${PIPESTATUS[0]}
+    for device in cuda:0 cuda:all; do
+        echo "== --device $device" | tee -a "$out/gpus.log"
+        CLIENTS="${CLIENTS:-256}" DURATION_S="${DURATION_S:-25}" timeout 240 python3 scripts/clients.py \
+            .gpu-bench/kiln .gpu-bench/kiln big synthetic:llama-3-8b --device "$device" --kv fp8-static \
+            --kv-memory 24GiB 2>&1 | grep -v INFO | tee -a "$out/gpus.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    done
+    exit "$failed"
     ;;
 constrained)
     # Decode free and under an output format (JSON that never ends, so
