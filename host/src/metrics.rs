@@ -56,6 +56,17 @@ pub struct PoolLabels {
     pub pool: String,
 }
 
+/// Labels of one decode pool and the device it runs on.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolDeviceLabels {
+    /// The model.
+    pub model: String,
+    /// The pool's index.
+    pub pool: String,
+    /// `cpu` or `cuda:N`.
+    pub device: String,
+}
+
 /// Labels of a pool's step time.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StepTimeLabels {
@@ -131,6 +142,8 @@ pub struct EngineMetrics {
     pub integrity_aborts: Family<PoolLabels, Counter>,
     /// Requests routed to each pool.
     pub pool_requests: Family<PoolLabels, Counter>,
+    /// 1 for each pool, labelled with its device.
+    pub pool_device: Family<PoolDeviceLabels, Gauge>,
     /// Session requests that spilled from their saturated pool.
     pub pool_spills: Family<ModelLabels, Counter>,
     /// Tokens consumed, by tenant, model and kind.
@@ -158,6 +171,7 @@ impl Default for EngineMetrics {
             kv_pages: Family::default(),
             integrity_aborts: Family::default(),
             pool_requests: Family::default(),
+            pool_device: Family::default(),
             pool_spills: Family::default(),
             tokens: Family::default(),
             policy_rejections: Family::default(),
@@ -196,6 +210,11 @@ impl EngineMetrics {
             "pool_requests",
             "Model requests routed to each decode pool",
             self.pool_requests.clone(),
+        );
+        r.register(
+            "pool_device",
+            "1 for each decode pool, labelled with the device it runs on (cpu, cuda:N)",
+            self.pool_device.clone(),
         );
         r.register(
             "pool_spills",

@@ -107,6 +107,10 @@ async fn pools(s: &TestServer) -> [f64; 2] {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_requests_with_one_session_key_land_on_one_pool() {
     let s = TestServer::start_with_pools(2, |_| {}).await;
+    for pool in ["pool=\"0\"", "pool=\"1\""] {
+        let placed = ["kiln_pool_device{", pool, "device=\"cpu\""];
+        assert_eq!(s.metric(&placed).await, 1.0, "{pool} is on the CPU");
+    }
     let a = s.tenant("a").await;
     s.deploy(&a, "bad", "misbehave").await;
     // Ten through the API, ten through a function: the header is honoured

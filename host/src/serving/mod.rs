@@ -117,6 +117,12 @@ impl ServedModels {
             let configs = devices::pool_configs(&config, devices, pools);
             let mut handles = Vec::with_capacity(configs.len());
             for (i, config) in configs.into_iter().enumerate() {
+                let placed = crate::metrics::PoolDeviceLabels {
+                    model: info.id.clone(),
+                    pool: i.to_string(),
+                    device: config.device.name(),
+                };
+                metrics.pool_device.get_or_create(&placed).set(1);
                 handles.push(engine_thread::spawn(
                     loaded.clone(),
                     config,
