@@ -58,6 +58,8 @@ impl KvFormat {
     }
 }
 
+mod transfer;
+
 /// Shape of a layer's pages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvLayout {

@@ -69,3 +69,27 @@ pub fn staggered(e: &mut Engine, prompts: &[&str], arrivals: Arrivals) -> Vec<(V
         .map(|s| out.remove(s).unwrap_or((Vec::new(), Finish::Length)))
         .collect()
 }
+
+/// Steps `e` until `seq` has `n` more tokens or ends: those tokens, and
+/// how it ended if it did.
+pub fn tokens_of(
+    e: &mut Engine,
+    seq: kiln_host::engine::SeqId,
+    n: usize,
+) -> (Vec<u32>, Option<Finish>) {
+    let (mut tokens, mut end) = (Vec::new(), None);
+    while end.is_none() && tokens.len() < n && e.has_work() {
+        for ev in e.step().unwrap() {
+            match ev {
+                Event::Token {
+                    seq: s,
+                    token: Some(t),
+                    ..
+                } if s == seq => tokens.push(t),
+                Event::Finished { seq: s, finish, .. } if s == seq => end = Some(finish),
+                _ => {}
+            }
+        }
+    }
+    (tokens, end)
+}

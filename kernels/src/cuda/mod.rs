@@ -24,6 +24,7 @@ mod hadamard;
 mod int4;
 mod int4_fold;
 mod kv;
+mod kv_transfer;
 mod lane;
 mod launch;
 mod lt;

@@ -34,3 +34,47 @@ async fn pools_on_two_gpus_serve_their_sessions_and_fail_alone() {
     // Pool 0 runs on GPU 0 and pool 1 on GPU 1 (`pool_configs`).
     super::pools::one_pool_fails_alone(&served, &metrics).await;
 }
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn a_sequence_prefilled_by_one_gpu_engine_decodes_on_another_as_at_home() {
+    use kiln_host::engine::{GenerateParams, TenantId};
+    let device = super::device();
+    let engine = || {
+        super::engine_config(EngineConfig {
+            device,
+            ..Default::default()
+        })
+    };
+    let params = GenerateParams {
+        max_tokens: 12,
+        temperature: 0.0,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut home = engine();
+    let prompt = kiln_tests::chat_ids(&home, super::PROMPTS[3]);
+    let seq = home
+        .add(TenantId(3), prompt.clone(), params.clone())
+        .unwrap();
+    let want = kiln_tests::tokens_of(&mut home, seq, usize::MAX).0;
+    drop(home);
+    // Two engines on one GPU, as a prefill pool and a decode pool.
+    let (mut prefill, mut decode) = (engine(), engine());
+    let seq = prefill.add(TenantId(3), prompt, params).unwrap();
+    let first = kiln_tests::tokens_of(&mut prefill, seq, 1).0;
+    let start = std::time::Instant::now();
+    let moved = prefill.export(seq).unwrap();
+    let (pages, bytes) = (moved.pages(), moved.kv_bytes());
+    let there = decode.adopt(moved).unwrap();
+    let took = start.elapsed();
+    eprintln!(
+        "{}: moved {pages} pages ({bytes} bytes) in {:.0} us, {:.1} us a page (through the host)",
+        device.name(),
+        took.as_secs_f64() * 1e6,
+        took.as_secs_f64() * 1e6 / pages as f64
+    );
+    let rest = kiln_tests::tokens_of(&mut decode, there, usize::MAX).0;
+    assert_eq!([first, rest].concat(), want);
+    assert_eq!(decode.stats().integrity_aborts, 0);
+}

@@ -12,7 +12,7 @@
 use super::TenantId;
 use super::kv_manager::{KvCacheManager, SeqId};
 use super::prefix::PageHash;
-use super::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput, StepCaps};
+use super::scheduler::{Handoff, Scheduler, SchedulerConfig, SchedulerOutput, StepCaps};
 
 /// Decode steps a prefill step may span: the prefill lane leaves a page
 /// free for each stream whose next this many tokens start a new page.
@@ -91,6 +91,26 @@ impl Lanes {
                 self.handoffs += 1;
             }
         }
+    }
+
+    /// Takes `seq` out of whichever lane runs it, if only its next token
+    /// is left to compute (for another engine to decode).
+    pub fn release_ready(&mut self, seq: SeqId) -> Option<Handoff> {
+        for lane in std::iter::once(&mut self.prefill).chain(self.decode.as_mut()) {
+            if lane.ready_to_decode().contains(&seq) {
+                return lane.release(seq);
+            }
+        }
+        None
+    }
+
+    /// Runs a sequence whose prompt is computed: on the decode lane, or
+    /// the one lane.
+    pub fn adopt_running(&mut self, seq: SeqId, h: Handoff) {
+        self.decode
+            .as_mut()
+            .unwrap_or(&mut self.prefill)
+            .adopt(seq, h);
     }
 
     /// Whether there are two lanes.

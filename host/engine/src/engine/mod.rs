@@ -21,6 +21,7 @@ pub mod scheduler;
 mod step;
 pub mod step_budget;
 mod text;
+mod transfer;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -36,6 +37,7 @@ pub use prefix::{PageHash, Salt};
 pub use request::{Finish, GenerateParams, Logprob, TokenLogprobs};
 pub use samples::MAX_SAMPLES;
 pub use scheduler::SchedulerConfig;
+pub use transfer::SeqTransfer;
 
 use crate::model::{KvCache, Loaded, Reserve, Runner, RunnerOptions};
 use integrity::{IntegrityCheck, NoCheck, TagCheck};

@@ -22,6 +22,13 @@ pub(super) struct Waiting {
     rest: Vec<(SeqId, Request)>,
 }
 
+impl Waiting {
+    /// Whether these samples wait on `seq`'s prompt.
+    pub(super) fn waits_on(&self, seq: SeqId) -> bool {
+        self.leader == seq
+    }
+}
+
 impl Engine {
     /// Queues `n` (1 to [`MAX_SAMPLES`]) samples of `prompt` for `tenant`,
     /// salted as [`Engine::add_salted`], sharing the prompt's pages; their

@@ -16,6 +16,30 @@ pub struct Handoff {
     seq: Seq,
 }
 
+impl Handoff {
+    /// The sequence's tenant.
+    pub fn tenant(&self) -> TenantId {
+        self.seq.tenant
+    }
+
+    /// Tokens whose KV is computed.
+    pub fn computed(&self) -> usize {
+        self.seq.computed
+    }
+
+    /// Whether only its next token is left to compute (a decode).
+    pub fn ready_to_decode(&self) -> bool {
+        self.seq.len == self.seq.computed + 1
+    }
+
+    /// For another engine, whose steps count from their own start: the
+    /// sequence decodes there as one not yet decoded.
+    pub fn rebase(mut self) -> Self {
+        self.seq.decoded_at = 0;
+        self
+    }
+}
+
 impl Scheduler {
     /// Takes `seq` out of this scheduler (running or waiting) with its
     /// state, for another lane to adopt or requeue; `None` if it is not

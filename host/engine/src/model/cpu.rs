@@ -59,6 +59,45 @@ impl KvCache {
     pub fn page_bytes(config: &ModelConfig, format: KvFormat, page_size: usize) -> usize {
         layout(config, page_size).page_bytes(format) * config.layers
     }
+
+    /// `pages`' contents, each page's layers in turn (as a GPU's pages
+    /// give them, `GpuModel::read_kv_pages`).
+    pub fn read_pages(&self, pages: &[u32]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for &page in pages {
+            for layer in &self.layers {
+                layer.read_page(page as usize, &mut out);
+            }
+        }
+        out
+    }
+
+    /// Overwrites `pages` with what [`Self::read_pages`] gave for as many
+    /// pages of the same format and layout.
+    pub fn write_pages(&mut self, pages: &[u32], bytes: &[u8]) -> Result<(), String> {
+        let per_layer = self
+            .layers
+            .first()
+            .map_or(0, |l| l.layout().page_bytes(l.format()));
+        if bytes.len() != per_layer * self.layers.len() * pages.len() {
+            return Err(format!(
+                "{} bytes for {} pages of {} here",
+                bytes.len(),
+                pages.len(),
+                per_layer * self.layers.len()
+            ));
+        }
+        let mut chunks = bytes.chunks(per_layer.max(1));
+        for &page in pages {
+            for layer in &mut self.layers {
+                let chunk = chunks.next().unwrap_or_default();
+                layer
+                    .write_page(page as usize, chunk)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    }
 }
 
 fn layout(config: &ModelConfig, page_size: usize) -> KvLayout {

@@ -211,6 +211,27 @@ impl Runner {
         Ok(())
     }
 
+    /// `pages`' contents, each page's layers in turn, for another runner's
+    /// [`Self::write_pages`] (on a GPU through the host; call it with no
+    /// step in flight that writes them).
+    pub fn read_pages(&self, pages: &[u32]) -> Result<Vec<u8>, String> {
+        match &self.place {
+            Place::Cpu(kv) => Ok(kv.read_pages(pages)),
+            Place::Gpu(model, kv, _) => model.read_kv_pages(kv, pages).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Overwrites `pages` with another runner's [`Self::read_pages`] of as
+    /// many pages of the same format and layout.
+    pub fn write_pages(&mut self, pages: &[u32], bytes: &[u8]) -> Result<(), String> {
+        match &mut self.place {
+            Place::Cpu(kv) => kv.write_pages(pages, bytes),
+            Place::Gpu(model, kv, _) => {
+                (model.write_kv_pages(kv, pages, bytes)).map_err(|e| e.to_string())
+            }
+        }
+    }
+
     /// Steps that found new working buffers on a GPU (0 on the CPU).
     pub fn buffers_made(&self) -> u64 {
         match &self.place {

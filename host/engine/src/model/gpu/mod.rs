@@ -7,6 +7,7 @@
 
 mod fold;
 mod inputs;
+mod kv_io;
 mod lane;
 mod linear;
 mod ops;

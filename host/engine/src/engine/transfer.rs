@@ -1,0 +1,152 @@
+//! Moving a sequence between engines of one model (prefill on one GPU,
+//! decode on another: issue 22's disaggregation across devices). Once its
+//! prompt is computed, [`Engine::export`] takes the sequence out of its
+//! engine with its request, its scheduling state and its pages' contents,
+//! and frees its pages there; [`Engine::adopt`] gives it pages of the
+//! other engine's pool, tagged for its tenant by that pool as any page it
+//! hands out, writes their contents, and decodes it from the next step.
+//! The pages' contents travel through the host; a peer copy between two
+//! GPUs' pages is the next step (docs/architecture.md).
+
+use super::kv_manager::SeqId;
+use super::request::Request;
+use super::scheduler::Handoff;
+use super::{Engine, PAGE_SIZE, TenantId};
+
+/// What a moved sequence's pages are laid out as: the model and the bytes
+/// of a page across its layers (format, heads and page size in one).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct KvShape {
+    model: String,
+    page_bytes: usize,
+}
+
+/// A sequence whose prompt one engine computed, with its pages' contents,
+/// for another engine of the same model to decode: only [`Engine::export`]
+/// makes one.
+pub struct SeqTransfer {
+    handoff: Handoff,
+    request: Request,
+    pages: usize,
+    kv: Vec<u8>,
+    shape: KvShape,
+}
+
+impl std::fmt::Debug for SeqTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SeqTransfer")
+            .field("tenant", &self.handoff.tenant())
+            .field("tokens", &self.handoff.computed())
+            .field("pages", &self.pages)
+            .finish()
+    }
+}
+
+impl SeqTransfer {
+    /// The sequence's tenant.
+    pub fn tenant(&self) -> TenantId {
+        self.handoff.tenant()
+    }
+
+    /// Pages it carries.
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+
+    /// Bytes of KV it carries.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.len()
+    }
+}
+
+impl Engine {
+    fn kv_shape(&self) -> KvShape {
+        KvShape {
+            model: self.loaded.name.clone(),
+            page_bytes: self.page_bytes,
+        }
+    }
+
+    /// Takes `seq` out of this engine once only its next token is left to
+    /// compute, with its pages' contents; its pages here are freed (those
+    /// the prefix cache names stay cached). Fails, leaving it here, when it
+    /// is not such a sequence, is in a step in flight, or other samples
+    /// wait on its prompt.
+    pub fn export(&mut self, seq: SeqId) -> Result<SeqTransfer, String> {
+        // Between steps only the prefill lane's launched step (`--pd on`
+        // on a GPU) may still be computing.
+        if self.in_flight.iter().flatten().any(|s| s.seq == seq) {
+            return Err(format!("sequence {seq} is in a step in flight"));
+        }
+        if self.waiting.iter().any(|w| w.waits_on(seq)) {
+            return Err(format!("other samples wait on sequence {seq}'s prompt"));
+        }
+        let handoff = (self.lanes.release_ready(seq))
+            .ok_or_else(|| format!("sequence {seq} is not running with its prompt computed"))?;
+        let pages = handoff.computed().div_ceil(PAGE_SIZE);
+        let table: Vec<u32> = (self.kv.table(seq))
+            .map(|t| t.pages.iter().take(pages).copied().collect())
+            .unwrap_or_default();
+        let read = if table.len() == pages {
+            self.runner.read_pages(&table)
+        } else {
+            Err(format!(
+                "sequence {seq} holds {} of its {pages} pages",
+                table.len()
+            ))
+        };
+        let (kv, request) = match (read, self.requests.remove(&seq)) {
+            (Ok(kv), Some(request)) => (kv, request),
+            (read, request) => {
+                if let Some(r) = request {
+                    self.requests.insert(seq, r);
+                }
+                self.lanes.adopt_running(seq, handoff);
+                return Err(read
+                    .err()
+                    .unwrap_or(format!("sequence {seq} has no request")));
+            }
+        };
+        self.kv.free(seq);
+        Ok(SeqTransfer {
+            handoff: handoff.rebase(),
+            request,
+            pages,
+            kv,
+            shape: self.kv_shape(),
+        })
+    }
+
+    /// Takes a sequence another engine of the same model and KV format
+    /// exported: it gets pages of this pool (tagged for its tenant), their
+    /// contents, and decodes from the next step. Its id here.
+    pub fn adopt(&mut self, t: SeqTransfer) -> Result<SeqId, String> {
+        let here = self.kv_shape();
+        if t.shape != here {
+            return Err(format!(
+                "a sequence of {} with pages of {} bytes: this engine runs {} with pages of {}",
+                t.shape.model, t.shape.page_bytes, here.model, here.page_bytes
+            ));
+        }
+        let id = self.next_id;
+        let tokens = t.handoff.computed();
+        if tokens + 1 > self.max_len() || !self.kv.allocate(id, t.tenant(), tokens) {
+            return Err(format!(
+                "no room for a sequence of {tokens} tokens ({} pages; {} free)",
+                t.pages,
+                self.kv.num_free()
+            ));
+        }
+        let table: Vec<u32> = (self.kv.table(id))
+            .map(|b| b.pages.iter().take(t.pages).copied().collect())
+            .unwrap_or_default();
+        if let Err(e) = self.runner.write_pages(&table, &t.kv) {
+            self.kv.free(id);
+            return Err(e);
+        }
+        self.next_id += 1;
+        self.lanes.adopt_running(id, t.handoff);
+        self.requests.insert(id, t.request);
+        Ok(id)
+    }
+}

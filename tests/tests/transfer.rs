@@ -1,0 +1,90 @@
+//! A sequence moved between two engines of the default model once its
+//! prompt is computed (`Engine::export` / `Engine::adopt`, the engine's
+//! half of prefill on one GPU and decode on another): it decodes on the
+//! second engine the tokens it would have decoded on the first, on pages
+//! that engine tagged for its tenant, and each pool gets its pages back.
+
+use kiln_host::engine::{Engine, EngineConfig, Finish, GenerateParams, TenantId};
+use kiln_host::model::KvCache;
+use kiln_kernels::kv::KvFormat;
+use kiln_tests::{PROMPTS, chat_ids, default_model, tokens_of};
+
+fn engine(format: KvFormat, pd: bool) -> Engine {
+    let page = KvCache::page_bytes(&default_model().model.config, format, 16);
+    let config = EngineConfig {
+        kv_format: format,
+        kv_memory: 64 * page,
+        pd,
+        ..Default::default()
+    };
+    Engine::new(default_model(), config).expect("engine")
+}
+
+fn greedy(max_tokens: usize) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        temperature: 0.0,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_sequence_moved_after_its_prompt_decodes_the_tokens_it_would_have_at_home() {
+    for (format, pd) in [
+        (KvFormat::Fp8, false),
+        (KvFormat::Bf16, false),
+        (KvFormat::Fp8, true),
+    ] {
+        let mut home = engine(format, false);
+        let prompt = chat_ids(&home, PROMPTS[2]);
+        let at_home = home.add(TenantId(7), prompt.clone(), greedy(10)).unwrap();
+        let (want, end) = tokens_of(&mut home, at_home, usize::MAX);
+        assert_eq!((want.len(), end), (10, Some(Finish::Length)));
+
+        let (mut prefill, mut decode) = (engine(format, false), engine(format, pd));
+        let (free_p, free_d) = (prefill.free_pages(), decode.free_pages());
+        let seq = prefill
+            .add(TenantId(7), prompt.clone(), greedy(10))
+            .unwrap();
+        let (first, _) = tokens_of(&mut prefill, seq, 1);
+        let moved = prefill.export(seq).unwrap();
+        assert_eq!(moved.tenant(), TenantId(7));
+        assert_eq!(moved.pages(), prompt.len().div_ceil(16), "{moved:?}");
+        assert_eq!(
+            prefill.free_pages(),
+            free_p,
+            "the prefill pool has its pages back"
+        );
+        assert!(!prefill.has_work());
+
+        let there = decode.adopt(moved).unwrap();
+        let (rest, end) = tokens_of(&mut decode, there, usize::MAX);
+        assert_eq!(end, Some(Finish::Length), "{format:?} pd {pd}");
+        assert_eq!([first, rest].concat(), want, "{format:?} pd {pd}");
+        assert_eq!(decode.stats().integrity_aborts, 0);
+        assert_eq!(
+            decode.free_pages(),
+            free_d,
+            "the decode pool has its pages back"
+        );
+    }
+}
+
+#[test]
+fn only_a_computed_sequence_moves_and_only_to_pages_of_its_format() {
+    let mut a = engine(KvFormat::Fp8, false);
+    let prompt = chat_ids(&a, PROMPTS[0]);
+    let seq = a.add(TenantId(1), prompt, greedy(4)).unwrap();
+    let early = a.export(seq).unwrap_err();
+    assert!(
+        early.contains("not running with its prompt computed"),
+        "{early}"
+    );
+    tokens_of(&mut a, seq, 1);
+    let moved = a.export(seq).unwrap();
+    let mut bf16 = engine(KvFormat::Bf16, false);
+    let wrong = bf16.adopt(moved).unwrap_err();
+    assert!(wrong.contains("pages of"), "{wrong}");
+    assert!(!bf16.has_work());
+}
