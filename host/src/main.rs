@@ -227,6 +227,11 @@ struct ServeArgs {
     /// --kv-memory, and on the CPU of the cores.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64), help_heading = "Models")]
     decode_pools: u32,
+    /// A prefill pool on this device (`cpu`, `cuda:N`) computes every
+    /// prompt and hands each sequence, its KV pages copied, to the decode
+    /// pool its session picks (default: decode pools compute their own).
+    #[arg(long, value_name = "DEVICE", help_heading = "Models")]
+    prefill_device: Option<kiln_kernels::Device>,
     /// Deadline of one model call, in seconds (guest calls are also bounded
     /// by --wall-limit-s).
     #[arg(long, default_value_t = 120, help_heading = "Tenants and limits")]
@@ -291,10 +296,17 @@ fn model_backend(
         tracing::info!(model = %name, "loaded {} parameters", loaded.model.config.parameters());
         engines.push((loaded, config.clone()));
     }
+    if let Some(kiln_kernels::Device::Cuda(n)) = args.prefill_device {
+        kiln_kernels::cuda::Gpu::probe(n)?;
+    }
+    let placement = kiln_host::serving::devices::Placement {
+        devices,
+        pools: args.decode_pools as usize,
+        prefill: args.prefill_device,
+    };
     Ok(Arc::new(kiln_host::serving::ServedModels::start_on(
         engines,
-        &devices,
-        args.decode_pools as usize,
+        &placement,
         metrics.engine.clone(),
     )?))
 }
@@ -454,6 +466,19 @@ mod tests {
         // Still accepted.
         let args = ["kiln", "serve", "--cuda-graphs", "off", "--no-models"];
         assert!(super::Cli::try_parse_from(args).is_ok());
+        assert!(help.contains("--prefill-device"), "{help}");
+        let args = [
+            "kiln",
+            "serve",
+            "--prefill-device",
+            "cuda:1",
+            "--device",
+            "cuda:0",
+        ];
+        let super::Command::Serve(a) = super::Cli::try_parse_from(args).unwrap().command else {
+            panic!("not serve")
+        };
+        assert_eq!(a.prefill_device, Some(kiln_kernels::Device::Cuda(1)));
         // Sizes in one style, the older flags still taken.
         let sizes = [
             "--memory-limit",

@@ -142,6 +142,8 @@ pub struct EngineMetrics {
     pub integrity_aborts: Family<PoolLabels, Counter>,
     /// Requests routed to each pool.
     pub pool_requests: Family<PoolLabels, Counter>,
+    /// Sequences a prefill pool handed to a decode pool, by prefill pool.
+    pub transfers: Family<PoolLabels, Counter>,
     /// 1 for each pool, labelled with its device.
     pub pool_device: Family<PoolDeviceLabels, Gauge>,
     /// Session requests that spilled from their saturated pool.
@@ -172,6 +174,7 @@ impl Default for EngineMetrics {
             integrity_aborts: Family::default(),
             pool_requests: Family::default(),
             pool_device: Family::default(),
+            transfers: Family::default(),
             pool_spills: Family::default(),
             tokens: Family::default(),
             policy_rejections: Family::default(),
@@ -210,6 +213,11 @@ impl EngineMetrics {
             "pool_requests",
             "Model requests routed to each decode pool",
             self.pool_requests.clone(),
+        );
+        r.register(
+            "pool_transfers",
+            "Sequences a prefill pool handed to a decode pool once their prompts were computed",
+            self.transfers.clone(),
         );
         r.register(
             "pool_device",

@@ -108,30 +108,54 @@ impl DeviceSpec {
     }
 }
 
-/// The engine settings of each decode pool of a model set up by `config`:
-/// `per_device` pools on each of `devices` in turn, each with an equal
-/// share of the KV budget, which `config` gives each device.
-pub fn pool_configs(
-    config: &EngineConfig,
-    devices: &[Device],
-    per_device: usize,
-) -> Vec<EngineConfig> {
-    let per_device = per_device.max(1);
+/// Where a model's pools run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// The devices of its decode pools (none: its config's own).
+    pub devices: Vec<Device>,
+    /// Decode pools on each device (at least one).
+    pub pools: usize,
+    /// The device of a prefill pool, which computes every prompt and hands
+    /// each sequence on to the decode pool the router chose for it (none:
+    /// decode pools compute their own prompts).
+    pub prefill: Option<Device>,
+}
+
+impl Placement {
+    /// `pools` decode pools on the config's own device.
+    pub fn pools(pools: usize) -> Self {
+        Self {
+            pools,
+            ..Self::default()
+        }
+    }
+}
+
+/// The engine settings of each pool of a model set up by `config`:
+/// `placement.pools` decode pools on each of its devices in turn, each
+/// with an equal share of the KV budget, which `config` gives each device;
+/// then the prefill pool, if any, with its device's whole budget.
+pub fn pool_configs(config: &EngineConfig, placement: &Placement) -> Vec<EngineConfig> {
+    let per_device = placement.pools.max(1);
     let own = [config.device];
-    let devices = if devices.is_empty() {
-        &own[..]
-    } else {
-        devices
+    let devices = match placement.devices.as_slice() {
+        [] => &own[..],
+        d => d,
     };
     let pool = |&device| EngineConfig {
         device,
         kv_memory: config.kv_memory / per_device,
         ..config.clone()
     };
-    devices
-        .iter()
+    let prefill = placement.prefill.map(|device| EngineConfig {
+        device,
+        pd: false,
+        ..config.clone()
+    });
+    (devices.iter())
         .flat_map(|d| std::iter::repeat_n(d, per_device))
         .map(pool)
+        .chain(prefill)
         .collect()
 }
 
@@ -204,8 +228,12 @@ mod tests {
             kv_memory: 1 << 30,
             ..EngineConfig::default()
         };
-        let gpus = [Device::Cuda(0), Device::Cuda(1)];
-        let pools = pool_configs(&config, &gpus, 2);
+        let gpus = Placement {
+            devices: vec![Device::Cuda(0), Device::Cuda(1)],
+            pools: 2,
+            prefill: None,
+        };
+        let pools = pool_configs(&config, &gpus);
         let placed: Vec<_> = pools.iter().map(|c| (c.device, c.kv_memory)).collect();
         let half = 1 << 29;
         assert_eq!(
@@ -218,8 +246,35 @@ mod tests {
             ]
         );
         // No devices: the config's own, as one-device servers have it.
-        let own = pool_configs(&config, &[], 1);
+        let own = pool_configs(&config, &Placement::pools(1));
         assert_eq!(own.len(), 1);
         assert_eq!((own[0].device, own[0].kv_memory), (Device::Cpu, 1 << 30));
+    }
+
+    #[test]
+    fn a_prefill_pool_comes_last_with_its_devices_whole_budget() {
+        let config = EngineConfig {
+            kv_memory: 1 << 30,
+            pd: true,
+            ..EngineConfig::default()
+        };
+        let placement = Placement {
+            devices: vec![Device::Cuda(1)],
+            pools: 2,
+            prefill: Some(Device::Cuda(0)),
+        };
+        let pools = pool_configs(&config, &placement);
+        let placed: Vec<_> = pools
+            .iter()
+            .map(|c| (c.device, c.kv_memory, c.pd))
+            .collect();
+        assert_eq!(
+            placed,
+            [
+                (Device::Cuda(1), 1 << 29, true),
+                (Device::Cuda(1), 1 << 29, true),
+                (Device::Cuda(0), 1 << 30, false)
+            ]
+        );
     }
 }

@@ -58,6 +58,7 @@ impl PoolThread {
                         params,
                         outs: vec![live.out],
                         restarts: live.restarts + 1,
+                        then: live.then,
                     })));
                 }
                 _ => {
@@ -148,6 +149,11 @@ impl PoolThread {
                         self.load.fetch_sub(1, Ordering::Relaxed);
                     }
                 }
+                Msg::Adopt(a) => {
+                    let e = "the model's engine is restarting; retry shortly".to_owned();
+                    let _ = a.out.send(Out::Error(AiError::Overloaded(e)));
+                    self.load.fetch_sub(1, Ordering::Relaxed);
+                }
                 #[cfg(feature = "fault-injection")]
                 Msg::InjectFault(_) => {}
                 Msg::Close => closing = true,
@@ -160,11 +166,14 @@ impl PoolThread {
     pub(super) fn close(&mut self) {
         let e = || AiError::Aborted("the server is shutting down; retry the request".into());
         for msg in std::mem::take(&mut self.inbox) {
-            if let Msg::Submit(sub) = msg {
-                for out in sub.outs {
-                    let _ = out.send(Out::Error(e()));
-                    self.load.fetch_sub(1, Ordering::Relaxed);
-                }
+            let outs = match msg {
+                Msg::Submit(sub) => sub.outs,
+                Msg::Adopt(a) => vec![a.out],
+                _ => continue,
+            };
+            for out in outs {
+                let _ = out.send(Out::Error(e()));
+                self.load.fetch_sub(1, Ordering::Relaxed);
             }
         }
         for live in std::mem::take(&mut self.outs).into_values() {

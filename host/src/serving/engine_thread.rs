@@ -16,6 +16,8 @@ mod figures;
 use figures::StepCounters;
 #[path = "engine_restart.rs"]
 mod restart;
+#[path = "engine_transfer.rs"]
+mod transfer;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;
@@ -28,7 +30,8 @@ use tokio::sync::mpsc as tmpsc;
 
 use crate::engine::TenantId;
 use crate::engine::{
-    Engine, EngineConfig, Event, Finish, GenerateParams, PageHash, Salt, SeqId, TokenLogprobs,
+    Engine, EngineConfig, Event, Finish, GenerateParams, PageHash, Salt, SeqId, SeqTransfer,
+    TokenLogprobs,
 };
 use crate::metrics::{EngineMetrics, PoolPagesLabels};
 use crate::model::Loaded;
@@ -46,12 +49,35 @@ pub(super) struct Submit {
     pub(super) outs: Vec<tmpsc::UnboundedSender<Out>>,
     /// Engine failures the request has lived through (0 when new).
     pub(super) restarts: u32,
+    /// Sent to a prefill pool: the decode pool its sequences go to once
+    /// their prompts are computed.
+    pub(super) then: Option<Forward>,
+}
+
+/// Where a prefill pool hands a sequence on: a decode pool's channel and
+/// its count of requests.
+#[derive(Clone)]
+pub(super) struct Forward {
+    pub(super) tx: mpsc::Sender<Msg>,
+    pub(super) load: Arc<AtomicUsize>,
+}
+
+/// A sequence a prefill pool computed the prompt of, for a decode pool to
+/// run from its next token, with the request's channel.
+pub(super) struct Adopt {
+    transfer: SeqTransfer,
+    out: tmpsc::UnboundedSender<Out>,
+    tenant: Arc<str>,
+    weight: u32,
+    restarts: u32,
 }
 
 /// Messages to a pool's thread.
 pub(super) enum Msg {
     /// A new request.
     Submit(Box<Submit>),
+    /// A request whose prompt a prefill pool computed.
+    Adopt(Box<Adopt>),
     /// The server is shutting down: end every request and the thread, and
     /// free the engine's device state on this thread.
     Close,
@@ -98,6 +124,14 @@ impl PoolHandle {
         hashes.iter().take_while(|h| set.contains(h)).count()
     }
 
+    /// Where a prefill pool hands this pool its sequences.
+    pub(super) fn forward(&self) -> Forward {
+        Forward {
+            tx: self.tx.clone(),
+            load: self.load.clone(),
+        }
+    }
+
     /// Waits for the engine's thread to end (after [`Msg::Close`]).
     pub(super) fn join(&self) {
         let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -121,6 +155,11 @@ struct Live {
     replay: Option<(Salt, Vec<u32>, GenerateParams)>,
     /// Engine failures this request has lived through.
     restarts: u32,
+    /// In a prefill pool: the decode pool to hand the sequence to once it
+    /// has its first token.
+    then: Option<Forward>,
+    /// Whether it has sampled a token (its prompt is computed).
+    sampled: bool,
 }
 
 /// Everything the engine thread owns besides the engine.
@@ -282,6 +321,7 @@ impl PoolThread {
         while let Some(msg) = self.inbox.pop_front() {
             match msg {
                 Msg::Submit(sub) => self.admit(engine, *sub),
+                Msg::Adopt(a) => self.adopt(engine, *a),
                 #[cfg(feature = "fault-injection")]
                 Msg::InjectFault(f) => engine.inject_fault(f),
                 Msg::Close => {}
@@ -331,6 +371,8 @@ impl PoolThread {
                     weight: sub.weight,
                     replay: Some((sub.salt, sub.ids.clone(), params)),
                     restarts: sub.restarts,
+                    then: sub.then.clone(),
+                    sampled: false,
                 }
             })
             .collect();
@@ -375,15 +417,18 @@ impl PoolThread {
                     seq,
                     text,
                     logprobs,
-                    ..
-                } if !text.is_empty() || !logprobs.is_empty() => {
-                    if let Some(live) = self.outs.get_mut(&seq) {
+                    token,
+                } => {
+                    let Some(live) = self.outs.get_mut(&seq) else {
+                        continue;
+                    };
+                    live.sampled |= token.is_some();
+                    if !text.is_empty() || !logprobs.is_empty() {
                         live.replay = None;
                         let lp = logprobs.into_iter().map(token_logprob).collect();
                         let _ = live.out.send(Out::Text(text, lp));
                     }
                 }
-                Event::Token { .. } => {}
                 Event::Finished {
                     seq,
                     finish,
@@ -404,6 +449,7 @@ impl PoolThread {
                 }
             }
         }
+        self.hand_on(engine);
         Ok(())
     }
 }

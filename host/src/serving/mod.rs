@@ -65,7 +65,10 @@ fn figure(pools: &[PoolHandle], slot: usize) -> usize {
 struct Served {
     loaded: Arc<Loaded>,
     info: ModelInfo,
+    /// Its decode pools, then its prefill pool if it has one.
     pools: Vec<PoolHandle>,
+    /// How many of `pools` are decode pools.
+    decode: usize,
 }
 
 /// The models a server serves, by name.
@@ -88,19 +91,20 @@ impl ServedModels {
         pools: usize,
         metrics: EngineMetrics,
     ) -> std::io::Result<Self> {
-        Self::start_on(models, &[], pools, metrics)
+        Self::start_on(models, &devices::Placement::pools(pools), metrics)
     }
 
-    /// Starts `pools` decode pools per model on each of `devices` (none:
-    /// the config's own), each pool with its share of that device's KV
-    /// memory ([`devices::pool_configs`]); pools on the CPU share its cores.
+    /// Starts each model's pools where `placement` says
+    /// ([`devices::pool_configs`]): decode pools on each of its devices,
+    /// each with its share of that device's KV memory, and a prefill pool
+    /// if it names one; pools on the CPU share its cores.
     pub fn start_on(
         models: Vec<(Loaded, EngineConfig)>,
-        devices: &[kiln_kernels::Device],
-        pools: usize,
+        placement: &devices::Placement,
         metrics: EngineMetrics,
     ) -> std::io::Result<Self> {
-        let pools = pools.max(1);
+        let pools = placement.pools.max(1) * placement.devices.len().max(1)
+            + usize::from(placement.prefill.is_some());
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = if pools == 1 {
             0
@@ -114,7 +118,8 @@ impl ServedModels {
                 id: loaded.name.clone(),
                 context_length: loaded.model.config.context_length as u32,
             };
-            let configs = devices::pool_configs(&config, devices, pools);
+            let configs = devices::pool_configs(&config, placement);
+            let decode = configs.len() - usize::from(placement.prefill.is_some());
             let mut handles = Vec::with_capacity(configs.len());
             for (i, config) in configs.into_iter().enumerate() {
                 let placed = crate::metrics::PoolDeviceLabels {
@@ -138,6 +143,7 @@ impl ServedModels {
                     loaded,
                     info,
                     pools: handles,
+                    decode,
                 },
             );
         }
@@ -225,8 +231,7 @@ impl ServedModels {
             .map_err(|e| AiError::InvalidInput(e.to_string()))?;
         let salt = Salt::derive(&self.secret, model, tenant);
         let hashes = prefix::page_hashes(&salt, &ids, PAGE_SIZE);
-        let loads: Vec<PoolLoad> = served
-            .pools
+        let loads: Vec<PoolLoad> = served.pools[..served.decode]
             .iter()
             .map(|p| PoolLoad {
                 requests: p.load.load(Ordering::Relaxed),
@@ -244,7 +249,13 @@ impl ServedModels {
                 })
                 .inc();
         }
-        let pool = &served.pools[route.pool()];
+        // With a prefill pool, the chosen decode pool runs the request
+        // once the prefill pool has computed its prompt.
+        let decode = &served.pools[route.pool()];
+        let (pool, then) = match served.pools.get(served.decode) {
+            Some(prefill) => (prefill, Some(decode.forward())),
+            None => (decode, None),
+        };
         self.metrics
             .pool_requests
             .get_or_create(&PoolLabels {
@@ -269,6 +280,7 @@ impl ServedModels {
             params: generate,
             outs,
             restarts: 0,
+            then,
         })));
         if sent.is_err() {
             pool.load.fetch_sub(n, Ordering::Relaxed);

@@ -6,7 +6,7 @@
 use kiln_host::engine::EngineConfig;
 use kiln_host::metrics::Metrics;
 use kiln_host::serving::ServedModels;
-use kiln_host::serving::devices::DeviceSpec;
+use kiln_host::serving::devices::{DeviceSpec, Placement};
 use kiln_kernels::Device;
 use kiln_tests::default_model;
 
@@ -30,7 +30,12 @@ async fn pools_on_two_gpus_serve_their_sessions_and_fail_alone() {
     };
     let metrics = Metrics::default();
     let models = vec![(default_model(), config)];
-    let served = ServedModels::start_on(models, &gpus[..2], 1, metrics.engine.clone()).unwrap();
+    let placement = Placement {
+        devices: gpus[..2].to_vec(),
+        pools: 1,
+        prefill: None,
+    };
+    let served = ServedModels::start_on(models, &placement, metrics.engine.clone()).unwrap();
     // Pool 0 runs on GPU 0 and pool 1 on GPU 1 (`pool_configs`).
     super::pools::one_pool_fails_alone(&served, &metrics).await;
 }

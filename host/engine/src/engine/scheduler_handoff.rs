@@ -32,6 +32,12 @@ impl Handoff {
         self.seq.len == self.seq.computed + 1
     }
 
+    /// Gives the sequence to `tenant` (another engine numbers its tenants
+    /// its own way).
+    pub fn set_tenant(&mut self, tenant: TenantId) {
+        self.seq.tenant = tenant;
+    }
+
     /// For another engine, whose steps count from their own start: the
     /// sequence decodes there as one not yet decoded.
     pub fn rebase(mut self) -> Self {

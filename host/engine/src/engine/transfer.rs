@@ -48,6 +48,13 @@ impl SeqTransfer {
         self.handoff.tenant()
     }
 
+    /// Gives it to `tenant` as the adopting engine numbers its tenants
+    /// (each engine has its own numbering; the pages it gets there are
+    /// tagged for this one).
+    pub fn set_tenant(&mut self, tenant: TenantId) {
+        self.handoff.set_tenant(tenant);
+    }
+
     /// Pages it carries.
     pub fn pages(&self) -> usize {
         self.pages

@@ -1,0 +1,61 @@
+//! A prefill pool in front of decode pools (`kiln serve --prefill-device`):
+//! it computes every prompt and hands each sequence, its KV pages copied,
+//! to the decode pool the router chose; what the caller gets is what
+//! decode pools alone give.
+
+use kiln_host::engine::EngineConfig;
+use kiln_host::metrics::Metrics;
+use kiln_host::serving::ServedModels;
+use kiln_host::serving::devices::Placement;
+use kiln_kernels::Device;
+use kiln_runtime::Inference;
+use kiln_tests::{PROMPTS, default_model};
+
+#[path = "shared/pools.rs"]
+#[allow(dead_code)]
+mod pools;
+use pools::{chat, pool_count};
+
+/// Greedy completions of six prompts, each with its own session key.
+async fn answers(served: &ServedModels) -> Vec<(String, u32)> {
+    let mut out = Vec::new();
+    for (i, prompt) in PROMPTS[..6].iter().enumerate() {
+        let mut call = chat(prompt, 12);
+        call.params.session = Some(format!("s{i}"));
+        let done = served.call(call).await.unwrap();
+        out.push((done.text, done.usage.completion_tokens));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_pool_hands_every_request_on_and_the_answers_stay_the_same() {
+    let config = EngineConfig {
+        kv_memory: 64 << 20,
+        ..Default::default()
+    };
+    let alone = Metrics::default();
+    let served = ServedModels::start(
+        vec![(default_model(), config.clone())],
+        2,
+        alone.engine.clone(),
+    );
+    let want = answers(&served.unwrap()).await;
+    assert!(want.iter().all(|(_, n)| *n > 0), "{want:?}");
+
+    let metrics = Metrics::default();
+    let placement = Placement {
+        devices: vec![],
+        pools: 2,
+        prefill: Some(Device::Cpu),
+    };
+    let models = vec![(default_model(), config)];
+    let served = ServedModels::start_on(models, &placement, metrics.engine.clone()).unwrap();
+    assert_eq!(answers(&served).await, want);
+    // Pools 0 and 1 decode; pool 2 prefills and hands each request on.
+    let routed = [0, 1].map(|p| pool_count(&metrics.engine.pool_requests, p));
+    assert_eq!(routed.iter().sum::<u64>(), 6, "{routed:?}");
+    assert_eq!(pool_count(&metrics.engine.transfers, 2), 6);
+    let snapshot = served.snapshot(kiln_host::model::DEFAULT_MODEL).unwrap();
+    assert_eq!(snapshot.requests, 0, "every pool's count is back to 0");
+}
