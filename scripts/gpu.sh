@@ -348,8 +348,9 @@ pd)
 gpus)
     # Decode pools across GPUs (issue 22; a machine of two GPUs or more):
     # the engine's two-GPU pool test, then output tok/s through the API at
-    # CLIENTS (default 256) with one pool on GPU 0 and one pool on each GPU
-    # (`--device cuda:all`), same call (carry .gpu, .gpu-bench/kiln.xz).
+    # CLIENTS (default 256) with one pool on GPU 0, one pool on each GPU
+    # (`--device cuda:all`), and a prefill pool on GPU 0 handing on to a
+    # decode pool on GPU 1, same call (carry .gpu, .gpu-bench/kiln.xz).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
@@ -361,10 +362,11 @@ gpus)
     KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --nocapture pools_on_two_gpus 2>&1 |
         tee "$out/pools.log" | grep -E "SKIPPED|test result|panicked" | tail -4
     failed=${PIPESTATUS[0]}
-    for device in cuda:0 cuda:all; do
-        echo "== --device $device" | tee -a "$out/gpus.log"
+    for placed in "--device cuda:0" "--device cuda:all" "--device cuda:1 --prefill-device cuda:0"; do
+        echo "== $placed" | tee -a "$out/gpus.log"
+        # shellcheck disable=SC2086
         CLIENTS="${CLIENTS:-256}" DURATION_S="${DURATION_S:-25}" timeout 240 python3 scripts/clients.py \
-            .gpu-bench/kiln .gpu-bench/kiln big synthetic:llama-3-8b --device "$device" --kv fp8-static \
+            .gpu-bench/kiln .gpu-bench/kiln big synthetic:llama-3-8b $placed --kv fp8-static \
             --kv-memory 24GiB 2>&1 | grep -v INFO | tee -a "$out/gpus.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     done

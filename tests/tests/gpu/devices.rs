@@ -17,10 +17,8 @@ async fn pools_on_two_gpus_serve_their_sessions_and_fail_alone() {
     let count = || kiln_kernels::cuda::Gpu::count().map_err(|e| e.to_string());
     let gpus = DeviceSpec::AllCuda.resolve(count).unwrap();
     if gpus.len() < 2 {
-        eprintln!(
-            "SKIPPED: pools across GPUs need two GPUs; this machine has {}",
-            gpus.len()
-        );
+        let n = gpus.len();
+        eprintln!("SKIPPED: pools across GPUs need two GPUs; this machine has {n}");
         return;
     }
     let config = EngineConfig {
@@ -66,6 +64,7 @@ fn a_sequence_prefilled_by_one_gpu_engine_decodes_on_another_as_at_home() {
     drop(home);
     // Two engines on one GPU, as a prefill pool and a decode pool.
     let (mut prefill, mut decode) = (engine(), engine());
+    let prompt_len = prompt.len();
     let seq = prefill.add(TenantId(3), prompt, params).unwrap();
     let first = kiln_tests::tokens_of(&mut prefill, seq, 1).0;
     let start = std::time::Instant::now();
@@ -73,11 +72,13 @@ fn a_sequence_prefilled_by_one_gpu_engine_decodes_on_another_as_at_home() {
     let (pages, bytes) = (moved.pages(), moved.kv_bytes());
     let there = decode.adopt(moved).unwrap();
     let took = start.elapsed();
+    let us = took.as_secs_f64() * 1e6;
     eprintln!(
-        "{}: moved {pages} pages ({bytes} bytes) in {:.0} us, {:.1} us a page (through the host)",
+        "{}: moved {pages} pages ({bytes} bytes) in {us:.0} us: {:.1} us a page, {:.2} us a \
+         token (through the host)",
         device.name(),
-        took.as_secs_f64() * 1e6,
-        took.as_secs_f64() * 1e6 / pages as f64
+        us / pages as f64,
+        us / prompt_len as f64
     );
     let rest = kiln_tests::tokens_of(&mut decode, there, usize::MAX).0;
     assert_eq!([first, rest].concat(), want);
