@@ -289,15 +289,15 @@ fn model_backend(
         )]
     };
     let (devices, config) = args.engine.devices()?;
+    if let Some(kiln_kernels::Device::Cuda(n)) = args.prefill_device {
+        kiln_kernels::cuda::Gpu::probe(n)?;
+    }
     let mut engines = Vec::new();
     for (name, spec) in specs {
         let source = model::resolve_model(&spec, &model::default_cache_dir())?;
         let loaded = model::load_as(&name, &source, args.engine.weights)?;
         tracing::info!(model = %name, "loaded {} parameters", loaded.model.config.parameters());
         engines.push((loaded, config.clone()));
-    }
-    if let Some(kiln_kernels::Device::Cuda(n)) = args.prefill_device {
-        kiln_kernels::cuda::Gpu::probe(n)?;
     }
     let placement = kiln_host::serving::devices::Placement {
         devices,

@@ -221,7 +221,7 @@ impl EngineMetrics {
         );
         r.register(
             "pool_device",
-            "1 for each decode pool, labelled with the device it runs on (cpu, cuda:N)",
+            "1 for each pool (decode pools, then any prefill pool), labelled with its device (cpu, cuda:N)",
             self.pool_device.clone(),
         );
         r.register(

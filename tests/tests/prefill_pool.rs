@@ -59,3 +59,38 @@ async fn a_prefill_pool_hands_every_request_on_and_the_answers_stay_the_same() {
     let snapshot = served.snapshot(kiln_host::model::DEFAULT_MODEL).unwrap();
     assert_eq!(snapshot.requests, 0, "every pool's count is back to 0");
 }
+
+/// Greedy completions of four prompts sent at once.
+async fn at_once(served: &ServedModels) -> Vec<String> {
+    let calls = PROMPTS[..4].iter().map(|p| served.call(chat(p, 8)));
+    let done = futures::future::join_all(calls).await;
+    done.into_iter().map(|c| c.unwrap().text).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_decode_pool_takes_handed_on_requests_as_its_slots_free() {
+    // One running slot a pool: the prefill pool hands on each prompt as
+    // it computes it, while the decode pool's one slot is still busy.
+    let config = EngineConfig {
+        kv_memory: 64 << 20,
+        scheduler: kiln_host::engine::SchedulerConfig {
+            max_running: 1,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let metrics = Metrics::default();
+    let models = vec![(default_model(), config.clone())];
+    let want = at_once(&ServedModels::start(models, 1, metrics.engine.clone()).unwrap()).await;
+    let placement = Placement {
+        devices: vec![],
+        pools: 1,
+        prefill: Some(Device::Cpu),
+    };
+    let models = vec![(default_model(), config)];
+    let served = ServedModels::start_on(models, &placement, metrics.engine.clone()).unwrap();
+    assert_eq!(at_once(&served).await, want);
+    assert_eq!(pool_count(&metrics.engine.transfers, 1), 4);
+    let snapshot = served.snapshot(kiln_host::model::DEFAULT_MODEL).unwrap();
+    assert_eq!(snapshot.requests, 0, "every pool's count is back to 0");
+}

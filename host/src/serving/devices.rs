@@ -134,7 +134,8 @@ impl Placement {
 /// The engine settings of each pool of a model set up by `config`:
 /// `placement.pools` decode pools on each of its devices in turn, each
 /// with an equal share of the KV budget, which `config` gives each device;
-/// then the prefill pool, if any, with its device's whole budget.
+/// then the prefill pool, if any, with a decode pool's share (a sequence it
+/// computed then fits the decode pool it goes to).
 pub fn pool_configs(config: &EngineConfig, placement: &Placement) -> Vec<EngineConfig> {
     let per_device = placement.pools.max(1);
     let own = [config.device];
@@ -147,9 +148,12 @@ pub fn pool_configs(config: &EngineConfig, placement: &Placement) -> Vec<EngineC
         kv_memory: config.kv_memory / per_device,
         ..config.clone()
     };
+    // A decode pool's budget: what the prefill pool admits, a decode pool
+    // can hold.
     let prefill = placement.prefill.map(|device| EngineConfig {
         device,
         pd: false,
+        kv_memory: config.kv_memory / per_device,
         ..config.clone()
     });
     (devices.iter())
@@ -252,7 +256,7 @@ mod tests {
     }
 
     #[test]
-    fn a_prefill_pool_comes_last_with_its_devices_whole_budget() {
+    fn a_prefill_pool_comes_last_with_a_decode_pools_budget() {
         let config = EngineConfig {
             kv_memory: 1 << 30,
             pd: true,
@@ -273,7 +277,7 @@ mod tests {
             [
                 (Device::Cuda(1), 1 << 29, true),
                 (Device::Cuda(1), 1 << 29, true),
-                (Device::Cuda(0), 1 << 30, false)
+                (Device::Cuda(0), 1 << 29, false)
             ]
         );
     }

@@ -140,7 +140,9 @@ impl PoolThread {
                 }
             }
         }
-        for msg in std::mem::take(&mut self.inbox) {
+        let pending = std::mem::take(&mut self.pending).into_iter();
+        let handed = pending.map(|a| Msg::Adopt(Box::new(a)));
+        for msg in std::mem::take(&mut self.inbox).into_iter().chain(handed) {
             match msg {
                 Msg::Submit(sub) => {
                     let e = "the model's engine is restarting; retry shortly".to_owned();
@@ -165,7 +167,9 @@ impl PoolThread {
     /// Ends every request held or queued with a clean error.
     pub(super) fn close(&mut self) {
         let e = || AiError::Aborted("the server is shutting down; retry the request".into());
-        for msg in std::mem::take(&mut self.inbox) {
+        let pending = std::mem::take(&mut self.pending).into_iter();
+        let handed = pending.map(|a| Msg::Adopt(Box::new(a)));
+        for msg in std::mem::take(&mut self.inbox).into_iter().chain(handed) {
             let outs = match msg {
                 Msg::Submit(sub) => sub.outs,
                 Msg::Adopt(a) => vec![a.out],

@@ -184,6 +184,9 @@ struct PoolThread {
     /// Messages taken from the channel and not yet handled (a failure
     /// leaves the rest here for the rebuilt engine).
     inbox: VecDeque<Msg>,
+    /// In a decode pool: sequences from the prefill pool waiting for a
+    /// running slot and pages (`engine_transfer.rs`).
+    pending: VecDeque<Adopt>,
     /// The request being admitted (a `Live` per sample): a failure now is
     /// its doing.
     admitting: Vec<Live>,
@@ -244,6 +247,7 @@ pub(super) fn spawn(
         aborts_seen: 0,
         steps_seen: 0,
         inbox: VecDeque::new(),
+        pending: VecDeque::new(),
         admitting: Vec::new(),
         stepping: false,
     };
@@ -278,7 +282,7 @@ impl PoolThread {
     fn run(&mut self, mut engine: Engine, rx: mpsc::Receiver<Msg>) {
         loop {
             // Block for work when idle; otherwise take what has arrived.
-            if !engine.has_work() && self.inbox.is_empty() {
+            if !engine.has_work() && self.inbox.is_empty() && self.pending.is_empty() {
                 match rx.recv() {
                     Ok(msg) => self.inbox.push_back(msg),
                     // Every handle is gone: the server is shutting down.
@@ -321,7 +325,7 @@ impl PoolThread {
         while let Some(msg) = self.inbox.pop_front() {
             match msg {
                 Msg::Submit(sub) => self.admit(engine, *sub),
-                Msg::Adopt(a) => self.adopt(engine, *a),
+                Msg::Adopt(a) => self.pending.push_back(*a),
                 #[cfg(feature = "fault-injection")]
                 Msg::InjectFault(f) => engine.inject_fault(f),
                 Msg::Close => {}
@@ -337,6 +341,7 @@ impl PoolThread {
             engine.cancel(seq);
             self.leave(seq);
         }
+        self.adopt_pending(engine);
         if engine.has_work() {
             // Left set by a failure, for `restart` to read.
             self.stepping = true;

@@ -4,8 +4,10 @@
 //! (`Forward`); that pool's thread adopts it into its engine, on pages of
 //! its own pool tagged for the tenant, and streams the rest. A sequence
 //! its engine will not hand on (other samples wait on its prompt, say)
-//! stays and decodes where it is; one the decode pool cannot take fails
-//! with a clear error.
+//! stays and decodes where it is. A decode pool takes what it is handed
+//! as it would admit a request: while a running slot and the pages are
+//! free, the rest waiting in order; one it still cannot take fails with a
+//! clear error.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -45,13 +47,6 @@ impl PoolThread {
             else {
                 continue;
             };
-            self.metrics
-                .transfers
-                .get_or_create(&PoolLabels {
-                    model: self.model.clone(),
-                    pool: self.pool.clone(),
-                })
-                .inc();
             to.load.fetch_add(1, Ordering::Relaxed);
             let adopt = Adopt {
                 transfer,
@@ -60,19 +55,46 @@ impl PoolThread {
                 weight,
                 restarts,
             };
-            if let Err(mpsc_err) = to.tx.send(Msg::Adopt(Box::new(adopt))) {
-                to.load.fetch_sub(1, Ordering::Relaxed);
-                if let Msg::Adopt(a) = mpsc_err.0 {
-                    let e = AiError::RuntimeError("the decode pool has stopped".into());
-                    let _ = a.out.send(Out::Error(e));
+            match to.tx.send(Msg::Adopt(Box::new(adopt))) {
+                Ok(()) => {
+                    let labels = PoolLabels {
+                        model: self.model.clone(),
+                        pool: self.pool.clone(),
+                    };
+                    self.metrics.transfers.get_or_create(&labels).inc();
+                }
+                Err(mpsc_err) => {
+                    to.load.fetch_sub(1, Ordering::Relaxed);
+                    if let Msg::Adopt(a) = mpsc_err.0 {
+                        let e = AiError::RuntimeError("the decode pool has stopped".into());
+                        let _ = a.out.send(Out::Error(e));
+                    }
                 }
             }
         }
     }
 
-    /// In a decode pool: runs a sequence a prefill pool computed the
-    /// prompt of.
-    pub(super) fn adopt(&mut self, engine: &mut Engine, a: Adopt) {
+    /// In a decode pool: runs the sequences the prefill pool handed on, in
+    /// order, while a running slot and their pages are free (as admission
+    /// would ask of a new request); with nothing running, the first runs
+    /// or fails at once.
+    pub(super) fn adopt_pending(&mut self, engine: &mut Engine) {
+        while let Some(a) = self.pending.front() {
+            let room = engine.running() < self.config.scheduler.max_running
+                && engine.free_pages() > a.transfer.pages();
+            if !room && engine.running() > 0 {
+                break;
+            }
+            if let Some(a) = self.pending.pop_front() {
+                self.adopt(engine, a);
+            }
+        }
+    }
+
+    /// Runs one sequence the prefill pool computed the prompt of. Its
+    /// `Live` waits in `admitting` meanwhile, so a panic fails it as one
+    /// being admitted.
+    fn adopt(&mut self, engine: &mut Engine, a: Adopt) {
         let Adopt {
             mut transfer,
             out,
@@ -81,25 +103,29 @@ impl PoolThread {
             restarts,
         } = a;
         let id = self.tenant_id(&tenant);
+        self.admitting = vec![Live {
+            out,
+            tenant: Arc::clone(&tenant),
+            weight,
+            // Its first text may have gone out: it cannot replay.
+            replay: None,
+            restarts,
+            then: None,
+            sampled: true,
+        }];
         engine.set_tenant_weight(id, weight);
         transfer.set_tenant(id);
-        match engine.adopt(transfer) {
+        let adopted = engine.adopt(transfer);
+        let Some(live) = std::mem::take(&mut self.admitting).pop() else {
+            return;
+        };
+        match adopted {
             Ok(seq) => {
-                let live = Live {
-                    out,
-                    tenant: Arc::clone(&tenant),
-                    weight,
-                    // Its first text may have gone out: it cannot replay.
-                    replay: None,
-                    restarts,
-                    then: None,
-                    sampled: true,
-                };
                 self.outs.insert(seq, live);
             }
             Err(why) => {
                 let e = format!("the decode pool could not take the request: {why}; retry it");
-                let _ = out.send(Out::Error(AiError::Overloaded(e)));
+                let _ = live.out.send(Out::Error(AiError::Overloaded(e)));
                 self.load.fetch_sub(1, Ordering::Relaxed);
             }
         }
