@@ -28,6 +28,18 @@ async fn answers(served: &ServedModels) -> Vec<(String, u32)> {
     out
 }
 
+/// `pools` CPU decode pools of the default model behind a CPU prefill
+/// pool (pool `pools`), figures to `metrics`.
+fn with_prefill(config: EngineConfig, pools: usize, metrics: &Metrics) -> ServedModels {
+    let placement = Placement {
+        devices: vec![],
+        pools,
+        prefill: Some(Device::Cpu),
+    };
+    let models = vec![(default_model(), config)];
+    ServedModels::start_on(models, &placement, metrics.engine.clone()).unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_pool_hands_every_request_on_and_the_answers_stay_the_same() {
     let config = EngineConfig {
@@ -44,13 +56,7 @@ async fn a_prefill_pool_hands_every_request_on_and_the_answers_stay_the_same() {
     assert!(want.iter().all(|(_, n)| *n > 0), "{want:?}");
 
     let metrics = Metrics::default();
-    let placement = Placement {
-        devices: vec![],
-        pools: 2,
-        prefill: Some(Device::Cpu),
-    };
-    let models = vec![(default_model(), config)];
-    let served = ServedModels::start_on(models, &placement, metrics.engine.clone()).unwrap();
+    let served = with_prefill(config, 2, &metrics);
     assert_eq!(answers(&served).await, want);
     // Pools 0 and 1 decode; pool 2 prefills and hands each request on.
     let routed = [0, 1].map(|p| pool_count(&metrics.engine.pool_requests, p));
@@ -82,13 +88,7 @@ async fn a_full_decode_pool_takes_handed_on_requests_as_its_slots_free() {
     let metrics = Metrics::default();
     let models = vec![(default_model(), config.clone())];
     let want = at_once(&ServedModels::start(models, 1, metrics.engine.clone()).unwrap()).await;
-    let placement = Placement {
-        devices: vec![],
-        pools: 1,
-        prefill: Some(Device::Cpu),
-    };
-    let models = vec![(default_model(), config)];
-    let served = ServedModels::start_on(models, &placement, metrics.engine.clone()).unwrap();
+    let served = with_prefill(config, 1, &metrics);
     assert_eq!(at_once(&served).await, want);
     assert_eq!(pool_count(&metrics.engine.transfers, 1), 4);
     let snapshot = served.snapshot(kiln_host::model::DEFAULT_MODEL).unwrap();

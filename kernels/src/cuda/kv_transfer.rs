@@ -6,30 +6,13 @@
 use super::Gpu;
 use super::kv::PagedKv;
 use crate::KernelError;
-use crate::kv::KvFormat;
 
 type R<T = ()> = Result<T, KernelError>;
-
-/// Element and scale ranges of page `page` of `kv`.
-fn page_ranges(kv: &PagedKv, page: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
-    let l = kv.layout;
-    let vectors = l.page_size * l.kv_heads;
-    let elems = vectors * l.head_dim * kv.format.elem_bytes();
-    let scales = if kv.format == KvFormat::Fp8 {
-        vectors
-    } else {
-        0
-    };
-    (
-        page * elems..(page + 1) * elems,
-        page * scales..(page + 1) * scales,
-    )
-}
 
 impl Gpu {
     /// Appends page `page` of `kv` to `out` (waits for the stream).
     pub fn read_kv_page(&self, kv: &PagedKv, page: usize, out: &mut Vec<u8>) -> R {
-        let (e, s) = page_ranges(kv, page);
+        let (e, s) = kv.layout.page_ranges(kv.format, page);
         out.extend(self.download_range(&kv.k, e.clone())?);
         out.extend(self.download_range(&kv.v, e)?);
         for scales in [&kv.k_scale, &kv.v_scale]
@@ -46,7 +29,7 @@ impl Gpu {
     /// `KvPages::read_page`) gave for pages of the same format and layout.
     pub fn write_kv_page(&self, kv: &mut PagedKv, page: usize, bytes: &[u8]) -> R {
         let want = kv.layout.page_bytes(kv.format);
-        let (e, s) = page_ranges(kv, page);
+        let (e, s) = kv.layout.page_ranges(kv.format, page);
         if bytes.len() != want || e.end > kv.k.len() {
             return Err(KernelError::Shape(format!(
                 "a page of {} bytes into page {page}: pages here take {want}",

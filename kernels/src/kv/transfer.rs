@@ -2,23 +2,29 @@
 //! engine's pages (prefill on one device, decode on another): K, then V,
 //! then (fp8 pages) the K and V scales, [`KvLayout::page_bytes`] in all.
 
-use super::{KvFormat, KvPages};
+use std::ops::Range;
+
+use super::{KvFormat, KvLayout, KvPages};
 use crate::KernelError;
 
-impl KvPages {
-    /// The element and scale ranges of page `page`.
-    fn page_ranges(&self, page: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
-        let vectors = self.layout.page_size * self.layout.kv_heads;
-        let elems = vectors * self.layout.head_dim * self.format.elem_bytes();
-        let scales = if self.format == KvFormat::Fp8 {
-            vectors
-        } else {
-            0
-        };
+impl KvLayout {
+    /// Where page `page` of a layer in `format` lies: its range of K (and
+    /// of V) bytes, and its range of K (and of V) scales (empty but for
+    /// fp8 pages). The host's pages and the device's share it.
+    pub fn page_ranges(&self, format: KvFormat, page: usize) -> (Range<usize>, Range<usize>) {
+        let vectors = self.page_size * self.kv_heads;
+        let elems = vectors * self.head_dim * format.elem_bytes();
+        let scales = if format == KvFormat::Fp8 { vectors } else { 0 };
         (
             page * elems..(page + 1) * elems,
             page * scales..(page + 1) * scales,
         )
+    }
+}
+
+impl KvPages {
+    fn page_ranges(&self, page: usize) -> (Range<usize>, Range<usize>) {
+        self.layout.page_ranges(self.format, page)
     }
 
     /// Appends page `page`'s contents to `out`.

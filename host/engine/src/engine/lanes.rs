@@ -97,7 +97,7 @@ impl Lanes {
     /// is left to compute (for another engine to decode).
     pub fn release_ready(&mut self, seq: SeqId) -> Option<Handoff> {
         for lane in std::iter::once(&mut self.prefill).chain(self.decode.as_mut()) {
-            if lane.ready_to_decode().contains(&seq) {
+            if lane.runs_ready(seq) {
                 return lane.release(seq);
             }
         }

@@ -27,11 +27,6 @@ impl Handoff {
         self.seq.computed
     }
 
-    /// Whether only its next token is left to compute (a decode).
-    pub fn ready_to_decode(&self) -> bool {
-        self.seq.len == self.seq.computed + 1
-    }
-
     /// Gives the sequence to `tenant` (another engine numbers its tenants
     /// its own way).
     pub fn set_tenant(&mut self, tenant: TenantId) {
@@ -75,6 +70,11 @@ impl Scheduler {
         let tenant = h.seq.tenant;
         self.seqs.insert(seq, h.seq);
         self.waiting.entry(tenant).or_default().push_front(seq);
+    }
+
+    /// Whether `seq` runs here with only its next token left to compute.
+    pub fn runs_ready(&self, seq: SeqId) -> bool {
+        self.remaining(seq) == 1 && self.running.contains(&seq)
     }
 
     /// Running sequences whose next token is a decode (their prompt

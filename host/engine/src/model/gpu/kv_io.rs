@@ -24,19 +24,20 @@ impl GpuModel {
             .layers
             .first()
             .map_or(0, |l| l.layout.page_bytes(l.format));
+        if bytes.len() != per_layer * kv.layers.len() * pages.len() {
+            return Err(kiln_kernels::KernelError::Shape(format!(
+                "{} bytes for {} pages of {} here",
+                bytes.len(),
+                pages.len(),
+                per_layer * kv.layers.len()
+            )));
+        }
         let mut chunks = bytes.chunks(per_layer.max(1));
         for &page in pages {
             for layer in &mut kv.layers {
                 let chunk = chunks.next().unwrap_or_default();
                 self.gpu.write_kv_page(layer, page as usize, chunk)?;
             }
-        }
-        if chunks.next().is_some() {
-            return Err(kiln_kernels::KernelError::Shape(format!(
-                "{} bytes for {} pages: more than they hold",
-                bytes.len(),
-                pages.len()
-            )));
         }
         self.gpu.synchronize()
     }
