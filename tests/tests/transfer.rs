@@ -88,3 +88,24 @@ fn only_a_computed_sequence_moves_and_only_to_pages_of_its_format() {
     assert!(wrong.contains("pages of"), "{wrong}");
     assert!(!bf16.has_work());
 }
+
+#[test]
+fn the_next_sequence_adopted_is_of_the_tenant_running_fewest_there() {
+    let (a, b) = (TenantId(1), TenantId(2));
+    let mut prefill = engine(KvFormat::Fp8, false);
+    let mut decode = engine(KvFormat::Fp8, false);
+    let prompt = chat_ids(&prefill, PROMPTS[0]);
+    for _ in 0..2 {
+        let seq = prefill.add(a, prompt.clone(), greedy(8)).unwrap();
+        tokens_of(&mut prefill, seq, 1);
+        decode.adopt(prefill.export(seq).unwrap()).unwrap();
+    }
+    // a runs two there, b none: b's sequence goes first though it came last.
+    assert_eq!(decode.next_to_adopt(&[(a, 1), (a, 1), (b, 1)]), Some(2));
+    // Weighted 3, a's two running are under b's one in share.
+    let seq = prefill.add(b, prompt, greedy(8)).unwrap();
+    tokens_of(&mut prefill, seq, 1);
+    decode.adopt(prefill.export(seq).unwrap()).unwrap();
+    assert_eq!(decode.next_to_adopt(&[(b, 1), (a, 3)]), Some(1));
+    assert_eq!(decode.next_to_adopt(&[(b, 1), (a, 1)]), Some(0));
+}

@@ -6,8 +6,8 @@
 //! its engine will not hand on (other samples wait on its prompt, say)
 //! stays and decodes where it is. A decode pool takes what it is handed
 //! as it would admit a request: while a running slot and the pages are
-//! free, the rest waiting in order; one it still cannot take fails with a
-//! clear error.
+//! free, the rest waiting, fairly among tenants; one it still cannot take
+//! fails with a clear error.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 use kiln_runtime::AiError;
 
 use super::{Adopt, Live, Msg, Out, PoolThread};
-use crate::engine::{Engine, SeqId};
+use crate::engine::{Engine, SeqId, TenantId};
 use crate::metrics::PoolLabels;
 
 impl PoolThread {
@@ -74,18 +74,28 @@ impl PoolThread {
         }
     }
 
-    /// In a decode pool: runs the sequences the prefill pool handed on, in
-    /// order, while a running slot and their pages are free (as admission
-    /// would ask of a new request); with nothing running, the first runs
-    /// or fails at once.
+    /// In a decode pool: runs the sequences the prefill pool handed on
+    /// while a running slot and their pages are free (as admission would
+    /// ask of a new request), the next always of the tenant running the
+    /// fewest here for its weight (in order within a tenant); with nothing
+    /// running, that one runs or fails at once.
     pub(super) fn adopt_pending(&mut self, engine: &mut Engine) {
-        while let Some(a) = self.pending.front() {
+        loop {
+            let tenants: Vec<(Arc<str>, u32)> = (self.pending.iter())
+                .map(|a| (Arc::clone(&a.tenant), a.weight))
+                .collect();
+            let waiting: Vec<(TenantId, u32)> = (tenants.iter())
+                .map(|(t, w)| (self.tenant_id(t), *w))
+                .collect();
+            let Some(next) = engine.next_to_adopt(&waiting) else {
+                return;
+            };
             let room = engine.running() < self.config.scheduler.max_running
-                && engine.free_pages() > a.transfer.pages();
+                && engine.free_pages() > self.pending[next].transfer.pages();
             if !room && engine.running() > 0 {
-                break;
+                return;
             }
-            if let Some(a) = self.pending.pop_front() {
+            if let Some(a) = self.pending.remove(next) {
                 self.adopt(engine, a);
             }
         }

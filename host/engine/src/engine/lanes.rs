@@ -161,6 +161,15 @@ impl Lanes {
         self.all().map(Scheduler::running).sum()
     }
 
+    /// Sequences running on every lane, by tenant.
+    pub fn running_by_tenant(&self) -> std::collections::HashMap<TenantId, usize> {
+        let mut by = std::collections::HashMap::new();
+        for (tenant, n) in self.all().flat_map(Scheduler::running_by_tenant) {
+            *by.entry(tenant).or_insert(0) += n;
+        }
+        by
+    }
+
     /// Whether nothing waits or runs on any lane.
     pub fn is_empty(&self) -> bool {
         self.all().all(Scheduler::is_empty)

@@ -156,4 +156,61 @@ impl Engine {
         self.requests.insert(id, t.request);
         Ok(id)
     }
+
+    /// Of sequences waiting to be adopted (each given as its tenant here
+    /// and that tenant's share weight, in arrival order), the one to adopt
+    /// next: the first of the tenant running the fewest sequences here for
+    /// its weight, so a tenant's burst handed on at once takes running
+    /// slots as admission would give them, not ahead of other tenants.
+    pub fn next_to_adopt(&self, waiting: &[(TenantId, u32)]) -> Option<usize> {
+        let running = self.lanes.running_by_tenant();
+        fairest(waiting, |t| running.get(&t).copied().unwrap_or(0))
+    }
+}
+
+/// The first entry of the tenant with the fewest `running` per weight
+/// (ties to the earliest).
+fn fairest(waiting: &[(TenantId, u32)], running: impl Fn(TenantId) -> usize) -> Option<usize> {
+    let load = |(t, w): (TenantId, u32)| (running(t) as u128, u128::from(w.max(1)));
+    let mut best: Option<(usize, (u128, u128))> = None;
+    for (i, entry) in waiting.iter().enumerate() {
+        let (r, w) = load(*entry);
+        // r / w < br / bw without division.
+        if best.is_none_or(|(_, (br, bw))| r * bw < br * w) {
+            best = Some((i, (r, w)));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tenant_running_fewest_is_adopted_first() {
+        let (a, b) = (TenantId(0), TenantId(1));
+        let running = |t: TenantId| if t == a { 3 } else { 1 };
+        assert_eq!(fairest(&[(a, 1), (a, 1), (b, 1)], running), Some(2));
+        assert_eq!(fairest(&[(b, 1), (a, 1)], running), Some(0));
+    }
+
+    #[test]
+    fn ties_and_a_lone_tenant_keep_arrival_order() {
+        let (a, b) = (TenantId(0), TenantId(1));
+        assert_eq!(fairest(&[(a, 1), (b, 1)], |_| 2), Some(0));
+        assert_eq!(fairest(&[(a, 1), (a, 1)], |_| 5), Some(0));
+        assert_eq!(fairest(&[], |_| 0), None);
+    }
+
+    #[test]
+    fn a_heavier_tenant_may_run_more_before_yielding() {
+        let (a, b) = (TenantId(0), TenantId(1));
+        // a (weight 3) runs 2, b (weight 1) runs 1: 2/3 < 1/1, so a first.
+        let running = |t: TenantId| if t == a { 2 } else { 1 };
+        assert_eq!(fairest(&[(b, 1), (a, 3)], running), Some(1));
+        // a at 3/3 ties b at 1/1: arrival order.
+        let running = |t: TenantId| if t == a { 3 } else { 1 };
+        assert_eq!(fairest(&[(b, 1), (a, 3)], running), Some(0));
+    }
 }
