@@ -93,6 +93,12 @@ pub(crate) struct EngineArgs {
     /// lanes at its first token, its pages staying where they are).
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     pd: OnOff,
+    /// Split the model over N tensor-parallel ranks: each holds 1/N of the
+    /// heads and of the MLP, and KV pages of its own KV heads. On the CPU
+    /// the ranks run in lockstep in one process (the reference for ranks
+    /// on several GPUs, which are not built yet).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    tensor_parallel: u16,
 }
 
 impl EngineArgs {
@@ -133,6 +139,12 @@ impl EngineArgs {
             self.prefill_warps.unwrap_or_default()
         );
         let gpu = matches!(device, kiln_kernels::Device::Cuda(_));
+        anyhow::ensure!(
+            !gpu || self.tensor_parallel == 1,
+            "--tensor-parallel {}: ranks on several GPUs are not built yet; \
+             split the model on the CPU (--device cpu) or run it whole",
+            self.tensor_parallel
+        );
         let scheduler = kiln_host::engine::SchedulerConfig {
             max_running: self.max_seqs.unwrap_or(if gpu { 256 } else { 64 }),
             max_tokens_per_step: self.step_tokens.unwrap_or(if gpu { 2048 } else { 256 }),
@@ -157,6 +169,7 @@ impl EngineArgs {
             prefill_warps: self.prefill_warps,
             cuda_bf16_mlp: self.cuda_bf16_mlp == OnOff::On,
             pd: self.pd == OnOff::On,
+            tensor_parallel: usize::from(self.tensor_parallel),
         })
     }
 }

@@ -153,6 +153,40 @@ fn run_prints_one_json_object_with_the_generation() {
 }
 
 #[test]
+fn run_splits_the_model_over_tensor_parallel_ranks_or_says_why_not() {
+    let args = |ranks: &str| {
+        Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["run", "--prompt", "What is the capital of France?"])
+            .args(["--chat", "--temperature", "0", "--max-tokens", "8"])
+            .args(["--kv", "bf16", "--kv-memory", "64MiB", "--json"])
+            .args(["--tensor-parallel", ranks])
+            .output()
+            .expect("running kiln run")
+    };
+    let text = |ranks: &str| {
+        let out = args(ranks);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["text"].as_str().unwrap().to_owned()
+    };
+    let split = text("3");
+    assert!(split.contains("Paris"), "{split}");
+    assert_eq!(split, text("1"));
+    let out = args("2");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("9 query heads"),
+        "{err}"
+    );
+    let (ok, err) = kiln(&["run", "--prompt", "x", "--tensor-parallel", "0"]);
+    assert!(!ok && err.contains("tensor-parallel"), "{err}");
+}
+
+#[test]
 fn bad_sizes_and_missing_models_are_clear_errors() {
     let (ok, text) = kiln(&["run", "--prompt", "x", "--kv-memory", "12 parsecs"]);
     assert!(!ok && text.contains("size unit"), "{text}");

@@ -28,6 +28,9 @@ enum Store {
     F32(Vec<f32>),
 }
 
+#[path = "matmul_slice.rs"]
+mod slice;
+
 /// Rows each parallel task handles.
 const ROW_CHUNK: usize = 16;
 
@@ -300,26 +303,39 @@ mod tests {
     use crate::quant::quantize_rows;
     use rand::{Rng, SeedableRng};
 
+    /// Every weight format.
+    pub(super) const EVERY: [DType; 9] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Int4G128,
+        DType::Int4G64,
+        DType::Fp8Row,
+    ];
+
+    /// The same random `rows x cols` matrix in every format.
+    pub(super) fn every_weight(
+        rng: &mut impl Rng,
+        rows: usize,
+        cols: usize,
+    ) -> impl Iterator<Item = (DType, Weight)> {
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        EVERY.into_iter().map(move |dtype| {
+            let bytes = quantize_rows(dtype, cols, &values);
+            (dtype, Weight::from_bytes(dtype, rows, cols, bytes).unwrap())
+        })
+    }
+
     #[test]
     fn matmul_matches_reference_for_every_dtype_and_batch() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         let (rows, cols) = (70, 384);
-        let values: Vec<f32> = (0..rows * cols)
-            .map(|_| rng.random_range(-1.0..1.0))
-            .collect();
-        for dtype in [
-            DType::F32,
-            DType::F16,
-            DType::BF16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::Int4G128,
-            DType::Int4G64,
-            DType::Fp8Row,
-        ] {
-            let w =
-                Weight::from_bytes(dtype, rows, cols, quantize_rows(dtype, cols, &values)).unwrap();
+        for (dtype, w) in every_weight(&mut rng, rows, cols).collect::<Vec<_>>() {
             for n in [1, 3, 5] {
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
                 let mut out = vec![f32::NAN; n * rows];

@@ -6,7 +6,7 @@ pub mod polyglot;
 pub mod postgres;
 pub mod staggered;
 pub use polyglot::{build_project, guest_tools};
-pub use staggered::{Arrivals, PROMPTS, staggered, tokens_of};
+pub use staggered::{Arrivals, PROMPTS, greedy_to, run_salted, staggered, tokens_of};
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use kiln_host::engine::{Engine, Event, Finish, GenerateParams, TenantId};
+use kiln_host::engine::{Engine, Event, Finish, GenerateParams, Salt, TenantId};
 
 /// Short chat questions, each answered in a few tokens.
 pub const PROMPTS: [&str; 16] = [
@@ -40,12 +40,7 @@ pub struct Arrivals {
 /// `arrivals` says, so prompts are prefilled while others decode: each
 /// one's generated tokens and finish, in prompt order.
 pub fn staggered(e: &mut Engine, prompts: &[&str], arrivals: Arrivals) -> Vec<(Vec<u32>, Finish)> {
-    let params = GenerateParams {
-        max_tokens: arrivals.max_tokens,
-        temperature: 0.0,
-        ignore_eos: true,
-        ..Default::default()
-    };
+    let params = greedy_to(arrivals.max_tokens);
     let (mut seqs, mut out) = (Vec::new(), HashMap::new());
     let mut step = 0;
     while seqs.len() < prompts.len() || e.has_work() {
@@ -77,6 +72,17 @@ pub fn tokens_of(
     seq: kiln_host::engine::SeqId,
     n: usize,
 ) -> (Vec<u32>, Option<Finish>) {
+    let (tokens, end) = follow(e, seq, n);
+    (tokens, end.map(|(finish, _)| finish))
+}
+
+/// Steps `e` until `seq` has `n` more tokens or ends: those tokens, and
+/// if it ended, how and with how many prompt tokens found cached.
+fn follow(
+    e: &mut Engine,
+    seq: kiln_host::engine::SeqId,
+    n: usize,
+) -> (Vec<u32>, Option<(Finish, usize)>) {
     let (mut tokens, mut end) = (Vec::new(), None);
     while end.is_none() && tokens.len() < n && e.has_work() {
         for ev in e.step().unwrap() {
@@ -86,10 +92,41 @@ pub fn tokens_of(
                     token: Some(t),
                     ..
                 } if s == seq => tokens.push(t),
-                Event::Finished { seq: s, finish, .. } if s == seq => end = Some(finish),
+                Event::Finished {
+                    seq: s,
+                    finish,
+                    cached_tokens,
+                    ..
+                } if s == seq => end = Some((finish, cached_tokens)),
                 _ => {}
             }
         }
     }
     (tokens, end)
+}
+
+/// Greedy decoding of exactly `max_tokens` tokens (EOS ignored).
+pub fn greedy_to(max_tokens: usize) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        temperature: 0.0,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// Runs one request of `tenant` with prefix-cache salt `[salt; 32]` alone
+/// to its end: its tokens and the prompt tokens it found cached.
+pub fn run_salted(
+    e: &mut Engine,
+    (tenant, salt): (u32, u8),
+    ids: &[u32],
+    params: GenerateParams,
+) -> (Vec<u32>, usize) {
+    let salt = Salt::from_bytes([salt; 32]);
+    let seq = (e.add_salted(TenantId(tenant), salt, ids.to_vec(), params)).unwrap();
+    match follow(e, seq, usize::MAX) {
+        (tokens, Some((_, cached))) => (tokens, cached),
+        _ => panic!("request {seq} never finished"),
+    }
 }

@@ -1,6 +1,6 @@
 //! The CPU engine on the real default model (SmolLM2-135M-Instruct Q4_1).
 
-use kiln_host::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, Salt, TenantId};
+use kiln_host::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, TenantId};
 use kiln_kernels::kv::KvFormat;
 use kiln_tests::{PROMPTS, chat_ids, default_model};
 
@@ -245,35 +245,10 @@ fn static_fp8_kv_agrees_with_bf16_kv_under_teacher_forcing() {
     assert!(kl <= 0.009, "mean KL {kl}");
 }
 
-/// Runs one request alone; its tokens and the prompt tokens it found cached.
+/// One request alone (greedy, 8 tokens); its tokens and the prompt tokens
+/// it found cached.
 fn run_salted(e: &mut Engine, tenant: u32, salt: u8, ids: &[u32]) -> (Vec<u32>, usize) {
-    let seq = e
-        .add_salted(
-            TenantId(tenant),
-            Salt::from_bytes([salt; 32]),
-            ids.to_vec(),
-            greedy(8),
-        )
-        .unwrap();
-    let mut tokens = Vec::new();
-    while e.has_work() {
-        for ev in e.step().unwrap() {
-            match ev {
-                Event::Token {
-                    seq: s,
-                    token: Some(t),
-                    ..
-                } if s == seq => tokens.push(t),
-                Event::Finished {
-                    seq: s,
-                    cached_tokens,
-                    ..
-                } if s == seq => return (tokens, cached_tokens),
-                _ => {}
-            }
-        }
-    }
-    panic!("request {seq} never finished");
+    kiln_tests::run_salted(e, (tenant, salt), ids, greedy(8))
 }
 
 #[test]

@@ -4,10 +4,10 @@
 //! second engine the tokens it would have decoded on the first, on pages
 //! that engine tagged for its tenant, and each pool gets its pages back.
 
-use kiln_host::engine::{Engine, EngineConfig, Finish, GenerateParams, TenantId};
+use kiln_host::engine::{Engine, EngineConfig, Finish, TenantId};
 use kiln_host::model::KvCache;
 use kiln_kernels::kv::KvFormat;
-use kiln_tests::{PROMPTS, chat_ids, default_model, tokens_of};
+use kiln_tests::{PROMPTS, chat_ids, default_model, greedy_to, tokens_of};
 
 fn engine(format: KvFormat, pd: bool) -> Engine {
     let page = KvCache::page_bytes(&default_model().model.config, format, 16);
@@ -20,15 +20,6 @@ fn engine(format: KvFormat, pd: bool) -> Engine {
     Engine::new(default_model(), config).expect("engine")
 }
 
-fn greedy(max_tokens: usize) -> GenerateParams {
-    GenerateParams {
-        max_tokens,
-        temperature: 0.0,
-        ignore_eos: true,
-        ..Default::default()
-    }
-}
-
 #[test]
 fn a_sequence_moved_after_its_prompt_decodes_the_tokens_it_would_have_at_home() {
     for (format, pd) in [
@@ -38,14 +29,16 @@ fn a_sequence_moved_after_its_prompt_decodes_the_tokens_it_would_have_at_home() 
     ] {
         let mut home = engine(format, false);
         let prompt = chat_ids(&home, PROMPTS[2]);
-        let at_home = home.add(TenantId(7), prompt.clone(), greedy(10)).unwrap();
+        let at_home = home
+            .add(TenantId(7), prompt.clone(), greedy_to(10))
+            .unwrap();
         let (want, end) = tokens_of(&mut home, at_home, usize::MAX);
         assert_eq!((want.len(), end), (10, Some(Finish::Length)));
 
         let (mut prefill, mut decode) = (engine(format, false), engine(format, pd));
         let (free_p, free_d) = (prefill.free_pages(), decode.free_pages());
         let seq = prefill
-            .add(TenantId(7), prompt.clone(), greedy(10))
+            .add(TenantId(7), prompt.clone(), greedy_to(10))
             .unwrap();
         let (first, _) = tokens_of(&mut prefill, seq, 1);
         let moved = prefill.export(seq).unwrap();
@@ -75,7 +68,7 @@ fn a_sequence_moved_after_its_prompt_decodes_the_tokens_it_would_have_at_home() 
 fn only_a_computed_sequence_moves_and_only_to_pages_of_its_format() {
     let mut a = engine(KvFormat::Fp8, false);
     let prompt = chat_ids(&a, PROMPTS[0]);
-    let seq = a.add(TenantId(1), prompt, greedy(4)).unwrap();
+    let seq = a.add(TenantId(1), prompt, greedy_to(4)).unwrap();
     let early = a.export(seq).unwrap_err();
     assert!(
         early.contains("not running with its prompt computed"),
@@ -96,14 +89,14 @@ fn the_next_sequence_adopted_is_of_the_tenant_running_fewest_there() {
     let mut decode = engine(KvFormat::Fp8, false);
     let prompt = chat_ids(&prefill, PROMPTS[0]);
     for _ in 0..2 {
-        let seq = prefill.add(a, prompt.clone(), greedy(8)).unwrap();
+        let seq = prefill.add(a, prompt.clone(), greedy_to(8)).unwrap();
         tokens_of(&mut prefill, seq, 1);
         decode.adopt(prefill.export(seq).unwrap()).unwrap();
     }
     // a runs two there, b none: b's sequence goes first though it came last.
     assert_eq!(decode.next_to_adopt(&[(a, 1), (a, 1), (b, 1)]), Some(2));
     // Weighted 3, a's two running are under b's one in share.
-    let seq = prefill.add(b, prompt, greedy(8)).unwrap();
+    let seq = prefill.add(b, prompt, greedy_to(8)).unwrap();
     tokens_of(&mut prefill, seq, 1);
     decode.adopt(prefill.export(seq).unwrap()).unwrap();
     assert_eq!(decode.next_to_adopt(&[(b, 1), (a, 3)]), Some(1));

@@ -103,6 +103,10 @@ pub struct EngineConfig {
     /// Prefill/decode disaggregation: a prefill lane and a decode lane,
     /// each with its own queue, budget and step, over one KV pool.
     pub pd: bool,
+    /// Tensor-parallel ranks the model is split over (1: whole): each
+    /// holds 1/R of the heads and of the MLP, and KV pages of its own KV
+    /// heads at the same page numbers and tags as the others.
+    pub tensor_parallel: usize,
 }
 
 impl Default for EngineConfig {
@@ -124,6 +128,7 @@ impl Default for EngineConfig {
             prefill_warps: None,
             cuda_bf16_mlp: true,
             pd: false,
+            tensor_parallel: 1,
         }
     }
 }
@@ -225,6 +230,8 @@ pub struct Engine {
     loaded: Arc<Loaded>,
     device_sampling: bool,
     page_bytes: usize,
+    /// Tensor-parallel ranks the runner splits the model over.
+    ranks: usize,
     runner: Runner,
     kv: KvCacheManager,
     lanes: Lanes,
@@ -273,6 +280,7 @@ impl Engine {
                 kv_format: config.kv_format,
                 page_size: PAGE_SIZE,
                 num_pages,
+                ranks: config.tensor_parallel,
                 graphs: config.cuda_graphs,
                 programmatic: config.cuda_pdl,
                 fold: config.cuda_fold,
@@ -305,6 +313,7 @@ impl Engine {
             device_sampling: config.device_sampling,
             loaded,
             page_bytes,
+            ranks: config.tensor_parallel,
             runner,
             kv,
             lanes: Lanes::new(config.scheduler, config.pd),

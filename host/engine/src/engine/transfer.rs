@@ -19,6 +19,8 @@ use super::{Engine, PAGE_SIZE, TenantId};
 struct KvShape {
     model: String,
     page_bytes: usize,
+    /// Tensor-parallel ranks: the pages' bytes are each rank's in turn.
+    ranks: usize,
 }
 
 /// A sequence whose prompt one engine computed, with its pages' contents,
@@ -71,6 +73,7 @@ impl Engine {
         KvShape {
             model: self.loaded.name.clone(),
             page_bytes: self.page_bytes,
+            ranks: self.ranks,
         }
     }
 
@@ -131,8 +134,14 @@ impl Engine {
         let here = self.kv_shape();
         if t.shape != here {
             return Err(format!(
-                "a sequence of {} with pages of {} bytes: this engine runs {} with pages of {}",
-                t.shape.model, t.shape.page_bytes, here.model, here.page_bytes
+                "a sequence of {} with pages of {} bytes over {} ranks: this engine runs {} \
+                 with pages of {} over {}",
+                t.shape.model,
+                t.shape.page_bytes,
+                t.shape.ranks,
+                here.model,
+                here.page_bytes,
+                here.ranks
             ));
         }
         let id = self.next_id;

@@ -122,14 +122,15 @@ impl Model {
         kv: &mut KvCache,
         batch: &[StepSeq<'_>],
     ) -> Result<Vec<Vec<f32>>, KernelError> {
-        let mut step = CpuStep::new(self, kv, batch)?;
+        let mut step = CpuStep::new(&self.config, &self.rope, kv, batch)?;
         self.config.arch.forward(&mut step, &self.weights)?;
         Ok(step.logits)
     }
 }
 
-/// One step's buffers on the CPU, a row per token.
-struct CpuStep<'a> {
+/// One step's buffers on the CPU, a row per token (of one rank's heads and
+/// MLP columns under tensor parallelism, `cpu_tp.rs`).
+pub(super) struct CpuStep<'a> {
     c: &'a ModelConfig,
     rope: &'a Rope,
     kv: &'a mut KvCache,
@@ -144,15 +145,22 @@ struct CpuStep<'a> {
     k: Vec<f32>,
     v: Vec<f32>,
     attn: Vec<f32>,
-    proj: Vec<f32>,
+    /// A projection into the residual stream (a rank's part, then the sum).
+    pub(super) proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    logits: Vec<Vec<f32>>,
+    /// Each asking sequence's logits (a rank's vocabulary rows).
+    pub(super) logits: Vec<Vec<f32>>,
 }
 
 impl<'a> CpuStep<'a> {
-    fn new(model: &'a Model, kv: &'a mut KvCache, batch: &'a [StepSeq<'a>]) -> R<Self> {
-        let c = &model.config;
+    /// Buffers for `batch` on a model (or rank) of shape `c`.
+    pub(super) fn new(
+        c: &'a ModelConfig,
+        rope: &'a Rope,
+        kv: &'a mut KvCache,
+        batch: &'a [StepSeq<'a>],
+    ) -> R<Self> {
         if let Some(t) = batch
             .iter()
             .flat_map(|b| b.tokens)
@@ -172,7 +180,7 @@ impl<'a> CpuStep<'a> {
         let rows = |width: usize| vec![0.0f32; n * width];
         Ok(Self {
             c,
-            rope: &model.rope,
+            rope,
             kv,
             batch,
             x: rows(c.hidden),
@@ -246,8 +254,50 @@ impl<'w> Ops<'w> for CpuStep<'_> {
         qkv: &'w Vec<Weight>,
         bias: Option<&'w [Vec<f32>; 3]>,
     ) -> R {
+        self.attend(layer, qkv, bias.map(|[q, k, v]| [&q[..], &k[..], &v[..]]))
+    }
+
+    fn gated_mlp(&mut self, gate_up: &'w Vec<Weight>) -> R {
         let n = self.n();
-        let [wq, wk, wv] = qkv.as_slice() else {
+        let [wg, wu] = gate_up.as_slice() else {
+            return Err(KernelError::Shape("the MLP needs gate and up".into()));
+        };
+        matmul(&self.xn, n, wg, &mut self.gate)?;
+        matmul(&self.xn, n, wu, &mut self.up)?;
+        silu_mul(&mut self.gate, &self.up);
+        Ok(())
+    }
+
+    fn add_projection(&mut self, input: Input, w: &'w Weight, next: &'w Vec<f32>) -> R {
+        self.project(input, w)?;
+        self.add_projected(next)
+    }
+
+    fn head(&mut self, w: &'w Weight) -> R {
+        let hidden = self.c.hidden;
+        // Only the last token of each sequence that asks.
+        let mut last = Vec::new();
+        let mut t = 0;
+        for b in self.batch {
+            t += b.tokens.len();
+            if b.logits && !b.tokens.is_empty() {
+                last.extend_from_slice(&self.xn[(t - 1) * hidden..t * hidden]);
+            }
+        }
+        let m = last.len() / hidden;
+        let vocab = w.rows();
+        let mut logits = vec![0.0f32; m * vocab];
+        matmul(&last, m, w, &mut logits)?;
+        self.logits = logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+        Ok(())
+    }
+}
+
+impl CpuStep<'_> {
+    /// Block `layer`'s attention (see [`Ops::attention`]).
+    pub(super) fn attend(&mut self, layer: usize, qkv: &[Weight], bias: Option<[&[f32]; 3]>) -> R {
+        let n = self.n();
+        let [wq, wk, wv] = qkv else {
             return Err(KernelError::Shape("attention needs q, k and v".into()));
         };
         matmul(&self.xn, n, wq, &mut self.q)?;
@@ -273,44 +323,21 @@ impl<'w> Ops<'w> for CpuStep<'_> {
         Ok(())
     }
 
-    fn gated_mlp(&mut self, gate_up: &'w Vec<Weight>) -> R {
-        let n = self.n();
-        let [wg, wu] = gate_up.as_slice() else {
-            return Err(KernelError::Shape("the MLP needs gate and up".into()));
-        };
-        matmul(&self.xn, n, wg, &mut self.gate)?;
-        matmul(&self.xn, n, wu, &mut self.up)?;
-        silu_mul(&mut self.gate, &self.up);
-        Ok(())
-    }
-
-    fn add_projection(&mut self, input: Input, w: &'w Weight, next: &'w Vec<f32>) -> R {
+    /// `proj = input * w`: a rank's part of a projection into the
+    /// residual stream, before the ranks' parts are summed.
+    pub(super) fn project(&mut self, input: Input, w: &Weight) -> R {
         let n = self.n();
         let x = match input {
             Input::Attention => &self.attn,
             Input::Mlp => &self.gate,
         };
-        matmul(x, n, w, &mut self.proj)?;
-        add_assign(&mut self.x, &self.proj);
-        self.norm(next)
+        matmul(x, n, w, &mut self.proj)
     }
 
-    fn head(&mut self, w: &'w Weight) -> R {
-        let hidden = self.c.hidden;
-        // Only the last token of each sequence that asks.
-        let mut last = Vec::new();
-        let mut t = 0;
-        for b in self.batch {
-            t += b.tokens.len();
-            if b.logits && !b.tokens.is_empty() {
-                last.extend_from_slice(&self.xn[(t - 1) * hidden..t * hidden]);
-            }
-        }
-        let m = last.len() / hidden;
-        let vocab = self.c.vocab;
-        let mut logits = vec![0.0f32; m * vocab];
-        matmul(&last, m, w, &mut logits)?;
-        self.logits = logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+    /// `hidden += proj`; the next projection reads `rmsnorm(hidden) * next`.
+    pub(super) fn add_projected(&mut self, next: &[f32]) -> R {
+        add_assign(&mut self.x, &self.proj);
+        rmsnorm(&self.x, next, self.c.eps, &mut self.xn);
         Ok(())
     }
 }

@@ -10,7 +10,7 @@ use kiln_kernels::kv::KvFormat;
 
 use super::gpu::{GpuKv, GpuModel};
 use super::step::{RunLane, SeqOut, Step, StepOut};
-use super::{KvCache, Loaded};
+use super::{KvCache, Loaded, TpModel};
 
 /// How a runner uses its device.
 #[derive(Debug, Clone, Copy)]
@@ -23,6 +23,9 @@ pub struct RunnerOptions {
     pub page_size: usize,
     /// Pages in the pool.
     pub num_pages: usize,
+    /// Tensor-parallel ranks the model is split over (1: whole). On the
+    /// CPU each rank is a part of every step's work; a GPU runs one rank.
+    pub ranks: usize,
     /// On CUDA: capture greedy decode steps as graphs and replay them.
     pub graphs: bool,
     /// On CUDA (sm_90 and up): graph kernels start while the one before
@@ -73,6 +76,9 @@ pub struct Runner {
 enum Place {
     /// The CPU, with its KV cache.
     Cpu(KvCache),
+    /// The CPU with the model split over ranks (and decode's copy where
+    /// the phases have their own), each rank's KV pages.
+    CpuRanks(Box<TpModel>, Option<Box<TpModel>>, Vec<KvCache>),
     /// A GPU, with the weights and KV pages on it, and decode's own copy
     /// of the weights where the phases run on different ones.
     Gpu(Box<GpuModel>, Box<GpuKv>, Option<Box<GpuModel>>),
@@ -82,7 +88,29 @@ impl Runner {
     /// The runner `o` asks for. On a GPU it takes the weights a previous
     /// runner gave back, if they match.
     pub fn new(loaded: &Loaded, o: RunnerOptions) -> Result<Self, String> {
+        if o.ranks == 0 {
+            return Err("tensor parallelism needs at least one rank".into());
+        }
         let place = match o.device {
+            Device::Cpu if o.ranks > 1 => {
+                let split = |m: &super::Model| {
+                    TpModel::new(m, o.ranks)
+                        .map(Box::new)
+                        .map_err(|e| e.to_string())
+                };
+                let model = split(&loaded.model)?;
+                let decode = loaded.decode.as_ref().map(split).transpose()?;
+                let kv = model.kv(o.kv_format, o.page_size, o.num_pages);
+                Place::CpuRanks(model, decode, kv)
+            }
+            Device::Cuda(_) if o.ranks > 1 => {
+                return Err(format!(
+                    "{} tensor-parallel ranks on CUDA: a GPU runs one rank, and ranks on \
+                     several GPUs are not built yet; run one rank a GPU (--tensor-parallel 1) \
+                     or split the model on the CPU",
+                    o.ranks
+                ));
+            }
             Device::Cpu => Place::Cpu(KvCache::new(
                 &loaded.model.config,
                 o.kv_format,
@@ -184,6 +212,7 @@ impl Runner {
         match &self.place {
             Place::Gpu(_, _, Some(decode)) => decode.weight_bytes(),
             Place::Gpu(model, ..) => model.weight_bytes(),
+            Place::CpuRanks(model, decode, _) => decode.as_ref().unwrap_or(model).weight_bytes(),
             Place::Cpu(_) => loaded
                 .decode
                 .as_ref()
@@ -196,7 +225,7 @@ impl Runner {
     pub fn copy_bandwidth(&self) -> Option<f64> {
         match &self.place {
             Place::Gpu(model, ..) => model.copy_bandwidth().ok(),
-            Place::Cpu(_) => None,
+            Place::Cpu(_) | Place::CpuRanks(..) => None,
         }
     }
 
@@ -217,6 +246,7 @@ impl Runner {
     pub fn read_pages(&self, pages: &[u32]) -> Result<Vec<u8>, String> {
         match &self.place {
             Place::Cpu(kv) => Ok(kv.read_pages(pages)),
+            Place::CpuRanks(_, _, kv) => Ok(TpModel::read_pages(kv, pages)),
             Place::Gpu(model, kv, _) => model.read_kv_pages(kv, pages).map_err(|e| e.to_string()),
         }
     }
@@ -226,6 +256,7 @@ impl Runner {
     pub fn write_pages(&mut self, pages: &[u32], bytes: &[u8]) -> Result<(), String> {
         match &mut self.place {
             Place::Cpu(kv) => kv.write_pages(pages, bytes),
+            Place::CpuRanks(_, _, kv) => TpModel::write_pages(kv, pages, bytes),
             Place::Gpu(model, kv, _) => {
                 (model.write_kv_pages(kv, pages, bytes)).map_err(|e| e.to_string())
             }
@@ -236,7 +267,7 @@ impl Runner {
     pub fn buffers_made(&self) -> u64 {
         match &self.place {
             Place::Gpu(_, kv, _) => kv.buffers_made(),
-            Place::Cpu(_) => 0,
+            Place::Cpu(_) | Place::CpuRanks(..) => 0,
         }
     }
 
@@ -297,6 +328,7 @@ impl Runner {
     ) -> Result<StepOut, String> {
         let phased = match &self.place {
             Place::Gpu(_, _, decode) => decode.is_some(),
+            Place::CpuRanks(_, decode, _) => decode.is_some(),
             Place::Cpu(_) => loaded.decode.is_some(),
         };
         if !phased {
@@ -330,14 +362,17 @@ impl Runner {
                 };
                 // The CPU is the device: all of the forward is its time.
                 let start = std::time::Instant::now();
-                let logits = model
-                    .forward(cache, &step.seqs)
-                    .map_err(|e| e.to_string())?;
-                Ok(StepOut {
-                    rows: logits.into_iter().map(SeqOut::Logits).collect(),
-                    ok: vec![true; step.seqs.len()],
-                    device: start.elapsed(),
-                })
+                let logits = model.forward(cache, &step.seqs);
+                cpu_out(step, logits, start)
+            }
+            Place::CpuRanks(model, phase, kv) => {
+                let model = match (phase, decode) {
+                    (Some(d), true) => d,
+                    _ => model,
+                };
+                let start = std::time::Instant::now();
+                let logits = model.forward(kv, &step.seqs);
+                cpu_out(step, logits, start)
             }
             Place::Gpu(model, kv, phase) => match (phase, decode) {
                 (Some(d), true) => d.forward(kv, lane, step),
@@ -346,4 +381,21 @@ impl Runner {
             .map_err(|e| e.to_string()),
         }
     }
+}
+
+/// A step the CPU ran since `start`: its logits, or why it failed.
+fn cpu_out(
+    step: &Step<'_>,
+    logits: Result<Vec<Vec<f32>>, kiln_kernels::KernelError>,
+    start: std::time::Instant,
+) -> Result<StepOut, String> {
+    Ok(StepOut {
+        rows: logits
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(SeqOut::Logits)
+            .collect(),
+        ok: vec![true; step.seqs.len()],
+        device: start.elapsed(),
+    })
 }
