@@ -25,6 +25,23 @@ pub struct KvRow {
     pub v: Vec<f32>,
 }
 
+/// Layer `layer`'s rows for [`Backend::kv_pages_moved`]: the case's,
+/// scaled by `layer + 1`, K and V swapped on odd layers, so no two layers'
+/// pages hold the same bytes.
+pub fn layer_case(case: &AttentionCase, layer: usize) -> AttentionCase {
+    let scale = (layer + 1) as f32;
+    let mut c = case.clone();
+    for r in &mut c.rows {
+        if layer % 2 == 1 {
+            std::mem::swap(&mut r.k, &mut r.v);
+        }
+        r.k.iter_mut()
+            .chain(r.v.iter_mut())
+            .for_each(|x| *x *= scale);
+    }
+    c
+}
+
 /// A paged-attention problem: pages to fill, then one query per sequence.
 #[derive(Debug, Clone)]
 pub struct AttentionCase {
@@ -103,6 +120,18 @@ pub trait Backend {
     fn embed(&self, table: &[bf16], hidden: usize, ids: &[u32], out: &mut [f32]) -> R;
     /// Writes the case's rows into fresh pages, then attends.
     fn paged_attention(&self, case: &AttentionCase) -> R<Vec<f32>>;
+    /// Fills `layers` layers of fresh pages with the case's rows (layer
+    /// `l`'s as [`layer_case`] makes them), moves pages `from` to pages `to`
+    /// of the same pool through one buffer of pages (read, then written;
+    /// on a GPU gathered, peer-copied and scattered), and returns pages
+    /// `to` as bytes, each page's layers in turn.
+    fn kv_pages_moved(
+        &self,
+        case: &AttentionCase,
+        layers: usize,
+        from: &[u32],
+        to: &[u32],
+    ) -> R<Vec<u8>>;
     /// The same attention for prefill: the "sequences" of `case` are query
     /// tokens, consecutive ones of one sequence sharing its table with
     /// lengths one apart (a causal chunk), computed a tile of tokens at a
@@ -255,6 +284,41 @@ impl Backend for Cpu {
             );
         }
         Ok(out)
+    }
+
+    fn kv_pages_moved(
+        &self,
+        case: &AttentionCase,
+        layers: usize,
+        from: &[u32],
+        to: &[u32],
+    ) -> R<Vec<u8>> {
+        let ps = case.layout.page_size;
+        let mut pools: Vec<KvPages> = (0..layers)
+            .map(|l| {
+                let c = layer_case(case, l);
+                let mut pages = KvPages::new(c.format, c.layout, c.num_pages);
+                for r in &c.rows {
+                    pages.write(r.slot / ps, r.slot % ps, &r.k, &r.v);
+                }
+                pages
+            })
+            .collect();
+        let read = |pools: &[KvPages], ids: &[u32]| {
+            let mut out = Vec::new();
+            for &p in ids {
+                pools.iter().for_each(|l| l.read_page(p as usize, &mut out));
+            }
+            out
+        };
+        let buf = read(&pools, from);
+        let mut parts = buf.chunks(case.layout.page_bytes(case.format).max(1));
+        for &p in to {
+            for layer in &mut pools {
+                layer.write_page(p as usize, parts.next().unwrap_or_default())?;
+            }
+        }
+        Ok(read(&pools, to))
     }
 
     fn tag_check(

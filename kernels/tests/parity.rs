@@ -17,6 +17,8 @@ use rand_chacha::ChaCha8Rng;
 /// Decode and prefill attention.
 #[path = "parity/attention.rs"]
 mod attention;
+#[path = "parity/kv_io.rs"]
+mod kv_io;
 #[path = "parity/quantized.rs"]
 mod quantized;
 

@@ -91,6 +91,29 @@ impl Backend for Gpu {
         Ok(())
     }
 
+    fn kv_pages_moved(
+        &self,
+        case: &AttentionCase,
+        layers: usize,
+        from: &[u32],
+        to: &[u32],
+    ) -> R<Vec<u8>> {
+        let mut pools = (0..layers)
+            .map(|l| {
+                let mut kv = self.paged_kv(case.format, case.layout, case.num_pages)?;
+                self.write_rows(&mut kv, &crate::backend::layer_case(case, l))?;
+                Ok(kv)
+            })
+            .collect::<R<Vec<_>>>()?;
+        let buf = self.gather_kv_pages(&pools, from)?;
+        self.synchronize()?;
+        // The peer copy, from this GPU to itself.
+        let here = self.copy_from_peer(&buf)?;
+        self.scatter_kv_pages(&mut pools, to, &here)?;
+        let out = self.gather_kv_pages(&pools, to)?;
+        Self::download_from(&out)
+    }
+
     fn paged_attention(&self, c: &AttentionCase) -> R<Vec<f32>> {
         let mut kv = self.paged_kv(c.format, c.layout, c.num_pages)?;
         self.write_rows(&mut kv, c)?;

@@ -61,3 +61,38 @@ extern "C" __global__ void kv_write_fp8(const float* k, const float* v, const in
     fp8_store(k[src], red, kc + vec * hd + threadIdx.x, ks + vec, hd);
     fp8_store(v[src], red, vc + vec * hd + threadIdx.x, vs + vec, hd);
 }
+
+// Copies n bytes, 16 at a time where both ends and n allow it (the same
+// for the whole block).
+__device__ void copy_span(unsigned char* dst, const unsigned char* src, long long n) {
+    if ((((size_t)dst | (size_t)src | (size_t)n) & 15) == 0) {
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        for (long long i = threadIdx.x; i < n / 16; i += blockDim.x) d[i] = s[i];
+    } else {
+        for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+    }
+}
+
+// One layer's part of pages[i] (i = blockIdx.x) to (to_buf) or from `buf`,
+// where it lies at i * per_page + layer_off as K (e bytes), V (e bytes),
+// then s K scales and s V scales (f32; fp8 pages, else s = 0): the bytes the
+// host's pages read and write (kv/transfer.rs). blockIdx.y picks the part.
+extern "C" __global__ void kv_pages_copy(unsigned char* k, unsigned char* v, float* ks, float* vs,
+                                         const unsigned* pages, long long e, long long s,
+                                         long long per_page, long long layer_off,
+                                         unsigned char* buf, int to_buf) {
+    long long p = pages[blockIdx.x];
+    unsigned char* at = buf + blockIdx.x * per_page + layer_off;
+    unsigned char* dev;
+    long long n = e;
+    switch (blockIdx.y) {
+        case 0: dev = k + p * e; break;
+        case 1: dev = v + p * e; at += e; break;
+        case 2: dev = (unsigned char*)(ks + p * s); n = s * 4; at += 2 * e; break;
+        default: dev = (unsigned char*)(vs + p * s); n = s * 4; at += 2 * e + s * 4; break;
+    }
+    if (n == 0) return;
+    if (to_buf) copy_span(at, dev, n);
+    else copy_span(dev, at, n);
+}

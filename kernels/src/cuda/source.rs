@@ -42,6 +42,7 @@ pub(super) const KERNELS: &[&str] = &[
     // kv.cu, hadamard.cu, rope.cu
     "kv_write_bf16",
     "kv_write_fp8",
+    "kv_pages_copy",
     "hadamard_rows",
     "rope",
     "rope_kv_write_bf16",

@@ -43,10 +43,10 @@ fn attention_reference(c: &AttentionCase, keys: &[Vec<f32>], vals: &[Vec<f32>]) 
 
 /// Query heads, KV heads and head size: SmolLM2's (groups of 3, 64) and
 /// Llama-3-8B's (groups of 4, 128).
-const SMALL: [usize; 3] = [6, 2, 64];
-const LLAMA3: [usize; 3] = [8, 2, 128];
+pub(super) const SMALL: [usize; 3] = [6, 2, 64];
+pub(super) const LLAMA3: [usize; 3] = [8, 2, 128];
 
-fn attention_case(
+pub(super) fn attention_case(
     r: &mut ChaCha8Rng,
     format: KvFormat,
     lens: &[usize],

@@ -55,32 +55,40 @@ fn a_sequence_prefilled_by_one_gpu_engine_decodes_on_another_as_at_home() {
         ignore_eos: true,
         ..Default::default()
     };
-    let mut home = engine();
-    let prompt = kiln_tests::chat_ids(&home, super::PROMPTS[3]);
-    let seq = home
-        .add(TenantId(3), prompt.clone(), params.clone())
-        .unwrap();
-    let want = kiln_tests::tokens_of(&mut home, seq, usize::MAX).0;
-    drop(home);
-    // Two engines on one GPU, as a prefill pool and a decode pool.
-    let (mut prefill, mut decode) = (engine(), engine());
-    let prompt_len = prompt.len();
-    let seq = prefill.add(TenantId(3), prompt, params).unwrap();
-    let first = kiln_tests::tokens_of(&mut prefill, seq, 1).0;
-    let start = std::time::Instant::now();
-    let moved = prefill.export(seq).unwrap();
-    let (pages, bytes) = (moved.pages(), moved.kv_bytes());
-    let there = decode.adopt(moved).unwrap();
-    let took = start.elapsed();
-    let us = took.as_secs_f64() * 1e6;
-    eprintln!(
-        "{}: moved {pages} pages ({bytes} bytes) in {us:.0} us: {:.1} us a page, {:.2} us a \
-         token (through the host)",
-        device.name(),
-        us / pages as f64,
-        us / prompt_len as f64
-    );
-    let rest = kiln_tests::tokens_of(&mut decode, there, usize::MAX).0;
-    assert_eq!([first, rest].concat(), want);
-    assert_eq!(decode.stats().integrity_aborts, 0);
+    let chat = kiln_tests::chat_ids(&engine(), super::PROMPTS[3]);
+    // A chat prompt, and one of 1024 tokens (issue 22 times the handoff
+    // against the time to first token there).
+    let long: Vec<u32> = chat.iter().copied().cycle().take(1024).collect();
+    for prompt in [chat, long] {
+        let mut home = engine();
+        let seq = home
+            .add(TenantId(3), prompt.clone(), params.clone())
+            .unwrap();
+        let want = kiln_tests::tokens_of(&mut home, seq, usize::MAX).0;
+        drop(home);
+        // Two engines on one GPU, as a prefill pool and a decode pool.
+        let (mut prefill, mut decode) = (engine(), engine());
+        let prompt_len = prompt.len();
+        let start = std::time::Instant::now();
+        let seq = prefill.add(TenantId(3), prompt, params.clone()).unwrap();
+        let first = kiln_tests::tokens_of(&mut prefill, seq, 1).0;
+        let ttft = start.elapsed().as_secs_f64() * 1e6;
+        let start = std::time::Instant::now();
+        let moved = prefill.export(seq).unwrap();
+        let (pages, bytes) = (moved.pages(), moved.kv_bytes());
+        let there = decode.adopt(moved).unwrap();
+        let us = start.elapsed().as_secs_f64() * 1e6;
+        eprintln!(
+            "{}: {prompt_len} tokens moved as {pages} pages ({bytes} bytes) in {us:.0} us: \
+             {:.1} us a page, {:.2} us a token, {:.1}% of the {ttft:.0} us to the first token \
+             (gathered and scattered on one GPU)",
+            device.name(),
+            us / pages as f64,
+            us / prompt_len as f64,
+            100.0 * us / ttft
+        );
+        let rest = kiln_tests::tokens_of(&mut decode, there, usize::MAX).0;
+        assert_eq!([first, rest].concat(), want, "{prompt_len} tokens");
+        assert_eq!(decode.stats().integrity_aborts, 0);
+    }
 }

@@ -12,6 +12,7 @@ use super::kv_manager::SeqId;
 use super::request::Request;
 use super::scheduler::Handoff;
 use super::{Engine, PAGE_SIZE, TenantId};
+use crate::model::PageBytes;
 
 /// What a moved sequence's pages are laid out as: the model and the bytes
 /// of a page across its layers (format, heads and page size in one).
@@ -30,7 +31,7 @@ pub struct SeqTransfer {
     handoff: Handoff,
     request: Request,
     pages: usize,
-    kv: Vec<u8>,
+    kv: PageBytes,
     shape: KvShape,
 }
 

@@ -61,7 +61,7 @@ impl KvCache {
     }
 
     /// `pages`' contents, each page's layers in turn (as a GPU's pages
-    /// give them, `GpuModel::read_kv_pages`).
+    /// give them, `GpuModel::export_kv_pages`).
     pub fn read_pages(&self, pages: &[u32]) -> Vec<u8> {
         let mut out = Vec::new();
         for &page in pages {

@@ -27,7 +27,7 @@ pub use cpu::{KvCache, Model};
 pub use cpu_tp::TpModel;
 pub use fetch::{DEFAULT_MODEL, default_cache_dir, resolve_model};
 pub use load::{load, load_as};
-pub use runner::{Reserve, Runner, RunnerOptions};
+pub use runner::{PageBytes, Reserve, Runner, RunnerOptions};
 pub use tokenizer::{ChatMessage, Tokenizer};
 
 /// Errors of loading a model or its tokenizer.

@@ -8,7 +8,7 @@
 use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 
-use super::gpu::{GpuKv, GpuModel};
+use super::gpu::{DevicePages, GpuKv, GpuModel};
 use super::step::{RunLane, SeqOut, Step, StepOut};
 use super::{KvCache, Loaded, TpModel};
 
@@ -54,6 +54,39 @@ pub struct RunnerOptions {
     /// long as a step's tokens, so the first steps wait on no allocation
     /// (a step that outgrows them in any way remakes them at its size).
     pub reserve: Reserve,
+}
+
+/// Pages' contents on their way from one runner to another.
+pub enum PageBytes {
+    /// On the host.
+    Host(Vec<u8>),
+    /// In a buffer on the GPU that read them.
+    Device(DevicePages),
+}
+
+impl PageBytes {
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            PageBytes::Host(h) => h.len(),
+            PageBytes::Device(d) => d.len(),
+        }
+    }
+
+    /// Whether it holds no page.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes on the host (downloaded from a GPU's buffer).
+    fn to_host(&self) -> Result<std::borrow::Cow<'_, [u8]>, String> {
+        match self {
+            PageBytes::Host(h) => Ok(std::borrow::Cow::Borrowed(h)),
+            PageBytes::Device(d) => (d.to_host())
+                .map(std::borrow::Cow::Owned)
+                .map_err(|e| e.to_string()),
+        }
+    }
 }
 
 /// The largest step a runner's working buffers are made for at start.
@@ -241,25 +274,30 @@ impl Runner {
     }
 
     /// `pages`' contents, each page's layers in turn, for another runner's
-    /// [`Self::write_pages`] (on a GPU through the host; call it with no
-    /// step in flight that writes them).
-    pub fn read_pages(&self, pages: &[u32]) -> Result<Vec<u8>, String> {
+    /// [`Self::write_pages`]: on a GPU, gathered in a buffer there (call it
+    /// with no step in flight that writes them).
+    pub fn read_pages(&self, pages: &[u32]) -> Result<PageBytes, String> {
         match &self.place {
-            Place::Cpu(kv) => Ok(kv.read_pages(pages)),
-            Place::CpuRanks(_, _, kv) => Ok(TpModel::read_pages(kv, pages)),
-            Place::Gpu(model, kv, _) => model.read_kv_pages(kv, pages).map_err(|e| e.to_string()),
+            Place::Cpu(kv) => Ok(PageBytes::Host(kv.read_pages(pages))),
+            Place::CpuRanks(_, _, kv) => Ok(PageBytes::Host(TpModel::read_pages(kv, pages))),
+            Place::Gpu(model, kv, _) => (model.export_kv_pages(kv, pages))
+                .map(PageBytes::Device)
+                .map_err(|e| e.to_string()),
         }
     }
 
     /// Overwrites `pages` with another runner's [`Self::read_pages`] of as
-    /// many pages of the same format and layout.
-    pub fn write_pages(&mut self, pages: &[u32], bytes: &[u8]) -> Result<(), String> {
+    /// many pages of the same format and layout (from another GPU by one
+    /// peer copy).
+    pub fn write_pages(&mut self, pages: &[u32], bytes: &PageBytes) -> Result<(), String> {
         match &mut self.place {
-            Place::Cpu(kv) => kv.write_pages(pages, bytes),
-            Place::CpuRanks(_, _, kv) => TpModel::write_pages(kv, pages, bytes),
-            Place::Gpu(model, kv, _) => {
-                (model.write_kv_pages(kv, pages, bytes)).map_err(|e| e.to_string())
+            Place::Cpu(kv) => kv.write_pages(pages, &bytes.to_host()?),
+            Place::CpuRanks(_, _, kv) => TpModel::write_pages(kv, pages, &bytes.to_host()?),
+            Place::Gpu(model, kv, _) => match bytes {
+                PageBytes::Host(h) => model.write_kv_pages(kv, pages, h),
+                PageBytes::Device(d) => model.import_kv_pages(kv, pages, d),
             }
+            .map_err(|e| e.to_string()),
         }
     }
 

@@ -1,44 +1,71 @@
 //! Pages' contents in and out of the device, for a sequence that moves to
 //! another engine (`engine/transfer.rs`): each page's layers in turn, as
-//! the CPU's pages hold them (`KvCache::read_pages`).
+//! the CPU's pages hold them (`KvCache::read_pages`), in one device buffer
+//! that the other engine's GPU copies (one peer copy) and scatters.
+
+use kiln_kernels::cuda::{CudaSlice, Gpu};
 
 use super::{GpuKv, GpuModel, R};
 
-impl GpuModel {
-    /// `pages` of `kv`, each page's layers in turn.
-    pub fn read_kv_pages(&self, kv: &GpuKv, pages: &[u32]) -> R<Vec<u8>> {
-        let mut out = Vec::new();
-        for &page in pages {
-            for layer in &kv.layers {
-                self.gpu.read_kv_page(layer, page as usize, &mut out)?;
-            }
-        }
-        Ok(out)
+/// Pages' contents in a buffer on the GPU that gathered them, complete.
+pub struct DevicePages {
+    buf: CudaSlice<u8>,
+}
+
+impl DevicePages {
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.buf.len()
     }
 
-    /// Overwrites `pages` of `kv` with what [`Self::read_kv_pages`] (or
+    /// Whether it holds no page.
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    /// The bytes, on the host.
+    pub fn to_host(&self) -> R<Vec<u8>> {
+        Gpu::download_from(&self.buf)
+    }
+}
+
+impl GpuModel {
+    /// `pages` of `kv`, each page's layers in turn, on this GPU (one wait).
+    pub fn export_kv_pages(&self, kv: &GpuKv, pages: &[u32]) -> R<DevicePages> {
+        let buf = self.gpu.gather_kv_pages(&kv.layers, pages)?;
+        self.gpu.synchronize()?;
+        Ok(DevicePages { buf })
+    }
+
+    /// Overwrites `pages` of `kv` with what [`Self::export_kv_pages`] gave
+    /// another engine's pages of the same format and layout, on this GPU or
+    /// another (one peer copy).
+    pub fn import_kv_pages(&self, kv: &mut GpuKv, pages: &[u32], from: &DevicePages) -> R<()> {
+        if from.buf.ordinal() == self.ordinal {
+            self.gpu
+                .scatter_kv_pages(&mut kv.layers, pages, &from.buf)?;
+        } else {
+            let here = self.gpu.copy_from_peer(&from.buf)?;
+            self.gpu.scatter_kv_pages(&mut kv.layers, pages, &here)?;
+        }
+        self.gpu.synchronize()
+    }
+
+    /// Overwrites `pages` of `kv` with what [`DevicePages::to_host`] (or
     /// the CPU's pages) gave for as many pages of the same format and
     /// layout.
     pub fn write_kv_pages(&self, kv: &mut GpuKv, pages: &[u32], bytes: &[u8]) -> R<()> {
-        let per_layer = kv
-            .layers
-            .first()
-            .map_or(0, |l| l.layout.page_bytes(l.format));
-        if bytes.len() != per_layer * kv.layers.len() * pages.len() {
+        let want = Gpu::kv_pages_bytes(&kv.layers, pages.len());
+        if bytes.len() != want {
             return Err(kiln_kernels::KernelError::Shape(format!(
                 "{} bytes for {} pages of {} here",
                 bytes.len(),
                 pages.len(),
-                per_layer * kv.layers.len()
+                want / pages.len().max(1)
             )));
         }
-        let mut chunks = bytes.chunks(per_layer.max(1));
-        for &page in pages {
-            for layer in &mut kv.layers {
-                let chunk = chunks.next().unwrap_or_default();
-                self.gpu.write_kv_page(layer, page as usize, chunk)?;
-            }
-        }
+        let buf = self.gpu.upload(bytes)?;
+        self.gpu.scatter_kv_pages(&mut kv.layers, pages, &buf)?;
         self.gpu.synchronize()
     }
 }

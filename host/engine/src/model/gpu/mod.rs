@@ -13,6 +13,7 @@ mod linear;
 mod ops;
 mod step;
 
+pub use kv_io::DevicePages;
 use lane::LaneKv;
 use linear::Linear;
 
