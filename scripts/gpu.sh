@@ -26,12 +26,34 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# There: the environment every mode runs in. Kiln loads NCCL as
+# libnccl.so, which the pip wheel (nvidia-nccl-cu13, beside PyTorch) names
+# libnccl.so.2: a link in /tmp/kiln-lib gives it that name.
+device_env() {
+    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache
+    mkdir -p /tmp/kiln-lib
+    local nccl
+    nccl="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)"
+    if [ -n "$nccl" ] && [ -e "$nccl/libnccl.so.2" ]; then
+        ln -sf "$nccl/libnccl.so.2" /tmp/kiln-lib/libnccl.so
+    fi
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/tmp/kiln-lib:${LD_LIBRARY_PATH:-}"
+}
+
+# There: the default model from its two staged halves into the cache;
+# fails if they are not staged.
+staged_model() {
+    [ -f /tmp/kiln-model/a ] && [ -f /tmp/kiln-model/b ] || return 1
+    mkdir -p "$KILN_CACHE"
+    cat /tmp/kiln-model/a /tmp/kiln-model/b >"$KILN_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
+}
+
 # There, for a mode that runs builds side by side: $out, the environment,
 # the base build unpacked, and the GPU's name and clocks.
 prepare() {
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     "$0" unpack
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 }
@@ -115,7 +137,7 @@ stage)
 run)
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
     set +e
     # Kernel timings first: they compare each new kernel with the one it
@@ -140,9 +162,7 @@ run)
         echo "parity tests FAILED: no benchmark"
         exit 1
     fi
-    if [ -f /tmp/kiln-model/a ] && [ -f /tmp/kiln-model/b ]; then
-        mkdir -p "$KILN_CACHE"
-        cat /tmp/kiln-model/a /tmp/kiln-model/b >"$KILN_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if staged_model; then
         set +e
         KILN_TEST_DEVICE=cuda timeout 300 .gpu/engine --include-ignored --test-threads 1 --nocapture 2>&1 |
             tee "$out/engine.log"
@@ -167,7 +187,7 @@ shutdown)
     # that stay, then SIGTERM; kiln must end the streams cleanly and exit 0.
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     python3 scripts/shutdown_check.py .gpu-bench/kiln big synthetic:llama-3-8b \
         --device cuda --kv-memory 16GiB 2>&1 | tee "$out/shutdown.log"
     exit "${PIPESTATUS[0]}"
@@ -177,7 +197,7 @@ bench)
     # call. BENCH_ARGS / TORCH_ARGS override the matrices.
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
     set +e
     # shellcheck disable=SC2086
@@ -208,7 +228,7 @@ prefill)
     # .gpu-bench).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     # With .gpu carried too, the attention parity tests run first and a
     # failure stops the call. Each shape runs with the defaults (tensor),
     # and blocks of 4 or 8 warps asked for (PREFILL_MODES overrides the
@@ -249,7 +269,7 @@ weights)
     # list).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     set +e
     for weights in ${WEIGHTS:-native fp8 int4 prefill=fp8,decode=int4}; do
         echo "== weights: $weights" | tee -a "$out/weights.log"
@@ -265,7 +285,7 @@ skinny | cluster)
     # .gpu-bench).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     for flags in "--cuda-$1 off" "--cuda-$1 on"; do
         echo "== $flags" | tee -a "$out/$1.log"
         # shellcheck disable=SC2086
@@ -283,7 +303,7 @@ neighbour)
     # serve arguments (`--pd on`).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     export ALONE_S="${ALONE_S:-10}" BURST_S="${BURST_S:-20}"
     for server in ${SERVERS:-.gpu-bench/kiln}; do
         for target in ${TARGETS:-0 1.8}; do
@@ -322,7 +342,7 @@ prefill-weights)
     # "native fp8"; carry .gpu-bench): issue 18's FP8 prefill against bf16.
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     for weights in ${WEIGHTS:-native fp8}; do
         echo "== $weights" | tee -a "$out/prefill-weights.log"
         timeout 120 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --weights "$weights" \
@@ -336,7 +356,7 @@ pd)
     # (PD_CLIENTS overrides; empty skips them).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     for pd in off on; do
         echo "== --pd $pd" | tee -a "$out/pd.log"
         timeout 150 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
@@ -353,15 +373,20 @@ gpus)
     # decode pool on GPU 1, same call (carry .gpu, .gpu-bench/kiln.xz).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     if [ ! -x .gpu-bench/kiln ]; then
         xz -d -k .gpu-bench/kiln.xz && chmod +x .gpu-bench/kiln
     fi
     nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$out/gpu.txt"
+    staged_model || echo "no staged model (scripts/gpu.sh stage a, stage b): the engine tests will fail"
     set +e
     KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --nocapture pools_on_two_gpus 2>&1 |
         tee "$out/pools.log" | grep -E "SKIPPED|test result|panicked" | tail -4
     failed=${PIPESTATUS[0]}
+    # Tensor-parallel ranks summed by NCCL where there are three GPUs.
+    KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --nocapture three_gpu_ranks 2>&1 |
+        tee -a "$out/pools.log" | grep -E "ranks on|test result|panicked" | tail -6
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     for placed in "--device cuda:0" "--device cuda:all" "--device cuda:1 --prefill-device cuda:0"; do
         echo "== $placed" | tee -a "$out/gpus.log"
         # shellcheck disable=SC2086
@@ -377,7 +402,7 @@ constrained)
     # every token is drawn through its mask), side by side, one call.
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     # shellcheck disable=SC2086
     timeout "${BENCH_TIMEOUT:-300}" .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda \
         ${CONSTRAINED_ARGS:---kv fp8 --kv-memory 16GiB --concurrency 1,16,64 --prompt-tokens 512 --gen-tokens 128} \
@@ -390,7 +415,7 @@ clients)
     # requests (carry .gpu-bench; CLIENTS, DURATION_S override).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     timeout "${CLIENTS_TIMEOUT:-400}" python3 scripts/clients.py .gpu-bench/kiln .gpu-bench/kiln big \
         synthetic:llama-3-8b --device cuda --kv fp8-static --kv-memory 24GiB 2>&1 |
         grep -v INFO | tee "$out/clients.log"
@@ -589,7 +614,7 @@ ab)
     # benchmark side by side, ROUNDS times in turn (AB_ARGS overrides it).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
-    export KILN_CACHE=/tmp/kiln-cache LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    device_env
     "$0" unpack
     # Same tokens first: greedy and seeded sampling, on the default model
     # (GGUF blocks) and a bf16 one (stacked GEMMs, folded norms, graphs).

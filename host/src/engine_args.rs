@@ -94,9 +94,10 @@ pub(crate) struct EngineArgs {
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     pd: OnOff,
     /// Split the model over N tensor-parallel ranks: each holds 1/N of the
-    /// heads and of the MLP, and KV pages of its own KV heads. On the CPU
-    /// the ranks run in lockstep in one process (the reference for ranks
-    /// on several GPUs, which are not built yet).
+    /// heads and of the MLP, and KV pages of its own KV heads. On CUDA the
+    /// ranks take GPUs N, N + 1, ... from `--device cuda:N` and sum their
+    /// parts by NCCL (ranks that must share a GPU sum through the host,
+    /// slowly, without graphs); on the CPU they run in lockstep.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     tensor_parallel: u16,
 }
@@ -127,6 +128,12 @@ impl EngineArgs {
         &self,
         devices: &[kiln_kernels::Device],
     ) -> anyhow::Result<kiln_host::engine::EngineConfig> {
+        anyhow::ensure!(
+            devices.len() <= 1 || self.tensor_parallel == 1,
+            "--tensor-parallel {}: an engine's ranks take GPUs from the one --device names \
+             on (cuda:N, N + 1, ...); name one device",
+            self.tensor_parallel
+        );
         for d in devices {
             if let kiln_kernels::Device::Cuda(n) = *d {
                 kiln_kernels::cuda::Gpu::probe(n)?;
@@ -139,12 +146,6 @@ impl EngineArgs {
             self.prefill_warps.unwrap_or_default()
         );
         let gpu = matches!(device, kiln_kernels::Device::Cuda(_));
-        anyhow::ensure!(
-            !gpu || self.tensor_parallel == 1,
-            "--tensor-parallel {}: ranks on several GPUs are not built yet; \
-             split the model on the CPU (--device cpu) or run it whole",
-            self.tensor_parallel
-        );
         let scheduler = kiln_host::engine::SchedulerConfig {
             max_running: self.max_seqs.unwrap_or(if gpu { 256 } else { 64 }),
             max_tokens_per_step: self.step_tokens.unwrap_or(if gpu { 2048 } else { 256 }),

@@ -230,6 +230,8 @@ fn several_devices_are_for_serve_alone() {
     }
     let (ok, out) = kiln(&["serve", "--device", "cuda:0,0"]);
     assert!(!ok && out.contains("GPU 0 twice"), "{out}");
+    let (ok, out) = kiln(&["serve", "--device", "cuda:0,1", "--tensor-parallel", "2"]);
+    assert!(!ok && out.contains("name one device"), "{out}");
 }
 
 #[test]

@@ -21,6 +21,8 @@ mod lanes;
 mod memory;
 #[path = "shared/pools.rs"]
 mod pools;
+#[path = "gpu/ranks.rs"]
+mod ranks;
 
 /// Why each test here is ignored by default.
 const NEEDS_GPU: &str = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored";

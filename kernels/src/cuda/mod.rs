@@ -10,6 +10,7 @@ mod act;
 mod attention;
 mod backend;
 mod cluster;
+mod comm;
 mod convert;
 mod cublas;
 mod embed;
@@ -54,6 +55,7 @@ pub use attention::{
     FLASH_PARTITION, PARTITION, PagedQuery, partition_len,
 };
 pub use cluster::{CLUSTER_MAX_M, CLUSTER_MIN_M, ClusterMma};
+pub use comm::{HostSum, NcclRank};
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};

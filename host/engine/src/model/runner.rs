@@ -8,7 +8,8 @@
 use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 
-use super::gpu::{DevicePages, GpuKv, GpuModel};
+use super::gpu::{DevicePages, GpuKv, GpuModel, RankSum, forward_ranks};
+use super::shard::rank_models;
 use super::step::{RunLane, SeqOut, Step, StepOut};
 use super::{KvCache, Loaded, TpModel};
 
@@ -89,6 +90,10 @@ impl PageBytes {
     }
 }
 
+/// Why a sequence cannot move out of or into a runner of GPU ranks.
+const RANKS_DO_NOT_MOVE: &str =
+    "moving a sequence to or from an engine split over GPU ranks is not built yet";
+
 /// The largest step a runner's working buffers are made for at start.
 #[derive(Debug, Clone, Copy)]
 pub struct Reserve {
@@ -112,6 +117,8 @@ enum Place {
     /// The CPU with the model split over ranks (and decode's copy where
     /// the phases have their own), each rank's KV pages.
     CpuRanks(Box<TpModel>, Option<Box<TpModel>>, Vec<KvCache>),
+    /// GPUs holding ranks of the model, each with its KV pages.
+    GpuRanks(Vec<(GpuModel, GpuKv)>),
     /// A GPU, with the weights and KV pages on it, and decode's own copy
     /// of the weights where the phases run on different ones.
     Gpu(Box<GpuModel>, Box<GpuKv>, Option<Box<GpuModel>>),
@@ -136,14 +143,7 @@ impl Runner {
                 let kv = model.kv(o.kv_format, o.page_size, o.num_pages);
                 Place::CpuRanks(model, decode, kv)
             }
-            Device::Cuda(_) if o.ranks > 1 => {
-                return Err(format!(
-                    "{} tensor-parallel ranks on CUDA: a GPU runs one rank, and ranks on \
-                     several GPUs are not built yet; run one rank a GPU (--tensor-parallel 1) \
-                     or split the model on the CPU",
-                    o.ranks
-                ));
-            }
+            Device::Cuda(n) if o.ranks > 1 => Place::GpuRanks(gpu_ranks(loaded, &o, n)?),
             Device::Cpu => Place::Cpu(KvCache::new(
                 &loaded.model.config,
                 o.kv_format,
@@ -173,13 +173,7 @@ impl Runner {
                 };
                 let mut model = model.map_err(|e| e.to_string())?;
                 for m in std::iter::once(&mut model).chain(decode.as_mut()) {
-                    m.set_programmatic(o.programmatic);
-                    m.set_fold(o.fold, o.fold_int4);
-                    m.set_skinny(o.skinny);
-                    m.set_cluster(o.cluster);
-                    m.set_bf16_mlp(o.bf16_mlp);
-                    m.set_prefill_warps(o.prefill_warps)
-                        .map_err(|e| e.to_string())?;
+                    configure(m, &o)?;
                     if o.side_lane {
                         m.open_side_lane().map_err(|e| e.to_string())?;
                         // Weights a failed engine gave back may have left
@@ -190,16 +184,9 @@ impl Runner {
                     }
                 }
                 tracing::info!(device = model.device_name(), "model weights on the GPU");
-                let mut kv = model
-                    .kv(o.kv_format, o.page_size, o.num_pages)
-                    .map_err(|e| e.to_string())?;
-                kv.set_tensor_prefill(o.tensor_prefill);
+                let mut kv = pages(&model, &o)?;
                 let Reserve { tokens, rows } = o.reserve;
-                let fail = |e: kiln_kernels::KernelError| {
-                    format!(
-                        "working buffers for steps of {tokens} tokens and {rows} sequences: {e}"
-                    )
-                };
+                let fail = |e| reserve_failed(&o, e);
                 // Disaggregated, the side lane prefills and the main lane
                 // decodes, a token a sequence, on the decode weights where
                 // the phases have their own.
@@ -237,7 +224,7 @@ impl Runner {
 
     /// Whether it runs on a GPU (which checks page tags inside the step).
     pub fn on_gpu(&self) -> bool {
-        matches!(self.place, Place::Gpu(..))
+        matches!(self.place, Place::Gpu(..) | Place::GpuRanks(_))
     }
 
     /// Bytes of weights a decode step reads where the forward pass runs.
@@ -245,6 +232,7 @@ impl Runner {
         match &self.place {
             Place::Gpu(_, _, Some(decode)) => decode.weight_bytes(),
             Place::Gpu(model, ..) => model.weight_bytes(),
+            Place::GpuRanks(ranks) => ranks.iter().map(|(m, _)| m.weight_bytes()).sum(),
             Place::CpuRanks(model, decode, _) => decode.as_ref().unwrap_or(model).weight_bytes(),
             Place::Cpu(_) => loaded
                 .decode
@@ -258,6 +246,7 @@ impl Runner {
     pub fn copy_bandwidth(&self) -> Option<f64> {
         match &self.place {
             Place::Gpu(model, ..) => model.copy_bandwidth().ok(),
+            Place::GpuRanks(ranks) => ranks.first().and_then(|(m, _)| m.copy_bandwidth().ok()),
             Place::Cpu(_) | Place::CpuRanks(..) => None,
         }
     }
@@ -283,6 +272,7 @@ impl Runner {
             Place::Gpu(model, kv, _) => (model.export_kv_pages(kv, pages))
                 .map(PageBytes::Device)
                 .map_err(|e| e.to_string()),
+            Place::GpuRanks(_) => Err(RANKS_DO_NOT_MOVE.into()),
         }
     }
 
@@ -293,6 +283,7 @@ impl Runner {
         match &mut self.place {
             Place::Cpu(kv) => kv.write_pages(pages, &bytes.to_host()?),
             Place::CpuRanks(_, _, kv) => TpModel::write_pages(kv, pages, &bytes.to_host()?),
+            Place::GpuRanks(_) => Err(RANKS_DO_NOT_MOVE.into()),
             Place::Gpu(model, kv, _) => match bytes {
                 PageBytes::Host(h) => model.write_kv_pages(kv, pages, h),
                 PageBytes::Device(d) => model.import_kv_pages(kv, pages, d),
@@ -305,6 +296,7 @@ impl Runner {
     pub fn buffers_made(&self) -> u64 {
         match &self.place {
             Place::Gpu(_, kv, _) => kv.buffers_made(),
+            Place::GpuRanks(ranks) => ranks.first().map_or(0, |(_, kv)| kv.buffers_made()),
             Place::Cpu(_) | Place::CpuRanks(..) => 0,
         }
     }
@@ -367,6 +359,7 @@ impl Runner {
         let phased = match &self.place {
             Place::Gpu(_, _, decode) => decode.is_some(),
             Place::CpuRanks(_, decode, _) => decode.is_some(),
+            Place::GpuRanks(_) => false,
             Place::Cpu(_) => loaded.decode.is_some(),
         };
         if !phased {
@@ -412,6 +405,7 @@ impl Runner {
                 let logits = model.forward(kv, &step.seqs);
                 cpu_out(step, logits, start)
             }
+            Place::GpuRanks(ranks) => forward_ranks(ranks, step).map_err(|e| e.to_string()),
             Place::Gpu(model, kv, phase) => match (phase, decode) {
                 (Some(d), true) => d.forward(kv, lane, step),
                 _ => model.forward(kv, lane, step),
@@ -436,4 +430,85 @@ fn cpu_out(
         ok: vec![true; step.seqs.len()],
         device: start.elapsed(),
     })
+}
+
+/// Sets a GPU model's paths as `o` asks.
+fn configure(m: &mut GpuModel, o: &RunnerOptions) -> Result<(), String> {
+    m.set_programmatic(o.programmatic);
+    m.set_fold(o.fold, o.fold_int4);
+    m.set_skinny(o.skinny);
+    m.set_cluster(o.cluster);
+    m.set_bf16_mlp(o.bf16_mlp);
+    m.set_prefill_warps(o.prefill_warps)
+        .map_err(|e| e.to_string())
+}
+
+/// A GPU model's KV pages as `o` asks.
+fn pages(m: &GpuModel, o: &RunnerOptions) -> Result<GpuKv, String> {
+    let mut kv = (m.kv(o.kv_format, o.page_size, o.num_pages)).map_err(|e| e.to_string())?;
+    kv.set_tensor_prefill(o.tensor_prefill);
+    Ok(kv)
+}
+
+fn reserve_failed(o: &RunnerOptions, e: kiln_kernels::KernelError) -> String {
+    let Reserve { tokens, rows } = o.reserve;
+    format!("working buffers for steps of {tokens} tokens and {rows} sequences: {e}")
+}
+
+/// The model split over `o.ranks` ranks on GPUs `first`, `first + 1`, ...
+/// (wrapping around the GPUs there are): on as many different GPUs their
+/// projections are summed by NCCL, in graphs where `o` asks; ranks that
+/// share a GPU sum through the host, without graphs (slow: for tests on
+/// one GPU).
+fn gpu_ranks(
+    loaded: &Loaded,
+    o: &RunnerOptions,
+    first: usize,
+) -> Result<Vec<(GpuModel, GpuKv)>, String> {
+    if o.side_lane || loaded.decode.is_some() {
+        return Err(
+            "tensor-parallel ranks on GPUs run one lane on one copy of the weights: \
+                    turn --pd off and give --weights one format"
+                .into(),
+        );
+    }
+    let count = kiln_kernels::cuda::Gpu::count().map_err(|e| e.to_string())?;
+    let ordinals: Vec<usize> = (0..o.ranks).map(|i| (first + i) % count.max(1)).collect();
+    let apart = ordinals
+        .iter()
+        .collect::<std::collections::HashSet<_>>()
+        .len()
+        == o.ranks;
+    if !apart {
+        tracing::warn!(
+            ranks = o.ranks,
+            gpus = count,
+            "tensor-parallel ranks share GPUs: their sums go through the host, without graphs"
+        );
+    }
+    let parts = rank_models(&loaded.model, o.ranks).map_err(|e| e.to_string())?;
+    let mut models = (parts.iter().zip(&ordinals))
+        .map(|(m, n)| GpuModel::upload(m, *n, o.graphs && apart).map_err(|e| e.to_string()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let sums = if apart {
+        GpuModel::nccl_sums(&models).map_err(|e| e.to_string())?
+    } else {
+        RankSum::through_host(o.ranks)
+    };
+    let mut ranks = Vec::with_capacity(o.ranks);
+    for (mut m, sum) in models.drain(..).zip(sums) {
+        m.set_rank_sum(sum);
+        configure(&mut m, o)?;
+        let mut kv = pages(&m, o)?;
+        let Reserve { tokens, rows } = o.reserve;
+        (m.reserve(&mut kv, RunLane::Main, (tokens, tokens, rows)))
+            .map_err(|e| reserve_failed(o, e))?;
+        ranks.push((m, kv));
+    }
+    tracing::info!(
+        ranks = o.ranks,
+        ?ordinals,
+        "model weights split over GPU ranks"
+    );
+    Ok(ranks)
 }

@@ -12,7 +12,7 @@ use std::ops::Range;
 use kiln_kernels::matmul::Weight;
 
 use super::arch::{Backend, Block, Decoder};
-use super::cpu::Host;
+use super::cpu::{Host, Model};
 use super::{ModelConfig, ModelError};
 
 /// Weights split over ranks: each holds one part a rank.
@@ -134,9 +134,150 @@ pub(crate) fn shard(
     })
 }
 
+/// Each rank's part of `model` as a model of its own, for a device that
+/// runs one rank: its heads, its part of the MLP, and the whole output
+/// head (every rank computes all the logits from the same summed rows, so
+/// no rank waits on another's before sampling).
+pub(crate) fn rank_models(model: &Model, ranks: usize) -> Result<Vec<Model>, ModelError> {
+    let config = rank_config(&model.config, ranks)?;
+    let head = model.weights.head().clone();
+    let Decoder {
+        embed,
+        blocks,
+        norm,
+        ..
+    } = shard(&model.weights, &model.config, ranks)?;
+    let mut parts: Vec<Decoder<Host>> = (0..ranks)
+        .map(|_| Decoder {
+            embed: embed[0].clone(),
+            blocks: Vec::with_capacity(blocks.len()),
+            norm: norm[0].clone(),
+            output: Some(head.clone()),
+        })
+        .collect();
+    for b in blocks {
+        let mut bias = b
+            .qkv_bias
+            .map(|[q, k, v]| (q.into_iter().zip(k).zip(v)).map(|((q, k), v)| [q, k, v]));
+        let each = (b.qkv.into_iter())
+            .zip(b.wo)
+            .zip(b.gate_up)
+            .zip(b.down)
+            .zip(b.attn_norm.into_iter().zip(b.ffn_norm));
+        for (part, ((((qkv, wo), gate_up), down), (attn_norm, ffn_norm))) in
+            parts.iter_mut().zip(each)
+        {
+            part.blocks.push(Block {
+                attn_norm,
+                qkv,
+                qkv_bias: bias.as_mut().and_then(Iterator::next),
+                wo,
+                ffn_norm,
+                gate_up,
+                down,
+            });
+        }
+    }
+    Ok(parts
+        .into_iter()
+        .map(|weights| Model {
+            config: config.clone(),
+            weights,
+            rope: model.rope.clone(),
+        })
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Arch;
+    use kiln_kernels::ops::{Rope, RopeStyle};
+
+    /// A two-block model of 4 query heads and 2 KV heads of 2, numbered
+    /// weights (every element says where it came from).
+    fn tiny() -> Model {
+        let config = ModelConfig {
+            arch: Arch::Llama,
+            vocab: 10,
+            hidden: 8,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 2,
+            ffn: 6,
+            eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            rope_style: RopeStyle::Half,
+            context_length: 64,
+        };
+        let mut next = 0.0;
+        let mut w = |rows: usize, cols: usize| {
+            let v = (0..rows * cols).map(|_| {
+                next += 1.0;
+                next
+            });
+            Weight::from_f32(rows, cols, v.collect()).unwrap()
+        };
+        let blocks = (0..2)
+            .map(|_| Block::<Host> {
+                attn_norm: vec![1.0; 8],
+                qkv: vec![w(8, 8), w(4, 8), w(4, 8)],
+                qkv_bias: None,
+                wo: w(8, 8),
+                ffn_norm: vec![1.0; 8],
+                gate_up: vec![w(6, 8), w(6, 8)],
+                down: w(8, 6),
+            })
+            .collect();
+        Model {
+            config,
+            weights: Decoder {
+                embed: w(10, 8),
+                blocks,
+                norm: vec![1.0; 8],
+                output: Some(w(10, 8)),
+            },
+            rope: Rope::new(2, 10000.0, None, RopeStyle::Half),
+        }
+    }
+
+    fn values(w: &Weight) -> Vec<f32> {
+        let mut out = vec![0.0; w.rows() * w.cols()];
+        out.chunks_exact_mut(w.cols().max(1))
+            .enumerate()
+            .for_each(|(r, row)| w.row(r, row));
+        out
+    }
+
+    #[test]
+    fn each_rank_model_holds_its_heads_and_mlp_part_of_every_block_and_the_whole_head() {
+        let whole = tiny();
+        let ranks = rank_models(&whole, 2).unwrap();
+        for (i, rank) in ranks.iter().enumerate() {
+            assert_eq!(
+                (rank.config.heads, rank.config.kv_heads, rank.config.ffn),
+                (2, 1, 3)
+            );
+            for (b, w) in rank.weights.blocks.iter().zip(&whole.weights.blocks) {
+                let part = |m: &Weight, rows: usize| {
+                    values(&m.slice_rows(i * rows..(i + 1) * rows).unwrap())
+                };
+                let cols =
+                    |m: &Weight, n: usize| values(&m.slice_cols(i * n..(i + 1) * n).unwrap());
+                assert_eq!(values(&b.qkv[0]), part(&w.qkv[0], 4));
+                assert_eq!(values(&b.qkv[1]), part(&w.qkv[1], 2));
+                assert_eq!(values(&b.qkv[2]), part(&w.qkv[2], 2));
+                assert_eq!(values(&b.gate_up[1]), part(&w.gate_up[1], 3));
+                assert_eq!(values(&b.wo), cols(&w.wo, 4));
+                assert_eq!(values(&b.down), cols(&w.down, 3));
+            }
+            assert_eq!(values(rank.weights.head()), values(whole.weights.head()));
+        }
+        let e = rank_models(&whole, 4).err().unwrap().to_string();
+        assert!(e.contains("2 KV heads"), "{e}");
+    }
 
     #[test]
     fn parts_cover_every_row_once_in_order() {

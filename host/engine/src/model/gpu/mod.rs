@@ -11,11 +11,13 @@ mod kv_io;
 mod lane;
 mod linear;
 mod ops;
+mod ranks;
 mod step;
 
 pub use kv_io::DevicePages;
 use lane::LaneKv;
 use linear::Linear;
+pub use ranks::{RankSum, forward_ranks};
 
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{
@@ -101,6 +103,9 @@ pub struct GpuModel {
     /// Whether steps of several rows run the MLP in bf16 (`ops.rs`; only
     /// for bf16 gate/up stacks and down projections).
     bf16_mlp: bool,
+    /// As one tensor-parallel rank: how its projections are summed over
+    /// the ranks (`ranks.rs`).
+    sum: Option<RankSum>,
 }
 
 /// Every layer's KV pages on the GPU, shared by the two lanes, and each
@@ -211,6 +216,7 @@ impl GpuModel {
             ordinal,
             fold: false,
             bf16_mlp: false,
+            sum: None,
         };
         uploaded.fold = uploaded.foldable(false);
         Ok(uploaded)
@@ -221,7 +227,7 @@ impl GpuModel {
     /// with `int4`). Set it before [`Self::kv`]: a step captured as a
     /// graph keeps the path it was captured with.
     pub fn set_fold(&mut self, on: bool, int4: bool) {
-        self.fold = on && self.foldable(int4);
+        self.fold = on && self.foldable(int4) && self.sum.is_none();
     }
 
     /// Whether graphs captured from now on join consecutive kernels by

@@ -134,6 +134,8 @@ pub(super) struct CudaStep<'a, 'w> {
     /// The scratch holds the attention's output for the projection.
     attn_ready: bool,
     pending: Pending<'w>,
+    /// As one tensor-parallel rank: how its projections are summed.
+    sum: Option<&'a super::RankSum>,
 }
 
 impl<'a> CudaStep<'a, '_> {
@@ -158,6 +160,7 @@ impl<'a> CudaStep<'a, '_> {
             blocks: &model.weights.blocks,
             attn_ready: false,
             pending: Pending::Nothing,
+            sum: model.sum.as_ref(),
         }
     }
 }
@@ -380,6 +383,10 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                     &mut b.scratch,
                 )?;
             }
+        }
+        // As a rank: every rank's part summed before the norm adds it.
+        if let Some(sum) = self.sum {
+            sum.all_reduce(g, &mut b.proj, n * c.hidden)?;
         }
         // The residual add runs with the next norm.
         self.pending = Pending::Norm {

@@ -1,0 +1,101 @@
+//! Tensor parallelism on GPUs: a model split into ranks
+//! ([`crate::model::shard::rank_models`]), each a [`GpuModel`] of its own
+//! on one GPU with its heads, its part of the MLP and KV pages of its KV
+//! heads. Every rank runs the same step on its own thread; a projection
+//! into the residual stream is summed over the ranks before the norm that
+//! adds it ([`RankSum`]), and every rank computes the whole head from the
+//! same sums, so rank 0's results are the step's.
+
+use std::sync::Arc;
+
+use kiln_kernels::cuda::{CudaSlice, Gpu, HostSum, NcclRank};
+
+use super::{GpuKv, GpuModel, R};
+use crate::model::step::{RunLane, Step, StepOut};
+
+/// How a rank's projections become every rank's sum.
+pub enum RankSum {
+    /// NCCL over ranks on different GPUs (captured in graphs).
+    Nccl(NcclRank),
+    /// Through the host, for ranks that share a GPU (no graphs).
+    Host {
+        /// The ranks' meeting point.
+        sum: Arc<HostSum>,
+        /// This rank.
+        rank: usize,
+    },
+}
+
+impl RankSum {
+    /// The first `n` elements of `x` summed over the ranks, in place.
+    pub(super) fn all_reduce(&self, g: &Gpu, x: &mut CudaSlice<f32>, n: usize) -> R<()> {
+        match self {
+            RankSum::Nccl(rank) => g.all_reduce_sum(rank, x, n),
+            RankSum::Host { sum, rank } => sum.all_reduce_sum(g, *rank, x, n),
+        }
+    }
+
+    /// Whether its sums can be captured in a CUDA graph.
+    pub fn captures(&self) -> bool {
+        matches!(self, RankSum::Nccl(_))
+    }
+}
+
+impl RankSum {
+    /// A sum through the host for each of `ranks` ranks.
+    pub fn through_host(ranks: usize) -> Vec<RankSum> {
+        let sum = HostSum::new(ranks);
+        (0..ranks)
+            .map(|rank| RankSum::Host {
+                sum: Arc::clone(&sum),
+                rank,
+            })
+            .collect()
+    }
+}
+
+impl GpuModel {
+    /// An NCCL sum for each of `ranks` (rank `i` is `ranks[i]`, each on a
+    /// GPU of its own).
+    pub fn nccl_sums(ranks: &[GpuModel]) -> R<Vec<RankSum>> {
+        let gpus: Vec<&Gpu> = ranks.iter().map(|m| &m.gpu).collect();
+        Ok(Gpu::nccl_ranks(&gpus)?
+            .into_iter()
+            .map(RankSum::Nccl)
+            .collect())
+    }
+
+    /// Makes this model one rank of several: its projections into the
+    /// residual stream are summed over the ranks by `sum` (one-token steps
+    /// no longer fold their norms: the sum comes between the product and
+    /// the norm).
+    pub fn set_rank_sum(&mut self, sum: RankSum) {
+        self.fold = false;
+        self.sum = Some(sum);
+    }
+}
+
+/// Runs `step` on every rank at once, each on its own thread (rank 0 on
+/// this one): rank 0's results, or the first rank's error.
+pub fn forward_ranks(ranks: &mut [(GpuModel, GpuKv)], step: &Step<'_>) -> R<StepOut> {
+    let Some(((lead, lead_kv), rest)) = ranks.split_first_mut() else {
+        return Err(kiln_kernels::KernelError::Shape(
+            "a step over no ranks".into(),
+        ));
+    };
+    std::thread::scope(|s| {
+        let others: Vec<_> = (rest.iter_mut())
+            .map(|(m, kv)| s.spawn(move || m.forward(kv, RunLane::Main, step)))
+            .collect();
+        let out = lead.forward(lead_kv, RunLane::Main, step);
+        for h in others {
+            let theirs = h.join().unwrap_or_else(|_| {
+                Err(kiln_kernels::KernelError::Cuda(
+                    "a rank's thread panicked".into(),
+                ))
+            });
+            theirs?;
+        }
+        out
+    })
+}
