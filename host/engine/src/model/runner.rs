@@ -9,7 +9,7 @@ use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 
 use super::gpu::{DevicePages, GpuKv, GpuModel, RankSum, forward_ranks};
-use super::shard::rank_models;
+use super::shard::rank_model;
 use super::step::{RunLane, SeqOut, Step, StepOut};
 use super::{KvCache, Loaded, TpModel};
 
@@ -486,9 +486,11 @@ fn gpu_ranks(
             "tensor-parallel ranks share GPUs: their sums go through the host, without graphs"
         );
     }
-    let parts = rank_models(&loaded.model, o.ranks).map_err(|e| e.to_string())?;
-    let mut models = (parts.iter().zip(&ordinals))
-        .map(|(m, n)| GpuModel::upload(m, *n, o.graphs && apart).map_err(|e| e.to_string()))
+    let mut models = (ordinals.iter().enumerate())
+        .map(|(i, n)| {
+            let part = rank_model(&loaded.model, o.ranks, i).map_err(|e| e.to_string())?;
+            GpuModel::upload(&part, *n, o.graphs && apart).map_err(|e| e.to_string())
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let sums = if apart {
         GpuModel::nccl_sums(&models).map_err(|e| e.to_string())?

@@ -70,122 +70,113 @@ pub(crate) fn part(n: usize, ranks: usize, rank: usize) -> Range<usize> {
     start..start + each + usize::from(rank < extra)
 }
 
-/// `w` split over `ranks` for a model of `config`.
+/// Rank `i`'s part of block `b` of a model of `config` over `ranks`.
+fn rank_block(
+    b: &Block<Host>,
+    config: &ModelConfig,
+    ranks: usize,
+    i: usize,
+) -> Result<Block<Host>, ModelError> {
+    let rank = rank_config(config, ranks)?;
+    let hd = config.head_dim;
+    let (q, kv, ffn) = (rank.heads * hd, rank.kv_heads * hd, rank.ffn);
+    let each = |n: usize| i * n..(i + 1) * n;
+    // A weight format whose blocks straddle a rank's edge does not split.
+    let unsplit = |e: kiln_kernels::KernelError| {
+        ModelError::Unsupported(format!("{ranks} tensor-parallel ranks: {e}"))
+    };
+    let rows = |m: &Weight, n| m.slice_rows(each(n)).map_err(unsplit);
+    let cols = |m: &Weight, n| m.slice_cols(each(n)).map_err(unsplit);
+    let [wq, wk, wv] = b.qkv.as_slice() else {
+        return Err(ModelError::Format("a block without q, k and v".into()));
+    };
+    let [wg, wu] = b.gate_up.as_slice() else {
+        return Err(ModelError::Format("a block without gate and up".into()));
+    };
+    Ok(Block {
+        attn_norm: b.attn_norm.clone(),
+        qkv: vec![rows(wq, q)?, rows(wk, kv)?, rows(wv, kv)?],
+        qkv_bias: (b.qkv_bias.as_ref()).map(|[bq, bk, bv]| {
+            [
+                bq[each(q)].to_vec(),
+                bk[each(kv)].to_vec(),
+                bv[each(kv)].to_vec(),
+            ]
+        }),
+        wo: cols(&b.wo, q)?,
+        ffn_norm: b.ffn_norm.clone(),
+        gate_up: vec![rows(wg, ffn)?, rows(wu, ffn)?],
+        down: cols(&b.down, ffn)?,
+    })
+}
+
+/// `w` split over `ranks` for a model of `config`, the head by
+/// vocabulary rows.
 pub(crate) fn shard(
     w: &Decoder<Host>,
     config: &ModelConfig,
     ranks: usize,
 ) -> Result<Decoder<Ranked>, ModelError> {
-    let rank = rank_config(config, ranks)?;
-    let hd = config.head_dim;
-    let (q, kv, ffn) = (rank.heads * hd, rank.kv_heads * hd, rank.ffn);
-    let each = |i: usize, n: usize| i * n..(i + 1) * n;
-    // A weight format whose blocks straddle a rank's edge does not split.
-    let unsplit = |e: kiln_kernels::KernelError| {
-        ModelError::Unsupported(format!("{ranks} tensor-parallel ranks: {e}"))
-    };
-    let split = |m: &Weight, by: &dyn Fn(&Weight, Range<usize>) -> Result<Weight, _>, n: usize| {
-        (0..ranks)
-            .map(|i| by(m, each(i, n)).map_err(unsplit))
-            .collect::<Result<Vec<_>, ModelError>>()
-    };
-    let rows = |m: &Weight, n| split(m, &|m, r| m.slice_rows(r), n);
-    let cols = |m: &Weight, n| split(m, &|m, r| m.slice_cols(r), n);
-    let whole = |v: &Vec<f32>| vec![v.clone(); ranks];
-    let blocks = (w.blocks.iter())
-        .map(|b| {
-            let [wq, wk, wv] = b.qkv.as_slice() else {
-                return Err(ModelError::Format("a block without q, k and v".into()));
-            };
-            let [wg, wu] = b.gate_up.as_slice() else {
-                return Err(ModelError::Format("a block without gate and up".into()));
-            };
-            let (wq, wk, wv) = (rows(wq, q)?, rows(wk, kv)?, rows(wv, kv)?);
-            let (wg, wu) = (rows(wg, ffn)?, rows(wu, ffn)?);
-            let bias = |v: &Vec<f32>, n| (0..ranks).map(|i| v[each(i, n)].to_vec()).collect();
-            Ok(Block {
-                attn_norm: whole(&b.attn_norm),
-                qkv: (0..ranks)
-                    .map(|i| vec![wq[i].clone(), wk[i].clone(), wv[i].clone()])
-                    .collect(),
-                qkv_bias: (b.qkv_bias.as_ref())
-                    .map(|[bq, bk, bv]| [bias(bq, q), bias(bk, kv), bias(bv, kv)]),
-                wo: cols(&b.wo, q)?,
-                ffn_norm: whole(&b.ffn_norm),
-                gate_up: (0..ranks)
-                    .map(|i| vec![wg[i].clone(), wu[i].clone()])
-                    .collect(),
-                down: cols(&b.down, ffn)?,
-            })
-        })
-        .collect::<Result<Vec<_>, ModelError>>()?;
+    let mut blocks = Vec::with_capacity(w.blocks.len());
+    for b in &w.blocks {
+        let parts = (0..ranks)
+            .map(|i| rank_block(b, config, ranks, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut block = Block::<Ranked> {
+            attn_norm: Vec::new(),
+            qkv: Vec::new(),
+            qkv_bias: b.qkv_bias.as_ref().map(|_| Default::default()),
+            wo: Vec::new(),
+            ffn_norm: Vec::new(),
+            gate_up: Vec::new(),
+            down: Vec::new(),
+        };
+        for p in parts {
+            block.attn_norm.push(p.attn_norm);
+            block.qkv.push(p.qkv);
+            if let (Some(to), Some(from)) = (block.qkv_bias.as_mut(), p.qkv_bias) {
+                to.iter_mut().zip(from).for_each(|(t, f)| t.push(f));
+            }
+            block.wo.push(p.wo);
+            block.ffn_norm.push(p.ffn_norm);
+            block.gate_up.push(p.gate_up);
+            block.down.push(p.down);
+        }
+        blocks.push(block);
+    }
     let head = w.head();
     let output = (0..ranks)
-        .map(|i| {
-            head.slice_rows(part(head.rows(), ranks, i))
-                .map_err(unsplit)
-        })
+        .map(|i| head.slice_rows(part(head.rows(), ranks, i)))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(Decoder {
         embed: vec![w.embed.clone(); ranks],
         blocks,
-        norm: whole(&w.norm),
+        norm: vec![w.norm.clone(); ranks],
         output: Some(output),
     })
 }
 
-/// Each rank's part of `model` as a model of its own, for a device that
+/// Rank `rank`'s part of `model` as a model of its own, for a device that
 /// runs one rank: its heads, its part of the MLP, and the whole output
 /// head (every rank computes all the logits from the same summed rows, so
-/// no rank waits on another's before sampling).
-pub(crate) fn rank_models(model: &Model, ranks: usize) -> Result<Vec<Model>, ModelError> {
+/// no rank waits on another's before sampling). One rank at a time, so a
+/// host holds the model and one rank's part, not every rank's.
+pub(crate) fn rank_model(model: &Model, ranks: usize, rank: usize) -> Result<Model, ModelError> {
     let config = rank_config(&model.config, ranks)?;
-    let head = model.weights.head().clone();
-    let Decoder {
-        embed,
-        blocks,
-        norm,
-        ..
-    } = shard(&model.weights, &model.config, ranks)?;
-    let mut parts: Vec<Decoder<Host>> = (0..ranks)
-        .map(|_| Decoder {
-            embed: embed[0].clone(),
-            blocks: Vec::with_capacity(blocks.len()),
-            norm: norm[0].clone(),
-            output: Some(head.clone()),
-        })
-        .collect();
-    for b in blocks {
-        let mut bias = b
-            .qkv_bias
-            .map(|[q, k, v]| (q.into_iter().zip(k).zip(v)).map(|((q, k), v)| [q, k, v]));
-        let each = (b.qkv.into_iter())
-            .zip(b.wo)
-            .zip(b.gate_up)
-            .zip(b.down)
-            .zip(b.attn_norm.into_iter().zip(b.ffn_norm));
-        for (part, ((((qkv, wo), gate_up), down), (attn_norm, ffn_norm))) in
-            parts.iter_mut().zip(each)
-        {
-            part.blocks.push(Block {
-                attn_norm,
-                qkv,
-                qkv_bias: bias.as_mut().and_then(Iterator::next),
-                wo,
-                ffn_norm,
-                gate_up,
-                down,
-            });
-        }
-    }
-    Ok(parts
-        .into_iter()
-        .map(|weights| Model {
-            config: config.clone(),
-            weights,
-            rope: model.rope.clone(),
-        })
-        .collect())
+    let w = &model.weights;
+    let blocks = (w.blocks.iter())
+        .map(|b| rank_block(b, &model.config, ranks, rank))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Model {
+        config,
+        weights: Decoder {
+            embed: w.embed.clone(),
+            blocks,
+            norm: w.norm.clone(),
+            output: Some(w.head().clone()),
+        },
+        rope: model.rope.clone(),
+    })
 }
 
 #[cfg(test)]
@@ -224,7 +215,7 @@ mod tests {
             .map(|_| Block::<Host> {
                 attn_norm: vec![1.0; 8],
                 qkv: vec![w(8, 8), w(4, 8), w(4, 8)],
-                qkv_bias: None,
+                qkv_bias: Some([8, 4, 4].map(|n| (0..n).map(|i| i as f32).collect())),
                 wo: w(8, 8),
                 ffn_norm: vec![1.0; 8],
                 gate_up: vec![w(6, 8), w(6, 8)],
@@ -254,7 +245,7 @@ mod tests {
     #[test]
     fn each_rank_model_holds_its_heads_and_mlp_part_of_every_block_and_the_whole_head() {
         let whole = tiny();
-        let ranks = rank_models(&whole, 2).unwrap();
+        let ranks: Vec<Model> = (0..2).map(|i| rank_model(&whole, 2, i).unwrap()).collect();
         for (i, rank) in ranks.iter().enumerate() {
             assert_eq!(
                 (rank.config.heads, rank.config.kv_heads, rank.config.ffn),
@@ -272,10 +263,14 @@ mod tests {
                 assert_eq!(values(&b.gate_up[1]), part(&w.gate_up[1], 3));
                 assert_eq!(values(&b.wo), cols(&w.wo, 4));
                 assert_eq!(values(&b.down), cols(&w.down, 3));
+                let (bias, whole_bias) =
+                    (b.qkv_bias.as_ref().unwrap(), w.qkv_bias.as_ref().unwrap());
+                assert_eq!(bias[0], whole_bias[0][i * 4..(i + 1) * 4]);
+                assert_eq!(bias[2], whole_bias[2][i * 2..(i + 1) * 2]);
             }
             assert_eq!(values(rank.weights.head()), values(whole.weights.head()));
         }
-        let e = rank_models(&whole, 4).err().unwrap().to_string();
+        let e = rank_model(&whole, 4, 0).err().unwrap().to_string();
         assert!(e.contains("2 KV heads"), "{e}");
     }
 

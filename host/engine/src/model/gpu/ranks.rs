@@ -1,5 +1,5 @@
 //! Tensor parallelism on GPUs: a model split into ranks
-//! ([`crate::model::shard::rank_models`]), each a [`GpuModel`] of its own
+//! ([`crate::model::shard::rank_model`]), each a [`GpuModel`] of its own
 //! on one GPU with its heads, its part of the MLP and KV pages of its KV
 //! heads. Every rank runs the same step on its own thread; a projection
 //! into the residual stream is summed over the ranks before the norm that
