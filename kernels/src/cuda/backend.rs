@@ -111,6 +111,7 @@ impl Backend for Gpu {
         let here = self.copy_from_peer(&buf)?;
         self.scatter_kv_pages(&mut pools, to, &here)?;
         let out = self.gather_kv_pages(&pools, to)?;
+        self.synchronize()?;
         Self::download_from(&out)
     }
 

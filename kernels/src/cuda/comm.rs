@@ -57,37 +57,100 @@ impl Gpu {
     }
 }
 
-/// Ranks' sums through the host, for ranks that share a GPU: each waits
-/// for its stream, sends its part, and gets back the sum in rank order
-/// (the same bytes on every rank). A rank that does not come within
-/// [`HostSum::PATIENCE`] fails the others' sums instead of hanging them.
-pub struct HostSum {
+/// A meeting of ranks, each on its own thread: each brings an item, and
+/// all get every rank's, in rank order, once the last has come. A rank
+/// that does not come in time ([`PATIENCE`]) breaks the meeting: that round
+/// and every later one fail at once (the runner that owns it is remade),
+/// so no round can pair with another's items.
+pub struct Meeting<T> {
     ranks: usize,
-    state: Mutex<Meeting>,
+    patience: Duration,
+    state: Mutex<Round<T>>,
     turned: Condvar,
 }
 
-/// The parts sent so far and how many meetings have ended.
-struct Meeting {
-    parts: Vec<Vec<f32>>,
+/// How long a rank waits for the others.
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
+/// The items brought so far, the last round's, and how many have ended.
+struct Round<T> {
+    items: Vec<Option<T>>,
     arrived: usize,
     ended: u64,
+    done: Arc<Vec<T>>,
+    broken: bool,
+}
+
+impl<T> Meeting<T> {
+    /// A meeting of `ranks` ranks.
+    pub fn new(ranks: usize) -> Self {
+        Self::with_patience(ranks, PATIENCE)
+    }
+
+    /// A meeting of `ranks` ranks that waits `patience` for each.
+    pub fn with_patience(ranks: usize, patience: Duration) -> Self {
+        Self {
+            ranks,
+            patience,
+            state: Mutex::new(Round {
+                items: (0..ranks).map(|_| None).collect(),
+                arrived: 0,
+                ended: 0,
+                done: Arc::new(Vec::new()),
+                broken: false,
+            }),
+            turned: Condvar::new(),
+        }
+    }
+
+    /// Brings `item` as rank `rank`'s and waits for every rank's.
+    pub fn gather(&self, rank: usize, item: T) -> R<Arc<Vec<T>>> {
+        let mut m = self.state.lock().map_err(|_| broken())?;
+        if m.broken {
+            return Err(broken());
+        }
+        m.items[rank] = Some(item);
+        m.arrived += 1;
+        let round = m.ended;
+        if m.arrived == self.ranks {
+            let items: Option<Vec<T>> = m.items.iter_mut().map(Option::take).collect();
+            m.done = Arc::new(items.ok_or_else(broken)?);
+            m.arrived = 0;
+            m.ended += 1;
+            self.turned.notify_all();
+            return Ok(Arc::clone(&m.done));
+        }
+        let (mut m, _) = (self.turned)
+            .wait_timeout_while(m, self.patience, |m| m.ended == round && !m.broken)
+            .map_err(|_| broken())?;
+        if m.ended == round {
+            m.broken = true;
+            self.turned.notify_all();
+            return Err(KernelError::Cuda(format!(
+                "tensor-parallel ranks: another rank did not come within {:?}",
+                self.patience
+            )));
+        }
+        Ok(Arc::clone(&m.done))
+    }
+}
+
+fn broken() -> KernelError {
+    KernelError::Cuda("tensor-parallel ranks: another rank failed".into())
+}
+
+/// Ranks' sums through the host, for ranks that share a GPU: each waits
+/// for its stream, sends its part, and gets back the sum in rank order
+/// (the same bytes on every rank).
+pub struct HostSum {
+    parts: Meeting<Vec<f32>>,
 }
 
 impl HostSum {
-    /// How long a rank waits for the others.
-    pub const PATIENCE: Duration = Duration::from_secs(60);
-
     /// A meeting point for `ranks` ranks, each on its own thread.
     pub fn new(ranks: usize) -> Arc<Self> {
         Arc::new(Self {
-            ranks,
-            state: Mutex::new(Meeting {
-                parts: vec![Vec::new(); ranks],
-                arrived: 0,
-                ended: 0,
-            }),
-            turned: Condvar::new(),
+            parts: Meeting::new(ranks),
         })
     }
 
@@ -95,43 +158,44 @@ impl HostSum {
     /// sum (waits for `g`'s stream and for every other rank).
     pub fn all_reduce_sum(&self, g: &Gpu, rank: usize, x: &mut CudaSlice<f32>, n: usize) -> R {
         let part = g.download_range(x, 0..n)?;
-        let mut m = self.meet(|m| m.parts[rank] = part)?;
-        let mut sum = m.parts[0].clone();
-        for p in &m.parts[1..self.ranks] {
+        let parts = self.parts.gather(rank, part)?;
+        let mut sum = parts[0].clone();
+        for p in &parts[1..] {
             sum.iter_mut().zip(p).for_each(|(s, v)| *s += v);
         }
-        drop(m);
-        // Nobody sends a new part before every rank has summed this one.
-        m = self.meet(|_| ())?;
-        drop(m);
         g.upload_into(&sum, x)
-    }
-
-    /// Applies `send` and waits until every rank has arrived.
-    fn meet(&self, send: impl FnOnce(&mut Meeting)) -> R<std::sync::MutexGuard<'_, Meeting>> {
-        let mut m = self.state.lock().map_err(|_| failed())?;
-        send(&mut m);
-        m.arrived += 1;
-        let round = m.ended;
-        if m.arrived == self.ranks {
-            m.arrived = 0;
-            m.ended += 1;
-            self.turned.notify_all();
-            return Ok(m);
-        }
-        let (m, wait) = (self.turned)
-            .wait_timeout_while(m, Self::PATIENCE, |m| m.ended == round)
-            .map_err(|_| failed())?;
-        if wait.timed_out() {
-            return Err(KernelError::Cuda(format!(
-                "tensor-parallel ranks: another rank did not reach the sum within {:?}",
-                Self::PATIENCE
-            )));
-        }
-        Ok(m)
     }
 }
 
-fn failed() -> KernelError {
-    KernelError::Cuda("another rank failed while summing".into())
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_rank_gets_every_rounds_items_in_rank_order() {
+        let meeting = Meeting::new(3);
+        std::thread::scope(|s| {
+            for rank in 0..3 {
+                let meeting = &meeting;
+                s.spawn(move || {
+                    for round in 0..50 {
+                        let got = meeting.gather(rank, (round, rank)).unwrap();
+                        assert_eq!(*got, vec![(round, 0), (round, 1), (round, 2)]);
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn a_rank_that_never_comes_fails_that_round_and_every_later_one() {
+        let meeting = Meeting::with_patience(2, Duration::from_millis(50));
+        let e = meeting.gather(0, 1).unwrap_err().to_string();
+        assert!(e.contains("did not come"), "{e}");
+        // The late rank finds the meeting broken rather than pairing its
+        // item with the next round's.
+        let e = meeting.gather(1, 2).unwrap_err().to_string();
+        assert!(e.contains("another rank failed"), "{e}");
+        assert!(meeting.gather(0, 3).is_err());
+    }
 }

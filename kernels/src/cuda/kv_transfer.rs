@@ -33,11 +33,22 @@ impl Gpu {
         page_parts(layers).0 * pages
     }
 
-    /// `pages` of every layer of `layers` in one new buffer (queued on the
-    /// stream; no wait).
+    /// `pages` of every layer of `layers` in one new buffer (gathered on
+    /// this GPU's stream; no wait). The buffer belongs to a stream of its
+    /// own, never captured, so another thread may read it or drop it while
+    /// this GPU's stream captures a graph.
     pub fn gather_kv_pages(&self, layers: &[PagedKv], pages: &[u32]) -> R<CudaSlice<u8>> {
-        let mut buf = self.zeros::<u8>(Self::kv_pages_bytes(layers, pages.len()))?;
         check_pages(layers, pages)?;
+        let own = self.ctx.new_stream().map_err(cuda_err)?;
+        let len = Self::kv_pages_bytes(layers, pages.len());
+        // SAFETY: the gather below writes every byte before anything reads
+        // it (each page's every layer, K, V and scales, back to back).
+        let mut buf = unsafe { own.alloc::<u8>(len.max(1)) }.map_err(cuda_err)?;
+        // The allocation is ready before this GPU's stream writes it.
+        own.synchronize().map_err(cuda_err)?;
+        if pages.is_empty() {
+            return Ok(buf);
+        }
         let ids = self.upload(pages)?;
         let (per_page, offsets) = page_parts(layers);
         for (layer, at) in layers.iter().zip(offsets) {
@@ -66,6 +77,9 @@ impl Gpu {
         buf: &CudaSlice<u8>,
     ) -> R {
         let want = Self::kv_pages_bytes(layers, pages.len());
+        if pages.is_empty() {
+            return Ok(());
+        }
         if buf.len() != want {
             return Err(KernelError::Shape(format!(
                 "{} bytes for {} pages of {} here",
@@ -100,7 +114,8 @@ impl Gpu {
 
     /// A copy on this GPU of `src`, which another GPU (or this one) holds:
     /// one peer copy on this stream, over NVLink where the GPUs have it.
-    /// `src` must be complete (its stream synchronized).
+    /// `src` must be complete (its writers synchronized) and must live
+    /// until this stream has synchronized after the copy.
     pub fn copy_from_peer(&self, src: &CudaSlice<u8>) -> R<CudaSlice<u8>> {
         let mut dst = self.zeros::<u8>(src.len())?;
         if src.is_empty() {

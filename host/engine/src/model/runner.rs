@@ -232,7 +232,8 @@ impl Runner {
         match &self.place {
             Place::Gpu(_, _, Some(decode)) => decode.weight_bytes(),
             Place::Gpu(model, ..) => model.weight_bytes(),
-            Place::GpuRanks(ranks) => ranks.iter().map(|(m, _)| m.weight_bytes()).sum(),
+            // Ranks read their parts at once, each from its own GPU.
+            Place::GpuRanks(ranks) => ranks.first().map_or(0, |(m, _)| m.weight_bytes()),
             Place::CpuRanks(model, decode, _) => decode.as_ref().unwrap_or(model).weight_bytes(),
             Place::Cpu(_) => loaded
                 .decode

@@ -10,22 +10,26 @@ use super::{GpuKv, GpuModel, R};
 /// Pages' contents in a buffer on the GPU that gathered them, complete.
 pub struct DevicePages {
     buf: CudaSlice<u8>,
+    /// Bytes of pages in it (an empty one still holds a byte).
+    len: usize,
 }
 
 impl DevicePages {
     /// Bytes.
     pub fn len(&self) -> usize {
-        self.buf.len()
+        self.len
     }
 
     /// Whether it holds no page.
     pub fn is_empty(&self) -> bool {
-        self.buf.is_empty()
+        self.len == 0
     }
 
     /// The bytes, on the host.
     pub fn to_host(&self) -> R<Vec<u8>> {
-        Gpu::download_from(&self.buf)
+        let mut bytes = Gpu::download_from(&self.buf)?;
+        bytes.truncate(self.len);
+        Ok(bytes)
     }
 }
 
@@ -34,7 +38,8 @@ impl GpuModel {
     pub fn export_kv_pages(&self, kv: &GpuKv, pages: &[u32]) -> R<DevicePages> {
         let buf = self.gpu.gather_kv_pages(&kv.layers, pages)?;
         self.gpu.synchronize()?;
-        Ok(DevicePages { buf })
+        let len = Gpu::kv_pages_bytes(&kv.layers, pages.len());
+        Ok(DevicePages { buf, len })
     }
 
     /// Overwrites `pages` of `kv` with what [`Self::export_kv_pages`] gave
@@ -56,6 +61,9 @@ impl GpuModel {
     /// layout.
     pub fn write_kv_pages(&self, kv: &mut GpuKv, pages: &[u32], bytes: &[u8]) -> R<()> {
         let want = Gpu::kv_pages_bytes(&kv.layers, pages.len());
+        if pages.is_empty() && bytes.is_empty() {
+            return Ok(());
+        }
         if bytes.len() != want {
             return Err(kiln_kernels::KernelError::Shape(format!(
                 "{} bytes for {} pages of {} here",

@@ -4,53 +4,99 @@
 //! heads. Every rank runs the same step on its own thread; a projection
 //! into the residual stream is summed over the ranks before the norm that
 //! adds it ([`RankSum`]), and every rank computes the whole head from the
-//! same sums, so rank 0's results are the step's.
+//! same sums, so rank 0's results are the step's. Before a step's kernels
+//! the ranks agree that each got that far: NCCL's sums wait on the device
+//! for every rank, so a rank that failed before launching would hang the
+//! others for good.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use kiln_kernels::cuda::{CudaSlice, Gpu, HostSum, NcclRank};
+use kiln_kernels::KernelError;
+use kiln_kernels::cuda::{CudaSlice, Gpu, HostSum, Meeting, NcclRank};
 
 use super::{GpuKv, GpuModel, R};
 use crate::model::step::{RunLane, Step, StepOut};
 
-/// How a rank's projections become every rank's sum.
-pub enum RankSum {
+/// How one rank's projections become every rank's sum.
+pub struct RankSum {
+    how: How,
+    rank: usize,
+    gate: Arc<Gate>,
+}
+
+enum How {
     /// NCCL over ranks on different GPUs (captured in graphs).
     Nccl(NcclRank),
     /// Through the host, for ranks that share a GPU (no graphs).
-    Host {
-        /// The ranks' meeting point.
-        sum: Arc<HostSum>,
-        /// This rank.
-        rank: usize,
-    },
+    Host(Arc<HostSum>),
 }
 
-impl RankSum {
-    /// The first `n` elements of `x` summed over the ranks, in place.
-    pub(super) fn all_reduce(&self, g: &Gpu, x: &mut CudaSlice<f32>, n: usize) -> R<()> {
-        match self {
-            RankSum::Nccl(rank) => g.all_reduce_sum(rank, x, n),
-            RankSum::Host { sum, rank } => sum.all_reduce_sum(g, *rank, x, n),
-        }
-    }
-
-    /// Whether its sums can be captured in a CUDA graph.
-    pub fn captures(&self) -> bool {
-        matches!(self, RankSum::Nccl(_))
-    }
+/// The ranks' vote, each step, that every rank reached its kernels.
+struct Gate {
+    votes: Meeting<bool>,
+    voted: Vec<AtomicBool>,
 }
 
 impl RankSum {
     /// A sum through the host for each of `ranks` ranks.
     pub fn through_host(ranks: usize) -> Vec<RankSum> {
         let sum = HostSum::new(ranks);
+        Self::each(ranks, |_| How::Host(Arc::clone(&sum)))
+    }
+
+    fn each(ranks: usize, mut how: impl FnMut(usize) -> How) -> Vec<RankSum> {
+        let gate = Arc::new(Gate {
+            votes: Meeting::new(ranks),
+            voted: (0..ranks).map(|_| AtomicBool::new(false)).collect(),
+        });
         (0..ranks)
-            .map(|rank| RankSum::Host {
-                sum: Arc::clone(&sum),
+            .map(|rank| RankSum {
+                how: how(rank),
                 rank,
+                gate: Arc::clone(&gate),
             })
             .collect()
+    }
+
+    /// The first `n` elements of `x` summed over the ranks, in place.
+    pub(super) fn all_reduce(&self, g: &Gpu, x: &mut CudaSlice<f32>, n: usize) -> R<()> {
+        match &self.how {
+            How::Nccl(rank) => g.all_reduce_sum(rank, x, n),
+            How::Host(sum) => sum.all_reduce_sum(g, self.rank, x, n),
+        }
+    }
+
+    /// Whether its sums can be captured in a CUDA graph.
+    pub fn captures(&self) -> bool {
+        matches!(self.how, How::Nccl(_))
+    }
+
+    /// This rank reached its step's kernels: whether every rank did (the
+    /// kernels run only if so).
+    pub(super) fn agree(&self) -> R<()> {
+        self.gate.voted[self.rank].store(true, Ordering::SeqCst);
+        let votes = self.gate.votes.gather(self.rank, true)?;
+        if votes.iter().all(|v| *v) {
+            Ok(())
+        } else {
+            Err(KernelError::Cuda(
+                "another tensor-parallel rank failed before this step's kernels".into(),
+            ))
+        }
+    }
+
+    /// A new step begins: this rank has not voted.
+    fn begin(&self) {
+        self.gate.voted[self.rank].store(false, Ordering::SeqCst);
+    }
+
+    /// This rank's step failed: if it had not voted, it votes no, so the
+    /// others launch nothing that waits for it.
+    fn failed(&self) {
+        if !self.gate.voted[self.rank].swap(true, Ordering::SeqCst) {
+            let _ = self.gate.votes.gather(self.rank, false);
+        }
     }
 }
 
@@ -59,10 +105,11 @@ impl GpuModel {
     /// GPU of its own).
     pub fn nccl_sums(ranks: &[GpuModel]) -> R<Vec<RankSum>> {
         let gpus: Vec<&Gpu> = ranks.iter().map(|m| &m.gpu).collect();
-        Ok(Gpu::nccl_ranks(&gpus)?
-            .into_iter()
-            .map(RankSum::Nccl)
-            .collect())
+        let mut comms = Gpu::nccl_ranks(&gpus)?.into_iter();
+        let sums = RankSum::each(ranks.len(), |_| {
+            How::Nccl(comms.next().expect("a rank each"))
+        });
+        Ok(sums)
     }
 
     /// Makes this model one rank of several: its projections into the
@@ -78,22 +125,27 @@ impl GpuModel {
 /// Runs `step` on every rank at once, each on its own thread (rank 0 on
 /// this one): rank 0's results, or the first rank's error.
 pub fn forward_ranks(ranks: &mut [(GpuModel, GpuKv)], step: &Step<'_>) -> R<StepOut> {
+    let run = |m: &mut GpuModel, kv: &mut GpuKv| {
+        if let Some(sum) = &m.sum {
+            sum.begin();
+        }
+        let out = m.forward(kv, RunLane::Main, step);
+        if let (Err(_), Some(sum)) = (&out, &m.sum) {
+            sum.failed();
+        }
+        out
+    };
     let Some(((lead, lead_kv), rest)) = ranks.split_first_mut() else {
-        return Err(kiln_kernels::KernelError::Shape(
-            "a step over no ranks".into(),
-        ));
+        return Err(KernelError::Shape("a step over no ranks".into()));
     };
     std::thread::scope(|s| {
         let others: Vec<_> = (rest.iter_mut())
-            .map(|(m, kv)| s.spawn(move || m.forward(kv, RunLane::Main, step)))
+            .map(|(m, kv)| s.spawn(move || run(m, kv)))
             .collect();
-        let out = lead.forward(lead_kv, RunLane::Main, step);
+        let out = run(lead, lead_kv);
         for h in others {
-            let theirs = h.join().unwrap_or_else(|_| {
-                Err(kiln_kernels::KernelError::Cuda(
-                    "a rank's thread panicked".into(),
-                ))
-            });
+            let theirs = (h.join())
+                .unwrap_or_else(|_| Err(KernelError::Cuda("a rank's thread panicked".into())));
             theirs?;
         }
         out

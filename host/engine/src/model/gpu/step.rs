@@ -243,6 +243,11 @@ impl GpuModel {
         if !masks.is_empty() {
             g.upload_at(masks, &mut w.inputs, s.l.masks)?;
         }
+        // As a rank: launch nothing that waits on the other ranks unless
+        // every one got here.
+        if let Some(sum) = &self.sum {
+            sum.agree()?;
+        }
         let GpuKv { layers, lanes, .. } = kv;
         let lk = &mut lanes[lane.index()];
         // A shape is captured the second time it comes: one seen once (a
