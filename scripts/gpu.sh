@@ -22,7 +22,8 @@
 # checks SIGTERM under load (carry .gpu-bench), `scripts/gpu.sh int4` the
 # int4 kernels and int4 decode beside a base build, `scripts/gpu.sh
 # fp8-decode` FP8 rows' kernels and decode beside a base build,
-# `scripts/gpu.sh gpus` decode pools across GPUs (two or more).
+# `scripts/gpu.sh gpus` decode pools across GPUs (two or more), `scripts/gpu.sh
+# tp` tensor-parallel ranks on two GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -393,6 +394,31 @@ gpus)
         CLIENTS="${CLIENTS:-256}" DURATION_S="${DURATION_S:-25}" timeout 240 python3 scripts/clients.py \
             .gpu-bench/kiln .gpu-bench/kiln big synthetic:llama-3-8b $placed --kv fp8-static \
             --kv-memory 24GiB 2>&1 | grep -v INFO | tee -a "$out/gpus.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    done
+    exit "$failed"
+    ;;
+tp)
+    # Tensor parallelism (issue 22; two GPUs or more): synthetic
+    # Llama-3-70B in bf16 (141 GB, more than one GPU) over two ranks, NCCL
+    # between them, decode at 1 and 8 sequences against the two GPUs'
+    # roofline (each reads its half); then 8B on one GPU and over two, same
+    # call (carry .gpu-bench/kiln.xz; the host builds the 70B model in RAM).
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    device_env
+    if [ ! -x .gpu-bench/kiln ]; then
+        xz -d -k .gpu-bench/kiln.xz && chmod +x .gpu-bench/kiln
+    fi
+    nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$out/gpu.txt"
+    set +e
+    failed=0
+    for run in "synthetic:llama-3-70b --tensor-parallel 2" "synthetic:llama-3-8b" \
+        "synthetic:llama-3-8b --tensor-parallel 2"; do
+        echo "== $run" | tee -a "$out/tp.log"
+        # shellcheck disable=SC2086
+        timeout 280 .gpu-bench/kiln bench --model $run --device cuda:0 --kv fp8 --kv-memory 16GiB \
+            ${TP_ARGS:---concurrency 1,8 --prompt-tokens 512 --gen-tokens 64} 2>&1 | tee -a "$out/tp.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     done
     exit "$failed"
