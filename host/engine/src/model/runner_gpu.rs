@@ -1,0 +1,151 @@
+//! A runner's place on GPUs: the whole model on one (with decode's own
+//! copy of the weights where the phases have their own), or split over
+//! tensor-parallel ranks on several.
+
+use kiln_kernels::KernelError;
+
+use super::{Place, Reserve, RunnerOptions};
+use crate::model::gpu::{GpuKv, GpuModel, RankSum};
+use crate::model::shard::rank_model;
+use crate::model::step::RunLane;
+use crate::model::{Loaded, Model};
+
+/// The whole model on GPU `n`, taking the weights a previous runner gave
+/// back if they match.
+pub(super) fn gpu_place(loaded: &Loaded, o: &RunnerOptions, n: usize) -> Result<Place, String> {
+    if o.side_lane && !o.graphs {
+        return Err(
+            "disaggregation on a GPU needs CUDA graphs on (--cuda-graphs on): \
+                    its lanes run on streams of their own, which graphs need too"
+                .into(),
+        );
+    }
+    let kept = loaded.gpu_weights.lock().ok().and_then(|mut s| s.take());
+    let upload = |m: &Model| GpuModel::upload(m, n, o.graphs).map(Box::new);
+    let (model, mut decode) = match kept {
+        Some((ordinal, model, decode)) if ordinal == n && model.uses_graphs() == o.graphs => {
+            (Ok(model), decode)
+        }
+        _ => {
+            let decode = loaded.decode.as_ref().map(upload).transpose();
+            (upload(&loaded.model), decode.map_err(|e| e.to_string())?)
+        }
+    };
+    let mut model = model.map_err(|e| e.to_string())?;
+    for m in std::iter::once(&mut model).chain(decode.as_mut()) {
+        configure(m, o)?;
+        if o.side_lane {
+            m.open_side_lane().map_err(|e| e.to_string())?;
+            // Weights a failed engine gave back may have left the decode
+            // stream ahead; a new engine starts level.
+            if let Err(e) = m.set_urgent(RunLane::Main, false) {
+                tracing::warn!("decode lane priority left as it was: {e}");
+            }
+        }
+    }
+    tracing::info!(device = model.device_name(), "model weights on the GPU");
+    let mut kv = pages(&model, o)?;
+    let Reserve { tokens, rows } = o.reserve;
+    let fail = |e| reserve_failed(o, e);
+    // Disaggregated, the side lane prefills and the main lane
+    // decodes, a token a sequence, on the decode weights where
+    // the phases have their own.
+    let prefill_lane = if o.side_lane {
+        RunLane::Side
+    } else {
+        RunLane::Main
+    };
+    model
+        .reserve(&mut kv, prefill_lane, (tokens, tokens, rows))
+        .map_err(fail)?;
+    if o.side_lane {
+        let decoder = decode.as_deref().unwrap_or(&*model);
+        decoder
+            .reserve(&mut kv, RunLane::Main, (rows, tokens.max(rows), rows))
+            .map_err(fail)?;
+    }
+    Ok(Place::Gpu(model, Box::new(kv), decode))
+}
+
+/// Sets a GPU model's paths as `o` asks.
+fn configure(m: &mut GpuModel, o: &RunnerOptions) -> Result<(), String> {
+    m.set_programmatic(o.programmatic);
+    m.set_fold(o.fold, o.fold_int4);
+    m.set_skinny(o.skinny);
+    m.set_cluster(o.cluster);
+    m.set_bf16_mlp(o.bf16_mlp);
+    m.set_prefill_warps(o.prefill_warps)
+        .map_err(|e| e.to_string())
+}
+
+/// A GPU model's KV pages as `o` asks.
+fn pages(m: &GpuModel, o: &RunnerOptions) -> Result<GpuKv, String> {
+    let mut kv = (m.kv(o.kv_format, o.page_size, o.num_pages)).map_err(|e| e.to_string())?;
+    kv.set_tensor_prefill(o.tensor_prefill);
+    Ok(kv)
+}
+
+fn reserve_failed(o: &RunnerOptions, e: KernelError) -> String {
+    let Reserve { tokens, rows } = o.reserve;
+    format!("working buffers for steps of {tokens} tokens and {rows} sequences: {e}")
+}
+
+/// The model split over `o.ranks` ranks on GPUs `first`, `first + 1`, ...
+/// (wrapping around the GPUs there are): on as many different GPUs their
+/// projections are summed by NCCL, in graphs where `o` asks; ranks that
+/// share a GPU sum through the host, without graphs (slow: for tests on
+/// one GPU).
+pub(super) fn gpu_ranks(
+    loaded: &Loaded,
+    o: &RunnerOptions,
+    first: usize,
+) -> Result<Vec<(GpuModel, GpuKv)>, String> {
+    if o.side_lane || loaded.decode.is_some() {
+        return Err(
+            "tensor-parallel ranks on GPUs run one lane on one copy of the weights: \
+                    turn --pd off and give --weights one format"
+                .into(),
+        );
+    }
+    let count = kiln_kernels::cuda::Gpu::count().map_err(|e| e.to_string())?;
+    let ordinals: Vec<usize> = (0..o.ranks).map(|i| (first + i) % count.max(1)).collect();
+    let apart = ordinals
+        .iter()
+        .collect::<std::collections::HashSet<_>>()
+        .len()
+        == o.ranks;
+    if !apart {
+        tracing::warn!(
+            ranks = o.ranks,
+            gpus = count,
+            "tensor-parallel ranks share GPUs: their sums go through the host, without graphs"
+        );
+    }
+    let mut models = (ordinals.iter().enumerate())
+        .map(|(i, n)| {
+            let part = rank_model(&loaded.model, o.ranks, i).map_err(|e| e.to_string())?;
+            GpuModel::upload(&part, *n, o.graphs && apart).map_err(|e| e.to_string())
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let sums = if apart {
+        GpuModel::nccl_sums(&models).map_err(|e| e.to_string())?
+    } else {
+        RankSum::through_host(o.ranks)
+    };
+    let mut ranks = Vec::with_capacity(o.ranks);
+    for (mut m, sum) in models.drain(..).zip(sums) {
+        m.set_rank_sum(sum);
+        configure(&mut m, o)?;
+        let mut kv = pages(&m, o)?;
+        let Reserve { tokens, rows } = o.reserve;
+        (m.reserve(&mut kv, RunLane::Main, (tokens, tokens, rows)))
+            .map_err(|e| reserve_failed(o, e))?;
+        ranks.push((m, kv));
+    }
+    tracing::info!(
+        ranks = o.ranks,
+        ?ordinals,
+        "model weights split over GPU ranks"
+    );
+    Ok(ranks)
+}
