@@ -5,6 +5,7 @@
 //! NVLS buffers registered). Ranks that share a GPU cannot join one NCCL
 //! communicator: they sum through the host ([`HostSum`]), outside graphs.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -139,6 +140,54 @@ fn broken() -> KernelError {
     KernelError::Cuda("tensor-parallel ranks: another rank failed".into())
 }
 
+/// The ranks' vote, each step, that every rank reached its kernels: NCCL's
+/// sums wait on the device for every rank, so a rank that failed before
+/// launching would hang the others for good; with the vote they launch
+/// nothing and fail too.
+pub struct Vote {
+    votes: Meeting<bool>,
+    voted: Vec<AtomicBool>,
+}
+
+impl Vote {
+    /// A vote of `ranks` ranks.
+    pub fn new(ranks: usize) -> Self {
+        Self::with_meeting(Meeting::new(ranks), ranks)
+    }
+
+    fn with_meeting(votes: Meeting<bool>, ranks: usize) -> Self {
+        Self {
+            votes,
+            voted: (0..ranks).map(|_| AtomicBool::new(false)).collect(),
+        }
+    }
+
+    /// A new step begins for `rank`: it has not voted.
+    pub fn begin(&self, rank: usize) {
+        self.voted[rank].store(false, Ordering::SeqCst);
+    }
+
+    /// `rank` reached its step's kernels: fine if every rank did.
+    pub fn agree(&self, rank: usize) -> R {
+        self.voted[rank].store(true, Ordering::SeqCst);
+        let votes = self.votes.gather(rank, true)?;
+        if votes.iter().all(|v| *v) {
+            Ok(())
+        } else {
+            Err(KernelError::Cuda(
+                "another tensor-parallel rank failed before this step's kernels".into(),
+            ))
+        }
+    }
+
+    /// `rank`'s step failed: if it had not voted, it votes no.
+    pub fn failed(&self, rank: usize) {
+        if !self.voted[rank].swap(true, Ordering::SeqCst) {
+            let _ = self.votes.gather(rank, false);
+        }
+    }
+}
+
 /// Ranks' sums through the host, for ranks that share a GPU: each waits
 /// for its stream, sends its part, and gets back the sum in rank order
 /// (the same bytes on every rank).
@@ -185,6 +234,35 @@ mod tests {
                 });
             }
         });
+    }
+
+    #[test]
+    fn a_rank_failing_before_its_kernels_stops_the_others_at_once() {
+        let vote = Vote::with_meeting(Meeting::with_patience(2, Duration::from_secs(30)), 2);
+        let start = std::time::Instant::now();
+        std::thread::scope(|s| {
+            let ok = s.spawn(|| {
+                vote.begin(0);
+                vote.agree(0)
+            });
+            vote.begin(1);
+            vote.failed(1);
+            let e = ok.join().unwrap().unwrap_err().to_string();
+            assert!(e.contains("failed before this step's kernels"), "{e}");
+        });
+        // A rank that fails after voting yes votes no more (a vote with no
+        // other rank coming would wait the patience out).
+        for rank in 0..2 {
+            vote.begin(rank);
+        }
+        std::thread::scope(|s| {
+            let other = s.spawn(|| vote.agree(1));
+            vote.agree(0).unwrap();
+            vote.failed(0);
+            other.join().unwrap().unwrap();
+        });
+        let waited = start.elapsed();
+        assert!(waited < Duration::from_secs(5), "waited {waited:?}");
     }
 
     #[test]

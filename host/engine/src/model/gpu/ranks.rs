@@ -10,10 +10,9 @@
 //! others for good.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{CudaSlice, Gpu, HostSum, Meeting, NcclRank};
+use kiln_kernels::cuda::{CudaSlice, Gpu, HostSum, NcclRank, Vote};
 
 use super::{GpuKv, GpuModel, R};
 use crate::model::step::{RunLane, Step, StepOut};
@@ -22,7 +21,7 @@ use crate::model::step::{RunLane, Step, StepOut};
 pub struct RankSum {
     how: How,
     rank: usize,
-    gate: Arc<Gate>,
+    vote: Arc<Vote>,
 }
 
 enum How {
@@ -30,12 +29,6 @@ enum How {
     Nccl(NcclRank),
     /// Through the host, for ranks that share a GPU (no graphs).
     Host(Arc<HostSum>),
-}
-
-/// The ranks' vote, each step, that every rank reached its kernels.
-struct Gate {
-    votes: Meeting<bool>,
-    voted: Vec<AtomicBool>,
 }
 
 impl RankSum {
@@ -46,15 +39,12 @@ impl RankSum {
     }
 
     fn each(ranks: usize, mut how: impl FnMut(usize) -> How) -> Vec<RankSum> {
-        let gate = Arc::new(Gate {
-            votes: Meeting::new(ranks),
-            voted: (0..ranks).map(|_| AtomicBool::new(false)).collect(),
-        });
+        let vote = Arc::new(Vote::new(ranks));
         (0..ranks)
             .map(|rank| RankSum {
                 how: how(rank),
                 rank,
-                gate: Arc::clone(&gate),
+                vote: Arc::clone(&vote),
             })
             .collect()
     }
@@ -72,31 +62,10 @@ impl RankSum {
         matches!(self.how, How::Nccl(_))
     }
 
-    /// This rank reached its step's kernels: whether every rank did (the
-    /// kernels run only if so).
+    /// This rank reached its step's kernels: fine if every rank did (the
+    /// kernels run only then).
     pub(super) fn agree(&self) -> R<()> {
-        self.gate.voted[self.rank].store(true, Ordering::SeqCst);
-        let votes = self.gate.votes.gather(self.rank, true)?;
-        if votes.iter().all(|v| *v) {
-            Ok(())
-        } else {
-            Err(KernelError::Cuda(
-                "another tensor-parallel rank failed before this step's kernels".into(),
-            ))
-        }
-    }
-
-    /// A new step begins: this rank has not voted.
-    fn begin(&self) {
-        self.gate.voted[self.rank].store(false, Ordering::SeqCst);
-    }
-
-    /// This rank's step failed: if it had not voted, it votes no, so the
-    /// others launch nothing that waits for it.
-    fn failed(&self) {
-        if !self.gate.voted[self.rank].swap(true, Ordering::SeqCst) {
-            let _ = self.gate.votes.gather(self.rank, false);
-        }
+        self.vote.agree(self.rank)
     }
 }
 
@@ -127,11 +96,11 @@ impl GpuModel {
 pub fn forward_ranks(ranks: &mut [(GpuModel, GpuKv)], step: &Step<'_>) -> R<StepOut> {
     let run = |m: &mut GpuModel, kv: &mut GpuKv| {
         if let Some(sum) = &m.sum {
-            sum.begin();
+            sum.vote.begin(sum.rank);
         }
         let out = m.forward(kv, RunLane::Main, step);
         if let (Err(_), Some(sum)) = (&out, &m.sum) {
-            sum.failed();
+            sum.vote.failed(sum.rank);
         }
         out
     };
