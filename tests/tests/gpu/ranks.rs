@@ -38,3 +38,33 @@ fn three_gpu_ranks_compute_what_the_whole_model_computes() {
         assert_eq!(split.stats().integrity_aborts, 0);
     }
 }
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn a_sequence_moves_between_engines_of_three_gpu_ranks_rank_by_rank() {
+    use kiln_host::engine::TenantId;
+    let device = super::device();
+    let engine = || {
+        super::engine_config(EngineConfig {
+            device,
+            tensor_parallel: 3,
+            ..Default::default()
+        })
+    };
+    let mut home = engine();
+    let prompt = kiln_tests::chat_ids(&home, super::PROMPTS[2]);
+    let seq = home
+        .add(TenantId(5), prompt.clone(), kiln_tests::greedy_to(10))
+        .unwrap();
+    let want = kiln_tests::tokens_of(&mut home, seq, usize::MAX).0;
+    drop(home);
+    let (mut prefill, mut decode) = (engine(), engine());
+    let seq = prefill
+        .add(TenantId(5), prompt, kiln_tests::greedy_to(10))
+        .unwrap();
+    let first = kiln_tests::tokens_of(&mut prefill, seq, 1).0;
+    let there = decode.adopt(prefill.export(seq).unwrap()).unwrap();
+    let rest = kiln_tests::tokens_of(&mut decode, there, usize::MAX).0;
+    assert_eq!([first, rest].concat(), want);
+    assert_eq!(decode.stats().integrity_aborts, 0);
+}

@@ -90,14 +90,21 @@ impl TpModel {
     /// Overwrites `pages` with what [`Self::read_pages`] gave for as many
     /// pages of ranks of the same shape.
     pub fn write_pages(kv: &mut [KvCache], pages: &[u32], bytes: &[u8]) -> Result<(), String> {
-        let each = bytes.len() / kv.len().max(1);
-        if each * kv.len() != bytes.len() {
-            return Err(format!("{} bytes for {} ranks", bytes.len(), kv.len()));
-        }
+        let parts = rank_parts(bytes, kv.len())?;
         (kv.iter_mut())
-            .zip(bytes.chunks(each.max(1)))
+            .zip(parts)
             .try_for_each(|(k, b)| k.write_pages(pages, b))
     }
+}
+
+/// `bytes` as `ranks` equal parts, each rank's in turn (pages' contents
+/// over ranks, on any backend).
+pub(crate) fn rank_parts(bytes: &[u8], ranks: usize) -> Result<std::slice::Chunks<'_, u8>, String> {
+    let each = bytes.len() / ranks.max(1);
+    if each * ranks != bytes.len() {
+        return Err(format!("{} bytes for {ranks} ranks", bytes.len()));
+    }
+    Ok(bytes.chunks(each.max(1)))
 }
 
 /// One step's buffers on every rank.

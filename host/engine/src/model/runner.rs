@@ -8,6 +8,7 @@
 use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 
+use super::cpu_tp::rank_parts;
 use super::gpu::{DevicePages, GpuKv, GpuModel, forward_ranks};
 use super::step::{RunLane, SeqOut, Step, StepOut};
 use super::{KvCache, Loaded, TpModel};
@@ -64,8 +65,9 @@ pub struct RunnerOptions {
 pub enum PageBytes {
     /// On the host.
     Host(Vec<u8>),
-    /// In a buffer on the GPU that read them.
-    Device(DevicePages),
+    /// In buffers on the GPUs that read them, one a rank (one for a
+    /// whole model), each rank's bytes in turn.
+    Device(Vec<DevicePages>),
 }
 
 impl PageBytes {
@@ -73,7 +75,7 @@ impl PageBytes {
     pub fn len(&self) -> usize {
         match self {
             PageBytes::Host(h) => h.len(),
-            PageBytes::Device(d) => d.len(),
+            PageBytes::Device(d) => d.iter().map(DevicePages::len).sum(),
         }
     }
 
@@ -86,16 +88,16 @@ impl PageBytes {
     fn to_host(&self) -> Result<std::borrow::Cow<'_, [u8]>, String> {
         match self {
             PageBytes::Host(h) => Ok(std::borrow::Cow::Borrowed(h)),
-            PageBytes::Device(d) => (d.to_host())
-                .map(std::borrow::Cow::Owned)
-                .map_err(|e| e.to_string()),
+            PageBytes::Device(d) => {
+                let mut host = Vec::with_capacity(self.len());
+                for rank in d {
+                    host.extend(rank.to_host().map_err(|e| e.to_string())?);
+                }
+                Ok(std::borrow::Cow::Owned(host))
+            }
         }
     }
 }
-
-/// Why a sequence cannot move out of or into a runner of GPU ranks.
-const RANKS_DO_NOT_MOVE: &str =
-    "moving a sequence to or from an engine split over GPU ranks is not built yet";
 
 /// The largest step a runner's working buffers are made for at start.
 #[derive(Debug, Clone, Copy)]
@@ -219,9 +221,13 @@ impl Runner {
             Place::Cpu(kv) => Ok(PageBytes::Host(kv.read_pages(pages))),
             Place::CpuRanks(_, _, kv) => Ok(PageBytes::Host(TpModel::read_pages(kv, pages))),
             Place::Gpu(model, kv, _) => (model.export_kv_pages(kv, pages))
+                .map(|d| PageBytes::Device(vec![d]))
+                .map_err(|e| e.to_string()),
+            Place::GpuRanks(ranks) => (ranks.iter())
+                .map(|(m, kv)| m.export_kv_pages(kv, pages))
+                .collect::<Result<Vec<_>, _>>()
                 .map(PageBytes::Device)
                 .map_err(|e| e.to_string()),
-            Place::GpuRanks(_) => Err(RANKS_DO_NOT_MOVE.into()),
         }
     }
 
@@ -232,12 +238,26 @@ impl Runner {
         match &mut self.place {
             Place::Cpu(kv) => kv.write_pages(pages, &bytes.to_host()?),
             Place::CpuRanks(_, _, kv) => TpModel::write_pages(kv, pages, &bytes.to_host()?),
-            Place::GpuRanks(_) => Err(RANKS_DO_NOT_MOVE.into()),
+            Place::GpuRanks(ranks) => match bytes {
+                PageBytes::Device(d) if d.len() == ranks.len() => (ranks.iter_mut().zip(d))
+                    .try_for_each(|((m, kv), d)| m.import_kv_pages(kv, pages, d))
+                    .map_err(|e| e.to_string()),
+                _ => {
+                    let host = bytes.to_host()?;
+                    let parts = rank_parts(&host, ranks.len())?;
+                    (ranks.iter_mut().zip(parts))
+                        .try_for_each(|((m, kv), part)| m.write_kv_pages(kv, pages, part))
+                        .map_err(|e| e.to_string())
+                }
+            },
             Place::Gpu(model, kv, _) => match bytes {
-                PageBytes::Host(h) => model.write_kv_pages(kv, pages, h),
-                PageBytes::Device(d) => model.import_kv_pages(kv, pages, d),
-            }
-            .map_err(|e| e.to_string()),
+                PageBytes::Device(d) if d.len() == 1 => {
+                    (model.import_kv_pages(kv, pages, &d[0])).map_err(|e| e.to_string())
+                }
+                _ => {
+                    (model.write_kv_pages(kv, pages, &bytes.to_host()?)).map_err(|e| e.to_string())
+                }
+            },
         }
     }
 
