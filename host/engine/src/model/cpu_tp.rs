@@ -99,12 +99,14 @@ impl TpModel {
 
 /// `bytes` as `ranks` equal parts, each rank's in turn (pages' contents
 /// over ranks, on any backend).
-pub(crate) fn rank_parts(bytes: &[u8], ranks: usize) -> Result<std::slice::Chunks<'_, u8>, String> {
+pub(crate) fn rank_parts(bytes: &[u8], ranks: usize) -> Result<Vec<&[u8]>, String> {
     let each = bytes.len() / ranks.max(1);
     if each * ranks != bytes.len() {
         return Err(format!("{} bytes for {ranks} ranks", bytes.len()));
     }
-    Ok(bytes.chunks(each.max(1)))
+    Ok((0..ranks)
+        .map(|i| &bytes[i * each..(i + 1) * each])
+        .collect())
 }
 
 /// One step's buffers on every rank.

@@ -98,7 +98,12 @@ pub fn forward_ranks(ranks: &mut [(GpuModel, GpuKv)], step: &Step<'_>) -> R<Step
         if let Some(sum) = &m.sum {
             sum.vote.begin(sum.rank);
         }
-        let out = m.forward(kv, RunLane::Main, step);
+        // A panic is this rank's failure too: the others must not wait
+        // for its vote.
+        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            m.forward(kv, RunLane::Main, step)
+        }))
+        .unwrap_or_else(|_| Err(KernelError::Cuda("a rank's step panicked".into())));
         if let (Err(_), Some(sum)) = (&out, &m.sum) {
             sum.vote.failed(sum.rank);
         }
@@ -114,7 +119,7 @@ pub fn forward_ranks(ranks: &mut [(GpuModel, GpuKv)], step: &Step<'_>) -> R<Step
         let out = run(lead, lead_kv);
         for h in others {
             let theirs = (h.join())
-                .unwrap_or_else(|_| Err(KernelError::Cuda("a rank's thread panicked".into())));
+                .unwrap_or_else(|_| Err(KernelError::Cuda("a rank's step panicked".into())));
             theirs?;
         }
         out

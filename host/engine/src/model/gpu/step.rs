@@ -243,11 +243,6 @@ impl GpuModel {
         if !masks.is_empty() {
             g.upload_at(masks, &mut w.inputs, s.l.masks)?;
         }
-        // As a rank: launch nothing that waits on the other ranks unless
-        // every one got here.
-        if let Some(sum) = &self.sum {
-            sum.agree()?;
-        }
         let GpuKv { layers, lanes, .. } = kv;
         let lk = &mut lanes[lane.index()];
         // A shape is captured the second time it comes: one seen once (a
@@ -266,11 +261,21 @@ impl GpuModel {
                     let graph = g.capture(|| self.kernels(g, layers, lk, w, s))?;
                     lk.graphs.insert(k, graph);
                 }
+                self.agree()?;
                 g.replay(&lk.graphs[&k])?;
             }
-            None => self.kernels(g, layers, lk, w, s)?,
+            None => {
+                self.agree()?;
+                self.kernels(g, layers, lk, w, s)?
+            }
         }
         Ok(())
+    }
+
+    /// As a rank: run nothing that waits on the other ranks unless every
+    /// one got this far (a capture only records, so it comes before).
+    fn agree(&self) -> R<()> {
+        self.sum.as_ref().map_or(Ok(()), |sum| sum.agree())
     }
 
     /// A queued step's results: its flags and tokens (and logits rows when
