@@ -49,6 +49,24 @@ staged_model() {
     cat /tmp/kiln-model/a /tmp/kiln-model/b >"$KILN_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
 }
 
+# There: this tree's kiln, which travels compressed, unpacked.
+unpack_kiln() {
+    if [ ! -x .gpu-bench/kiln ] && [ -f .gpu-bench/kiln.xz ]; then
+        xz -d -k .gpu-bench/kiln.xz
+        chmod +x .gpu-bench/kiln
+    fi
+}
+
+# There, for a mode across GPUs: $out, the environment, this tree's kiln
+# and every GPU's index and name.
+prepare_gpus() {
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    device_env
+    unpack_kiln
+    nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$out/gpu.txt"
+}
+
 # There, for a mode that runs builds side by side: $out, the environment,
 # the base build unpacked, and the GPU's name and clocks.
 prepare() {
@@ -372,13 +390,7 @@ gpus)
     # CLIENTS (default 256) with one pool on GPU 0, one pool on each GPU
     # (`--device cuda:all`), and a prefill pool on GPU 0 handing on to a
     # decode pool on GPU 1, same call (carry .gpu, .gpu-bench/kiln.xz).
-    out="${OUT:-./gpu-out}"
-    mkdir -p "$out"
-    device_env
-    if [ ! -x .gpu-bench/kiln ]; then
-        xz -d -k .gpu-bench/kiln.xz && chmod +x .gpu-bench/kiln
-    fi
-    nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$out/gpu.txt"
+    prepare_gpus
     staged_model || echo "no staged model (scripts/gpu.sh stage a, stage b): the engine tests will fail"
     set +e
     KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --nocapture pools_on_two_gpus 2>&1 |
@@ -404,13 +416,7 @@ tp)
     # between them, decode at 1 and 8 sequences against the two GPUs'
     # roofline (each reads its half); then 8B on one GPU and over two, same
     # call (carry .gpu-bench/kiln.xz; the host builds the 70B model in RAM).
-    out="${OUT:-./gpu-out}"
-    mkdir -p "$out"
-    device_env
-    if [ ! -x .gpu-bench/kiln ]; then
-        xz -d -k .gpu-bench/kiln.xz && chmod +x .gpu-bench/kiln
-    fi
-    nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$out/gpu.txt"
+    prepare_gpus
     set +e
     failed=0
     for run in "synthetic:llama-3-70b --tensor-parallel 2" "synthetic:llama-3-8b" \
@@ -505,11 +511,7 @@ for l in sys.stdin:
 unpack)
     xz -d -c .gpu-bench/kiln-base.xz >/tmp/kiln-base
     chmod +x /tmp/kiln-base
-    # This tree's kiln travels compressed beside the test binaries.
-    if [ ! -x .gpu-bench/kiln ] && [ -f .gpu-bench/kiln.xz ]; then
-        xz -d -k .gpu-bench/kiln.xz
-        chmod +x .gpu-bench/kiln
-    fi
+    unpack_kiln
     ;;
 int4)
     # Int4 decode at one sequence: the kernel tests (parity, the device

@@ -80,21 +80,19 @@ impl PoolThread {
     /// fewest here for its weight (in order within a tenant); with nothing
     /// running, that one runs or fails at once.
     pub(super) fn adopt_pending(&mut self, engine: &mut Engine) {
-        loop {
-            let tenants: Vec<(Arc<str>, u32)> = (self.pending.iter())
-                .map(|a| (Arc::clone(&a.tenant), a.weight))
-                .collect();
-            let waiting: Vec<(TenantId, u32)> = (tenants.iter())
-                .map(|(t, w)| (self.tenant_id(t), *w))
-                .collect();
-            let Some(next) = engine.next_to_adopt(&waiting) else {
-                return;
-            };
+        let tenants: Vec<(Arc<str>, u32)> = (self.pending.iter())
+            .map(|a| (Arc::clone(&a.tenant), a.weight))
+            .collect();
+        let mut waiting: Vec<(TenantId, u32)> = (tenants.iter())
+            .map(|(t, w)| (self.tenant_id(t), *w))
+            .collect();
+        while let Some(next) = engine.next_to_adopt(&waiting) {
             let room = engine.running() < self.config.scheduler.max_running
                 && engine.free_pages() > self.pending[next].transfer.pages();
             if !room && engine.running() > 0 {
                 return;
             }
+            waiting.remove(next);
             if let Some(a) = self.pending.remove(next) {
                 self.adopt(engine, a);
             }

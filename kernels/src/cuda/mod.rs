@@ -55,7 +55,7 @@ pub use attention::{
     FLASH_PARTITION, PARTITION, PagedQuery, partition_len,
 };
 pub use cluster::{CLUSTER_MAX_M, CLUSTER_MIN_M, ClusterMma};
-pub use comm::{HostSum, Meeting, NcclRank, PATIENCE, Vote};
+pub use comm::{HostSum, NcclRank, Vote};
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};

@@ -41,11 +41,6 @@ impl TpModel {
         })
     }
 
-    /// Ranks it is split over.
-    pub fn ranks(&self) -> usize {
-        self.ranks
-    }
-
     /// Each rank's KV pages: `num_pages` pages of `page_size` tokens of its
     /// KV heads.
     pub fn kv(&self, format: KvFormat, page_size: usize, num_pages: usize) -> Vec<KvCache> {

@@ -109,11 +109,8 @@ pub(super) fn gpu_ranks(
     }
     let count = kiln_kernels::cuda::Gpu::count().map_err(|e| e.to_string())?;
     let ordinals: Vec<usize> = (0..o.ranks).map(|i| (first + i) % count.max(1)).collect();
-    let apart = ordinals
-        .iter()
-        .collect::<std::collections::HashSet<_>>()
-        .len()
-        == o.ranks;
+    // (first + i) % count are as many GPUs as ranks where there are enough.
+    let apart = count >= o.ranks;
     if !apart {
         tracing::warn!(
             ranks = o.ranks,
@@ -121,7 +118,7 @@ pub(super) fn gpu_ranks(
             "tensor-parallel ranks share GPUs: their sums go through the host, without graphs"
         );
     }
-    let mut models = (ordinals.iter().enumerate())
+    let models = (ordinals.iter().enumerate())
         .map(|(i, n)| {
             let part = rank_model(&loaded.model, o.ranks, i).map_err(|e| e.to_string())?;
             GpuModel::upload(&part, *n, o.graphs && apart).map_err(|e| e.to_string())
@@ -133,7 +130,7 @@ pub(super) fn gpu_ranks(
         RankSum::through_host(o.ranks)
     };
     let mut ranks = Vec::with_capacity(o.ranks);
-    for (mut m, sum) in models.drain(..).zip(sums) {
+    for (mut m, sum) in models.into_iter().zip(sums) {
         m.set_rank_sum(sum);
         configure(&mut m, o)?;
         let mut kv = pages(&m, o)?;

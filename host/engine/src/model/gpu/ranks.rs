@@ -35,14 +35,15 @@ impl RankSum {
     /// A sum through the host for each of `ranks` ranks.
     pub fn through_host(ranks: usize) -> Vec<RankSum> {
         let sum = HostSum::new(ranks);
-        Self::each(ranks, |_| How::Host(Arc::clone(&sum)))
+        Self::each((0..ranks).map(|_| How::Host(Arc::clone(&sum))).collect())
     }
 
-    fn each(ranks: usize, mut how: impl FnMut(usize) -> How) -> Vec<RankSum> {
-        let vote = Arc::new(Vote::new(ranks));
-        (0..ranks)
-            .map(|rank| RankSum {
-                how: how(rank),
+    /// Rank `i`'s sum by `hows[i]`, all voting together.
+    fn each(hows: Vec<How>) -> Vec<RankSum> {
+        let vote = Arc::new(Vote::new(hows.len()));
+        (hows.into_iter().enumerate())
+            .map(|(rank, how)| RankSum {
+                how,
                 rank,
                 vote: Arc::clone(&vote),
             })
@@ -57,11 +58,6 @@ impl RankSum {
         }
     }
 
-    /// Whether its sums can be captured in a CUDA graph.
-    pub fn captures(&self) -> bool {
-        matches!(self.how, How::Nccl(_))
-    }
-
     /// This rank reached its step's kernels: fine if every rank did (the
     /// kernels run only then).
     pub(super) fn agree(&self) -> R<()> {
@@ -74,10 +70,8 @@ impl GpuModel {
     /// GPU of its own).
     pub fn nccl_sums(ranks: &[GpuModel]) -> R<Vec<RankSum>> {
         let gpus: Vec<&Gpu> = ranks.iter().map(|m| &m.gpu).collect();
-        let mut comms = Gpu::nccl_ranks(&gpus)?.into_iter();
-        let sums = RankSum::each(ranks.len(), |_| {
-            How::Nccl(comms.next().expect("a rank each"))
-        });
+        let comms = Gpu::nccl_ranks(&gpus)?;
+        let sums = RankSum::each(comms.into_iter().map(How::Nccl).collect());
         Ok(sums)
     }
 
