@@ -31,7 +31,9 @@ cd "$(dirname "$0")/.."
 # libnccl.so, which the pip wheel (nvidia-nccl-cu13, beside PyTorch) names
 # libnccl.so.2: a link in /tmp/kiln-lib gives it that name.
 device_env() {
-    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache
+    # NVLink multicast stays off (the machines set it; a program with an
+    # environment of its own must too).
+    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache NCCL_NVLS_ENABLE=0
     mkdir -p /tmp/kiln-lib
     local nccl
     nccl="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)"
@@ -130,6 +132,7 @@ for l in sys.stdin:
     cp "$(test_bin kiln-kernels fp8_mma)" .gpu/fp8_mma
     cp "$(test_bin kiln-kernels skinny)" .gpu/skinny
     cp "$(test_bin kiln-kernels bf16_mlp)" .gpu/bf16_mlp
+    cp "$(test_bin kiln-kernels nccl)" .gpu/nccl
     cp "$(test_bin kiln-tests gpu)" .gpu/engine
     cargo build --release -p kiln-kernels --example cuda_bench
     cp target/release/examples/cuda_bench .gpu/cuda_bench
@@ -175,6 +178,9 @@ run)
     KILN_TEST_DEVICE=cuda timeout 60 .gpu/skinny --include-ignored 2>&1 | tee -a "$out/parity.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
     KILN_TEST_DEVICE=cuda timeout 60 .gpu/bf16_mlp --include-ignored 2>&1 | tee -a "$out/parity.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
+    # Skipped, saying so, on one GPU.
+    KILN_TEST_DEVICE=cuda timeout 60 .gpu/nccl --include-ignored --nocapture 2>&1 | tee -a "$out/parity.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
     set -e
     if [ "$parity" -ne 0 ]; then
@@ -393,9 +399,12 @@ gpus)
     prepare_gpus
     staged_model || echo "no staged model (scripts/gpu.sh stage a, stage b): the engine tests will fail"
     set +e
-    KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --nocapture pools_on_two_gpus 2>&1 |
-        tee "$out/pools.log" | grep -E "SKIPPED|test result|panicked" | tail -4
+    # NCCL's sums, and their end when a rank fails.
+    KILN_TEST_DEVICE=cuda timeout 90 .gpu/nccl --include-ignored --nocapture 2>&1 | tee "$out/pools.log" | tail -4
     failed=${PIPESTATUS[0]}
+    KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --nocapture pools_on_two_gpus 2>&1 |
+        tee -a "$out/pools.log" | grep -E "SKIPPED|test result|panicked" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     # Tensor-parallel ranks summed by NCCL where there are three GPUs.
     KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --nocapture three_gpu_ranks 2>&1 |
         tee -a "$out/pools.log" | grep -E "ranks on|test result|panicked" | tail -6

@@ -1,35 +1,97 @@
-//! Sums across tensor-parallel ranks, one GPU each: a rank's part of a
+//! NCCL sums across tensor-parallel ranks, one GPU each: a rank's part of a
 //! projection into the residual stream becomes every rank's sum in place
 //! (an NCCL all-reduce on the rank's stream, which a CUDA graph captures
-//! like any launch; NVLink multicast is left off, NCCL's default without
-//! NVLS buffers registered). Ranks that share a GPU cannot join one NCCL
-//! communicator: they sum through the host ([`HostSum`]), outside graphs.
+//! like any launch). NVLink multicast (NVLS) is NCCL's to choose by
+//! `NCCL_NVLS_ENABLE`; the device machines set it to 0 and `scripts/gpu.sh`
+//! exports it. Ranks that share a GPU cannot join one communicator: they
+//! sum through the host ([`super::HostSum`]), outside graphs.
+//!
+//! A sum waits on the device until every rank has queued its own, so a
+//! rank that fails partway through a step would leave the others' streams
+//! waiting for good: [`NcclRank::stop_all`] aborts every rank's
+//! communicator, which ends the sums they wait in, and the runner that
+//! owned them is remade.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, RwLock};
 
-use cudarc::driver::CudaSlice;
-use cudarc::nccl::{Comm, ReduceOp};
+use cudarc::driver::{CudaSlice, DevicePtrMut};
+use cudarc::nccl::{result, sys};
 
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 
 type R<T = ()> = Result<T, KernelError>;
 
-/// One rank's NCCL communicator, on its GPU's stream.
-pub struct NcclRank {
-    comm: Comm,
+/// The communicators of one set of ranks, made together and aborted
+/// together.
+struct Comms {
+    raw: Vec<sys::ncclComm_t>,
+    /// Whether they still stand: a sum holds it read while it queues, an
+    /// abort writes it, so none is aborted under a sum being queued.
+    live: RwLock<bool>,
 }
 
-// SAFETY: a communicator is used by one thread at a time (the one running
-// its rank's step), which NCCL allows from any thread; Kiln never calls it
-// from two threads at once.
-unsafe impl Send for NcclRank {}
+// SAFETY: NCCL allows a communicator's calls from any thread; `live`
+// keeps an abort from running while another thread queues on one, and each
+// rank queues only on its own (from the thread stepping it).
+unsafe impl Send for Comms {}
+// SAFETY: as above; the raw handles are only read after construction.
+unsafe impl Sync for Comms {}
+
+impl Comms {
+    /// Aborts every communicator once: sums that wait on any rank's stream
+    /// end, and no later sum is queued. Whether this call aborted them.
+    fn abort(&self) -> R<bool> {
+        let mut live = self.live.write().unwrap_or_else(|p| p.into_inner());
+        if !std::mem::replace(&mut *live, false) {
+            return Ok(false);
+        }
+        let mut first_err = None;
+        for &comm in &self.raw {
+            // SAFETY: `comm` came from ncclCommInitAll and is aborted only
+            // here, once (`live` was true and is now false).
+            if let Err(e) = unsafe { result::comm_abort(comm) } {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(true), |e| Err(cuda_err(e)))
+    }
+}
+
+impl Drop for Comms {
+    fn drop(&mut self) {
+        // Nothing is left to tell: the ranks are gone.
+        let _ = self.abort();
+    }
+}
+
+/// One rank's NCCL communicator, on its GPU's stream.
+pub struct NcclRank {
+    comms: Arc<Comms>,
+    rank: usize,
+}
+
+impl NcclRank {
+    /// Aborts every rank's communicator, for a rank that failed after the
+    /// ranks agreed to launch a step: the sums the others wait in end (their
+    /// results are not to be read), and every later sum fails, so the
+    /// runner that owns the ranks must be remade. Whether this call
+    /// aborted them (false if another rank already had).
+    pub fn stop_all(&self) -> R<bool> {
+        self.comms.abort()
+    }
+}
+
+/// Elements of each warm-up sum: one small and one large, so the
+/// connections of both NCCL protocols a step's sums choose are made before
+/// the first step (made lazily, a rank's first sum would wait in the queuing
+/// call for the others, where no abort may reach it).
+const WARM_UP: [usize; 2] = [1, 1 << 22];
 
 impl Gpu {
     /// A communicator for each GPU of `gpus` (rank `i` on `gpus[i]`, each a
-    /// different device), made together.
+    /// different device), made together and connected by a sum of each
+    /// size a step may use.
     pub fn nccl_ranks(gpus: &[&Gpu]) -> R<Vec<NcclRank>> {
         // The loader looks for these names (not NCCL's own libnccl.so.2),
         // and panics where none loads.
@@ -40,240 +102,69 @@ impl Gpu {
                     .into(),
             ));
         }
-        let streams: Vec<_> = gpus.iter().map(|g| g.stream.clone()).collect();
-        let n = streams.len();
-        let comms = std::panic::catch_unwind(move || Comm::from_devices(streams))
-            .map_err(|_| KernelError::DeviceUnavailable("NCCL could not be loaded".into()))?
-            .map_err(|e| KernelError::DeviceUnavailable(format!("NCCL over {n} GPUs: {e:?}")))?;
-        Ok(comms.into_iter().map(|comm| NcclRank { comm }).collect())
+        let n = gpus.len();
+        let ordinals: Vec<i32> = gpus.iter().map(|g| g.ctx.ordinal() as i32).collect();
+        let mut raw = vec![std::ptr::null_mut(); n];
+        let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: `raw` holds a slot for each of the `n` ordinals.
+            unsafe { result::comm_init_all(raw.as_mut_ptr(), n as i32, ordinals.as_ptr()) }
+        }))
+        .map_err(|_| KernelError::DeviceUnavailable("NCCL could not be loaded".into()))?;
+        made.map_err(|e| KernelError::DeviceUnavailable(format!("NCCL over {n} GPUs: {e:?}")))?;
+        let comms = Arc::new(Comms {
+            raw,
+            live: RwLock::new(true),
+        });
+        let ranks: Vec<NcclRank> = (0..n)
+            .map(|rank| NcclRank {
+                comms: Arc::clone(&comms),
+                rank,
+            })
+            .collect();
+        for len in WARM_UP {
+            let mut bufs = (gpus.iter())
+                .map(|g| g.stream.alloc_zeros::<f32>(len).map_err(cuda_err))
+                .collect::<R<Vec<_>>>()?;
+            // One thread queues every rank's sum: NCCL's group makes them
+            // one call, which would otherwise wait for the other ranks.
+            result::group_start().map_err(cuda_err)?;
+            let queued: R = (gpus.iter().zip(&ranks).zip(&mut bufs))
+                .try_for_each(|((g, rank), buf)| g.all_reduce_sum(rank, buf, len));
+            result::group_end().map_err(cuda_err)?;
+            queued?;
+            for g in gpus {
+                g.stream.synchronize().map_err(cuda_err)?;
+            }
+        }
+        Ok(ranks)
     }
 
     /// The first `n` elements of `x` summed over every rank of `rank`'s
     /// communicator, in place, queued on this GPU's stream.
     pub fn all_reduce_sum(&self, rank: &NcclRank, x: &mut CudaSlice<f32>, n: usize) -> R {
-        rank.comm
-            .all_reduce_in_place(&mut x.slice_mut(..n), &ReduceOp::Sum)
-            .map(|_| ())
-            .map_err(cuda_err)
-    }
-}
-
-/// A meeting of ranks, each on its own thread: each brings an item, and
-/// all get every rank's, in rank order, once the last has come. A rank
-/// that does not come in time ([`PATIENCE`]) breaks the meeting: that round
-/// and every later one fail at once (the runner that owns it is remade),
-/// so no round can pair with another's items.
-pub struct Meeting<T> {
-    ranks: usize,
-    patience: Duration,
-    state: Mutex<Round<T>>,
-    turned: Condvar,
-}
-
-/// How long a rank waits for the others.
-pub const PATIENCE: Duration = Duration::from_secs(60);
-
-/// The items brought so far, the last round's, and how many have ended.
-struct Round<T> {
-    items: Vec<Option<T>>,
-    arrived: usize,
-    ended: u64,
-    done: Arc<Vec<T>>,
-    broken: bool,
-}
-
-impl<T> Meeting<T> {
-    /// A meeting of `ranks` ranks.
-    pub fn new(ranks: usize) -> Self {
-        Self::with_patience(ranks, PATIENCE)
-    }
-
-    /// A meeting of `ranks` ranks that waits `patience` for each.
-    pub fn with_patience(ranks: usize, patience: Duration) -> Self {
-        Self {
-            ranks,
-            patience,
-            state: Mutex::new(Round {
-                items: (0..ranks).map(|_| None).collect(),
-                arrived: 0,
-                ended: 0,
-                done: Arc::new(Vec::new()),
-                broken: false,
-            }),
-            turned: Condvar::new(),
+        let live = rank.comms.live.read().unwrap_or_else(|p| p.into_inner());
+        if !*live {
+            return Err(KernelError::Cuda(
+                "tensor-parallel ranks: the communicators were aborted after a rank failed".into(),
+            ));
         }
-    }
-
-    /// Brings `item` as rank `rank`'s and waits for every rank's.
-    pub fn gather(&self, rank: usize, item: T) -> R<Arc<Vec<T>>> {
-        let mut m = self.state.lock().map_err(|_| broken())?;
-        if m.broken {
-            return Err(broken());
+        let mut part = x.slice_mut(..n);
+        let (ptr, _record) = part.device_ptr_mut(&self.stream);
+        // SAFETY: `ptr` is `n` f32 on this GPU, kept alive by `x` while the
+        // stream uses it (`_record` marks the use); the communicator is
+        // live (held read) and is this GPU's rank's.
+        unsafe {
+            result::all_reduce(
+                ptr as *const _,
+                ptr as *mut _,
+                n,
+                sys::ncclDataType_t::ncclFloat32,
+                sys::ncclRedOp_t::ncclSum,
+                rank.comms.raw[rank.rank],
+                self.stream.cu_stream() as _,
+            )
         }
-        m.items[rank] = Some(item);
-        m.arrived += 1;
-        let round = m.ended;
-        if m.arrived == self.ranks {
-            let items: Option<Vec<T>> = m.items.iter_mut().map(Option::take).collect();
-            m.done = Arc::new(items.ok_or_else(broken)?);
-            m.arrived = 0;
-            m.ended += 1;
-            self.turned.notify_all();
-            return Ok(Arc::clone(&m.done));
-        }
-        let (mut m, _) = (self.turned)
-            .wait_timeout_while(m, self.patience, |m| m.ended == round && !m.broken)
-            .map_err(|_| broken())?;
-        if m.ended == round {
-            m.broken = true;
-            self.turned.notify_all();
-            return Err(KernelError::Cuda(format!(
-                "tensor-parallel ranks: another rank did not come within {:?}",
-                self.patience
-            )));
-        }
-        Ok(Arc::clone(&m.done))
-    }
-}
-
-fn broken() -> KernelError {
-    KernelError::Cuda("tensor-parallel ranks: another rank failed".into())
-}
-
-/// The ranks' vote, each step, that every rank reached its kernels: NCCL's
-/// sums wait on the device for every rank, so a rank that failed before
-/// launching would hang the others for good; with the vote they launch
-/// nothing and fail too.
-pub struct Vote {
-    votes: Meeting<bool>,
-    voted: Vec<AtomicBool>,
-}
-
-impl Vote {
-    /// A vote of `ranks` ranks.
-    pub fn new(ranks: usize) -> Self {
-        Self::with_meeting(Meeting::new(ranks), ranks)
-    }
-
-    fn with_meeting(votes: Meeting<bool>, ranks: usize) -> Self {
-        Self {
-            votes,
-            voted: (0..ranks).map(|_| AtomicBool::new(false)).collect(),
-        }
-    }
-
-    /// A new step begins for `rank`: it has not voted.
-    pub fn begin(&self, rank: usize) {
-        self.voted[rank].store(false, Ordering::SeqCst);
-    }
-
-    /// `rank` reached its step's kernels: fine if every rank did.
-    pub fn agree(&self, rank: usize) -> R {
-        self.voted[rank].store(true, Ordering::SeqCst);
-        let votes = self.votes.gather(rank, true)?;
-        if votes.iter().all(|v| *v) {
-            Ok(())
-        } else {
-            Err(KernelError::Cuda(
-                "another tensor-parallel rank failed before this step's kernels".into(),
-            ))
-        }
-    }
-
-    /// `rank`'s step failed: if it had not voted, it votes no.
-    pub fn failed(&self, rank: usize) {
-        if !self.voted[rank].swap(true, Ordering::SeqCst) {
-            let _ = self.votes.gather(rank, false);
-        }
-    }
-}
-
-/// Ranks' sums through the host, for ranks that share a GPU: each waits
-/// for its stream, sends its part, and gets back the sum in rank order
-/// (the same bytes on every rank).
-pub struct HostSum {
-    parts: Meeting<Vec<f32>>,
-}
-
-impl HostSum {
-    /// A meeting point for `ranks` ranks, each on its own thread.
-    pub fn new(ranks: usize) -> Arc<Self> {
-        Arc::new(Self {
-            parts: Meeting::new(ranks),
-        })
-    }
-
-    /// Rank `rank`'s first `n` elements of `x` replaced by every rank's
-    /// sum (waits for `g`'s stream and for every other rank).
-    pub fn all_reduce_sum(&self, g: &Gpu, rank: usize, x: &mut CudaSlice<f32>, n: usize) -> R {
-        let part = g.download_range(x, 0..n)?;
-        let parts = self.parts.gather(rank, part)?;
-        let mut sum = parts[0].clone();
-        for p in &parts[1..] {
-            sum.iter_mut().zip(p).for_each(|(s, v)| *s += v);
-        }
-        g.upload_into(&sum, x)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_rank_gets_every_rounds_items_in_rank_order() {
-        let meeting = Meeting::new(3);
-        std::thread::scope(|s| {
-            for rank in 0..3 {
-                let meeting = &meeting;
-                s.spawn(move || {
-                    for round in 0..50 {
-                        let got = meeting.gather(rank, (round, rank)).unwrap();
-                        assert_eq!(*got, vec![(round, 0), (round, 1), (round, 2)]);
-                    }
-                });
-            }
-        });
-    }
-
-    #[test]
-    fn a_rank_failing_before_its_kernels_stops_the_others_at_once() {
-        let vote = Vote::with_meeting(Meeting::with_patience(2, Duration::from_secs(30)), 2);
-        let start = std::time::Instant::now();
-        std::thread::scope(|s| {
-            let ok = s.spawn(|| {
-                vote.begin(0);
-                vote.agree(0)
-            });
-            vote.begin(1);
-            vote.failed(1);
-            let e = ok.join().unwrap().unwrap_err().to_string();
-            assert!(e.contains("failed before this step's kernels"), "{e}");
-        });
-        // A rank that fails after voting yes votes no more (a vote with no
-        // other rank coming would wait the patience out).
-        for rank in 0..2 {
-            vote.begin(rank);
-        }
-        std::thread::scope(|s| {
-            let other = s.spawn(|| vote.agree(1));
-            vote.agree(0).unwrap();
-            vote.failed(0);
-            other.join().unwrap().unwrap();
-        });
-        let waited = start.elapsed();
-        assert!(waited < Duration::from_secs(5), "waited {waited:?}");
-    }
-
-    #[test]
-    fn a_rank_that_never_comes_fails_that_round_and_every_later_one() {
-        let meeting = Meeting::with_patience(2, Duration::from_millis(50));
-        let e = meeting.gather(0, 1).unwrap_err().to_string();
-        assert!(e.contains("did not come"), "{e}");
-        // The late rank finds the meeting broken rather than pairing its
-        // item with the next round's.
-        let e = meeting.gather(1, 2).unwrap_err().to_string();
-        assert!(e.contains("another rank failed"), "{e}");
-        assert!(meeting.gather(0, 3).is_err());
+        .map(|_| ())
+        .map_err(cuda_err)
     }
 }

@@ -29,6 +29,7 @@ mod kv_transfer;
 mod lane;
 mod launch;
 mod lt;
+mod meeting;
 mod memory;
 mod norm;
 mod normed;
@@ -55,7 +56,7 @@ pub use attention::{
     FLASH_PARTITION, PARTITION, PagedQuery, partition_len,
 };
 pub use cluster::{CLUSTER_MAX_M, CLUSTER_MIN_M, ClusterMma};
-pub use comm::{HostSum, NcclRank, Vote};
+pub use comm::NcclRank;
 /// The CUDA driver API types device code works with.
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};
@@ -68,6 +69,7 @@ use int4::INT4_ONE_STRIPS;
 pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_tiles};
 pub use kv::PagedKv;
 pub use lane::{Mark, Settle};
+pub use meeting::{HostSum, Vote};
 pub use norm::NormArgs;
 pub use prefill::{PREFILL_HEAD_DIMS, prefill_supports, prefill_tiles};
 pub use quant::{DEQUANT_CHUNK, DeviceWeight, GemmScratch};

@@ -7,7 +7,8 @@
 //! same sums, so rank 0's results are the step's. Before a step's kernels
 //! the ranks agree that each got that far: NCCL's sums wait on the device
 //! for every rank, so a rank that failed before launching would hang the
-//! others for good.
+//! others for good. A rank that fails later ends every rank's sums
+//! ([`RankSum`]'s `failed`), and the runner is remade.
 
 use std::sync::Arc;
 
@@ -63,6 +64,21 @@ impl RankSum {
     pub(super) fn agree(&self) -> R<()> {
         self.vote.agree(self.rank)
     }
+
+    /// This rank's step failed: it votes no if it had not voted, and every
+    /// rank's sums end (waiting ones too), since the others may already
+    /// have queued sums this rank will never join. The runner is remade
+    /// after a failed step, so nothing is lost by ending them for good.
+    fn failed(&self) {
+        self.vote.failed(self.rank);
+        match &self.how {
+            // The step fails with this rank's own error either way.
+            How::Nccl(rank) => {
+                let _ = rank.stop_all();
+            }
+            How::Host(sum) => sum.stop(),
+        }
+    }
 }
 
 impl GpuModel {
@@ -99,7 +115,7 @@ pub fn forward_ranks(ranks: &mut [(GpuModel, GpuKv)], step: &Step<'_>) -> R<Step
         }))
         .unwrap_or_else(|_| Err(KernelError::Cuda("a rank's step panicked".into())));
         if let (Err(_), Some(sum)) = (&out, &m.sum) {
-            sum.vote.failed(sum.rank);
+            sum.failed();
         }
         out
     };
