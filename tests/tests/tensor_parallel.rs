@@ -7,21 +7,26 @@
 //! prefix cache, the tag check, moving a sequence) must work unchanged.
 
 use kiln_host::engine::{Engine, EngineConfig, Finish, TenantId};
-use kiln_host::model::KvCache;
+use kiln_host::model::{KvCache, Loaded, WeightPlan};
 use kiln_kernels::kv::KvFormat;
 use kiln_tests::{
-    PROMPTS, chat_ids, default_model, greedy_to, run_salted, teacher_forced, tokens_of,
+    Arrivals, PROMPTS, chat_ids, default_model, default_model_as, greedy_to, run_salted,
+    teacher_forced, tokens_of,
 };
 
 fn engine(format: KvFormat, ranks: usize) -> Result<Engine, String> {
-    let page = KvCache::page_bytes(&default_model().model.config, format, 16);
+    engine_of(default_model(), format, ranks)
+}
+
+fn engine_of(loaded: Loaded, format: KvFormat, ranks: usize) -> Result<Engine, String> {
+    let page = KvCache::page_bytes(&loaded.model.config, format, 16);
     let config = EngineConfig {
         kv_format: format,
         kv_memory: 96 * page,
         tensor_parallel: ranks,
         ..Default::default()
     };
-    Engine::new(default_model(), config).map_err(|e| e.to_string())
+    Engine::new(loaded, config).map_err(|e| e.to_string())
 }
 
 #[test]
@@ -75,6 +80,27 @@ fn three_ranks_generate_the_whole_models_greedy_tokens_and_reuse_its_prefix_cach
         assert_eq!(again, want, "{prompt}, cached");
     }
     assert_eq!(ranks.stats().integrity_aborts, 0);
+}
+
+#[test]
+fn three_ranks_with_weights_for_each_phase_give_the_whole_models_tokens() {
+    // Prompts arrive a few steps apart, so steps hold one prompt's chunk
+    // (on prefill's weights) beside the others' tokens (on decode's).
+    let phased = || default_model_as("prefill=bf16,decode=int4".parse::<WeightPlan>().unwrap());
+    let arrivals = Arrivals {
+        every: 3,
+        tenants: 1,
+        max_tokens: 10,
+    };
+    let tokens = |ranks| {
+        let mut e = engine_of(phased(), KvFormat::Bf16, ranks).unwrap();
+        let runs = kiln_tests::staggered(&mut e, &PROMPTS[..4], arrivals);
+        assert_eq!(e.stats().integrity_aborts, 0);
+        runs.into_iter().map(|(t, _)| t).collect::<Vec<_>>()
+    };
+    let whole = tokens(1);
+    assert!(whole.iter().all(|t| t.len() == 10), "{whole:?}");
+    assert_eq!(tokens(3), whole);
 }
 
 #[test]

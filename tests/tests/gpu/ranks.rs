@@ -13,10 +13,14 @@ fn three_gpu_ranks_compute_what_the_whole_model_computes() {
     let gpus = kiln_kernels::cuda::Gpu::count().unwrap();
     let how = if gpus >= 3 { "NCCL" } else { "the host" };
     for graphs in [false, true] {
+        // Ranks never fold a one-token step's norms into its products: the
+        // whole model does not either, so the two differ only in how the
+        // ranks sum.
         let engine = |ranks| {
             super::engine_config(EngineConfig {
                 device,
                 cuda_graphs: graphs,
+                cuda_fold: false,
                 tensor_parallel: ranks,
                 ..Default::default()
             })
@@ -67,4 +71,40 @@ fn a_sequence_moves_between_engines_of_three_gpu_ranks_rank_by_rank() {
     let rest = kiln_tests::tokens_of(&mut decode, there, usize::MAX).0;
     assert_eq!([first, rest].concat(), want);
     assert_eq!(decode.stats().integrity_aborts, 0);
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn three_gpu_ranks_with_weights_for_each_phase_give_the_whole_models_tokens() {
+    use kiln_host::engine::Engine;
+    use kiln_host::model::WeightPlan;
+    let device = super::device();
+    let plan: WeightPlan = "prefill=bf16,decode=int4".parse().unwrap();
+    let arrivals = kiln_tests::Arrivals {
+        every: 3,
+        tenants: 1,
+        max_tokens: 10,
+    };
+    // Prompts a few steps apart: steps hold a prompt's chunk (prefill's
+    // weights) beside other sequences' tokens (decode's), in two passes.
+    // Ranks never fold a one-token step's norms into its products, so the
+    // whole model does not either: both sum in the same order but the
+    // ranks' own.
+    let tokens = |ranks| {
+        let config = EngineConfig {
+            device,
+            tensor_parallel: ranks,
+            cuda_fold: false,
+            kv_memory: 64 << 20,
+            kv_format: kiln_kernels::kv::KvFormat::Bf16,
+            ..Default::default()
+        };
+        let mut e = Engine::new(kiln_tests::default_model_as(plan), config).unwrap();
+        let runs = kiln_tests::staggered(&mut e, &super::PROMPTS[..4], arrivals);
+        assert_eq!(e.stats().integrity_aborts, 0);
+        runs.into_iter().map(|(t, _)| t).collect::<Vec<_>>()
+    };
+    let whole = tokens(1);
+    assert!(whole.iter().all(|t| t.len() == 10), "{whole:?}");
+    assert_eq!(tokens(3), whole);
 }

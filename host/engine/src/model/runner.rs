@@ -9,7 +9,7 @@ use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 
 use super::cpu_tp::rank_parts;
-use super::gpu::{DevicePages, GpuKv, GpuModel, forward_ranks};
+use super::gpu::{DevicePages, GpuKv, GpuModel, GpuRank, forward_ranks};
 use super::step::{RunLane, SeqOut, Step, StepOut};
 use super::{KvCache, Loaded, TpModel};
 
@@ -122,8 +122,9 @@ enum Place {
     /// The CPU with the model split over ranks (and decode's copy where
     /// the phases have their own), each rank's KV pages.
     CpuRanks(Box<TpModel>, Option<Box<TpModel>>, Vec<KvCache>),
-    /// GPUs holding ranks of the model, each with its KV pages.
-    GpuRanks(Vec<(GpuModel, GpuKv)>),
+    /// GPUs holding ranks of the model, each with its KV pages (and its
+    /// part of decode's copy where the phases have their own).
+    GpuRanks(Vec<GpuRank>),
     /// A GPU, with the weights and KV pages on it, and decode's own copy
     /// of the weights where the phases run on different ones.
     Gpu(Box<GpuModel>, Box<GpuKv>, Option<Box<GpuModel>>),
@@ -183,7 +184,9 @@ impl Runner {
             Place::Gpu(_, _, Some(decode)) => decode.weight_bytes(),
             Place::Gpu(model, ..) => model.weight_bytes(),
             // Ranks read their parts at once, each from its own GPU.
-            Place::GpuRanks(ranks) => ranks.first().map_or(0, |(m, _)| m.weight_bytes()),
+            Place::GpuRanks(ranks) => ranks
+                .first()
+                .map_or(0, |r| r.decode.as_ref().unwrap_or(&r.model).weight_bytes()),
             Place::CpuRanks(model, decode, _) => decode.as_ref().unwrap_or(model).weight_bytes(),
             Place::Cpu(_) => loaded
                 .decode
@@ -197,7 +200,7 @@ impl Runner {
     pub fn copy_bandwidth(&self) -> Option<f64> {
         match &self.place {
             Place::Gpu(model, ..) => model.copy_bandwidth().ok(),
-            Place::GpuRanks(ranks) => ranks.first().and_then(|(m, _)| m.copy_bandwidth().ok()),
+            Place::GpuRanks(ranks) => ranks.first().and_then(|r| r.model.copy_bandwidth().ok()),
             Place::Cpu(_) | Place::CpuRanks(..) => None,
         }
     }
@@ -224,7 +227,7 @@ impl Runner {
                 .map(|d| PageBytes::Device(vec![d]))
                 .map_err(|e| e.to_string()),
             Place::GpuRanks(ranks) => (ranks.iter())
-                .map(|(m, kv)| m.export_kv_pages(kv, pages))
+                .map(|r| r.model.export_kv_pages(&r.kv, pages))
                 .collect::<Result<Vec<_>, _>>()
                 .map(PageBytes::Device)
                 .map_err(|e| e.to_string()),
@@ -240,13 +243,13 @@ impl Runner {
             Place::CpuRanks(_, _, kv) => TpModel::write_pages(kv, pages, &bytes.to_host()?),
             Place::GpuRanks(ranks) => match bytes {
                 PageBytes::Device(d) if d.len() == ranks.len() => (ranks.iter_mut().zip(d))
-                    .try_for_each(|((m, kv), d)| m.import_kv_pages(kv, pages, d))
+                    .try_for_each(|(r, d)| r.model.import_kv_pages(&mut r.kv, pages, d))
                     .map_err(|e| e.to_string()),
                 _ => {
                     let host = bytes.to_host()?;
                     let parts = rank_parts(&host, ranks.len())?;
                     (ranks.iter_mut().zip(parts))
-                        .try_for_each(|((m, kv), part)| m.write_kv_pages(kv, pages, part))
+                        .try_for_each(|(r, part)| r.model.write_kv_pages(&mut r.kv, pages, part))
                         .map_err(|e| e.to_string())
                 }
             },
@@ -265,7 +268,7 @@ impl Runner {
     pub fn buffers_made(&self) -> u64 {
         match &self.place {
             Place::Gpu(_, kv, _) => kv.buffers_made(),
-            Place::GpuRanks(ranks) => ranks.first().map_or(0, |(_, kv)| kv.buffers_made()),
+            Place::GpuRanks(ranks) => ranks.first().map_or(0, |r| r.kv.buffers_made()),
             Place::Cpu(_) | Place::CpuRanks(..) => 0,
         }
     }
@@ -328,7 +331,7 @@ impl Runner {
         let phased = match &self.place {
             Place::Gpu(_, _, decode) => decode.is_some(),
             Place::CpuRanks(_, decode, _) => decode.is_some(),
-            Place::GpuRanks(_) => false,
+            Place::GpuRanks(ranks) => ranks.first().is_some_and(|r| r.decode.is_some()),
             Place::Cpu(_) => loaded.decode.is_some(),
         };
         if !phased {
@@ -374,7 +377,7 @@ impl Runner {
                 let logits = model.forward(kv, &step.seqs);
                 cpu_out(step, logits, start)
             }
-            Place::GpuRanks(ranks) => forward_ranks(ranks, step).map_err(|e| e.to_string()),
+            Place::GpuRanks(ranks) => forward_ranks(ranks, step, decode).map_err(|e| e.to_string()),
             Place::Gpu(model, kv, phase) => match (phase, decode) {
                 (Some(d), true) => d.forward(kv, lane, step),
                 _ => model.forward(kv, lane, step),

@@ -5,7 +5,7 @@
 use kiln_kernels::KernelError;
 
 use super::{Place, Reserve, RunnerOptions};
-use crate::model::gpu::{GpuKv, GpuModel, RankSum};
+use crate::model::gpu::{GpuKv, GpuModel, GpuRank, RankSum};
 use crate::model::shard::rank_model;
 use crate::model::step::RunLane;
 use crate::model::{Loaded, Model};
@@ -91,19 +91,20 @@ fn reserve_failed(o: &RunnerOptions, e: KernelError) -> String {
 }
 
 /// The model split over `o.ranks` ranks on GPUs `first`, `first + 1`, ...
-/// (wrapping around the GPUs there are): on as many different GPUs their
-/// projections are summed by NCCL, in graphs where `o` asks; ranks that
-/// share a GPU sum through the host, without graphs (slow: for tests on
-/// one GPU).
+/// (wrapping around the GPUs there are), with decode's copy of the weights
+/// split alike where the phases have their own: on as many different GPUs
+/// their projections are summed by NCCL, in graphs where `o` asks; ranks
+/// that share a GPU sum through the host, without graphs (slow: for tests
+/// on one GPU).
 pub(super) fn gpu_ranks(
     loaded: &Loaded,
     o: &RunnerOptions,
     first: usize,
-) -> Result<Vec<(GpuModel, GpuKv)>, String> {
-    if o.side_lane || loaded.decode.is_some() {
+) -> Result<Vec<GpuRank>, String> {
+    if o.side_lane {
         return Err(
-            "tensor-parallel ranks on GPUs run one lane on one copy of the weights: \
-                    turn --pd off and give --weights one format"
+            "tensor-parallel ranks on GPUs run one lane: turn --pd off (a prefill pool of \
+             its own, --prefill-device, works with ranks)"
                 .into(),
         );
     }
@@ -118,30 +119,45 @@ pub(super) fn gpu_ranks(
             "tensor-parallel ranks share GPUs: their sums go through the host, without graphs"
         );
     }
-    let models = (ordinals.iter().enumerate())
-        .map(|(i, n)| {
-            let part = rank_model(&loaded.model, o.ranks, i).map_err(|e| e.to_string())?;
-            GpuModel::upload(&part, *n, o.graphs && apart).map_err(|e| e.to_string())
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    // Each rank's parts are cut one rank at a time, so the host holds the
+    // model and one part.
+    let upload = |m: &Model| {
+        (ordinals.iter().enumerate())
+            .map(|(i, n)| {
+                let part = rank_model(m, o.ranks, i).map_err(|e| e.to_string())?;
+                GpuModel::upload(&part, *n, o.graphs && apart).map_err(|e| e.to_string())
+            })
+            .collect::<Result<Vec<_>, _>>()
+    };
+    let models = upload(&loaded.model)?;
+    let decodes = loaded.decode.as_ref().map(upload).transpose()?;
     let sums = if apart {
         GpuModel::nccl_sums(&models).map_err(|e| e.to_string())?
     } else {
         RankSum::through_host(o.ranks)
     };
+    let mut decodes = decodes.map(Vec::into_iter);
     let mut ranks = Vec::with_capacity(o.ranks);
-    for (mut m, sum) in models.into_iter().zip(sums) {
-        m.set_rank_sum(sum);
-        configure(&mut m, o)?;
-        let mut kv = pages(&m, o)?;
+    for (mut model, sum) in models.into_iter().zip(sums) {
+        let mut decode = decodes.as_mut().and_then(Iterator::next);
+        for m in std::iter::once(&mut model).chain(decode.as_mut()) {
+            m.set_rank_sum(sum.clone());
+            configure(m, o)?;
+        }
+        let mut kv = pages(&model, o)?;
         let Reserve { tokens, rows } = o.reserve;
-        (m.reserve(&mut kv, RunLane::Main, (tokens, tokens, rows)))
-            .map_err(|e| reserve_failed(o, e))?;
-        ranks.push((m, kv));
+        let fail = |e| reserve_failed(o, e);
+        (model.reserve(&mut kv, RunLane::Main, (tokens, tokens, rows))).map_err(fail)?;
+        if let Some(d) = &decode {
+            // Decode's passes are one token a sequence.
+            (d.reserve(&mut kv, RunLane::Main, (rows, tokens.max(rows), rows))).map_err(fail)?;
+        }
+        ranks.push(GpuRank { model, kv, decode });
     }
     tracing::info!(
         ranks = o.ranks,
         ?ordinals,
+        phases_apart = loaded.decode.is_some(),
         "model weights split over GPU ranks"
     );
     Ok(ranks)

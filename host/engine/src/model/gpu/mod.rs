@@ -17,7 +17,7 @@ mod step;
 pub use kv_io::DevicePages;
 use lane::LaneKv;
 use linear::Linear;
-pub use ranks::{RankSum, forward_ranks};
+pub use ranks::{GpuRank, RankSum, forward_ranks};
 
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{

@@ -18,16 +18,20 @@ use kiln_kernels::cuda::{CudaSlice, Gpu, HostSum, NcclRank, Vote};
 use super::{GpuKv, GpuModel, R};
 use crate::model::step::{RunLane, Step, StepOut};
 
-/// How one rank's projections become every rank's sum.
+/// How one rank's projections become every rank's sum (shared by the
+/// rank's copies of the weights where the phases have their own: their
+/// steps run one after another on the rank's stream).
+#[derive(Clone)]
 pub struct RankSum {
     how: How,
     rank: usize,
     vote: Arc<Vote>,
 }
 
+#[derive(Clone)]
 enum How {
     /// NCCL over ranks on different GPUs (captured in graphs).
-    Nccl(NcclRank),
+    Nccl(Arc<NcclRank>),
     /// Through the host, for ranks that share a GPU (no graphs).
     Host(Arc<HostSum>),
 }
@@ -87,7 +91,8 @@ impl GpuModel {
     pub fn nccl_sums(ranks: &[GpuModel]) -> R<Vec<RankSum>> {
         let gpus: Vec<&Gpu> = ranks.iter().map(|m| &m.gpu).collect();
         let comms = Gpu::nccl_ranks(&gpus)?;
-        let sums = RankSum::each(comms.into_iter().map(How::Nccl).collect());
+        let hows = comms.into_iter().map(|c| How::Nccl(Arc::new(c))).collect();
+        let sums = RankSum::each(hows);
         Ok(sums)
     }
 
@@ -101,10 +106,36 @@ impl GpuModel {
     }
 }
 
-/// Runs `step` on every rank at once, each on its own thread (rank 0 on
+/// One tensor-parallel rank on its GPU: its part of the weights, its KV
+/// pages, and its part of decode's copy of the weights where the phases
+/// have their own (summed by the same [`RankSum`]).
+pub struct GpuRank {
+    /// The rank's part of the model (of prefill's copy, where the phases
+    /// have their own).
+    pub model: GpuModel,
+    /// The rank's KV pages: its KV heads of every page.
+    pub kv: GpuKv,
+    /// The rank's part of decode's copy of the weights.
+    pub decode: Option<GpuModel>,
+}
+
+impl GpuRank {
+    /// The weights a pass runs on: decode's copy when `decode` and there
+    /// is one.
+    fn weights(&mut self, decode: bool) -> (&mut GpuModel, &mut GpuKv) {
+        match (&mut self.decode, decode) {
+            (Some(d), true) => (d, &mut self.kv),
+            _ => (&mut self.model, &mut self.kv),
+        }
+    }
+}
+
+/// Runs `step` on every rank at once (on decode's copy of the weights when
+/// `decode` and the ranks have one), each on its own thread (rank 0 on
 /// this one): rank 0's results, or the first rank's error.
-pub fn forward_ranks(ranks: &mut [(GpuModel, GpuKv)], step: &Step<'_>) -> R<StepOut> {
-    let run = |m: &mut GpuModel, kv: &mut GpuKv| {
+pub fn forward_ranks(ranks: &mut [GpuRank], step: &Step<'_>, decode: bool) -> R<StepOut> {
+    let run = |rank: &mut GpuRank| {
+        let (m, kv) = rank.weights(decode);
         if let Some(sum) = &m.sum {
             sum.vote.begin(sum.rank);
         }
@@ -119,14 +150,14 @@ pub fn forward_ranks(ranks: &mut [(GpuModel, GpuKv)], step: &Step<'_>) -> R<Step
         }
         out
     };
-    let Some(((lead, lead_kv), rest)) = ranks.split_first_mut() else {
+    let Some((lead, rest)) = ranks.split_first_mut() else {
         return Err(KernelError::Shape("a step over no ranks".into()));
     };
     std::thread::scope(|s| {
         let others: Vec<_> = (rest.iter_mut())
-            .map(|(m, kv)| s.spawn(move || run(m, kv)))
+            .map(|rank| s.spawn(move || run(rank)))
             .collect();
-        let out = run(lead, lead_kv);
+        let out = run(lead);
         for h in others {
             let theirs = (h.join())
                 .unwrap_or_else(|_| Err(KernelError::Cuda("a rank's step panicked".into())));
