@@ -32,8 +32,10 @@ cd "$(dirname "$0")/.."
 # libnccl.so.2: a link in /tmp/kiln-lib gives it that name.
 device_env() {
     # NVLink multicast stays off (the machines set it; a program with an
-    # environment of its own must too).
-    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache NCCL_NVLS_ENABLE=0
+    # environment of its own must too). NCCL connects every algorithm at
+    # init, not at a first sum, where a rank would wait for the others out
+    # of reach of an abort (kernels/src/cuda/comm.rs).
+    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache NCCL_NVLS_ENABLE=0 NCCL_RUNTIME_CONNECT=0
     mkdir -p /tmp/kiln-lib
     local nccl
     nccl="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)"
@@ -180,7 +182,7 @@ run)
     KILN_TEST_DEVICE=cuda timeout 60 .gpu/bf16_mlp --include-ignored 2>&1 | tee -a "$out/parity.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
     # Skipped, saying so, on one GPU.
-    KILN_TEST_DEVICE=cuda timeout 60 .gpu/nccl --include-ignored --nocapture 2>&1 | tee -a "$out/parity.log"
+    KILN_TEST_DEVICE=cuda timeout 90 .gpu/nccl --include-ignored --test-threads 1 --nocapture 2>&1 | tee -a "$out/parity.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
     set -e
     if [ "$parity" -ne 0 ]; then
@@ -400,13 +402,13 @@ gpus)
     staged_model || echo "no staged model (scripts/gpu.sh stage a, stage b): the engine tests will fail"
     set +e
     # NCCL's sums, and their end when a rank fails.
-    KILN_TEST_DEVICE=cuda timeout 90 .gpu/nccl --include-ignored --nocapture 2>&1 | tee "$out/pools.log" | tail -4
+    KILN_TEST_DEVICE=cuda timeout 90 .gpu/nccl --include-ignored --test-threads 1 --nocapture 2>&1 | tee "$out/pools.log" | tail -4
     failed=${PIPESTATUS[0]}
     KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --nocapture pools_on_two_gpus 2>&1 |
         tee -a "$out/pools.log" | grep -E "SKIPPED|test result|panicked" | tail -4
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     # Tensor-parallel ranks summed by NCCL where there are three GPUs.
-    KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --nocapture three_gpu_ranks 2>&1 |
+    KILN_TEST_DEVICE=cuda timeout 300 .gpu/engine --include-ignored --test-threads 1 --nocapture three_gpu_ranks 2>&1 |
         tee -a "$out/pools.log" | grep -E "ranks on|test result|panicked" | tail -6
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     for placed in "--device cuda:0" "--device cuda:all" "--device cuda:1 --prefill-device cuda:0"; do

@@ -10,9 +10,14 @@
 //! rank that fails partway through a step would leave the others' streams
 //! waiting for good: [`NcclRank::stop_all`] aborts every rank's
 //! communicator, which ends the sums they wait in, and the runner that
-//! owned them is remade.
+//! owned them is remade. NCCL finishes an abort only once no CUDA graph
+//! holds a sum of the communicator, so the abort runs on a thread of its
+//! own (the failing rank returns at once) and whoever owns the ranks drops
+//! their graphs before their communicators (`GpuRank`'s drop in the
+//! engine).
 
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
 
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use cudarc::nccl::{result, sys};
@@ -22,46 +27,80 @@ use crate::KernelError;
 
 type R<T = ()> = Result<T, KernelError>;
 
+/// An NCCL error with NCCL's own name for it (cudarc's `Debug` prints
+/// none).
+fn nccl_err(e: result::NcclError) -> KernelError {
+    KernelError::Cuda(format!("NCCL: {:?}", e.0))
+}
+
+/// A communicator handle, to move to the thread that aborts it.
+#[derive(Clone, Copy)]
+struct Handle(sys::ncclComm_t);
+
+// SAFETY: NCCL allows a communicator's calls from any thread; Kiln queues
+// on each from one thread at a time (the one stepping its rank), and
+// aborts them only once none is queuing (`Comms::live`).
+unsafe impl Send for Handle {}
+// SAFETY: as above; the handle itself is never written after it is made.
+unsafe impl Sync for Handle {}
+
 /// The communicators of one set of ranks, made together and aborted
 /// together.
 struct Comms {
-    raw: Vec<sys::ncclComm_t>,
-    /// Whether they still stand: a sum holds it read while it queues, an
-    /// abort writes it, so none is aborted under a sum being queued.
-    live: RwLock<bool>,
+    raw: Vec<Handle>,
+    /// Whether sums may still be queued: a sum holds it read while it
+    /// queues; the abort sets it false (waiting out any sum being queued)
+    /// before it aborts.
+    live: Arc<RwLock<bool>>,
+    /// The thread aborting them, once one rank has stopped them.
+    aborter: Mutex<Option<JoinHandle<()>>>,
 }
 
-// SAFETY: NCCL allows a communicator's calls from any thread; `live`
-// keeps an abort from running while another thread queues on one, and each
-// rank queues only on its own (from the thread stepping it).
-unsafe impl Send for Comms {}
-// SAFETY: as above; the raw handles are only read after construction.
-unsafe impl Sync for Comms {}
-
 impl Comms {
-    /// Aborts every communicator once: sums that wait on any rank's stream
-    /// end, and no later sum is queued. Whether this call aborted them.
-    fn abort(&self) -> R<bool> {
-        let mut live = self.live.write().unwrap_or_else(|p| p.into_inner());
-        if !std::mem::replace(&mut *live, false) {
-            return Ok(false);
+    /// Starts aborting every communicator on a thread of its own, once:
+    /// whether this call started it.
+    fn stop(&self) -> bool {
+        let mut aborter = self.aborter.lock().unwrap_or_else(|p| p.into_inner());
+        if aborter.is_some() {
+            return false;
         }
-        let mut first_err = None;
-        for &comm in &self.raw {
-            // SAFETY: `comm` came from ncclCommInitAll and is aborted only
-            // here, once (`live` was true and is now false).
-            if let Err(e) = unsafe { result::comm_abort(comm) } {
-                first_err.get_or_insert(e);
+        let (raw, live) = (self.raw.clone(), Arc::clone(&self.live));
+        let run = move || abort(&raw, &live);
+        *aborter = match std::thread::Builder::new()
+            .name("kiln-nccl-abort".into())
+            .spawn(run)
+        {
+            Ok(h) => Some(h),
+            Err(_) => {
+                // No thread to spare: abort here (it may wait for graphs).
+                abort(&self.raw, &self.live);
+                None
             }
-        }
-        first_err.map_or(Ok(true), |e| Err(cuda_err(e)))
+        };
+        true
+    }
+}
+
+/// Aborts `raw` once no sum is being queued on them, and no later one can
+/// be: sums waiting on any rank's stream end at once; the call returns once
+/// no captured graph holds them.
+fn abort(raw: &[Handle], live: &RwLock<bool>) {
+    *live.write().unwrap_or_else(|p| p.into_inner()) = false;
+    for comm in raw {
+        // SAFETY: made by ncclCommInitAll, aborted only here, once (the
+        // caller's `aborter` slot), with no call queuing on it (`live`).
+        // An error leaves nothing Kiln could do: the ranks are remade.
+        let _ = unsafe { result::comm_abort(comm.0) };
     }
 }
 
 impl Drop for Comms {
     fn drop(&mut self) {
-        // Nothing is left to tell: the ranks are gone.
-        let _ = self.abort();
+        self.stop();
+        let aborter = self.aborter.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = aborter.take() {
+            let _ = h.join();
+        }
     }
 }
 
@@ -72,21 +111,23 @@ pub struct NcclRank {
 }
 
 impl NcclRank {
-    /// Aborts every rank's communicator, for a rank that failed after the
-    /// ranks agreed to launch a step: the sums the others wait in end (their
-    /// results are not to be read), and every later sum fails, so the
-    /// runner that owns the ranks must be remade. Whether this call
-    /// aborted them (false if another rank already had).
-    pub fn stop_all(&self) -> R<bool> {
-        self.comms.abort()
+    /// Aborts every rank's communicator, for a rank whose step failed:
+    /// the sums the others wait in end (their results are not to be read)
+    /// and every later sum fails, so the runner that owns the ranks must be
+    /// remade, dropping their graphs first. Returns at once; whether this
+    /// call stopped them (false if another rank already had).
+    pub fn stop_all(&self) -> bool {
+        self.comms.stop()
     }
 }
 
-/// Elements of each warm-up sum: one small and one large, so the
-/// connections of both NCCL protocols a step's sums choose are made before
-/// the first step (made lazily, a rank's first sum would wait in the queuing
-/// call for the others, where no abort may reach it).
-const WARM_UP: [usize; 2] = [1, 1 << 22];
+/// The largest warm-up sum, in elements (every power of two up to it is
+/// summed once): NCCL connects an algorithm's channels at its first sum,
+/// in the queuing call, which waits there for the other ranks, where no
+/// abort reaches it. Summing every size class at start connects each
+/// algorithm NCCL picks for the sums a step makes; `NCCL_RUNTIME_CONNECT=0`
+/// (which `scripts/gpu.sh` exports) connects them all at init instead.
+const WARM_UP_MAX: usize = 1 << 24;
 
 impl Gpu {
     /// A communicator for each GPU of `gpus` (rank `i` on `gpus[i]`, each a
@@ -110,10 +151,11 @@ impl Gpu {
             unsafe { result::comm_init_all(raw.as_mut_ptr(), n as i32, ordinals.as_ptr()) }
         }))
         .map_err(|_| KernelError::DeviceUnavailable("NCCL could not be loaded".into()))?;
-        made.map_err(|e| KernelError::DeviceUnavailable(format!("NCCL over {n} GPUs: {e:?}")))?;
+        made.map_err(|e| KernelError::DeviceUnavailable(format!("NCCL over {n} GPUs: {:?}", e.0)))?;
         let comms = Arc::new(Comms {
-            raw,
-            live: RwLock::new(true),
+            raw: raw.into_iter().map(Handle).collect(),
+            live: Arc::new(RwLock::new(true)),
+            aborter: Mutex::new(None),
         });
         let ranks: Vec<NcclRank> = (0..n)
             .map(|rank| NcclRank {
@@ -121,20 +163,20 @@ impl Gpu {
                 rank,
             })
             .collect();
-        for len in WARM_UP {
-            let mut bufs = (gpus.iter())
-                .map(|g| g.stream.alloc_zeros::<f32>(len).map_err(cuda_err))
-                .collect::<R<Vec<_>>>()?;
+        let mut bufs = (gpus.iter())
+            .map(|g| g.stream.alloc_zeros::<f32>(WARM_UP_MAX).map_err(cuda_err))
+            .collect::<R<Vec<_>>>()?;
+        for len in (0..=WARM_UP_MAX.ilog2()).map(|i| 1usize << i) {
             // One thread queues every rank's sum: NCCL's group makes them
             // one call, which would otherwise wait for the other ranks.
-            result::group_start().map_err(cuda_err)?;
+            result::group_start().map_err(nccl_err)?;
             let queued: R = (gpus.iter().zip(&ranks).zip(&mut bufs))
                 .try_for_each(|((g, rank), buf)| g.all_reduce_sum(rank, buf, len));
-            result::group_end().map_err(cuda_err)?;
+            result::group_end().map_err(nccl_err)?;
             queued?;
-            for g in gpus {
-                g.stream.synchronize().map_err(cuda_err)?;
-            }
+        }
+        for g in gpus {
+            g.stream.synchronize().map_err(cuda_err)?;
         }
         Ok(ranks)
     }
@@ -160,11 +202,11 @@ impl Gpu {
                 n,
                 sys::ncclDataType_t::ncclFloat32,
                 sys::ncclRedOp_t::ncclSum,
-                rank.comms.raw[rank.rank],
+                rank.comms.raw[rank.rank].0,
                 self.stream.cu_stream() as _,
             )
         }
         .map(|_| ())
-        .map_err(cuda_err)
+        .map_err(nccl_err)
     }
 }

@@ -128,6 +128,15 @@ impl GpuKv {
         self.tensor_prefill = on;
     }
 
+    /// Drops every lane's captured graphs (they are captured again as
+    /// their shapes come back).
+    pub fn drop_graphs(&mut self) {
+        for lane in &mut self.lanes {
+            lane.graphs.clear();
+            lane.seen.clear();
+        }
+    }
+
     /// Steps, on either lane, that found new working buffers (and so
     /// dropped the captured graphs): the first step's, then each remake's.
     pub fn buffers_made(&self) -> u64 {

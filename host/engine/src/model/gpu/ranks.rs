@@ -19,8 +19,9 @@ use super::{GpuKv, GpuModel, R};
 use crate::model::step::{RunLane, Step, StepOut};
 
 /// How one rank's projections become every rank's sum (shared by the
-/// rank's copies of the weights where the phases have their own: their
-/// steps run one after another on the rank's stream).
+/// rank's copies of the weights where the phases have their own: each
+/// copy has a stream of its own, and a pass ends in a wait for its
+/// results, so their sums never overlap).
 #[derive(Clone)]
 pub struct RankSum {
     how: How,
@@ -78,7 +79,7 @@ impl RankSum {
         match &self.how {
             // The step fails with this rank's own error either way.
             How::Nccl(rank) => {
-                let _ = rank.stop_all();
+                rank.stop_all();
             }
             How::Host(sum) => sum.stop(),
         }
@@ -117,6 +118,14 @@ pub struct GpuRank {
     pub kv: GpuKv,
     /// The rank's part of decode's copy of the weights.
     pub decode: Option<GpuModel>,
+}
+
+impl Drop for GpuRank {
+    fn drop(&mut self) {
+        // Before the weights, whose sums' communicators NCCL cannot abort
+        // while a captured graph holds them.
+        self.kv.drop_graphs();
+    }
 }
 
 impl GpuRank {
