@@ -78,6 +78,10 @@ pub enum KernelError {
     /// A CUDA call failed.
     #[error("CUDA error: {0}")]
     Cuda(String),
+    /// A tensor-parallel rank stopped because another one failed (the
+    /// other's error says why).
+    #[error("tensor-parallel ranks: {0}")]
+    OtherRank(String),
 }
 
 #[cfg(test)]

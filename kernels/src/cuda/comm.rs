@@ -186,8 +186,8 @@ impl Gpu {
     pub fn all_reduce_sum(&self, rank: &NcclRank, x: &mut CudaSlice<f32>, n: usize) -> R {
         let live = rank.comms.live.read().unwrap_or_else(|p| p.into_inner());
         if !*live {
-            return Err(KernelError::Cuda(
-                "tensor-parallel ranks: the communicators were aborted after a rank failed".into(),
+            return Err(KernelError::OtherRank(
+                "the communicators were aborted after a rank failed".into(),
             ));
         }
         let mut part = x.slice_mut(..n);

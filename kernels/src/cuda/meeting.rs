@@ -86,8 +86,8 @@ impl<T> Meeting<T> {
             }
             m.broken = true;
             self.turned.notify_all();
-            return Err(KernelError::Cuda(format!(
-                "tensor-parallel ranks: another rank did not come within {:?}",
+            return Err(KernelError::OtherRank(format!(
+                "another rank did not come within {:?}",
                 self.patience
             )));
         }
@@ -105,7 +105,7 @@ impl<T> Meeting<T> {
 }
 
 fn broken() -> KernelError {
-    KernelError::Cuda("tensor-parallel ranks: another rank failed".into())
+    KernelError::OtherRank("another rank failed".into())
 }
 
 /// The ranks' vote, each step, that every rank reached its kernels: NCCL's
@@ -142,8 +142,8 @@ impl Vote {
         if votes.iter().all(|v| *v) {
             Ok(())
         } else {
-            Err(KernelError::Cuda(
-                "another tensor-parallel rank failed before this step's kernels".into(),
+            Err(KernelError::OtherRank(
+                "another rank failed before this step's kernels".into(),
             ))
         }
     }

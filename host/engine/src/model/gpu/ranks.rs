@@ -141,7 +141,8 @@ impl GpuRank {
 
 /// Runs `step` on every rank at once (on decode's copy of the weights when
 /// `decode` and the ranks have one), each on its own thread (rank 0 on
-/// this one): rank 0's results, or the first rank's error.
+/// this one): rank 0's results, or the error of the first rank that failed
+/// of its own accord.
 pub fn forward_ranks(ranks: &mut [GpuRank], step: &Step<'_>, decode: bool) -> R<StepOut> {
     let run = |rank: &mut GpuRank| {
         let (m, kv) = rank.weights(decode);
@@ -167,11 +168,42 @@ pub fn forward_ranks(ranks: &mut [GpuRank], step: &Step<'_>, decode: bool) -> R<
             .map(|rank| s.spawn(move || run(rank)))
             .collect();
         let out = run(lead);
-        for h in others {
-            let theirs = (h.join())
-                .unwrap_or_else(|_| Err(KernelError::Cuda("a rank's step panicked".into())));
-            theirs?;
+        let theirs = others.into_iter().map(|h| {
+            (h.join()).unwrap_or_else(|_| Err(KernelError::Cuda("a rank's step panicked".into())))
+        });
+        let mut errors = theirs.filter_map(Result::err).collect::<Vec<_>>();
+        match out {
+            Ok(out) if errors.is_empty() => Ok(out),
+            Ok(_) => Err(first_cause(errors)),
+            Err(e) => {
+                errors.insert(0, e);
+                Err(first_cause(errors))
+            }
         }
-        out
     })
+}
+
+/// The error that says why a step failed: the first rank's own, not one
+/// that only stopped because another rank failed.
+fn first_cause(mut errors: Vec<KernelError>) -> KernelError {
+    let own = errors
+        .iter()
+        .position(|e| !matches!(e, KernelError::OtherRank(_)));
+    errors.swap_remove(own.unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_step_reports_the_rank_that_failed_not_those_it_stopped() {
+        let other = || KernelError::OtherRank("another rank failed".into());
+        let own = KernelError::Cuda("out of memory".into());
+        let e = first_cause(vec![other(), own, other()]);
+        assert!(e.to_string().contains("out of memory"), "{e}");
+        // Where every rank only stopped, the first says so.
+        let e = first_cause(vec![other(), other()]);
+        assert!(e.to_string().contains("another rank failed"), "{e}");
+    }
 }
