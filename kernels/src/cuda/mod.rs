@@ -15,6 +15,7 @@ mod convert;
 mod cublas;
 mod embed;
 mod fold;
+mod fold_weight;
 mod fp8_act;
 mod fp8_gemm;
 mod fp8_mma;
