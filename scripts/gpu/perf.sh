@@ -1,0 +1,72 @@
+# shellcheck shell=bash
+# scripts/gpu.sh's profiling modes (there): Nsight Compute over one
+# kernel, and a base build's benchmark beside this tree's.
+
+mode_profile() {
+    # Nsight Compute on one kernel's first launch in `cuda_bench` (carry
+    # .gpu): `scripts/gpu.sh profile REGEX [SECTION...]`, e.g.
+    # `profile prefill_bf16_d128_w4 WarpStateStats SchedulerStats`. The
+    # process ends right after the launch, so the report is printed even
+    # when the rest of the bench would outlast the call. BENCH_ARGS picks
+    # the bench's part (`one-row 28672x4096`: the one-row int4 and FP8-row
+    # products at one shape), SKIP the launches to pass over first; the
+    # per-instruction samples go to $out/profile.sass.csv.
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    kernel="$2"
+    shift 2
+    sections=()
+    for s in "${@:-SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats InstructionStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis SourceCounters}"; do
+        for one in $s; do sections+=(--section "$one"); done
+    done
+    # shellcheck disable=SC2086
+    timeout "${PROFILE_TIMEOUT:-150}" /usr/local/cuda/bin/ncu -k "regex:$kernel" -s "${SKIP:-0}" -c 1 \
+        --kill on --clock-control none "${sections[@]}" --export /tmp/profile \
+        .gpu/cuda_bench ${BENCH_ARGS:-} 2>&1 | tee "$out/profile.log"
+    /usr/local/cuda/bin/ncu --import /tmp/profile.ncu-rep --page details 2>&1 | tee -a "$out/profile.log"
+    /usr/local/cuda/bin/ncu --import /tmp/profile.ncu-rep --page source --print-source sass --csv \
+        >"$out/profile.sass.csv" 2>&1
+}
+
+mode_ab() {
+    # The base build (`baseline` here) and this tree's, the same decode
+    # benchmark side by side, ROUNDS times in turn (AB_ARGS overrides it).
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    device_env
+    "$0" unpack
+    # Same tokens first: greedy and seeded sampling, on the default model
+    # (GGUF blocks) and a bf16 one (stacked GEMMs, folded norms, graphs).
+    same=0
+    for case in "smollm2-135m-instruct --kv bf16 --temperature 0" \
+        "smollm2-135m-instruct --kv fp8 --temperature 0.8 --seed 7" \
+        "synthetic:llama-3.2-1b --kv fp8 --temperature 0"; do
+        # shellcheck disable=SC2086
+        set -- $case
+        model="$1"
+        shift
+        for bin in /tmp/kiln-base .gpu-bench/kiln; do
+            timeout 120 "$bin" run --model "$model" --prompt "The three primary colors are" \
+                --max-tokens 48 --device cuda --json "$@" 2>/dev/null |
+                python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])' >"/tmp/tokens-$(basename "$bin")"
+        done
+        if cmp -s /tmp/tokens-kiln-base /tmp/tokens-kiln; then
+            echo "same tokens: $case: $(cat /tmp/tokens-kiln)" | tee -a "$out/ab.log"
+        else
+            same=1
+            echo "DIFFERENT tokens: $case" | tee -a "$out/ab.log"
+            cat /tmp/tokens-kiln-base /tmp/tokens-kiln | tee -a "$out/ab.log"
+        fi
+    done
+    for round in $(seq "${ROUNDS:-1}"); do
+        for bin in /tmp/kiln-base .gpu-bench/kiln; do
+            echo "== round $round: $bin" | tee -a "$out/ab.log"
+            # shellcheck disable=SC2086
+            timeout "${AB_TIMEOUT:-280}" "$bin" bench --model synthetic:llama-3-8b --device cuda \
+                ${AB_ARGS:---concurrency 1,64,256 --prompt-tokens 1024 --gen-tokens 256 --kv-formats bf16,fp8 --kv-memory 16GiB} \
+                2>&1 | tee -a "$out/ab.log"
+        done
+    done
+    exit "$same"
+}
