@@ -33,10 +33,9 @@ cd "$(dirname "$0")/.."
 # libnccl.so.2: a link in /tmp/kiln-lib gives it that name.
 device_env() {
     # NVLink multicast stays off (the machines set it; a program with an
-    # environment of its own must too). NCCL connects every algorithm at
-    # init, not at a first sum, where a rank would wait for the others out
-    # of reach of an abort (kernels/src/cuda/comm.rs).
-    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache NCCL_NVLS_ENABLE=0 NCCL_RUNTIME_CONNECT=0
+    # environment of its own must too). NCCL_RUNTIME_CONNECT is left as
+    # NCCL has it, so the tests meet the connections Kiln's warm-up makes.
+    export RUST_BACKTRACE=0 KILN_CACHE=/tmp/kiln-cache NCCL_NVLS_ENABLE=0
     mkdir -p /tmp/kiln-lib
     local nccl
     nccl="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)"

@@ -56,9 +56,14 @@ fn every_rank_gets_the_sum_of_every_ranks_part() {
     }
 }
 
-/// How long `wait` (rank 0 waiting for a sum rank 1 never joins) took to
-/// end once rank 1 stopped the ranks, half a second in, and what it gave.
-fn ended_by_stop<T: Send>(ranks: &[NcclRank], wait: impl FnOnce() -> T + Send) -> (Duration, T) {
+/// How long `wait` (a rank waiting for a sum rank `stopper` never joins)
+/// took to end once `stopper` stopped the ranks, half a second in, and what
+/// it gave.
+fn ended_by_stop<T: Send>(
+    ranks: &[NcclRank],
+    stopper: usize,
+    wait: impl FnOnce() -> T + Send,
+) -> (Duration, T) {
     std::thread::scope(|s| {
         let waiting = s.spawn(move || {
             let got = wait();
@@ -69,9 +74,12 @@ fn ended_by_stop<T: Send>(ranks: &[NcclRank], wait: impl FnOnce() -> T + Send) -
             !waiting.is_finished(),
             "the sum ended (or failed) with a rank missing"
         );
-        // Rank 1 failed instead of queuing its sum.
+        // The stopper failed instead of queuing its sum; the stop returns
+        // at once, the abort going on beside it.
         let stopped = Instant::now();
-        assert!(ranks[1].stop_all());
+        assert!(ranks[stopper].stop_all());
+        let took = stopped.elapsed();
+        assert!(took < Duration::from_secs(1), "the stop took {took:?}");
         let (ended, got) = waiting.join().unwrap();
         (ended.duration_since(stopped), got)
     })
@@ -84,7 +92,7 @@ fn a_sum_one_rank_never_joins_ends_when_the_ranks_are_stopped() {
     let refs: Vec<&Gpu> = gpus.iter().collect();
     let ranks = Gpu::nccl_ranks(&refs).unwrap();
     let mut buf = gpus[0].upload(&vec![1.0f32; 4096]).unwrap();
-    let (ended, ()) = ended_by_stop(&ranks, || {
+    let (ended, ()) = ended_by_stop(&ranks, 1, || {
         gpus[0].all_reduce_sum(&ranks[0], &mut buf, 4096).unwrap();
         // Waits for the stream: for good, were the sum never ended.
         let _ = gpus[0].download(&buf);
@@ -105,12 +113,15 @@ fn a_captured_sum_one_rank_never_joins_ends_when_the_ranks_are_stopped() {
     let Some(gpus) = gpus() else { return };
     let refs: Vec<&Gpu> = gpus.iter().collect();
     let ranks = Gpu::nccl_ranks(&refs).unwrap();
-    let mut buf = gpus[0].upload(&vec![1.0f32; 4096]).unwrap();
-    let g = &gpus[0];
+    // The last rank waits and the first stops: the last communicator is
+    // aborted last, by the abort that then waits for the graph to go.
+    let last = gpus.len() - 1;
+    let g = &gpus[last];
+    let mut buf = g.upload(&vec![1.0f32; 4096]).unwrap();
     let graph = g
-        .capture(|| g.all_reduce_sum(&ranks[0], &mut buf, 4096))
+        .capture(|| g.all_reduce_sum(&ranks[last], &mut buf, 4096))
         .unwrap();
-    let (ended, graph) = ended_by_stop(&ranks, move || {
+    let (ended, graph) = ended_by_stop(&ranks, 0, move || {
         g.replay(&graph).unwrap();
         let _ = g.download(&buf);
         graph

@@ -16,7 +16,8 @@
 //! their graphs before their communicators (`GpuRank`'s drop in the
 //! engine).
 
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock, mpsc};
 use std::thread::JoinHandle;
 
 use cudarc::driver::{CudaSlice, DevicePtrMut};
@@ -45,39 +46,72 @@ unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
 /// The communicators of one set of ranks, made together and aborted
-/// together.
+/// together, once, by a thread of their own that waits from the start
+/// (so a failing rank never needs a thread it might not get).
 struct Comms {
     raw: Vec<Handle>,
     /// Whether sums may still be queued: a sum holds it read while it
     /// queues; the abort sets it false (waiting out any sum being queued)
     /// before it aborts.
     live: Arc<RwLock<bool>>,
-    /// The thread aborting them, once one rank has stopped them.
-    aborter: Mutex<Option<JoinHandle<()>>>,
+    /// Whether a rank has stopped them.
+    stopped: AtomicBool,
+    /// Wakes the aborter: a message, or its end when the ranks are dropped.
+    wake: Mutex<Option<mpsc::Sender<()>>>,
+    aborter: Option<JoinHandle<()>>,
 }
 
 impl Comms {
-    /// Starts aborting every communicator on a thread of its own, once:
-    /// whether this call started it.
+    /// Communicators `raw`, with their aborter waiting.
+    fn new(raw: Vec<Handle>) -> R<Comms> {
+        let live = Arc::new(RwLock::new(true));
+        let (wake, woken) = mpsc::channel::<()>();
+        let (handles, flag) = (raw.clone(), Arc::clone(&live));
+        let aborter = std::thread::Builder::new()
+            .name("kiln-nccl-abort".into())
+            .spawn(move || {
+                // A stop, or the ranks dropped: either way, abort.
+                let _ = woken.recv();
+                abort(&handles, &flag);
+            });
+        let mut comms = Comms {
+            raw,
+            live,
+            stopped: AtomicBool::new(false),
+            wake: Mutex::new(Some(wake)),
+            aborter: None,
+        };
+        match aborter {
+            Ok(h) => {
+                comms.aborter = Some(h);
+                Ok(comms)
+            }
+            Err(e) => {
+                // Nothing is waiting to abort them: abort here, with no
+                // sum queued or captured yet.
+                drop(comms.wake.lock().unwrap_or_else(|p| p.into_inner()).take());
+                abort(&comms.raw, &comms.live);
+                Err(KernelError::DeviceUnavailable(format!(
+                    "no thread to abort NCCL's communicators with: {e}"
+                )))
+            }
+        }
+    }
+
+    /// Wakes the aborter, once: whether this call did.
     fn stop(&self) -> bool {
-        let mut aborter = self.aborter.lock().unwrap_or_else(|p| p.into_inner());
-        if aborter.is_some() {
+        if self.stopped.swap(true, Ordering::SeqCst) {
             return false;
         }
-        let (raw, live) = (self.raw.clone(), Arc::clone(&self.live));
-        let run = move || abort(&raw, &live);
-        *aborter = match std::thread::Builder::new()
-            .name("kiln-nccl-abort".into())
-            .spawn(run)
-        {
-            Ok(h) => Some(h),
-            Err(_) => {
-                // No thread to spare: abort here (it may wait for graphs).
-                abort(&self.raw, &self.live);
-                None
-            }
-        };
+        if let Some(wake) = &*self.wake.lock().unwrap_or_else(|p| p.into_inner()) {
+            let _ = wake.send(());
+        }
         true
+    }
+
+    /// Whether sums may still be queued.
+    fn live(&self) -> bool {
+        *self.live.read().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -87,18 +121,24 @@ impl Comms {
 fn abort(raw: &[Handle], live: &RwLock<bool>) {
     *live.write().unwrap_or_else(|p| p.into_inner()) = false;
     for comm in raw {
-        // SAFETY: made by ncclCommInitAll, aborted only here, once (the
-        // caller's `aborter` slot), with no call queuing on it (`live`).
-        // An error leaves nothing Kiln could do: the ranks are remade.
+        // SAFETY: made by ncclCommInitAll and aborted only here, by the
+        // one aborter (or, where none could start, by `Comms::new` in its
+        // stead), with no call queuing on it (`live`). An error leaves
+        // nothing Kiln could do: the ranks are remade.
         let _ = unsafe { result::comm_abort(comm.0) };
     }
 }
 
 impl Drop for Comms {
     fn drop(&mut self) {
-        self.stop();
-        let aborter = self.aborter.get_mut().unwrap_or_else(|p| p.into_inner());
-        if let Some(h) = aborter.take() {
+        // The aborter wakes as its channel closes, if no rank stopped them.
+        drop(
+            self.wake
+                .get_mut()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
+        if let Some(h) = self.aborter.take() {
             let _ = h.join();
         }
     }
@@ -119,6 +159,12 @@ impl NcclRank {
     pub fn stop_all(&self) -> bool {
         self.comms.stop()
     }
+
+    /// Whether sums may still be queued (no rank has stopped the ranks,
+    /// or the abort has not yet begun).
+    pub fn is_live(&self) -> bool {
+        !self.comms.stopped.load(Ordering::SeqCst) && self.comms.live()
+    }
 }
 
 /// The largest warm-up sum, in elements (every power of two up to it is
@@ -126,7 +172,7 @@ impl NcclRank {
 /// in the queuing call, which waits there for the other ranks, where no
 /// abort reaches it. Summing every size class at start connects each
 /// algorithm NCCL picks for the sums a step makes; `NCCL_RUNTIME_CONNECT=0`
-/// (which `scripts/gpu.sh` exports) connects them all at init instead.
+/// connects them all at init instead (the README suggests it).
 const WARM_UP_MAX: usize = 1 << 24;
 
 impl Gpu {
@@ -152,11 +198,7 @@ impl Gpu {
         }))
         .map_err(|_| KernelError::DeviceUnavailable("NCCL could not be loaded".into()))?;
         made.map_err(|e| KernelError::DeviceUnavailable(format!("NCCL over {n} GPUs: {:?}", e.0)))?;
-        let comms = Arc::new(Comms {
-            raw: raw.into_iter().map(Handle).collect(),
-            live: Arc::new(RwLock::new(true)),
-            aborter: Mutex::new(None),
-        });
+        let comms = Arc::new(Comms::new(raw.into_iter().map(Handle).collect())?);
         let ranks: Vec<NcclRank> = (0..n)
             .map(|rank| NcclRank {
                 comms: Arc::clone(&comms),
@@ -172,8 +214,9 @@ impl Gpu {
             result::group_start().map_err(nccl_err)?;
             let queued: R = (gpus.iter().zip(&ranks).zip(&mut bufs))
                 .try_for_each(|((g, rank), buf)| g.all_reduce_sum(rank, buf, len));
-            result::group_end().map_err(nccl_err)?;
+            let ended = result::group_end();
             queued?;
+            ended.map_err(nccl_err)?;
         }
         for g in gpus {
             g.stream.synchronize().map_err(cuda_err)?;
@@ -185,7 +228,7 @@ impl Gpu {
     /// communicator, in place, queued on this GPU's stream.
     pub fn all_reduce_sum(&self, rank: &NcclRank, x: &mut CudaSlice<f32>, n: usize) -> R {
         let live = rank.comms.live.read().unwrap_or_else(|p| p.into_inner());
-        if !*live {
+        if !*live || rank.comms.stopped.load(Ordering::SeqCst) {
             return Err(KernelError::OtherRank(
                 "the communicators were aborted after a rank failed".into(),
             ));

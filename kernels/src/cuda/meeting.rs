@@ -86,8 +86,9 @@ impl<T> Meeting<T> {
             }
             m.broken = true;
             self.turned.notify_all();
-            return Err(KernelError::OtherRank(format!(
-                "another rank did not come within {:?}",
+            // This rank's own error: it says why the step failed.
+            return Err(KernelError::Cuda(format!(
+                "tensor-parallel ranks: another rank did not come within {:?}",
                 self.patience
             )));
         }

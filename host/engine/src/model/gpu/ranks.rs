@@ -67,6 +67,15 @@ impl RankSum {
     /// This rank reached its step's kernels: fine if every rank did (the
     /// kernels run only then).
     pub(super) fn agree(&self) -> R<()> {
+        // A captured graph's sums would run on aborted communicators
+        // without an error: a runner whose ranks stopped must be remade.
+        if let How::Nccl(rank) = &self.how
+            && !rank.is_live()
+        {
+            return Err(KernelError::OtherRank(
+                "the ranks were stopped after a failed step; the runner must be remade".into(),
+            ));
+        }
         self.vote.agree(self.rank)
     }
 
