@@ -7,7 +7,11 @@ each client count in CLIENTS (default "1 64 128 256"), each DURATION_S
 seconds (default 40) of 1024-token prompts and 256 generated tokens
 (LOAD overrides), the requests sent in the first WARMUP_S (default 10)
 not counted: the first prompts of N clients all arrive at once. Prints
-each report: output tok/s and TTFT p95 are issue 23's measures. The server is stopped with SIGTERM.
+each report: output tok/s and TTFT p95 are issue 23's measures. Then the
+requests each decode pool took and the session requests that spilled from
+a saturated pool (with `sessions=N` in LOAD, each client keeps one of N
+session keys: none spilled means affinity held). The server is stopped
+with SIGTERM.
 
     scripts/clients.py SERVER LOADGEN NAME SOURCE [serve args...]
 """
@@ -16,7 +20,7 @@ import os
 import signal
 import subprocess
 
-from kiln_serve import call, start_from_argv
+from kiln_serve import call, routing, start_from_argv
 
 ADMIN = "clients-admin"
 CLIENTS = os.environ.get("CLIENTS", "1 64 128 256").split()
@@ -31,9 +35,14 @@ def main():
     call(srv.port, ADMIN, "PUT", "/v1/tenants/t/policy", {"max_concurrent": 256})
     for n in CLIENTS:
         print(f"== {n} clients, {LOAD}", flush=True)
+        before, spilled = routing(srv.port, ADMIN)
         subprocess.run([loadgen, "loadgen", "--server", f"http://127.0.0.1:{srv.port}",
                         "--model", model, "--duration-s", DURATION_S, "--warmup-s", WARMUP_S,
                         "--tenant", f"t={key},clients={n},{LOAD}"], check=True)
+        after, spills = routing(srv.port, ADMIN)
+        took = {p: int(after[p] - before.get(p, 0.0)) for p in sorted(after)}
+        print(f"requests by decode pool: {took}; session requests spilled: {int(spills - spilled)}",
+              flush=True)
     srv.proc.send_signal(signal.SIGTERM)
     print(f"server exit {srv.proc.wait(timeout=60)}")
 

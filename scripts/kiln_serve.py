@@ -125,3 +125,19 @@ def step_times(port, admin):
             elif 'time="device"' in line:
                 device += float(value)
     return steps, wall, device
+
+
+def routing(port, admin):
+    """Requests routed to each decode pool and session requests that
+    spilled from a saturated pool, from /metrics: ({pool: requests},
+    spills), summed over models."""
+    _, text = exchange(port, admin, "GET", "/metrics")
+    pools, spills = {}, 0.0
+    for line in text.decode(errors="replace").splitlines():
+        value = line.rsplit(" ", 1)[-1]
+        if line.startswith("kiln_pool_requests_total{"):
+            pool = line.split('pool="', 1)[1].split('"', 1)[0]
+            pools[pool] = pools.get(pool, 0.0) + float(value)
+        elif line.startswith("kiln_pool_spills_total{"):
+            spills += float(value)
+    return pools, spills

@@ -1,8 +1,8 @@
 # shellcheck shell=bash
-# $out is set by gpu.sh's prepare_gpus.
-# shellcheck disable=SC2154
 # scripts/gpu.sh's modes across GPUs (there; two GPUs or more): decode
 # pools on each GPU, a prefill pool handing on, tensor-parallel ranks.
+# $out is set by gpu.sh's prepare_gpus.
+# shellcheck disable=SC2154
 
 mode_gpus() {
     # Decode pools across GPUs (issue 22; a machine of two GPUs or more):
@@ -25,8 +25,12 @@ mode_gpus() {
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     for placed in "--device cuda:0" "--device cuda:all" "--device cuda:1 --prefill-device cuda:0"; do
         echo "== $placed" | tee -a "$out/gpus.log"
+        # Each client keeps a session of its own (issue 22: affinity intact,
+        # which clients.py reads from the spills).
+        local clients="${CLIENTS:-256}"
         # shellcheck disable=SC2086
-        CLIENTS="${CLIENTS:-256}" DURATION_S="${DURATION_S:-25}" timeout 240 python3 scripts/clients.py \
+        CLIENTS="$clients" DURATION_S="${DURATION_S:-25}" \
+            LOAD="${LOAD:-prompt=1024,max=256,sessions=$clients}" timeout 240 python3 scripts/clients.py \
             .gpu-bench/kiln .gpu-bench/kiln big synthetic:llama-3-8b $placed --kv fp8-static \
             --kv-memory 24GiB 2>&1 | grep -v INFO | tee -a "$out/gpus.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1

@@ -50,3 +50,36 @@ async fn loadgen_reports_each_tenants_tokens_and_latencies() {
     let table = loadgen::table(&reports);
     assert_eq!(table.lines().count(), 4, "{table}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loadgen_sessions_keep_their_requests_on_their_pool() {
+    let s = TestServer::start_with_pools(2, |_| {}).await;
+    let a = s.tenant("a").await;
+    // Four clients at once in one session: with no session key the router
+    // would spread them over both pools by load.
+    let args = LoadArgs {
+        server: s.url.clone(),
+        model: DEFAULT_MODEL.into(),
+        tenants: vec![
+            format!("a={a},clients=4,prompt=20,max=2,sessions=1")
+                .parse()
+                .unwrap(),
+        ],
+        duration_s: 2.0,
+        warmup_s: 0.0,
+    };
+    let reports = loadgen::run(args).await.unwrap();
+    let r = &reports[0];
+    assert!(r.requests >= 8 && r.errors == 0, "{r:?}");
+    let routed = ["0", "1"].map(|p| format!("pool=\"{p}\""));
+    let zero = s.metric(&["kiln_pool_requests_total{", &routed[0]]).await;
+    let one = s.metric(&["kiln_pool_requests_total{", &routed[1]]).await;
+    let (home, other) = (zero.max(one), zero.min(one));
+    // The other pool saw at most the two calls that size prompts, which
+    // carry no session.
+    assert!(
+        home >= r.requests as f64 && other <= 2.0,
+        "pools {zero} / {one}"
+    );
+    assert_eq!(s.metric(&["kiln_pool_spills_total"]).await, 0.0);
+}

@@ -79,10 +79,14 @@ pub struct TenantLoad {
     pub prompt_tokens: Lengths,
     /// `max_tokens` of each request.
     pub max_tokens: Lengths,
+    /// Session keys its requests carry in `x-session-affinity`, round
+    /// robin by client (closed loop) or arrival (none: no header).
+    pub sessions: usize,
 }
 
 /// What a tenant's load looks like on the command line.
-const FORM: &str = "NAME=KEY[,clients=N][,rate=PER_S][,prompt=TOKENS|MIN-MAX][,max=TOKENS|MIN-MAX]";
+const FORM: &str =
+    "NAME=KEY[,clients=N][,rate=PER_S][,prompt=TOKENS|MIN-MAX][,max=TOKENS|MIN-MAX][,sessions=N]";
 
 /// Requests in flight at once for a rate without `clients`.
 const RATE_CLIENTS: usize = 1024;
@@ -104,6 +108,7 @@ impl FromStr for TenantLoad {
             rate: None,
             prompt_tokens: Lengths::fixed(512),
             max_tokens: Lengths::fixed(64),
+            sessions: 0,
         };
         for part in parts {
             let (k, v) = part
@@ -125,7 +130,12 @@ impl FromStr for TenantLoad {
                 }
                 "prompt" => load.prompt_tokens = v.parse().map_err(bad)?,
                 "max" => load.max_tokens = v.parse().map_err(bad)?,
-                _ => return Err(format!("`{k}`: use clients, rate, prompt or max")),
+                "sessions" => {
+                    load.sessions = (v.parse().ok())
+                        .filter(|n| *n > 0)
+                        .ok_or_else(|| bad(format!("{v} is not a count of at least 1")))?
+                }
+                _ => return Err(format!("`{k}`: use clients, rate, prompt, max or sessions")),
             }
         }
         if load.clients == 0 && part_given(s, "clients") {
@@ -190,20 +200,27 @@ fn prompt(tag: &str, words: usize) -> String {
     p
 }
 
-/// Sends `body` to the server's completions endpoint as the tenant of `key`.
+/// Sends `body` to the server's completions endpoint as the tenant of `key`,
+/// in `session` where given.
 async fn completion(
     http: &reqwest::Client,
     args: &LoadArgs,
-    key: &str,
+    (key, session): (&str, Option<&str>),
     body: &Value,
 ) -> reqwest::Result<reqwest::Response> {
     let url = format!("{}/v1/completions", args.server.trim_end_matches('/'));
-    http.post(url).bearer_auth(key).json(body).send().await
+    let mut req = http.post(url).bearer_auth(key).json(body);
+    if let Some(session) = session {
+        req = req.header("x-session-affinity", session);
+    }
+    req.send().await
 }
 
-/// One request: its tenant's key, prompt tag and words, and `max_tokens`.
+/// One request: its tenant's key and session, prompt tag and words, and
+/// `max_tokens`.
 struct Request<'a> {
     key: &'a str,
+    session: Option<String>,
     tag: String,
     words: usize,
     max_tokens: usize,
@@ -225,7 +242,7 @@ async fn one(
         "stream_options": {"include_usage": true},
     });
     let start = Instant::now();
-    let mut resp = completion(http, args, r.key, &body).await?;
+    let mut resp = completion(http, args, (r.key, r.session.as_deref()), &body).await?;
     if !resp.status().is_success() {
         bail!(
             "status {}: {}",
@@ -278,7 +295,7 @@ async fn prompt_size(http: &reqwest::Client, args: &LoadArgs) -> anyhow::Result<
         for words in [short, long] {
             let body =
                 json!({"model": args.model, "prompt": prompt("0-0-0", words), "max_tokens": 1});
-            let resp = completion(http, args, &t.key, &body).await?;
+            let resp = completion(http, args, (&t.key, None), &body).await?;
             let ok = resp.status().is_success();
             let v: Value = resp
                 .json()
@@ -327,16 +344,18 @@ struct Run {
 }
 
 impl Run {
-    /// Request `n` of tenant `ti`'s source `c`, its lengths drawn.
+    /// Request `n` of tenant `ti`'s source `c`, its lengths drawn, in
+    /// session `turn` of the tenant's sessions.
     fn request<'a>(
         &self,
         t: &'a TenantLoad,
-        id: (usize, usize, usize),
+        (id, turn): ((usize, usize, usize), usize),
         rng: &mut StdRng,
     ) -> Request<'a> {
         let tokens = t.prompt_tokens.draw(rng);
         Request {
             key: &t.key,
+            session: (t.sessions > 0).then(|| format!("{}-{}", t.name, turn % t.sessions)),
             tag: format!("{}-{}-{}", id.0, id.1, id.2),
             words: ((tokens as f64 - self.fixed) / self.per_word)
                 .round()
@@ -353,7 +372,8 @@ impl Run {
         let mut n = 0;
         while Instant::now() < self.deadline {
             n += 1;
-            let r = self.request(t, (ti, c, n), &mut rng);
+            // A client stays in one session, as a user's turns do.
+            let r = self.request(t, ((ti, c, n), c), &mut rng);
             if !record(
                 &mut got,
                 &t.name,
@@ -392,7 +412,7 @@ impl Run {
                     &run.http,
                     &run.args,
                     run.start,
-                    run.request(t, id, &mut draw),
+                    run.request(t, (id, n), &mut draw),
                 )
                 .await;
                 drop(slot);
@@ -494,8 +514,12 @@ mod tests {
         assert_eq!(r.prompt_tokens, Lengths { min: 100, max: 300 });
         assert_eq!(r.max_tokens, Lengths { min: 8, max: 64 });
         let capped: TenantLoad = "c=k,rate=1,clients=4".parse().unwrap();
-        assert_eq!(capped.clients, 4);
+        assert_eq!((capped.clients, capped.sessions), (4, 0));
+        let s: TenantLoad = "s=k,clients=8,sessions=3".parse().unwrap();
+        assert_eq!(s.sessions, 3);
         for bad in [
+            "a=k,sessions=0",
+            "a=k,sessions=x",
             "a",
             "a=k,clients=x",
             "a=k,speed=3",
