@@ -19,6 +19,11 @@ mode_gpus() {
     KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --nocapture pools_on_two_gpus 2>&1 |
         tee -a "$out/pools.log" | grep -E "SKIPPED|test result|panicked" | tail -4
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    # A 1024-token prompt's pages handed from GPU 0 to GPU 1, timed against
+    # its time to first token (issue 22: <= 5%).
+    KILN_TEST_DEVICE=cuda timeout 120 .gpu/engine --include-ignored --nocapture prefilled_by_one_gpu_engine 2>&1 |
+        tee -a "$out/pools.log" | grep -E "moved as|test result|panicked" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     # Tensor-parallel ranks summed by NCCL where there are three GPUs.
     KILN_TEST_DEVICE=cuda timeout 300 .gpu/engine --include-ignored --test-threads 1 --nocapture three_gpu_ranks 2>&1 |
         tee -a "$out/pools.log" | grep -E "ranks on|test result|panicked" | tail -6
