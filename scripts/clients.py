@@ -9,9 +9,9 @@ seconds (default 40) of 1024-token prompts and 256 generated tokens
 not counted: the first prompts of N clients all arrive at once. Prints
 each report: output tok/s and TTFT p95 are issue 23's measures. Then the
 requests each decode pool took and the session requests that spilled from
-a saturated pool (with `sessions=N` in LOAD, each client keeps one of N
-session keys: none spilled means affinity held). The server is stopped
-with SIGTERM.
+a saturated pool (with SESSIONS=per-client, each client keeps a session
+key of its own, `sessions=N` for N clients: none spilled means affinity
+held). The server is stopped with SIGTERM.
 
     scripts/clients.py SERVER LOADGEN NAME SOURCE [serve args...]
 """
@@ -27,6 +27,7 @@ CLIENTS = os.environ.get("CLIENTS", "1 64 128 256").split()
 DURATION_S = os.environ.get("DURATION_S", "40")
 WARMUP_S = os.environ.get("WARMUP_S", "10")
 LOAD = os.environ.get("LOAD", "prompt=1024,max=256")
+PER_CLIENT = os.environ.get("SESSIONS") == "per-client"
 
 
 def main():
@@ -34,11 +35,12 @@ def main():
     key = call(srv.port, ADMIN, "POST", "/v1/tenants", {"name": "t"})["api_key"]
     call(srv.port, ADMIN, "PUT", "/v1/tenants/t/policy", {"max_concurrent": 256})
     for n in CLIENTS:
-        print(f"== {n} clients, {LOAD}", flush=True)
+        load = f"{LOAD},sessions={n}" if PER_CLIENT else LOAD
+        print(f"== {n} clients, {load}", flush=True)
         before, spilled = routing(srv.port, ADMIN)
         subprocess.run([loadgen, "loadgen", "--server", f"http://127.0.0.1:{srv.port}",
                         "--model", model, "--duration-s", DURATION_S, "--warmup-s", WARMUP_S,
-                        "--tenant", f"t={key},clients={n},{LOAD}"], check=True)
+                        "--tenant", f"t={key},clients={n},{load}"], check=True)
         after, spills = routing(srv.port, ADMIN)
         took = {p: int(after[p] - before.get(p, 0.0)) for p in sorted(after)}
         print(f"requests by decode pool: {took}; session requests spilled: {int(spills - spilled)}",

@@ -251,7 +251,8 @@ done
 mode="${1:-}"
 if ! declare -F "mode_${mode//-/_}" >/dev/null; then
     modes="$(declare -F | sed -n 's/^declare -f mode_//p' | tr _ - | tr '\n' ' ')"
-    echo "usage: scripts/gpu.sh MODE [ARGS]; MODE: $modes" >&2
+    echo "usage: scripts/gpu.sh MODE [ARGS]; MODE: ${modes% }" >&2
+    echo "  (stage a|b, baseline [REV], profile REGEX [SECTION...] take arguments)" >&2
     exit 2
 fi
 "mode_${mode//-/_}" "$@"

@@ -32,10 +32,9 @@ mode_gpus() {
         echo "== $placed" | tee -a "$out/gpus.log"
         # Each client keeps a session of its own (issue 22: affinity intact,
         # which clients.py reads from the spills).
-        local clients="${CLIENTS:-256}"
         # shellcheck disable=SC2086
-        CLIENTS="$clients" DURATION_S="${DURATION_S:-25}" \
-            LOAD="${LOAD:-prompt=1024,max=256,sessions=$clients}" timeout 240 python3 scripts/clients.py \
+        CLIENTS="${CLIENTS:-256}" DURATION_S="${DURATION_S:-25}" SESSIONS=per-client \
+            timeout 240 python3 scripts/clients.py \
             .gpu-bench/kiln .gpu-bench/kiln big synthetic:llama-3-8b $placed --kv fp8-static \
             --kv-memory 24GiB 2>&1 | grep -v INFO | tee -a "$out/gpus.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
