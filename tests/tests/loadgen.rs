@@ -55,13 +55,14 @@ async fn loadgen_reports_each_tenants_tokens_and_latencies() {
 async fn loadgen_sessions_keep_their_requests_on_their_pool() {
     let s = TestServer::start_with_pools(2, |_| {}).await;
     let a = s.tenant("a").await;
-    // Four clients at once in one session: with no session key the router
-    // would spread them over both pools by load.
+    // Eight clients at once in one session: with no session key the router
+    // would spread their first requests, sent together, over both pools by
+    // load.
     let args = LoadArgs {
         server: s.url.clone(),
         model: DEFAULT_MODEL.into(),
         tenants: vec![
-            format!("a={a},clients=4,prompt=20,max=2,sessions=1")
+            format!("a={a},clients=8,prompt=20,max=2,sessions=1")
                 .parse()
                 .unwrap(),
         ],
@@ -70,6 +71,7 @@ async fn loadgen_sessions_keep_their_requests_on_their_pool() {
     };
     let reports = loadgen::run(args).await.unwrap();
     let r = &reports[0];
+    // Every client's first request is sent before the end, and counts.
     assert!(r.requests >= 8 && r.errors == 0, "{r:?}");
     let routed = ["0", "1"].map(|p| format!("pool=\"{p}\""));
     let zero = s.metric(&["kiln_pool_requests_total{", &routed[0]]).await;
