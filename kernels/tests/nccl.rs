@@ -9,27 +9,25 @@ use std::time::{Duration, Instant};
 
 use kiln_kernels::cuda::{Gpu, NcclRank};
 
-/// Each GPU, opened on a stream of its own; `None` (and a message) where
-/// there are fewer than two.
-fn gpus() -> Option<Vec<Gpu>> {
+/// Each GPU, opened on a stream of its own, and an NCCL rank on each;
+/// `None` (and a message) where there are fewer than two.
+fn ranks() -> Option<(Vec<Gpu>, Vec<NcclRank>)> {
     let count = Gpu::count().expect("CUDA");
     if count < 2 {
         eprintln!("SKIPPED: {count} GPU(s); NCCL's tests need two or more");
         return None;
     }
-    Some(
-        (0..count)
-            .map(|i| Gpu::open(i, true).expect("GPU"))
-            .collect(),
-    )
+    let gpus: Vec<Gpu> = (0..count)
+        .map(|i| Gpu::open(i, true).expect("GPU"))
+        .collect();
+    let ranks = Gpu::nccl_ranks(&gpus.iter().collect::<Vec<_>>()).unwrap();
+    Some((gpus, ranks))
 }
 
 #[test]
 #[ignore = "needs two GPUs: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn every_rank_gets_the_sum_of_every_ranks_part() {
-    let Some(gpus) = gpus() else { return };
-    let refs: Vec<&Gpu> = gpus.iter().collect();
-    let ranks = Gpu::nccl_ranks(&refs).unwrap();
+    let Some((gpus, ranks)) = ranks() else { return };
     let n = 10_000;
     // Rank r's part: (r + 1) * (i % 7) at i, and a tail past n it keeps.
     let part = |r: usize| -> Vec<f32> { (0..n + 5).map(|i| ((r + 1) * (i % 7)) as f32).collect() };
@@ -88,9 +86,7 @@ fn ended_by_stop<T: Send>(
 #[test]
 #[ignore = "needs two GPUs: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn a_sum_one_rank_never_joins_ends_when_the_ranks_are_stopped() {
-    let Some(gpus) = gpus() else { return };
-    let refs: Vec<&Gpu> = gpus.iter().collect();
-    let ranks = Gpu::nccl_ranks(&refs).unwrap();
+    let Some((gpus, ranks)) = ranks() else { return };
     let mut buf = gpus[0].upload(&vec![1.0f32; 4096]).unwrap();
     let (ended, ()) = ended_by_stop(&ranks, 1, || {
         gpus[0].all_reduce_sum(&ranks[0], &mut buf, 4096).unwrap();
@@ -110,9 +106,7 @@ fn a_sum_one_rank_never_joins_ends_when_the_ranks_are_stopped() {
 #[test]
 #[ignore = "needs two GPUs: KILN_TEST_DEVICE=cuda and --include-ignored"]
 fn a_captured_sum_one_rank_never_joins_ends_when_the_ranks_are_stopped() {
-    let Some(gpus) = gpus() else { return };
-    let refs: Vec<&Gpu> = gpus.iter().collect();
-    let ranks = Gpu::nccl_ranks(&refs).unwrap();
+    let Some((gpus, ranks)) = ranks() else { return };
     // The last rank waits and the first stops: the last communicator is
     // aborted last, by the abort that then waits for the graph to go.
     let last = gpus.len() - 1;

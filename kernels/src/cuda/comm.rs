@@ -17,7 +17,7 @@
 //! engine).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock, mpsc};
+use std::sync::{Arc, RwLock, mpsc};
 use std::thread::JoinHandle;
 
 use cudarc::driver::{CudaSlice, DevicePtrMut};
@@ -40,7 +40,7 @@ struct Handle(sys::ncclComm_t);
 
 // SAFETY: NCCL allows a communicator's calls from any thread; Kiln queues
 // on each from one thread at a time (the one stepping its rank), and
-// aborts them only once none is queuing (`Comms::live`).
+// aborts them only once none is queuing (`Comms::queuing`).
 unsafe impl Send for Handle {}
 // SAFETY: as above; the handle itself is never written after it is made.
 unsafe impl Sync for Handle {}
@@ -50,52 +50,44 @@ unsafe impl Sync for Handle {}
 /// (so a failing rank never needs a thread it might not get).
 struct Comms {
     raw: Vec<Handle>,
-    /// Whether sums may still be queued: a sum holds it read while it
-    /// queues; the abort sets it false (waiting out any sum being queued)
-    /// before it aborts.
-    live: Arc<RwLock<bool>>,
-    /// Whether a rank has stopped them.
+    /// Held read by a sum while it queues and write by the abort before
+    /// it begins, so no communicator is aborted under a sum being queued.
+    queuing: Arc<RwLock<()>>,
+    /// Whether a rank has stopped them: no sum is queued from then on.
     stopped: AtomicBool,
     /// Wakes the aborter: a message, or its end when the ranks are dropped.
-    wake: Mutex<Option<mpsc::Sender<()>>>,
+    wake: Option<mpsc::Sender<()>>,
     aborter: Option<JoinHandle<()>>,
 }
 
 impl Comms {
     /// Communicators `raw`, with their aborter waiting.
     fn new(raw: Vec<Handle>) -> R<Comms> {
-        let live = Arc::new(RwLock::new(true));
+        let queuing = Arc::new(RwLock::new(()));
         let (wake, woken) = mpsc::channel::<()>();
-        let (handles, flag) = (raw.clone(), Arc::clone(&live));
+        let (handles, lock) = (raw.clone(), Arc::clone(&queuing));
         let aborter = std::thread::Builder::new()
             .name("kiln-nccl-abort".into())
             .spawn(move || {
                 // A stop, or the ranks dropped: either way, abort.
                 let _ = woken.recv();
-                abort(&handles, &flag);
-            });
-        let mut comms = Comms {
-            raw,
-            live,
-            stopped: AtomicBool::new(false),
-            wake: Mutex::new(Some(wake)),
-            aborter: None,
-        };
-        match aborter {
-            Ok(h) => {
-                comms.aborter = Some(h);
-                Ok(comms)
-            }
-            Err(e) => {
+                abort(&handles, &lock);
+            })
+            .map_err(|e| {
                 // Nothing is waiting to abort them: abort here, with no
                 // sum queued or captured yet.
-                drop(comms.wake.lock().unwrap_or_else(|p| p.into_inner()).take());
-                abort(&comms.raw, &comms.live);
-                Err(KernelError::DeviceUnavailable(format!(
+                abort(&raw, &queuing);
+                KernelError::DeviceUnavailable(format!(
                     "no thread to abort NCCL's communicators with: {e}"
-                )))
-            }
-        }
+                ))
+            })?;
+        Ok(Comms {
+            raw,
+            queuing,
+            stopped: AtomicBool::new(false),
+            wake: Some(wake),
+            aborter: Some(aborter),
+        })
     }
 
     /// Wakes the aborter, once: whether this call did.
@@ -103,27 +95,22 @@ impl Comms {
         if self.stopped.swap(true, Ordering::SeqCst) {
             return false;
         }
-        if let Some(wake) = &*self.wake.lock().unwrap_or_else(|p| p.into_inner()) {
+        if let Some(wake) = &self.wake {
             let _ = wake.send(());
         }
         true
     }
-
-    /// Whether sums may still be queued.
-    fn live(&self) -> bool {
-        *self.live.read().unwrap_or_else(|p| p.into_inner())
-    }
 }
 
-/// Aborts `raw` once no sum is being queued on them, and no later one can
-/// be: sums waiting on any rank's stream end at once; the call returns once
-/// no captured graph holds them.
-fn abort(raw: &[Handle], live: &RwLock<bool>) {
-    *live.write().unwrap_or_else(|p| p.into_inner()) = false;
+/// Aborts `raw` once no sum is being queued on them (later ones see the
+/// stop and queue nothing): sums waiting on any rank's stream end at once;
+/// the call returns once no captured graph holds them.
+fn abort(raw: &[Handle], queuing: &RwLock<()>) {
+    drop(queuing.write().unwrap_or_else(|p| p.into_inner()));
     for comm in raw {
         // SAFETY: made by ncclCommInitAll and aborted only here, by the
         // one aborter (or, where none could start, by `Comms::new` in its
-        // stead), with no call queuing on it (`live`). An error leaves
+        // stead), with no call queuing on it (`queuing`). An error leaves
         // nothing Kiln could do: the ranks are remade.
         let _ = unsafe { result::comm_abort(comm.0) };
     }
@@ -132,12 +119,7 @@ fn abort(raw: &[Handle], live: &RwLock<bool>) {
 impl Drop for Comms {
     fn drop(&mut self) {
         // The aborter wakes as its channel closes, if no rank stopped them.
-        drop(
-            self.wake
-                .get_mut()
-                .unwrap_or_else(|p| p.into_inner())
-                .take(),
-        );
+        drop(self.wake.take());
         if let Some(h) = self.aborter.take() {
             let _ = h.join();
         }
@@ -160,10 +142,9 @@ impl NcclRank {
         self.comms.stop()
     }
 
-    /// Whether sums may still be queued (no rank has stopped the ranks,
-    /// or the abort has not yet begun).
+    /// Whether sums may still be queued (no rank has stopped the ranks).
     pub fn is_live(&self) -> bool {
-        !self.comms.stopped.load(Ordering::SeqCst) && self.comms.live()
+        !self.comms.stopped.load(Ordering::SeqCst)
     }
 }
 
@@ -227,8 +208,8 @@ impl Gpu {
     /// The first `n` elements of `x` summed over every rank of `rank`'s
     /// communicator, in place, queued on this GPU's stream.
     pub fn all_reduce_sum(&self, rank: &NcclRank, x: &mut CudaSlice<f32>, n: usize) -> R {
-        let live = rank.comms.live.read().unwrap_or_else(|p| p.into_inner());
-        if !*live || rank.comms.stopped.load(Ordering::SeqCst) {
+        let _queuing = rank.comms.queuing.read().unwrap_or_else(|p| p.into_inner());
+        if !rank.is_live() {
             return Err(KernelError::OtherRank(
                 "the communicators were aborted after a rank failed".into(),
             ));
@@ -237,7 +218,8 @@ impl Gpu {
         let (ptr, _record) = part.device_ptr_mut(&self.stream);
         // SAFETY: `ptr` is `n` f32 on this GPU, kept alive by `x` while the
         // stream uses it (`_record` marks the use); the communicator is
-        // live (held read) and is this GPU's rank's.
+        // this GPU's rank's, not stopped, and no abort begins while
+        // `_queuing` is held.
         unsafe {
             result::all_reduce(
                 ptr as *const _,

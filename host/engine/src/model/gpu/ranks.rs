@@ -102,8 +102,7 @@ impl GpuModel {
         let gpus: Vec<&Gpu> = ranks.iter().map(|m| &m.gpu).collect();
         let comms = Gpu::nccl_ranks(&gpus)?;
         let hows = comms.into_iter().map(|c| How::Nccl(Arc::new(c))).collect();
-        let sums = RankSum::each(hows);
-        Ok(sums)
+        Ok(RankSum::each(hows))
     }
 
     /// Makes this model one rank of several: its projections into the
