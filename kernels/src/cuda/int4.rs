@@ -38,6 +38,20 @@ fn int4_one_strips(strips: usize) -> usize {
 /// Warps per block of `gemv_int4` (`INT4_WARPS` in int4.cu).
 const WARPS: u32 = 8;
 
+/// Warps a block of the one-launch GEMV (`_w{W}` of its kernels) takes on
+/// a grid of `blocks` blocks of `per_block` strips over `groups` groups of
+/// x: sixteen at two strips where the grid is at most `wide` blocks (one
+/// wave of sixteen-warp blocks: an SM's warps set the bytes it keeps in
+/// flight, and a grid under two blocks of eight an SM leaves SMs at eight)
+/// and each warp still gets two groups; eight otherwise.
+pub(super) fn int4_one_warps(blocks: usize, per_block: usize, groups: usize, wide: usize) -> usize {
+    if per_block == 2 && blocks <= wide && groups >= 32 {
+        16
+    } else {
+        8
+    }
+}
+
 /// Bytes of an int4 matrix of `rows x cols` in groups of `group`, as laid
 /// out on the device: the nibbles, then an (f16 scale, f16 offset) per
 /// group.
@@ -182,18 +196,19 @@ impl Gpu {
         let per_block = self.int4_one_strips.unwrap_or(int4_one_strips(strips));
         let o = self.out_ptrs(outs, parts);
         let ki = k as i32;
-        let mut b = self
-            .stream
-            .launch_builder(self.function(&format!("gemv_int4_one_g{group}_r{per_block}"))?);
+        let grid = strips.div_ceil(per_block);
+        let warps = int4_one_warps(grid, per_block, k / group, self.int4_wide_grid());
+        let name = format!("gemv_int4_one_g{group}_r{per_block}_w{warps}");
+        let mut b = self.stream.launch_builder(self.function(&name)?);
         b.arg(x).arg(w);
         b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
         b.arg(&o.n0).arg(&o.n1).arg(&o.n).arg(&ki);
-        let grid = strips.div_ceil(per_block) as u32;
         // SAFETY: one block per `per_block` strips of 16 of the n rows (a
         // multiple of 16 by construction of the tiles; a block's strips past
         // the last are read again from the last and not written); x holds k
         // floats and the outputs their parts (checked by the caller).
-        unsafe { b.launch(super::launch::cfg((grid, 1, 1), 32 * WARPS, 0)) }.map_err(cuda_err)?;
+        let block = 32 * warps as u32;
+        unsafe { b.launch(super::launch::cfg((grid as u32, 1, 1), block, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
 
@@ -284,6 +299,19 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn one_row_grids_under_a_wave_of_long_rows_take_blocks_of_sixteen_warps() {
+        // Llama-3-8B on the H200's 132 SMs: o and down (128 blocks) take
+        // sixteen, q/k/v (192) and gate/up (896) eight.
+        assert_eq!(int4_one_warps(128, 2, 112, 132), 16);
+        assert_eq!(int4_one_warps(128, 2, 32, 132), 16);
+        assert_eq!(int4_one_warps(192, 2, 32, 132), 8);
+        assert_eq!(int4_one_warps(896, 2, 32, 132), 8);
+        // Under two groups a warp, or one strip a block: eight.
+        assert_eq!(int4_one_warps(16, 2, 9, 132), 8);
+        assert_eq!(int4_one_warps(16, 1, 112, 132), 8);
     }
 
     #[test]

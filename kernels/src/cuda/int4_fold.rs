@@ -20,9 +20,6 @@ type R<T = ()> = Result<T, KernelError>;
 const STRIP: usize = 16;
 const STRIPS: usize = 2;
 
-/// Warps a block (`INT4_WARPS` in int4.cu).
-const WARPS: u32 = 8;
-
 /// An int4 matrix of tiles as the fold's kernels take it: the bytes, the
 /// group and the rows of the whole stack.
 #[derive(Clone, Copy)]
@@ -180,7 +177,8 @@ impl Gpu {
         f: FoldArgs,
         grid: usize,
     ) -> R {
-        let func = self.function(&format!("gemv_int4_fold_g{}", w.group))?;
+        let warps = super::int4::int4_one_warps(grid, STRIPS, k / w.group, self.int4_wide_grid());
+        let func = self.function(&format!("gemv_int4_fold_g{}_w{warps}", w.group))?;
         let n0 = parts[0] as i32;
         let n1 = parts.get(1).copied().unwrap_or(0) as i32;
         let (n, ki) = (parts.iter().sum::<usize>() as i32, k as i32);
@@ -193,8 +191,14 @@ impl Gpu {
         // SAFETY: two strips of 16 of the n rows a block (or a gate strip
         // and its up strip: f / 16 blocks), x of k, the outputs, norm
         // buffers and partial sums checked by the callers.
-        unsafe { b.launch(super::launch::cfg((grid as u32, 1, 1), 32 * WARPS, 0)) }
-            .map_err(cuda_err)?;
+        unsafe {
+            b.launch(super::launch::cfg(
+                (grid as u32, 1, 1),
+                32 * warps as u32,
+                0,
+            ))
+        }
+        .map_err(cuda_err)?;
         Ok(())
     }
 }

@@ -55,8 +55,8 @@ struct Int4OneRows {
     int step, pstep, ng8;
 };
 
-// Loads a batch and moves `rw` past it (a group of INT4_WARPS further).
-template <int TILES, int R>
+// Loads a batch and moves `rw` past it (a group of W warps further).
+template <int TILES, int R, int W>
 __device__ __forceinline__ void int4_one_load(Int4OneBatch<TILES, R>& b, Int4OneRows& rw,
                                               const float* x, int warp, int lane, int first,
                                               int mine) {
@@ -64,7 +64,7 @@ __device__ __forceinline__ void int4_one_load(Int4OneBatch<TILES, R>& b, Int4One
 #pragma unroll
     for (int j = 0; j < GB; j++) {
         bool live = first + j < mine;
-        if (R > 1 && live && x) int4_one_x<TILES>(x, warp + (first + j) * INT4_WARPS, lane, b.xv[j]);
+        if (R > 1 && live && x) int4_one_x<TILES>(x, warp + (first + j) * W, lane, b.xv[j]);
 #pragma unroll
         for (int r = 0; r < R; r++) {
 #pragma unroll
@@ -74,8 +74,8 @@ __device__ __forceinline__ void int4_one_load(Int4OneBatch<TILES, R>& b, Int4One
             b.pa[j][r] = live ? rw.p[r * rw.pstep] : 0u;
             b.pb[j][r] = live ? rw.p[r * rw.pstep + rw.ng8] : 0u;
         }
-        rw.nib += INT4_WARPS * TILES * 32;
-        rw.p += INT4_WARPS;
+        rw.nib += W * TILES * 32;
+        rw.p += W;
     }
 }
 
@@ -106,7 +106,7 @@ __device__ __forceinline__ float int4_one_stage(const float* v, unsigned* frag, 
 // One batch: stage its groups of x, start loading the next batch into
 // `next`, then the MMAs of this one; acc[r] holds rows g and g + 8 of
 // strip r (meaningful on lanes t == 0).
-template <int TILES, int R>
+template <int TILES, int R, int W>
 __device__ __forceinline__ void int4_one_step(const Int4OneBatch<TILES, R>& cur,
                                               Int4OneBatch<TILES, R>& next, const float* x,
                                               unsigned* frag, Int4OneRows& rw, float2* acc,
@@ -124,12 +124,12 @@ __device__ __forceinline__ void int4_one_step(const Int4OneBatch<TILES, R>& cur,
 #pragma unroll
             for (int c = 0; c < 2 * TILES; c++) v[c] = cur.xv[j][c];
         } else {
-            int4_one_x<TILES>(x, warp + (first + j) * INT4_WARPS, lane, v);
+            int4_one_x<TILES>(x, warp + (first + j) * W, lane, v);
         }
         sums[j] = int4_one_stage<TILES>(v, frag + j * TILES * 64, lane);
     }
     __syncwarp();
-    int4_one_load<TILES, R>(next, rw, x, warp, lane, first + GB, mine);
+    int4_one_load<TILES, R, W>(next, rw, x, warp, lane, first + GB, mine);
     // Column g of B: hi for g != 1 (only g = 0 is read back), lo for g = 1.
     int g = lane >> 2, t = lane & 3, part = (g == 1) ? 8 : 0;
 #pragma unroll
@@ -218,11 +218,11 @@ __device__ __forceinline__ void int4_fold_early(const Int4OneFold& f, Int4FoldEa
     }
 }
 
-// Rows g and g + 8 of strip r, summed over the block's warps in `red`.
-template <int R>
+// Rows g and g + 8 of strip r, summed over the block's W warps in `red`.
+template <int R, int W>
 __device__ __forceinline__ float2 int4_one_rows(float2 (*red)[R][8], int r, int g) {
     float2 s = red[0][r][g];
-    for (int v = 1; v < INT4_WARPS; v++) {
+    for (int v = 1; v < W; v++) {
         s.x += red[v][r][g].x;
         s.y += red[v][r][g].y;
     }
@@ -233,7 +233,7 @@ __device__ __forceinline__ float2 int4_one_rows(float2 (*red)[R][8], int r, int 
 // lane adds the warps' sums of its rows, scales them by the norm's factor
 // (from the partial sums loaded early, and any past them), then lanes
 // t == 0 write rows g and g + 8 of each strip as `f` says.
-template <int R>
+template <int R, int W>
 __device__ __forceinline__ void int4_one_fold_out(float2 (*red)[R][8], const Int4OneFold& f,
                                                   const Int4FoldEarly<R>& early, const Outs& o,
                                                   int K, int strip0, int strips) {
@@ -249,7 +249,7 @@ __device__ __forceinline__ void int4_one_fold_out(float2 (*red)[R][8], const Int
     float2 s[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        s[r] = int4_one_rows<R>(red, r, g);
+        s[r] = int4_one_rows<R, W>(red, r, g);
         s[r].x *= fac;
         s[r].y *= fac;
     }
@@ -285,13 +285,13 @@ __device__ __forceinline__ void int4_one_fold_out(float2 (*red)[R][8], const Int
     }
 }
 
-template <int TILES, int R, bool FOLD>
+template <int TILES, int R, int W, bool FOLD>
 __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Outs o, int K,
                                      Int4OneFold f) {
     constexpr int GB = Int4OneBatch<TILES, R>::GB;
     // Each warp's B fragments for one batch: GB groups of TILES tiles.
-    __shared__ __align__(16) unsigned frags[INT4_WARPS][GB * TILES * 64];
-    __shared__ float2 red[INT4_WARPS][R][8];
+    __shared__ __align__(16) unsigned frags[W][GB * TILES * 64];
+    __shared__ float2 red[W][R][8];
     const int G = 64 * TILES, NG = K / G, strips = o.n / 16;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     // A pair's second strip is the first's twin in the up half.
@@ -301,12 +301,12 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     bool second = pair || strip0 + 1 < strips;
     Int4OneRows rw{sp.nib + warp * TILES * 32, sp.p0 + warp, second ? apart * (K / 2) : 0,
                    second ? apart * 16 * NG : 0, 8 * NG};
-    // This warp's groups are warp, warp + INT4_WARPS, ...: `mine` of them.
-    int mine = warp < NG ? (NG - warp + INT4_WARPS - 1) / INT4_WARPS : 0;
+    // This warp's groups are warp, warp + W, ...: `mine` of them.
+    int mine = warp < NG ? (NG - warp + W - 1) / W : 0;
     unsigned* frag = frags[warp];
     Int4OneBatch<TILES, R> b0, b1;
     PDL_LAUNCH();
-    int4_one_load<TILES, R>(b0, rw, nullptr, warp, lane, 0, mine);
+    int4_one_load<TILES, R, W>(b0, rw, nullptr, warp, lane, 0, mine);
     PDL_WAIT();
     // The first batch's x, written by the kernel before: after the wait.
     static_assert(R == 1 || GB == 1, "a batch of one group at two strips");
@@ -319,9 +319,9 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = make_float2(0.0f, 0.0f);
     for (int first = 0; first < mine; first += 2 * GB) {
-        int4_one_step<TILES, R>(b0, b1, x, frag, rw, acc, warp, lane, first, mine);
+        int4_one_step<TILES, R, W>(b0, b1, x, frag, rw, acc, warp, lane, first, mine);
         if (first + GB >= mine) break;
-        int4_one_step<TILES, R>(b1, b0, x, frag, rw, acc, warp, lane, first + GB, mine);
+        int4_one_step<TILES, R, W>(b1, b0, x, frag, rw, acc, warp, lane, first + GB, mine);
     }
     if (t == 0) {
 #pragma unroll
@@ -329,7 +329,7 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     }
     __syncthreads();
     if constexpr (FOLD) {
-        if (warp == 0) int4_one_fold_out<R>(red, f, early, o, K, strip0, strips);
+        if (warp == 0) int4_one_fold_out<R, W>(red, f, early, o, K, strip0, strips);
         return;
     }
     // Warp 0's lanes t == 0 add the warps' sums, one strip at a time.
@@ -338,7 +338,7 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     for (int r = 0; r < R; r++) {
         int strip = blockIdx.x * R + r;
         if (strip >= strips) break;
-        float2 s = int4_one_rows<R>(red, r, g);
+        float2 s = int4_one_rows<R, W>(red, r, g);
         put_out(o, 0, strip * 16 + g, s.x);
         put_out(o, 0, strip * 16 + g + 8, s.y);
     }
@@ -347,30 +347,40 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
 // Three blocks an SM at one strip (80 registers); two at two strips, whose
 // second strip's tiles, scales and sums would not fit 80 without spilling
 // (a spilled register that a load writes stalls the warp on that load).
-#define GEMV_INT4_ONE(G, R)                                                                   \
-    extern "C" __global__ void __launch_bounds__(32 * INT4_WARPS, R == 1 ? 3 : 2)           \
-        gemv_int4_one_g##G##_r##R(const float* x, const unsigned char* w, float* o0,         \
-                                  float* o1, float* o2, int n0, int n1, int N, int K) {      \
-        gemv_int4_one_strips<G / 64, R, false>(x, w, Outs{o0, o1, o2, n0, n1, N}, K,         \
-                                               Int4OneFold{});                               \
+// Sixteen warps a block (two strips, one block an SM, the same registers)
+// for grids too small to put two blocks of eight on every SM: the warps
+// an SM holds decide the bytes it keeps in flight.
+#define INT4_ONE_BLOCKS(R, W) ((W) == 16 ? 1 : (R) == 1 ? 3 : 2)
+#define GEMV_INT4_ONE(G, R, W)                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * W, INT4_ONE_BLOCKS(R, W))              \
+        gemv_int4_one_g##G##_r##R##_w##W(const float* x, const unsigned char* w, float* o0,  \
+                                         float* o1, float* o2, int n0, int n1, int N,        \
+                                         int K) {                                            \
+        gemv_int4_one_strips<G / 64, R, W, false>(x, w, Outs{o0, o1, o2, n0, n1, N}, K,      \
+                                                  Int4OneFold{});                            \
     }
 
-GEMV_INT4_ONE(64, 1)
-GEMV_INT4_ONE(64, 2)
-GEMV_INT4_ONE(128, 1)
-GEMV_INT4_ONE(128, 2)
+GEMV_INT4_ONE(64, 1, 8)
+GEMV_INT4_ONE(64, 2, 8)
+GEMV_INT4_ONE(64, 2, 16)
+GEMV_INT4_ONE(128, 1, 8)
+GEMV_INT4_ONE(128, 2, 8)
+GEMV_INT4_ONE(128, 2, 16)
 
 // The folded products of a one-token step (Int4OneFold), two strips a
 // block.
-#define GEMV_INT4_FOLD(G)                                                                     \
-    extern "C" __global__ void __launch_bounds__(32 * INT4_WARPS, 2) gemv_int4_fold_g##G(    \
-        const float* x, const unsigned char* w, float* o0, float* o1, float* o2, int n0,     \
-        int n1, int N, int K, const float* sums, int parts, float eps, int pair, float* h,   \
-        const float* gn, float* gh, float* psum) {                                           \
-        gemv_int4_one_strips<G / 64, 2, true>(x, w, Outs{o0, o1, o2, n0, n1, N}, K,          \
-                                              Int4OneFold{sums, parts, eps, pair, h, gn, gh, \
-                                                          psum});                            \
+#define GEMV_INT4_FOLD(G, W)                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * W, INT4_ONE_BLOCKS(2, W))              \
+        gemv_int4_fold_g##G##_w##W(const float* x, const unsigned char* w, float* o0,        \
+                                   float* o1, float* o2, int n0, int n1, int N, int K,       \
+                                   const float* sums, int parts, float eps, int pair,        \
+                                   float* h, const float* gn, float* gh, float* psum) {      \
+        gemv_int4_one_strips<G / 64, 2, W, true>(x, w, Outs{o0, o1, o2, n0, n1, N}, K,       \
+                                                 Int4OneFold{sums, parts, eps, pair, h, gn,  \
+                                                             gh, psum});                     \
     }
 
-GEMV_INT4_FOLD(64)
-GEMV_INT4_FOLD(128)
+GEMV_INT4_FOLD(64, 8)
+GEMV_INT4_FOLD(64, 16)
+GEMV_INT4_FOLD(128, 8)
+GEMV_INT4_FOLD(128, 16)

@@ -91,6 +91,8 @@ impl Gpu {
             cluster_room: self.cluster_room.clone(),
             int4_one: self.int4_one,
             int4_one_strips: self.int4_one_strips,
+            int4_one_wide: self.int4_one_wide,
+            sms: self.sms,
             fp8_mma: self.fp8_mma,
             prefill_warps: self.prefill_warps,
         })

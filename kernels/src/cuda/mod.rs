@@ -123,6 +123,12 @@ pub struct Gpu {
     /// Strips of 16 rows a block of the one-launch int4 GEMV takes: `None`
     /// chooses by the row count ([`Gpu::set_int4_one_strips`]).
     int4_one_strips: Option<usize>,
+    /// Grids of two-strip blocks up to this many take blocks of sixteen
+    /// warps in the one-launch int4 GEMV: `None` for the SM count
+    /// ([`Gpu::set_int4_one_wide`]).
+    int4_one_wide: Option<usize>,
+    /// The device's streaming multiprocessors.
+    sms: usize,
     /// Whether W8A8 products of few rows take `fp8_mma.cu`
     /// ([`Gpu::set_fp8_mma`]).
     fp8_mma: bool,
@@ -346,6 +352,8 @@ impl Gpu {
                 cluster_room,
                 int4_one: true,
                 int4_one_strips: None,
+                int4_one_wide: None,
+                sms,
                 fp8_mma: true,
                 prefill_warps: prefill::DEFAULT_WARPS,
             })
@@ -407,6 +415,19 @@ impl Gpu {
         }
         self.int4_one_strips = strips;
         Ok(())
+    }
+
+    /// The largest grid of two-strip blocks that the one-launch int4 GEMV
+    /// runs as blocks of sixteen warps instead of eight (`Some(0)`: eight
+    /// everywhere; `None`, as a `Gpu` opens: the SM count); for tests and
+    /// benchmarks of each build.
+    pub fn set_int4_one_wide(&mut self, blocks: Option<usize>) {
+        self.int4_one_wide = blocks;
+    }
+
+    /// The grid the one-launch int4 GEMV's blocks of sixteen warps go to.
+    pub(super) fn int4_wide_grid(&self) -> usize {
+        self.int4_one_wide.unwrap_or(self.sms)
     }
 
     /// Warps a block of prefill attention takes (4 or 8; 16 query rows

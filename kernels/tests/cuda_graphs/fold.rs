@@ -157,7 +157,15 @@ fn folded_norm_gemvs_match_the_launches_they_replace_and_replay_exactly() {
     let (mut gpu, seed) = device();
     // Both paths keep f32 activations; int4's products round their sums
     // at up to 2.3e-5 each (int4_one.rs), over four rounds of three.
-    for (dtype, bound) in [(DType::BF16, 1e-4), (DType::Int4G128, 2e-4)] {
+    // Int4 with blocks of eight warps, then of sixteen wherever a grid is
+    // small enough to take them.
+    let cases = [
+        (DType::BF16, 1e-4, None),
+        (DType::Int4G128, 2e-4, Some(0)),
+        (DType::Int4G128, 2e-4, Some(usize::MAX)),
+    ];
+    for (dtype, bound, wide) in cases {
+        gpu.set_int4_one_wide(wide);
         gpu.set_programmatic(false);
         let mut apart = Chain::new(&gpu, seed, dtype);
         apart.apart(&gpu).unwrap();
@@ -176,7 +184,7 @@ fn folded_norm_gemvs_match_the_launches_they_replace_and_replay_exactly() {
         };
         let e = errs(&once, &want);
         eprintln!(
-            "{dtype:?}: folded against apart: h {:.2e}, u {:.2e}, q {:.2e}",
+            "{dtype:?} (wide {wide:?}): folded against apart: h {:.2e}, u {:.2e}, q {:.2e}",
             e[0], e[1], e[2]
         );
         assert!(
