@@ -61,6 +61,10 @@ pub(crate) struct EngineArgs {
     /// sequence than the separate launches beside them; docs/perf.md).
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_fold_int4: OnOff,
+    /// On CUDA, int4 one-token products take their weights through a ring
+    /// of bulk copies in shared memory (off until measured; docs/perf.md).
+    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
+    cuda_int4_ring: OnOff,
     /// On CUDA, sample (temperature, top-k, top-p) on the device.
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     device_sampling: OnOff,
@@ -163,6 +167,7 @@ impl EngineArgs {
             cuda_pdl: self.cuda_pdl == OnOff::On,
             cuda_fold: self.cuda_fold == OnOff::On,
             cuda_fold_int4: self.cuda_fold_int4 == OnOff::On,
+            cuda_int4_ring: self.cuda_int4_ring == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,
             tensor_prefill: self.tensor_prefill == OnOff::On,
             cuda_skinny: self.cuda_skinny == OnOff::On,

@@ -178,7 +178,8 @@ impl Gpu {
         grid: usize,
     ) -> R {
         let warps = super::int4::int4_one_warps(grid, STRIPS, k / w.group, self.int4_wide_grid());
-        let func = self.function(&format!("gemv_int4_fold_g{}_w{warps}", w.group))?;
+        let (ring, shared) = self.int4_ring_build(warps, w.group, STRIPS, k / w.group);
+        let func = self.function(&format!("gemv_int4_fold_g{}_w{warps}{ring}", w.group))?;
         let n0 = parts[0] as i32;
         let n1 = parts.get(1).copied().unwrap_or(0) as i32;
         let (n, ki) = (parts.iter().sum::<usize>() as i32, k as i32);
@@ -195,7 +196,7 @@ impl Gpu {
             b.launch(super::launch::cfg(
                 (grid as u32, 1, 1),
                 32 * warps as u32,
-                0,
+                shared,
             ))
         }
         .map_err(cuda_err)?;

@@ -127,6 +127,9 @@ pub struct Gpu {
     /// warps in the one-launch int4 GEMV: `None` for the SM count
     /// ([`Gpu::set_int4_one_wide`]).
     int4_one_wide: Option<usize>,
+    /// Whether the one-launch int4 GEMV's two-strip blocks take their
+    /// weights through a ring of bulk copies ([`Gpu::set_int4_ring`]).
+    int4_ring: bool,
     /// The device's streaming multiprocessors.
     sms: usize,
     /// Whether W8A8 products of few rows take `fp8_mma.cu`
@@ -296,6 +299,7 @@ impl Gpu {
                 let f = module.load_function(&name).map_err(cuda_err)?;
                 functions.insert(name, f);
             }
+            int4::let_rings_grow(&ctx, &functions)?;
             let clusters = major >= 9;
             let flash_resident = attention::flash_resident(
                 |name| {
@@ -353,6 +357,7 @@ impl Gpu {
                 int4_one: true,
                 int4_one_strips: None,
                 int4_one_wide: None,
+                int4_ring: false,
                 sms,
                 fp8_mma: true,
                 prefill_warps: prefill::DEFAULT_WARPS,
@@ -423,6 +428,35 @@ impl Gpu {
     /// benchmarks of each build.
     pub fn set_int4_one_wide(&mut self, blocks: Option<usize>) {
         self.int4_one_wide = blocks;
+    }
+
+    /// Whether the one-launch int4 GEMV's two-strip blocks (and the int4
+    /// folds) take their weights through a ring of bulk copies in shared
+    /// memory (`_ring` in int4_one.cu) instead of per-lane loads; off as a
+    /// `Gpu` opens, until a device run measures it.
+    pub fn set_int4_ring(&mut self, on: bool) {
+        self.int4_ring = on;
+    }
+
+    /// The kernel-name suffix and dynamic shared memory of a one-launch
+    /// int4 GEMV block of `warps` warps over `per_block` strips of `groups`
+    /// groups of `group`: the ring's where it is on and the block takes two
+    /// strips, none otherwise.
+    pub(super) fn int4_ring_build(
+        &self,
+        warps: usize,
+        group: usize,
+        per_block: usize,
+        groups: usize,
+    ) -> (&'static str, u32) {
+        if self.int4_ring && per_block == 2 {
+            (
+                "_ring",
+                int4::int4_one_shared(warps, group, per_block, groups),
+            )
+        } else {
+            ("", 0)
+        }
     }
 
     /// The grid the one-launch int4 GEMV's blocks of sixteen warps go to.

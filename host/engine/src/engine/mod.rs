@@ -82,6 +82,9 @@ pub struct EngineConfig {
     /// On CUDA: with `cuda_fold`, steps of one token with int4 tiles fold
     /// too.
     pub cuda_fold_int4: bool,
+    /// On CUDA: int4 one-token products take their weights through a ring
+    /// of bulk copies in shared memory instead of per-lane loads.
+    pub cuda_int4_ring: bool,
     /// On CUDA: sample (temperature, top-k, top-p) on the device with the
     /// request's own draws, instead of downloading logits.
     pub device_sampling: bool,
@@ -121,6 +124,7 @@ impl Default for EngineConfig {
             cuda_pdl: true,
             cuda_fold: true,
             cuda_fold_int4: true,
+            cuda_int4_ring: false,
             device_sampling: true,
             tensor_prefill: true,
             cuda_skinny: true,
@@ -285,6 +289,7 @@ impl Engine {
                 programmatic: config.cuda_pdl,
                 fold: config.cuda_fold,
                 fold_int4: config.cuda_fold_int4,
+                int4_ring: config.cuda_int4_ring,
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,
                 cluster: config.cuda_cluster,

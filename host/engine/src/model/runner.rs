@@ -41,6 +41,9 @@ pub struct RunnerOptions {
     pub fold: bool,
     /// On CUDA: with `fold`, one-token steps with int4 tiles fold too.
     pub fold_int4: bool,
+    /// On CUDA: int4 one-token products read their weights through a ring
+    /// of bulk copies.
+    pub int4_ring: bool,
     /// On CUDA: prefill chunks attend with the tensor-core prefill kernel
     /// instead of one decode-attention query per token.
     pub tensor_prefill: bool,

@@ -269,6 +269,12 @@ impl GpuModel {
         self.gpus().for_each(|g| g.set_skinny(on));
     }
 
+    /// Whether int4 one-token products take their weights through a ring
+    /// of bulk copies (set before graphs are captured).
+    pub fn set_int4_ring(&mut self, on: bool) {
+        self.gpus().for_each(|g| g.set_int4_ring(on));
+    }
+
     /// Whether bf16 products of 17-64 rows run the cluster GEMM instead of
     /// cuBLAS (sm_90 and up; set before graphs are captured).
     pub fn set_cluster(&mut self, on: bool) {
