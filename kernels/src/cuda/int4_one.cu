@@ -172,9 +172,10 @@ __device__ __forceinline__ void int4_one_step(const Int4OneBatch<TILES, R>& cur,
             uint4 b0 = tw[0], b1 = tw[1];
             unsigned bw[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
 #pragma unroll
-            for (int r = 0; r < R; r++)
-                int4_tile_steps(c[r], RING ? slot[((j * R + r) * TILES + i) * 32 + lane] : cur.wq[j][r][i],
-                                bw);
+            for (int r = 0; r < R; r++) {
+                int at = ((j * R + r) * TILES + i) * 32 + lane;
+                int4_tile_steps(c[r], RING ? slot[at] : cur.wq[j][r][i], bw);
+            }
         }
         float s0 = sums[j];
 #pragma unroll
@@ -191,7 +192,9 @@ __device__ __forceinline__ void int4_one_step(const Int4OneBatch<TILES, R>& cur,
         }
     }
     __syncwarp();  // the fragments (and the slot) are read before they refill
-    if constexpr (RING) int4_ring_fill<TILES, R, W, GB>(rg, src.strip0, src.step, warp, lane, b + INT4_RING, mine);
+    if constexpr (RING)
+        int4_ring_fill<TILES, R, W, GB>(rg, src.strip0, src.step, warp, lane, b + INT4_RING,
+                                        mine);
 }
 
 // What a folded decode step (fold.rs, gemv_norm.cu) adds to the product:
@@ -386,7 +389,8 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     for (int b = 0; b < batches; b += 2) {
         int4_one_step<TILES, R, W, RING>(b0, b1, x, frag, rw, rg, src, acc, warp, lane, b, mine);
         if (b + 1 >= batches) break;
-        int4_one_step<TILES, R, W, RING>(b1, b0, x, frag, rw, rg, src, acc, warp, lane, b + 1, mine);
+        int4_one_step<TILES, R, W, RING>(b1, b0, x, frag, rw, rg, src, acc, warp, lane, b + 1,
+                                         mine);
     }
     if (t == 0) {
 #pragma unroll

@@ -9,8 +9,8 @@
 // Shared memory of a block of the one-launch GEMV: each warp's ring of
 // INT4_RING batches (R x GB groups of TILES 512-byte tiles), then every
 // strip's (d, m) rows at a stride of 4 more than a multiple of 8 words
-// (rows g, the 8 a load reads, fall in distinct banks), then the mbarriers (one a ring slot,
-// then the scales').
+// (rows g, the 8 a load reads, fall in distinct banks), then the
+// mbarriers (one a ring slot, then the scales').
 struct Int4Ring {
     unsigned char* ring;
     unsigned* scales;
@@ -130,19 +130,21 @@ __device__ __forceinline__ void int4_scales_fill(const Int4Ring& rg, const unsig
     // A bulk copy takes 16-byte pieces: rows of other lengths copy as
     // below, and lane 0 then arrives for them.
     if (NG % 4 != 0) {
-        for (int i = 0; i < R * 16; i++)
-            for (int c = lane; c < NG; c += 32)
-                rg.scales[i * rg.sstride + c] = params[(size_t)((i < 16 ? s0 : s1) * 16 + i % 16) * NG + c];
+        for (int i = 0; i < R * 16; i++) {
+            const unsigned* row = params + (size_t)((i < 16 ? s0 : s1) * 16 + i % 16) * NG;
+            for (int c = lane; c < NG; c += 32) rg.scales[i * rg.sstride + c] = row[c];
+        }
         __syncwarp();
-        if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+        if (lane == 0)
+            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar))
+                         : "memory");
         return;
     }
     if (lane == 0) mbar_expect(bar, R * 16 * NG * 4);
     __syncwarp();
     for (int i = lane; i < R * 16; i += 32) {
-        int r = i / 16, row = i % 16;
-        bulk_copy(rg.scales + i * rg.sstride, params + (size_t)((r ? s1 : s0) * 16 + row) * NG, NG * 4,
-                  bar);
+        const unsigned* row = params + (size_t)((i < 16 ? s0 : s1) * 16 + i % 16) * NG;
+        bulk_copy(rg.scales + i * rg.sstride, row, NG * 4, bar);
     }
 #else
     for (int i = 0; i < R * 16; i++) {
