@@ -67,14 +67,16 @@ pub(super) fn int4_one_shared(warps: usize, group: usize, strips: usize, groups:
 }
 
 /// Lets the one-launch GEMV's ring builds take shared memory past the 48
-/// KiB default, up to the device's limit (each launch asks for its own).
+/// KiB default, up to the device's limit (each launch asks for its own);
+/// returns the dynamic shared memory every ring build can take.
 pub(super) fn let_rings_grow(
     ctx: &cudarc::driver::CudaContext,
     functions: &std::collections::HashMap<String, cudarc::driver::CudaFunction>,
-) -> Result<(), KernelError> {
+) -> Result<usize, KernelError> {
     use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
     use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SHARED;
     let most = ctx.attribute(OPTIN).map_err(cuda_err)?;
+    let mut room = most.max(0) as usize;
     for (name, f) in functions {
         if name.starts_with("gemv_int4_") && name.ends_with("_ring") {
             // The static shared memory (fragments, sums) comes off the top.
@@ -84,9 +86,10 @@ pub(super) fn let_rings_grow(
                 )
                 .map_err(cuda_err)?;
             f.set_attribute(MAX_SHARED, most - stat).map_err(cuda_err)?;
+            room = room.min((most - stat).max(0) as usize);
         }
     }
-    Ok(())
+    Ok(room)
 }
 
 /// Bytes of an int4 matrix of `rows x cols` in groups of `group`, as laid

@@ -180,10 +180,12 @@ __device__ __forceinline__ void int4_one_step(const Int4OneBatch<TILES, R>& cur,
         float s0 = sums[j];
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            unsigned pa = cur.pa[j][r], pb = cur.pb[j][r];
+            unsigned pa, pb;
             if constexpr (RING) {
                 const unsigned* sc = rg.scales + (r * 16 + g) * rg.sstride + gi;
                 pa = sc[0], pb = sc[8 * rg.sstride];
+            } else {
+                pa = cur.pa[j][r], pb = cur.pb[j][r];
             }
             float2 da = __half22float2(*(const __half2*)&pa);
             float2 db = __half22float2(*(const __half2*)&pb);

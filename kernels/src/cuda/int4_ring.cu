@@ -42,12 +42,19 @@ __device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned by
                  "r"(bytes)
                  : "memory");
 }
+// Weights are read once a step: first out of L2 (as the register path's
+// streaming loads), so they do not push out what the step reads again.
+__device__ __forceinline__ unsigned long long evict_first() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes,
-                                          unsigned long long* bar) {
+                                          unsigned long long* bar, unsigned long long policy) {
     asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-        "[%3];" ::"r"(smem_u32(dst)),
-        "l"(src), "r"(bytes), "r"(smem_u32(bar))
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+        "[%0], [%1], %2, [%3], %4;" ::"r"(smem_u32(dst)),
+        "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
         : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
@@ -83,11 +90,13 @@ __device__ __forceinline__ void int4_ring_fill(const Int4Ring& rg, const uint4* 
     // The slot's last reads (generic) come before this copy's writes.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     mbar_expect(bar, live * R * PIECE);
+    unsigned long long policy = evict_first();
     for (int j = 0; j < live; j++) {
         int gi = warp + (b * GB + j) * W;
 #pragma unroll
         for (int r = 0; r < R; r++)
-            bulk_copy(dst + (j * R + r) * PIECE, strip0 + r * step + gi * TILES * 32, PIECE, bar);
+            bulk_copy(dst + (j * R + r) * PIECE, strip0 + r * step + gi * TILES * 32, PIECE, bar,
+                      policy);
     }
 #else
     for (int j = 0; j < live; j++) {
@@ -127,9 +136,9 @@ __device__ __forceinline__ void int4_scales_fill(const Int4Ring& rg, const unsig
     int lane = threadIdx.x & 31;
 #if INT4_BULK
     unsigned long long* bar = rg.bars + blockDim.x / 32 * INT4_RING;
-    // A bulk copy takes 16-byte pieces: rows of other lengths copy as
-    // below, and lane 0 then arrives for them.
-    if (NG % 4 != 0) {
+    // A bulk copy takes 16-byte pieces: rows of other lengths (or none)
+    // copy as below, and lane 0 then arrives for them.
+    if (NG % 4 != 0 || NG == 0) {
         for (int i = 0; i < R * 16; i++) {
             const unsigned* row = params + (size_t)((i < 16 ? s0 : s1) * 16 + i % 16) * NG;
             for (int c = lane; c < NG; c += 32) rg.scales[i * rg.sstride + c] = row[c];
@@ -142,9 +151,10 @@ __device__ __forceinline__ void int4_scales_fill(const Int4Ring& rg, const unsig
     }
     if (lane == 0) mbar_expect(bar, R * 16 * NG * 4);
     __syncwarp();
+    unsigned long long policy = evict_first();
     for (int i = lane; i < R * 16; i += 32) {
         const unsigned* row = params + (size_t)((i < 16 ? s0 : s1) * 16 + i % 16) * NG;
-        bulk_copy(rg.scales + i * rg.sstride, row, NG * 4, bar);
+        bulk_copy(rg.scales + i * rg.sstride, row, NG * 4, bar, policy);
     }
 #else
     for (int i = 0; i < R * 16; i++) {

@@ -93,6 +93,7 @@ impl Gpu {
             int4_one_strips: self.int4_one_strips,
             int4_one_wide: self.int4_one_wide,
             int4_ring: self.int4_ring,
+            int4_ring_room: self.int4_ring_room,
             sms: self.sms,
             fp8_mma: self.fp8_mma,
             prefill_warps: self.prefill_warps,

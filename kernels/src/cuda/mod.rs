@@ -130,6 +130,8 @@ pub struct Gpu {
     /// Whether the one-launch int4 GEMV's two-strip blocks take their
     /// weights through a ring of bulk copies ([`Gpu::set_int4_ring`]).
     int4_ring: bool,
+    /// Dynamic shared memory a block of a ring build can take here.
+    int4_ring_room: usize,
     /// The device's streaming multiprocessors.
     sms: usize,
     /// Whether W8A8 products of few rows take `fp8_mma.cu`
@@ -299,7 +301,7 @@ impl Gpu {
                 let f = module.load_function(&name).map_err(cuda_err)?;
                 functions.insert(name, f);
             }
-            int4::let_rings_grow(&ctx, &functions)?;
+            let int4_ring_room = int4::let_rings_grow(&ctx, &functions)?;
             let clusters = major >= 9;
             let flash_resident = attention::flash_resident(
                 |name| {
@@ -358,6 +360,7 @@ impl Gpu {
                 int4_one_strips: None,
                 int4_one_wide: None,
                 int4_ring: false,
+                int4_ring_room,
                 sms,
                 fp8_mma: true,
                 prefill_warps: prefill::DEFAULT_WARPS,
@@ -440,8 +443,8 @@ impl Gpu {
 
     /// The kernel-name suffix and dynamic shared memory of a one-launch
     /// int4 GEMV block of `warps` warps over `per_block` strips of `groups`
-    /// groups of `group`: the ring's where it is on and the block takes two
-    /// strips, none otherwise.
+    /// groups of `group`: the ring's where it is on, the block takes two
+    /// strips and its ring fits the device's shared memory; none otherwise.
     pub(super) fn int4_ring_build(
         &self,
         warps: usize,
@@ -449,11 +452,9 @@ impl Gpu {
         per_block: usize,
         groups: usize,
     ) -> (&'static str, u32) {
-        if self.int4_ring && per_block == 2 {
-            (
-                "_ring",
-                int4::int4_one_shared(warps, group, per_block, groups),
-            )
+        let shared = int4::int4_one_shared(warps, group, per_block, groups);
+        if self.int4_ring && per_block == 2 && shared as usize <= self.int4_ring_room {
+            ("_ring", shared)
         } else {
             ("", 0)
         }
