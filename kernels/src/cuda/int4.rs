@@ -53,12 +53,12 @@ pub(super) fn int4_one_warps(blocks: usize, per_block: usize, groups: usize, wid
 }
 
 /// Batches of weights each warp of the one-launch GEMV keeps in flight
-/// (`INT4_RING` in int4_one.cu).
+/// (`INT4_RING` in int4_ring.cu).
 const RING: usize = 4;
 
 /// Dynamic shared memory of a block of the one-launch GEMV of `warps`
 /// warps over `strips` strips of `groups` groups of `group` (`int4_ring`
-/// in int4_one.cu): the warps' rings, the strips' (d, m) rows at a stride
+/// in int4_ring.cu): the warps' rings, the strips' (d, m) rows at a stride
 /// of 4 more than a multiple of 8 words, the mbarriers.
 pub(super) fn int4_one_shared(warps: usize, group: usize, strips: usize, groups: usize) -> u32 {
     let ring = warps * RING * 2 * (group / 64) * 512;
@@ -75,16 +75,13 @@ pub(super) fn let_rings_grow(
 ) -> Result<usize, KernelError> {
     use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
     use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SHARED;
+    use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES as STATIC;
     let most = ctx.attribute(OPTIN).map_err(cuda_err)?;
     let mut room = most.max(0) as usize;
     for (name, f) in functions {
         if name.starts_with("gemv_int4_") && name.ends_with("_ring") {
             // The static shared memory (fragments, sums) comes off the top.
-            let stat = f
-                .get_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
-                )
-                .map_err(cuda_err)?;
+            let stat = f.get_attribute(STATIC).map_err(cuda_err)?;
             f.set_attribute(MAX_SHARED, most - stat).map_err(cuda_err)?;
             room = room.min((most - stat).max(0) as usize);
         }
@@ -237,8 +234,7 @@ impl Gpu {
         let o = self.out_ptrs(outs, parts);
         let ki = k as i32;
         let grid = strips.div_ceil(per_block);
-        let warps = int4_one_warps(grid, per_block, k / group, self.int4_wide_grid());
-        let (ring, shared) = self.int4_ring_build(warps, group, per_block, k / group);
+        let (warps, ring, shared) = self.int4_one_build(grid, per_block, group, k / group);
         let name = format!("gemv_int4_one_g{group}_r{per_block}_w{warps}{ring}");
         let mut b = self.stream.launch_builder(self.function(&name)?);
         b.arg(x).arg(w);

@@ -177,8 +177,7 @@ impl Gpu {
         f: FoldArgs,
         grid: usize,
     ) -> R {
-        let warps = super::int4::int4_one_warps(grid, STRIPS, k / w.group, self.int4_wide_grid());
-        let (ring, shared) = self.int4_ring_build(warps, w.group, STRIPS, k / w.group);
+        let (warps, ring, shared) = self.int4_one_build(grid, STRIPS, w.group, k / w.group);
         let func = self.function(&format!("gemv_int4_fold_g{}_w{warps}{ring}", w.group))?;
         let n0 = parts[0] as i32;
         let n1 = parts.get(1).copied().unwrap_or(0) as i32;

@@ -441,28 +441,27 @@ impl Gpu {
         self.int4_ring = on;
     }
 
-    /// The kernel-name suffix and dynamic shared memory of a one-launch
-    /// int4 GEMV block of `warps` warps over `per_block` strips of `groups`
-    /// groups of `group`: the ring's where it is on, the block takes two
-    /// strips and its ring fits the device's shared memory; none otherwise.
-    pub(super) fn int4_ring_build(
+    /// The build of the one-launch int4 GEMV (or fold) that a grid of
+    /// `grid` blocks of `per_block` strips over rows of `groups` groups of
+    /// `group` takes: its warps a block, its kernel-name suffix and its
+    /// dynamic shared memory (the ring's where the ring is on, the block
+    /// takes two strips and the ring fits the device; none otherwise).
+    pub(super) fn int4_one_build(
         &self,
-        warps: usize,
-        group: usize,
+        grid: usize,
         per_block: usize,
+        group: usize,
         groups: usize,
-    ) -> (&'static str, u32) {
-        let shared = int4::int4_one_shared(warps, group, per_block, groups);
-        if self.int4_ring && per_block == 2 && shared as usize <= self.int4_ring_room {
-            ("_ring", shared)
-        } else {
-            ("", 0)
+    ) -> (usize, &'static str, u32) {
+        let wide = self.int4_one_wide.unwrap_or(self.sms);
+        let warps = int4::int4_one_warps(grid, per_block, groups, wide);
+        if self.int4_ring && per_block == 2 {
+            let shared = int4::int4_one_shared(warps, group, per_block, groups);
+            if shared as usize <= self.int4_ring_room {
+                return (warps, "_ring", shared);
+            }
         }
-    }
-
-    /// The grid the one-launch int4 GEMV's blocks of sixteen warps go to.
-    pub(super) fn int4_wide_grid(&self) -> usize {
-        self.int4_one_wide.unwrap_or(self.sms)
+        (warps, "", 0)
     }
 
     /// Warps a block of prefill attention takes (4 or 8; 16 query rows

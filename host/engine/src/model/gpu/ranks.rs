@@ -162,7 +162,9 @@ pub fn forward_ranks(ranks: &mut [GpuRank], step: &Step<'_>, decode: bool) -> R<
         let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             // A rank's thread starts with no CUDA context current, and
             // not every call binds its own (cuBLAS, raw launches).
-            (m.gpu.context().bind_to_thread())
+            m.gpu
+                .context()
+                .bind_to_thread()
                 .map_err(|e| KernelError::Cuda(format!("binding rank's GPU to its thread: {e}")))?;
             m.forward(kv, RunLane::Main, step)
         }))
