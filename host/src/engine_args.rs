@@ -65,6 +65,11 @@ pub(crate) struct EngineArgs {
     /// of bulk copies in shared memory (off until measured; docs/perf.md).
     #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
     cuda_int4_ring: OnOff,
+    /// On CUDA, int4 products of 2 to 8 rows (decode of a few sequences)
+    /// run in one launch with the rows in the MMAs' columns (off until
+    /// measured; docs/perf.md).
+    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
+    cuda_int4_rows: OnOff,
     /// On CUDA, sample (temperature, top-k, top-p) on the device.
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     device_sampling: OnOff,
@@ -168,6 +173,7 @@ impl EngineArgs {
             cuda_fold: self.cuda_fold == OnOff::On,
             cuda_fold_int4: self.cuda_fold_int4 == OnOff::On,
             cuda_int4_ring: self.cuda_int4_ring == OnOff::On,
+            cuda_int4_rows: self.cuda_int4_rows == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,
             tensor_prefill: self.tensor_prefill == OnOff::On,
             cuda_skinny: self.cuda_skinny == OnOff::On,

@@ -3,7 +3,8 @@
 //! compute one after another, and kernels that write a bf16 GEMM's input
 //! give exactly their f32 results rounded, fused launches write exactly
 //! what the launches they replace write, and the one-launch one-row int4
-//! GEMV sums what the two-launch path sums, and a graph replayed as its
+//! GEMV, and the one-launch GEMV of a few rows, sum what the two-launch
+//! path sums, and a graph replayed as its
 //! lane's priority changes computes the same. CUDA only, so ignored
 //! unless asked for: `KILN_TEST_DEVICE=cuda` with `--include-ignored` (the
 //! GPU machine, where a CUDA that does not work fails the tests).
@@ -21,6 +22,8 @@ mod attention_out;
 mod fold;
 #[path = "cuda_graphs/int4_one.rs"]
 mod int4_one;
+#[path = "cuda_graphs/int4_rows.rs"]
+mod int4_rows;
 
 const DIM: usize = 4096;
 const ROUNDS: usize = 6;

@@ -119,15 +119,15 @@ mode_prefill_weights() {
 }
 
 mode_int4() {
-    # Int4 decode at one sequence: the kernel tests (parity, the device
-    # tests, the engine's fold test), the one-row int4 products timed
-    # beside the two-launch path (`cuda_bench quantized`; QUANTIZED=0
-    # leaves it out), then int4 decode
-    # at CONC sequences (default 1,8) by the base build (`baseline` here)
-    # and this tree's in turn, and this tree's again with the flags in ALSO
-    # (e.g. ALSO="--cuda-fold-int4 on") where set; BASE=0 leaves out the
-    # base build (carry .gpu,
-    # .gpu-bench/kiln.xz, .gpu-bench/kiln-base.xz). Fails if a test fails.
+    # Int4 decode at one and a few sequences: the kernel tests (parity,
+    # the device tests, the engine's fold and few-row tests), the int4
+    # products of 1-8 rows timed beside the two-launch path (`cuda_bench
+    # quantized`; QUANTIZED=0 leaves it out), then int4 decode at CONC
+    # sequences (default 1,8) by the base build (`baseline` here) and this
+    # tree's in turn, and this tree's again with the flags in ALSO (e.g.
+    # ALSO="--cuda-int4-ring on --cuda-int4-rows on") where set; BASE=0
+    # leaves out the base build (carry .gpu, .gpu-bench/kiln.xz,
+    # .gpu-bench/kiln-base.xz). Fails if a test fails.
     prepare
     set +e
     failed=0
@@ -137,16 +137,17 @@ mode_int4() {
     if [ "${TESTS:-1}" != 0 ]; then
         KILN_TEST_DEVICE=cuda timeout 120 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" | tail -4
         [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-        KILN_TEST_DEVICE=cuda timeout 100 .gpu/cuda_graphs --include-ignored --nocapture 2>&1 |
-            tee -a "$out/parity.log" | grep -E "against|vs float64|test result|panicked" | tail -16
+        KILN_TEST_DEVICE=cuda timeout 150 .gpu/cuda_graphs --include-ignored --nocapture 2>&1 |
+            tee -a "$out/parity.log" | grep -E "against|vs float64|test result|panicked" | tail -24
         [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-        # The engine's int4 test: folded steps against unfolded ones.
-        KILN_TEST_DEVICE=cuda timeout 100 .gpu/engine --include-ignored --nocapture folded_norms 2>&1 |
-            tee -a "$out/parity.log" | grep -E "row 35|test result|panicked" | tail -4
+        # The engine's int4 tests: folded steps against unfolded ones, the
+        # few-row products in one launch against two.
+        KILN_TEST_DEVICE=cuda timeout 150 .gpu/engine --include-ignored --nocapture folded_norms int4_products 2>&1 |
+            tee -a "$out/parity.log" | grep -E "row 35|row 0:|test result|panicked" | tail -8
         [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     fi
     if [ "${QUANTIZED:-1}" != 0 ]; then
-        timeout 150 .gpu/cuda_bench quantized 2>&1 | tee "$out/bench.log" | grep -E "Int4|two launches|cold|device"
+        timeout 240 .gpu/cuda_bench quantized 2>&1 | tee "$out/bench.log" | grep -E "Int4|launch|cold|device"
     fi
     # Each run: a binary, then any flags for its bench.
     runs=(/tmp/kiln-base .gpu-bench/kiln)

@@ -9,7 +9,8 @@ use rand::Rng;
 use super::{E, rel_diff, time_graph};
 
 /// Products with FP8-row and int4 weights at Llama-3-8B shapes (the GEMVs
-/// up to 8 rows, dequantize + cuBLAS above), each checked against cuBLAS on
+/// up to 8 rows, dequantize + cuBLAS above; int4's few-row products also
+/// in one launch), each checked against cuBLAS on
 /// the same values as bf16 first; bandwidth counts the format's own bytes.
 /// `one_row` keeps only products of one row.
 pub fn quantized_gemv(
@@ -55,7 +56,7 @@ pub fn quantized_gemv(
             let rows: &[usize] = if one_row {
                 &[1]
             } else {
-                &[1, 8, 16, 32, 64, 1024]
+                &[1, 2, 4, 8, 16, 32, 64, 1024]
             };
             for &m in rows {
                 let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
@@ -96,7 +97,17 @@ pub fn quantized_gemv(
                     format!("{g:.0} ({:.0}%)", 100.0 * g / copy),
                 );
                 if m == 1 {
-                    cold_gemv(gpu, &w, &wb, &x, &mut out, &mut scratch, copy)?;
+                    cold_gemv(gpu, &w, &wb, &x, &mut out, &mut scratch, (copy, ""))?;
+                }
+                if (2..=kiln_kernels::cuda::GEMV_MAX_M).contains(&m) && dtype == DType::Int4G128 {
+                    few_rows(
+                        gpu,
+                        (&w, &dw, &wb),
+                        &x,
+                        &mut out,
+                        &mut scratch,
+                        (copy, &theirs),
+                    )?;
                 }
                 if dtype == DType::Fp8Row && m <= kiln_kernels::cuda::E4M3_MMA_MAX_M {
                     // The same product through cuBLASLt, which the FP8
@@ -151,7 +162,7 @@ pub fn quantized_gemv(
                             format!("{nn}x{k}"),
                             t2 * 1e6
                         );
-                        cold_gemv(gpu, &w, &wb, &x, &mut out, &mut scratch, copy)?;
+                        cold_gemv(gpu, &w, &wb, &x, &mut out, &mut scratch, (copy, what))?;
                     }
                     gpu.set_int4_one(true);
                     gpu.set_int4_one_strips(None)?;
@@ -164,9 +175,56 @@ pub fn quantized_gemv(
     Ok(())
 }
 
-/// One-row products with the weight out of L2 (~50 MB on the H200): each
-/// launch of the timing graph reads the next of enough copies of `w` (and
-/// of its bf16 `wb`) to pass 96 MB, as a decode step's layers do.
+/// Int4 products of 2 to 8 rows in one launch (`int4_rows.cu`), blocks of
+/// eight warps, of sixteen and as the shape chooses, warm and cold, beside
+/// the two-launch path timed before (`theirs`: cuBLAS on the same values).
+fn few_rows(
+    gpu: &mut Gpu,
+    (w, dw, wb): (
+        &kiln_kernels::matmul::Weight,
+        &kiln_kernels::cuda::DeviceWeight,
+        &CudaSlice<bf16>,
+    ),
+    x: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    scratch: &mut kiln_kernels::cuda::GemmScratch,
+    (copy, theirs): (f64, &[f32]),
+) -> Result<(), E> {
+    let (nn, k) = (w.rows(), w.cols());
+    let m = x.len() / k;
+    let shape = GemmShape { m, n: nn, k };
+    gpu.set_int4_rows(true);
+    for (wide, what) in [
+        (Some(0), "one launch, 8 warps"),
+        (Some(usize::MAX), "one launch, 16 warps"),
+        (None, "one launch, the default block"),
+    ] {
+        gpu.set_int4_one_wide(wide);
+        gpu.matmul(x, dw, out, shape, scratch)?;
+        let err = rel_diff(&gpu.stream().clone_dtoh(out)?, theirs);
+        if err.is_nan() || err >= 1e-2 {
+            return Err(format!("int4 {nn}x{k} m={m} {what} vs cuBLAS: rel err {err}").into());
+        }
+        let t = time_graph(gpu, 30, || Ok(gpu.matmul(x, dw, out, shape, scratch)?))?;
+        let g = dw.size_bytes() as f64 / t / 1e9;
+        println!(
+            "{:>10} {:>14} {m:>3} {what}: {:.1} us, {g:.0} GB/s ({:.0}%), rel err vs cuBLAS {err:.1e}",
+            "",
+            format!("{nn}x{k}"),
+            t * 1e6,
+            100.0 * g / copy
+        );
+    }
+    cold_gemv(gpu, w, wb, x, out, scratch, (copy, "one launch"))?;
+    gpu.set_int4_one_wide(None);
+    gpu.set_int4_rows(false);
+    cold_gemv(gpu, w, wb, x, out, scratch, (copy, "two launches"))
+}
+
+/// Products of x's rows (`what` says by which path) with the weight out of
+/// L2 (~50 MB on the H200): each launch of the timing graph reads the next
+/// of enough copies of `w` (and of its bf16 `wb`) to pass 96 MB, as a
+/// decode step's layers do.
 fn cold_gemv(
     gpu: &Gpu,
     w: &kiln_kernels::matmul::Weight,
@@ -174,10 +232,11 @@ fn cold_gemv(
     x: &CudaSlice<f32>,
     out: &mut CudaSlice<f32>,
     scratch: &mut kiln_kernels::cuda::GemmScratch,
-    copy: f64,
+    (copy, what): (f64, &str),
 ) -> Result<(), E> {
     let s = gpu.stream().clone();
     let (nn, k) = (w.rows(), w.cols());
+    let m = x.len() / k;
     let copies = |bytes: usize| (96usize << 20).div_ceil(bytes).max(2);
     let first = gpu.weight(w)?;
     let n = copies(first.size_bytes());
@@ -189,14 +248,7 @@ fn cold_gemv(
     let wbs = (0..nb)
         .map(|_| s.clone_dtod(wb))
         .collect::<Result<Vec<_>, _>>()?;
-    let (shape, stack) = (
-        GemmShape { m: 1, n: nn, k },
-        StackShape {
-            m: 1,
-            parts: &[nn],
-            k,
-        },
-    );
+    let (shape, stack) = (GemmShape { m, n: nn, k }, StackShape { m, parts: &[nn], k });
     let mut i = 0;
     let t = time_graph(gpu, 30, || {
         i += 1;
@@ -210,9 +262,10 @@ fn cold_gemv(
     let g = dws[0].size_bytes() as f64 / t / 1e9;
     let gb = (wb.len() * 2) as f64 / tb / 1e9;
     println!(
-        "{:>10} {:>14}   1 cold: {:.1} us, {g:.0} GB/s ({:.0}%); bf16 {:.1} us, {gb:.0} GB/s ({:.0}%) ({n} and {nb} copies)",
+        "{:>10} {:>14} {m:>3} cold{}{what}: {:.1} us, {g:.0} GB/s ({:.0}%); bf16 {:.1} us, {gb:.0} GB/s ({:.0}%) ({n} and {nb} copies)",
         "",
         format!("{nn}x{k}"),
+        if what.is_empty() { "" } else { ", " },
         t * 1e6,
         100.0 * g / copy,
         tb * 1e6,

@@ -66,10 +66,11 @@ pub(super) fn int4_one_shared(warps: usize, group: usize, strips: usize, groups:
     (ring + scales + (warps * RING + 1) * 8) as u32
 }
 
-/// Lets the one-launch GEMV's ring builds take shared memory past the 48
-/// KiB default, up to the device's limit (each launch asks for its own);
-/// returns the dynamic shared memory every ring build can take.
-pub(super) fn let_rings_grow(
+/// Lets the one-launch GEMV's ring builds and the few-row builds
+/// (`int4_rows.cu`) take shared memory past the 48 KiB default, up to the
+/// device's limit (each launch asks for its own); returns the dynamic
+/// shared memory every such build can take.
+pub(super) fn let_int4_shared_grow(
     ctx: &cudarc::driver::CudaContext,
     functions: &std::collections::HashMap<String, cudarc::driver::CudaFunction>,
 ) -> Result<usize, KernelError> {
@@ -79,7 +80,8 @@ pub(super) fn let_rings_grow(
     let most = ctx.attribute(OPTIN).map_err(cuda_err)?;
     let mut room = most.max(0) as usize;
     for (name, f) in functions {
-        if name.starts_with("gemv_int4_") && name.ends_with("_ring") {
+        let ring = name.starts_with("gemv_int4_") && name.ends_with("_ring");
+        if ring || name.starts_with("gemv_int4_rows") {
             // The static shared memory (fragments, sums) comes off the top.
             let stat = f.get_attribute(STATIC).map_err(cuda_err)?;
             f.set_attribute(MAX_SHARED, most - stat).map_err(cuda_err)?;
@@ -180,6 +182,9 @@ impl Gpu {
         let (mi, ki, gi) = (m as i32, k as i32, group as i32);
         if m == 1 && self.int4_one {
             return self.gemv_int4_one(x, w, group, outs, parts, k);
+        }
+        if m > 1 && self.int4_rows && self.gemv_int4_rows(x, w, group, outs, parts, (m, k))? {
+            return Ok(());
         }
         let hi_lo = m <= super::GEMV_MAX_M;
         let lo = hi_lo as i32;

@@ -25,6 +25,7 @@ mod graph;
 mod hadamard;
 mod int4;
 mod int4_fold;
+mod int4_rows;
 mod kv;
 mod kv_transfer;
 mod lane;
@@ -130,8 +131,12 @@ pub struct Gpu {
     /// Whether the one-launch int4 GEMV's two-strip blocks take their
     /// weights through a ring of bulk copies ([`Gpu::set_int4_ring`]).
     int4_ring: bool,
-    /// Dynamic shared memory a block of a ring build can take here.
-    int4_ring_room: usize,
+    /// Whether int4 products of 2 to [`GEMV_MAX_M`] rows run in one launch
+    /// (`int4_rows.cu`, [`Gpu::set_int4_rows`]).
+    int4_rows: bool,
+    /// Dynamic shared memory a block of a ring or few-row int4 build can
+    /// take here.
+    int4_shared_room: usize,
     /// The device's streaming multiprocessors.
     sms: usize,
     /// Whether W8A8 products of few rows take `fp8_mma.cu`
@@ -301,7 +306,7 @@ impl Gpu {
                 let f = module.load_function(&name).map_err(cuda_err)?;
                 functions.insert(name, f);
             }
-            let int4_ring_room = int4::let_rings_grow(&ctx, &functions)?;
+            let int4_shared_room = int4::let_int4_shared_grow(&ctx, &functions)?;
             let clusters = major >= 9;
             let flash_resident = attention::flash_resident(
                 |name| {
@@ -360,7 +365,8 @@ impl Gpu {
                 int4_one_strips: None,
                 int4_one_wide: None,
                 int4_ring: false,
-                int4_ring_room,
+                int4_rows: false,
+                int4_shared_room,
                 sms,
                 fp8_mma: true,
                 prefill_warps: prefill::DEFAULT_WARPS,
@@ -441,6 +447,14 @@ impl Gpu {
         self.int4_ring = on;
     }
 
+    /// Whether int4 products of 2 to [`GEMV_MAX_M`] rows (decode of a few
+    /// sequences) run in one launch with the rows in the MMAs' columns
+    /// (`int4_rows.cu`) instead of `int4_xfrag` and the GEMV; off as a `Gpu`
+    /// opens, until a device run measures it.
+    pub fn set_int4_rows(&mut self, on: bool) {
+        self.int4_rows = on;
+    }
+
     /// The build of the one-launch int4 GEMV (or fold) that a grid of
     /// `grid` blocks of `per_block` strips over rows of `groups` groups of
     /// `group` takes: its warps a block, its kernel-name suffix and its
@@ -457,7 +471,7 @@ impl Gpu {
         let warps = int4::int4_one_warps(grid, per_block, groups, wide);
         if self.int4_ring && per_block == 2 {
             let shared = int4::int4_one_shared(warps, group, per_block, groups);
-            if shared as usize <= self.int4_ring_room {
+            if shared as usize <= self.int4_shared_room {
                 return (warps, "_ring", shared);
             }
         }

@@ -14,12 +14,39 @@ use rand_chacha::ChaCha8Rng;
 
 use super::fold::rel;
 
-fn random(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+pub(super) fn random(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| r.random_range(-scale..scale)).collect()
 }
 
+/// Stacked int4 matrices (type, parts, k): both group sizes, rows of one
+/// to several batches a warp, an odd count of strips (48 rows), and rows of
+/// fewer groups than a block has warps.
+pub(super) const CASES: [(DType, [usize; 3], usize); 5] = [
+    (DType::Int4G128, [64, 32, 32], 4096),
+    (DType::Int4G64, [48, 16, 16], 4096),
+    (DType::Int4G128, [32, 16, 16], 14336),
+    (DType::Int4G128, [16, 16, 16], 4992),
+    (DType::Int4G64, [16, 16, 16], 256),
+];
+
+/// A random `n x k` matrix rounded to `dtype`: its bytes and its upload.
+pub(super) fn random_int4(
+    gpu: &Gpu,
+    r: &mut ChaCha8Rng,
+    dtype: DType,
+    (n, k): (usize, usize),
+) -> (Vec<u8>, kiln_kernels::cuda::DeviceWeight) {
+    let values = random(r, n * k, 0.05);
+    let bytes: Vec<u8> = values
+        .chunks(k)
+        .flat_map(|row| quantize(dtype, row))
+        .collect();
+    let w = Weight::from_bytes(dtype, n, k, bytes.clone()).unwrap();
+    (bytes, gpu.weight(&w).unwrap())
+}
+
 /// Each stored row of `bytes` (dequantized) times `x`, in float64.
-fn exact_products(dtype: DType, bytes: &[u8], x: &[f32]) -> Vec<f32> {
+pub(super) fn exact_products(dtype: DType, bytes: &[u8], x: &[f32]) -> Vec<f32> {
     let (k, rb) = (x.len(), dtype.bytes_for(x.len()));
     let mut row = vec![0.0f32; k];
     bytes
@@ -69,23 +96,8 @@ fn one_launch_int4_gemv_keeps_to_float64_as_two_launches_do_and_its_programmatic
 {
     let (mut gpu, seed) = super::device();
     let mut r = ChaCha8Rng::seed_from_u64(seed);
-    let cases: [(DType, [usize; 3], usize); 5] = [
-        (DType::Int4G128, [64, 32, 32], 4096),
-        (DType::Int4G64, [48, 16, 16], 4096),
-        (DType::Int4G128, [32, 16, 16], 14336),
-        (DType::Int4G128, [16, 16, 16], 4992),
-        (DType::Int4G64, [16, 16, 16], 256),
-    ];
-    for (dtype, parts, k) in cases {
-        let n: usize = parts.iter().sum();
-        let values = random(&mut r, n * k, 0.05);
-        let bytes: Vec<u8> = values
-            .chunks(k)
-            .flat_map(|row| quantize(dtype, row))
-            .collect();
-        let w = gpu
-            .weight(&Weight::from_bytes(dtype, n, k, bytes.clone()).unwrap())
-            .unwrap();
+    for (dtype, parts, k) in CASES {
+        let (bytes, w) = random_int4(&gpu, &mut r, dtype, (parts.iter().sum(), k));
         let mut scratch = gpu.gemm_scratch(1, k, true).unwrap();
         let (h0, y0, norm) = (
             random(&mut r, k, 1.0),

@@ -2,7 +2,8 @@
 //! for cuBLAS,
 //! the bf16 MLP for the f32 one, the decode kernel for a mixed step's
 //! decode rows, the W8A8 GEMM on bf16 activations for the CPU's FP8
-//! rows) give the engine's logits within rounding, or its tokens.
+//! rows, int4 products of a few rows in one launch for the fragment launch
+//! and the GEMV) give the engine's logits within rounding, or its tokens.
 
 use std::collections::HashMap;
 
@@ -197,5 +198,44 @@ fn fp8_weights_on_the_test_device_give_the_cpus_logits() {
         let rel = rel_diff(x, y);
         eprintln!("FP8 weights, row {i}: device and CPU logits differ by {rel:.2e}");
         assert!(rel < 8e-2, "row {i}: logits differ by {rel}");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn int4_products_of_a_few_rows_in_one_launch_give_the_logits_of_two_launches() {
+    // Prefills of 2 to 8 tokens (each a product of that many rows) on int4
+    // tiles, then one-token steps, with the few-row kernel (int4_rows.cu)
+    // and with int4_xfrag and the GEMV. Both split f32 activations into
+    // bf16 hi + lo, so the logits agree to f32 rounding; int4's products
+    // round their sums at up to 2.3e-5 each (kernels' int4_one.rs) over 30
+    // layers, so the bound is the int4 fold test's.
+    let name = "synthetic:smollm2-135m";
+    let loaded = std::sync::Arc::new(load_as(name, name, WeightFormat::Int4).expect(name));
+    let (_, config) = synthetic_bf16();
+    let ids = synthetic_ids_n(&loaded, 12);
+    for from in [2, 3, 5, 8] {
+        let rows = EngineConfig {
+            cuda_int4_rows: true,
+            ..config(device())
+        };
+        let mut a = Engine::new(loaded.clone(), config(device())).unwrap();
+        let mut b = Engine::new(loaded.clone(), rows).unwrap();
+        let x = a.teacher_forced_logits(TenantId(0), &ids, from).unwrap();
+        let y = b.teacher_forced_logits(TenantId(0), &ids, from).unwrap();
+        let mut most = 0.0f64;
+        for (i, (x, y)) in x.iter().zip(&y).enumerate() {
+            let rel = rel_diff(x, y);
+            eprintln!("int4, a prefill of {from}: row {i}: logits differ by {rel:.2e}");
+            assert!(
+                rel < 5e-4,
+                "prefill of {from}, row {i}: logits differ by {rel}"
+            );
+            most = most.max(rel);
+        }
+        assert!(
+            most > 0.0,
+            "prefill of {from}: the few-row kernel never ran"
+        );
     }
 }

@@ -85,6 +85,10 @@ pub struct EngineConfig {
     /// On CUDA: int4 one-token products take their weights through a ring
     /// of bulk copies in shared memory instead of per-lane loads.
     pub cuda_int4_ring: bool,
+    /// On CUDA: int4 products of 2 to 8 rows (decode of a few sequences)
+    /// run in one launch with the rows in the MMAs' columns instead of a
+    /// fragment launch and the GEMV.
+    pub cuda_int4_rows: bool,
     /// On CUDA: sample (temperature, top-k, top-p) on the device with the
     /// request's own draws, instead of downloading logits.
     pub device_sampling: bool,
@@ -125,6 +129,7 @@ impl Default for EngineConfig {
             cuda_fold: true,
             cuda_fold_int4: true,
             cuda_int4_ring: false,
+            cuda_int4_rows: false,
             device_sampling: true,
             tensor_prefill: true,
             cuda_skinny: true,
@@ -290,6 +295,7 @@ impl Engine {
                 fold: config.cuda_fold,
                 fold_int4: config.cuda_fold_int4,
                 int4_ring: config.cuda_int4_ring,
+                int4_rows: config.cuda_int4_rows,
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,
                 cluster: config.cuda_cluster,

@@ -44,6 +44,8 @@ pub struct RunnerOptions {
     /// On CUDA: int4 one-token products read their weights through a ring
     /// of bulk copies.
     pub int4_ring: bool,
+    /// On CUDA: int4 products of 2 to 8 rows run in one launch.
+    pub int4_rows: bool,
     /// On CUDA: prefill chunks attend with the tensor-core prefill kernel
     /// instead of one decode-attention query per token.
     pub tensor_prefill: bool,

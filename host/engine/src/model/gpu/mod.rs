@@ -275,6 +275,12 @@ impl GpuModel {
         self.gpus().for_each(|g| g.set_int4_ring(on));
     }
 
+    /// Whether int4 products of 2 to 8 rows run in one launch (set before
+    /// graphs are captured).
+    pub fn set_int4_rows(&mut self, on: bool) {
+        self.gpus().for_each(|g| g.set_int4_rows(on));
+    }
+
     /// Whether bf16 products of 17-64 rows run the cluster GEMM instead of
     /// cuBLAS (sm_90 and up; set before graphs are captured).
     pub fn set_cluster(&mut self, on: bool) {
