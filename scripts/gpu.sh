@@ -240,8 +240,11 @@ for l in sys.stdin:
 }
 
 mode_unpack() {
-    xz -d -c .gpu-bench/kiln-base.xz >/tmp/kiln-base
-    chmod +x /tmp/kiln-base
+    # A visit that runs no base build carries none.
+    if [ -f .gpu-bench/kiln-base.xz ]; then
+        xz -d -c .gpu-bench/kiln-base.xz >/tmp/kiln-base
+        chmod +x /tmp/kiln-base
+    fi
     unpack_kiln
 }
 

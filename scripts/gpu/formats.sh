@@ -126,8 +126,8 @@ mode_int4() {
     # sequences (default 1,8) by the base build (`baseline` here) and this
     # tree's in turn, and this tree's again with the flags in ALSO (e.g.
     # ALSO="--cuda-int4-ring on --cuda-int4-rows on") where set; BASE=0
-    # leaves out the base build (carry .gpu, .gpu-bench/kiln.xz,
-    # .gpu-bench/kiln-base.xz). Fails if a test fails.
+    # leaves out the base build, DECODE=0 every decode run (carry .gpu,
+    # .gpu-bench/kiln.xz, .gpu-bench/kiln-base.xz). Fails if a test fails.
     prepare
     set +e
     failed=0
@@ -153,6 +153,9 @@ mode_int4() {
     runs=(/tmp/kiln-base .gpu-bench/kiln)
     [ -n "${ALSO:-}" ] && runs+=(".gpu-bench/kiln $ALSO")
     [ "${BASE:-1}" != 0 ] || runs=("${runs[@]:1}")
+    # DECODE=0 leaves out the decode runs (a first call of tests and
+    # products alone, the runs in a second on the warm machine).
+    [ "${DECODE:-1}" != 0 ] || runs=()
     for round in $(seq "${ROUNDS:-1}"); do
         for run in "${runs[@]}"; do
             echo "== round $round: $run" | tee -a "$out/ab.log"
