@@ -62,13 +62,13 @@ pub(crate) struct EngineArgs {
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_fold_int4: OnOff,
     /// On CUDA, int4 one-token products take their weights through a ring
-    /// of bulk copies in shared memory (off until measured; docs/perf.md).
+    /// of bulk copies in shared memory (off: slower on the H100, docs/perf.md).
     #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
     cuda_int4_ring: OnOff,
     /// On CUDA, int4 products of 2 to 8 rows (decode of a few sequences)
-    /// run in one launch with the rows in the MMAs' columns (off until
-    /// measured; docs/perf.md).
-    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
+    /// run in one launch with the rows in the MMAs' columns (`off`: a
+    /// fragment launch and the GEMV).
+    #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_int4_rows: OnOff,
     /// On CUDA, sample (temperature, top-k, top-p) on the device.
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]

@@ -218,7 +218,9 @@ fn few_rows(
     cold_gemv(gpu, w, wb, x, out, scratch, (copy, "one launch"))?;
     gpu.set_int4_one_wide(None);
     gpu.set_int4_rows(false);
-    cold_gemv(gpu, w, wb, x, out, scratch, (copy, "two launches"))
+    cold_gemv(gpu, w, wb, x, out, scratch, (copy, "two launches"))?;
+    gpu.set_int4_rows(true);
+    Ok(())
 }
 
 /// Products of x's rows (`what` says by which path) with the weight out of

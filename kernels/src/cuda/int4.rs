@@ -3,7 +3,7 @@
 //! fragments, with the groups' scales and offsets after the nibbles. Products
 //! of up to [`INT4_MMA_MAX_M`] rows run on them: one row in one launch
 //! (`int4_one.cu`), 2 to [`super::GEMV_MAX_M`] through `int4_xfrag` and the
-//! GEMV or (`int4_rows.rs`, opt-in) in one launch, more in blocks of 8 rows;
+//! GEMV or (`int4_rows.rs`, the default) in one launch, more in blocks of 8 rows;
 //! larger ones dequantize a bounded chunk of rows to bf16 for a cuBLAS GEMM.
 
 use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};

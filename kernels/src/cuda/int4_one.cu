@@ -16,7 +16,7 @@
 //   while this one's MMAs run, in two register sets used in turn, and at
 //   two strips its columns of x with it (a split that waited on its x
 //   load stalled the warp: down 13.5 -> 10.6 us on the H200);
-// - or (`_ring` builds, opt-in until measured) weights land in shared
+// - or (`_ring` builds, opt-in: slower on the H100) weights land in shared
 //   memory by bulk copies (Hopper's TMA engine), a ring of INT4_RING
 //   batches a warp, and the block's (d, m) rows with them: one instruction
 //   a strip's group where per-lane loads take 64 and hold registers until

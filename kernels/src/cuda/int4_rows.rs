@@ -2,8 +2,7 @@
 //! [`super::GEMV_MAX_M`] sequences) in one launch (`int4_rows.cu`): the
 //! one-row kernel's two-strip blocks with the rows in the MMA's columns, in
 //! place of `int4_xfrag` and the GEMV whose blocks each read every row's
-//! fragments from L2. Opt-in (`Gpu::set_int4_rows`) until a device run
-//! measures it.
+//! fragments from L2 (`Gpu::set_int4_rows`, on by default).
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 

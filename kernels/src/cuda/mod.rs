@@ -365,7 +365,7 @@ impl Gpu {
                 int4_one_strips: None,
                 int4_one_wide: None,
                 int4_ring: false,
-                int4_rows: false,
+                int4_rows: true,
                 int4_shared_room,
                 sms,
                 fp8_mma: true,
@@ -442,15 +442,15 @@ impl Gpu {
     /// Whether the one-launch int4 GEMV's two-strip blocks (and the int4
     /// folds) take their weights through a ring of bulk copies in shared
     /// memory (`_ring` in int4_one.cu) instead of per-lane loads; off as a
-    /// `Gpu` opens, until a device run measures it.
+    /// `Gpu` opens (slower on the H100: docs/perf.md, session 37).
     pub fn set_int4_ring(&mut self, on: bool) {
         self.int4_ring = on;
     }
 
     /// Whether int4 products of 2 to [`GEMV_MAX_M`] rows (decode of a few
     /// sequences) run in one launch with the rows in the MMAs' columns
-    /// (`int4_rows.cu`) instead of `int4_xfrag` and the GEMV; off as a `Gpu`
-    /// opens, until a device run measures it.
+    /// (`int4_rows.cu`) instead of `int4_xfrag` and the GEMV (on as a `Gpu`
+    /// opens: 18-20% faster decode at 2-8 sequences on the H100).
     pub fn set_int4_rows(&mut self, on: bool) {
         self.int4_rows = on;
     }

@@ -207,20 +207,28 @@ fn int4_products_of_a_few_rows_in_one_launch_give_the_logits_of_two_launches() {
     // Prefills of 2 to 8 tokens (each a product of that many rows) on int4
     // tiles, then one-token steps, with the few-row kernel (int4_rows.cu)
     // and with int4_xfrag and the GEMV. Both split f32 activations into
-    // bf16 hi + lo, so the logits agree to f32 rounding; int4's products
-    // round their sums at up to 2.3e-5 each (kernels' int4_one.rs) over 30
-    // layers, so the bound is the int4 fold test's.
+    // bf16 hi + lo and keep to float64 within 1e-5 (the kernels' test), but
+    // a prefill rounds each layer's activations to bf16 (its attention, the
+    // pages), which turns that into steps of 2^-8: the bound is the skinny
+    // GEMM's (a layout error reads ~1; the H100 read 2.9e-3 on a prefill of
+    // two).
     let name = "synthetic:smollm2-135m";
     let loaded = std::sync::Arc::new(load_as(name, name, WeightFormat::Int4).expect(name));
     let (_, config) = synthetic_bf16();
     let ids = synthetic_ids_n(&loaded, 12);
     for from in [2, 3, 5, 8] {
-        let rows = EngineConfig {
-            cuda_int4_rows: true,
-            ..config(device())
-        };
-        let mut a = Engine::new(loaded.clone(), config(device())).unwrap();
-        let mut b = Engine::new(loaded.clone(), rows).unwrap();
+        let (two, one) = (
+            EngineConfig {
+                cuda_int4_rows: false,
+                ..config(device())
+            },
+            EngineConfig {
+                cuda_int4_rows: true,
+                ..config(device())
+            },
+        );
+        let mut a = Engine::new(loaded.clone(), two).unwrap();
+        let mut b = Engine::new(loaded.clone(), one).unwrap();
         let x = a.teacher_forced_logits(TenantId(0), &ids, from).unwrap();
         let y = b.teacher_forced_logits(TenantId(0), &ids, from).unwrap();
         let mut most = 0.0f64;
@@ -228,7 +236,7 @@ fn int4_products_of_a_few_rows_in_one_launch_give_the_logits_of_two_launches() {
             let rel = rel_diff(x, y);
             eprintln!("int4, a prefill of {from}: row {i}: logits differ by {rel:.2e}");
             assert!(
-                rel < 5e-4,
+                rel < 1e-2,
                 "prefill of {from}, row {i}: logits differ by {rel}"
             );
             most = most.max(rel);

@@ -129,7 +129,7 @@ impl Default for EngineConfig {
             cuda_fold: true,
             cuda_fold_int4: true,
             cuda_int4_ring: false,
-            cuda_int4_rows: false,
+            cuda_int4_rows: true,
             device_sampling: true,
             tensor_prefill: true,
             cuda_skinny: true,
