@@ -25,15 +25,20 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 
-// An asynchronous copy of BYTES (8 or 16) from global to shared memory.
+// An asynchronous copy of BYTES (8 or 16) from global to shared memory, to
+// a shared-memory address or to a pointer into shared memory.
 template <int BYTES>
-__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+__device__ __forceinline__ void cp_async(unsigned dst, const void* src) {
     if (BYTES == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
     } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src),
                      "n"(BYTES));
     }
+}
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+    cp_async<BYTES>(smem_addr(dst), src);
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

@@ -1,11 +1,10 @@
 // A few activation rows (decode of 2 to 8 sequences) against int4 tiles in
 // one launch. Where gemv_int4 runs a block per strip on fragments that
 // int4_xfrag wrote, every block reading all M rows' fragments from L2 (at
-// eight rows four times its weight bytes; decode of eight sequences ran at
-// 28% of roofline on the H200, twice the one-row step), this is the
-// one-row kernel's block
-// (int4_one.cu: two strips, weight batches a batch ahead in registers,
-// loaded before the PDL wait) with more of the MMA's eight columns in use:
+// eight rows four times its weight bytes), this is the one-row kernel's
+// block (int4_one.cu: two strips, weight batches a batch ahead in
+// registers, loaded before the PDL wait) with more of the MMA's eight
+// columns in use:
 // - hi and lo of row m ride in columns 2m and 2m + 1, rows 4..7 in a
 //   second MMA on the same A registers, so four rows cost the MMAs one row
 //   does and eight twice that; lane t's outputs are then row t's (and
@@ -37,17 +36,6 @@ struct Int4RowsLane {
     int base, f0, f1;
 };
 
-// An asynchronous copy of BYTES (8 or 16) to a shared-memory address.
-template <int BYTES>
-__device__ __forceinline__ void int4_rows_copy(unsigned dst, const float* src) {
-    if (BYTES == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-    } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src),
-                     "n"(BYTES));
-    }
-}
-
 // Starts the copies of this lane's columns of its warp's next group of x's
 // M rows into xs (G floats a row; the lane reads back only its own
 // columns), then moves `src` to the group after, W groups on.
@@ -56,7 +44,7 @@ __device__ __forceinline__ void int4_rows_fetch(Int4RowsLane& l, int K, int M) {
     constexpr int PER = 2 * TILES, G = 64 * TILES;
     const float* src = l.src;
 #pragma unroll 2
-    for (int m = 0; m < M; m++, src += K) int4_rows_copy<PER * 4>(l.dst + m * G * 4, src);
+    for (int m = 0; m < M; m++, src += K) cp_async<PER * 4>(l.dst + m * G * 4, src);
     cp_commit();
     l.src += W * G;
 }

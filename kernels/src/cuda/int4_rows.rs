@@ -56,8 +56,7 @@ impl Gpu {
         }
         let n: usize = parts.iter().sum();
         let grid = (n / STRIP).div_ceil(STRIPS);
-        let wide = self.int4_one_wide.unwrap_or(self.sms);
-        let warps = super::int4::int4_one_warps(grid, STRIPS, k / group, wide);
+        let warps = self.int4_one_block_warps(grid, STRIPS, k / group);
         let shared = int4_rows_shared(warps, mr, group);
         if shared as usize > self.int4_shared_room {
             return Ok(false);

@@ -442,7 +442,7 @@ impl Gpu {
     /// Whether the one-launch int4 GEMV's two-strip blocks (and the int4
     /// folds) take their weights through a ring of bulk copies in shared
     /// memory (`_ring` in int4_one.cu) instead of per-lane loads; off as a
-    /// `Gpu` opens (slower on the H100: docs/perf.md, session 37).
+    /// `Gpu` opens (slower than per-lane loads on the H100, docs/perf.md).
     pub fn set_int4_ring(&mut self, on: bool) {
         self.int4_ring = on;
     }
@@ -450,9 +450,26 @@ impl Gpu {
     /// Whether int4 products of 2 to [`GEMV_MAX_M`] rows (decode of a few
     /// sequences) run in one launch with the rows in the MMAs' columns
     /// (`int4_rows.cu`) instead of `int4_xfrag` and the GEMV (on as a `Gpu`
-    /// opens: 18-20% faster decode at 2-8 sequences on the H100).
+    /// opens: faster at every few-row shape, docs/perf.md).
     pub fn set_int4_rows(&mut self, on: bool) {
         self.int4_rows = on;
+    }
+
+    /// Warps a block of a one-launch int4 build (one row, a fold or a few
+    /// rows) takes on a grid of `grid` blocks of `per_block` strips over
+    /// rows of `groups` groups ([`int4::int4_one_warps`]).
+    pub(super) fn int4_one_block_warps(
+        &self,
+        grid: usize,
+        per_block: usize,
+        groups: usize,
+    ) -> usize {
+        int4::int4_one_warps(
+            grid,
+            per_block,
+            groups,
+            self.int4_one_wide.unwrap_or(self.sms),
+        )
     }
 
     /// The build of the one-launch int4 GEMV (or fold) that a grid of
@@ -467,8 +484,7 @@ impl Gpu {
         group: usize,
         groups: usize,
     ) -> (usize, &'static str, u32) {
-        let wide = self.int4_one_wide.unwrap_or(self.sms);
-        let warps = int4::int4_one_warps(grid, per_block, groups, wide);
+        let warps = self.int4_one_block_warps(grid, per_block, groups);
         if self.int4_ring && per_block == 2 {
             let shared = int4::int4_one_shared(warps, group, per_block, groups);
             if shared as usize <= self.int4_shared_room {

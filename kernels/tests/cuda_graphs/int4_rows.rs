@@ -149,6 +149,5 @@ fn one_launch_int4_gemv_of_a_few_rows_keeps_to_float64_as_two_launches_do_and_it
                 "{what}: the programmatic graph differs"
             );
         }
-        gpu.set_int4_rows(false);
     }
 }
