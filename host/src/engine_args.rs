@@ -61,10 +61,6 @@ pub(crate) struct EngineArgs {
     /// sequence than the separate launches beside them; docs/perf.md).
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_fold_int4: OnOff,
-    /// On CUDA, int4 one-token products take their weights through a ring
-    /// of bulk copies in shared memory (off: slower on the H100, docs/perf.md).
-    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
-    cuda_int4_ring: OnOff,
     /// On CUDA, int4 products of 2 to 8 rows (decode of a few sequences)
     /// run in one launch with the rows in the MMAs' columns (`off`: a
     /// fragment launch and the GEMV).
@@ -172,7 +168,6 @@ impl EngineArgs {
             cuda_pdl: self.cuda_pdl == OnOff::On,
             cuda_fold: self.cuda_fold == OnOff::On,
             cuda_fold_int4: self.cuda_fold_int4 == OnOff::On,
-            cuda_int4_ring: self.cuda_int4_ring == OnOff::On,
             cuda_int4_rows: self.cuda_int4_rows == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,
             tensor_prefill: self.tensor_prefill == OnOff::On,

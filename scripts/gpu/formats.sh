@@ -125,7 +125,7 @@ mode_int4() {
     # quantized`; QUANTIZED=0 leaves it out), then int4 decode at CONC
     # sequences (default 1,8) by the base build (`baseline` here) and this
     # tree's in turn, and this tree's again with the flags in ALSO (e.g.
-    # ALSO="--cuda-int4-ring on --cuda-int4-rows on") where set; BASE=0
+    # ALSO="--cuda-int4-rows off") where set; BASE=0
     # leaves out the base build, DECODE=0 every decode run (carry .gpu,
     # .gpu-bench/kiln.xz, .gpu-bench/kiln-base.xz). Fails if a test fails.
     prepare

@@ -132,25 +132,15 @@ pub fn quantized_gemv(
                     // The two-launch path (int4_xfrag, then the GEMV of up to
                     // 8 rows), then each block size of the one-launch GEMV,
                     // beside the one-launch GEMV timed above.
-                    for (one, strips, wide, ring, what) in [
-                        (false, None, None, false, "two launches"),
-                        (true, Some(1), None, false, "one launch, 1 strip a block"),
-                        (true, Some(2), Some(0), false, "2 strips, 8 warps a block"),
-                        (true, Some(2), Some(usize::MAX), false, "2 strips, 16 warps"),
-                        (true, Some(2), Some(0), true, "2 strips, 8 warps, ring"),
-                        (
-                            true,
-                            Some(2),
-                            Some(usize::MAX),
-                            true,
-                            "2 strips, 16 warps, ring",
-                        ),
-                        (true, None, None, true, "the default block, ring"),
+                    for (one, strips, wide, what) in [
+                        (false, None, None, "two launches"),
+                        (true, Some(1), None, "one launch, 1 strip a block"),
+                        (true, Some(2), Some(0), "2 strips, 8 warps a block"),
+                        (true, Some(2), Some(usize::MAX), "2 strips, 16 warps"),
                     ] {
                         gpu.set_int4_one(one);
                         gpu.set_int4_one_strips(strips)?;
                         gpu.set_int4_one_wide(wide);
-                        gpu.set_int4_ring(ring);
                         gpu.matmul(&x, &dw, &mut out, shape, &mut scratch)?;
                         let err = rel_diff(&s.clone_dtoh(&out)?, &theirs);
                         let t2 = time_graph(gpu, 30, || {
@@ -167,7 +157,6 @@ pub fn quantized_gemv(
                     gpu.set_int4_one(true);
                     gpu.set_int4_one_strips(None)?;
                     gpu.set_int4_one_wide(None);
-                    gpu.set_int4_ring(false);
                 }
             }
         }

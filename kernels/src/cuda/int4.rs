@@ -54,24 +54,9 @@ pub(super) fn int4_one_warps(blocks: usize, per_block: usize, groups: usize, wid
     }
 }
 
-/// Batches of weights each warp of the one-launch GEMV keeps in flight
-/// (`INT4_RING` in int4_ring.cu).
-const RING: usize = 4;
-
-/// Dynamic shared memory of a block of the one-launch GEMV of `warps`
-/// warps over `strips` strips of `groups` groups of `group` (`int4_ring`
-/// in int4_ring.cu): the warps' rings, the strips' (d, m) rows at a stride
-/// of 4 more than a multiple of 8 words, the mbarriers.
-pub(super) fn int4_one_shared(warps: usize, group: usize, strips: usize, groups: usize) -> u32 {
-    let ring = warps * RING * 2 * (group / 64) * 512;
-    let scales = strips * 16 * (groups.div_ceil(8) * 8 + 4) * 4;
-    (ring + scales + (warps * RING + 1) * 8) as u32
-}
-
-/// Lets the one-launch GEMV's ring builds and the few-row builds
-/// (`int4_rows.cu`) take shared memory past the 48 KiB default, up to the
-/// device's limit (each launch asks for its own); returns the dynamic
-/// shared memory every such build can take.
+/// Lets the few-row builds (`int4_rows.cu`) take shared memory past the
+/// 48 KiB default, up to the device's limit (each launch asks for its
+/// own); returns the dynamic shared memory every such build can take.
 pub(super) fn let_int4_shared_grow(
     ctx: &cudarc::driver::CudaContext,
     functions: &std::collections::HashMap<String, cudarc::driver::CudaFunction>,
@@ -82,8 +67,7 @@ pub(super) fn let_int4_shared_grow(
     let most = ctx.attribute(OPTIN).map_err(cuda_err)?;
     let mut room = most.max(0) as usize;
     for (name, f) in functions {
-        let ring = name.starts_with("gemv_int4_") && name.ends_with("_ring");
-        if ring || name.starts_with("gemv_int4_rows") {
+        if name.starts_with("gemv_int4_rows") {
             // The static shared memory (fragments, sums) comes off the top.
             let stat = f.get_attribute(STATIC).map_err(cuda_err)?;
             f.set_attribute(MAX_SHARED, most - stat).map_err(cuda_err)?;
@@ -241,8 +225,8 @@ impl Gpu {
         let o = self.out_ptrs(outs, parts);
         let ki = k as i32;
         let grid = strips.div_ceil(per_block);
-        let (warps, ring, shared) = self.int4_one_build(grid, per_block, group, k / group);
-        let name = format!("gemv_int4_one_g{group}_r{per_block}_w{warps}{ring}");
+        let warps = self.int4_one_block_warps(grid, per_block, k / group);
+        let name = format!("gemv_int4_one_g{group}_r{per_block}_w{warps}");
         let mut b = self.stream.launch_builder(self.function(&name)?);
         b.arg(x).arg(w);
         b.arg(&o.ptrs[0]).arg(&o.ptrs[1]).arg(&o.ptrs[2]);
@@ -252,8 +236,7 @@ impl Gpu {
         // the last are read again from the last and not written); x holds k
         // floats and the outputs their parts (checked by the caller).
         let block = 32 * warps as u32;
-        unsafe { b.launch(super::launch::cfg((grid as u32, 1, 1), block, shared)) }
-            .map_err(cuda_err)?;
+        unsafe { b.launch(super::launch::cfg((grid as u32, 1, 1), block, 0)) }.map_err(cuda_err)?;
         Ok(())
     }
 
@@ -357,24 +340,6 @@ mod tests {
         // Under two groups a warp, or one strip a block: eight.
         assert_eq!(int4_one_warps(16, 2, 9, 132), 8);
         assert_eq!(int4_one_warps(16, 1, 112, 132), 8);
-    }
-
-    #[test]
-    fn one_row_rings_fit_the_blocks_an_sm_holds() {
-        // The H200 gives a block at most 227 KiB and an SM 228 KiB, less
-        // 1 KiB a block and the static fragments and sums (~10 KiB).
-        let (block, sm) = (227 << 10, 228 << 10);
-        // Llama-3-8B's down product (112 groups of 128), the longest rows.
-        let wide = int4_one_shared(16, 128, 2, 112) as usize;
-        assert!(wide + (10 << 10) <= block, "{wide}");
-        let two = int4_one_shared(8, 128, 2, 112) as usize;
-        assert!(2 * (two + (6 << 10)) <= sm, "{two}");
-        // Rows of a stride 4 more than a multiple of 8 words: 9 groups
-        // take 20.
-        assert_eq!(
-            int4_one_shared(8, 64, 1, 9),
-            8 * 4 * 1024 + 16 * 20 * 4 + 33 * 8
-        );
     }
 
     #[test]

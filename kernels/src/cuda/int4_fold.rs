@@ -177,8 +177,8 @@ impl Gpu {
         f: FoldArgs,
         grid: usize,
     ) -> R {
-        let (warps, ring, shared) = self.int4_one_build(grid, STRIPS, w.group, k / w.group);
-        let func = self.function(&format!("gemv_int4_fold_g{}_w{warps}{ring}", w.group))?;
+        let warps = self.int4_one_block_warps(grid, STRIPS, k / w.group);
+        let func = self.function(&format!("gemv_int4_fold_g{}_w{warps}", w.group))?;
         let n0 = parts[0] as i32;
         let n1 = parts.get(1).copied().unwrap_or(0) as i32;
         let (n, ki) = (parts.iter().sum::<usize>() as i32, k as i32);
@@ -195,7 +195,7 @@ impl Gpu {
             b.launch(super::launch::cfg(
                 (grid as u32, 1, 1),
                 32 * warps as u32,
-                shared,
+                0,
             ))
         }
         .map_err(cuda_err)?;

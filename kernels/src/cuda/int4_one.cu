@@ -16,13 +16,9 @@
 //   while this one's MMAs run, in two register sets used in turn, and at
 //   two strips its columns of x with it (a split that waited on its x
 //   load stalled the warp: down 13.5 -> 10.6 us on the H200);
-// - or (`_ring` builds, opt-in: slower on the H100) weights land in shared
-//   memory by bulk copies (Hopper's TMA engine), a ring of INT4_RING
-//   batches a warp, and the block's (d, m) rows with them: one instruction
-//   a strip's group where per-lane loads take 64 and hold registers until
-//   they land, so a warp keeps four batches in flight instead of one (a
-//   ring of per-lane cp.asyncs, or L2 prefetches, cost more instructions
-//   than they gained).
+// (Weights through a ring of Hopper's bulk copies into shared memory, a
+// ring of per-lane cp.asyncs and L2 prefetches all ran slower than these
+// per-lane loads: docs/perf.md.)
 
 // Groups a warp takes at once (a batch) at one strip a block; R strips
 // take INT4_ONE_GROUPS / R, so a batch is 2 KB of weights a warp.
@@ -31,7 +27,7 @@
 template <int TILES, int R>
 struct Int4OneBatch {
     static constexpr int GB = INT4_ONE_GROUPS / R;
-    // Without the ring: the lane's weight tiles and (d, m) of the batch.
+    // The lane's weight tiles and (d, m) of the batch.
     uint4 wq[GB][R][TILES];
     unsigned pa[GB][R], pb[GB][R];
     // At two strips (registers to spare) the lane's columns of x load a
@@ -87,15 +83,6 @@ __device__ __forceinline__ void int4_one_load(Int4OneBatch<TILES, R>& b, Int4One
     }
 }
 
-// Loads this lane's columns of x for the batch of groups from `first`.
-template <int TILES, int R, int W>
-__device__ __forceinline__ void int4_one_load_x(Int4OneBatch<TILES, R>& b, const float* x,
-                                                int warp, int lane, int first, int mine) {
-#pragma unroll
-    for (int j = 0; j < Int4OneBatch<TILES, R>::GB; j++)
-        if (R > 1 && first + j < mine) int4_one_x<TILES>(x, warp + (first + j) * W, lane, b.xv[j]);
-}
-
 // This lane's G / 32 columns of group gi of x (in v) split into bf16 hi +
 // lo words at their places among the group's B fragments in `frag` (a
 // tile holds 4 t x 16 words: 8 of hi, then 8 of lo); returns the group's
@@ -121,17 +108,15 @@ __device__ __forceinline__ float int4_one_stage(const float* v, unsigned* frag, 
 }
 
 // One batch (b, the warp's groups from b GB): stage its groups of x, load
-// the next batch (its x; without the ring its weights too) into `next`,
-// then the MMAs of this one, from `cur` or from its ring slot, which then
-// takes batch b + INT4_RING; acc[r] holds rows g and g + 8 of strip r
-// (meaningful on lanes t == 0).
-template <int TILES, int R, int W, bool RING>
+// the next batch (its x and weights) into `next`, then the MMAs of this
+// one, from `cur`; acc[r] holds rows g and g + 8 of strip r (meaningful on
+// lanes t == 0).
+template <int TILES, int R, int W>
 __device__ __forceinline__ void int4_one_step(const Int4OneBatch<TILES, R>& cur,
                                               Int4OneBatch<TILES, R>& next, const float* x,
-                                              unsigned* frag, Int4OneRows& rw,
-                                              const Int4Ring& rg, Int4RingSrc src, float2* acc,
+                                              unsigned* frag, Int4OneRows& rw, float2* acc,
                                               int warp, int lane, int b, int mine) {
-    constexpr int GB = Int4OneBatch<TILES, R>::GB, PIECE = TILES * 512;
+    constexpr int GB = Int4OneBatch<TILES, R>::GB;
     int first = b * GB;
     float sums[GB];
 #pragma unroll
@@ -150,19 +135,12 @@ __device__ __forceinline__ void int4_one_step(const Int4OneBatch<TILES, R>& cur,
         sums[j] = int4_one_stage<TILES>(v, frag + j * TILES * 64, lane);
     }
     __syncwarp();
-    const uint4* slot = (const uint4*)(rg.ring + (warp * INT4_RING + b % INT4_RING) * 2 * PIECE);
-    if constexpr (RING) {
-        int4_one_load_x<TILES, R, W>(next, x, warp, lane, first + GB, mine);
-        int4_ring_wait(rg, warp, b);
-    } else {
-        int4_one_load<TILES, R, W>(next, rw, x, warp, lane, first + GB, mine);
-    }
+    int4_one_load<TILES, R, W>(next, rw, x, warp, lane, first + GB, mine);
     // Column g of B: hi for g != 1 (only g = 0 is read back), lo for g = 1.
     int g = lane >> 2, t = lane & 3, part = (g == 1) ? 8 : 0;
 #pragma unroll
     for (int j = 0; j < GB; j++) {
         if (first + j >= mine) break;  // the same for the whole warp
-        int gi = warp + (first + j) * W;
         float c[R][4];
 #pragma unroll
         for (int r = 0; r < R; r++) c[r][0] = c[r][1] = c[r][2] = c[r][3] = 0.0f;
@@ -172,31 +150,19 @@ __device__ __forceinline__ void int4_one_step(const Int4OneBatch<TILES, R>& cur,
             uint4 b0 = tw[0], b1 = tw[1];
             unsigned bw[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                int at = ((j * R + r) * TILES + i) * 32 + lane;
-                int4_tile_steps(c[r], RING ? slot[at] : cur.wq[j][r][i], bw);
-            }
+            for (int r = 0; r < R; r++) int4_tile_steps(c[r], cur.wq[j][r][i], bw);
         }
         float s0 = sums[j];
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            unsigned pa, pb;
-            if constexpr (RING) {
-                const unsigned* sc = rg.scales + (r * 16 + g) * rg.sstride + gi;
-                pa = sc[0], pb = sc[8 * rg.sstride];
-            } else {
-                pa = cur.pa[j][r], pb = cur.pb[j][r];
-            }
+            unsigned pa = cur.pa[j][r], pb = cur.pb[j][r];
             float2 da = __half22float2(*(const __half2*)&pa);
             float2 db = __half22float2(*(const __half2*)&pb);
             acc[r].x += da.x * ((c[r][0] + c[r][1]) - 128.0f * s0) + da.y * s0;
             acc[r].y += db.x * ((c[r][2] + c[r][3]) - 128.0f * s0) + db.y * s0;
         }
     }
-    __syncwarp();  // the fragments (and the slot) are read before they refill
-    if constexpr (RING)
-        int4_ring_fill<TILES, R, W, GB>(rg, src.strip0, src.step, warp, lane, b + INT4_RING,
-                                        mine);
+    __syncwarp();  // the fragments are read before they refill
 }
 
 // What a folded decode step (fold.rs, gemv_norm.cu) adds to the product:
@@ -326,17 +292,15 @@ __device__ __forceinline__ void int4_one_fold_out(float2 (*red)[R][8], const Int
     }
 }
 
-template <int TILES, int R, int W, bool FOLD, bool RING>
+template <int TILES, int R, int W, bool FOLD>
 __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Outs o, int K,
                                      Int4OneFold f) {
     constexpr int GB = Int4OneBatch<TILES, R>::GB;
     // Each warp's B fragments for one batch: GB groups of TILES tiles.
     __shared__ __align__(16) unsigned frags[W][GB * TILES * 64];
     __shared__ float2 red[W][R][8];
-    extern __shared__ __align__(128) unsigned char int4_smem[];
     const int G = 64 * TILES, NG = K / G, strips = o.n / 16;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    Int4Ring rg = int4_ring(int4_smem, W, TILES, R, NG);
     // A pair's second strip is the first's twin in the up half.
     bool pair = FOLD && f.pair;
     int strip0 = pair ? blockIdx.x : blockIdx.x * R, apart = pair ? strips / 2 : 1;
@@ -344,7 +308,6 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     bool second = pair || strip0 + 1 < strips;
     Int4OneRows rw{sp.nib + warp * TILES * 32, sp.p0 + warp, second ? apart * (K / 2) : 0,
                    second ? apart * 16 * NG : 0, 8 * NG};
-    Int4RingSrc src{(const uint4*)(w + (size_t)strip0 * 16 * (K / 2)), rw.step};
     // This warp's groups are warp, warp + W, ...: `mine` of them.
     int mine = warp < NG ? (NG - warp + W - 1) / W : 0;
     int batches = (mine + GB - 1) / GB;
@@ -353,23 +316,7 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     PDL_LAUNCH();
     // Weights and their scales depend on no earlier kernel: their first
     // batches stream while the kernel before this one finishes.
-    if constexpr (RING) {
-#if INT4_BULK
-        if (threadIdx.x == 0) {
-            for (int i = 0; i <= W * INT4_RING; i++) mbar_init(rg.bars + i);
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        }
-        __syncthreads();
-#endif
-        if (warp == 0) {
-            const unsigned* params = (const unsigned*)(w + (size_t)o.n * (K / 2));
-            int4_scales_fill<R>(rg, params, strip0, second ? strip0 + apart : strip0, NG);
-        }
-        for (int b = 0; b < INT4_RING; b++)
-            int4_ring_fill<TILES, R, W, GB>(rg, src.strip0, src.step, warp, lane, b, mine);
-    } else {
-        int4_one_load<TILES, R, W>(b0, rw, nullptr, warp, lane, 0, mine);
-    }
+    int4_one_load<TILES, R, W>(b0, rw, nullptr, warp, lane, 0, mine);
     PDL_WAIT();
     // The first batch's x, written by the kernel before: after the wait.
     static_assert(R == 1 || GB == 1, "a batch of one group at two strips");
@@ -378,21 +325,13 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
     if constexpr (FOLD) {
         if (warp == 0) int4_fold_early<R>(f, early, strip0, strips);
     }
-    if constexpr (RING) {
-#if INT4_BULK
-        mbar_wait(rg.bars + W * INT4_RING, 0);
-#else
-        __syncthreads();
-#endif
-    }
     float2 acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = make_float2(0.0f, 0.0f);
     for (int b = 0; b < batches; b += 2) {
-        int4_one_step<TILES, R, W, RING>(b0, b1, x, frag, rw, rg, src, acc, warp, lane, b, mine);
+        int4_one_step<TILES, R, W>(b0, b1, x, frag, rw, acc, warp, lane, b, mine);
         if (b + 1 >= batches) break;
-        int4_one_step<TILES, R, W, RING>(b1, b0, x, frag, rw, rg, src, acc, warp, lane, b + 1,
-                                         mine);
+        int4_one_step<TILES, R, W>(b1, b0, x, frag, rw, acc, warp, lane, b + 1, mine);
     }
     if (t == 0) {
 #pragma unroll
@@ -420,48 +359,37 @@ __device__ void gemv_int4_one_strips(const float* x, const unsigned char* w, Out
 // (a spilled register that a load writes stalls the warp on that load).
 // Sixteen warps a block (two strips, one block an SM, the same registers)
 // for grids too small to put two blocks of eight on every SM: the warps
-// an SM holds decide the bytes it keeps in flight. `_ring` builds take
-// their weights through the ring (dynamic shared memory, int4.rs sizes
-// it), two strips a block.
+// an SM holds decide the bytes it keeps in flight.
 #define INT4_ONE_BLOCKS(R, W) ((W) == 16 ? 1 : (R) == 1 ? 3 : 2)
-#define GEMV_INT4_ONE(G, R, W, RING, SUFFIX)                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * W, INT4_ONE_BLOCKS(R, W))              \
-        gemv_int4_one_g##G##_r##R##_w##W##SUFFIX(const float* x, const unsigned char* w,     \
-                                                 float* o0, float* o1, float* o2, int n0,    \
-                                                 int n1, int N, int K) {                     \
-        gemv_int4_one_strips<G / 64, R, W, false, RING>(x, w, Outs{o0, o1, o2, n0, n1, N}, K, \
-                                                        Int4OneFold{});                      \
+#define GEMV_INT4_ONE(G, R, W)                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * W, INT4_ONE_BLOCKS(R, W))               \
+        gemv_int4_one_g##G##_r##R##_w##W(const float* x, const unsigned char* w, float* o0,   \
+                                         float* o1, float* o2, int n0, int n1, int N, int K) { \
+        gemv_int4_one_strips<G / 64, R, W, false>(x, w, Outs{o0, o1, o2, n0, n1, N}, K,       \
+                                                  Int4OneFold{});                             \
     }
 
-GEMV_INT4_ONE(64, 1, 8, false, )
-GEMV_INT4_ONE(64, 2, 8, false, )
-GEMV_INT4_ONE(64, 2, 16, false, )
-GEMV_INT4_ONE(128, 1, 8, false, )
-GEMV_INT4_ONE(128, 2, 8, false, )
-GEMV_INT4_ONE(128, 2, 16, false, )
-GEMV_INT4_ONE(64, 2, 8, true, _ring)
-GEMV_INT4_ONE(64, 2, 16, true, _ring)
-GEMV_INT4_ONE(128, 2, 8, true, _ring)
-GEMV_INT4_ONE(128, 2, 16, true, _ring)
+GEMV_INT4_ONE(64, 1, 8)
+GEMV_INT4_ONE(64, 2, 8)
+GEMV_INT4_ONE(64, 2, 16)
+GEMV_INT4_ONE(128, 1, 8)
+GEMV_INT4_ONE(128, 2, 8)
+GEMV_INT4_ONE(128, 2, 16)
 
 // The folded products of a one-token step (Int4OneFold), two strips a
 // block.
-#define GEMV_INT4_FOLD(G, W, RING, SUFFIX)                                                    \
+#define GEMV_INT4_FOLD(G, W)                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W, INT4_ONE_BLOCKS(2, W))              \
-        gemv_int4_fold_g##G##_w##W##SUFFIX(                                                  \
-            const float* x, const unsigned char* w, float* o0, float* o1, float* o2, int n0, \
-            int n1, int N, int K, const float* sums, int parts, float eps, int pair,         \
-            float* h, const float* gn, float* gh, float* psum) {                             \
-        gemv_int4_one_strips<G / 64, 2, W, true, RING>(                                      \
-            x, w, Outs{o0, o1, o2, n0, n1, N}, K,                                            \
-            Int4OneFold{sums, parts, eps, pair, h, gn, gh, psum});                           \
+        gemv_int4_fold_g##G##_w##W(const float* x, const unsigned char* w, float* o0,        \
+                                   float* o1, float* o2, int n0, int n1, int N, int K,       \
+                                   const float* sums, int parts, float eps, int pair,        \
+                                   float* h, const float* gn, float* gh, float* psum) {      \
+        gemv_int4_one_strips<G / 64, 2, W, true>(x, w, Outs{o0, o1, o2, n0, n1, N}, K,       \
+                                                 Int4OneFold{sums, parts, eps, pair, h, gn,  \
+                                                             gh, psum});                     \
     }
 
-GEMV_INT4_FOLD(64, 8, false, )
-GEMV_INT4_FOLD(64, 16, false, )
-GEMV_INT4_FOLD(128, 8, false, )
-GEMV_INT4_FOLD(128, 16, false, )
-GEMV_INT4_FOLD(64, 8, true, _ring)
-GEMV_INT4_FOLD(64, 16, true, _ring)
-GEMV_INT4_FOLD(128, 8, true, _ring)
-GEMV_INT4_FOLD(128, 16, true, _ring)
+GEMV_INT4_FOLD(64, 8)
+GEMV_INT4_FOLD(64, 16)
+GEMV_INT4_FOLD(128, 8)
+GEMV_INT4_FOLD(128, 16)

@@ -128,14 +128,11 @@ pub struct Gpu {
     /// warps in the one-launch int4 GEMV: `None` for the SM count
     /// ([`Gpu::set_int4_one_wide`]).
     int4_one_wide: Option<usize>,
-    /// Whether the one-launch int4 GEMV's two-strip blocks take their
-    /// weights through a ring of bulk copies ([`Gpu::set_int4_ring`]).
-    int4_ring: bool,
     /// Whether int4 products of 2 to [`GEMV_MAX_M`] rows run in one launch
     /// (`int4_rows.cu`, [`Gpu::set_int4_rows`]).
     int4_rows: bool,
-    /// Dynamic shared memory a block of a ring or few-row int4 build can
-    /// take here.
+    /// Dynamic shared memory a block of a few-row int4 build can take
+    /// here.
     int4_shared_room: usize,
     /// The device's streaming multiprocessors.
     sms: usize,
@@ -364,7 +361,6 @@ impl Gpu {
                 int4_one: true,
                 int4_one_strips: None,
                 int4_one_wide: None,
-                int4_ring: false,
                 int4_rows: true,
                 int4_shared_room,
                 sms,
@@ -439,14 +435,6 @@ impl Gpu {
         self.int4_one_wide = blocks;
     }
 
-    /// Whether the one-launch int4 GEMV's two-strip blocks (and the int4
-    /// folds) take their weights through a ring of bulk copies in shared
-    /// memory (`_ring` in int4_one.cu) instead of per-lane loads; off as a
-    /// `Gpu` opens (slower than per-lane loads on the H100, docs/perf.md).
-    pub fn set_int4_ring(&mut self, on: bool) {
-        self.int4_ring = on;
-    }
-
     /// Whether int4 products of 2 to [`GEMV_MAX_M`] rows (decode of a few
     /// sequences) run in one launch with the rows in the MMAs' columns
     /// (`int4_rows.cu`) instead of `int4_xfrag` and the GEMV (on as a `Gpu`
@@ -470,28 +458,6 @@ impl Gpu {
             groups,
             self.int4_one_wide.unwrap_or(self.sms),
         )
-    }
-
-    /// The build of the one-launch int4 GEMV (or fold) that a grid of
-    /// `grid` blocks of `per_block` strips over rows of `groups` groups of
-    /// `group` takes: its warps a block, its kernel-name suffix and its
-    /// dynamic shared memory (the ring's where the ring is on, the block
-    /// takes two strips and the ring fits the device; none otherwise).
-    pub(super) fn int4_one_build(
-        &self,
-        grid: usize,
-        per_block: usize,
-        group: usize,
-        groups: usize,
-    ) -> (usize, &'static str, u32) {
-        let warps = self.int4_one_block_warps(grid, per_block, groups);
-        if self.int4_ring && per_block == 2 {
-            let shared = int4::int4_one_shared(warps, group, per_block, groups);
-            if shared as usize <= self.int4_shared_room {
-                return (warps, "_ring", shared);
-            }
-        }
-        (warps, "", 0)
     }
 
     /// Warps a block of prefill attention takes (4 or 8; 16 query rows

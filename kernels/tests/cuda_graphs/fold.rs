@@ -158,18 +158,15 @@ fn folded_norm_gemvs_match_the_launches_they_replace_and_replay_exactly() {
     // Both paths keep f32 activations; int4's products round their sums
     // at up to 2.3e-5 each (int4_one.rs), over four rounds of three.
     // Int4 with blocks of eight warps, then of sixteen wherever a grid is
-    // small enough to take them, each with per-lane loads and through the
-    // ring of bulk copies (the separate launches take the same path).
+    // small enough to take them (the separate launches take the same
+    // path).
     let cases = [
-        (DType::BF16, 1e-4, None, false),
-        (DType::Int4G128, 2e-4, Some(0), false),
-        (DType::Int4G128, 2e-4, Some(usize::MAX), false),
-        (DType::Int4G128, 2e-4, Some(0), true),
-        (DType::Int4G128, 2e-4, Some(usize::MAX), true),
+        (DType::BF16, 1e-4, None),
+        (DType::Int4G128, 2e-4, Some(0)),
+        (DType::Int4G128, 2e-4, Some(usize::MAX)),
     ];
-    for (dtype, bound, wide, ring) in cases {
+    for (dtype, bound, wide) in cases {
         gpu.set_int4_one_wide(wide);
-        gpu.set_int4_ring(ring);
         gpu.set_programmatic(false);
         let mut apart = Chain::new(&gpu, seed, dtype);
         apart.apart(&gpu).unwrap();
@@ -188,12 +185,12 @@ fn folded_norm_gemvs_match_the_launches_they_replace_and_replay_exactly() {
         };
         let e = errs(&once, &want);
         eprintln!(
-            "{dtype:?} (wide {wide:?}, ring {ring}): folded against apart: h {:.2e}, u {:.2e}, q {:.2e}",
+            "{dtype:?} (wide {wide:?}): folded against apart: h {:.2e}, u {:.2e}, q {:.2e}",
             e[0], e[1], e[2]
         );
         assert!(
             e.iter().all(|e| *e < bound),
-            "{dtype:?} (ring {ring}): folded chain differs: {e:?}"
+            "{dtype:?} (wide {wide:?}): folded chain differs: {e:?}"
         );
         eager.folded(&gpu).unwrap();
         let twice = eager.results(&gpu);

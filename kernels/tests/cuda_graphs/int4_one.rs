@@ -144,32 +144,28 @@ fn one_launch_int4_gemv_keeps_to_float64_as_two_launches_do_and_its_programmatic
         gpu.set_int4_one(true);
         // Blocks of one strip, then of two (an odd count of strips leaves
         // the last block one past the end) of eight warps and of sixteen,
-        // with per-lane loads and through the ring of bulk copies, then the
-        // block the shape chooses, whose result the programmatic graph
-        // below repeats.
+        // then the block the shape chooses, whose result the programmatic
+        // graph below repeats.
         let mut one = Vec::new();
-        for (strips, wide, ring) in [
-            (Some(1), None, false),
-            (Some(2), Some(0), false),
-            (Some(2), Some(usize::MAX), false),
-            (Some(2), Some(0), true),
-            (Some(2), Some(usize::MAX), true),
-            (None, None, false),
+        for (strips, wide) in [
+            (Some(1), None),
+            (Some(2), Some(0)),
+            (Some(2), Some(usize::MAX)),
+            (None, None),
         ] {
             gpu.set_int4_one_strips(strips).unwrap();
             gpu.set_int4_one_wide(wide);
-            gpu.set_int4_ring(ring);
             let (mut b, mut o) = (fresh(&gpu), outs(&gpu));
             step(&gpu, &mut b, &w, &mut o, &parts, &mut scratch).unwrap();
             one = read(&gpu, &o);
             assert!(one.iter().all(|v| v.is_finite()), "{what}: not finite");
             let e_one = rel(&one, &exact);
             eprintln!(
-                "{what}, {strips:?} strips, wide {wide:?}, ring {ring}: vs float64 {e_one:.2e} (two launches {e_two:.2e})"
+                "{what}, {strips:?} strips, wide {wide:?}: vs float64 {e_one:.2e} (two launches {e_two:.2e})"
             );
             assert!(
                 e_one < 5e-5,
-                "{what}, {strips:?} strips, wide {wide:?}, ring {ring}: one launch vs float64: {e_one}"
+                "{what}, {strips:?} strips, wide {wide:?}: one launch vs float64: {e_one}"
             );
         }
 

@@ -82,9 +82,6 @@ pub struct EngineConfig {
     /// On CUDA: with `cuda_fold`, steps of one token with int4 tiles fold
     /// too.
     pub cuda_fold_int4: bool,
-    /// On CUDA: int4 one-token products take their weights through a ring
-    /// of bulk copies in shared memory instead of per-lane loads.
-    pub cuda_int4_ring: bool,
     /// On CUDA: int4 products of 2 to 8 rows (decode of a few sequences)
     /// run in one launch with the rows in the MMAs' columns instead of a
     /// fragment launch and the GEMV.
@@ -128,7 +125,6 @@ impl Default for EngineConfig {
             cuda_pdl: true,
             cuda_fold: true,
             cuda_fold_int4: true,
-            cuda_int4_ring: false,
             cuda_int4_rows: true,
             device_sampling: true,
             tensor_prefill: true,
@@ -294,7 +290,6 @@ impl Engine {
                 programmatic: config.cuda_pdl,
                 fold: config.cuda_fold,
                 fold_int4: config.cuda_fold_int4,
-                int4_ring: config.cuda_int4_ring,
                 int4_rows: config.cuda_int4_rows,
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,

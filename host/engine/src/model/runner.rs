@@ -41,9 +41,6 @@ pub struct RunnerOptions {
     pub fold: bool,
     /// On CUDA: with `fold`, one-token steps with int4 tiles fold too.
     pub fold_int4: bool,
-    /// On CUDA: int4 one-token products read their weights through a ring
-    /// of bulk copies.
-    pub int4_ring: bool,
     /// On CUDA: int4 products of 2 to 8 rows run in one launch.
     pub int4_rows: bool,
     /// On CUDA: prefill chunks attend with the tensor-core prefill kernel

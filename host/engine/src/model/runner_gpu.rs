@@ -72,7 +72,6 @@ fn configure(m: &mut GpuModel, o: &RunnerOptions) -> Result<(), String> {
     m.set_programmatic(o.programmatic);
     m.set_fold(o.fold, o.fold_int4);
     m.set_skinny(o.skinny);
-    m.set_int4_ring(o.int4_ring);
     m.set_int4_rows(o.int4_rows);
     m.set_cluster(o.cluster);
     m.set_bf16_mlp(o.bf16_mlp);

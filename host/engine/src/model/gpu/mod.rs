@@ -269,12 +269,6 @@ impl GpuModel {
         self.gpus().for_each(|g| g.set_skinny(on));
     }
 
-    /// Whether int4 one-token products take their weights through a ring
-    /// of bulk copies (set before graphs are captured).
-    pub fn set_int4_ring(&mut self, on: bool) {
-        self.gpus().for_each(|g| g.set_int4_ring(on));
-    }
-
     /// Whether int4 products of 2 to 8 rows run in one launch (set before
     /// graphs are captured).
     pub fn set_int4_rows(&mut self, on: bool) {
