@@ -66,6 +66,11 @@ pub(crate) struct EngineArgs {
     /// fragment launch and the GEMV).
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_int4_rows: OnOff,
+    /// On CUDA, time cuBLASLt's algorithms for the decode step's bf16
+    /// products at load (weights out of L2) and run the fastest where it
+    /// beats cuBLAS's own choice (`off`: cuBLAS's choice).
+    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
+    cuda_tune_bf16: OnOff,
     /// On CUDA, sample (temperature, top-k, top-p) on the device.
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     device_sampling: OnOff,
@@ -169,6 +174,7 @@ impl EngineArgs {
             cuda_fold: self.cuda_fold == OnOff::On,
             cuda_fold_int4: self.cuda_fold_int4 == OnOff::On,
             cuda_int4_rows: self.cuda_int4_rows == OnOff::On,
+            cuda_tune_bf16: self.cuda_tune_bf16 == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,
             tensor_prefill: self.tensor_prefill == OnOff::On,
             cuda_skinny: self.cuda_skinny == OnOff::On,

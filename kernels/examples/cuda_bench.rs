@@ -17,6 +17,9 @@ use kiln_kernels::cuda::{
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use rand::{Rng, SeedableRng};
 
+/// cuBLASLt's bf16 algorithms one by one, weights out of L2.
+#[path = "bench/bf16_lt.rs"]
+mod bf16_lt;
 /// cuBLASLt's W8A8 algorithms one by one.
 #[path = "bench/fp8_lt.rs"]
 mod fp8_lt;
@@ -98,6 +101,10 @@ fn main() -> Result<(), E> {
         t * 1e3
     );
     drop((src, dst));
+    // `bf16lt`: cuBLASLt's bf16 algorithms at decode's products.
+    if std::env::args().nth(1).as_deref() == Some("bf16lt") {
+        return bf16_lt::run(&gpu, &mut rng, copy);
+    }
     // `fp8lt`: cuBLASLt's W8A8 algorithms at prefill's products.
     if std::env::args().nth(1).as_deref() == Some("fp8lt") {
         return fp8_lt::run(&gpu, &mut rng);

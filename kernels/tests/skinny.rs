@@ -1,12 +1,13 @@
-//! The skinny and cluster bf16 GEMMs against float64 over the same bf16
-//! values, for every block count of activation rows, stacked parts, tail
-//! strips and tiles, and every cluster size the Llama-3-8B shapes take.
+//! The skinny and cluster bf16 GEMMs, and cuBLAS by the algorithms tuning
+//! keeps, against float64 over the same bf16 values, for every block count
+//! of activation rows, stacked parts, tail strips and tiles, and every
+//! cluster size the Llama-3-8B shapes take.
 //! CUDA only, so ignored unless asked
 //! for: `KILN_TEST_DEVICE=cuda` with `--include-ignored`.
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use kiln_kernels::cuda::{ClusterMma, Gpu, StackShape};
+use kiln_kernels::cuda::{ClusterMma, GemmShape, Gpu, StackShape, TuneBf16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -47,6 +48,41 @@ fn cluster_bf16_gemm_matches_float64_for_every_part_row_count_and_cluster_size()
         check(&gpu, &mut rng, parts, k, &rows, |g, x, w, o, s| {
             g.gemm_bf16_cluster_on(ClusterMma::WgmmaOverlap, x, w, o, s)
         });
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn tuned_cublas_algorithms_match_float64_for_every_part_and_row_count() {
+    let gpu = Gpu::open(0, true).expect("a CUDA device");
+    let s = gpu.stream().clone();
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    // Each part's shape tuned with its fastest algorithm kept whatever
+    // cublasGemmEx does, so every product below runs a tuned one.
+    let rows = [17usize, 24, 40, 64, 256];
+    for (parts, k) in [(&[144usize, 32, 32][..], 640usize), (&[4096][..], 1024)] {
+        let n: usize = parts.iter().sum();
+        let w = s.alloc_zeros::<bf16>(n * k).unwrap();
+        let mut row0 = 0;
+        for &p in parts {
+            let tune = TuneBf16 {
+                rows: &rows,
+                candidates: 8,
+                keep_below: f64::INFINITY,
+            };
+            let shape = GemmShape { m: 0, n: p, k };
+            let found = gpu.tune_bf16(&w, row0, shape, tune).unwrap();
+            assert_eq!(found.len(), rows.len(), "part of {p}: a row count untuned");
+            for t in &found {
+                assert!(t.kept, "{:?}: fastest algorithm not kept", t.shape);
+                eprintln!(
+                    "{:?}: cublasGemmEx {:.1} us, cuBLASLt rank {} {:.1} us",
+                    t.shape, t.gemmex_us, t.best.rank, t.best.us
+                );
+            }
+            row0 += p;
+        }
+        check(&gpu, &mut rng, parts, k, &rows, Gpu::gemm_bf16_cublas);
     }
 }
 

@@ -104,6 +104,18 @@ mode_cluster() {
     mode_skinny "$@"
 }
 
+mode_tune_bf16() {
+    # cuBLASLt's bf16 algorithms against cublasGemmEx at decode's products,
+    # weights out of L2 (`cuda_bench bf16lt`), then decode with the tuned
+    # algorithms off and on, same call (carry .gpu, .gpu-bench).
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    device_env
+    unpack_kiln
+    timeout 150 .gpu/cuda_bench bf16lt 2>&1 | tee "$out/bf16lt.log"
+    mode_skinny tune-bf16
+}
+
 mode_prefill_weights() {
     # Prompt tok/s by weight format at 1x1024 and 8x1024 (WEIGHTS, default
     # "native fp8"; carry .gpu-bench): issue 18's FP8 prefill against bf16.

@@ -7,7 +7,7 @@
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use kiln_kernels::cuda::{GemmShape, Gpu, LtProbe};
+use kiln_kernels::cuda::{GemmShape, Gpu, LtProbe, LtTiming};
 use rand::{Rng, RngCore};
 
 use super::E;
@@ -61,12 +61,7 @@ pub fn run(gpu: &Gpu, rng: &mut rand::rngs::StdRng) -> Result<(), E> {
                 };
                 let t = gpu.fp8_lt_timings(&w, &ws, &xq, &xs, &mut out, shape, probe)?;
                 let first = t[0].us;
-                let best = t
-                    .iter()
-                    .filter(|c| c.us.is_finite())
-                    .min_by(|a, b| a.us.total_cmp(&b.us))
-                    .copied()
-                    .unwrap_or(t[0]);
+                let best = LtTiming::fastest(&t).ok_or("cuBLASLt offered no algorithm")?;
                 println!(
                     "{m:>5} {:>11} {name:>18} {first:>9.1} {:>8.0} {:>13} {:>8.0} {:>5.2}x",
                     format!("{n}x{k}"),

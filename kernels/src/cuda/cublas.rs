@@ -107,16 +107,41 @@ impl Gpu {
         if self.cluster_takes(m, n, k) {
             return self.gemm_bf16_cluster(&scratch.act, wb, outs, shape);
         }
-        let (wp, _rw) = wb.device_ptr(&self.stream);
-        let (xp, _rx) = scratch.act.device_ptr(&self.stream);
+        self.gemm_bf16_cublas(&scratch.act, wb, outs, shape)
+    }
+
+    /// `outs[p] = x * w_p^T` for each part `p` of a stack of bf16 weights
+    /// and `m` bf16 rows `x` of `k`, by cuBLAS, one GEMM a part: the
+    /// algorithm [`Self::tune_bf16`] kept for the part's shape, else
+    /// `cublasGemmEx`'s own.
+    pub fn gemm_bf16_cublas(
+        &self,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        outs: &mut [&mut CudaSlice<f32>],
+        shape: StackShape<'_>,
+    ) -> R {
+        let StackShape { m, parts, k } = shape;
+        let n = super::shape::check_parts(outs, parts, m)?;
+        if w.len() < n * k || x.len() < m * k {
+            return Err(KernelError::Shape(format!(
+                "{m} rows by {n} stacked rows of {k}: weight or activations too small"
+            )));
+        }
+        let (wp, _rw) = w.device_ptr(&self.stream);
+        let (xp, _rx) = x.device_ptr(&self.stream);
         let ty = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
         let mut row0 = 0;
         for (o, &rows) in outs.iter_mut().zip(parts) {
             let (op, _ro) = o.device_ptr_mut(&self.stream);
             let a = wp + (row0 * k * std::mem::size_of::<bf16>()) as u64;
+            let part = GemmShape { m, n: rows, k };
             // SAFETY: rows row0.. of the stack and an output of m x rows,
             // sizes checked above (guards held).
-            unsafe { self.gemm(a, xp, ty, op, GemmShape { m, n: rows, k }, rows) }?;
+            if !unsafe { self.gemm_tuned(a, xp, op, part) }? {
+                // SAFETY: as above.
+                unsafe { self.gemm(a, xp, ty, op, part, rows) }?;
+            }
             row0 += rows;
         }
         Ok(())

@@ -182,7 +182,7 @@ impl Gpu {
                 };
                 // SAFETY: `w8a8` checked the buffers' sizes and holds their
                 // guards while this runs.
-                unsafe { lt_state.run(descs, &algo, p, &self.stream) }
+                unsafe { lt_state.run(descs, &algo, p.operands(), &self.stream) }
             },
         )
     }

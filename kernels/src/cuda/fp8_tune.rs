@@ -40,6 +40,68 @@ pub struct LtTiming {
     pub us: f64,
     /// Waves of blocks cuBLASLt expects it to run in.
     pub waves: f32,
+    /// What the algorithm is.
+    pub config: LtConfig,
+}
+
+impl LtTiming {
+    /// The fastest of `timings` that ran, else the first.
+    pub fn fastest(timings: &[LtTiming]) -> Option<LtTiming> {
+        timings
+            .iter()
+            .filter(|c| c.us.is_finite())
+            .min_by(|a, b| a.us.total_cmp(&b.us))
+            .or(timings.first())
+            .copied()
+    }
+}
+
+/// An algorithm's configuration as cuBLASLt reports it (its enums' values).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LtConfig {
+    /// The algorithm's id.
+    pub id: i32,
+    /// Its tile shape (`cublasLtMatmulTile_t`).
+    pub tile: i32,
+    /// How many parts K splits into (1: none).
+    pub split_k: i32,
+    /// Its pipeline's stages (`cublasLtMatmulStages_t`).
+    pub stages: i32,
+    /// Its thread-block cluster's shape (`cublasLtClusterShape_t`).
+    pub cluster: i32,
+}
+
+impl LtConfig {
+    /// The configuration of `algo` (zeros where cuBLASLt does not say).
+    pub(super) fn of(algo: &sys::cublasLtMatmulAlgo_t) -> Self {
+        use sys::cublasLtMatmulAlgoConfigAttributes_t as A;
+        let get = |attr: A| {
+            let (mut v, mut written) = (0i32, 0usize);
+            // SAFETY: a live algorithm struct; each of these attributes is
+            // a 32-bit integer.
+            let status = unsafe {
+                sys::cublasLtMatmulAlgoConfigGetAttribute(
+                    algo,
+                    attr,
+                    (&mut v) as *mut i32 as *mut std::ffi::c_void,
+                    4,
+                    &mut written,
+                )
+            };
+            if status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                v
+            } else {
+                0
+            }
+        };
+        Self {
+            id: get(A::CUBLASLT_ALGO_CONFIG_ID),
+            tile: get(A::CUBLASLT_ALGO_CONFIG_TILE_ID),
+            split_k: get(A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+            stages: get(A::CUBLASLT_ALGO_CONFIG_STAGES_ID),
+            cluster: get(A::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
+        }
+    }
 }
 
 impl Gpu {
@@ -85,6 +147,7 @@ impl Gpu {
                         rank,
                         us,
                         waves: c.wavesCount,
+                        config: LtConfig::of(&c.algo),
                     })
                     .collect())
             },
@@ -110,7 +173,7 @@ impl Lt {
             let mut launch = || {
                 // SAFETY: the caller's buffers, live while it holds their
                 // guards (the contract of `Lt::run`).
-                unsafe { self.run(d, &c.algo, p, stream) }
+                unsafe { self.run(d, &c.algo, p.operands(), stream) }
             };
             let us = (|| -> R<f64> {
                 for _ in 0..2 {

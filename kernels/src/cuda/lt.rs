@@ -24,6 +24,9 @@ pub(super) struct Lt {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
     pub(super) algos: HashMap<(usize, usize, usize, u32), sys::cublasLtMatmulAlgo_t>,
+    /// bf16 products (m, n, k) that run a tuned algorithm, not
+    /// `cublasGemmEx` (`bf16_lt.rs`).
+    pub(super) bf16: HashMap<(usize, usize, usize), super::bf16_lt::Tuned>,
 }
 
 // SAFETY: the handle is used only under the `Mutex` that holds it, on the
@@ -90,6 +93,26 @@ pub(super) struct W8a8Ptrs {
     pub out: u64,
 }
 
+impl W8a8Ptrs {
+    /// The pointers a launch takes (the scales live in the descriptors).
+    pub(super) fn operands(&self) -> Operands {
+        Operands {
+            w: self.w,
+            x: self.xq,
+            out: self.out,
+        }
+    }
+}
+
+/// Device pointers of one launch: the first weight, the activations and
+/// the output.
+#[derive(Clone, Copy)]
+pub(super) struct Operands {
+    pub w: u64,
+    pub x: u64,
+    pub out: u64,
+}
+
 impl Lt {
     /// The handle (made at the first W8A8 GEMM) and its workspace.
     pub(super) fn get<'a>(slot: &'a mut Option<Lt>, gpu: &Gpu) -> R<&'a mut Lt> {
@@ -103,6 +126,7 @@ impl Lt {
                 handle,
                 workspace,
                 algos: HashMap::new(),
+                bf16: HashMap::new(),
             });
         }
         slot.as_mut()
@@ -119,24 +143,8 @@ impl Lt {
         outer: bool,
     ) -> R<Descs> {
         use sys::cublasLtMatmulDescAttributes_t as D;
-        let GemmShape { m, n, k } = shape;
         let e4m3 = sys::cudaDataType::CUDA_R_8F_E4M3;
-        // Row-major out (m x n) is column-major n x m: out^T = W X^T, W
-        // stored as k x n columns (a row of weights each) of stride `ldw`.
-        let descs = Descs {
-            desc: lt::create_matmul_desc(
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                sys::cudaDataType::CUDA_R_32F,
-            )
-            .map_err(cuda_err)?,
-            layouts: [
-                lt::create_matrix_layout(e4m3, k as u64, n as u64, p.ldw as i64)
-                    .map_err(cuda_err)?,
-                lt::create_matrix_layout(e4m3, k as u64, m as u64, k as i64).map_err(cuda_err)?,
-                lt::create_matrix_layout(out, n as u64, m as u64, n as i64).map_err(cuda_err)?,
-            ],
-            pref: lt::create_matmul_pref().map_err(cuda_err)?,
-        };
+        let descs = Self::plain_descs(shape, e4m3, out, p.ldw)?;
         use sys::cublasLtMatmulMatrixScale_t as S;
         let mode = if outer {
             S::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
@@ -146,8 +154,6 @@ impl Lt {
         let (ws, xs) = (p.w_scales as *const c_void, p.x_scales as *const c_void);
         // SAFETY: live descriptors; attribute values of the documented types.
         unsafe {
-            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
-            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?;
             set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode)?;
             set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode)?;
             set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws)?;
@@ -157,6 +163,41 @@ impl Lt {
             // within the bound the parity test holds (a wider accumulator
             // error than f32's, far below e4m3's rounding of the inputs).
             set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &1i8)?;
+        }
+        Ok(descs)
+    }
+
+    /// Descriptors of `out (m x n) = x w^T`, `w` and `x` of type `input`
+    /// (`w` rows `ldw` elements apart), f32 accumulation, no scales: the
+    /// W8A8 GEMM's base, and the whole of a bf16 one.
+    pub(super) fn plain_descs(
+        shape: GemmShape,
+        input: sys::cudaDataType,
+        out: sys::cudaDataType,
+        ldw: usize,
+    ) -> R<Descs> {
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        let GemmShape { m, n, k } = shape;
+        // Row-major out (m x n) is column-major n x m: out^T = W X^T, W
+        // stored as k x n columns (a row of weights each) of stride `ldw`.
+        let descs = Descs {
+            desc: lt::create_matmul_desc(
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cudaDataType::CUDA_R_32F,
+            )
+            .map_err(cuda_err)?,
+            layouts: [
+                lt::create_matrix_layout(input, k as u64, n as u64, ldw as i64)
+                    .map_err(cuda_err)?,
+                lt::create_matrix_layout(input, k as u64, m as u64, k as i64).map_err(cuda_err)?,
+                lt::create_matrix_layout(out, n as u64, m as u64, n as i64).map_err(cuda_err)?,
+            ],
+            pref: lt::create_matmul_pref().map_err(cuda_err)?,
+        };
+        // SAFETY: live descriptors; attribute values of the documented types.
+        unsafe {
+            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
+            set_desc(descs.desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?;
             use sys::cublasLtMatmulPreferenceAttributes_t as P;
             let size = LT_WORKSPACE as u64;
             lt::set_matmul_pref_attribute(
@@ -209,13 +250,13 @@ impl Lt {
         results.truncate(found.max(0) as usize);
         if results.is_empty() {
             return Err(KernelError::Shape(
-                "cuBLASLt has no FP8 algorithm for this GEMM".into(),
+                "cuBLASLt has no algorithm for this GEMM".into(),
             ));
         }
         Ok(results)
     }
 
-    /// Launches one W8A8 GEMM by `algo` on `stream`.
+    /// Launches one GEMM by `algo` on `stream`.
     ///
     /// # Safety
     /// `p` points at live device buffers of the sizes `d` describes, which
@@ -224,7 +265,7 @@ impl Lt {
         &mut self,
         d: &Descs,
         algo: &sys::cublasLtMatmulAlgo_t,
-        p: &W8a8Ptrs,
+        p: Operands,
         stream: &CudaStream,
     ) -> R {
         let [a, b, c] = d.layouts;
@@ -239,7 +280,7 @@ impl Lt {
                 &beta as *const f32 as *const c_void,
                 p.w as *const c_void,
                 a,
-                p.xq as *const c_void,
+                p.x as *const c_void,
                 b,
                 p.out as *const c_void,
                 c,

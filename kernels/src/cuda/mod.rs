@@ -9,6 +9,7 @@
 mod act;
 mod attention;
 mod backend;
+mod bf16_lt;
 mod cluster;
 mod comm;
 mod convert;
@@ -57,6 +58,7 @@ pub use attention::{
     AttentionBuffers, AttentionKind, AttentionPlan, AttnOut, DecodeBatch, FLASH_MAX_PARTITION,
     FLASH_PARTITION, PARTITION, PagedQuery, partition_len,
 };
+pub use bf16_lt::{Bf16Tuning, TUNE_KEEP_BELOW, TuneBf16};
 pub use cluster::{CLUSTER_MAX_M, CLUSTER_MIN_M, ClusterMma};
 pub use comm::NcclRank;
 /// The CUDA driver API types device code works with.
@@ -65,7 +67,7 @@ pub use fold::{NextNorm, NormSum, Normed};
 pub use fp8_act::Fp8Input;
 pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Out, Fp8Scratch};
 pub use fp8_mma::E4M3_MMA_MAX_M;
-pub use fp8_tune::{LtProbe, LtTiming};
+pub use fp8_tune::{LtConfig, LtProbe, LtTiming};
 pub use graph::Graph;
 use int4::INT4_ONE_STRIPS;
 pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_tiles};

@@ -86,6 +86,9 @@ pub struct EngineConfig {
     /// run in one launch with the rows in the MMAs' columns instead of a
     /// fragment launch and the GEMV.
     pub cuda_int4_rows: bool,
+    /// On CUDA: time cuBLASLt's algorithms for decode's bf16 products at
+    /// load and run the fastest where it beats cuBLAS's own choice.
+    pub cuda_tune_bf16: bool,
     /// On CUDA: sample (temperature, top-k, top-p) on the device with the
     /// request's own draws, instead of downloading logits.
     pub device_sampling: bool,
@@ -126,6 +129,7 @@ impl Default for EngineConfig {
             cuda_fold: true,
             cuda_fold_int4: true,
             cuda_int4_rows: true,
+            cuda_tune_bf16: false,
             device_sampling: true,
             tensor_prefill: true,
             cuda_skinny: true,
@@ -291,6 +295,7 @@ impl Engine {
                 fold: config.cuda_fold,
                 fold_int4: config.cuda_fold_int4,
                 int4_rows: config.cuda_int4_rows,
+                tune_bf16: config.cuda_tune_bf16,
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,
                 cluster: config.cuda_cluster,

@@ -43,6 +43,9 @@ pub struct RunnerOptions {
     pub fold_int4: bool,
     /// On CUDA: int4 products of 2 to 8 rows run in one launch.
     pub int4_rows: bool,
+    /// On CUDA: decode's bf16 products run cuBLASLt's algorithms tuned at
+    /// load where they beat cuBLAS's own choice.
+    pub tune_bf16: bool,
     /// On CUDA: prefill chunks attend with the tensor-core prefill kernel
     /// instead of one decode-attention query per token.
     pub tensor_prefill: bool,

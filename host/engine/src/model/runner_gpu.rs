@@ -44,6 +44,18 @@ pub(super) fn gpu_place(loaded: &Loaded, o: &RunnerOptions, n: usize) -> Result<
         }
     }
     tracing::info!(device = model.device_name(), "model weights on the GPU");
+    if o.tune_bf16 {
+        // Before the KV pages take the memory its weight copies borrow.
+        let decoder = match decode.as_mut() {
+            Some(d) => d,
+            None => &mut model,
+        };
+        // An optimization: where it fails, cuBLAS's own choices serve.
+        match decoder.tune_bf16(o.reserve.rows) {
+            Ok((kept, timed)) => tracing::info!(kept, timed, "bf16 decode products tuned"),
+            Err(e) => tracing::warn!("bf16 decode products left to cuBLAS's choice: {e}"),
+        }
+    }
     let mut kv = pages(&model, o)?;
     let Reserve { tokens, rows } = o.reserve;
     let fail = |e| reserve_failed(o, e);

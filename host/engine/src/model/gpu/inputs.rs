@@ -33,6 +33,19 @@ pub(super) fn graph_bucket(n: usize) -> usize {
     }
 }
 
+/// Every batch size [`graph_bucket`] gives for steps of 1 to `most`
+/// sequences, in order.
+pub(super) fn decode_buckets(most: usize) -> impl Iterator<Item = usize> {
+    let mut last = 0;
+    (1..=most.min(GRAPH_MAX_SEQS)).filter_map(move |n| {
+        let b = graph_bucket(n);
+        (b != last).then(|| {
+            last = b;
+            b
+        })
+    })
+}
+
 /// The step's inputs, gathered from the batch.
 #[derive(Default)]
 pub(super) struct Inputs {
@@ -356,6 +369,14 @@ impl Inputs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decode_buckets_are_each_size_a_captured_step_pads_to() {
+        let b: Vec<usize> = decode_buckets(40).collect();
+        assert_eq!(b, [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40]);
+        assert_eq!(decode_buckets(1000).last(), Some(GRAPH_MAX_SEQS));
+        assert_eq!(decode_buckets(1000).count(), 8 + GRAPH_MAX_SEQS / 8 - 1);
+    }
 
     #[test]
     fn a_mixed_steps_leading_decodes_are_its_single_rows() {

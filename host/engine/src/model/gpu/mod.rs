@@ -13,6 +13,7 @@ mod linear;
 mod ops;
 mod ranks;
 mod step;
+mod tune;
 
 pub use kv_io::DevicePages;
 use lane::LaneKv;
@@ -103,6 +104,9 @@ pub struct GpuModel {
     /// Whether steps of several rows run the MLP in bf16 (`ops.rs`; only
     /// for bf16 gate/up stacks and down projections).
     bf16_mlp: bool,
+    /// Decode batches up to this size have their bf16 products tuned
+    /// (`tune.rs`): weights a runner gives back keep their tuning.
+    tuned_rows: usize,
     /// As one tensor-parallel rank: how its projections are summed over
     /// the ranks (`ranks.rs`).
     sum: Option<RankSum>,
@@ -225,6 +229,7 @@ impl GpuModel {
             ordinal,
             fold: false,
             bf16_mlp: false,
+            tuned_rows: 0,
             sum: None,
         };
         uploaded.fold = uploaded.foldable(false);

@@ -1,0 +1,83 @@
+//! cuBLASLt algorithms tuned at load for a decode step's bf16 products:
+//! each product's shape at every batch size a captured decode step runs
+//! through cuBLAS, timed with its weights out of L2 against
+//! `cublasGemmEx`'s own choice (`Gpu::tune_bf16` keeps the faster).
+
+use std::collections::HashSet;
+
+use kiln_kernels::KernelError;
+use kiln_kernels::cuda::{DeviceWeight, GemmShape, SKINNY_WINS_M, TUNE_KEEP_BELOW, TuneBf16};
+
+use super::GpuModel;
+use super::inputs::decode_buckets;
+use super::linear::Linear;
+
+/// cuBLASLt's candidates timed per shape, its best guess first.
+const CANDIDATES: usize = 16;
+
+impl GpuModel {
+    /// Tunes the bf16 products of decode steps of up to `most_rows`
+    /// sequences on the main lane (the one that decodes), at the batch
+    /// sizes above the skinny GEMM's that graphs pad them to; returns how
+    /// many (rows, product) pairs now run a tuned algorithm, of how many
+    /// timed. Before graphs are captured: a captured product keeps what it
+    /// ran. Batch sizes tuned before are not timed again.
+    pub fn tune_bf16(&mut self, most_rows: usize) -> Result<(usize, usize), KernelError> {
+        let rows: Vec<usize> = decode_buckets(most_rows)
+            .filter(|&m| m > SKINNY_WINS_M.max(self.tuned_rows))
+            .collect();
+        if rows.is_empty() {
+            return Ok((0, 0));
+        }
+        let (c, g) = (&self.config, &self.gpu);
+        let Some(b) = self.weights.blocks.first() else {
+            return Ok((0, 0));
+        };
+        let q_dim = c.heads * c.head_dim;
+        let mut products: Vec<(&DeviceWeight, usize, usize, usize)> = Vec::new();
+        for (l, k) in [(&b.qkv, c.hidden), (&b.gate_up, c.hidden)] {
+            if let Linear::Stacked { w, parts } = l {
+                // The stack runs whole (q/k/v) or by parts (gate, up).
+                products.push((w, 0, parts.iter().sum(), k));
+                let mut row0 = 0;
+                for &p in parts {
+                    products.push((w, row0, p, k));
+                    row0 += p;
+                }
+            }
+        }
+        products.push((&b.wo, 0, c.hidden, q_dim));
+        products.push((&b.down, 0, c.hidden, c.ffn));
+        products.push((self.weights.head(), 0, c.vocab, c.hidden));
+        let mut seen = HashSet::new();
+        let (mut kept, mut timed) = (0, 0);
+        for (w, row0, n, k) in products {
+            let DeviceWeight::Bf16(wb) = w else { continue };
+            if !seen.insert((n, k)) {
+                continue;
+            }
+            let shape = GemmShape { m: 0, n, k };
+            let tune = TuneBf16 {
+                rows: &rows,
+                candidates: CANDIDATES,
+                keep_below: TUNE_KEEP_BELOW,
+            };
+            for t in g.tune_bf16(wb, row0, shape, tune)? {
+                timed += 1;
+                kept += usize::from(t.kept);
+                tracing::debug!(
+                    m = t.shape.m,
+                    n,
+                    k,
+                    gemmex_us = t.gemmex_us,
+                    best_us = t.best.us,
+                    rank = t.best.rank,
+                    kept = t.kept,
+                    "bf16 product tuned"
+                );
+            }
+        }
+        self.tuned_rows = self.tuned_rows.max(most_rows);
+        Ok((kept, timed))
+    }
+}
