@@ -17,7 +17,9 @@ kv="${1:-fp8}" conc="${2:-1}" prompt="${3:-1024}"
 csv="$out/ncu-step-$kv-$conc.csv"
 args=(bench --model synthetic:llama-3-8b --device cuda --concurrency "$conc" --prompt-tokens "$prompt"
     --kv "$kv" --kv-memory 8GiB --weights "${WEIGHTS:-native}")
-gen="${GEN:-4}"
+# A big batch's prompts take several steps, mixed with its first decode
+# rows: its whole decode steps come only after them.
+gen="${GEN:-$((conc > 8 ? 16 : 4))}"
 timeout 300 /usr/local/cuda/bin/ncu --csv --print-units base --clock-control none \
     --cache-control none --metrics gpu__time_duration.sum .gpu-bench/kiln "${args[@]}" --gen-tokens "$gen" \
     --cuda-graphs off >"$csv" 2>"$csv.err"

@@ -97,6 +97,10 @@ pub(crate) struct EngineArgs {
     /// models do).
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_bf16_mlp: OnOff,
+    /// On CUDA, with the bf16 MLP, decode steps past the skinny GEMM's 16
+    /// sequences run it too (one gate/up GEMM where they run two).
+    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
+    cuda_bf16_mlp_decode: OnOff,
     /// Prefill/decode disaggregation: a prefill lane admits and computes
     /// prompts and a decode lane runs the streams, each with its own
     /// queue, token budget and step, over one KV pool (a sequence changes
@@ -181,6 +185,7 @@ impl EngineArgs {
             cuda_cluster: self.cuda_cluster == OnOff::On,
             prefill_warps: self.prefill_warps,
             cuda_bf16_mlp: self.cuda_bf16_mlp == OnOff::On,
+            cuda_bf16_mlp_decode: self.cuda_bf16_mlp_decode == OnOff::On,
             pd: self.pd == OnOff::On,
             tensor_parallel: usize::from(self.tensor_parallel),
         })

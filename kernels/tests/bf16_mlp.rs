@@ -1,11 +1,12 @@
 //! The bf16 MLP's two kernels against float64: one GEMM over stacked
-//! gate/up weights with a bf16 product, and SiLU-and-multiply over its
+//! gate/up weights with a bf16 product (cuBLAS's own choice and a tuned
+//! cuBLASLt algorithm), and SiLU-and-multiply over its
 //! gate and up halves into the down projection's bf16 input. CUDA only, so
 //! ignored unless asked for: `KILN_TEST_DEVICE=cuda` with
 //! `--include-ignored`.
 
 use half::bf16;
-use kiln_kernels::cuda::{DeviceWeight, GemmShape, Gpu};
+use kiln_kernels::cuda::{Bf16Out, DeviceWeight, GemmShape, Gpu, TuneBf16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -55,6 +56,29 @@ fn the_bf16_mlp_rounds_only_its_outputs() {
         .collect();
     // f32 sums of 576 exact products: far below a bf16 step.
     one_rounding("gate/up product", &gu, &want, 1e-4);
+    // The same product by the fastest of cuBLASLt's algorithms, kept
+    // however it compares with cublasGemmEx's (as decode steps past 16
+    // rows run it with `--cuda-bf16-mlp-decode`).
+    let DeviceWeight::Bf16(wd) = &weight else {
+        unreachable!()
+    };
+    let tune = TuneBf16 {
+        rows: &[m],
+        candidates: 8,
+        keep_below: f64::INFINITY,
+        out: Bf16Out::Bf16,
+    };
+    let tuned = gpu.tune_bf16(wd, 0, shape, tune).unwrap();
+    assert!(tuned.iter().all(|t| t.kept), "{tuned:?}");
+    let mut gt = s.alloc_zeros::<bf16>(m * 2 * f).unwrap();
+    gpu.matmul_bf16_out(&weight, &mut gt, shape, &mut scratch)
+        .unwrap();
+    one_rounding(
+        "tuned gate/up product",
+        &s.clone_dtoh(&gt).unwrap(),
+        &want,
+        1e-4,
+    );
     // SiLU-and-multiply over the device's own bf16 product.
     let mut gud = s.clone_htod(&gu).unwrap();
     gpu.silu_mul_pairs(&gud, &mut scratch, m, f).unwrap();

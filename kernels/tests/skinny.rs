@@ -7,7 +7,7 @@
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use kiln_kernels::cuda::{ClusterMma, GemmShape, Gpu, StackShape, TuneBf16};
+use kiln_kernels::cuda::{Bf16Out, ClusterMma, GemmShape, Gpu, StackShape, TuneBf16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -69,6 +69,7 @@ fn tuned_cublas_algorithms_match_float64_for_every_part_and_row_count() {
                 rows: &rows,
                 candidates: 8,
                 keep_below: f64::INFINITY,
+                out: Bf16Out::F32,
             };
             let shape = GemmShape { m: 0, n: p, k };
             let found = gpu.tune_bf16(&w, row0, shape, tune).unwrap();

@@ -106,14 +106,22 @@ mode_cluster() {
 
 mode_tune_bf16() {
     # cuBLASLt's bf16 algorithms against cublasGemmEx at decode's products,
-    # weights out of L2 (`cuda_bench bf16lt`), then decode with the tuned
-    # algorithms off and on, same call (carry .gpu, .gpu-bench).
+    # weights out of L2 (`cuda_bench bf16lt`), then decode at 32 and 64
+    # sequences with neither, each and both of the tuned algorithms and the
+    # bf16 MLP on decode steps, same call (carry .gpu, .gpu-bench).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     device_env
     unpack_kiln
     timeout 150 .gpu/cuda_bench bf16lt 2>&1 | tee "$out/bf16lt.log"
-    mode_skinny tune-bf16
+    for flags in "" "--cuda-tune-bf16 on" "--cuda-bf16-mlp-decode on" \
+        "--cuda-tune-bf16 on --cuda-bf16-mlp-decode on"; do
+        echo "== ${flags:-neither}" | tee -a "$out/tune-bf16.log"
+        # shellcheck disable=SC2086
+        timeout 150 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
+            --kv-memory 16GiB --concurrency 32,64 --prompt-tokens 512 --gen-tokens 128 \
+            $flags 2>&1 | grep -v INFO | tee -a "$out/tune-bf16.log"
+    done
 }
 
 mode_prefill_weights() {

@@ -33,6 +33,27 @@ const MOST_COPIES: usize = 16;
 /// timings' spread decides.
 pub const TUNE_KEEP_BELOW: f64 = 0.97;
 
+/// The output type of a tuned bf16 product (f32 accumulation either way).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Bf16Out {
+    /// f32, as most products write.
+    F32,
+    /// bf16, as the bf16 MLP's gate/up product writes.
+    Bf16,
+}
+
+impl Bf16Out {
+    fn ty(self) -> sys::cudaDataType {
+        match self {
+            Bf16Out::F32 => sys::cudaDataType::CUDA_R_32F,
+            Bf16Out::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+        }
+    }
+}
+
+/// A tuned product's key: rows, weight rows, columns and output type.
+pub(super) type TunedKey = (usize, usize, usize, Bf16Out);
+
 /// What [`Gpu::tune_bf16`] times and keeps.
 #[derive(Clone, Copy, Debug)]
 pub struct TuneBf16<'a> {
@@ -44,6 +65,8 @@ pub struct TuneBf16<'a> {
     /// ([`TUNE_KEEP_BELOW`]; infinite keeps it always, for tests of the
     /// tuned path).
     pub keep_below: f64,
+    /// The output type the product writes.
+    pub out: Bf16Out,
 }
 
 /// A bf16 product's tuned algorithm with its descriptors, made once (they
@@ -96,7 +119,7 @@ impl Gpu {
         let (xp, _rx) = x.device_ptr(&self.stream);
         let (op, _ro) = out.device_ptr_mut(&self.stream);
         // SAFETY: sizes checked above, guards held until the stream syncs.
-        let (ex, found) = unsafe { self.time_bf16(&ws, xp, op, shape, count) }?;
+        let (ex, found) = unsafe { self.time_bf16(&ws, xp, op, (shape, Bf16Out::F32), count) }?;
         self.stream.synchronize().map_err(cuda_err)?;
         Ok((ex, found.into_iter().map(|(t, _)| t).collect()))
     }
@@ -120,6 +143,7 @@ impl Gpu {
             rows,
             candidates: count,
             keep_below,
+            out: out_ty,
         } = tune;
         let m_most = rows.iter().copied().max().unwrap_or(0);
         let len = n * k;
@@ -164,7 +188,7 @@ impl Gpu {
             let shape = GemmShape { m, n, k };
             // SAFETY: every buffer holds `m_most` rows, guards held until
             // the stream syncs.
-            let (ex, timed) = unsafe { self.time_bf16(&ws, xp, op, shape, count) }?;
+            let (ex, timed) = unsafe { self.time_bf16(&ws, xp, op, (shape, out_ty), count) }?;
             let Some((best, algo)) = timed
                 .into_iter()
                 .filter(|(t, _)| t.us.is_finite())
@@ -176,10 +200,10 @@ impl Gpu {
             let mut guard = self.lt.lock().map_err(|_| poisoned())?;
             let lt = Lt::get(&mut guard, self)?;
             if kept {
-                let descs = bf16_descs(shape)?;
-                lt.bf16.insert((m, n, k), Tuned { descs, algo });
+                let descs = bf16_descs(shape, out_ty)?;
+                lt.bf16.insert((m, n, k, out_ty), Tuned { descs, algo });
             } else {
-                lt.bf16.remove(&(m, n, k));
+                lt.bf16.remove(&(m, n, k, out_ty));
             }
             found.push(Bf16Tuning {
                 shape,
@@ -192,25 +216,31 @@ impl Gpu {
         Ok(found)
     }
 
-    /// Runs `out^T = w x^T` (bf16 `w` of `shape.n` rows, f32 out of leading
-    /// dimension `shape.n`) by its tuned algorithm; `false` (nothing run)
-    /// where it has none.
+    /// Runs `out^T = w x^T` (bf16 `w` of `shape.n` rows, out of type
+    /// `out_ty` and leading dimension `shape.n`) by its tuned algorithm;
+    /// `false` (nothing run) where it has none.
     ///
     /// # Safety
     /// The pointers are live device buffers of the shape's sizes.
-    pub(super) unsafe fn gemm_tuned(&self, w: u64, x: u64, out: u64, shape: GemmShape) -> R<bool> {
+    pub(super) unsafe fn gemm_tuned(
+        &self,
+        (w, x, out): (u64, u64, u64),
+        shape: GemmShape,
+        out_ty: Bf16Out,
+    ) -> R<bool> {
         let GemmShape { m, n, k } = shape;
+        let key = (m, n, k, out_ty);
         let mut guard = self.lt.lock().map_err(|_| poisoned())?;
         let Some(lt) = guard.as_mut() else {
             return Ok(false);
         };
         // Out of the map while it runs: `run` borrows the handle mutably.
-        let Some(t) = lt.bf16.remove(&(m, n, k)) else {
+        let Some(t) = lt.bf16.remove(&key) else {
             return Ok(false);
         };
         // SAFETY: the caller vouches for the pointers.
         let ran = unsafe { lt.run(&t.descs, &t.algo, Operands { w, x, out }, &self.stream) };
-        lt.bf16.insert((m, n, k), t);
+        lt.bf16.insert(key, t);
         ran?;
         Ok(true)
     }
@@ -225,17 +255,21 @@ impl Gpu {
         ws: &[u64],
         xp: u64,
         op: u64,
-        shape: GemmShape,
+        (shape, out_ty): (GemmShape, Bf16Out),
         count: usize,
     ) -> R<(f64, Vec<(LtTiming, sys::cublasLtMatmulAlgo_t)>)> {
-        let bf = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
+        use cudarc::cublas::sys::cudaDataType_t as T;
+        let out = match out_ty {
+            Bf16Out::F32 => T::CUDA_R_32F,
+            Bf16Out::Bf16 => T::CUDA_R_16BF,
+        };
         let ex = time_rotation(&self.stream, ws.len(), |i| {
             // SAFETY: the caller vouches for the pointers.
-            unsafe { self.gemm(ws[i], xp, bf, op, shape, shape.n) }
+            unsafe { self.gemm_into(ws[i], xp, T::CUDA_R_16BF, (op, out), shape, shape.n) }
         })?;
         let mut guard = self.lt.lock().map_err(|_| poisoned())?;
         let lt = Lt::get(&mut guard, self)?;
-        let descs = bf16_descs(shape)?;
+        let descs = bf16_descs(shape, out_ty)?;
         let candidates = lt.heuristics(&descs, count)?;
         let mut found = Vec::with_capacity(candidates.len());
         for (rank, c) in candidates.iter().enumerate() {
@@ -265,10 +299,9 @@ fn poisoned() -> KernelError {
     KernelError::Shape("cuBLASLt handle poisoned".into())
 }
 
-/// Descriptors of a bf16 product with f32 output, as the engine runs it.
-fn bf16_descs(shape: GemmShape) -> R<Descs> {
-    let bf = sys::cudaDataType::CUDA_R_16BF;
-    Lt::plain_descs(shape, bf, sys::cudaDataType::CUDA_R_32F, shape.k)
+/// Descriptors of a bf16 product with `out` output, as the engine runs it.
+fn bf16_descs(shape: GemmShape, out: Bf16Out) -> R<Descs> {
+    Lt::plain_descs(shape, sys::cudaDataType::CUDA_R_16BF, out.ty(), shape.k)
 }
 
 /// Microseconds a launch of `launch(i)` over `copies` rotating buffers:

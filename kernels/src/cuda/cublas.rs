@@ -17,7 +17,7 @@ use half::bf16;
 
 use super::launch::{blocks, cfg};
 use super::shape::{GemmShape, StackShape};
-use super::{DeviceWeight, GemmScratch, Gpu, cuda_err};
+use super::{Bf16Out, DeviceWeight, GemmScratch, Gpu, cuda_err};
 use crate::KernelError;
 
 type R<T = ()> = Result<T, KernelError>;
@@ -138,7 +138,7 @@ impl Gpu {
             let part = GemmShape { m, n: rows, k };
             // SAFETY: rows row0.. of the stack and an output of m x rows,
             // sizes checked above (guards held).
-            if !unsafe { self.gemm_tuned(a, xp, op, part) }? {
+            if !unsafe { self.gemm_tuned((a, xp, op), part, Bf16Out::F32) }? {
                 // SAFETY: as above.
                 unsafe { self.gemm(a, xp, ty, op, part, rows) }?;
             }
@@ -261,6 +261,10 @@ impl Gpu {
         let (xp, _rx) = scratch.act.device_ptr(&self.stream);
         let (op, _ro) = out.device_ptr_mut(&self.stream);
         // SAFETY: sizes checked above (guards held).
+        if unsafe { self.gemm_tuned((wp, xp, op), shape, Bf16Out::Bf16) }? {
+            return Ok(());
+        }
+        // SAFETY: as above.
         unsafe { self.gemm_into(wp, xp, CUDA_R_16BF, (op, CUDA_R_16BF), shape, n) }
     }
 
@@ -289,7 +293,7 @@ impl Gpu {
     ///
     /// # Safety
     /// The pointers are live device buffers of those sizes.
-    unsafe fn gemm_into(
+    pub(super) unsafe fn gemm_into(
         &self,
         w: u64,
         x: u64,

@@ -24,9 +24,9 @@ pub(super) struct Lt {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
     pub(super) algos: HashMap<(usize, usize, usize, u32), sys::cublasLtMatmulAlgo_t>,
-    /// bf16 products (m, n, k) that run a tuned algorithm, not
-    /// `cublasGemmEx` (`bf16_lt.rs`).
-    pub(super) bf16: HashMap<(usize, usize, usize), super::bf16_lt::Tuned>,
+    /// bf16 products (m, n, k, output type) that run a tuned algorithm,
+    /// not `cublasGemmEx` (`bf16_lt.rs`).
+    pub(super) bf16: HashMap<super::bf16_lt::TunedKey, super::bf16_lt::Tuned>,
 }
 
 // SAFETY: the handle is used only under the `Mutex` that holds it, on the

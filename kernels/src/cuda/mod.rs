@@ -58,7 +58,7 @@ pub use attention::{
     AttentionBuffers, AttentionKind, AttentionPlan, AttnOut, DecodeBatch, FLASH_MAX_PARTITION,
     FLASH_PARTITION, PARTITION, PagedQuery, partition_len,
 };
-pub use bf16_lt::{Bf16Tuning, TUNE_KEEP_BELOW, TuneBf16};
+pub use bf16_lt::{Bf16Out, Bf16Tuning, TUNE_KEEP_BELOW, TuneBf16};
 pub use cluster::{CLUSTER_MAX_M, CLUSTER_MIN_M, ClusterMma};
 pub use comm::NcclRank;
 /// The CUDA driver API types device code works with.

@@ -107,6 +107,9 @@ pub struct EngineConfig {
     /// On CUDA: prefill steps of bf16 models run the MLP in bf16 (the
     /// gate/up product rounded to bf16, as PyTorch's bf16 models do).
     pub cuda_bf16_mlp: bool,
+    /// On CUDA: with `cuda_bf16_mlp`, decode steps past 16 sequences run
+    /// the MLP in bf16 too (one gate/up GEMM where they run two).
+    pub cuda_bf16_mlp_decode: bool,
     /// Prefill/decode disaggregation: a prefill lane and a decode lane,
     /// each with its own queue, budget and step, over one KV pool.
     pub pd: bool,
@@ -136,6 +139,7 @@ impl Default for EngineConfig {
             cuda_cluster: false,
             prefill_warps: None,
             cuda_bf16_mlp: true,
+            cuda_bf16_mlp_decode: false,
             pd: false,
             tensor_parallel: 1,
         }
@@ -303,6 +307,7 @@ impl Engine {
                     .prefill_warps
                     .unwrap_or_else(|| default_prefill_warps(config.kv_format)),
                 bf16_mlp: config.cuda_bf16_mlp,
+                bf16_mlp_decode: config.cuda_bf16_mlp_decode,
                 side_lane: config.pd,
                 reserve: Reserve {
                     tokens: config.scheduler.max_tokens_per_step,

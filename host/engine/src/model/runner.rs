@@ -57,6 +57,8 @@ pub struct RunnerOptions {
     pub prefill_warps: usize,
     /// On CUDA: prefill steps run the MLP in bf16.
     pub bf16_mlp: bool,
+    /// On CUDA: with `bf16_mlp`, decode steps past 16 sequences too.
+    pub bf16_mlp_decode: bool,
     /// Open the side lane (its own stream on a GPU).
     pub side_lane: bool,
     /// On CUDA: working buffers made at start for steps of up to this

@@ -104,6 +104,9 @@ pub struct GpuModel {
     /// Whether steps of several rows run the MLP in bf16 (`ops.rs`; only
     /// for bf16 gate/up stacks and down projections).
     bf16_mlp: bool,
+    /// Whether decode steps past the skinny GEMM's 16 rows run the bf16 MLP
+    /// too.
+    bf16_mlp_decode: bool,
     /// Decode batches up to this size have their bf16 products tuned
     /// (`tune.rs`): weights a runner gives back keep their tuning.
     tuned_rows: usize,
@@ -229,6 +232,7 @@ impl GpuModel {
             ordinal,
             fold: false,
             bf16_mlp: false,
+            bf16_mlp_decode: false,
             tuned_rows: 0,
             sum: None,
         };
@@ -257,7 +261,8 @@ impl GpuModel {
     /// bytes of f32 (only where every block's gate/up is one stack and
     /// gate/up and down read bf16 activations: bf16 weights, or FP8 rows
     /// packed for tensor cores; set before the first step).
-    pub fn set_bf16_mlp(&mut self, on: bool) {
+    /// With `decode`, decode steps past the skinny GEMM's rows run it too.
+    pub fn set_bf16_mlp(&mut self, on: bool, decode: bool) {
         let c = &self.config;
         let able = c.ffn.is_multiple_of(8)
             && self.weights.blocks.iter().all(|b| {
@@ -266,6 +271,7 @@ impl GpuModel {
                 stack && linear::gemm_input(&b.down)
             });
         self.bf16_mlp = on && able;
+        self.bf16_mlp_decode = self.bf16_mlp && decode;
     }
 
     /// Whether bf16 products of 2-16 rows run the skinny GEMM instead of

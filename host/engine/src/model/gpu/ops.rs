@@ -12,7 +12,7 @@
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{
     AttnOut, CudaSlice, CudaView, DecodeBatch, DeviceWeight, GemmScratch, GemmShape, Gpu, NextNorm,
-    NormArgs, Normed, PagedKv, PagedQuery, RopeKv, SKINNY_MAX_M, StackShape,
+    NormArgs, Normed, PagedKv, PagedQuery, RopeKv, SKINNY_MAX_M, SKINNY_WINS_M, StackShape,
 };
 use kiln_kernels::ops::RopeStyle;
 
@@ -124,6 +124,8 @@ pub(super) struct CudaStep<'a, 'w> {
     fold: bool,
     /// The MLP in bf16 (`GpuModel::set_bf16_mlp`).
     bf16_mlp: bool,
+    /// Decode steps of this many rows or more run the bf16 MLP too.
+    bf16_mlp_rows: usize,
     /// The bf16 MLP's gate/up product waits in `gu16` for the down
     /// projection, which makes its activation.
     mlp_ready: bool,
@@ -156,6 +158,11 @@ impl<'a> CudaStep<'a, '_> {
             b: &mut w.b,
             fold: model.folds(s.n),
             bf16_mlp: model.bf16_mlp,
+            bf16_mlp_rows: if model.bf16_mlp_decode {
+                SKINNY_WINS_M + 1
+            } else {
+                usize::MAX
+            },
             mlp_ready: false,
             blocks: &model.weights.blocks,
             attn_ready: false,
@@ -301,10 +308,12 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                 // and any step on FP8 rows (SiLU-and-multiply of the pairs
                 // then writes the down projection's e4m3 input in one
                 // pass): bf16 weights' decode steps (and their captured
-                // graphs) keep the f32 MLP.
+                // graphs) keep the f32 MLP unless asked past the skinny
+                // GEMM's rows (one cuBLAS GEMM over the stack there).
                 let prefill = n > self.s.seqs && n > SKINNY_MAX_M;
+                let rows = n >= self.bf16_mlp_rows;
                 if let (true, Some(gu), Some(stack)) = (
-                    self.bf16_mlp && (prefill || gate_up.fp8_rows()),
+                    self.bf16_mlp && (prefill || rows || gate_up.fp8_rows()),
                     b.gu16.as_mut(),
                     gate_up.cublas_stack(g, n, c.hidden),
                 ) {

@@ -6,7 +6,9 @@
 use std::collections::HashSet;
 
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{DeviceWeight, GemmShape, SKINNY_WINS_M, TUNE_KEEP_BELOW, TuneBf16};
+use kiln_kernels::cuda::{
+    Bf16Out, DeviceWeight, GemmShape, SKINNY_WINS_M, TUNE_KEEP_BELOW, TuneBf16,
+};
 
 use super::GpuModel;
 use super::inputs::decode_buckets;
@@ -34,26 +36,31 @@ impl GpuModel {
             return Ok((0, 0));
         };
         let q_dim = c.heads * c.head_dim;
-        let mut products: Vec<(&DeviceWeight, usize, usize, usize)> = Vec::new();
+        let f32_out = Bf16Out::F32;
+        let mut products: Vec<(&DeviceWeight, usize, usize, usize, Bf16Out)> = Vec::new();
         for (l, k) in [(&b.qkv, c.hidden), (&b.gate_up, c.hidden)] {
             if let Linear::Stacked { w, parts } = l {
                 // The stack runs whole (q/k/v) or by parts (gate, up).
-                products.push((w, 0, parts.iter().sum(), k));
+                products.push((w, 0, parts.iter().sum(), k, f32_out));
                 let mut row0 = 0;
                 for &p in parts {
-                    products.push((w, row0, p, k));
+                    products.push((w, row0, p, k, f32_out));
                     row0 += p;
                 }
             }
         }
-        products.push((&b.wo, 0, c.hidden, q_dim));
-        products.push((&b.down, 0, c.hidden, c.ffn));
-        products.push((self.weights.head(), 0, c.vocab, c.hidden));
+        if let (true, Linear::Stacked { w, parts }) = (self.bf16_mlp_decode, &b.gate_up) {
+            // The bf16 MLP's gate/up product, whole, into bf16.
+            products.push((w, 0, parts.iter().sum(), c.hidden, Bf16Out::Bf16));
+        }
+        products.push((&b.wo, 0, c.hidden, q_dim, f32_out));
+        products.push((&b.down, 0, c.hidden, c.ffn, f32_out));
+        products.push((self.weights.head(), 0, c.vocab, c.hidden, f32_out));
         let mut seen = HashSet::new();
         let (mut kept, mut timed) = (0, 0);
-        for (w, row0, n, k) in products {
+        for (w, row0, n, k, out) in products {
             let DeviceWeight::Bf16(wb) = w else { continue };
-            if !seen.insert((n, k)) {
+            if !seen.insert((n, k, out)) {
                 continue;
             }
             let shape = GemmShape { m: 0, n, k };
@@ -61,6 +68,7 @@ impl GpuModel {
                 rows: &rows,
                 candidates: CANDIDATES,
                 keep_below: TUNE_KEEP_BELOW,
+                out,
             };
             for t in g.tune_bf16(wb, row0, shape, tune)? {
                 timed += 1;
