@@ -69,7 +69,7 @@ fn the_bf16_mlp_rounds_only_its_outputs() {
         out: Bf16Out::Bf16,
     };
     let tuned = gpu.tune_bf16(wd, 0, shape, tune).unwrap();
-    assert!(tuned.iter().all(|t| t.kept), "{tuned:?}");
+    assert!(tuned.len() == 1 && tuned[0].kept, "{tuned:?}");
     let mut gt = s.alloc_zeros::<bf16>(m * 2 * f).unwrap();
     gpu.matmul_bf16_out(&weight, &mut gt, shape, &mut scratch)
         .unwrap();

@@ -1,4 +1,4 @@
-//! cuBLASLt's bf16 algorithms timed on decode's products (16-256 rows) with
+//! cuBLASLt's bf16 algorithms timed on decode's products (17-256 rows) with
 //! the weights out of L2, as in a decode step (every layer's weights evict
 //! the others'): `cuda_bench bf16lt` prints them against
 //! `cublasGemmEx`'s own choice, and [`Gpu::tune_bf16`] keeps the fastest
@@ -127,10 +127,12 @@ impl Gpu {
     /// Tunes the product of bf16 weight rows `row0..row0 + shape.n` of `w`
     /// (rows of `shape.k`) at each of `tune.rows` activation rows: times
     /// `cublasGemmEx` and cuBLASLt's first `tune.candidates` algorithms
-    /// with the weights out of L2 (on copies of them, or in place for a
-    /// large weight), and where the fastest is fast enough
-    /// (`tune.keep_below`), [`Self::gemm_bf16_cublas`] runs it at that
-    /// shape from then on. Not for use while the stream is captured.
+    /// with the weights out of L2 (on up to 16 copies of them, or in place
+    /// for a large weight; a weight under ~3 MB stays in L2), and where
+    /// the fastest is fast enough (`tune.keep_below`),
+    /// [`Self::gemm_bf16_cublas`] (f32 out) or [`Self::matmul_bf16_out`]
+    /// (bf16 out) runs it at that shape from then on. Not for use while the
+    /// stream is captured.
     pub fn tune_bf16(
         &self,
         w: &CudaSlice<bf16>,
@@ -194,6 +196,9 @@ impl Gpu {
                 .filter(|(t, _)| t.us.is_finite())
                 .min_by(|a, b| a.0.us.total_cmp(&b.0.us))
             else {
+                // Nothing ran: nothing kept from an earlier tuning either.
+                let mut guard = self.lt.lock().map_err(|_| poisoned())?;
+                Lt::get(&mut guard, self)?.bf16.remove(&(m, n, k, out_ty));
                 continue;
             };
             let kept = best.us < keep_below * ex;
@@ -212,8 +217,22 @@ impl Gpu {
                 kept,
             });
         }
+        // Freed in stream order before the wait, so the memory is back when
+        // this returns.
+        drop((guards, _rp, _rx, _ro));
+        drop((copies, x, out));
         s.synchronize().map_err(cuda_err)?;
         Ok(found)
+    }
+
+    /// Forgets every tuned algorithm: bf16 products run `cublasGemmEx`'s
+    /// choice again.
+    pub fn clear_bf16_tuning(&self) -> R {
+        let mut guard = self.lt.lock().map_err(|_| poisoned())?;
+        if let Some(lt) = guard.as_mut() {
+            lt.bf16.clear();
+        }
+        Ok(())
     }
 
     /// Runs `out^T = w x^T` (bf16 `w` of `shape.n` rows, out of type
@@ -240,9 +259,12 @@ impl Gpu {
         };
         // SAFETY: the caller vouches for the pointers.
         let ran = unsafe { lt.run(&t.descs, &t.algo, Operands { w, x, out }, &self.stream) };
-        lt.bf16.insert(key, t);
-        ran?;
-        Ok(true)
+        // An algorithm cuBLASLt refuses here (it checks before it queues
+        // anything) is dropped, and cublasGemmEx runs this product.
+        if ran.is_ok() {
+            lt.bf16.insert(key, t);
+        }
+        Ok(ran.is_ok())
     }
 
     /// `cublasGemmEx`'s time, then each of cuBLASLt's first `count`
@@ -301,7 +323,11 @@ fn poisoned() -> KernelError {
 
 /// Descriptors of a bf16 product with `out` output, as the engine runs it.
 fn bf16_descs(shape: GemmShape, out: Bf16Out) -> R<Descs> {
-    Lt::plain_descs(shape, sys::cudaDataType::CUDA_R_16BF, out.ty(), shape.k)
+    let d = Lt::plain_descs(shape, sys::cudaDataType::CUDA_R_16BF, out.ty(), shape.k)?;
+    if out == Bf16Out::Bf16 {
+        d.reduce_in_compute_type()?;
+    }
+    Ok(d)
 }
 
 /// Microseconds a launch of `launch(i)` over `copies` rotating buffers:

@@ -1,7 +1,8 @@
-//! cuBLASLt for the W8A8 GEMMs (`fp8_gemm.rs`): the handle and its
-//! workspace, a GEMM's descriptors (FP8 codes of weights and activations,
-//! scales per row and per token or one an operand, fast accumulation), the
-//! algorithms cuBLASLt offers for them, and a launch by one of them.
+//! cuBLASLt for the W8A8 GEMMs (`fp8_gemm.rs`) and tuned bf16 products
+//! (`bf16_lt.rs`): the handle and its workspace, a GEMM's descriptors (FP8
+//! codes of weights and activations, scales per row and per token or one
+//! an operand, fast accumulation; or plain bf16), the algorithms cuBLASLt
+//! offers for them, and a launch by one of them.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -93,6 +94,26 @@ pub(super) struct W8a8Ptrs {
     pub out: u64,
 }
 
+impl Descs {
+    /// Asks only for algorithms that keep split-K partial sums in the
+    /// compute type (f32), so a bf16 output is rounded once, not once per
+    /// part.
+    pub(super) fn reduce_in_compute_type(&self) -> R {
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        let mask = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+        // SAFETY: a live preference; the attribute is a u32.
+        unsafe {
+            lt::set_matmul_pref_attribute(
+                self.pref,
+                P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                &mask as *const u32 as *const c_void,
+                4,
+            )
+        }
+        .map_err(cuda_err)
+    }
+}
+
 impl W8a8Ptrs {
     /// The pointers a launch takes (the scales live in the descriptors).
     pub(super) fn operands(&self) -> Operands {
@@ -114,7 +135,7 @@ pub(super) struct Operands {
 }
 
 impl Lt {
-    /// The handle (made at the first W8A8 GEMM) and its workspace.
+    /// The handle (made at first use) and its workspace.
     pub(super) fn get<'a>(slot: &'a mut Option<Lt>, gpu: &Gpu) -> R<&'a mut Lt> {
         if slot.is_none() {
             let handle = lt::create_handle().map_err(cuda_err)?;

@@ -55,6 +55,10 @@ pub(super) fn gpu_place(loaded: &Loaded, o: &RunnerOptions, n: usize) -> Result<
             Ok((kept, timed)) => tracing::info!(kept, timed, "bf16 decode products tuned"),
             Err(e) => tracing::warn!("bf16 decode products left to cuBLAS's choice: {e}"),
         }
+    } else {
+        for m in std::iter::once(&mut model).chain(decode.as_mut()) {
+            m.clear_bf16_tuning().map_err(|e| e.to_string())?;
+        }
     }
     let mut kv = pages(&model, o)?;
     let Reserve { tokens, rows } = o.reserve;

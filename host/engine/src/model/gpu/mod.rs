@@ -108,8 +108,9 @@ pub struct GpuModel {
     /// too.
     bf16_mlp_decode: bool,
     /// Decode batches up to this size have their bf16 products tuned
-    /// (`tune.rs`): weights a runner gives back keep their tuning.
-    tuned_rows: usize,
+    /// (`tune.rs`), with or without the bf16 MLP's product: weights a
+    /// runner gives back keep their tuning.
+    tuned: Option<(usize, bool)>,
     /// As one tensor-parallel rank: how its projections are summed over
     /// the ranks (`ranks.rs`).
     sum: Option<RankSum>,
@@ -233,7 +234,7 @@ impl GpuModel {
             fold: false,
             bf16_mlp: false,
             bf16_mlp_decode: false,
-            tuned_rows: 0,
+            tuned: None,
             sum: None,
         };
         uploaded.fold = uploaded.foldable(false);

@@ -311,7 +311,7 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                 // graphs) keep the f32 MLP unless asked past the skinny
                 // GEMM's rows (one cuBLAS GEMM over the stack there).
                 let prefill = n > self.s.seqs && n > SKINNY_MAX_M;
-                let rows = n >= self.bf16_mlp_rows;
+                let rows = n == self.s.seqs && n >= self.bf16_mlp_rows;
                 if let (true, Some(gu), Some(stack)) = (
                     self.bf16_mlp && (prefill || rows || gate_up.fp8_rows()),
                     b.gu16.as_mut(),

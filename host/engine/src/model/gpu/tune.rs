@@ -23,10 +23,15 @@ impl GpuModel {
     /// sizes above the skinny GEMM's that graphs pad them to; returns how
     /// many (rows, product) pairs now run a tuned algorithm, of how many
     /// timed. Before graphs are captured: a captured product keeps what it
-    /// ran. Batch sizes tuned before are not timed again.
+    /// ran. Batch sizes tuned before (for the same MLP) are not timed
+    /// again; a product whose tuning fails keeps cuBLAS's own choice.
     pub fn tune_bf16(&mut self, most_rows: usize) -> Result<(usize, usize), KernelError> {
+        let done = match self.tuned {
+            Some((rows, mlp)) if mlp == self.bf16_mlp_decode => rows,
+            _ => 0,
+        };
         let rows: Vec<usize> = decode_buckets(most_rows)
-            .filter(|&m| m > SKINNY_WINS_M.max(self.tuned_rows))
+            .filter(|&m| m > SKINNY_WINS_M.max(done))
             .collect();
         if rows.is_empty() {
             return Ok((0, 0));
@@ -70,7 +75,14 @@ impl GpuModel {
                 keep_below: TUNE_KEEP_BELOW,
                 out,
             };
-            for t in g.tune_bf16(wb, row0, shape, tune)? {
+            let found = match g.tune_bf16(wb, row0, shape, tune) {
+                Ok(found) => found,
+                Err(e) => {
+                    tracing::warn!(n, k, "bf16 product left to cuBLAS's choice: {e}");
+                    continue;
+                }
+            };
+            for t in found {
                 timed += 1;
                 kept += usize::from(t.kept);
                 tracing::debug!(
@@ -85,7 +97,14 @@ impl GpuModel {
                 );
             }
         }
-        self.tuned_rows = self.tuned_rows.max(most_rows);
+        self.tuned = Some((done.max(most_rows), self.bf16_mlp_decode));
         Ok((kept, timed))
+    }
+
+    /// Forgets the tuning: bf16 products run cuBLAS's own choices (weights
+    /// a runner gives back keep their tuning otherwise).
+    pub fn clear_bf16_tuning(&mut self) -> Result<(), KernelError> {
+        self.tuned = None;
+        self.gpu.clear_bf16_tuning()
     }
 }
