@@ -9,7 +9,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys as drv}
 use half::bf16;
 
 use super::fp8_tune::{LtConfig, LtTiming};
-use super::lt::{Descs, Lt, Operands};
+use super::lt::{Descs, Lt, Operands, poisoned};
 use super::shape::GemmShape;
 use super::{Gpu, cuda_err};
 use crate::KernelError;
@@ -43,10 +43,20 @@ pub enum Bf16Out {
 }
 
 impl Bf16Out {
+    /// Its type as cuBLASLt names it.
     fn ty(self) -> sys::cudaDataType {
         match self {
             Bf16Out::F32 => sys::cudaDataType::CUDA_R_32F,
             Bf16Out::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+        }
+    }
+
+    /// Its type as cuBLAS (a binding of its own) names it.
+    fn blas_ty(self) -> cudarc::cublas::sys::cudaDataType_t {
+        use cudarc::cublas::sys::cudaDataType_t as T;
+        match self {
+            Bf16Out::F32 => T::CUDA_R_32F,
+            Bf16Out::Bf16 => T::CUDA_R_16BF,
         }
     }
 }
@@ -72,8 +82,8 @@ pub struct TuneBf16<'a> {
 /// A bf16 product's tuned algorithm with its descriptors, made once (they
 /// cost host time on every launch otherwise).
 pub(super) struct Tuned {
-    descs: Descs,
-    algo: sys::cublasLtMatmulAlgo_t,
+    pub(super) descs: Descs,
+    pub(super) algo: sys::cublasLtMatmulAlgo_t,
 }
 
 /// What tuning found for one product at one row count.
@@ -237,7 +247,8 @@ impl Gpu {
 
     /// Runs `out^T = w x^T` (bf16 `w` of `shape.n` rows, out of type
     /// `out_ty` and leading dimension `shape.n`) by its tuned algorithm;
-    /// `false` (nothing run) where it has none.
+    /// `false` (nothing run) where it has none or cuBLASLt refuses it, and
+    /// cublasGemmEx is the caller's to run.
     ///
     /// # Safety
     /// The pointers are live device buffers of the shape's sizes.
@@ -248,23 +259,12 @@ impl Gpu {
         out_ty: Bf16Out,
     ) -> R<bool> {
         let GemmShape { m, n, k } = shape;
-        let key = (m, n, k, out_ty);
         let mut guard = self.lt.lock().map_err(|_| poisoned())?;
         let Some(lt) = guard.as_mut() else {
             return Ok(false);
         };
-        // Out of the map while it runs: `run` borrows the handle mutably.
-        let Some(t) = lt.bf16.remove(&key) else {
-            return Ok(false);
-        };
         // SAFETY: the caller vouches for the pointers.
-        let ran = unsafe { lt.run(&t.descs, &t.algo, Operands { w, x, out }, &self.stream) };
-        // An algorithm cuBLASLt refuses here (it checks before it queues
-        // anything) is dropped, and cublasGemmEx runs this product.
-        if ran.is_ok() {
-            lt.bf16.insert(key, t);
-        }
-        Ok(ran.is_ok())
+        Ok(unsafe { lt.run_tuned(&(m, n, k, out_ty), Operands { w, x, out }, &self.stream) })
     }
 
     /// `cublasGemmEx`'s time, then each of cuBLASLt's first `count`
@@ -280,14 +280,10 @@ impl Gpu {
         (shape, out_ty): (GemmShape, Bf16Out),
         count: usize,
     ) -> R<(f64, Vec<(LtTiming, sys::cublasLtMatmulAlgo_t)>)> {
-        use cudarc::cublas::sys::cudaDataType_t as T;
-        let out = match out_ty {
-            Bf16Out::F32 => T::CUDA_R_32F,
-            Bf16Out::Bf16 => T::CUDA_R_16BF,
-        };
+        let bf = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
         let ex = time_rotation(&self.stream, ws.len(), |i| {
             // SAFETY: the caller vouches for the pointers.
-            unsafe { self.gemm_into(ws[i], xp, T::CUDA_R_16BF, (op, out), shape, shape.n) }
+            unsafe { self.gemm_into(ws[i], xp, bf, (op, out_ty.blas_ty()), shape, shape.n) }
         })?;
         let mut guard = self.lt.lock().map_err(|_| poisoned())?;
         let lt = Lt::get(&mut guard, self)?;
@@ -315,10 +311,6 @@ impl Gpu {
         }
         Ok((ex, found))
     }
-}
-
-fn poisoned() -> KernelError {
-    KernelError::Shape("cuBLASLt handle poisoned".into())
 }
 
 /// Descriptors of a bf16 product with `out` output, as the engine runs it.

@@ -220,10 +220,7 @@ impl Gpu {
                  16-byte pieces"
             )));
         }
-        let mut guard = self
-            .lt
-            .lock()
-            .map_err(|_| KernelError::Shape("cuBLASLt handle poisoned".into()))?;
+        let mut guard = self.lt.lock().map_err(|_| super::lt::poisoned())?;
         let lt_state = Lt::get(&mut guard, self)?;
         let (wp, _rw) = w.device_ptr(&self.stream);
         let (ws, _rws) = w_scales.device_ptr(&self.stream);

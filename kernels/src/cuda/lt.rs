@@ -289,30 +289,83 @@ impl Lt {
         p: Operands,
         stream: &CudaStream,
     ) -> R {
-        let [a, b, c] = d.layouts;
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let (wsp, _rwsp) = self.workspace.device_ptr_mut(stream);
-        // SAFETY: see the function's contract; the workspace is ours.
-        unsafe {
-            lt::matmul(
-                self.handle,
-                d.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                p.w as *const c_void,
-                a,
-                p.x as *const c_void,
-                b,
-                p.out as *const c_void,
-                c,
-                p.out as *mut c_void,
-                c,
-                algo,
-                wsp as *mut c_void,
-                LT_WORKSPACE,
-                stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(cuda_err)
+        // SAFETY: the caller's contract.
+        unsafe { launch(self.handle, &mut self.workspace, (d, algo), p, stream) }
     }
+
+    /// Launches the bf16 product `key` by the algorithm tuning kept for it
+    /// (`bf16_lt.rs`); `false` (nothing run) where it has none, or where
+    /// cuBLASLt refuses it here (it checks before it queues anything),
+    /// which drops it.
+    ///
+    /// # Safety
+    /// As [`Self::run`].
+    pub(super) unsafe fn run_tuned(
+        &mut self,
+        key: &super::bf16_lt::TunedKey,
+        p: Operands,
+        stream: &CudaStream,
+    ) -> bool {
+        let Some(t) = self.bf16.get(key) else {
+            return false;
+        };
+        // SAFETY: the caller's contract.
+        let ran = unsafe {
+            launch(
+                self.handle,
+                &mut self.workspace,
+                (&t.descs, &t.algo),
+                p,
+                stream,
+            )
+        };
+        if ran.is_err() {
+            self.bf16.remove(key);
+        }
+        ran.is_ok()
+    }
+}
+
+/// The error of a lock on a poisoned cuBLASLt handle.
+pub(super) fn poisoned() -> KernelError {
+    KernelError::Shape("cuBLASLt handle poisoned".into())
+}
+
+/// Launches one GEMM by `algo` on `stream` with `handle` and its
+/// `workspace`.
+///
+/// # Safety
+/// As [`Lt::run`].
+unsafe fn launch(
+    handle: sys::cublasLtHandle_t,
+    workspace: &mut CudaSlice<u8>,
+    (d, algo): (&Descs, &sys::cublasLtMatmulAlgo_t),
+    p: Operands,
+    stream: &CudaStream,
+) -> R {
+    let [a, b, c] = d.layouts;
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let (wsp, _rwsp) = workspace.device_ptr_mut(stream);
+    // SAFETY: see the function's contract; the workspace is the handle's.
+    unsafe {
+        lt::matmul(
+            handle,
+            d.desc,
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            p.w as *const c_void,
+            a,
+            p.x as *const c_void,
+            b,
+            p.out as *const c_void,
+            c,
+            p.out as *mut c_void,
+            c,
+            algo,
+            wsp as *mut c_void,
+            LT_WORKSPACE,
+            stream.cu_stream() as sys::cudaStream_t,
+        )
+    }
+    .map_err(cuda_err)
 }

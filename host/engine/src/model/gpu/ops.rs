@@ -124,8 +124,8 @@ pub(super) struct CudaStep<'a, 'w> {
     fold: bool,
     /// The MLP in bf16 (`GpuModel::set_bf16_mlp`).
     bf16_mlp: bool,
-    /// Decode steps of this many rows or more run the bf16 MLP too.
-    bf16_mlp_rows: usize,
+    /// Decode steps past the skinny GEMM's rows run the bf16 MLP too.
+    bf16_mlp_decode: bool,
     /// The bf16 MLP's gate/up product waits in `gu16` for the down
     /// projection, which makes its activation.
     mlp_ready: bool,
@@ -158,11 +158,7 @@ impl<'a> CudaStep<'a, '_> {
             b: &mut w.b,
             fold: model.folds(s.n),
             bf16_mlp: model.bf16_mlp,
-            bf16_mlp_rows: if model.bf16_mlp_decode {
-                SKINNY_WINS_M + 1
-            } else {
-                usize::MAX
-            },
+            bf16_mlp_decode: model.bf16_mlp_decode,
             mlp_ready: false,
             blocks: &model.weights.blocks,
             attn_ready: false,
@@ -311,7 +307,7 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                 // graphs) keep the f32 MLP unless asked past the skinny
                 // GEMM's rows (one cuBLAS GEMM over the stack there).
                 let prefill = n > self.s.seqs && n > SKINNY_MAX_M;
-                let rows = n == self.s.seqs && n >= self.bf16_mlp_rows;
+                let rows = self.bf16_mlp_decode && n == self.s.seqs && n > SKINNY_WINS_M;
                 if let (true, Some(gu), Some(stack)) = (
                     self.bf16_mlp && (prefill || rows || gate_up.fp8_rows()),
                     b.gu16.as_mut(),

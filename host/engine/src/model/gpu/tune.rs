@@ -43,20 +43,26 @@ impl GpuModel {
         let q_dim = c.heads * c.head_dim;
         let f32_out = Bf16Out::F32;
         let mut products: Vec<(&DeviceWeight, usize, usize, usize, Bf16Out)> = Vec::new();
-        for (l, k) in [(&b.qkv, c.hidden), (&b.gate_up, c.hidden)] {
-            if let Linear::Stacked { w, parts } = l {
-                // The stack runs whole (q/k/v) or by parts (gate, up).
-                products.push((w, 0, parts.iter().sum(), k, f32_out));
-                let mut row0 = 0;
-                for &p in parts {
-                    products.push((w, row0, p, k, f32_out));
-                    row0 += p;
-                }
+        // The stacks as a decode step runs them (`ops.rs`): q/k/v whole
+        // unless it has biases; gate/up by parts into f32, or whole into
+        // bf16 for the bf16 MLP.
+        let stacks = [
+            (&b.qkv, b.qkv_bias.is_none(), f32_out),
+            (&b.gate_up, self.bf16_mlp_decode, Bf16Out::Bf16),
+        ];
+        for (l, whole, whole_out) in stacks {
+            let Linear::Stacked { w, parts } = l else {
+                continue;
+            };
+            if whole {
+                products.push((w, 0, parts.iter().sum(), c.hidden, whole_out));
+                continue;
             }
-        }
-        if let (true, Linear::Stacked { w, parts }) = (self.bf16_mlp_decode, &b.gate_up) {
-            // The bf16 MLP's gate/up product, whole, into bf16.
-            products.push((w, 0, parts.iter().sum(), c.hidden, Bf16Out::Bf16));
+            let mut row0 = 0;
+            for &p in parts {
+                products.push((w, row0, p, c.hidden, f32_out));
+                row0 += p;
+            }
         }
         products.push((&b.wo, 0, c.hidden, q_dim, f32_out));
         products.push((&b.down, 0, c.hidden, c.ffn, f32_out));
