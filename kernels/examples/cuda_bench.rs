@@ -350,6 +350,7 @@ fn attention(
                 let plan = AttentionPlan {
                     part_len: Some(part),
                     kind: Some(kind),
+                    ..Default::default()
                 };
                 if !plans.contains(&plan) {
                     plans.push(plan);
@@ -360,6 +361,7 @@ fn attention(
         plans.push(AttentionPlan {
             part_len: None,
             kind: Some(AttentionKind::Flash),
+            ..Default::default()
         });
         let mut first: Option<Vec<f32>> = None;
         let query = PagedQuery {

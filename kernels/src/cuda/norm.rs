@@ -4,6 +4,7 @@
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
 
+use super::ahead::L2Ahead;
 use super::cublas::room;
 use super::launch::cfg;
 use super::{GemmScratch, Gpu, cuda_err};
@@ -67,16 +68,17 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
         norm: &NormArgs<'_>,
     ) -> R {
-        self.rmsnorm_launch(x, NormOut::F32(out), norm)
+        self.rmsnorm_launch(x, NormOut::F32(out), norm, L2Ahead::default())
     }
 
     /// The norm's launch, into f32 or into bf16 (the caller checked that
-    /// `out` holds `rows x cols`).
+    /// `out` holds `rows x cols`), asking L2 for `ahead` first.
     pub(super) fn rmsnorm_launch(
         &self,
         x: &mut CudaSlice<f32>,
         out: NormOut<'_>,
         norm: &NormArgs<'_>,
+        ahead: L2Ahead,
     ) -> R {
         let NormArgs {
             residual,
@@ -99,7 +101,7 @@ impl Gpu {
             NormOut::Bf16(o) => b.arg(&null).arg(o),
         };
         let dim_i = dim as i32;
-        b.arg(&dim_i).arg(&eps);
+        b.arg(&dim_i).arg(&eps).arg(&ahead);
         let threads = norm_threads(dim, rows) as u32;
         // SAFETY: the kernel reads and writes `rows x dim` of each buffer.
         unsafe { b.launch(cfg((rows as u32, 1, 1), threads, 0)) }.map_err(cuda_err)?;
@@ -114,8 +116,20 @@ impl Gpu {
         scratch: &mut GemmScratch,
         norm: &NormArgs<'_>,
     ) -> R {
+        self.rmsnorm_bf16_ahead(x, scratch, norm, L2Ahead::default())
+    }
+
+    /// [`Self::rmsnorm_residual_bf16`], asking L2 for `ahead` (the next
+    /// GEMM's weight) first.
+    pub(super) fn rmsnorm_bf16_ahead(
+        &self,
+        x: &mut CudaSlice<f32>,
+        scratch: &mut GemmScratch,
+        norm: &NormArgs<'_>,
+        ahead: L2Ahead,
+    ) -> R {
         room(scratch, norm.rows * norm.cols)?;
         let out = NormOut::Bf16(&mut scratch.act);
-        self.rmsnorm_launch(x, out, norm)
+        self.rmsnorm_launch(x, out, norm, ahead)
     }
 }
