@@ -87,12 +87,6 @@ pub(crate) struct EngineArgs {
     /// columns over a thread-block cluster, instead of cuBLAS.
     #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
     cuda_cluster: OnOff,
-    /// On CUDA, MiB of each decode GEMM's weight (the starts of its rows)
-    /// that the small kernel before it (a norm, SiLU-and-multiply, the
-    /// attention's last kernel) asks of L2, so the GEMM opens on L2 hits
-    /// while DRAM would otherwise idle (0: none).
-    #[arg(long, default_value_t = 0, hide = true)]
-    cuda_l2_ahead: usize,
     /// On CUDA, warps a block of prefill attention takes: 4 (three blocks
     /// an SM) or 8 (one block, twice the query rows per key tile read)
     /// [default: 4 for bf16 pages, 8 for fp8 pages].
@@ -189,7 +183,6 @@ impl EngineArgs {
             tensor_prefill: self.tensor_prefill == OnOff::On,
             cuda_skinny: self.cuda_skinny == OnOff::On,
             cuda_cluster: self.cuda_cluster == OnOff::On,
-            cuda_l2_ahead: self.cuda_l2_ahead.saturating_mul(1 << 20),
             prefill_warps: self.prefill_warps,
             cuda_bf16_mlp: self.cuda_bf16_mlp == OnOff::On,
             cuda_bf16_mlp_decode: self.cuda_bf16_mlp_decode == OnOff::On,

@@ -350,7 +350,6 @@ fn attention(
                 let plan = AttentionPlan {
                     part_len: Some(part),
                     kind: Some(kind),
-                    ..Default::default()
                 };
                 if !plans.contains(&plan) {
                     plans.push(plan);
@@ -361,7 +360,6 @@ fn attention(
         plans.push(AttentionPlan {
             part_len: None,
             kind: Some(AttentionKind::Flash),
-            ..Default::default()
         });
         let mut first: Option<Vec<f32>> = None;
         let query = PagedQuery {

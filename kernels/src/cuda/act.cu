@@ -7,12 +7,8 @@ __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f
 // not null: the input of the down projection's bf16 GEMM). Four elements a
 // thread in 16-byte loads (a 64-row decode batch's 7 MB read at 1.45 TB/s
 // one element a thread on the H200); the last thread takes n's tail.
-// Asks L2 for `ahead` (the down projection's weight) first.
-extern "C" __global__ void silu_mul(float* gate, const float* up, __nv_bfloat16* outb, int n,
-                                    L2Ahead ahead) {
-    PDL_LAUNCH();
-    l2_ahead(ahead);
-    PDL_WAIT();
+extern "C" __global__ void silu_mul(float* gate, const float* up, __nv_bfloat16* outb, int n) {
+    PDL_ENTER();
     int i = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (i + 3 < n) {
         float4 g = *(const float4*)(gate + i), u = *(const float4*)(up + i);
@@ -40,13 +36,10 @@ extern "C" __global__ void silu_mul(float* gate, const float* up, __nv_bfloat16*
 
 // out[r][c] = bf16(silu(gu[r][c]) * gu[r][f + c]) over a row-major rows x 2f
 // bf16 product, gate then up side by side in each row (one GEMM over the
-// stacked gate/up weights): eight columns a thread, f a multiple of 8;
-// asks L2 for `ahead` first.
+// stacked gate/up weights): eight columns a thread, f a multiple of 8.
 extern "C" __global__ void silu_mul_pairs(const __nv_bfloat16* gu, __nv_bfloat16* out, int rows,
-                                          int f, L2Ahead ahead) {
-    PDL_LAUNCH();
-    l2_ahead(ahead);
-    PDL_WAIT();
+                                          int f) {
+    PDL_ENTER();
     long i = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (i >= (long)rows * f) return;
     long r = i / f, c = i % f;

@@ -5,7 +5,6 @@
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
 
-use super::ahead::L2Ahead;
 use super::cublas::room;
 use super::launch::{blocks, cfg};
 use super::shape::{GemmShape, StackShape};
@@ -21,8 +20,7 @@ impl Gpu {
         let n_i = n as i32;
         let mut b = self.stream.launch_builder(f);
         let null = 0u64;
-        let ahead = L2Ahead::default();
-        b.arg(gate).arg(up).arg(&null).arg(&n_i).arg(&ahead);
+        b.arg(gate).arg(up).arg(&null).arg(&n_i);
         // SAFETY: one thread per four elements, bounds-checked.
         unsafe { b.launch(cfg((blocks(n.div_ceil(4), 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
         Ok(())
@@ -37,19 +35,6 @@ impl Gpu {
         scratch: &mut GemmScratch,
         n: usize,
     ) -> R {
-        self.silu_mul_bf16_ahead(gate, up, scratch, n, L2Ahead::default())
-    }
-
-    /// [`Self::silu_mul_bf16`], asking L2 for `ahead` (the down
-    /// projection's weight) first.
-    fn silu_mul_bf16_ahead(
-        &self,
-        gate: &CudaSlice<f32>,
-        up: &CudaSlice<f32>,
-        scratch: &mut GemmScratch,
-        n: usize,
-        ahead: L2Ahead,
-    ) -> R {
         room(scratch, n)?;
         if gate.len() < n || up.len() < n {
             return Err(KernelError::Shape(format!(
@@ -59,11 +44,7 @@ impl Gpu {
         let f = self.function("silu_mul")?;
         let n_i = n as i32;
         let mut b = self.stream.launch_builder(f);
-        b.arg(gate)
-            .arg(up)
-            .arg(&mut scratch.act)
-            .arg(&n_i)
-            .arg(&ahead);
+        b.arg(gate).arg(up).arg(&mut scratch.act).arg(&n_i);
         // SAFETY: one thread per four elements, bounds-checked; the kernel
         // only reads gate when it writes the scratch.
         unsafe { b.launch(cfg((blocks(n.div_ceil(4), 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
@@ -81,18 +62,6 @@ impl Gpu {
         rows: usize,
         f: usize,
     ) -> R {
-        self.silu_pairs_ahead(gu, scratch, (rows, f), L2Ahead::default())
-    }
-
-    /// [`Self::silu_mul_pairs`] of `rows x f`, asking L2 for `ahead` (the
-    /// down projection's weight) first.
-    fn silu_pairs_ahead(
-        &self,
-        gu: &CudaSlice<bf16>,
-        scratch: &mut GemmScratch,
-        (rows, f): (usize, usize),
-        ahead: L2Ahead,
-    ) -> R {
         let n = rows * f;
         room(scratch, n)?;
         if !f.is_multiple_of(8) || gu.len() < 2 * n {
@@ -104,11 +73,7 @@ impl Gpu {
         let func = self.function("silu_mul_pairs")?;
         let (rows_i, f_i) = (rows as i32, f as i32);
         let mut b = self.stream.launch_builder(func);
-        b.arg(gu)
-            .arg(&mut scratch.act)
-            .arg(&rows_i)
-            .arg(&f_i)
-            .arg(&ahead);
+        b.arg(gu).arg(&mut scratch.act).arg(&rows_i).arg(&f_i);
         // SAFETY: eight elements a thread, bounds-checked against rows x f
         // (a multiple of 8), reading rows x 2f.
         unsafe { b.launch(cfg((blocks(n / 8, 256), 1, 1), 256, 0)) }.map_err(cuda_err)?;
@@ -138,27 +103,7 @@ impl Gpu {
             self.silu_mul_pairs_e4m3(gu, &mut fp8.xq, &mut fp8.xs, m, k)?;
             return self.gemm_fp8_quantized(w8, &mut [out], stack, fp8);
         }
-        let ahead = self.ahead_of(w, n, k, m);
-        self.silu_pairs_ahead(gu, scratch, (m, k), ahead)?;
-        self.matmul_parts_bf16(w, &mut [out], stack, scratch)
-    }
-
-    /// The down projection from f32 halves: `out (m x n) = (silu(gate) *
-    /// up) * w^T` over `m x k` rows of each, for a `w` that [takes bf16
-    /// input](Self::takes_bf16_input) at `m x k`; the activation rounds to
-    /// bf16 into `scratch` for the GEMM.
-    pub fn down_from_halves(
-        &self,
-        (gate, up): (&CudaSlice<f32>, &CudaSlice<f32>),
-        w: &DeviceWeight,
-        out: &mut CudaSlice<f32>,
-        shape: GemmShape,
-        scratch: &mut GemmScratch,
-    ) -> R {
-        let GemmShape { m, n, k } = shape;
-        let ahead = self.ahead_of(w, n, k, m);
-        self.silu_mul_bf16_ahead(gate, up, scratch, m * k, ahead)?;
-        let stack = StackShape { m, parts: &[n], k };
+        self.silu_mul_pairs(gu, scratch, m, k)?;
         self.matmul_parts_bf16(w, &mut [out], stack, scratch)
     }
 }

@@ -278,14 +278,10 @@ ATTENTION_ENTRY(attention_part_fp8_g8, true, 8)
 // Merges the partitions of each (seq, head): grid seqs x n_heads; threads
 // over hd; `parts` floats of dynamic shared memory hold each partition's
 // weight exp(m_p - m), computed once for the block. Writes `out`, or with
-// `out16` bf16 rows for the next GEMM, asking L2 for `ahead` (its weight)
-// first.
+// `out16` bf16 rows for the next GEMM.
 extern "C" __global__ void attention_merge(const float* part_out, const float* part_ml,
-                                           float* out, __nv_bfloat16* out16, int parts, int hd,
-                                           L2Ahead ahead) {
-    PDL_LAUNCH();
-    l2_ahead(ahead);
-    PDL_WAIT();
+                                           float* out, __nv_bfloat16* out16, int parts, int hd) {
+    PDL_ENTER();
     extern __shared__ float wts[];
     __shared__ float red[32];
     size_t h = blockIdx.x;

@@ -3,7 +3,6 @@
 
 use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
 
-use super::ahead::L2Ahead;
 use super::kv::PagedKv;
 use super::kv::push_pages;
 use super::launch::cfg;
@@ -20,8 +19,6 @@ pub struct AttentionPlan {
     pub part_len: Option<usize>,
     /// The kernel; `None`: the best the device and shape allow.
     pub kind: Option<AttentionKind>,
-    /// What the launch's last kernel asks of L2 for the GEMM after it.
-    pub ahead: L2Ahead,
 }
 
 /// The decode attention kernels.
@@ -444,12 +441,11 @@ impl Gpu {
         b.arg(&scale);
         // One flash partition: the kernel normalizes its output itself.
         let direct = kind == AttentionKind::Flash && parts == 1;
-        let (null, none) = (0u64, L2Ahead::default());
+        let null = 0u64;
         if direct {
             out.push(&mut b, &null);
-            b.arg(&plan.ahead);
         } else if kind == AttentionKind::Flash {
-            b.arg(&null).arg(&null).arg(&none);
+            b.arg(&null).arg(&null);
         }
         let grid = (kv_heads as u32, seqs as u32, parts as u32);
         // SAFETY: shared memory as each kernel lays it out, sized above.
@@ -462,7 +458,7 @@ impl Gpu {
         let mut b = self.stream.launch_builder(f);
         b.arg(&scratch.part_out).arg(&scratch.part_ml);
         out.push(&mut b, &null);
-        b.arg(&p).arg(&d).arg(&plan.ahead);
+        b.arg(&p).arg(&d);
         // SAFETY: one block per (sequence, head), its weights in shared
         // memory sized above.
         unsafe {

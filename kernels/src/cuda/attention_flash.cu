@@ -295,20 +295,16 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     }
 }
 
-// An entry asks L2 for `ahead` (the output projection's weight, when it
-// writes that GEMM's input itself) as its block ends: the blocks of the
-// last wave leave DRAM idle while they finish.
 #define ATTENTION_FLASH(NAME, FP8, G, HD)                                                      \
     extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32, FP8 ? 3 : 1)                \
         NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,  \
              const int* tables, const int* table_off, const int* lens, float* part_out,         \
              float* part_ml, int n_heads, int kv_heads, int hd, int page_size, int parts,       \
-             int part_len, float scale, float* out, __nv_bfloat16* out16, L2Ahead ahead) {      \
+             int part_len, float scale, float* out, __nv_bfloat16* out16) {                     \
         PDL_ENTER();                                                                            \
         attention_flash<FP8, G, HD>(q, kc, vc, ks, vs, tables, table_off, lens, part_out,       \
                                     part_ml, n_heads, kv_heads, page_size, parts, part_len,     \
                                     scale, out, out16);                                         \
-        l2_ahead(ahead);                                                                        \
     }
 
 // attention_flash_{fmt}_g{G}_d{HD}: every format, group size (query heads

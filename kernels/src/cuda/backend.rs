@@ -154,7 +154,6 @@ impl Backend for Gpu {
                 }
                 AttentionKernel::Shuffle => Some(AttentionKind::Shuffle),
             },
-            ..Default::default()
         };
         let batch = DecodeBatch { seqs, max_len };
         self.paged_attention(&kv, &query, batch, plan, &mut scratch, &mut out)?;

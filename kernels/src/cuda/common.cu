@@ -78,33 +78,3 @@ __device__ __forceinline__ size_t kv_vec(size_t page, int slot, int head, int kv
                                          int page_size) {
     return (page * kv_heads + head) * page_size + slot;
 }
-
-// The start of the next GEMM's weight that a small kernel before it asks
-// L2 to fetch (see ahead.rs): the first `head` bytes (a multiple of 16) of
-// each of `rows` rows `pitch` bytes apart from `base`; none where `base`
-// is null. A decode step's norms and activations leave DRAM mostly idle;
-// these bytes then reach the GEMM from L2.
-struct L2Ahead {
-    const char* base;
-    int rows;
-    int head;
-    long long pitch;
-};
-
-// Issues `a`'s prefetches, its rows spread over every thread of a grid of
-// one-dimensional blocks. Fire and forget: no thread waits on them, and
-// weights are never written by a step, so kernels issue them before
-// their PDL wait.
-__device__ __forceinline__ void l2_ahead(const L2Ahead& a) {
-    if (a.base == nullptr) return;
-    long long block = blockIdx.x + (long long)gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    long long stride = (long long)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
-    for (long long r = block * blockDim.x + threadIdx.x; r < a.rows; r += stride) {
-        const char* p = a.base + r * a.pitch;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(a.head) : "memory");
-#else
-        for (int o = 0; o < a.head; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-#endif
-    }
-}

@@ -97,7 +97,6 @@ impl Gpu {
             sms: self.sms,
             fp8_mma: self.fp8_mma,
             prefill_warps: self.prefill_warps,
-            l2_ahead: self.l2_ahead,
         })
     }
 

@@ -7,7 +7,6 @@
 //! no usable driver, NVRTC or GPU, never with a panic.
 
 mod act;
-mod ahead;
 mod attention;
 mod backend;
 mod bf16_lt;
@@ -55,7 +54,6 @@ use sha2::{Digest, Sha256};
 
 use crate::KernelError;
 
-pub use ahead::{AHEAD_MAX_M, L2Ahead};
 pub use attention::{
     AttentionBuffers, AttentionKind, AttentionPlan, AttnOut, DecodeBatch, FLASH_MAX_PARTITION,
     FLASH_PARTITION, PARTITION, PagedQuery, partition_len,
@@ -146,9 +144,6 @@ pub struct Gpu {
     /// Warps a block of prefill attention: 4 or 8
     /// ([`Gpu::set_prefill_warps`]).
     prefill_warps: usize,
-    /// Bytes of a weight asked of L2 ahead of its GEMM
-    /// ([`Gpu::set_l2_ahead`]).
-    l2_ahead: usize,
 }
 
 /// Bytes of cuBLAS workspace (NVIDIA's advice for Hopper).
@@ -373,7 +368,6 @@ impl Gpu {
                 sms,
                 fp8_mma: true,
                 prefill_warps: prefill::DEFAULT_WARPS,
-                l2_ahead: 0,
             })
         });
         opened.unwrap_or_else(|p| {

@@ -23,16 +23,14 @@ __device__ __forceinline__ float norm_factor(float ss, int K, float eps) {
 
 // x[row] += residual[row] (if residual is not null), then
 // out[row] = x[row] / sqrt(mean(x[row]^2) + eps) * w (into outb as bf16
-// instead where outb is not null), asking L2 for `ahead` first. One
-// block per row;
+// instead where outb is not null). One block per row;
 // where dim is a multiple of 4 and at most 16 x blockDim, each thread
 // keeps its 16-byte pieces of the row in registers between the two
 // passes (a decode step's one row is then a single round of loads).
 extern "C" __global__ void rmsnorm_residual(float* x, const float* residual, const float* w,
                                             float* out, __nv_bfloat16* outb, int dim,
-                                            float eps, L2Ahead ahead) {
+                                            float eps) {
     PDL_LAUNCH();
-    l2_ahead(ahead);
     __shared__ float red[32];
     float* xr = x + (size_t)blockIdx.x * dim;
     const float* rr = residual ? residual + (size_t)blockIdx.x * dim : nullptr;

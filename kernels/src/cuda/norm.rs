@@ -4,7 +4,6 @@
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use half::bf16;
 
-use super::ahead::L2Ahead;
 use super::cublas::room;
 use super::launch::cfg;
 use super::{GemmScratch, Gpu, cuda_err};
@@ -68,17 +67,16 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
         norm: &NormArgs<'_>,
     ) -> R {
-        self.rmsnorm_launch(x, NormOut::F32(out), norm, L2Ahead::default())
+        self.rmsnorm_launch(x, NormOut::F32(out), norm)
     }
 
     /// The norm's launch, into f32 or into bf16 (the caller checked that
-    /// `out` holds `rows x cols`), asking L2 for `ahead` first.
+    /// `out` holds `rows x cols`).
     pub(super) fn rmsnorm_launch(
         &self,
         x: &mut CudaSlice<f32>,
         out: NormOut<'_>,
         norm: &NormArgs<'_>,
-        ahead: L2Ahead,
     ) -> R {
         let NormArgs {
             residual,
@@ -101,7 +99,7 @@ impl Gpu {
             NormOut::Bf16(o) => b.arg(&null).arg(o),
         };
         let dim_i = dim as i32;
-        b.arg(&dim_i).arg(&eps).arg(&ahead);
+        b.arg(&dim_i).arg(&eps);
         let threads = norm_threads(dim, rows) as u32;
         // SAFETY: the kernel reads and writes `rows x dim` of each buffer.
         unsafe { b.launch(cfg((rows as u32, 1, 1), threads, 0)) }.map_err(cuda_err)?;
@@ -116,20 +114,8 @@ impl Gpu {
         scratch: &mut GemmScratch,
         norm: &NormArgs<'_>,
     ) -> R {
-        self.rmsnorm_bf16_ahead(x, scratch, norm, L2Ahead::default())
-    }
-
-    /// [`Self::rmsnorm_residual_bf16`], asking L2 for `ahead` (the next
-    /// GEMM's weight) first.
-    pub(super) fn rmsnorm_bf16_ahead(
-        &self,
-        x: &mut CudaSlice<f32>,
-        scratch: &mut GemmScratch,
-        norm: &NormArgs<'_>,
-        ahead: L2Ahead,
-    ) -> R {
         room(scratch, norm.rows * norm.cols)?;
         let out = NormOut::Bf16(&mut scratch.act);
-        self.rmsnorm_launch(x, out, norm, ahead)
+        self.rmsnorm_launch(x, out, norm)
     }
 }

@@ -38,8 +38,7 @@ impl Gpu {
         if let Some((w8, fp8)) = self.norm_e4m3(h, norm, w, scratch)? {
             return self.gemm_fp8_quantized(w8, outs, shape, fp8);
         }
-        let ahead = self.ahead_of(w, parts.first().copied().unwrap_or(0), norm.cols, norm.rows);
-        self.rmsnorm_bf16_ahead(h, scratch, norm, ahead)?;
+        self.rmsnorm_residual_bf16(h, scratch, norm)?;
         self.matmul_parts_bf16(w, outs, shape, scratch)
     }
 
@@ -59,7 +58,7 @@ impl Gpu {
             let shape = StackShape { m, parts: &[n], k };
             return self.gemm_fp8_quantized(w8, &mut [out], shape, fp8);
         }
-        self.rmsnorm_bf16_ahead(h, scratch, norm, self.ahead_of(w, n, k, m))?;
+        self.rmsnorm_residual_bf16(h, scratch, norm)?;
         self.matmul_bf16_out(w, out, super::GemmShape { m, n, k }, scratch)
     }
 

@@ -101,10 +101,6 @@ pub struct EngineConfig {
     /// On CUDA (sm_90 and up): bf16 products of 17-64 rows run the cluster
     /// GEMM instead of cuBLAS.
     pub cuda_cluster: bool,
-    /// On CUDA: bytes of each decode GEMM's weight (from its rows' starts)
-    /// the small kernel before it asks of L2, so the GEMM opens on L2 hits
-    /// (0: none).
-    pub cuda_l2_ahead: usize,
     /// On CUDA: warps a block of prefill attention takes (4 or 8); `None`
     /// picks by page format ([`default_prefill_warps`]).
     pub prefill_warps: Option<usize>,
@@ -141,7 +137,6 @@ impl Default for EngineConfig {
             tensor_prefill: true,
             cuda_skinny: true,
             cuda_cluster: false,
-            cuda_l2_ahead: 0,
             prefill_warps: None,
             cuda_bf16_mlp: true,
             cuda_bf16_mlp_decode: false,
@@ -308,7 +303,6 @@ impl Engine {
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,
                 cluster: config.cuda_cluster,
-                l2_ahead: config.cuda_l2_ahead,
                 prefill_warps: config
                     .prefill_warps
                     .unwrap_or_else(|| default_prefill_warps(config.kv_format)),

@@ -53,9 +53,6 @@ pub struct RunnerOptions {
     pub skinny: bool,
     /// On CUDA: bf16 products of 17-64 rows run the cluster GEMM.
     pub cluster: bool,
-    /// On CUDA: bytes of each decode GEMM's weight asked of L2 by the
-    /// small kernel before it (0: none).
-    pub l2_ahead: usize,
     /// On CUDA: warps a block of prefill attention (4 or 8).
     pub prefill_warps: usize,
     /// On CUDA: prefill steps run the MLP in bf16.

@@ -293,12 +293,6 @@ impl GpuModel {
         self.gpus().for_each(|g| g.set_cluster(on));
     }
 
-    /// Bytes of each decode GEMM's weight the small kernel before it asks
-    /// of L2 (0: none; set before graphs are captured).
-    pub fn set_l2_ahead(&mut self, bytes: usize) {
-        self.gpus().for_each(|g| g.set_l2_ahead(bytes));
-    }
-
     /// Warps a block of prefill attention takes (4 or 8).
     pub fn set_prefill_warps(&mut self, warps: usize) -> Result<(), kiln_kernels::KernelError> {
         self.gpus().try_for_each(|g| g.set_prefill_warps(warps))

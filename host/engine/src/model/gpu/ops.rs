@@ -11,9 +11,8 @@
 
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{
-    AttentionPlan, AttnOut, CudaSlice, CudaView, DecodeBatch, DeviceWeight, GemmScratch, GemmShape,
-    Gpu, L2Ahead, NextNorm, NormArgs, Normed, PagedKv, PagedQuery, RopeKv, SKINNY_MAX_M,
-    SKINNY_WINS_M, StackShape,
+    AttnOut, CudaSlice, CudaView, DecodeBatch, DeviceWeight, GemmScratch, GemmShape, Gpu, NextNorm,
+    NormArgs, Normed, PagedKv, PagedQuery, RopeKv, SKINNY_MAX_M, SKINNY_WINS_M, StackShape,
 };
 use kiln_kernels::ops::RopeStyle;
 
@@ -257,18 +256,12 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
         };
         // Rows the output projection reads as bf16 go straight into its
         // scratch (one conversion launch fewer a layer).
-        let wo = self.blocks.get(layer).map(|b| &b.wo);
-        let to_bf16 = !self.fold && wo.is_some_and(|w| g.takes_bf16_input(w, n, q_dim));
+        let to_bf16 = !self.fold
+            && self
+                .blocks
+                .get(layer)
+                .is_some_and(|b| g.takes_bf16_input(&b.wo, n, q_dim));
         self.attn_ready = to_bf16;
-        // The attention's last kernel asks L2 for the start of the output
-        // projection's weight when it writes that GEMM's input.
-        let plan = AttentionPlan {
-            ahead: match wo {
-                Some(w) if to_bf16 => g.ahead_of(w, c.hidden, q_dim, n),
-                _ => L2Ahead::default(),
-            },
-            ..Default::default()
-        };
         let len = to_bf16.then_some(n * q_dim);
         if s.tiles > 0 {
             if s.decodes > 0 {
@@ -277,7 +270,7 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                     max_len: s.decode_len,
                 };
                 let out = attn_out(&mut b.scratch, &mut b.attn, len)?;
-                g.paged_attention_to(pages, &query, batch, plan, &mut b.abuf, out)?;
+                g.paged_attention_to(pages, &query, batch, Default::default(), &mut b.abuf, out)?;
             }
             let tiles = ints(inputs, l.range(l.tiles, 2 * s.tiles));
             let out = attn_out(&mut b.scratch, &mut b.attn, len)?;
@@ -288,7 +281,7 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                 max_len: s.max_len,
             };
             let out = attn_out(&mut b.scratch, &mut b.attn, len)?;
-            g.paged_attention_to(pages, &query, batch, plan, &mut b.abuf, out)
+            g.paged_attention_to(pages, &query, batch, Default::default(), &mut b.abuf, out)
         }
     }
 
@@ -377,8 +370,13 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                 g.down_from_pairs(gu, w, &mut b.proj, shape, &mut b.scratch)?;
             }
             Input::Mlp if g.takes_bf16_input(w, n, k) => {
-                let shape = gemm(n, c.hidden, k);
-                g.down_from_halves((&b.gate, &b.up), w, &mut b.proj, shape, &mut b.scratch)?;
+                g.silu_mul_bf16(&b.gate, &b.up, &mut b.scratch, n * k)?;
+                let shape = StackShape {
+                    m: n,
+                    parts: &[c.hidden],
+                    k,
+                };
+                g.matmul_parts_bf16(w, &mut [&mut b.proj], shape, &mut b.scratch)?;
             }
             Input::Mlp => {
                 g.silu_mul(&mut b.gate, &b.up, n * k)?;
