@@ -87,6 +87,11 @@ pub(crate) struct EngineArgs {
     /// columns over a thread-block cluster, instead of cuBLAS.
     #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
     cuda_cluster: OnOff,
+    /// On CUDA, decode steps' attention rotates the stacked q/k/v rows and
+    /// writes the new keys and values into their pages itself, where a
+    /// separate launch did before it.
+    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
+    cuda_rope_in_attention: OnOff,
     /// On CUDA, warps a block of prefill attention takes: 4 (three blocks
     /// an SM) or 8 (one block, twice the query rows per key tile read)
     /// [default: 4 for bf16 pages, 8 for fp8 pages].
@@ -183,6 +188,7 @@ impl EngineArgs {
             tensor_prefill: self.tensor_prefill == OnOff::On,
             cuda_skinny: self.cuda_skinny == OnOff::On,
             cuda_cluster: self.cuda_cluster == OnOff::On,
+            cuda_rope_in_attention: self.cuda_rope_in_attention == OnOff::On,
             prefill_warps: self.prefill_warps,
             cuda_bf16_mlp: self.cuda_bf16_mlp == OnOff::On,
             cuda_bf16_mlp_decode: self.cuda_bf16_mlp_decode == OnOff::On,

@@ -24,6 +24,8 @@ mod fold;
 mod int4_one;
 #[path = "cuda_graphs/int4_rows.rs"]
 mod int4_rows;
+#[path = "cuda_graphs/rope_attention.rs"]
+mod rope_attention;
 
 const DIM: usize = 4096;
 const ROUNDS: usize = 6;
@@ -191,6 +193,13 @@ fn bf16_activations_equal_the_f32_results_rounded() {
 fn attention_writes_exactly_its_f32_rows_rounded_as_the_next_gemms_input() {
     let (gpu, seed) = device();
     attention_out::check(&gpu, seed);
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn attention_that_rotates_and_writes_the_step_s_keys_matches_the_launch_it_replaces() {
+    let (gpu, seed) = device();
+    rope_attention::check(&gpu, seed);
 }
 
 #[test]

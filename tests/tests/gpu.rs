@@ -143,7 +143,11 @@ fn three_sequences(fault: bool, graphs: bool) -> (Vec<(Vec<u32>, Finish)>, Engin
 /// As [`three_sequences`] with `count` sequences of as many tenants (the
 /// prompts repeat, numbered).
 fn sequences(count: usize, fault: bool, graphs: bool) -> (Vec<(Vec<u32>, Finish)>, Engine) {
-    let mut e = engine_with(device(), graphs);
+    sequences_in(engine_with(device(), graphs), count, fault)
+}
+
+/// As [`sequences`], on engine `e`.
+fn sequences_in(mut e: Engine, count: usize, fault: bool) -> (Vec<(Vec<u32>, Finish)>, Engine) {
     let params = GenerateParams {
         max_tokens: 8,
         temperature: 0.0,

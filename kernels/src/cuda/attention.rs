@@ -6,6 +6,7 @@ use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
 use super::kv::PagedKv;
 use super::kv::push_pages;
 use super::launch::cfg;
+use super::rope_attention::RopeIn;
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout};
@@ -329,7 +330,29 @@ impl Gpu {
         batch: DecodeBatch,
         plan: AttentionPlan,
         scratch: &mut AttentionBuffers,
+        out: AttnOut<'_>,
+    ) -> R {
+        // SAFETY: no rows to rotate: the kernels read only `query`.
+        unsafe { self.attention_launch(kv, query, batch, plan, scratch, out, RopeIn::default()) }
+    }
+
+    /// The decode attention launches; a flash launch rotates and writes
+    /// what `rope` points at first (see [`RopeIn`]).
+    ///
+    /// # Safety
+    /// A `rope` with rows must point at the step's stacked q/k/v rows,
+    /// positions, frequencies and slots as [`RopeIn`] says, each as long as
+    /// the batch needs, and `kv` must be the pages its slots name.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn attention_launch(
+        &self,
+        kv: &PagedKv,
+        query: &PagedQuery<'_>,
+        batch: DecodeBatch,
+        plan: AttentionPlan,
+        scratch: &mut AttentionBuffers,
         mut out: AttnOut<'_>,
+        rope: RopeIn,
     ) -> R {
         let PagedQuery {
             q,
@@ -446,6 +469,13 @@ impl Gpu {
             out.push(&mut b, &null);
         } else if kind == AttentionKind::Flash {
             b.arg(&null).arg(&null);
+        }
+        if kind == AttentionKind::Flash {
+            b.arg(&rope);
+        } else if rope.rotates() {
+            return Err(KernelError::Shape(
+                "only the flash kernel rotates and writes a step's keys itself".into(),
+            ));
         }
         let grid = (kv_heads as u32, seqs as u32, parts as u32);
         // SAFETY: shared memory as each kernel lays it out, sized above.

@@ -26,12 +26,66 @@
 // The scales of static fp8 pages (see attention_flash's smask).
 __device__ __align__(8) float kiln_unit_scales[2] = {1.0f, 1.0f};
 
+// A decode step's RoPE and KV write inside its attention (`rin`, see
+// RopeIn): the block's G query heads rotated into qrot (G x HD floats of
+// shared memory; then Hadamard-rotated on static fp8 pages, ks null, as
+// rope_kv_write rotates them), and the block whose partition ends the
+// sequence (`last`) writes the token's rotated key and its value into its
+// page slot. Each warp rotates through HD floats of `scratch` of its own.
+// The block's threads see the written vectors after the barrier at its
+// end, before any of them reads the pages.
+template <bool FP8, int G, int HD>
+__device__ void flash_rope(const RopeIn& rin, float* qrot, float* scratch, int s, int kvh,
+                           int kv_heads, int page_size, bool last, const void* kc, const void* vc,
+                           const float* ks, const float* vs) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float p = (float)rin.pos[s];
+    bool unit = FP8 && ks == nullptr;  // static fp8 pages
+    float* r = scratch + warp * HD;
+    float x[ROPE_HD_MAX / 32];
+    for (int g = warp; g < G; g += FLASH_WARPS) {
+        rope_warp_head(rin.q + (size_t)s * rin.q_ld + (size_t)(kvh * G + g) * HD, p,
+                       rin.inv_freq, HD, rin.interleaved, lane, r, x);
+        if (unit) hadamard_warp(x, HD, lane);
+#pragma unroll
+        for (int m = 0; m < HD / 32; m++) qrot[g * HD + lane + 32 * m] = x[m];
+    }
+    // The key's warp: one with no query head where there is one.
+    int slot = last ? rin.slots[s] : -1;  // the tag check clears it
+    if (warp == (G < FLASH_WARPS ? G : FLASH_WARPS - 1) && slot >= 0) {
+        size_t kv_at = (size_t)s * rin.kv_ld + (size_t)kvh * HD;
+        rope_warp_head(rin.k + kv_at, p, rin.inv_freq, HD, rin.interleaved, lane, r, x);
+        if (unit) hadamard_warp(x, HD, lane);
+        const float* vr = rin.v + kv_at;
+        float vx[ROPE_HD_MAX / 32];
+#pragma unroll
+        for (int m = 0; m < ROPE_HD_MAX / 32; m++) vx[m] = lane + 32 * m < HD ? vr[lane + 32 * m] : 0.0f;
+        size_t vec = kv_vec(slot / page_size, slot % page_size, kvh, kv_heads, page_size);
+        // The pages are this launch's to write (the kernel's pointers are
+        // const for the loop that only reads them).
+        void *kw = (void*)kc, *vw = (void*)vc;
+        float *ksw = (float*)ks, *vsw = (float*)vs;
+        if (!FP8) {
+            store_head<0>(x, kw, ksw, vec, HD, lane);
+            store_head<0>(vx, vw, vsw, vec, HD, lane);
+        } else if (!unit) {
+            store_head<1>(x, kw, ksw, vec, HD, lane);
+            store_head<1>(vx, vw, vsw, vec, HD, lane);
+        } else {
+            store_head<2>(x, kw, ksw, vec, HD, lane);
+            store_head<2>(vx, vw, vsw, vec, HD, lane);
+        }
+    }
+    __syncthreads();
+}
+
 template <bool FP8, int G, int HD>
 __device__ void attention_flash(const float* q, const void* kc, const void* vc, const float* ks,
                                 const float* vs, const int* tables, const int* table_off,
                                 const int* lens, float* part_out, float* part_ml, int n_heads,
                                 int kv_heads, int page_size, int parts, int part_len,
-                                float scale, float* out, __nv_bfloat16* out16) {
+                                float scale, float* out, __nv_bfloat16* out16,
+                                const RopeIn& rin) {
     constexpr int WARPS = FLASH_WARPS;
     constexpr int ELEM = FP8 ? 1 : 2;
     constexpr int NB = HD / 8;
@@ -53,9 +107,19 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     for (int i = threadIdx.x; i < npages; i += WARPS * 32) pg[i] = table[p0 + i];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int j = lane & 3, row = lane >> 2;
+    // With `rin`, the queries rotated here (into `red`, free until the
+    // warps' merge at the end), and the sequence's new key and value
+    // written.
+    const float* qs = q + ((size_t)s * n_heads + kvh * G) * HD;
+    if (rin.q != nullptr) {
+        float* qrot = red;
+        flash_rope<FP8, G, HD>(rin, qrot, red + G * HD, s, kvh, kv_heads, page_size,
+                               t1 > t0 && t1 == lens[s], kc, vc, ks, vs);
+        qs = qrot;
+    }
     // Q's fragments, the same for every warp: one warp makes them.
     if (warp == 0) {
-        Q qf(q + ((size_t)s * n_heads + kvh * G) * HD, row, j);
+        Q qf(qs, row, j);
         qf.store(qfs, lane);
         qf.store_scale(qscale, row, j);
     }
@@ -300,11 +364,11 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
         NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,  \
              const int* tables, const int* table_off, const int* lens, float* part_out,         \
              float* part_ml, int n_heads, int kv_heads, int hd, int page_size, int parts,       \
-             int part_len, float scale, float* out, __nv_bfloat16* out16) {                     \
+             int part_len, float scale, float* out, __nv_bfloat16* out16, RopeIn rin) {         \
         PDL_ENTER();                                                                            \
         attention_flash<FP8, G, HD>(q, kc, vc, ks, vs, tables, table_off, lens, part_out,       \
                                     part_ml, n_heads, kv_heads, page_size, parts, part_len,     \
-                                    scale, out, out16);                                         \
+                                    scale, out, out16, rin);                                    \
     }
 
 // attention_flash_{fmt}_g{G}_d{HD}: every format, group size (query heads

@@ -193,6 +193,54 @@ __device__ void rope_kv_write(const float* q, float* k, const float* v, int q_ld
     store_head<MODE>(vx, vc, vs, vec, hd, lane);
 }
 
+// A decode step's RoPE and KV write done by its attention instead of
+// rope_kv_write (attention_flash with a RopeIn, see rope_attention.rs):
+// the step's queries, keys and values, unrotated, token t's heads at
+// q + t * q_ld, k + t * kv_ld and v + t * kv_ld (separate rows, or one
+// stacked projection's); none where q is null.
+struct RopeIn {
+    const float* q;
+    const float* k;
+    const float* v;
+    const int* pos;
+    const float* inv_freq;
+    const int* slots;
+    int q_ld;
+    int kv_ld;
+    int interleaved;
+};
+
+// One head of src (hd elements, a multiple of 32 up to ROPE_HD_MAX)
+// rotated at position p by one warp, as rope_kv_write rotates it (the same
+// operations, so the same bits), through r (hd floats of shared memory
+// the warp owns): lane l's elements l + 32m land in x[m].
+__device__ __forceinline__ void rope_warp_head(const float* src, float p, const float* inv_freq,
+                                               int hd, int interleaved, int lane, float* r,
+                                               float (&x)[ROPE_HD_MAX / 32]) {
+    int half = hd / 2;
+#pragma unroll
+    for (int j = 0; j < ROPE_HD_MAX / 64; j++) {
+        int i = lane + 32 * j;
+        if (i < half) {
+            float s, c;
+            sincosf(p * inv_freq[i], &s, &c);
+            int a = interleaved ? 2 * i : i;
+            int b = interleaved ? 2 * i + 1 : i + half;
+            float o0, o1;
+            rotate_pair(src[a], src[b], s, c, &o0, &o1);
+            r[a] = o0;
+            r[b] = o1;
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < ROPE_HD_MAX / 32; m++) {
+        int e = lane + 32 * m;
+        x[m] = e < hd ? r[e] : 0.0f;
+    }
+    __syncwarp();
+}
+
 #define ROPE_KV_WRITE(NAME, MODE)                                                              \
     extern "C" __global__ void NAME(const float* q, float* k, const float* v, int q_ld,        \
                                     int kv_ld, float* q_out, const int* pos,                   \

@@ -18,12 +18,19 @@ const LAYOUT: KvLayout = KvLayout {
     head_dim: 128,
 };
 
-/// `pages` pages of random ordinary values in `format` (fp8 scales 0.01).
-fn pages(gpu: &Gpu, rng: &mut ChaCha8Rng, format: KvFormat, pages: usize) -> PagedKv {
+/// `pages` pages of `layout` holding random ordinary values in `format`
+/// (fp8 scales 0.01).
+pub(super) fn pages(
+    gpu: &Gpu,
+    rng: &mut ChaCha8Rng,
+    format: KvFormat,
+    layout: KvLayout,
+    pages: usize,
+) -> PagedKv {
     let s = gpu.stream().clone();
-    let mut kv = gpu.paged_kv(format, LAYOUT, pages).unwrap();
-    let vectors = pages * LAYOUT.page_size * LAYOUT.kv_heads;
-    let elems = vectors * LAYOUT.head_dim;
+    let mut kv = gpu.paged_kv(format, layout, pages).unwrap();
+    let vectors = pages * layout.page_size * layout.kv_heads;
+    let elems = vectors * layout.head_dim;
     let mut fill = || -> Vec<u8> {
         match format {
             KvFormat::Bf16 => (0..elems)
@@ -71,7 +78,7 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
     }
     let rows = |n: usize| n * HEADS * LAYOUT.head_dim;
     for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Fp8Static] {
-        let kv = pages(gpu, rng, format, total);
+        let kv = pages(gpu, rng, format, LAYOUT, total);
         let tables = gpu.upload(&tables).unwrap();
         // Decode: one query a sequence.
         let n = decode_lens.len();

@@ -3,16 +3,20 @@
 //! the bf16 MLP for the f32 one, the decode kernel for a mixed step's
 //! decode rows, the W8A8 GEMM on bf16 activations for the CPU's FP8
 //! rows, int4 products of a few rows in one launch for the fragment launch
-//! and the GEMV) give the engine's logits within rounding, or its tokens.
+//! and the GEMV, attention that rotates and writes the step's keys for
+//! the launch that did) give the engine's logits within rounding, or its
+//! tokens.
 
 use std::collections::HashMap;
 
-use kiln_host::engine::{Engine, EngineConfig, Event, GenerateParams, TenantId};
+use kiln_host::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, TenantId};
 use kiln_host::model::{WeightFormat, load_as};
 use kiln_kernels::Device;
 use kiln_tests::chat_ids;
 
-use super::{device, rel_diff, synthetic_bf16, synthetic_ids_n};
+use super::{
+    device, engine_config, rel_diff, sequences, sequences_in, synthetic_bf16, synthetic_ids_n,
+};
 
 /// Holds the teacher-forced logits of `tokens` synthetic ids from position
 /// `from`, on the synthetic bf16 model, under `other` to those under `base`
@@ -93,6 +97,36 @@ fn the_cluster_gemm_gives_the_logits_of_cublas() {
             1e-2,
         );
     }
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn attention_that_rotates_the_keys_itself_gives_the_same_tokens_and_aborts() {
+    // Eleven sequences decode stacked q/k/v rows (replayed, padded to 16);
+    // one alone decodes the folded GEMVs' separate rows. The attention
+    // writes what the launch it replaces writes, bit for bit, so the tokens
+    // are the same; and a corrupted mapping still aborts only its victim.
+    let roped = |graphs| {
+        engine_config(EngineConfig {
+            device: device(),
+            cuda_graphs: graphs,
+            cuda_rope_in_attention: true,
+            ..Default::default()
+        })
+    };
+    for (count, graphs) in [(11, true), (3, false), (1, true)] {
+        let (plain, _) = sequences(count, false, graphs);
+        let (got, e) = sequences_in(roped(graphs), count, false);
+        assert_eq!(got, plain, "{count} sequences, graphs {graphs}");
+        assert_eq!(e.free_pages(), e.total_pages());
+    }
+    let (clean, _) = sequences(3, false, true);
+    let (faulty, e) = sequences_in(roped(true), 3, true);
+    assert!(matches!(faulty[1].1, Finish::Aborted(_)), "{faulty:?}");
+    for i in [0, 2] {
+        assert_eq!(faulty[i], clean[i], "sequence {i}");
+    }
+    assert_eq!(e.stats().integrity_aborts, 1);
 }
 
 #[test]

@@ -101,6 +101,9 @@ pub struct EngineConfig {
     /// On CUDA (sm_90 and up): bf16 products of 17-64 rows run the cluster
     /// GEMM instead of cuBLAS.
     pub cuda_cluster: bool,
+    /// On CUDA: decode steps' attention rotates the stacked q/k/v rows and
+    /// writes the new keys and values itself (one launch a layer fewer).
+    pub cuda_rope_in_attention: bool,
     /// On CUDA: warps a block of prefill attention takes (4 or 8); `None`
     /// picks by page format ([`default_prefill_warps`]).
     pub prefill_warps: Option<usize>,
@@ -137,6 +140,7 @@ impl Default for EngineConfig {
             tensor_prefill: true,
             cuda_skinny: true,
             cuda_cluster: false,
+            cuda_rope_in_attention: false,
             prefill_warps: None,
             cuda_bf16_mlp: true,
             cuda_bf16_mlp_decode: false,
@@ -303,6 +307,7 @@ impl Engine {
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,
                 cluster: config.cuda_cluster,
+                rope_in_attention: config.cuda_rope_in_attention,
                 prefill_warps: config
                     .prefill_warps
                     .unwrap_or_else(|| default_prefill_warps(config.kv_format)),

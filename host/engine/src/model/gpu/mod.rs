@@ -107,6 +107,9 @@ pub struct GpuModel {
     /// Whether decode steps past the skinny GEMM's 16 rows run the bf16 MLP
     /// too.
     bf16_mlp_decode: bool,
+    /// Whether decode steps' attention rotates the stacked q/k/v rows and
+    /// writes the keys and values itself (one launch a layer fewer).
+    rope_in_attention: bool,
     /// Decode batches up to this size have their bf16 products tuned
     /// (`tune.rs`), with or without the bf16 MLP's product: weights a
     /// runner gives back keep their tuning.
@@ -234,6 +237,7 @@ impl GpuModel {
             fold: false,
             bf16_mlp: false,
             bf16_mlp_decode: false,
+            rope_in_attention: false,
             tuned: None,
             sum: None,
         };
@@ -273,6 +277,13 @@ impl GpuModel {
             });
         self.bf16_mlp = on && able;
         self.bf16_mlp_decode = self.bf16_mlp && decode;
+    }
+
+    /// Whether decode steps' attention rotates their stacked q/k/v rows
+    /// and writes the keys and values itself, where the flash kernel
+    /// attends (set before graphs are captured).
+    pub fn set_rope_in_attention(&mut self, on: bool) {
+        self.rope_in_attention = on;
     }
 
     /// Whether bf16 products of 2-16 rows run the skinny GEMM instead of

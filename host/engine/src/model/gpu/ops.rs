@@ -13,6 +13,7 @@ use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{
     AttnOut, CudaSlice, CudaView, DecodeBatch, DeviceWeight, GemmScratch, GemmShape, Gpu, NextNorm,
     NormArgs, Normed, PagedKv, PagedQuery, RopeKv, SKINNY_MAX_M, SKINNY_WINS_M, StackShape,
+    Unrotated,
 };
 use kiln_kernels::ops::RopeStyle;
 
@@ -126,6 +127,9 @@ pub(super) struct CudaStep<'a, 'w> {
     bf16_mlp: bool,
     /// Decode steps past the skinny GEMM's rows run the bf16 MLP too.
     bf16_mlp_decode: bool,
+    /// Decode steps' attention rotates the stacked q/k/v rows and writes
+    /// the keys and values itself (`GpuModel::set_rope_in_attention`).
+    rope_in_attention: bool,
     /// The bf16 MLP's gate/up product waits in `gu16` for the down
     /// projection, which makes its activation.
     mlp_ready: bool,
@@ -159,6 +163,7 @@ impl<'a> CudaStep<'a, '_> {
             fold: model.folds(s.n),
             bf16_mlp: model.bf16_mlp,
             bf16_mlp_decode: model.bf16_mlp_decode,
+            rope_in_attention: model.rope_in_attention,
             mlp_ready: false,
             blocks: &model.weights.blocks,
             attn_ready: false,
@@ -207,6 +212,10 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
         };
         let b = &mut self.b;
         let pages = &mut self.pages[layer];
+        // Whether the attention rotates and writes the step's q/k/v: the
+        // stacked rows, or the three buffers.
+        let mut roped = None;
+        let rotates = self.rope_in_attention && s.tiles == 0 && g.rotates_in_attention(pages);
         match self.pending {
             Pending::Folded => {
                 let (w, parts) = fold_stack(qkv, &[q_dim, kv_dim, kv_dim])?;
@@ -217,7 +226,11 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                     eps: c.eps,
                 };
                 g.gemv_normed(&input, w, outs, parts, c.hidden)?;
-                g.rope_kv_write(pages, &mut b.q, &mut b.k, &b.v, &at)?;
+                if rotates {
+                    roped = Some(false);
+                } else {
+                    g.rope_kv_write(pages, &mut b.q, &mut b.k, &b.v, &at)?;
+                }
             }
             Pending::Norm { w, residual } => {
                 let norm = norm_in(&mut b.h, &b.proj, w, residual, c, n);
@@ -227,7 +240,12 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                     // better with the stack's 6144 rows than with k's or
                     // v's 1024).
                     stack.apply_normed(g, norm, &mut b.qkv, &mut b.scratch)?;
-                    g.rope_kv_write_stacked(pages, &mut b.qkv, &mut b.q, &at)?;
+                    // A decode step's attention can rotate and write them.
+                    if rotates {
+                        roped = Some(true);
+                    } else {
+                        g.rope_kv_write_stacked(pages, &mut b.qkv, &mut b.q, &at)?;
+                    }
                 } else {
                     let outs = &mut [&mut b.q, &mut b.k, &mut b.v];
                     qkv.apply_normed(g, norm, &mut b.xn, outs, &mut b.scratch)?;
@@ -236,7 +254,11 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                         g.add_bias(&mut b.k, bk, n, kv_dim)?;
                         g.add_bias(&mut b.v, bv, n, kv_dim)?;
                     }
-                    g.rope_kv_write(pages, &mut b.q, &mut b.k, &b.v, &at)?;
+                    if rotates {
+                        roped = Some(false);
+                    } else {
+                        g.rope_kv_write(pages, &mut b.q, &mut b.k, &b.v, &at)?;
+                    }
                 }
             }
             Pending::Nothing => return Err(no_norm()),
@@ -281,6 +303,18 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                 max_len: s.max_len,
             };
             let out = attn_out(&mut b.scratch, &mut b.attn, len)?;
+            if let Some(stacked) = roped {
+                let rows = if stacked {
+                    Unrotated::Stacked(&b.qkv)
+                } else {
+                    Unrotated::Apart {
+                        q: &b.q,
+                        k: &b.k,
+                        v: &b.v,
+                    }
+                };
+                return g.paged_attention_roped(pages, rows, &at, &query, batch, &mut b.abuf, out);
+            }
             g.paged_attention_to(pages, &query, batch, Default::default(), &mut b.abuf, out)
         }
     }
