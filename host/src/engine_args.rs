@@ -87,9 +87,9 @@ pub(crate) struct EngineArgs {
     /// columns over a thread-block cluster, instead of cuBLAS.
     #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
     cuda_cluster: OnOff,
-    /// On CUDA, decode steps' attention rotates the stacked q/k/v rows and
-    /// writes the new keys and values into their pages itself, where a
-    /// separate launch did before it.
+    /// On CUDA, decode steps' attention rotates the q/k/v rows and writes
+    /// the new keys and values into their pages itself, where a separate
+    /// launch did before it.
     #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
     cuda_rope_in_attention: OnOff,
     /// On CUDA, warps a block of prefill attention takes: 4 (three blocks

@@ -70,3 +70,37 @@ mode_ab() {
     done
     exit "$same"
 }
+
+mode_rope_attention() {
+    # Attention that rotates the step's keys itself
+    # (`--cuda-rope-in-attention`): its kernel test, the engine's test
+    # where the default model is staged, then decode at CONC (default
+    # 1,64) sequences off and on, ROUNDS (default 2) times in turn, and
+    # the step's kernels in its graph at 64 sequences with it on and off
+    # (scripts/nsys_step.sh; NSYS=0 leaves it out). Carry .gpu, .gpu-bench.
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    device_env
+    unpack_kiln
+    KILN_TEST_DEVICE=cuda timeout 120 .gpu/cuda_graphs --include-ignored rotates 2>&1 |
+        grep -E "^test |test result|panicked" | tee "$out/rope-attention.log"
+    if staged_model; then
+        KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored rotates 2>&1 |
+            grep -E "^test |test result|panicked" | tee -a "$out/rope-attention.log"
+    fi
+    for _ in $(seq "${ROUNDS:-2}"); do
+        for flag in off on; do
+            echo "== --cuda-rope-in-attention $flag" | tee -a "$out/rope-attention.log"
+            timeout 150 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
+                --kv-memory 16GiB --concurrency "${CONC:-1,64}" --prompt-tokens 512 \
+                --gen-tokens 128 --cuda-rope-in-attention "$flag" 2>&1 | grep -v INFO |
+                tail -n +3 | tee -a "$out/rope-attention.log"
+        done
+    done
+    if [ "${NSYS:-1}" != 0 ]; then
+        for flag in on off; do
+            FLAGS="--cuda-rope-in-attention $flag" scripts/nsys_step.sh fp8 64 512 2>&1 |
+                tee -a "$out/rope-attention.log"
+        done
+    fi
+}

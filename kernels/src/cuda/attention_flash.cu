@@ -33,11 +33,19 @@ __device__ __align__(8) float kiln_unit_scales[2] = {1.0f, 1.0f};
 // sequence (`last`) writes the token's rotated key and its value into its
 // page slot. Each warp rotates through HD floats of `scratch` of its own.
 // The block's threads see the written vectors after the barrier at its
-// end, before any of them reads the pages.
+// end, before any of them reads the pages (the loop's page loads cannot
+// move above it: their addresses come from `pg`, read after it). It
+// writes only where the sequence has a token (lens[s] > 0) in the
+// launch's partitions, as the engine's tag check leaves every row whose
+// slot it keeps.
 template <bool FP8, int G, int HD>
 __device__ void flash_rope(const RopeIn& rin, float* qrot, float* scratch, int s, int kvh,
                            int kv_heads, int page_size, bool last, const void* kc, const void* vc,
                            const float* ks, const float* vs) {
+    // qrot, then the scratch of every warp up to the key's, inside `red`.
+    static_assert(G * HD + ((G < FLASH_WARPS ? G : FLASH_WARPS - 1) + 1) * HD <=
+                      FLASH_WARPS * (G * HD + 2 * G),
+                  "flash_rope's rows outgrow the block's red");
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float p = (float)rin.pos[s];
     bool unit = FP8 && ks == nullptr;  // static fp8 pages

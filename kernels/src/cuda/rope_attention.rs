@@ -56,6 +56,9 @@ pub(super) struct RopeIn {
 // SAFETY: a plain `repr(C)` struct of integers, as the kernels declare it.
 unsafe impl DeviceRepr for RopeIn {}
 
+// Six pointers and three ints, padded to 8 bytes: the CUDA struct's size.
+const _: () = assert!(std::mem::size_of::<RopeIn>() == 64);
+
 impl RopeIn {
     /// Whether the launch rotates and writes.
     pub(super) fn rotates(&self) -> bool {
@@ -78,8 +81,11 @@ impl Gpu {
     /// (none for a negative slot), then attends, as
     /// [`Self::rope_kv_write_stacked`] (or [`Self::rope_kv_write`]) then
     /// [`Self::paged_attention_to`] would, with one launch fewer.
-    /// `query.q` is not read. Fails where [`Self::rotates_in_attention`]
-    /// does not hold.
+    /// `query.q` is not read. Each row must be a different sequence's (a
+    /// prompt's rows would read keys that other blocks write), and a key
+    /// is written only for a row of at least one token within
+    /// `batch.max_len` (the tag check clears a row's length with its
+    /// slot). Fails where [`Self::rotates_in_attention`] does not hold.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_roped(
         &self,

@@ -1,8 +1,9 @@
-//! Decode attention that rotates the step's stacked q/k/v rows and writes
-//! the new keys and values itself: the same pages and the same output,
-//! bit for bit, as the fused RoPE + KV write launch and then attention,
-//! for every page format, both RoPE styles, groups of 4 and 2, one
-//! partition and several, and a sequence whose slot the tag check cleared.
+//! Decode attention that rotates the step's q/k/v rows (stacked or apart)
+//! and writes the new keys and values itself: the same pages and the same
+//! output, bit for bit, as the fused RoPE + KV write launch and then
+//! attention, for every page format, both RoPE styles, groups of 1, 2, 4
+//! and 8, one partition and several, an empty row, and a sequence whose
+//! slot the tag check cleared.
 
 use kiln_kernels::cuda::{
     AttnOut, CudaSlice, DecodeBatch, Gpu, PagedKv, PagedQuery, RopeKv, Unrotated,
@@ -24,13 +25,14 @@ enum How {
 }
 
 /// Query heads, KV heads, head size.
-const SHAPES: [(usize, usize, usize); 2] = [(8, 2, 128), (4, 2, 64)];
+const SHAPES: [(usize, usize, usize); 4] = [(8, 2, 128), (4, 2, 64), (2, 2, 64), (8, 1, 128)];
 
 /// Each sequence's length with its new token, in two batches: lengths
 /// that split into partitions (a short batch splits them to fill the GPU)
-/// and a merge, and lengths in one partition, which the kernel finishes
-/// itself.
-const BATCHES: [[usize; 4]; 2] = [[1, 40, 700, 1500], [1, 17, 33, 64]];
+/// and a merge, one a whole number of partitions; and lengths in one
+/// partition, which the kernel finishes itself, after an empty row (a
+/// padded one, or one the tag check cleared).
+const BATCHES: [&[usize]; 2] = [&[1, 40, 700, 1024, 1500], &[0, 1, 17, 33, 64]];
 
 /// The pages' bytes and scales, as bits.
 fn page_bits(gpu: &Gpu, kv: &PagedKv) -> (Vec<u8>, Vec<u8>, Vec<u32>, Vec<u32>) {
@@ -64,7 +66,7 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
 
 /// One batch of sequences of `lens_in` over every shape, format and
 /// style.
-fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: [usize; 4]) {
+fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: &[usize]) {
     let n = lens_in.len();
     let max_len = *lens_in.iter().max().unwrap();
     // Consecutive runs of the pool; each new token's slot in its last page.
@@ -80,7 +82,10 @@ fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: [usize; 4]) {
         .collect();
     let pos: Vec<i32> = lens_in.iter().map(|l| *l as i32 - 1).collect();
     let mut slots: Vec<i32> = (0..n)
-        .map(|s| (offs[s] + pos[s] / 16) * 16 + pos[s] % 16)
+        .map(|s| match pos[s] {
+            0.. => (offs[s] + pos[s] / 16) * 16 + pos[s] % 16,
+            _ => -1,
+        })
         .collect();
     // The tag check's cleared slot writes nothing (its pages stay).
     slots[1] = -1;

@@ -106,14 +106,16 @@ fn attention_that_rotates_the_keys_itself_gives_the_same_tokens_and_aborts() {
     // one alone decodes the folded GEMVs' separate rows. The attention
     // writes what the launch it replaces writes, bit for bit, so the tokens
     // are the same; and a corrupted mapping still aborts only its victim.
-    let roped = |graphs| {
+    let with = |graphs, tensor_prefill, rope| {
         engine_config(EngineConfig {
             device: device(),
             cuda_graphs: graphs,
-            cuda_rope_in_attention: true,
+            tensor_prefill,
+            cuda_rope_in_attention: rope,
             ..Default::default()
         })
     };
+    let roped = |graphs| with(graphs, true, true);
     for (count, graphs) in [(11, true), (3, false), (1, true)] {
         let (plain, _) = sequences(count, false, graphs);
         let (got, e) = sequences_in(roped(graphs), count, false);
@@ -127,6 +129,11 @@ fn attention_that_rotates_the_keys_itself_gives_the_same_tokens_and_aborts() {
         assert_eq!(faulty[i], clean[i], "sequence {i}");
     }
     assert_eq!(e.stats().integrity_aborts, 1);
+    // Prompts attended a query per token (`--tensor-prefill off`) keep the
+    // separate launch: each of a prompt's rows reads keys the others write.
+    let (plain, _) = sequences_in(with(false, false, false), 3, false);
+    let (got, _) = sequences_in(with(false, false, true), 3, false);
+    assert_eq!(got, plain, "prompts without tensor-core prefill");
 }
 
 #[test]

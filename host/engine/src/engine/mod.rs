@@ -101,8 +101,8 @@ pub struct EngineConfig {
     /// On CUDA (sm_90 and up): bf16 products of 17-64 rows run the cluster
     /// GEMM instead of cuBLAS.
     pub cuda_cluster: bool,
-    /// On CUDA: decode steps' attention rotates the stacked q/k/v rows and
-    /// writes the new keys and values itself (one launch a layer fewer).
+    /// On CUDA: decode steps' attention rotates the q/k/v rows and writes
+    /// the new keys and values itself (one launch a layer fewer).
     pub cuda_rope_in_attention: bool,
     /// On CUDA: warps a block of prefill attention takes (4 or 8); `None`
     /// picks by page format ([`default_prefill_warps`]).

@@ -53,8 +53,8 @@ pub struct RunnerOptions {
     pub skinny: bool,
     /// On CUDA: bf16 products of 17-64 rows run the cluster GEMM.
     pub cluster: bool,
-    /// On CUDA: decode steps' attention rotates the stacked q/k/v rows and
-    /// writes the keys and values itself.
+    /// On CUDA: decode steps' attention rotates the q/k/v rows and writes
+    /// the keys and values itself.
     pub rope_in_attention: bool,
     /// On CUDA: warps a block of prefill attention (4 or 8).
     pub prefill_warps: usize,

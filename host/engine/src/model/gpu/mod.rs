@@ -107,8 +107,8 @@ pub struct GpuModel {
     /// Whether decode steps past the skinny GEMM's 16 rows run the bf16 MLP
     /// too.
     bf16_mlp_decode: bool,
-    /// Whether decode steps' attention rotates the stacked q/k/v rows and
-    /// writes the keys and values itself (one launch a layer fewer).
+    /// Whether decode steps' attention rotates the q/k/v rows and writes
+    /// the keys and values itself (one launch a layer fewer).
     rope_in_attention: bool,
     /// Decode batches up to this size have their bf16 products tuned
     /// (`tune.rs`), with or without the bf16 MLP's product: weights a
@@ -279,9 +279,9 @@ impl GpuModel {
         self.bf16_mlp_decode = self.bf16_mlp && decode;
     }
 
-    /// Whether decode steps' attention rotates their stacked q/k/v rows
-    /// and writes the keys and values itself, where the flash kernel
-    /// attends (set before graphs are captured).
+    /// Whether decode steps' attention rotates their q/k/v rows and writes
+    /// the keys and values itself, where the flash kernel attends (set
+    /// before graphs are captured).
     pub fn set_rope_in_attention(&mut self, on: bool) {
         self.rope_in_attention = on;
     }

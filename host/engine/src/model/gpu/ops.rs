@@ -127,8 +127,8 @@ pub(super) struct CudaStep<'a, 'w> {
     bf16_mlp: bool,
     /// Decode steps past the skinny GEMM's rows run the bf16 MLP too.
     bf16_mlp_decode: bool,
-    /// Decode steps' attention rotates the stacked q/k/v rows and writes
-    /// the keys and values itself (`GpuModel::set_rope_in_attention`).
+    /// Decode steps' attention rotates the q/k/v rows and writes the keys
+    /// and values itself (`GpuModel::set_rope_in_attention`).
     rope_in_attention: bool,
     /// The bf16 MLP's gate/up product waits in `gu16` for the down
     /// projection, which makes its activation.
@@ -213,9 +213,11 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
         let b = &mut self.b;
         let pages = &mut self.pages[layer];
         // Whether the attention rotates and writes the step's q/k/v: the
-        // stacked rows, or the three buffers.
+        // stacked rows, or the three buffers. Only a token a sequence: a
+        // block writes its own token's key, which no other block reads.
         let mut roped = None;
-        let rotates = self.rope_in_attention && s.tiles == 0 && g.rotates_in_attention(pages);
+        let rotates =
+            self.rope_in_attention && s.tiles == 0 && n == s.seqs && g.rotates_in_attention(pages);
         match self.pending {
             Pending::Folded => {
                 let (w, parts) = fold_stack(qkv, &[q_dim, kv_dim, kv_dim])?;
