@@ -47,13 +47,14 @@ __device__ void flash_rope(const RopeIn& rin, float* qrot, float* scratch, int s
                       FLASH_WARPS * (G * HD + 2 * G),
                   "flash_rope's rows outgrow the block's red");
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float p = (float)rin.pos[s];
     bool unit = FP8 && ks == nullptr;  // static fp8 pages
     float* r = scratch + warp * HD;
-    float x[ROPE_HD_MAX / 32];
+    float sn[ROPE_HD_MAX / 64], cs[ROPE_HD_MAX / 64], x[ROPE_HD_MAX / 32];
+    head_angles((float)rin.pos[s], rin.inv_freq, HD, lane, sn, cs);
     for (int g = warp; g < G; g += FLASH_WARPS) {
-        rope_warp_head(rin.q + (size_t)s * rin.q_ld + (size_t)(kvh * G + g) * HD, p,
-                       rin.inv_freq, HD, rin.interleaved, lane, r, x);
+        rotate_head<false>(rin.q + (size_t)s * rin.q_ld + (size_t)(kvh * G + g) * HD, nullptr, sn,
+                           cs, HD, rin.interleaved, lane, r, x);
+        __syncwarp();  // r again below
         if (unit) hadamard_warp(x, HD, lane);
 #pragma unroll
         for (int m = 0; m < HD / 32; m++) qrot[g * HD + lane + 32 * m] = x[m];
@@ -62,26 +63,20 @@ __device__ void flash_rope(const RopeIn& rin, float* qrot, float* scratch, int s
     int slot = last ? rin.slots[s] : -1;  // the tag check clears it
     if (warp == (G < FLASH_WARPS ? G : FLASH_WARPS - 1) && slot >= 0) {
         size_t kv_at = (size_t)s * rin.kv_ld + (size_t)kvh * HD;
-        rope_warp_head(rin.k + kv_at, p, rin.inv_freq, HD, rin.interleaved, lane, r, x);
+        rotate_head<false>(rin.k + kv_at, nullptr, sn, cs, HD, rin.interleaved, lane, r, x);
         if (unit) hadamard_warp(x, HD, lane);
-        const float* vr = rin.v + kv_at;
-        float vx[ROPE_HD_MAX / 32];
-#pragma unroll
-        for (int m = 0; m < ROPE_HD_MAX / 32; m++) vx[m] = lane + 32 * m < HD ? vr[lane + 32 * m] : 0.0f;
         size_t vec = kv_vec(slot / page_size, slot % page_size, kvh, kv_heads, page_size);
         // The pages are this launch's to write (the kernel's pointers are
         // const for the loop that only reads them).
         void *kw = (void*)kc, *vw = (void*)vc;
         float *ksw = (float*)ks, *vsw = (float*)vs;
+        const float* vr = rin.v + kv_at;
         if (!FP8) {
-            store_head<0>(x, kw, ksw, vec, HD, lane);
-            store_head<0>(vx, vw, vsw, vec, HD, lane);
+            store_kv<0>(x, vr, kw, vw, ksw, vsw, vec, HD, lane);
         } else if (!unit) {
-            store_head<1>(x, kw, ksw, vec, HD, lane);
-            store_head<1>(vx, vw, vsw, vec, HD, lane);
+            store_kv<1>(x, vr, kw, vw, ksw, vsw, vec, HD, lane);
         } else {
-            store_head<2>(x, kw, ksw, vec, HD, lane);
-            store_head<2>(vx, vw, vsw, vec, HD, lane);
+            store_kv<2>(x, vr, kw, vw, ksw, vsw, vec, HD, lane);
         }
     }
     __syncthreads();

@@ -107,6 +107,69 @@ __device__ __forceinline__ void store_head(const float (&x)[ROPE_HD_MAX / 32], v
     }
 }
 
+// The angles of a head's pairs at position p, as every warp that rotates
+// a head takes them: lane l's pairs l + 32j.
+__device__ __forceinline__ void head_angles(float p, const float* inv_freq, int hd, int lane,
+                                            float (&s)[ROPE_HD_MAX / 64],
+                                            float (&c)[ROPE_HD_MAX / 64]) {
+#pragma unroll
+    for (int j = 0; j < ROPE_HD_MAX / 64; j++) {
+        int i = lane + 32 * j;
+        if (i < hd / 2) sincosf(p * inv_freq[i], &s[j], &c[j]);
+    }
+}
+
+// One head of src (hd elements, a multiple of 32 up to ROPE_HD_MAX)
+// rotated by one warp at head_angles' angles, also into dst where OUT,
+// through r (hd floats of shared memory the warp owns): lane l's elements
+// l + 32m land in x[m]. A warp that rotates again through r syncs first.
+template <bool OUT>
+__device__ __forceinline__ void rotate_head(const float* src, float* dst,
+                                            const float (&s)[ROPE_HD_MAX / 64],
+                                            const float (&c)[ROPE_HD_MAX / 64], int hd,
+                                            int interleaved, int lane, float* r,
+                                            float (&x)[ROPE_HD_MAX / 32]) {
+    int half = hd / 2;
+#pragma unroll
+    for (int j = 0; j < ROPE_HD_MAX / 64; j++) {
+        int i = lane + 32 * j;
+        if (i < half) {
+            int a = interleaved ? 2 * i : i;
+            int b = interleaved ? 2 * i + 1 : i + half;
+            float o0, o1;
+            rotate_pair(src[a], src[b], s[j], c[j], &o0, &o1);
+            if (OUT) {
+                dst[a] = o0;
+                dst[b] = o1;
+            }
+            r[a] = o0;
+            r[b] = o1;
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < ROPE_HD_MAX / 32; m++) {
+        int e = lane + 32 * m;
+        x[m] = e < hd ? r[e] : 0.0f;
+    }
+}
+
+// A token's rotated key (x, as rotate_head leaves it) and its value (vr,
+// hd floats) into their page slot `vec`, one warp.
+template <int MODE>
+__device__ __forceinline__ void store_kv(const float (&x)[ROPE_HD_MAX / 32], const float* vr,
+                                         void* kc, void* vc, float* ks, float* vs, size_t vec,
+                                         int hd, int lane) {
+    float vx[ROPE_HD_MAX / 32];
+#pragma unroll
+    for (int m = 0; m < ROPE_HD_MAX / 32; m++) {
+        int e = lane + 32 * m;
+        vx[m] = e < hd ? vr[e] : 0.0f;
+    }
+    store_head<MODE>(x, kc, ks, vec, hd, lane);
+    store_head<MODE>(vx, vc, vs, vec, hd, lane);
+}
+
 // rope over a step's queries and keys, then kv_write, in one launch (a
 // decode step's layer saves a launch and a pass over the keys). Grid:
 // tokens x ceil((heads + kv_heads) / ROPE_WARPS), ROPE_WARPS warps a
@@ -129,7 +192,7 @@ __device__ void rope_kv_write(const float* q, float* k, const float* v, int q_ld
                               int heads, int kv_heads, int hd, int page_size, int interleaved) {
     __shared__ float rot[ROPE_WARPS][ROPE_HD_MAX];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int t = blockIdx.x, y = blockIdx.y * ROPE_WARPS + warp, half = hd / 2;
+    int t = blockIdx.x, y = blockIdx.y * ROPE_WARPS + warp;
     // A warp past the last head leaves: nothing below syncs the block.
     if (y >= heads + kv_heads) return;
     bool is_q = y < heads;
@@ -138,40 +201,13 @@ __device__ void rope_kv_write(const float* q, float* k, const float* v, int q_ld
                             : k + (size_t)t * kv_ld + (size_t)kvh * hd;
     float* dst = is_q ? q_out + ((size_t)t * heads + y) * hd
                       : k + (size_t)t * kv_ld + (size_t)kvh * hd;
-    float* r = rot[warp];
     // The angles before the wait: positions are step inputs no kernel
-    // writes, the frequencies constants. Lane l rotates pairs l + 32j.
+    // writes, the frequencies constants.
     float s[ROPE_HD_MAX / 64], c[ROPE_HD_MAX / 64];
-    float p = (float)pos[t];
-#pragma unroll
-    for (int j = 0; j < ROPE_HD_MAX / 64; j++) {
-        int i = lane + 32 * j;
-        if (i < half) sincosf(p * inv_freq[i], &s[j], &c[j]);
-    }
+    head_angles((float)pos[t], inv_freq, hd, lane, s, c);
     PDL_WAIT();
-#pragma unroll
-    for (int j = 0; j < ROPE_HD_MAX / 64; j++) {
-        int i = lane + 32 * j;
-        if (i < half) {
-            int a = interleaved ? 2 * i : i;
-            int b = interleaved ? 2 * i + 1 : i + half;
-            float o0, o1;
-            rotate_pair(src[a], src[b], s[j], c[j], &o0, &o1);
-            if (MODE != 2) {
-                dst[a] = o0;
-                dst[b] = o1;
-            }
-            r[a] = o0;
-            r[b] = o1;
-        }
-    }
-    __syncwarp();
     float x[ROPE_HD_MAX / 32];
-#pragma unroll
-    for (int m = 0; m < ROPE_HD_MAX / 32; m++) {
-        int e = lane + 32 * m;
-        x[m] = e < hd ? r[e] : 0.0f;
-    }
+    rotate_head<MODE != 2>(src, dst, s, c, hd, interleaved, lane, rot[warp], x);
     if (MODE == 2) {
         hadamard_warp(x, hd, lane);
 #pragma unroll
@@ -182,15 +218,7 @@ __device__ void rope_kv_write(const float* q, float* k, const float* v, int q_ld
     int slot = slots[t];  // after the wait: the tag check clears it
     if (slot < 0) return;
     size_t vec = kv_vec(slot / page_size, slot % page_size, kvh, kv_heads, page_size);
-    const float* vr = v + (size_t)t * kv_ld + (size_t)kvh * hd;
-    float vx[ROPE_HD_MAX / 32];
-#pragma unroll
-    for (int m = 0; m < ROPE_HD_MAX / 32; m++) {
-        int e = lane + 32 * m;
-        vx[m] = e < hd ? vr[e] : 0.0f;
-    }
-    store_head<MODE>(x, kc, ks, vec, hd, lane);
-    store_head<MODE>(vx, vc, vs, vec, hd, lane);
+    store_kv<MODE>(x, v + (size_t)t * kv_ld + (size_t)kvh * hd, kc, vc, ks, vs, vec, hd, lane);
 }
 
 // A decode step's RoPE and KV write done by its attention instead of
@@ -209,37 +237,6 @@ struct RopeIn {
     int kv_ld;
     int interleaved;
 };
-
-// One head of src (hd elements, a multiple of 32 up to ROPE_HD_MAX)
-// rotated at position p by one warp, as rope_kv_write rotates it (the same
-// operations, so the same bits), through r (hd floats of shared memory
-// the warp owns): lane l's elements l + 32m land in x[m].
-__device__ __forceinline__ void rope_warp_head(const float* src, float p, const float* inv_freq,
-                                               int hd, int interleaved, int lane, float* r,
-                                               float (&x)[ROPE_HD_MAX / 32]) {
-    int half = hd / 2;
-#pragma unroll
-    for (int j = 0; j < ROPE_HD_MAX / 64; j++) {
-        int i = lane + 32 * j;
-        if (i < half) {
-            float s, c;
-            sincosf(p * inv_freq[i], &s, &c);
-            int a = interleaved ? 2 * i : i;
-            int b = interleaved ? 2 * i + 1 : i + half;
-            float o0, o1;
-            rotate_pair(src[a], src[b], s, c, &o0, &o1);
-            r[a] = o0;
-            r[b] = o1;
-        }
-    }
-    __syncwarp();
-#pragma unroll
-    for (int m = 0; m < ROPE_HD_MAX / 32; m++) {
-        int e = lane + 32 * m;
-        x[m] = e < hd ? r[e] : 0.0f;
-    }
-    __syncwarp();
-}
 
 #define ROPE_KV_WRITE(NAME, MODE)                                                              \
     extern "C" __global__ void NAME(const float* q, float* k, const float* v, int q_ld,        \
