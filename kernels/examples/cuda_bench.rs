@@ -2,7 +2,7 @@
 //! (the roofline's ceiling), the decode GEMV against cuBLAS, paged decode
 //! attention over bf16 and fp8 pages, and prefill attention (alone with the
 //! argument `prefill`; the FP8-row and int4 products alone with
-//! `quantized`). Run on a GPU machine after the parity
+//! `quantized`; decode attention alone with `attention`). Run on a GPU machine after the parity
 //! tests (`scripts/gpu.sh` does both); prints one table.
 #![allow(clippy::print_stdout, reason = "a benchmark prints its table")]
 
@@ -115,6 +115,18 @@ fn main() -> Result<(), E> {
         Some("quantized") => return quantized::quantized_gemv(&mut gpu, &mut rng, copy, false),
         Some("one-row") => return quantized::quantized_gemv(&mut gpu, &mut rng, copy, true),
         _ => {}
+    }
+    // `attention [BATCHxCTX]`: paged decode attention alone, at every
+    // shape of the table or at one.
+    if std::env::args().nth(1).as_deref() == Some("attention") {
+        if let Some(shape) = std::env::args().nth(2) {
+            let (b, c) = shape.split_once('x').ok_or("attention BATCHxCTX")?;
+            for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Fp8Static] {
+                attention(&gpu, &mut rng, copy, b.parse()?, c.parse()?, format)?;
+            }
+            return Ok(());
+        }
+        return attention_table(&gpu, &mut rng, copy);
     }
     // `gemm`: the bf16 products alone.
     let gemm_only = std::env::args().nth(1).as_deref() == Some("gemm");
@@ -229,14 +241,25 @@ fn main() -> Result<(), E> {
         tag_check(&gpu, seqs, 80)?;
     }
 
-    // Paged decode attention over one Llama-3-8B layer (32 query heads
-    // over 8 KV heads of 128): batch 64 x 4096 (bandwidth) and batch 1 x
-    // 1024 (latency), each plan checked against the first before timing.
-    // Then the decode matrix's c=128 and full fp8 batch (232 sequences) at
-    // its mean context.
-    for (batch, ctx) in [(64usize, 4096usize), (1, 1024), (128, 1152), (232, 1152)] {
+    attention_table(&gpu, &mut rng, copy)
+}
+
+/// Paged decode attention over one Llama-3-8B layer (32 query heads over 8
+/// KV heads of 128): batch 64 x 4096 (bandwidth) and batch 1 x 1024
+/// (latency), each plan checked against the first before timing. Then the
+/// decode step the 64-sequence bench times (prompts of 512 and 128
+/// generated: 640 tokens at most), and the decode matrix's c=128 and full
+/// fp8 batch (232 sequences) at its mean context.
+fn attention_table(gpu: &Gpu, rng: &mut rand::rngs::StdRng, copy: f64) -> Result<(), E> {
+    for (batch, ctx) in [
+        (64usize, 4096usize),
+        (1, 1024),
+        (64, 640),
+        (128, 1152),
+        (232, 1152),
+    ] {
         for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Fp8Static] {
-            attention(&gpu, &mut rng, copy, batch, ctx, format)?;
+            attention(gpu, rng, copy, batch, ctx, format)?;
         }
     }
     Ok(())
@@ -338,11 +361,11 @@ fn attention(
             let parts = match kind {
                 AttentionKind::Flash if batch == 1 => vec![64, 128, PARTITION],
                 // Longer partitions: fewer block merges per token.
-                // Else the sequence in 1 to 8 equal partitions (of at
-                // least 256 tokens: what the scratch holds).
+                // Else the sequence in 1 to 8 equal partitions (no more
+                // than those of 256 tokens: what the scratch holds).
                 AttentionKind::Flash => (1..=8)
                     .map(|p| ctx.div_ceil(p).next_multiple_of(16))
-                    .filter(|len| *len >= PARTITION)
+                    .filter(|len| ctx.div_ceil(*len) <= ctx.div_ceil(PARTITION))
                     .collect(),
                 AttentionKind::Shuffle => vec![PARTITION, small],
             };

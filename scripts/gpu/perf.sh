@@ -1,6 +1,7 @@
 # shellcheck shell=bash
 # scripts/gpu.sh's profiling modes (there): Nsight Compute over one
-# kernel, and a base build's benchmark beside this tree's.
+# kernel, a CUPTI trace of captured decode steps, and a base build's
+# benchmark beside this tree's.
 
 mode_profile() {
     # Nsight Compute on one kernel's first launch in `cuda_bench` (carry
@@ -77,7 +78,7 @@ mode_rope_attention() {
     # where the default model is staged, then decode at CONC (default
     # 1,64) sequences off and on, ROUNDS (default 2) times in turn, and
     # the step's kernels in its graph at 64 sequences with it on and off
-    # (scripts/nsys_step.sh; NSYS=0 leaves it out). Carry .gpu, .gpu-bench.
+    # (scripts/step_trace.sh; TRACE=0 leaves it out). Carry .gpu, .gpu-bench.
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     device_env
@@ -97,10 +98,22 @@ mode_rope_attention() {
                 tail -n +3 | tee -a "$out/rope-attention.log"
         done
     done
-    if [ "${NSYS:-1}" != 0 ]; then
+    if [ "${TRACE:-1}" != 0 ]; then
         for flag in on off; do
-            FLAGS="--cuda-rope-in-attention $flag" scripts/nsys_step.sh fp8 64 512 2>&1 |
+            FLAGS="--cuda-rope-in-attention $flag" scripts/step_trace.sh fp8 64 512 2>&1 |
                 tee -a "$out/rope-attention.log"
         done
     fi
+}
+
+mode_trace() {
+    # Where a captured decode step's time goes, graphs on (CUPTI kernel
+    # trace; scripts/step_trace.sh): `scripts/gpu.sh trace [KV [CONC
+    # [PROMPT]]]`, bench flags in FLAGS. Carry .gpu-bench.
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    device_env
+    unpack_kiln
+    shift
+    scripts/step_trace.sh "$@" 2>&1 | tee -a "$out/trace.log"
 }

@@ -1,16 +1,29 @@
-"""Where a captured decode step's time goes: reads the CUDA GPU trace of
-Nsight Systems (`nsys stats --report cuda_gpu_trace --format csv`, graphs
-traced by node) of a `kiln bench` run, takes its last decode-only steps of
-the most rows (a step runs from its embedding gather through its argmax,
-whose grids match), and prints per kernel name the mean time a step, its
-share of the step's wall time that no earlier kernel of the step covers
-(programmatic launches overlap neighbours), and the step's idle gaps.
+"""Where a captured decode step's time goes: reads the kernel trace of a
+`kiln bench` run (scripts/step_trace.c's CSV, or Nsight Systems'
+`cuda_gpu_trace` report: start, duration, grid width and name of every
+kernel, graph nodes included), takes its last decode-only steps of the
+most rows (a step runs from its embedding gather through its argmax,
+whose grids match), and prints per kernel and grid width (one kernel
+serves products of several shapes) the mean time a step, its share of the
+step's wall time that no earlier kernel of the step covers (programmatic
+launches overlap neighbours), and the step's idle gaps.
 
-Usage: python3 nsys_step.py TRACE.csv [STEPS]   (STEPS: last N, default 8)
+Usage: python3 step_trace.py TRACE.csv [STEPS]   (STEPS: last N, default 8)
 """
 import collections
 import csv
+import shutil
+import subprocess
 import sys
+
+
+def demangled(names):
+    """C++ names readable where c++filt is installed, else as they are."""
+    if not shutil.which("c++filt"):
+        return {n: n for n in names}
+    names = sorted(names)
+    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout
+    return dict(zip(names, out.splitlines())) if out.count("\n") >= len(names) - 1 else {n: n for n in names}
 
 
 def col(head, *names):
@@ -30,8 +43,9 @@ ks = []
 for r in body:
     if len(r) <= max(s_i, d_i, g_i, n_i) or not r[g_i].strip():
         continue  # copies and memsets have no grid
-    name = r[n_i].split("(")[0].split("<")[0].strip()
-    ks.append((int(r[s_i]), int(r[d_i]), int(r[g_i]), name))
+    ks.append((int(r[s_i]), int(r[d_i]), int(r[g_i]), ",".join(r[n_i:])))
+readable = demangled({k[3] for k in ks})
+ks = [(s, d, g, readable[n].removeprefix("void ").split("(")[0].split("<")[0].strip()) for s, d, g, n in ks]
 ks.sort()
 starts = [i for i, k in enumerate(ks) if k[3].startswith("embed_")] + [len(ks)]
 steps = [ks[a:b] for a, b in zip(starts, starts[1:])]
@@ -60,7 +74,8 @@ count = collections.Counter()
 spans, gaps = [], []
 for s in chosen:
     reach, gap = s[0][0], 0
-    for start, dur, _, name in s:
+    for start, dur, grid, name in s:
+        name = f"{name} [{grid}]"
         end = start + dur
         busy[name] += dur
         count[name] += 1
@@ -72,9 +87,9 @@ for s in chosen:
 n = len(chosen)
 span = sum(spans) / n / 1e3
 print(f"decode steps of {best} rows: last {n} of {len(steps)} traced; step {span:.1f} us")
-print(f"{'kernel':<44} {'a step':>6} {'us':>8} {'exposed us':>10} {'share':>6}")
+print(f"{'kernel [grid width]':<52} {'a step':>6} {'us':>8} {'exposed us':>10} {'share':>6}")
 for name in sorted(busy, key=lambda k: -exposed[k]):
     e = exposed[name] / n / 1e3
-    print(f"{name[:44]:<44} {count[name] / n:>6.1f} {busy[name] / n / 1e3:>8.1f} {e:>10.1f} {e / span:>6.1%}")
+    print(f"{name[-52:]:<52} {count[name] / n:>6.1f} {busy[name] / n / 1e3:>8.1f} {e:>10.1f} {e / span:>6.1%}")
 g = sum(gaps) / n / 1e3
-print(f"{'(idle between kernels)':<44} {'':>6} {'':>8} {g:>10.1f} {g / span:>6.1%}")
+print(f"{'(idle between kernels)':<52} {'':>6} {'':>8} {g:>10.1f} {g / span:>6.1%}")
