@@ -14,7 +14,8 @@ pub(crate) struct EngineArgs {
     /// `bf16`, `fp8` (e4m3 rows, a scale per output channel) or `int4`
     /// (groups of 128, f16 scale and offset), converted at load; or one for
     /// each phase, as in `prefill=fp8,decode=int4` (two copies: a step's
-    /// one-token rows run on decode's).
+    /// one-token rows run on decode's); `,head=FORMAT` converts the output
+    /// head too (`int4,head=int4`; else it stays as stored).
     #[arg(long, default_value = "native")]
     pub(crate) weights: kiln_host::model::WeightPlan,
     /// KV page format.

@@ -5,7 +5,7 @@
 //! the CPU they would only compare the CPU with itself.
 
 use kiln_host::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, TenantId};
-use kiln_host::model::{WeightFormat, load_as};
+use kiln_host::model::{WeightFormat, WeightPlan, load_as};
 use kiln_kernels::Device;
 use kiln_tests::{chat_ids, default_model};
 
@@ -437,9 +437,16 @@ fn folded_norms_give_the_logits_of_the_separate_launches_and_replay_exactly() {
     // kernels ran; int4's products round their sums at up to 2.3e-5 each,
     // kernels' int4_one.rs, over 30 layers); greedy decode replayed from
     // graphs gives what eager launches give. On the CPU both engines are
-    // the same.
+    // the same. An int4 head (`int4,head=int4`) runs in the fold's normed
+    // int4 GEMV, and apart in the int4 product after the norm.
     let name = "synthetic:smollm2-135m";
-    for (format, bound) in [(WeightFormat::Bf16, 1e-4), (WeightFormat::Int4, 5e-4)] {
+    let int4_head: WeightPlan = "int4,head=int4".parse().unwrap();
+    for (format, bound) in [
+        (WeightFormat::Bf16.into(), 1e-4),
+        (WeightFormat::Int4.into(), 5e-4),
+        (int4_head, 5e-4),
+    ] {
+        let format: WeightPlan = format;
         let loaded = std::sync::Arc::new(load_as(name, name, format).expect(name));
         let (_, base) = synthetic_bf16();
         let config = |device| EngineConfig {

@@ -95,13 +95,20 @@ fn to_int4(w: &Weight) -> Option<Weight> {
 
 /// The weights each phase runs with (`--weights`): one format for both, or
 /// `prefill=F,decode=F` (two copies of the projections, each phase on its
-/// own: FP8 tensor cores for prefill's math, int4 for decode's bytes).
+/// own: FP8 tensor cores for prefill's math, int4 for decode's bytes); and
+/// `head=F` for the output head.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WeightPlan {
     /// Weights of prefill chunks (and of the model's single copy).
     pub prefill: WeightFormat,
     /// Weights of decode rows (one new token).
     pub decode: WeightFormat,
+    /// The output head of the copy decode runs on. `Native` keeps it as
+    /// stored: checkpoints quantized to int4 keep their head in 16 bits,
+    /// and so does `--weights int4`, though at one sequence that head is a
+    /// quarter of the bytes an int4 step reads. Another format gives the
+    /// head a copy of its own (a tied embedding stays the gather's table).
+    pub head: WeightFormat,
 }
 
 impl WeightPlan {
@@ -116,8 +123,23 @@ impl From<WeightFormat> for WeightPlan {
         Self {
             prefill: format,
             decode: format,
+            head: WeightFormat::Native,
         }
     }
+}
+
+/// Gives `model` an output head of its own in `format` (a tied embedding
+/// stays the embedding gather's table); false where `format` is `Native`
+/// or the head's rows cannot take it.
+pub fn convert_head(model: &mut Model, format: WeightFormat) -> bool {
+    let head = model.weights.head();
+    let new = match format {
+        WeightFormat::Native => None,
+        WeightFormat::Bf16 => rows_as(head, DType::BF16),
+        WeightFormat::Fp8 => rows_as(head, DType::Fp8Row),
+        WeightFormat::Int4 => to_int4(head),
+    };
+    new.map(|w| model.weights.output = Some(w)).is_some()
 }
 
 impl WeightFormat {
@@ -137,27 +159,41 @@ impl WeightFormat {
 impl std::str::FromStr for WeightPlan {
     type Err = String;
 
-    /// `FORMAT`, or `prefill=FORMAT,decode=FORMAT` (either order).
+    /// `FORMAT`, or `prefill=FORMAT,decode=FORMAT` (either order), then
+    /// optionally `,head=FORMAT`.
     fn from_str(s: &str) -> Result<Self, String> {
-        if !s.contains('=') {
-            return WeightFormat::parse(s.trim()).map(Self::from);
-        }
-        let (mut prefill, mut decode) = (None, None);
-        for part in s.split(',') {
-            let (phase, format) = part.split_once('=').ok_or_else(|| {
-                format!("`{part}` is not PHASE=FORMAT (as in prefill=fp8,decode=int4)")
-            })?;
-            let slot = match phase.trim() {
+        let (mut both, mut prefill, mut decode, mut head) = (None, None, None, None);
+        for part in s.split(',').map(str::trim) {
+            let Some((key, format)) = part.split_once('=') else {
+                if both.replace(WeightFormat::parse(part)?).is_some() {
+                    return Err(format!("`{s}` names two formats for the projections"));
+                }
+                continue;
+            };
+            let slot = match key.trim() {
                 "prefill" => &mut prefill,
                 "decode" => &mut decode,
-                other => return Err(format!("unknown phase `{other}` (prefill or decode)")),
+                "head" => &mut head,
+                other => {
+                    return Err(format!(
+                        "unknown part `{other}` (prefill, decode or head, as in \
+                         prefill=fp8,decode=int4,head=int4)"
+                    ));
+                }
             };
             if slot.replace(WeightFormat::parse(format.trim())?).is_some() {
-                return Err(format!("`{}` given twice", phase.trim()));
+                return Err(format!("`{}` given twice", key.trim()));
             }
         }
-        match (prefill, decode) {
-            (Some(prefill), Some(decode)) => Ok(Self { prefill, decode }),
+        let head = head.unwrap_or_default();
+        match (both, prefill, decode) {
+            (Some(f), None, None) => Ok(Self { head, ..f.into() }),
+            (None, Some(prefill), Some(decode)) => Ok(Self {
+                prefill,
+                decode,
+                head,
+            }),
+            (Some(_), _, _) => Err("one format, or one for each phase, not both".into()),
             _ => Err("name both phases, as in prefill=fp8,decode=int4".into()),
         }
     }
@@ -202,11 +238,25 @@ mod tests {
         assert_eq!(split.prefill, WeightFormat::Fp8);
         assert_eq!(split.decode, WeightFormat::Int4);
         assert!(split.is_split());
+        let head: WeightPlan = "int4, head=int4".parse().unwrap();
+        assert_eq!(
+            (head.decode, head.head),
+            (WeightFormat::Int4, WeightFormat::Int4)
+        );
+        assert!(!head.is_split());
+        let split_head: WeightPlan = "prefill=fp8,decode=int4,head=fp8".parse().unwrap();
+        assert_eq!(split_head.head, WeightFormat::Fp8);
+        assert_eq!(split_head.decode, WeightFormat::Int4);
         for bad in [
             "int3",
             "prefill=fp8",
             "prefill=fp8,prefill=int4",
             "warm=fp8,decode=int4",
+            "head=int4",
+            "int4,fp8",
+            "int4,decode=int4",
+            "int4,head=int3",
+            "int4,head=int4,head=fp8",
         ] {
             let e = bad.parse::<WeightPlan>().unwrap_err();
             assert!(!e.is_empty(), "{bad}");

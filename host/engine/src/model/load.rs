@@ -8,7 +8,7 @@ use kiln_kernels::ops::{Llama3Scaling, Rope, RopeStyle};
 use kiln_kernels::quant::DType;
 
 use super::arch::{self, Block, Decoder};
-use super::convert::{WeightFormat, WeightPlan, convert};
+use super::convert::{WeightFormat, WeightPlan, convert, convert_head};
 use super::cpu::{Host, Model};
 use super::gguf::Gguf;
 use super::int4::{self, Packed, QuantConfig};
@@ -42,11 +42,15 @@ pub fn load_as(
     let decode = if plan.is_split() {
         let mut decode = model.duplicate()?;
         convert_logged(name, &mut decode, plan.decode, "decode");
+        head_logged(name, &mut decode, plan.head);
         Some(decode)
     } else {
         None
     };
     convert_logged(name, &mut model, plan.prefill, "prefill");
+    if !plan.is_split() {
+        head_logged(name, &mut model, plan.head);
+    }
     Ok(Loaded {
         name: name.to_owned(),
         model,
@@ -76,6 +80,19 @@ fn convert_logged(name: &str, model: &mut Model, format: WeightFormat, phase: &s
             phase,
             "{done} projections as {format:?} ({kept} kept as stored)"
         );
+    }
+}
+
+fn head_logged(name: &str, model: &mut Model, format: WeightFormat) {
+    if format != WeightFormat::Native {
+        if convert_head(model, format) {
+            tracing::info!(model = name, "output head as {format:?}");
+        } else {
+            tracing::warn!(
+                model = name,
+                "output head kept as stored: its rows cannot be {format:?}"
+            );
+        }
     }
 }
 
