@@ -369,13 +369,22 @@ fn attention(
                     .collect(),
                 AttentionKind::Shuffle => vec![PARTITION, small],
             };
+            // Over fp8 pages, the flash kernel's builds of three and four
+            // blocks an SM.
+            let builds: &[Option<bool>] = match kind {
+                AttentionKind::Flash if format != KvFormat::Bf16 => &[Some(false), Some(true)],
+                _ => &[None],
+            };
             for part in parts {
-                let plan = AttentionPlan {
-                    part_len: Some(part),
-                    kind: Some(kind),
-                };
-                if !plans.contains(&plan) {
-                    plans.push(plan);
+                for &four_an_sm in builds {
+                    let plan = AttentionPlan {
+                        part_len: Some(part),
+                        kind: Some(kind),
+                        four_an_sm,
+                    };
+                    if !plans.contains(&plan) {
+                        plans.push(plan);
+                    }
                 }
             }
         }
@@ -383,6 +392,7 @@ fn attention(
         plans.push(AttentionPlan {
             part_len: None,
             kind: Some(AttentionKind::Flash),
+            four_an_sm: None,
         });
         let mut first: Option<Vec<f32>> = None;
         let query = PagedQuery {
@@ -417,10 +427,15 @@ fn attention(
             let bytes = (batch * ctx * 8 * 2 * format.vector_bytes(128)) as f64;
             let bw = bytes / t / 1e9;
             println!(
-                "paged attention {format:?} batch {batch} x ctx {ctx}, {} tokens a part, {}: \
+                "paged attention {format:?} batch {batch} x ctx {ctx}, {} tokens a part, {}{}: \
                  {:.4} ms, {bw:.0} GB/s, {:.0}% of copy (rel err {err:.1e})",
                 plan.part_len.map_or("auto".into(), |p| p.to_string()),
                 plan.kind.map(|k| format!("{k:?}")).unwrap_or_default(),
+                match plan.four_an_sm {
+                    Some(true) => ", four an SM",
+                    Some(false) => ", three an SM",
+                    None => "",
+                },
                 t * 1e3,
                 100.0 * bw / copy
             );

@@ -75,6 +75,9 @@ pub enum AttentionKernel {
     Best,
     /// CUDA: one pass per warp on tensor cores.
     Flash,
+    /// CUDA: the same, its build held to four blocks an SM where it has
+    /// one (fp8 pages, heads of 128).
+    FlashFourAnSm,
     /// CUDA: the same, each sequence in one partition (the kernel
     /// normalizes its output; no merge).
     FlashUnsplit,

@@ -20,6 +20,11 @@ pub struct AttentionPlan {
     pub part_len: Option<usize>,
     /// The kernel; `None`: the best the device and shape allow.
     pub kind: Option<AttentionKind>,
+    /// Over fp8 pages with heads of 128, the flash kernel's build held to
+    /// four blocks an SM (where the other runs three: each block slower,
+    /// as it spills); `None`: where the launch's blocks overflow one wave
+    /// of three an SM and fit one of four. Other launches ignore it.
+    pub four_an_sm: Option<bool>,
 }
 
 /// The decode attention kernels.
@@ -145,17 +150,39 @@ pub(crate) fn attention_kernels() -> Vec<String> {
         .collect()
 }
 
+/// Whether a launch of `blocks` flash blocks runs the build of four an SM,
+/// where the device holds `three` blocks of the usual build at once and
+/// `four` of that one: where it overflows one wave of the first and fits
+/// one of the second. (H100, fp8, 64 sequences of 640 tokens in one
+/// partition, 512 blocks: 45.3 us on three an SM, 40.5 on four; 128
+/// sequences, 1024 blocks, either way several waves: 72.5 against 75.8.)
+fn one_wave_of_four(blocks: usize, three: usize, four: usize) -> bool {
+    blocks > three && blocks <= four
+}
+
 /// Every flash attention kernel with its group and head size.
 fn flash_kernels() -> Vec<(String, usize, usize)> {
     let mut kernels = Vec::new();
     for fmt in ["bf16", "fp8"] {
         for g in 1..=8 {
             for d in [64, 128] {
-                kernels.push((format!("attention_flash_{fmt}_g{g}_d{d}"), g, d));
+                let name = format!("attention_flash_{fmt}_g{g}_d{d}");
+                if let Some(four) = four_an_sm(&name) {
+                    kernels.push((four, g, d));
+                }
+                kernels.push((name, g, d));
             }
         }
     }
     kernels
+}
+
+/// The build of flash kernel `name` held to four blocks an SM, where there
+/// is one (fp8 pages, heads of 128: the others run four already or take
+/// too many registers to).
+fn four_an_sm(name: &str) -> Option<String> {
+    (name.starts_with("attention_flash_fp8_") && name.ends_with("_d128"))
+        .then(|| format!("{name}_r4"))
 }
 
 /// Blocks of each flash kernel the device runs at once (blocks per SM, as
@@ -336,6 +363,19 @@ impl Gpu {
         unsafe { self.attention_launch(kv, query, batch, plan, scratch, out, RopeIn::default()) }
     }
 
+    /// Which build of flash kernel `name` a launch of `blocks` blocks runs
+    /// (see [`AttentionPlan::four_an_sm`]).
+    fn flash_build(&self, name: String, plan: AttentionPlan, blocks: usize) -> String {
+        let Some(four) = four_an_sm(&name) else {
+            return name;
+        };
+        let resident = |n: &str| self.flash_resident.get(n).copied().unwrap_or(0);
+        let take = plan
+            .four_an_sm
+            .unwrap_or_else(|| one_wave_of_four(blocks, resident(&name), resident(&four)));
+        if take { four } else { name }
+    }
+
     /// The decode attention launches; a flash launch rotates and writes
     /// what `rope` points at first (see [`RopeIn`]).
     ///
@@ -434,7 +474,7 @@ impl Gpu {
         }
         let (name, threads, shared) = match kind {
             AttentionKind::Flash => (
-                flash_name,
+                self.flash_build(flash_name, plan, kv_heads * seqs * parts),
                 FLASH_THREADS,
                 flash_shared(group, head_dim, page_size, part_len),
             ),
@@ -530,6 +570,29 @@ mod tests {
                     assert!(seqs * 8 * max_len.div_ceil(2 * p) < TARGET_BLOCKS);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn fp8_blocks_run_four_an_sm_only_where_that_makes_one_wave() {
+        // 132 SMs: 396 blocks of three an SM, 528 of four.
+        let (three, four) = (396, 528);
+        // 64 sequences x 8 KV heads, one partition each.
+        assert!(one_wave_of_four(512, three, four));
+        assert!(one_wave_of_four(397, three, four));
+        assert!(one_wave_of_four(528, three, four));
+        // One wave already, or several either way.
+        for blocks in [1, 264, 396, 529, 1024, 2048] {
+            assert!(!one_wave_of_four(blocks, three, four), "{blocks}");
+        }
+        // A device where the build still ran three an SM gains nothing.
+        assert!(!one_wave_of_four(512, three, three));
+        assert_eq!(
+            four_an_sm("attention_flash_fp8_g4_d128").as_deref(),
+            Some("attention_flash_fp8_g4_d128_r4")
+        );
+        for none in ["attention_flash_fp8_g4_d64", "attention_flash_bf16_g4_d128"] {
+            assert_eq!(four_an_sm(none), None);
         }
     }
 

@@ -362,8 +362,9 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     }
 }
 
-#define ATTENTION_FLASH(NAME, FP8, G, HD)                                                      \
-    extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32, FP8 ? 3 : 1)                \
+// MINB: blocks an SM the build is held to (the registers it may take).
+#define ATTENTION_FLASH_AT(NAME, FP8, G, HD, MINB)                                             \
+    extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32, MINB)                       \
         NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,  \
              const int* tables, const int* table_off, const int* lens, float* part_out,         \
              float* part_ml, int n_heads, int kv_heads, int hd, int page_size, int parts,       \
@@ -373,6 +374,7 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
                                     part_ml, n_heads, kv_heads, page_size, parts, part_len,     \
                                     scale, out, out16, rin);                                    \
     }
+#define ATTENTION_FLASH(NAME, FP8, G, HD) ATTENTION_FLASH_AT(NAME, FP8, G, HD, FP8 ? 3 : 1)
 
 // attention_flash_{fmt}_g{G}_d{HD}: every format, group size (query heads
 // per KV head) and head size.
@@ -408,3 +410,18 @@ ATTENTION_FLASH(attention_flash_fp8_g5_d128, true, 5, 128)
 ATTENTION_FLASH(attention_flash_fp8_g6_d128, true, 6, 128)
 ATTENTION_FLASH(attention_flash_fp8_g7_d128, true, 7, 128)
 ATTENTION_FLASH(attention_flash_fp8_g8_d128, true, 8, 128)
+
+// attention_flash_fp8_g{G}_d128_r4: the fp8 d128 kernels held to 128
+// registers, four blocks an SM where the builds above run three (168
+// registers; these spill ~170 bytes, so each block runs slower): for a
+// launch whose blocks overflow one wave of three an SM but fit one of four
+// (64 sequences of 8 KV heads in one partition: 512 blocks on 132 SMs).
+// The same operations, so the same bits.
+ATTENTION_FLASH_AT(attention_flash_fp8_g1_d128_r4, true, 1, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g2_d128_r4, true, 2, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g3_d128_r4, true, 3, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g4_d128_r4, true, 4, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g5_d128_r4, true, 5, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g6_d128_r4, true, 6, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g7_d128_r4, true, 7, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_r4, true, 8, 128, 4)

@@ -149,10 +149,15 @@ impl Backend for Gpu {
                 .then(|| max_len.next_multiple_of(16).clamp(16, FLASH_MAX_PARTITION)),
             kind: match c.kernel {
                 AttentionKernel::Best => None,
-                AttentionKernel::Flash | AttentionKernel::FlashUnsplit => {
-                    Some(AttentionKind::Flash)
-                }
+                AttentionKernel::Flash
+                | AttentionKernel::FlashFourAnSm
+                | AttentionKernel::FlashUnsplit => Some(AttentionKind::Flash),
                 AttentionKernel::Shuffle => Some(AttentionKind::Shuffle),
+            },
+            four_an_sm: match c.kernel {
+                AttentionKernel::Flash => Some(false),
+                AttentionKernel::FlashFourAnSm => Some(true),
+                _ => None,
             },
         };
         let batch = DecodeBatch { seqs, max_len };

@@ -111,6 +111,7 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
             let plan = AttentionPlan {
                 part_len: Some(len),
                 kind: Some(kind),
+                ..Default::default()
             };
             let mut f = gpu.upload(&vec![f32::NAN; rows(n)]).unwrap();
             let mut h = gpu.upload(&vec![bf16::NAN; rows(n)]).unwrap();

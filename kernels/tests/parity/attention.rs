@@ -98,6 +98,11 @@ pub(super) fn attention_case(
     (case, keys, vals)
 }
 
+/// Each value's bits.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 #[test]
 fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
     let (be, mut r) = (backend(), rng());
@@ -112,14 +117,26 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
         let (mut case, keys, vals) = attention_case(&mut r, format, &lens, shape);
         let want = attention_reference(&case, &keys, &vals);
         let mut first: Option<Vec<f64>> = None;
+        let mut flash: Option<Vec<f32>> = None;
         for kernel in [
             AttentionKernel::Best,
             AttentionKernel::Flash,
+            AttentionKernel::FlashFourAnSm,
             AttentionKernel::FlashUnsplit,
             AttentionKernel::Shuffle,
         ] {
             case.kernel = kernel;
             let out = be.paged_attention(&case).unwrap();
+            // The build of four blocks an SM runs the same operations.
+            match kernel {
+                AttentionKernel::Flash => flash = Some(out.clone()),
+                AttentionKernel::FlashFourAnSm => assert!(
+                    flash.as_ref().is_some_and(|f| bits(f) == bits(&out)),
+                    "{} {format:?} {shape:?}: four blocks an SM changed the output",
+                    be.name()
+                ),
+                _ => {}
+            }
             let e = rel_err(&out, &want);
             let what = format!("{} {format:?} {kernel:?} {shape:?}", be.name());
             assert!(e < tol, "{what}: rel err {e}");
