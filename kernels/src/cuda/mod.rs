@@ -8,6 +8,7 @@
 
 mod act;
 mod attention;
+mod attention_plan;
 mod backend;
 mod bf16_lt;
 mod cluster;
@@ -56,9 +57,9 @@ use sha2::{Digest, Sha256};
 use crate::KernelError;
 
 pub use attention::{
-    AttentionBuffers, AttentionKind, AttentionPlan, AttnOut, DecodeBatch, FLASH_MAX_PARTITION,
-    FLASH_PARTITION, PARTITION, PagedQuery, partition_len,
+    AttentionBuffers, AttentionKind, AttentionPlan, AttnOut, DecodeBatch, PagedQuery,
 };
+pub use attention_plan::{FLASH_MAX_PARTITION, FLASH_PARTITION, PARTITION, partition_len};
 pub use bf16_lt::{Bf16Out, Bf16Tuning, TUNE_KEEP_BELOW, TuneBf16};
 pub use cluster::{CLUSTER_MAX_M, CLUSTER_MIN_M, ClusterMma};
 pub use comm::NcclRank;
@@ -299,7 +300,7 @@ impl Gpu {
             let module = ctx.load_module(compile(&arch)?).map_err(cuda_err)?;
             let mut functions = HashMap::new();
             let names = KERNELS.iter().map(|k| k.to_string());
-            for name in names.chain(attention::attention_kernels()) {
+            for name in names.chain(attention_plan::attention_kernels()) {
                 let f = module.load_function(&name).map_err(cuda_err)?;
                 functions.insert(name, f);
             }

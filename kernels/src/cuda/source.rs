@@ -167,7 +167,7 @@ pub(super) const KERNELS: &[&str] = &[
 
 #[cfg(test)]
 mod tests {
-    use super::super::attention;
+    use super::super::attention_plan;
     use super::{KERNELS, SOURCE};
 
     #[test]
@@ -175,7 +175,7 @@ mod tests {
         let loaded: Vec<String> = KERNELS
             .iter()
             .map(|k| k.to_string())
-            .chain(attention::attention_kernels())
+            .chain(attention_plan::attention_kernels())
             .collect();
         let mut named = 0;
         for def in SOURCE.split("extern \"C\" __global__").skip(1) {
