@@ -145,7 +145,8 @@ mode_int4() {
     # quantized`; QUANTIZED=0 leaves it out), then int4 decode at CONC
     # sequences (default 1,8) by the base build (`baseline` here) and this
     # tree's in turn, and this tree's again with the flags in ALSO (e.g.
-    # ALSO="--cuda-int4-rows off") where set; BASE=0
+    # ALSO="--cuda-int4-rows off", or ALSO="--weights int4,head=int4" for
+    # an int4 output head) where set; BASE=0
     # leaves out the base build, DECODE=0 every decode run (carry .gpu,
     # .gpu-bench/kiln.xz, .gpu-bench/kiln-base.xz). Fails if a test fails.
     prepare
@@ -180,8 +181,10 @@ mode_int4() {
         for run in "${runs[@]}"; do
             echo "== round $round: $run" | tee -a "$out/ab.log"
             read -ra flags <<<"$run"
+            # int4 weights, unless the run names its own.
+            [[ " ${flags[*]} " == *" --weights "* ]] || flags+=(--weights int4)
             timeout 300 "${flags[0]}" bench "${flags[@]:1}" --model synthetic:llama-3-8b --device cuda \
-                --weights int4 --kv fp8 --kv-memory 16GiB --concurrency "${CONC:-1,8}" \
+                --kv fp8 --kv-memory 16GiB --concurrency "${CONC:-1,8}" \
                 --prompt-tokens 512 --gen-tokens 128 2>&1 | grep -v INFO | tee -a "$out/ab.log"
             [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
         done
