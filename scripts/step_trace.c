@@ -8,6 +8,7 @@
  * Built there by scripts/step_trace.sh; KREC names the kernel record
  * type of the installed CUPTI. */
 #include <cupti.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -18,6 +19,9 @@
 #define BUFFER_BYTES (16u << 20)
 
 static FILE *out;
+/* CUPTI completes buffers on a thread of its own, which may still be at it
+ * while the process exits. */
+static pthread_mutex_t out_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void CUPTIAPI requested(uint8_t **buffer, size_t *size, size_t *max_records) {
     *buffer = aligned_alloc(8, BUFFER_BYTES);
@@ -31,6 +35,7 @@ static void CUPTIAPI completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, 
     (void)ctx;
     (void)stream;
     (void)size;
+    pthread_mutex_lock(&out_lock);
     while (out && cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
         if (rec->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL ||
             rec->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
@@ -40,15 +45,19 @@ static void CUPTIAPI completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, 
                     k->name ? k->name : "?");
         }
     }
+    pthread_mutex_unlock(&out_lock);
     free(buffer);
 }
 
 static void finish(void) {
+    cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
     cuptiActivityFlushAll(1);
+    pthread_mutex_lock(&out_lock);
     if (out) {
         fclose(out);
         out = NULL;
     }
+    pthread_mutex_unlock(&out_lock);
 }
 
 /* Called by the driver at cuInit. */

@@ -100,7 +100,7 @@ mode_rope_attention() {
     done
     if [ "${TRACE:-1}" != 0 ]; then
         for flag in on off; do
-            FLAGS="--cuda-rope-in-attention $flag" scripts/step_trace.sh fp8 64 512 2>&1 |
+            TAG="rope-$flag" FLAGS="--cuda-rope-in-attention $flag" scripts/step_trace.sh fp8 64 512 2>&1 |
                 tee -a "$out/rope-attention.log"
         done
     fi
@@ -127,7 +127,8 @@ mode_four_an_sm() {
     # trace. Carry .gpu, .gpu-bench. Fails if parity fails.
     prepare
     set +e
-    KILN_TEST_DEVICE=cuda timeout 150 .gpu/parity 2>&1 | tee "$out/parity.log" | grep -E "test result|panicked"
+    KILN_TEST_DEVICE=cuda timeout 150 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" |
+        grep -E "test result|panicked"
     failed="${PIPESTATUS[0]}"
     timeout 150 .gpu/cuda_bench attention 64x640 2>&1 | grep -E "Fp8 .*Flash" | tee "$out/attention.log"
     for round in $(seq "${ROUNDS:-2}"); do

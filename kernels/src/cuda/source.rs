@@ -33,7 +33,7 @@ pub const SOURCE: &str = concat!(
 );
 
 /// Every kernel the source defines by name, file by file (the flash
-/// attention kernels are listed by [`attention::attention_kernels`]).
+/// attention kernels are listed by [`super::attention_plan::attention_kernels`]).
 pub(super) const KERNELS: &[&str] = &[
     // norm.cu, act.cu, embed.cu
     "rmsnorm_residual",

@@ -1,6 +1,6 @@
 //! Weight formats chosen at load (`--weights`): every projection (q, k,
-//! v, o, gate, up, down; not the embedding or the output head) converted
-//! to bf16, FP8 rows or int4 groups.
+//! v, o, gate, up, down; not the embedding) converted to bf16, FP8 rows or
+//! int4 groups, and the output head where the plan names a format for it.
 
 use kiln_kernels::matmul::Weight;
 use kiln_kernels::quant::{DType, quantize_rows};
@@ -108,6 +108,8 @@ pub struct WeightPlan {
     /// and so does `--weights int4`, though at one sequence that head is a
     /// quarter of the bytes an int4 step reads. Another format gives the
     /// head a copy of its own (a tied embedding stays the gather's table).
+    /// On CUDA a one-token step folds its norms only where the head is
+    /// bf16 or int4 tiles: an fp8 head runs every launch apart.
     pub head: WeightFormat,
 }
 
@@ -194,6 +196,9 @@ impl std::str::FromStr for WeightPlan {
                 head,
             }),
             (Some(_), _, _) => Err("one format, or one for each phase, not both".into()),
+            (None, None, None) => {
+                Err("name the projections' format before the head's, as in int4,head=int4".into())
+            }
             _ => Err("name both phases, as in prefill=fp8,decode=int4".into()),
         }
     }
