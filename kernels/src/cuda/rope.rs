@@ -34,6 +34,16 @@ pub struct RopeKv<'a> {
     pub interleaved: bool,
 }
 
+impl RopeKv<'_> {
+    /// Whether its slots and positions cover its tokens and its
+    /// frequencies a head of `head_dim`.
+    pub(super) fn covers(&self, head_dim: usize) -> bool {
+        self.slots.len() >= self.tokens
+            && self.pos.len() >= self.tokens
+            && self.inv_freq.len() >= head_dim / 2
+    }
+}
+
 /// Where and how [`Gpu::rope`] and [`Gpu::rope_qk`] rotate a step's tokens.
 #[derive(Clone, Copy)]
 pub struct RopeArgs<'a> {
@@ -178,7 +188,7 @@ impl Gpu {
             heads,
             interleaved,
         } = *at;
-        if slots.len() < tokens || pos.len() < tokens || inv_freq.len() < head_dim / 2 {
+        if !at.covers(head_dim) {
             return Err(KernelError::Shape(format!(
                 "rope and KV write over {tokens} tokens: slots, positions or frequencies too short"
             )));

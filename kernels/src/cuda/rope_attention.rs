@@ -127,13 +127,7 @@ impl Gpu {
                     && v.len() >= tokens * kv_dim,
             ),
         };
-        if tokens != batch.seqs
-            || heads != query.heads
-            || !fits
-            || slots.len() < tokens
-            || pos.len() < tokens
-            || inv_freq.len() < head_dim / 2
-        {
+        if tokens != batch.seqs || heads != query.heads || !fits || !at.covers(head_dim) {
             return Err(KernelError::Shape(format!(
                 "attention that rotates {tokens} tokens of {heads} + 2 x {kv_heads} heads of \
                  {head_dim} for {} sequences: rows, slots, positions or frequencies too short",
