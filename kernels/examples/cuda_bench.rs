@@ -11,8 +11,8 @@ use std::time::Instant;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use kiln_kernels::cuda::{
-    AttentionKind, AttentionPlan, ClusterMma, DecodeBatch, GemmShape, Gpu, PARTITION, PagedQuery,
-    StackShape, TagLayout, partition_len,
+    AttentionKind, AttentionPlan, ClusterMma, DecodeBatch, FlashBuild, GemmShape, Gpu, PARTITION,
+    PagedQuery, StackShape, TagLayout, partition_len,
 };
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use rand::{Rng, SeedableRng};
@@ -369,18 +369,22 @@ fn attention(
                     .collect(),
                 AttentionKind::Shuffle => vec![PARTITION, small],
             };
-            // Over fp8 pages, the flash kernel's builds of three and four
-            // blocks an SM.
-            let builds: &[Option<bool>] = match kind {
-                AttentionKind::Flash if format != KvFormat::Bf16 => &[Some(false), Some(true)],
+            // Over fp8 pages, every build of the flash kernel.
+            let builds: &[Option<FlashBuild>] = match kind {
+                AttentionKind::Flash if format != KvFormat::Bf16 => &[
+                    Some(FlashBuild::Plain),
+                    Some(FlashBuild::FourAnSm),
+                    Some(FlashBuild::Ring(2)),
+                    Some(FlashBuild::Ring(3)),
+                ],
                 _ => &[None],
             };
             for part in parts {
-                for &four_an_sm in builds {
+                for &build in builds {
                     let plan = AttentionPlan {
                         part_len: Some(part),
                         kind: Some(kind),
-                        four_an_sm,
+                        build,
                     };
                     if !plans.contains(&plan) {
                         plans.push(plan);
@@ -392,7 +396,7 @@ fn attention(
         plans.push(AttentionPlan {
             part_len: None,
             kind: Some(AttentionKind::Flash),
-            four_an_sm: None,
+            build: None,
         });
         let mut first: Option<Vec<f32>> = None;
         let query = PagedQuery {
@@ -431,10 +435,11 @@ fn attention(
                  {:.4} ms, {bw:.0} GB/s, {:.0}% of copy (rel err {err:.1e})",
                 plan.part_len.map_or("auto".into(), |p| p.to_string()),
                 plan.kind.map(|k| format!("{k:?}")).unwrap_or_default(),
-                match plan.four_an_sm {
-                    Some(true) => ", four an SM",
-                    Some(false) => ", three an SM",
-                    None => "",
+                match plan.build {
+                    Some(FlashBuild::Plain) => ", three an SM".to_string(),
+                    Some(FlashBuild::FourAnSm) => ", four an SM".to_string(),
+                    Some(FlashBuild::Ring(n)) => format!(", ring of {n}"),
+                    None => String::new(),
                 },
                 t * 1e3,
                 100.0 * bw / copy

@@ -78,6 +78,10 @@ pub enum AttentionKernel {
     /// CUDA: the same, its build held to four blocks an SM where it has
     /// one (fp8 pages, heads of 128).
     FlashFourAnSm,
+    /// CUDA: the same, its build that loads through a ring of this many
+    /// chunks per warp in shared memory where it has one (fp8 pages, heads
+    /// of 128; rings of 2 and 3).
+    FlashRing(usize),
     /// CUDA: the same, each sequence in one partition (the kernel
     /// normalizes its output; no merge).
     FlashUnsplit,

@@ -4,8 +4,8 @@
 use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
 
 use super::attention_plan::{
-    FLASH_MAX_PARTITION, PARTITION, attention_rows, flash_kernels, four_an_sm, one_wave_of_four,
-    partition_len, split_len,
+    FLASH_MAX_PARTITION, FLASH_THREADS, FlashBuild, PARTITION, attention_rows, build_name,
+    flash_kernels, flash_shared, one_wave_of_four, partition_len, split_len,
 };
 use super::kv::PagedKv;
 use super::kv::push_pages;
@@ -24,11 +24,12 @@ pub struct AttentionPlan {
     pub part_len: Option<usize>,
     /// The kernel; `None`: the best the device and shape allow.
     pub kind: Option<AttentionKind>,
-    /// Over fp8 pages with heads of 128, the flash kernel's build held to
-    /// four blocks an SM (where the other runs three: each block slower,
-    /// as it spills); `None`: where the launch's blocks overflow one wave
-    /// of three an SM and fit one of four. Other launches ignore it.
-    pub four_an_sm: Option<bool>,
+    /// The flash kernel's build, where the kernel has it (else the plain
+    /// one); `None`: over fp8 pages with heads of 128, the build of four
+    /// blocks an SM where the launch's blocks overflow one wave of three
+    /// an SM and fit one of four, else the plain one. Other launches
+    /// ignore it.
+    pub build: Option<FlashBuild>,
 }
 
 /// The decode attention kernels.
@@ -122,33 +123,30 @@ const ATT_THREADS: usize = 128;
 /// Slots of its cp.async ring per thread (`ATT_STAGES`).
 const ATT_STAGES: usize = 4;
 
-/// Threads of a flash attention block (`FLASH_WARPS` warps).
-const FLASH_THREADS: usize = 128;
-
 /// Blocks of each flash kernel the device runs at once (blocks per SM, as
 /// the driver computes it for the kernel's registers and the shared memory
 /// of its longest partitions, times `sms`): what [`partition_len`] fills
-/// whole waves of.
+/// whole waves of. Lets the builds with a ring take their shared memory
+/// (above the 48 KiB default) first; one the device cannot give it is left
+/// out (a launch of it then fails with the driver's error).
 pub(super) fn flash_resident(
     function: impl Fn(&str) -> R<cudarc::driver::CudaFunction>,
     sms: usize,
 ) -> R<std::collections::HashMap<String, usize>> {
-    flash_kernels()
-        .into_iter()
-        .map(|(name, group, hd)| {
-            let shared = flash_shared(group, hd, 16, FLASH_MAX_PARTITION);
-            let per_sm = function(&name)?
-                .occupancy_max_active_blocks_per_multiprocessor(FLASH_THREADS as u32, shared, None)
-                .map_err(cuda_err)?;
-            Ok((name, per_sm.max(1) as usize * sms))
-        })
-        .collect()
-}
-
-/// Shared memory of a flash launch, as attention_flash.cu lays it out.
-fn flash_shared(group: usize, hd: usize, page_size: usize, part: usize) -> usize {
-    let red = (FLASH_THREADS / 32) * (group * hd + 2 * group);
-    hd * 32 + red * 4 + (part.div_ceil(page_size) + 1) * 4
+    use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SHARED;
+    let mut resident = std::collections::HashMap::new();
+    for k in flash_kernels() {
+        let shared = flash_shared(k.ring, k.group, k.hd, 16, FLASH_MAX_PARTITION);
+        let f = function(&k.name)?;
+        if shared > 48 << 10 && f.set_attribute(MAX_SHARED, shared as i32).is_err() {
+            continue;
+        }
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(FLASH_THREADS as u32, shared, None)
+            .map_err(cuda_err)?;
+        resident.insert(k.name, per_sm.max(1) as usize * sms);
+    }
+    Ok(resident)
 }
 
 /// Shared memory of a shuffle launch, as attention.cu lays it out: the
@@ -234,17 +232,26 @@ impl Gpu {
         unsafe { self.attention_launch(kv, query, batch, plan, scratch, out, RopeIn::default()) }
     }
 
-    /// Which build of flash kernel `name` a launch of `blocks` blocks runs
-    /// (see [`AttentionPlan::four_an_sm`]).
-    fn flash_build(&self, name: String, plan: AttentionPlan, blocks: usize) -> String {
-        let Some(four) = four_an_sm(&name) else {
-            return name;
-        };
-        let resident = |n: &str| self.flash_resident.get(n).copied().unwrap_or(0);
-        let take = plan
-            .four_an_sm
-            .unwrap_or_else(|| one_wave_of_four(blocks, resident(&name), resident(&four)));
-        if take { four } else { name }
+    /// Which build of flash kernel `name` a launch of `blocks` blocks runs,
+    /// and its ring (see [`AttentionPlan::build`]).
+    fn flash_build(&self, name: String, plan: AttentionPlan, blocks: usize) -> (String, usize) {
+        let build = plan.build.unwrap_or_else(|| {
+            let resident = |n: Option<String>| {
+                n.and_then(|n| self.flash_resident.get(&n).copied())
+                    .unwrap_or(0)
+            };
+            let four = resident(build_name(&name, FlashBuild::FourAnSm));
+            if one_wave_of_four(blocks, resident(Some(name.clone())), four) {
+                FlashBuild::FourAnSm
+            } else {
+                FlashBuild::Plain
+            }
+        });
+        match (build_name(&name, build), build) {
+            (Some(n), FlashBuild::Ring(r)) => (n, r),
+            (Some(n), _) => (n, 0),
+            (None, _) => (name, 0),
+        }
     }
 
     /// The decode attention launches; a flash launch rotates and writes
@@ -344,11 +351,11 @@ impl Gpu {
             )));
         }
         let (name, threads, shared) = match kind {
-            AttentionKind::Flash => (
-                self.flash_build(flash_name, plan, kv_heads * seqs * parts),
-                FLASH_THREADS,
-                flash_shared(group, head_dim, page_size, part_len),
-            ),
+            AttentionKind::Flash => {
+                let (name, ring) = self.flash_build(flash_name, plan, kv_heads * seqs * parts);
+                let shared = flash_shared(ring, group, head_dim, page_size, part_len);
+                (name, FLASH_THREADS, shared)
+            }
             AttentionKind::Shuffle => (
                 format!("attention_part_{fmt}_g{group}"),
                 ATT_THREADS,

@@ -9,7 +9,11 @@
 // sum, output) at the end. With `out` (the launch has one partition) the
 // block writes the normalized output itself and no merge runs after it.
 //
-// K and V of the warp's next chunk are loaded while this one is summed.
+// K and V of the warp's next chunk are loaded while this one is summed:
+// into registers, or (RING > 0, fp8 pages) by cp.async into a ring of RING
+// chunks per warp in shared memory, RING - 1 of them in flight while one is
+// summed. Each lane copies exactly the bytes it reads back, so the ring
+// needs no barrier between the warp's lanes.
 //
 // fp8 weights: a token's weight on its raw e4m3 V is p * vscale; the warp
 // keeps them relative to the largest V scale it has seen (cref), so the f16
@@ -19,12 +23,37 @@
 // Shared memory (flash_shared on the host must agree): Q's fragments
 // (HD / 16 x 32 lanes x 16 bytes; with e4m3 scores HD / 32 x 32 x 16 and
 // 8 head factors, less), red (WARPS x (G x HD + 2 G)), pg (part_len /
-// page_size + 1 pages). page_size: a power of two, at least 16.
+// page_size + 1 pages); with a ring, the ring first (red lies inside it:
+// red is used only before the first copy and after the last), then Q's
+// fragments and pg. page_size: a power of two, at least 16.
 
 #define FLASH_WARPS 4
 
 // The scales of static fp8 pages (see attention_flash's smask).
 __device__ __align__(8) float kiln_unit_scales[2] = {1.0f, 1.0f};
+
+// The ring's copies: BYTES (8 or 16) from src to shared address dst, or
+// zeros where !live (src is not read). The memory clobbers keep the
+// compiler from moving shared-memory reads across the copies and waits.
+template <int BYTES>
+__device__ __forceinline__ void ring_copy(unsigned dst, const void* src, bool live) {
+    if (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(live ? 16 : 0)
+                     : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
+                     "n"(BYTES), "r"(live ? BYTES : 0)
+                     : "memory");
+    }
+}
+__device__ __forceinline__ void ring_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void ring_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // A decode step's RoPE and KV write inside its attention (`rin`, see
 // RopeIn): the block's G query heads rotated into qrot (G x HD floats of
@@ -82,7 +111,7 @@ __device__ void flash_rope(const RopeIn& rin, float* qrot, float* scratch, int s
     __syncthreads();
 }
 
-template <bool FP8, int G, int HD>
+template <bool FP8, int G, int HD, int RING>
 __device__ void attention_flash(const float* q, const void* kc, const void* vc, const float* ks,
                                 const float* vs, const int* tables, const int* table_off,
                                 const int* lens, float* part_out, float* part_ml, int n_heads,
@@ -102,10 +131,18 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     int t1 = min(lens[s], t0 + part_len);
     int p0 = t0 / page_size;
     int npages = t1 > t0 ? (t1 - 1) / page_size - p0 + 1 : 0;
-    uint4* qfs = (uint4*)smem;  // Q's fragments
+    static_assert(RING == 0 || (FP8 && RING >= 2), "a ring holds fp8 chunks, two or more");
+    // The ring: per warp RING stages of UNITS x 32 lanes x 16 bytes (K's
+    // pieces, one unit per V token, the K and V scale pairs).
+    constexpr int UNITS = 2 * PIECES + 4 + 2;
+    constexpr int STAGE = UNITS * 32 * 16;
+    constexpr int RED = WARPS * (G * HD + 2 * G);  // floats
+    constexpr int RING_BYTES = RING * WARPS * STAGE > RED * 4 ? RING * WARPS * STAGE : RED * 4;
+    unsigned char* ring = (unsigned char*)smem;
+    uint4* qfs = (uint4*)(ring + (RING ? RING_BYTES : 0));  // Q's fragments
     float* qscale = (float*)(qfs + Q::STEPS * 32);  // E4: per head
-    float* red = qscale + Q::SCALES;
-    int* pg = (int*)(red + WARPS * (G * HD + 2 * G));
+    float* red = RING ? (float*)smem : qscale + Q::SCALES;
+    int* pg = RING ? (int*)(qscale + Q::SCALES) : (int*)(red + RED);
     const int* table = tables + table_off[s];
     for (int i = threadIdx.x; i < npages; i += WARPS * 32) pg[i] = table[p0 + i];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -282,15 +319,101 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
             for (int k = 0; k < TERMS; k++) mma16<FP8>(o[i], a0, a1, a2, a3, b0[k], b1[k]);
         }
     };
-    // Two chunks in turn, one summed while the next loads.
-    Chunk a, b;
-    load(warp, a);
-    for (int c = warp; c < chunks; c += 2 * WARPS) {
-        load(c + WARPS, b);
-        step(c, a);
-        if (c + WARPS >= chunks) break;
-        load(c + 2 * WARPS, a);
-        step(c + WARPS, b);
+    if constexpr (RING == 0) {
+        // Two chunks in turn, one summed while the next loads.
+        Chunk a, b;
+        load(warp, a);
+        for (int c = warp; c < chunks; c += 2 * WARPS) {
+            load(c + WARPS, b);
+            step(c, a);
+            if (c + WARPS >= chunks) break;
+            load(c + 2 * WARPS, a);
+            step(c + WARPS, b);
+        }
+    } else {
+        // Unit u of a stage, this lane's 16 bytes.
+        unsigned wring = smem_addr(ring) + warp * RING * STAGE + lane * 16;
+        const unsigned char* lring = ring + warp * RING * STAGE + lane * 16;
+        // Chunk c's copies into stage `at` (none past the last chunk: its
+        // group is empty), the same bytes and zeros as `load`.
+        auto issue = [&](int c, int at) {
+            if (c >= chunks) return;
+            unsigned st = wring + at * STAGE;
+            int cs = t0 + c * 16;
+            int page = pg[(cs >> sh) - p0];
+            size_t base = ((size_t)(page * kv_heads + kvh) << sh) + (cs & (page_size - 1));
+#pragma unroll
+            for (int n = 0; n < 2; n++) {
+                const unsigned char* p = (const unsigned char*)kc + (base + 8 * n + row) * HD;
+                bool ok = cs + 8 * n + row < t1;
+#pragma unroll
+                for (int i = 0; i < PIECES; i++)
+                    ring_copy<16>(st + (n * PIECES + i) * 512, p + 16 * (j + 4 * i), ok);
+            }
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                int off = 8 * (x >> 1) + 2 * j + (x & 1);
+                const unsigned char* p = (const unsigned char*)vc + (base + off) * HD + row * NB;
+                ring_copy<WORDS * 4>(st + (2 * PIECES + x) * 512, p, cs + off < t1);
+            }
+#pragma unroll
+            for (int n = 0; n < 2; n++) {
+                int off = 8 * n + 2 * j;
+                size_t at2 = (base + off) & smask;
+                bool ok0 = cs + off < t1;
+                ring_copy<8>(st + (2 * PIECES + 4) * 512 + 8 * n, ksp + at2, ok0);
+                ring_copy<8>(st + (2 * PIECES + 5) * 512 + 8 * n, vsp + at2, ok0);
+            }
+        };
+        // Chunk c from stage `at` into registers, as `load` would have
+        // left it (the second scale of a pair past the end dropped).
+        auto fetch = [&](int c, int at, Chunk& ch) {
+            const unsigned char* st = lring + at * STAGE;
+#pragma unroll
+            for (int n = 0; n < 2; n++) {
+#pragma unroll
+                for (int i = 0; i < PIECES; i++)
+                    ch.k[n][i] = *(const uint4*)(st + (n * PIECES + i) * 512);
+            }
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+#pragma unroll
+                for (int w = 0; w < WORDS; w++)
+                    ch.v[x][w] = ((const unsigned*)(st + (2 * PIECES + x) * 512))[w];
+            }
+            float4 k4 = *(const float4*)(st + (2 * PIECES + 4) * 512);
+            float4 v4 = *(const float4*)(st + (2 * PIECES + 5) * 512);
+            int cs = t0 + c * 16;
+            bool ok1a = cs + 2 * j + 1 < t1, ok1b = cs + 8 + 2 * j + 1 < t1;
+            ch.ks[0] = k4.x;
+            ch.ks[1] = ok1a ? k4.y : 0.0f;
+            ch.ks[2] = k4.z;
+            ch.ks[3] = ok1b ? k4.w : 0.0f;
+            ch.vs[0] = v4.x;
+            ch.vs[1] = ok1a ? v4.y : 0.0f;
+            ch.vs[2] = v4.z;
+            ch.vs[3] = ok1b ? v4.w : 0.0f;
+        };
+#pragma unroll
+        for (int k = 0; k < RING - 1; k++) {
+            issue(warp + k * WARPS, k);
+            ring_commit();
+        }
+        int at = 0;
+        for (int c = warp; c < chunks; c += WARPS) {
+            // The stage summed last turn takes the chunk RING - 1 ahead
+            // (its reads are in registers, consumed by the last step).
+            issue(c + (RING - 1) * WARPS, at == 0 ? RING - 1 : at - 1);
+            ring_commit();
+            ring_wait<RING - 1>();
+            Chunk ch;
+            fetch(c, at, ch);
+            step(c, ch);
+            at = at == RING - 1 ? 0 : at + 1;
+        }
+        // red lies in the ring: every warp's copies and reads done first.
+        ring_wait<0>();
+        __syncthreads();
     }
     // Per warp: head row's max, sum (over the quad) and output.
     l += __shfl_xor_sync(0xffffffff, l, 1);
@@ -362,19 +485,20 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     }
 }
 
-// MINB: blocks an SM the build is held to (the registers it may take).
-#define ATTENTION_FLASH_AT(NAME, FP8, G, HD, MINB)                                             \
+// MINB: blocks an SM the build is held to (the registers it may take);
+// RING: the chunks of its ring (0: registers).
+#define ATTENTION_FLASH_AT(NAME, FP8, G, HD, MINB, RING)                                       \
     extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32, MINB)                       \
         NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,  \
              const int* tables, const int* table_off, const int* lens, float* part_out,         \
              float* part_ml, int n_heads, int kv_heads, int hd, int page_size, int parts,       \
              int part_len, float scale, float* out, __nv_bfloat16* out16, RopeIn rin) {         \
         PDL_ENTER();                                                                            \
-        attention_flash<FP8, G, HD>(q, kc, vc, ks, vs, tables, table_off, lens, part_out,       \
+        attention_flash<FP8, G, HD, RING>(q, kc, vc, ks, vs, tables, table_off, lens, part_out,       \
                                     part_ml, n_heads, kv_heads, page_size, parts, part_len,     \
                                     scale, out, out16, rin);                                    \
     }
-#define ATTENTION_FLASH(NAME, FP8, G, HD) ATTENTION_FLASH_AT(NAME, FP8, G, HD, FP8 ? 3 : 1)
+#define ATTENTION_FLASH(NAME, FP8, G, HD) ATTENTION_FLASH_AT(NAME, FP8, G, HD, FP8 ? 3 : 1, 0)
 
 // attention_flash_{fmt}_g{G}_d{HD}: every format, group size (query heads
 // per KV head) and head size.
@@ -417,11 +541,32 @@ ATTENTION_FLASH(attention_flash_fp8_g8_d128, true, 8, 128)
 // launch whose blocks overflow one wave of three an SM but fit one of four
 // (64 sequences of 8 KV heads in one partition: 512 blocks on 132 SMs).
 // The same operations, so the same bits.
-ATTENTION_FLASH_AT(attention_flash_fp8_g1_d128_r4, true, 1, 128, 4)
-ATTENTION_FLASH_AT(attention_flash_fp8_g2_d128_r4, true, 2, 128, 4)
-ATTENTION_FLASH_AT(attention_flash_fp8_g3_d128_r4, true, 3, 128, 4)
-ATTENTION_FLASH_AT(attention_flash_fp8_g4_d128_r4, true, 4, 128, 4)
-ATTENTION_FLASH_AT(attention_flash_fp8_g5_d128_r4, true, 5, 128, 4)
-ATTENTION_FLASH_AT(attention_flash_fp8_g6_d128_r4, true, 6, 128, 4)
-ATTENTION_FLASH_AT(attention_flash_fp8_g7_d128_r4, true, 7, 128, 4)
-ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_r4, true, 8, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g1_d128_r4, true, 1, 128, 4, 0)
+ATTENTION_FLASH_AT(attention_flash_fp8_g2_d128_r4, true, 2, 128, 4, 0)
+ATTENTION_FLASH_AT(attention_flash_fp8_g3_d128_r4, true, 3, 128, 4, 0)
+ATTENTION_FLASH_AT(attention_flash_fp8_g4_d128_r4, true, 4, 128, 4, 0)
+ATTENTION_FLASH_AT(attention_flash_fp8_g5_d128_r4, true, 5, 128, 4, 0)
+ATTENTION_FLASH_AT(attention_flash_fp8_g6_d128_r4, true, 6, 128, 4, 0)
+ATTENTION_FLASH_AT(attention_flash_fp8_g7_d128_r4, true, 7, 128, 4, 0)
+ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_r4, true, 8, 128, 4, 0)
+
+// attention_flash_fp8_g{G}_d128_ring{R}: the fp8 d128 kernels with a ring
+// of R chunks per warp (R - 1 loads in flight, where the builds above hold
+// one): ring2 fits four blocks an SM (45 KB of shared memory each), ring3
+// three (65 KB). The same operations on the same bytes, so the same bits.
+ATTENTION_FLASH_AT(attention_flash_fp8_g1_d128_ring2, true, 1, 128, 4, 2)
+ATTENTION_FLASH_AT(attention_flash_fp8_g2_d128_ring2, true, 2, 128, 4, 2)
+ATTENTION_FLASH_AT(attention_flash_fp8_g3_d128_ring2, true, 3, 128, 4, 2)
+ATTENTION_FLASH_AT(attention_flash_fp8_g4_d128_ring2, true, 4, 128, 4, 2)
+ATTENTION_FLASH_AT(attention_flash_fp8_g5_d128_ring2, true, 5, 128, 4, 2)
+ATTENTION_FLASH_AT(attention_flash_fp8_g6_d128_ring2, true, 6, 128, 4, 2)
+ATTENTION_FLASH_AT(attention_flash_fp8_g7_d128_ring2, true, 7, 128, 4, 2)
+ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_ring2, true, 8, 128, 4, 2)
+ATTENTION_FLASH_AT(attention_flash_fp8_g1_d128_ring3, true, 1, 128, 3, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g2_d128_ring3, true, 2, 128, 3, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g3_d128_ring3, true, 3, 128, 3, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g4_d128_ring3, true, 4, 128, 3, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g5_d128_ring3, true, 5, 128, 3, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g6_d128_ring3, true, 6, 128, 3, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g7_d128_ring3, true, 7, 128, 3, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_ring3, true, 8, 128, 3, 3)

@@ -6,8 +6,8 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::{
-    AttentionKind, DecodeBatch, FLASH_MAX_PARTITION, GemmShape, Gpu, NextNorm, NormArgs, Normed,
-    PagedQuery, RopeArgs, StackShape,
+    AttentionKind, DecodeBatch, FLASH_MAX_PARTITION, FlashBuild, GemmShape, Gpu, NextNorm,
+    NormArgs, Normed, PagedQuery, RopeArgs, StackShape,
 };
 use crate::KernelError;
 use crate::backend::{AttentionCase, AttentionKernel, Backend, NormedRow, R};
@@ -151,12 +151,14 @@ impl Backend for Gpu {
                 AttentionKernel::Best => None,
                 AttentionKernel::Flash
                 | AttentionKernel::FlashFourAnSm
+                | AttentionKernel::FlashRing(_)
                 | AttentionKernel::FlashUnsplit => Some(AttentionKind::Flash),
                 AttentionKernel::Shuffle => Some(AttentionKind::Shuffle),
             },
-            four_an_sm: match c.kernel {
-                AttentionKernel::Flash => Some(false),
-                AttentionKernel::FlashFourAnSm => Some(true),
+            build: match c.kernel {
+                AttentionKernel::Flash => Some(FlashBuild::Plain),
+                AttentionKernel::FlashFourAnSm => Some(FlashBuild::FourAnSm),
+                AttentionKernel::FlashRing(n) => Some(FlashBuild::Ring(n)),
                 _ => None,
             },
         };
