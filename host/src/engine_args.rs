@@ -93,6 +93,13 @@ pub(crate) struct EngineArgs {
     /// launch did before it.
     #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
     cuda_rope_in_attention: OnOff,
+    /// On CUDA, the flash attention kernel's build decode steps run over
+    /// fp8 pages with heads of 128: each launch picks (auto), loads in
+    /// registers (plain), held to four blocks an SM (four), or loads
+    /// through a ring of 2 or 3 chunks per warp in shared memory (ring2,
+    /// ring3).
+    #[arg(long, value_enum, default_value_t = FlashBuildArg::Auto, hide = true)]
+    cuda_flash_build: FlashBuildArg,
     /// On CUDA, warps a block of prefill attention takes: 4 (three blocks
     /// an SM) or 8 (one block, twice the query rows per key tile read)
     /// [default: 4 for bf16 pages, 8 for fp8 pages].
@@ -190,6 +197,7 @@ impl EngineArgs {
             cuda_skinny: self.cuda_skinny == OnOff::On,
             cuda_cluster: self.cuda_cluster == OnOff::On,
             cuda_rope_in_attention: self.cuda_rope_in_attention == OnOff::On,
+            cuda_flash_build: self.cuda_flash_build.build(),
             prefill_warps: self.prefill_warps,
             cuda_bf16_mlp: self.cuda_bf16_mlp == OnOff::On,
             cuda_bf16_mlp_decode: self.cuda_bf16_mlp_decode == OnOff::On,
@@ -222,6 +230,29 @@ pub(crate) enum KvArg {
 enum OnOff {
     On,
     Off,
+}
+
+/// `--cuda-flash-build`'s values.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum FlashBuildArg {
+    Auto,
+    Plain,
+    Four,
+    Ring2,
+    Ring3,
+}
+
+impl FlashBuildArg {
+    fn build(self) -> Option<kiln_kernels::cuda::FlashBuild> {
+        use kiln_kernels::cuda::FlashBuild;
+        match self {
+            FlashBuildArg::Auto => None,
+            FlashBuildArg::Plain => Some(FlashBuild::Plain),
+            FlashBuildArg::Four => Some(FlashBuild::FourAnSm),
+            FlashBuildArg::Ring2 => Some(FlashBuild::Ring(2)),
+            FlashBuildArg::Ring3 => Some(FlashBuild::Ring(3)),
+        }
+    }
 }
 
 pub(crate) fn kv_format(kv: KvArg) -> kiln_kernels::kv::KvFormat {

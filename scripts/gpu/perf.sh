@@ -119,24 +119,28 @@ mode_trace() {
 }
 
 mode_four_an_sm() {
-    # The fp8 flash kernel's build of four blocks an SM: parity (which
-    # holds it to the usual build's bits), both builds at 64 x 640
+    # The fp8 flash kernel's builds (four blocks an SM, the rings): parity
+    # (which holds them to the plain build's bits), every build at 64 x 640
     # (`cuda_bench attention`), then decode at 64 sequences by the base
     # build (`baseline` here) and this tree's in turn, ROUNDS (default 2)
-    # times, on KV (default fp8) pages; TRACE=1 adds this tree's step
-    # trace. Carry .gpu, .gpu-bench. Fails if parity fails.
+    # times, on KV (default fp8) pages, this tree's also with each
+    # `--cuda-flash-build` in BUILDS (e.g. "ring2 ring3"); TRACE=1 adds this
+    # tree's step trace. Carry .gpu, .gpu-bench. Fails if parity fails.
     prepare
     set +e
     KILN_TEST_DEVICE=cuda timeout 150 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" |
         grep -E "test result|panicked"
     failed="${PIPESTATUS[0]}"
-    timeout 150 .gpu/cuda_bench attention 64x640 2>&1 | grep -E "Fp8 .*Flash" | tee "$out/attention.log"
+    timeout 150 .gpu/cuda_bench attention 64x640 2>&1 | grep -E "Fp8 .*Flash|disagrees" | tee "$out/attention.log"
+    runs=(/tmp/kiln-base .gpu-bench/kiln)
+    for build in ${BUILDS:-}; do runs+=(".gpu-bench/kiln --cuda-flash-build $build"); done
     for round in $(seq "${ROUNDS:-2}"); do
-        for bin in /tmp/kiln-base .gpu-bench/kiln; do
-            echo "== round $round: $bin" | tee -a "$out/ab.log"
-            timeout 150 "$bin" bench --model synthetic:llama-3-8b --device cuda --kv "${KV:-fp8}" \
-                --kv-memory 16GiB --concurrency 64 --prompt-tokens 512 --gen-tokens 128 2>&1 |
-                grep -v INFO | tail -n 1 | tee -a "$out/ab.log"
+        for run in "${runs[@]}"; do
+            echo "== round $round: $run" | tee -a "$out/ab.log"
+            read -ra flags <<<"$run"
+            timeout 150 "${flags[0]}" bench "${flags[@]:1}" --model synthetic:llama-3-8b --device cuda \
+                --kv "${KV:-fp8}" --kv-memory 16GiB --concurrency 64 --prompt-tokens 512 \
+                --gen-tokens 128 2>&1 | grep -v INFO | tail -n 1 | tee -a "$out/ab.log"
         done
     done
     [ "${TRACE:-0}" = 0 ] || scripts/step_trace.sh "${KV:-fp8}" 64 512 2>&1 | tee "$out/trace.log"

@@ -85,7 +85,8 @@ impl Gpu {
     /// prompt's rows would read keys that other blocks write), and a key
     /// is written only for a row of at least one token within
     /// `batch.max_len` (the tag check clears a row's length with its
-    /// slot). Fails where [`Self::rotates_in_attention`] does not hold.
+    /// slot). `plan`'s kind is the flash kernel's whatever it says. Fails
+    /// where [`Self::rotates_in_attention`] does not hold.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_roped(
         &self,
@@ -94,6 +95,7 @@ impl Gpu {
         at: &RopeKv<'_>,
         query: &PagedQuery<'_>,
         batch: DecodeBatch,
+        plan: AttentionPlan,
         scratch: &mut AttentionBuffers,
         out: AttnOut<'_>,
     ) -> R {
@@ -169,7 +171,7 @@ impl Gpu {
         };
         let plan = AttentionPlan {
             kind: Some(AttentionKind::Flash),
-            ..Default::default()
+            ..plan
         };
         // SAFETY: the rows, positions, frequencies and slots of the
         // batch's tokens (checked above), the slots naming `kv`'s pages,

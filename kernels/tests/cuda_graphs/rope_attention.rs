@@ -162,7 +162,10 @@ fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: &[usize]) {
                     let o = AttnOut::F32(&mut out);
                     match rows {
                         Some(rows) => {
-                            gpu.paged_attention_roped(kv, rows, &at, &query, batch, scratch, o)
+                            let plan = Default::default();
+                            gpu.paged_attention_roped(
+                                kv, rows, &at, &query, batch, plan, scratch, o,
+                            )
                         }
                         None => gpu.paged_attention_to(
                             kv,

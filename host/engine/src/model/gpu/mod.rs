@@ -110,6 +110,9 @@ pub struct GpuModel {
     /// Whether decode steps' attention rotates the q/k/v rows and writes
     /// the keys and values itself (one launch a layer fewer).
     rope_in_attention: bool,
+    /// The flash attention build decode steps run (`None`: each launch
+    /// picks).
+    flash_build: Option<kiln_kernels::cuda::FlashBuild>,
     /// Decode batches up to this size have their bf16 products tuned
     /// (`tune.rs`), with or without the bf16 MLP's product: weights a
     /// runner gives back keep their tuning.
@@ -238,6 +241,7 @@ impl GpuModel {
             bf16_mlp: false,
             bf16_mlp_decode: false,
             rope_in_attention: false,
+            flash_build: None,
             tuned: None,
             sum: None,
         };
@@ -284,6 +288,12 @@ impl GpuModel {
     /// before graphs are captured).
     pub fn set_rope_in_attention(&mut self, on: bool) {
         self.rope_in_attention = on;
+    }
+
+    /// Which build of the flash attention kernel decode steps run (`None`:
+    /// each launch picks; set before graphs are captured).
+    pub fn set_flash_build(&mut self, build: Option<kiln_kernels::cuda::FlashBuild>) {
+        self.flash_build = build;
     }
 
     /// Whether bf16 products of 2-16 rows run the skinny GEMM instead of

@@ -11,9 +11,9 @@
 
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{
-    AttnOut, CudaSlice, CudaView, DecodeBatch, DeviceWeight, GemmScratch, GemmShape, Gpu, NextNorm,
-    NormArgs, Normed, PagedKv, PagedQuery, RopeKv, SKINNY_MAX_M, SKINNY_WINS_M, StackShape,
-    Unrotated,
+    AttentionPlan, AttnOut, CudaSlice, CudaView, DecodeBatch, DeviceWeight, GemmScratch, GemmShape,
+    Gpu, NextNorm, NormArgs, Normed, PagedKv, PagedQuery, RopeKv, SKINNY_MAX_M, SKINNY_WINS_M,
+    StackShape, Unrotated,
 };
 use kiln_kernels::ops::RopeStyle;
 
@@ -130,6 +130,8 @@ pub(super) struct CudaStep<'a, 'w> {
     /// Decode steps' attention rotates the q/k/v rows and writes the keys
     /// and values itself (`GpuModel::set_rope_in_attention`).
     rope_in_attention: bool,
+    /// How decode attention launches run (`GpuModel::set_flash_build`).
+    attention: AttentionPlan,
     /// The bf16 MLP's gate/up product waits in `gu16` for the down
     /// projection, which makes its activation.
     mlp_ready: bool,
@@ -164,6 +166,10 @@ impl<'a> CudaStep<'a, '_> {
             bf16_mlp: model.bf16_mlp,
             bf16_mlp_decode: model.bf16_mlp_decode,
             rope_in_attention: model.rope_in_attention,
+            attention: AttentionPlan {
+                build: model.flash_build,
+                ..Default::default()
+            },
             mlp_ready: false,
             blocks: &model.weights.blocks,
             attn_ready: false,
@@ -294,7 +300,7 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                     max_len: s.decode_len,
                 };
                 let out = attn_out(&mut b.scratch, &mut b.attn, len)?;
-                g.paged_attention_to(pages, &query, batch, Default::default(), &mut b.abuf, out)?;
+                g.paged_attention_to(pages, &query, batch, self.attention, &mut b.abuf, out)?;
             }
             let tiles = ints(inputs, l.range(l.tiles, 2 * s.tiles));
             let out = attn_out(&mut b.scratch, &mut b.attn, len)?;
@@ -315,9 +321,19 @@ impl<'w> Ops<'w> for CudaStep<'_, 'w> {
                         v: &b.v,
                     }
                 };
-                return g.paged_attention_roped(pages, rows, &at, &query, batch, &mut b.abuf, out);
+                let plan = self.attention;
+                return g.paged_attention_roped(
+                    pages,
+                    rows,
+                    &at,
+                    &query,
+                    batch,
+                    plan,
+                    &mut b.abuf,
+                    out,
+                );
             }
-            g.paged_attention_to(pages, &query, batch, Default::default(), &mut b.abuf, out)
+            g.paged_attention_to(pages, &query, batch, self.attention, &mut b.abuf, out)
         }
     }
 
