@@ -377,9 +377,18 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
             }
 #pragma unroll
             for (int x = 0; x < 4; x++) {
+                // One 16-byte read where the token's words fill the unit.
+                const unsigned char* u = st + (2 * PIECES + x) * 512;
+                if constexpr (WORDS == 4) {
+                    uint4 v = *(const uint4*)u;
+                    ch.v[x][0] = v.x;
+                    ch.v[x][1] = v.y;
+                    ch.v[x][2] = v.z;
+                    ch.v[x][3] = v.w;
+                } else {
 #pragma unroll
-                for (int w = 0; w < WORDS; w++)
-                    ch.v[x][w] = ((const unsigned*)(st + (2 * PIECES + x) * 512))[w];
+                    for (int w = 0; w < WORDS; w++) ch.v[x][w] = ((const unsigned*)u)[w];
+                }
             }
             float4 k4 = *(const float4*)(st + (2 * PIECES + 4) * 512);
             float4 v4 = *(const float4*)(st + (2 * PIECES + 5) * 512);

@@ -3,10 +3,13 @@
 //! output, bit for bit, as the fused RoPE + KV write launch and then
 //! attention, for every page format, both RoPE styles, groups of 1, 2, 4
 //! and 8, one partition and several, an empty row, and a sequence whose
-//! slot the tag check cleared.
+//! slot the tag check cleared; over fp8 pages with heads of 128, by the
+//! flash kernel's ring builds too (their ring holds the rotated queries
+//! before the first load).
 
 use kiln_kernels::cuda::{
-    AttnOut, CudaSlice, DecodeBatch, Gpu, PagedKv, PagedQuery, RopeKv, Unrotated,
+    AttentionPlan, AttnOut, CudaSlice, DecodeBatch, FlashBuild, Gpu, PagedKv, PagedQuery, RopeKv,
+    Unrotated,
 };
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use kiln_kernels::ops::{Rope, RopeStyle};
@@ -22,6 +25,9 @@ enum How {
     Stacked,
     /// Attention over separate q, k and v rows.
     Apart,
+    /// Attention over the stacked rows by the flash kernel's build with a
+    /// ring of this many chunks (where the shape has one).
+    Ring(usize),
 }
 
 /// Query heads, KV heads, head size.
@@ -152,7 +158,7 @@ fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: &[usize]) {
                     };
                     let rows = match how {
                         How::Launches => None,
-                        How::Stacked => Some(Unrotated::Stacked(&qkv)),
+                        How::Stacked | How::Ring(_) => Some(Unrotated::Stacked(&qkv)),
                         How::Apart => Some(Unrotated::Apart {
                             q: &q_rows,
                             k: &k_rows,
@@ -162,7 +168,13 @@ fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: &[usize]) {
                     let o = AttnOut::F32(&mut out);
                     match rows {
                         Some(rows) => {
-                            let plan = Default::default();
+                            let plan = AttentionPlan {
+                                build: match how {
+                                    How::Ring(r) => Some(FlashBuild::Ring(r)),
+                                    _ => None,
+                                },
+                                ..Default::default()
+                            };
                             gpu.paged_attention_roped(
                                 kv, rows, &at, &query, batch, plan, scratch, o,
                             )
@@ -191,7 +203,7 @@ fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: &[usize]) {
                     "{what}: nothing written"
                 );
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
-                for how in [How::Stacked, How::Apart] {
+                for how in [How::Stacked, How::Apart, How::Ring(2), How::Ring(3)] {
                     let mut kv_b = copy_pages(gpu, &start);
                     let got = attend(&mut kv_b, how, &mut scratch);
                     assert!(
