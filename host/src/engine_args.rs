@@ -100,6 +100,11 @@ pub(crate) struct EngineArgs {
     /// ring3).
     #[arg(long, value_enum, default_value_t = FlashBuildArg::Auto, hide = true)]
     cuda_flash_build: FlashBuildArg,
+    /// On CUDA, decode attention that splits sequences into partitions
+    /// merges them in its own last block of each sequence, where a merge
+    /// launch follows it.
+    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
+    cuda_fused_merge: OnOff,
     /// On CUDA, warps a block of prefill attention takes: 4 (three blocks
     /// an SM) or 8 (one block, twice the query rows per key tile read)
     /// [default: 4 for bf16 pages, 8 for fp8 pages].
@@ -197,7 +202,11 @@ impl EngineArgs {
             cuda_skinny: self.cuda_skinny == OnOff::On,
             cuda_cluster: self.cuda_cluster == OnOff::On,
             cuda_rope_in_attention: self.cuda_rope_in_attention == OnOff::On,
-            cuda_flash_build: self.cuda_flash_build.build(),
+            cuda_attention: kiln_kernels::cuda::AttentionPlan {
+                build: self.cuda_flash_build.build(),
+                fused_merge: self.cuda_fused_merge == OnOff::On,
+                ..Default::default()
+            },
             prefill_warps: self.prefill_warps,
             cuda_bf16_mlp: self.cuda_bf16_mlp == OnOff::On,
             cuda_bf16_mlp_decode: self.cuda_bf16_mlp_decode == OnOff::On,

@@ -385,9 +385,17 @@ fn attention(
                         part_len: Some(part),
                         kind: Some(kind),
                         build,
+                        fused_merge: false,
                     };
                     if !plans.contains(&plan) {
                         plans.push(plan);
+                    }
+                    // Split sequences merged by their last block too.
+                    if kind == AttentionKind::Flash && part < ctx && build == builds[0] {
+                        plans.push(AttentionPlan {
+                            fused_merge: true,
+                            ..plan
+                        });
                     }
                 }
             }
@@ -397,6 +405,7 @@ fn attention(
             part_len: None,
             kind: Some(AttentionKind::Flash),
             build: None,
+            fused_merge: false,
         });
         let mut first: Option<Vec<f32>> = None;
         let query = PagedQuery {
@@ -431,7 +440,7 @@ fn attention(
             let bytes = (batch * ctx * 8 * 2 * format.vector_bytes(128)) as f64;
             let bw = bytes / t / 1e9;
             println!(
-                "paged attention {format:?} batch {batch} x ctx {ctx}, {} tokens a part, {}{}: \
+                "paged attention {format:?} batch {batch} x ctx {ctx}, {} tokens a part, {}{}{}: \
                  {:.4} ms, {bw:.0} GB/s, {:.0}% of copy (rel err {err:.1e})",
                 plan.part_len.map_or("auto".into(), |p| p.to_string()),
                 plan.kind.map(|k| format!("{k:?}")).unwrap_or_default(),
@@ -440,6 +449,11 @@ fn attention(
                     Some(FlashBuild::FourAnSm) => ", four an SM".to_string(),
                     Some(FlashBuild::Ring(n)) => format!(", ring of {n}"),
                     None => String::new(),
+                },
+                if plan.fused_merge {
+                    ", merged in the kernel"
+                } else {
+                    ""
                 },
                 t * 1e3,
                 100.0 * bw / copy

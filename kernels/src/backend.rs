@@ -82,6 +82,9 @@ pub enum AttentionKernel {
     /// chunks per warp in shared memory where it has one (fp8 pages, heads
     /// of 128; rings of 2 and 3).
     FlashRing(usize),
+    /// CUDA: the flash kernel, the partitions of each sequence merged by
+    /// the block that finishes last instead of a merge launch.
+    FlashFusedMerge,
     /// CUDA: the same, each sequence in one partition (the kernel
     /// normalizes its output; no merge).
     FlashUnsplit,

@@ -144,9 +144,11 @@ mode_int4() {
     # products of 1-8 rows timed beside the two-launch path (`cuda_bench
     # quantized`; QUANTIZED=0 leaves it out), then int4 decode at CONC
     # sequences (default 1,8) by the base build (`baseline` here) and this
-    # tree's in turn, and this tree's again with the flags in ALSO (e.g.
-    # ALSO="--cuda-int4-rows off", or ALSO="--weights int4,head=int4" for
-    # an int4 output head) where set; BASE=0
+    # tree's in turn, and this tree's again with each set of flags in ALSO
+    # (sets apart by ';', e.g. ALSO="--cuda-int4-rows off", or
+    # ALSO="--weights int4,head=int4; --weights int4,head=int4
+    # --cuda-fused-merge on" for an int4 output head, then with the fused
+    # merge too) where set; BASE=0
     # leaves out the base build, DECODE=0 every decode run (carry .gpu,
     # .gpu-bench/kiln.xz, .gpu-bench/kiln-base.xz). Fails if a test fails.
     prepare
@@ -162,8 +164,9 @@ mode_int4() {
             tee -a "$out/parity.log" | grep -E "against|vs float64|test result|panicked" | tail -24
         [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
         # The engine's int4 tests: folded steps against unfolded ones, the
-        # few-row products in one launch against two.
-        KILN_TEST_DEVICE=cuda timeout 150 .gpu/engine --include-ignored --nocapture folded_norms int4_products 2>&1 |
+        # few-row products in one launch against two; and the fused
+        # attention merge against the merge launch.
+        KILN_TEST_DEVICE=cuda timeout 150 .gpu/engine --include-ignored --nocapture folded_norms int4_products merged_by_its_last_block 2>&1 |
             tee -a "$out/parity.log" | grep -E "row 35|row 0:|test result|panicked" | tail -8
         [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     fi
@@ -172,7 +175,8 @@ mode_int4() {
     fi
     # Each run: a binary, then any flags for its bench.
     runs=(/tmp/kiln-base .gpu-bench/kiln)
-    [ -n "${ALSO:-}" ] && runs+=(".gpu-bench/kiln $ALSO")
+    IFS=';' read -ra also <<<"${ALSO:-}"
+    for flags in "${also[@]}"; do runs+=(".gpu-bench/kiln $flags"); done
     [ "${BASE:-1}" != 0 ] || runs=("${runs[@]:1}")
     # DECODE=0 leaves out the decode runs (a first call of tests and
     # products alone, the runs in a second on the warm machine).

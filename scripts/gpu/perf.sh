@@ -118,23 +118,32 @@ mode_trace() {
     scripts/step_trace.sh "$@" 2>&1 | tee -a "$out/trace.log"
 }
 
-mode_four_an_sm() {
-    # The fp8 flash kernel's builds (four blocks an SM, the rings): parity
-    # (which holds them to the plain build's bits), every build at 64 x 640
-    # (`cuda_bench attention`), then decode at 64 sequences by the base
-    # build (`baseline` here) and this tree's in turn, ROUNDS (default 2)
-    # times, on KV (default fp8) pages, this tree's also with each
-    # `--cuda-flash-build` in BUILDS (e.g. "ring2 ring3"); TRACE=1 adds this
-    # tree's step trace. Carry .gpu, .gpu-bench. Fails if parity fails.
+mode_flash_builds() {
+    # The flash attention kernel's builds (four blocks an SM, the rings)
+    # and its fused merge: parity (which holds the builds to the plain
+    # build's bits and the fused merge near the merge launch's), the
+    # rotating attention's test (which runs the rings too), every plan at
+    # 64 x 640 and 1 x 640 (`cuda_bench attention`), then decode at 64
+    # sequences by the base build (`baseline` here) and this tree's in
+    # turn, ROUNDS (default 1) times, on KV (default fp8) pages, this
+    # tree's also with each `--cuda-flash-build` in BUILDS (default "ring2
+    # ring3"); TRACE=1 adds this tree's step trace. Carry .gpu, .gpu-bench.
+    # Fails if a test fails.
     prepare
     set +e
     KILN_TEST_DEVICE=cuda timeout 150 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" |
         grep -E "test result|panicked"
     failed="${PIPESTATUS[0]}"
-    timeout 150 .gpu/cuda_bench attention 64x640 2>&1 | grep -E "Fp8 .*Flash|disagrees" | tee "$out/attention.log"
+    KILN_TEST_DEVICE=cuda timeout 120 .gpu/cuda_graphs --include-ignored rotates 2>&1 |
+        tee -a "$out/parity.log" | grep -E "test result|panicked|differs"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    for shape in 64x640 1x640; do
+        timeout 150 .gpu/cuda_bench attention "$shape" 2>&1 | grep -E "Flash|disagrees" |
+            tee -a "$out/attention.log"
+    done
     runs=(/tmp/kiln-base .gpu-bench/kiln)
-    for build in ${BUILDS:-}; do runs+=(".gpu-bench/kiln --cuda-flash-build $build"); done
-    for round in $(seq "${ROUNDS:-2}"); do
+    for build in ${BUILDS-ring2 ring3}; do runs+=(".gpu-bench/kiln --cuda-flash-build $build"); done
+    for round in $(seq "${ROUNDS:-1}"); do
         for run in "${runs[@]}"; do
             echo "== round $round: $run" | tee -a "$out/ab.log"
             read -ra flags <<<"$run"

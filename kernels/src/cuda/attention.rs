@@ -30,6 +30,11 @@ pub struct AttentionPlan {
     /// an SM and fit one of four, else the plain one. Other launches
     /// ignore it.
     pub build: Option<FlashBuild>,
+    /// Where the flash kernel splits sequences into partitions, the block
+    /// of each sequence and KV head that finishes last merges them, and no
+    /// merge launch follows (the output differs from the merge launch's in
+    /// the order of its sums). Other launches ignore it.
+    pub fused_merge: bool,
 }
 
 /// The decode attention kernels.
@@ -100,6 +105,9 @@ pub struct DecodeBatch {
 pub struct AttentionBuffers {
     part_out: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
+    /// A fused merge's counters, one per sequence and KV head, zero
+    /// between launches (the merging block zeroes its own).
+    done: CudaSlice<u32>,
     /// Partitions (of every head) it holds.
     rows: usize,
 }
@@ -196,6 +204,7 @@ impl Gpu {
         Ok(AttentionBuffers {
             part_out: s.alloc_zeros(rows * heads * hd).map_err(cuda_err)?,
             part_ml: s.alloc_zeros(rows * heads * 2).map_err(cuda_err)?,
+            done: s.alloc_zeros(rows * kv_heads).map_err(cuda_err)?,
             rows,
         })
     }
@@ -380,15 +389,28 @@ impl Gpu {
             b.arg(i);
         }
         b.arg(&scale);
-        // One flash partition: the kernel normalizes its output itself.
+        // One flash partition: the kernel normalizes its output itself; or
+        // several, merged by each sequence's last block.
         let direct = kind == AttentionKind::Flash && parts == 1;
+        let fused = kind == AttentionKind::Flash && parts > 1 && plan.fused_merge;
+        if fused && scratch.done.len() < seqs * kv_heads {
+            return Err(KernelError::Shape(format!(
+                "attention scratch holds the merge counters of {} sequences, not {seqs}",
+                scratch.done.len() / kv_heads.max(1)
+            )));
+        }
         let null = 0u64;
-        if direct {
+        if direct || fused {
             out.push(&mut b, &null);
         } else if kind == AttentionKind::Flash {
             b.arg(&null).arg(&null);
         }
         if kind == AttentionKind::Flash {
+            if fused {
+                b.arg(&mut scratch.done);
+            } else {
+                b.arg(&null);
+            }
             b.arg(&rope);
         } else if rope.rotates() {
             return Err(KernelError::Shape(
@@ -398,7 +420,7 @@ impl Gpu {
         let grid = (kv_heads as u32, seqs as u32, parts as u32);
         // SAFETY: shared memory as each kernel lays it out, sized above.
         unsafe { b.launch(cfg(grid, threads as u32, shared as u32)) }.map_err(cuda_err)?;
-        if direct {
+        if direct || fused {
             return Ok(());
         }
         let f = self.function("attention_merge")?;

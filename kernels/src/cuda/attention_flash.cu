@@ -7,7 +7,10 @@
 // O^T = V^T P^T over those 16 tokens, so no scores go through shared memory
 // and warps never wait for each other until the block merges their (max,
 // sum, output) at the end. With `out` (the launch has one partition) the
-// block writes the normalized output itself and no merge runs after it.
+// block writes the normalized output itself and no merge runs after it;
+// with `done` too (several partitions), the block of each sequence and KV
+// head that finishes last merges them (flash_merge_last) and no merge
+// launch runs either.
 //
 // K and V of the warp's next chunk are loaded while this one is summed:
 // into registers, or (RING > 0, fp8 pages) by cp.async into a ring of RING
@@ -27,97 +30,13 @@
 // red is used only before the first copy and after the last), then Q's
 // fragments and pg. page_size: a power of two, at least 16.
 
-#define FLASH_WARPS 4
-
-// The scales of static fp8 pages (see attention_flash's smask).
-__device__ __align__(8) float kiln_unit_scales[2] = {1.0f, 1.0f};
-
-// The ring's copies: BYTES (8 or 16) from src to shared address dst, or
-// zeros where !live (src is not read). The memory clobbers keep the
-// compiler from moving shared-memory reads across the copies and waits.
-template <int BYTES>
-__device__ __forceinline__ void ring_copy(unsigned dst, const void* src, bool live) {
-    if (BYTES == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                     "r"(live ? 16 : 0)
-                     : "memory");
-    } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
-                     "n"(BYTES), "r"(live ? BYTES : 0)
-                     : "memory");
-    }
-}
-__device__ __forceinline__ void ring_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void ring_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// A decode step's RoPE and KV write inside its attention (`rin`, see
-// RopeIn): the block's G query heads rotated into qrot (G x HD floats of
-// shared memory; then Hadamard-rotated on static fp8 pages, ks null, as
-// rope_kv_write rotates them), and the block whose partition ends the
-// sequence (`last`) writes the token's rotated key and its value into its
-// page slot. Each warp rotates through HD floats of `scratch` of its own.
-// The block's threads see the written vectors after the barrier at its
-// end, before any of them reads the pages (the loop's page loads cannot
-// move above it: their addresses come from `pg`, read after it). It
-// writes only where the sequence has a token (lens[s] > 0) in the
-// launch's partitions, as the engine's tag check leaves every row whose
-// slot it keeps.
-template <bool FP8, int G, int HD>
-__device__ void flash_rope(const RopeIn& rin, float* qrot, float* scratch, int s, int kvh,
-                           int kv_heads, int page_size, bool last, const void* kc, const void* vc,
-                           const float* ks, const float* vs) {
-    // qrot, then the scratch of every warp up to the key's, inside `red`.
-    static_assert(G * HD + ((G < FLASH_WARPS ? G : FLASH_WARPS - 1) + 1) * HD <=
-                      FLASH_WARPS * (G * HD + 2 * G),
-                  "flash_rope's rows outgrow the block's red");
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    bool unit = FP8 && ks == nullptr;  // static fp8 pages
-    float* r = scratch + warp * HD;
-    float sn[ROPE_HD_MAX / 64], cs[ROPE_HD_MAX / 64], x[ROPE_HD_MAX / 32];
-    head_angles((float)rin.pos[s], rin.inv_freq, HD, lane, sn, cs);
-    for (int g = warp; g < G; g += FLASH_WARPS) {
-        rotate_head<false>(rin.q + (size_t)s * rin.q_ld + (size_t)(kvh * G + g) * HD, nullptr, sn,
-                           cs, HD, rin.interleaved, lane, r, x);
-        __syncwarp();  // r again below
-        if (unit) hadamard_warp(x, HD, lane);
-#pragma unroll
-        for (int m = 0; m < HD / 32; m++) qrot[g * HD + lane + 32 * m] = x[m];
-    }
-    // The key's warp: one with no query head where there is one.
-    int slot = last ? rin.slots[s] : -1;  // the tag check clears it
-    if (warp == (G < FLASH_WARPS ? G : FLASH_WARPS - 1) && slot >= 0) {
-        size_t kv_at = (size_t)s * rin.kv_ld + (size_t)kvh * HD;
-        rotate_head<false>(rin.k + kv_at, nullptr, sn, cs, HD, rin.interleaved, lane, r, x);
-        if (unit) hadamard_warp(x, HD, lane);
-        size_t vec = kv_vec(slot / page_size, slot % page_size, kvh, kv_heads, page_size);
-        // The pages are this launch's to write (the kernel's pointers are
-        // const for the loop that only reads them).
-        void *kw = (void*)kc, *vw = (void*)vc;
-        float *ksw = (float*)ks, *vsw = (float*)vs;
-        const float* vr = rin.v + kv_at;
-        if (!FP8) {
-            store_kv<0>(x, vr, kw, vw, ksw, vsw, vec, HD, lane);
-        } else if (!unit) {
-            store_kv<1>(x, vr, kw, vw, ksw, vsw, vec, HD, lane);
-        } else {
-            store_kv<2>(x, vr, kw, vw, ksw, vsw, vec, HD, lane);
-        }
-    }
-    __syncthreads();
-}
-
 template <bool FP8, int G, int HD, int RING>
 __device__ void attention_flash(const float* q, const void* kc, const void* vc, const float* ks,
                                 const float* vs, const int* tables, const int* table_off,
                                 const int* lens, float* part_out, float* part_ml, int n_heads,
                                 int kv_heads, int page_size, int parts, int part_len,
                                 float scale, float* out, __nv_bfloat16* out16,
-                                const RopeIn& rin) {
+                                unsigned* done, const RopeIn& rin) {
     constexpr int WARPS = FLASH_WARPS;
     constexpr int ELEM = FP8 ? 1 : 2;
     constexpr int NB = HD / 8;
@@ -449,7 +368,7 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     // or `out16` (the sequence in one partition) normalized into it (f32,
     // or bf16 for the next GEMM), no merge launch after; else partial, for
     // the merge.
-    bool direct = out != nullptr || out16 != nullptr;
+    bool direct = parts == 1 && (out != nullptr || out16 != nullptr);
     for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
         int g = i / HD;
         float mx = -INFINITY;
@@ -492,20 +411,25 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
         part_ml[(h * parts + part) * 2] = empty ? -INFINITY : mx;
         part_ml[(h * parts + part) * 2 + 1] = empty ? 0.0f : sum;
     }
+    if (done != nullptr) {
+        flash_merge_last<G, HD>(done, part_out, part_ml, out, out16, s, kvh, n_heads, kv_heads,
+                                parts);
+    }
 }
 
 // MINB: blocks an SM the build is held to (the registers it may take);
 // RING: the chunks of its ring (0: registers).
-#define ATTENTION_FLASH_AT(NAME, FP8, G, HD, MINB, RING)                                       \
-    extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32, MINB)                       \
+#define ATTENTION_FLASH_AT(NAME, FP8, G, HD, MINB, RING)                                        \
+    extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32, MINB)                        \
         NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,  \
              const int* tables, const int* table_off, const int* lens, float* part_out,         \
              float* part_ml, int n_heads, int kv_heads, int hd, int page_size, int parts,       \
-             int part_len, float scale, float* out, __nv_bfloat16* out16, RopeIn rin) {         \
+             int part_len, float scale, float* out, __nv_bfloat16* out16, unsigned* done,       \
+             RopeIn rin) {                                                                      \
         PDL_ENTER();                                                                            \
-        attention_flash<FP8, G, HD, RING>(q, kc, vc, ks, vs, tables, table_off, lens, part_out,       \
-                                    part_ml, n_heads, kv_heads, page_size, parts, part_len,     \
-                                    scale, out, out16, rin);                                    \
+        attention_flash<FP8, G, HD, RING>(q, kc, vc, ks, vs, tables, table_off, lens,           \
+                                          part_out, part_ml, n_heads, kv_heads, page_size,      \
+                                          parts, part_len, scale, out, out16, done, rin);       \
     }
 #define ATTENTION_FLASH(NAME, FP8, G, HD) ATTENTION_FLASH_AT(NAME, FP8, G, HD, FP8 ? 3 : 1, 0)
 

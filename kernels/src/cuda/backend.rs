@@ -152,6 +152,7 @@ impl Backend for Gpu {
                 AttentionKernel::Flash
                 | AttentionKernel::FlashFourAnSm
                 | AttentionKernel::FlashRing(_)
+                | AttentionKernel::FlashFusedMerge
                 | AttentionKernel::FlashUnsplit => Some(AttentionKind::Flash),
                 AttentionKernel::Shuffle => Some(AttentionKind::Shuffle),
             },
@@ -161,6 +162,7 @@ impl Backend for Gpu {
                 AttentionKernel::FlashRing(n) => Some(FlashBuild::Ring(n)),
                 _ => None,
             },
+            fused_merge: c.kernel == AttentionKernel::FlashFusedMerge,
         };
         let batch = DecodeBatch { seqs, max_len };
         self.paged_attention(&kv, &query, batch, plan, &mut scratch, &mut out)?;

@@ -17,6 +17,7 @@ pub const SOURCE: &str = concat!(
     include_str!("convert.cu"),
     include_str!("attention_mma.cu"),
     include_str!("attention.cu"),
+    include_str!("attention_flash_io.cu"),
     include_str!("attention_flash.cu"),
     include_str!("gemv.cu"),
     include_str!("gemv_norm.cu"),

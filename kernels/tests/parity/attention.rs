@@ -124,6 +124,7 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
             AttentionKernel::FlashFourAnSm,
             AttentionKernel::FlashRing(2),
             AttentionKernel::FlashRing(3),
+            AttentionKernel::FlashFusedMerge,
             AttentionKernel::FlashUnsplit,
             AttentionKernel::Shuffle,
         ] {
@@ -137,6 +138,18 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
                     "{} {format:?} {shape:?}: {kernel:?} changed the output",
                     be.name()
                 ),
+                // The same partials, merged in another order.
+                AttentionKernel::FlashFusedMerge => {
+                    let wide = |f: &Vec<f32>| f.iter().map(|v| *v as f64).collect::<Vec<_>>();
+                    let e = flash
+                        .as_ref()
+                        .map_or(f64::INFINITY, |f| rel_err(&out, &wide(f)));
+                    assert!(
+                        e < 1e-5,
+                        "{} {format:?} {shape:?}: fused merge off by {e}",
+                        be.name()
+                    );
+                }
                 _ => {}
             }
             let e = rel_err(&out, &want);

@@ -4,7 +4,8 @@
 //! decode rows, the W8A8 GEMM on bf16 activations for the CPU's FP8
 //! rows, int4 products of a few rows in one launch for the fragment launch
 //! and the GEMV, attention that rotates and writes the step's keys for
-//! the launch that did) give the engine's logits within rounding, or its
+//! the launch that did, attention that merges its own partitions for the
+//! merge launch) give the engine's logits within rounding, or its
 //! tokens.
 
 use std::collections::HashMap;
@@ -134,6 +135,25 @@ fn attention_that_rotates_the_keys_itself_gives_the_same_tokens_and_aborts() {
     let (plain, _) = sequences_in(with(false, false, false), 3, false);
     let (got, _) = sequences_in(with(false, false, true), 3, false);
     assert_eq!(got, plain, "prompts without tensor-core prefill");
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn attention_merged_by_its_last_block_gives_the_logits_of_the_merge_launch() {
+    // A prefill of 280 rows, then 20 one-token steps: one sequence of
+    // 281-300 tokens splits into five partitions of 64 (to fill the GPU),
+    // which the merge launch sums four at a time and the fused merge one by
+    // one, so the order of the sums differs and nothing else does.
+    let merged = |on| {
+        move |c| EngineConfig {
+            cuda_attention: kiln_kernels::cuda::AttentionPlan {
+                fused_merge: on,
+                ..Default::default()
+            },
+            ..c
+        }
+    };
+    kernels_agree(merged(false), merged(true), (300, 280), 1e-2);
 }
 
 #[test]

@@ -104,9 +104,9 @@ pub struct EngineConfig {
     /// On CUDA: decode steps' attention rotates the q/k/v rows and writes
     /// the new keys and values itself (one launch a layer fewer).
     pub cuda_rope_in_attention: bool,
-    /// On CUDA: the flash attention kernel's build decode steps run; `None`
-    /// lets each launch pick (see `AttentionPlan::build`).
-    pub cuda_flash_build: Option<kiln_kernels::cuda::FlashBuild>,
+    /// On CUDA: how decode steps' attention launches run (the flash
+    /// kernel's build, a fused merge; the default lets each launch pick).
+    pub cuda_attention: kiln_kernels::cuda::AttentionPlan,
     /// On CUDA: warps a block of prefill attention takes (4 or 8); `None`
     /// picks by page format ([`default_prefill_warps`]).
     pub prefill_warps: Option<usize>,
@@ -144,7 +144,7 @@ impl Default for EngineConfig {
             cuda_skinny: true,
             cuda_cluster: false,
             cuda_rope_in_attention: false,
-            cuda_flash_build: None,
+            cuda_attention: Default::default(),
             prefill_warps: None,
             cuda_bf16_mlp: true,
             cuda_bf16_mlp_decode: false,
@@ -312,7 +312,7 @@ impl Engine {
                 skinny: config.cuda_skinny,
                 cluster: config.cuda_cluster,
                 rope_in_attention: config.cuda_rope_in_attention,
-                flash_build: config.cuda_flash_build,
+                attention: config.cuda_attention,
                 prefill_warps: config
                     .prefill_warps
                     .unwrap_or_else(|| default_prefill_warps(config.kv_format)),

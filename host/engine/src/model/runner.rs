@@ -56,9 +56,8 @@ pub struct RunnerOptions {
     /// On CUDA: decode steps' attention rotates the q/k/v rows and writes
     /// the keys and values itself.
     pub rope_in_attention: bool,
-    /// On CUDA: the flash attention build decode steps run (`None`: each
-    /// launch picks).
-    pub flash_build: Option<kiln_kernels::cuda::FlashBuild>,
+    /// On CUDA: how decode steps' attention launches run.
+    pub attention: kiln_kernels::cuda::AttentionPlan,
     /// On CUDA: warps a block of prefill attention (4 or 8).
     pub prefill_warps: usize,
     /// On CUDA: prefill steps run the MLP in bf16.

@@ -91,7 +91,7 @@ fn configure(m: &mut GpuModel, o: &RunnerOptions) -> Result<(), String> {
     m.set_int4_rows(o.int4_rows);
     m.set_cluster(o.cluster);
     m.set_rope_in_attention(o.rope_in_attention);
-    m.set_flash_build(o.flash_build);
+    m.set_attention(o.attention);
     m.set_bf16_mlp(o.bf16_mlp, o.bf16_mlp_decode);
     m.set_prefill_warps(o.prefill_warps)
         .map_err(|e| e.to_string())

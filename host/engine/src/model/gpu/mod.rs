@@ -110,9 +110,8 @@ pub struct GpuModel {
     /// Whether decode steps' attention rotates the q/k/v rows and writes
     /// the keys and values itself (one launch a layer fewer).
     rope_in_attention: bool,
-    /// The flash attention build decode steps run (`None`: each launch
-    /// picks).
-    flash_build: Option<kiln_kernels::cuda::FlashBuild>,
+    /// How decode steps' attention launches run (the default: each picks).
+    attention: kiln_kernels::cuda::AttentionPlan,
     /// Decode batches up to this size have their bf16 products tuned
     /// (`tune.rs`), with or without the bf16 MLP's product: weights a
     /// runner gives back keep their tuning.
@@ -241,7 +240,7 @@ impl GpuModel {
             bf16_mlp: false,
             bf16_mlp_decode: false,
             rope_in_attention: false,
-            flash_build: None,
+            attention: Default::default(),
             tuned: None,
             sum: None,
         };
@@ -290,10 +289,15 @@ impl GpuModel {
         self.rope_in_attention = on;
     }
 
-    /// Which build of the flash attention kernel decode steps run (`None`:
-    /// each launch picks; set before graphs are captured).
-    pub fn set_flash_build(&mut self, build: Option<kiln_kernels::cuda::FlashBuild>) {
-        self.flash_build = build;
+    /// How decode steps' attention launches run: the flash kernel's
+    /// build, a fused merge (set before graphs are captured; its partition
+    /// length and kind are each launch's own).
+    pub fn set_attention(&mut self, plan: kiln_kernels::cuda::AttentionPlan) {
+        self.attention = kiln_kernels::cuda::AttentionPlan {
+            part_len: None,
+            kind: None,
+            ..plan
+        };
     }
 
     /// Whether bf16 products of 2-16 rows run the skinny GEMM instead of

@@ -130,7 +130,7 @@ pub(super) struct CudaStep<'a, 'w> {
     /// Decode steps' attention rotates the q/k/v rows and writes the keys
     /// and values itself (`GpuModel::set_rope_in_attention`).
     rope_in_attention: bool,
-    /// How decode attention launches run (`GpuModel::set_flash_build`).
+    /// How decode attention launches run (`GpuModel::set_attention`).
     attention: AttentionPlan,
     /// The bf16 MLP's gate/up product waits in `gu16` for the down
     /// projection, which makes its activation.
@@ -166,10 +166,7 @@ impl<'a> CudaStep<'a, '_> {
             bf16_mlp: model.bf16_mlp,
             bf16_mlp_decode: model.bf16_mlp_decode,
             rope_in_attention: model.rope_in_attention,
-            attention: AttentionPlan {
-                build: model.flash_build,
-                ..Default::default()
-            },
+            attention: model.attention,
             mlp_ready: false,
             blocks: &model.weights.blocks,
             attn_ready: false,
