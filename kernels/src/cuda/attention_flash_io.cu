@@ -92,24 +92,27 @@ __device__ void flash_rope(const RopeIn& rin, float* qrot, float* scratch, int s
 // has written its partial sums and (max, sum) as for attention_merge; the
 // last of the sequence's `parts` blocks to count itself in reads them all
 // back and writes the normalized output of the G heads, one warp a head,
-// and zeroes the counter for the next launch. Returns whether this block
-// merged. The fences order every block's partials before its count, and
-// the count before the last block's reads (which go past L1).
+// and zeroes the counter for the next launch. The barrier gathers the
+// block's partials and thread 0's fence orders them before its count (a
+// release); the last block's thread 0 fences after the count it saw (an
+// acquire) before the barrier its readers pass, and they read past L1.
 template <int G, int HD>
 __device__ void flash_merge_last(unsigned* done, const float* part_out, const float* part_ml,
                                  float* out, __nv_bfloat16* out16, int s, int kvh, int n_heads,
                                  int kv_heads, int parts) {
     __shared__ int last;
-    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
+        __threadfence();
         unsigned* c = done + (size_t)s * kv_heads + kvh;
         last = atomicAdd(c, 1u) == (unsigned)parts - 1;
-        if (last) *c = 0;
+        if (last) {
+            __threadfence();
+            *c = 0;
+        }
     }
     __syncthreads();
     if (!last) return;
-    __threadfence();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int g = warp; g < G; g += FLASH_WARPS) {
         size_t h = (size_t)s * n_heads + kvh * G + g;

@@ -1,6 +1,7 @@
 //! Attention that writes the output projection's bf16 input: exactly its
 //! f32 rows rounded, from every launch that writes them (the flash
-//! kernel's own output, the partitions' merge, the prefill kernel).
+//! kernel's own output, the partitions' merge, the flash kernel's own
+//! merge of them, the prefill kernel).
 
 use half::bf16;
 use kiln_kernels::cuda::{
@@ -103,14 +104,22 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
             .attention_buffers((n, 1500), (HEADS, 2, 128), 0)
             .unwrap();
         let plans = [
-            (AttentionKind::Flash, 1504, "flash, one partition"),
-            (AttentionKind::Flash, 256, "flash, merged"),
-            (AttentionKind::Shuffle, 256, "shuffle, merged"),
+            (AttentionKind::Flash, 1504, false, "flash, one partition"),
+            (AttentionKind::Flash, 256, false, "flash, merged"),
+            (
+                AttentionKind::Flash,
+                256,
+                true,
+                "flash, merged in the kernel",
+            ),
+            (AttentionKind::Shuffle, 256, false, "shuffle, merged"),
         ];
-        for (kind, len, what) in plans {
+        let mut merged: Option<Vec<f32>> = None;
+        for (kind, len, fused_merge, what) in plans {
             let plan = AttentionPlan {
                 part_len: Some(len),
                 kind: Some(kind),
+                fused_merge,
                 ..Default::default()
             };
             let mut f = gpu.upload(&vec![f32::NAN; rows(n)]).unwrap();
@@ -127,6 +136,21 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
             )
             .unwrap();
             assert_rounded(gpu, &f, &h, &format!("{format:?} decode, {what}"));
+            // The kernel's own merge sums the same partials in another
+            // order than the merge launch.
+            let rows = gpu.download(&f).unwrap();
+            match (kind, fused_merge, &merged) {
+                (AttentionKind::Flash, false, None) if len == 256 => merged = Some(rows),
+                (_, true, Some(want)) => {
+                    let most = rows
+                        .iter()
+                        .zip(want)
+                        .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+                        .fold(0.0f32, f32::max);
+                    assert!(most < 1e-4, "{format:?} decode, {what}: off by {most}");
+                }
+                _ => {}
+            }
         }
         // Prefill: the prompt's rows, each over its own prefix.
         let first = at;
