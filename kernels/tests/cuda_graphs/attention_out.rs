@@ -1,12 +1,13 @@
 //! Attention that writes the output projection's bf16 input: exactly its
 //! f32 rows rounded, from every launch that writes them (the flash
 //! kernel's own output, the partitions' merge, the flash kernel's own
-//! merge of them, the prefill kernel).
+//! merge of them, the prefill kernel); and the flash kernel's own merge
+//! replayed in a graph.
 
 use half::bf16;
 use kiln_kernels::cuda::{
-    AttentionKind, AttentionPlan, AttnOut, CudaSlice, DecodeBatch, Gpu, PagedKv, PagedQuery,
-    prefill_tiles,
+    AttentionBuffers, AttentionKind, AttentionPlan, AttnOut, CudaSlice, DecodeBatch, Gpu, PagedKv,
+    PagedQuery, prefill_tiles,
 };
 use kiln_kernels::kv::{KvFormat, KvLayout};
 use rand::{Rng, SeedableRng};
@@ -152,6 +153,14 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
                 _ => {}
             }
         }
+        fused_in_a_graph(
+            gpu,
+            &kv,
+            &query,
+            batch,
+            &mut scratch,
+            &format!("{format:?}"),
+        );
         // Prefill: the prompt's rows, each over its own prefix.
         let first = at;
         let q = queries(gpu, rng, rows(prompt));
@@ -177,6 +186,54 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
         gpu.prefill_attention_to(&kv, &query, &tiles, AttnOut::Bf16(&mut h))
             .unwrap();
         assert_rounded(gpu, &f, &h, &format!("{format:?} prefill"));
+    }
+}
+
+/// Two launches with the fused merge in one graph, as two layers share
+/// scratch and its counters, with programmatic edges where the device has
+/// them, replayed twice: every launch writes the rows one eager launch
+/// writes, bit for bit (the merging block zeroed the counters, so each
+/// launch and replay merges again).
+fn fused_in_a_graph(
+    gpu: &Gpu,
+    kv: &PagedKv,
+    query: &PagedQuery<'_>,
+    batch: DecodeBatch,
+    scratch: &mut AttentionBuffers,
+    what: &str,
+) {
+    let plan = AttentionPlan {
+        part_len: Some(256),
+        kind: Some(AttentionKind::Flash),
+        fused_merge: true,
+        ..Default::default()
+    };
+    let n = batch.seqs * query.heads * LAYOUT.head_dim;
+    let mut want = gpu.upload(&vec![f32::NAN; n]).unwrap();
+    gpu.paged_attention_to(kv, query, batch, plan, scratch, AttnOut::F32(&mut want))
+        .unwrap();
+    let want = gpu.download(&want).unwrap();
+    let mut a = gpu.upload(&vec![f32::NAN; n]).unwrap();
+    let mut b = gpu.upload(&vec![f32::NAN; n]).unwrap();
+    let graph = gpu
+        .capture(|| {
+            gpu.paged_attention_to(kv, query, batch, plan, scratch, AttnOut::F32(&mut a))?;
+            gpu.paged_attention_to(kv, query, batch, plan, scratch, AttnOut::F32(&mut b))
+        })
+        .unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    for replay in 0..2 {
+        let nan = vec![f32::NAN; n];
+        gpu.stream().memcpy_htod(&nan, &mut a).unwrap();
+        gpu.stream().memcpy_htod(&nan, &mut b).unwrap();
+        gpu.replay(&graph).unwrap();
+        gpu.synchronize().unwrap();
+        for (out, which) in [(&a, "first"), (&b, "second")] {
+            assert!(
+                bits(&gpu.download(out).unwrap()) == bits(&want),
+                "{what}: replay {replay}, the {which} fused launch differs from the eager one"
+            );
+        }
     }
 }
 
