@@ -15,8 +15,10 @@
 // K and V of the warp's next chunk are loaded while this one is summed:
 // into registers, or (RING > 0, fp8 pages) by cp.async into a ring of RING
 // chunks per warp in shared memory, RING - 1 of them in flight while one is
-// summed. Each lane copies exactly the bytes it reads back, so the ring
-// needs no barrier between the warp's lanes.
+// summed. Each lane copies exactly the K and V bytes it reads back; the
+// chunk's 16 K and 16 V scales, which eight lanes each read, are copied
+// once by lanes 0-7, so the warp syncs before reading a stage and before
+// copying into it again.
 //
 // fp8 weights: a token's weight on its raw e4m3 V is p * vscale; the warp
 // keeps them relative to the largest V scale it has seen (cref), so the f16
@@ -52,9 +54,9 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     int npages = t1 > t0 ? (t1 - 1) / page_size - p0 + 1 : 0;
     static_assert(RING == 0 || (FP8 && RING >= 2), "a ring holds fp8 chunks, two or more");
     // The ring: per warp RING stages of UNITS x 32 lanes x 16 bytes (K's
-    // pieces, one unit per V token, the K and V scale pairs).
-    constexpr int UNITS = 2 * PIECES + 4 + 2;
-    constexpr int STAGE = UNITS * 32 * 16;
+    // pieces, one unit per V token), then the chunk's K and V scales.
+    constexpr int UNITS = 2 * PIECES + 4;
+    constexpr int STAGE = UNITS * 32 * 16 + 2 * 16 * 4;
     constexpr int RED = WARPS * (G * HD + 2 * G);  // floats
     constexpr int RING_BYTES = RING * WARPS * STAGE > RED * 4 ? RING * WARPS * STAGE : RED * 4;
     unsigned char* ring = (unsigned char*)smem;
@@ -250,14 +252,16 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
             step(c + WARPS, b);
         }
     } else {
-        // Unit u of a stage, this lane's 16 bytes.
-        unsigned wring = smem_addr(ring) + warp * RING * STAGE + lane * 16;
-        const unsigned char* lring = ring + warp * RING * STAGE + lane * 16;
+        // The warp's ring: stage `at` at `at * STAGE`, unit u's 16 bytes
+        // of lane l at u * 512 + 16 l, the scales after the units.
+        unsigned wring = smem_addr(ring) + warp * RING * STAGE;
+        const unsigned char* lring = ring + warp * RING * STAGE;
+        constexpr int SCALES = UNITS * 512;
         // Chunk c's copies into stage `at` (none past the last chunk: its
         // group is empty), the same bytes and zeros as `load`.
         auto issue = [&](int c, int at) {
             if (c >= chunks) return;
-            unsigned st = wring + at * STAGE;
+            unsigned st = wring + at * STAGE, lt = st + lane * 16;
             int cs = t0 + c * 16;
             int page = pg[(cs >> sh) - p0];
             size_t base = ((size_t)(page * kv_heads + kvh) << sh) + (cs & (page_size - 1));
@@ -267,27 +271,27 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
                 bool ok = cs + 8 * n + row < t1;
 #pragma unroll
                 for (int i = 0; i < PIECES; i++)
-                    ring_copy<16>(st + (n * PIECES + i) * 512, p + 16 * (j + 4 * i), ok);
+                    ring_copy<16>(lt + (n * PIECES + i) * 512, p + 16 * (j + 4 * i), ok);
             }
 #pragma unroll
             for (int x = 0; x < 4; x++) {
                 int off = 8 * (x >> 1) + 2 * j + (x & 1);
                 const unsigned char* p = (const unsigned char*)vc + (base + off) * HD + row * NB;
-                ring_copy<WORDS * 4>(st + (2 * PIECES + x) * 512, p, cs + off < t1);
+                ring_copy<WORDS * 4>(lt + (2 * PIECES + x) * 512, p, cs + off < t1);
             }
-#pragma unroll
-            for (int n = 0; n < 2; n++) {
-                int off = 8 * n + 2 * j;
-                size_t at2 = (base + off) & smask;
-                bool ok0 = cs + off < t1;
-                ring_copy<8>(st + (2 * PIECES + 4) * 512 + 8 * n, ksp + at2, ok0);
-                ring_copy<8>(st + (2 * PIECES + 5) * 512 + 8 * n, vsp + at2, ok0);
+            // The chunk's 16 scales of K (lanes 0-3) and of V (4-7), four
+            // each, all inside its page (fetch drops those past the end).
+            if (lane < 8) {
+                const float* sp = lane < 4 ? ksp : vsp;
+                size_t at4 = (base + 4 * (lane & 3)) & smask;
+                ring_copy<16>(st + SCALES + 16 * lane, sp + at4, true);
             }
         };
         // Chunk c from stage `at` into registers, as `load` would have
         // left it (the second scale of a pair past the end dropped).
         auto fetch = [&](int c, int at, Chunk& ch) {
-            const unsigned char* st = lring + at * STAGE;
+            const unsigned char* sc = lring + at * STAGE + SCALES;
+            const unsigned char* st = lring + at * STAGE + lane * 16;
 #pragma unroll
             for (int n = 0; n < 2; n++) {
 #pragma unroll
@@ -309,18 +313,20 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
                     for (int w = 0; w < WORDS; w++) ch.v[x][w] = ((const unsigned*)u)[w];
                 }
             }
-            float4 k4 = *(const float4*)(st + (2 * PIECES + 4) * 512);
-            float4 v4 = *(const float4*)(st + (2 * PIECES + 5) * 512);
+            // Tokens 2j, 2j + 1 and 8 + 2j, 9 + 2j: the scales `load`
+            // reads, zero past the end as it leaves them.
             int cs = t0 + c * 16;
-            bool ok1a = cs + 2 * j + 1 < t1, ok1b = cs + 8 + 2 * j + 1 < t1;
-            ch.ks[0] = k4.x;
-            ch.ks[1] = ok1a ? k4.y : 0.0f;
-            ch.ks[2] = k4.z;
-            ch.ks[3] = ok1b ? k4.w : 0.0f;
-            ch.vs[0] = v4.x;
-            ch.vs[1] = ok1a ? v4.y : 0.0f;
-            ch.vs[2] = v4.z;
-            ch.vs[3] = ok1b ? v4.w : 0.0f;
+#pragma unroll
+            for (int n = 0; n < 2; n++) {
+                int off = 8 * n + 2 * j;
+                float2 k2 = *(const float2*)(sc + 4 * off);
+                float2 v2 = *(const float2*)(sc + 64 + 4 * off);
+                bool ok0 = cs + off < t1, ok1 = cs + off + 1 < t1;
+                ch.ks[2 * n] = ok0 ? k2.x : 0.0f;
+                ch.vs[2 * n] = ok0 ? v2.x : 0.0f;
+                ch.ks[2 * n + 1] = ok1 ? k2.y : 0.0f;
+                ch.vs[2 * n + 1] = ok1 ? v2.y : 0.0f;
+            }
         };
 #pragma unroll
         for (int k = 0; k < RING - 1; k++) {
@@ -329,11 +335,14 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
         }
         int at = 0;
         for (int c = warp; c < chunks; c += WARPS) {
-            // The stage summed last turn takes the chunk RING - 1 ahead
-            // (its reads are in registers, consumed by the last step).
+            // The stage summed last turn takes the chunk RING - 1 ahead,
+            // once every lane has read its scales.
+            __syncwarp();
             issue(c + (RING - 1) * WARPS, at == 0 ? RING - 1 : at - 1);
             ring_commit();
             ring_wait<RING - 1>();
+            // Lanes 0-7's scales, visible to the warp.
+            __syncwarp();
             Chunk ch;
             fetch(c, at, ch);
             step(c, ch);
@@ -485,8 +494,8 @@ ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_r4, true, 8, 128, 4, 0)
 
 // attention_flash_fp8_g{G}_d128_ring{R}: the fp8 d128 kernels with a ring
 // of R chunks per warp (R - 1 loads in flight, where the builds above hold
-// one): ring2 fits four blocks an SM (45 KB of shared memory each), ring3
-// three (65 KB). The same operations on the same bytes, so the same bits.
+// one), four blocks an SM: ring2 takes 39 KB of shared memory, ring3 56
+// KB. The same operations on the same bytes, so the same bits.
 ATTENTION_FLASH_AT(attention_flash_fp8_g1_d128_ring2, true, 1, 128, 4, 2)
 ATTENTION_FLASH_AT(attention_flash_fp8_g2_d128_ring2, true, 2, 128, 4, 2)
 ATTENTION_FLASH_AT(attention_flash_fp8_g3_d128_ring2, true, 3, 128, 4, 2)
@@ -495,11 +504,11 @@ ATTENTION_FLASH_AT(attention_flash_fp8_g5_d128_ring2, true, 5, 128, 4, 2)
 ATTENTION_FLASH_AT(attention_flash_fp8_g6_d128_ring2, true, 6, 128, 4, 2)
 ATTENTION_FLASH_AT(attention_flash_fp8_g7_d128_ring2, true, 7, 128, 4, 2)
 ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_ring2, true, 8, 128, 4, 2)
-ATTENTION_FLASH_AT(attention_flash_fp8_g1_d128_ring3, true, 1, 128, 3, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g2_d128_ring3, true, 2, 128, 3, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g3_d128_ring3, true, 3, 128, 3, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g4_d128_ring3, true, 4, 128, 3, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g5_d128_ring3, true, 5, 128, 3, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g6_d128_ring3, true, 6, 128, 3, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g7_d128_ring3, true, 7, 128, 3, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_ring3, true, 8, 128, 3, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g1_d128_ring3, true, 1, 128, 4, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g2_d128_ring3, true, 2, 128, 4, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g3_d128_ring3, true, 3, 128, 4, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g4_d128_ring3, true, 4, 128, 4, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g5_d128_ring3, true, 5, 128, 4, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g6_d128_ring3, true, 6, 128, 4, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g7_d128_ring3, true, 7, 128, 4, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_ring3, true, 8, 128, 4, 3)

@@ -5,8 +5,9 @@
 
 #define FLASH_WARPS 4
 
-// The scales of static fp8 pages (see attention_flash's smask).
-__device__ __align__(8) float kiln_unit_scales[2] = {1.0f, 1.0f};
+// The scales of static fp8 pages (see attention_flash's smask): a pair for
+// `load`, four for a lane of the ring's copies.
+__device__ __align__(16) float kiln_unit_scales[4] = {1.0f, 1.0f, 1.0f, 1.0f};
 
 // The ring's copies: BYTES (8 or 16) from src to shared address dst, or
 // zeros where !live (src is not read). The memory clobbers keep the

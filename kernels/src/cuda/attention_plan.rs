@@ -30,8 +30,8 @@ pub enum FlashBuild {
     /// pages, heads of 128.
     FourAnSm,
     /// Loads by cp.async through a ring of this many chunks per warp in
-    /// shared memory ([`RINGS`]: 2, four blocks an SM; 3, three): fp8
-    /// pages, heads of 128.
+    /// shared memory ([`RINGS`]: 2 or 3, four blocks an SM): fp8 pages,
+    /// heads of 128.
     Ring(usize),
 }
 
@@ -120,8 +120,9 @@ pub(super) fn flash_shared(
     if ring == 0 {
         return hd * 32 + red + pages;
     }
-    // A stage: K's 2 x hd / 64 units, 4 of V, 2 of scales, 16 bytes a lane.
-    let stage = (2 * hd / 64 + 6) * 32 * 16;
+    // A stage: K's 2 x hd / 64 units and 4 of V, 16 bytes a lane, then the
+    // chunk's 16 K and 16 V scales.
+    let stage = (2 * hd / 64 + 4) * 32 * 16 + 2 * 16 * 4;
     (ring * warps * stage).max(red) + hd * 32 + pages
 }
 
@@ -273,18 +274,18 @@ mod tests {
 
     #[test]
     fn rings_fit_the_blocks_an_sm_they_are_built_for() {
-        // An H100 or H200 SM: 228 KiB, 1 KiB of it reserved per block.
-        let per_sm = |bytes: usize| (228 << 10) / (bytes + 1024);
+        // An H100 or H200 SM: 228 KiB, 1 KiB of it reserved per block;
+        // the kernels' own static 128 bytes (ptxas, sm_90a) too.
+        let per_sm = |bytes: usize| (228 << 10) / (bytes + 1024 + 128);
         for group in 1..=8 {
             let plain = flash_shared(0, group, 128, 16, FLASH_MAX_PARTITION);
             assert!(plain < 48 << 10);
-            assert_eq!(
-                per_sm(flash_shared(2, group, 128, 16, FLASH_MAX_PARTITION)),
-                4
-            );
+            // Four an SM, as their registers allow (ring2's memory would
+            // hold five).
+            assert!(per_sm(flash_shared(2, group, 128, 16, FLASH_MAX_PARTITION)) >= 4);
             assert_eq!(
                 per_sm(flash_shared(3, group, 128, 16, FLASH_MAX_PARTITION)),
-                3
+                4
             );
         }
     }
