@@ -288,7 +288,7 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
             }
         };
         // Chunk c from stage `at` into registers, as `load` would have
-        // left it (the second scale of a pair past the end dropped).
+        // left it (scales of tokens past the end zeroed).
         auto fetch = [&](int c, int at, Chunk& ch) {
             const unsigned char* sc = lring + at * STAGE + SCALES;
             const unsigned char* st = lring + at * STAGE + lane * 16;

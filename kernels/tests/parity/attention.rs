@@ -50,15 +50,26 @@ pub(super) fn attention_case(
     r: &mut ChaCha8Rng,
     format: KvFormat,
     lens: &[usize],
+    shape: [usize; 3],
+) -> (AttentionCase, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    attention_case_paged(r, format, lens, shape, 16)
+}
+
+/// As [`attention_case`], in pages of `page_size` tokens.
+fn attention_case_paged(
+    r: &mut ChaCha8Rng,
+    format: KvFormat,
+    lens: &[usize],
     [heads, kv_heads, head_dim]: [usize; 3],
+    page_size: usize,
 ) -> (AttentionCase, Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let layout = KvLayout {
-        page_size: 16,
+        page_size,
         kv_heads,
         head_dim,
     };
     let row = layout.kv_heads * layout.head_dim;
-    let pages_needed: usize = lens.iter().map(|l| l.div_ceil(16)).sum();
+    let pages_needed: usize = lens.iter().map(|l| l.div_ceil(page_size)).sum();
     let num_pages = pages_needed + 7;
     // Scattered pages, as block tables have them.
     let mut free: Vec<u32> = (0..num_pages as u32).collect();
@@ -68,12 +79,14 @@ pub(super) fn attention_case(
     let (mut rows, mut tables, mut keys, mut vals) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for len in lens {
-        let table: Vec<u32> = (0..len.div_ceil(16)).map(|_| free.pop().unwrap()).collect();
+        let table: Vec<u32> = (0..len.div_ceil(page_size))
+            .map(|_| free.pop().unwrap())
+            .collect();
         let k = random(r, len * row, 2.0);
         let v = random(r, len * row, 2.0);
         for t in 0..*len {
             rows.push(KvRow {
-                slot: table[t / 16] as usize * 16 + t % 16,
+                slot: table[t / page_size] as usize * page_size + t % page_size,
                 k: k[t * row..(t + 1) * row].to_vec(),
                 v: v[t * row..(t + 1) * row].to_vec(),
             });
@@ -113,8 +126,12 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
         (KvFormat::Fp8, 6e-2),
         (KvFormat::Fp8Static, 6e-2),
     ];
-    for ((format, tol), shape) in cases.into_iter().flat_map(|c| [(c, SMALL), (c, LLAMA3)]) {
-        let (mut case, keys, vals) = attention_case(&mut r, format, &lens, shape);
+    // Pages of 16, and of 64 for Llama-3's shape (chunks at every offset
+    // of a page).
+    let shapes = [(SMALL, 16), (LLAMA3, 16), (LLAMA3, 64)];
+    for ((format, tol), (shape, page)) in cases.into_iter().flat_map(|c| shapes.map(|s| (c, s))) {
+        let (mut case, keys, vals) = attention_case_paged(&mut r, format, &lens, shape, page);
+        let shape = (shape, page);
         let want = attention_reference(&case, &keys, &vals);
         let mut first: Option<Vec<f64>> = None;
         let mut flash: Option<Vec<f32>> = None;
