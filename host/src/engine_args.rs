@@ -95,9 +95,7 @@ pub(crate) struct EngineArgs {
     cuda_rope_in_attention: OnOff,
     /// On CUDA, the flash attention kernel's build decode steps run over
     /// fp8 pages with heads of 128: each launch picks (auto), loads in
-    /// registers (plain), held to four blocks an SM (four), or loads
-    /// through a ring of 2 or 3 chunks per warp in shared memory (ring2,
-    /// ring3).
+    /// registers (plain) or held to four blocks an SM (four).
     #[arg(long, value_enum, default_value_t = FlashBuildArg::Auto, hide = true)]
     cuda_flash_build: FlashBuildArg,
     /// On CUDA, decode attention that splits sequences into partitions
@@ -247,8 +245,6 @@ enum FlashBuildArg {
     Auto,
     Plain,
     Four,
-    Ring2,
-    Ring3,
 }
 
 impl FlashBuildArg {
@@ -258,8 +254,6 @@ impl FlashBuildArg {
             FlashBuildArg::Auto => None,
             FlashBuildArg::Plain => Some(FlashBuild::Plain),
             FlashBuildArg::Four => Some(FlashBuild::FourAnSm),
-            FlashBuildArg::Ring2 => Some(FlashBuild::Ring(2)),
-            FlashBuildArg::Ring3 => Some(FlashBuild::Ring(3)),
         }
     }
 }

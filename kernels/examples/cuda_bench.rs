@@ -371,12 +371,9 @@ fn attention(
             };
             // Over fp8 pages, every build of the flash kernel.
             let builds: &[Option<FlashBuild>] = match kind {
-                AttentionKind::Flash if format != KvFormat::Bf16 => &[
-                    Some(FlashBuild::Plain),
-                    Some(FlashBuild::FourAnSm),
-                    Some(FlashBuild::Ring(2)),
-                    Some(FlashBuild::Ring(3)),
-                ],
+                AttentionKind::Flash if format != KvFormat::Bf16 => {
+                    &[Some(FlashBuild::Plain), Some(FlashBuild::FourAnSm)]
+                }
                 _ => &[None],
             };
             for part in parts {
@@ -450,7 +447,6 @@ fn attention(
                 match plan.build {
                     Some(FlashBuild::Plain) => ", three an SM".to_string(),
                     Some(FlashBuild::FourAnSm) => ", four an SM".to_string(),
-                    Some(FlashBuild::Ring(n)) => format!(", ring of {n}"),
                     None => String::new(),
                 },
                 if plan.fused_merge {

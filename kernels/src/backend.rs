@@ -78,10 +78,6 @@ pub enum AttentionKernel {
     /// CUDA: the same, its build held to four blocks an SM where it has
     /// one (fp8 pages, heads of 128).
     FlashFourAnSm,
-    /// CUDA: the same, its build that loads through a ring of this many
-    /// chunks per warp in shared memory where it has one (fp8 pages, heads
-    /// of 128; rings of 2 and 3).
-    FlashRing(usize),
     /// CUDA: the flash kernel, the partitions of each sequence merged by
     /// the block that finishes last instead of a merge launch.
     FlashFusedMerge,

@@ -119,15 +119,16 @@ mode_trace() {
 }
 
 mode_flash_builds() {
-    # The flash attention kernel's builds (four blocks an SM, the rings)
+    # The flash attention kernel's builds (three and four blocks an SM)
     # and its fused merge: parity (which holds the builds to the plain
     # build's bits and the fused merge near the merge launch's), the
-    # rotating attention's test (which runs the rings too), every plan at
-    # 64 x 640 and 1 x 640 (`cuda_bench attention`), then decode at 64
-    # sequences by the base build (`baseline` here) and this tree's in
-    # turn, ROUNDS (default 1) times, on KV (default fp8) pages, this
-    # tree's also with each `--cuda-flash-build` in BUILDS (default "ring2
-    # ring3"); TRACE=1 adds this tree's step trace. Carry .gpu, .gpu-bench.
+    # rotating attention's test (which runs the four-an-SM build too),
+    # every plan at 64 x 640 and 1 x 640 (`cuda_bench attention`), then
+    # decode at 64 sequences by the base build (`baseline` here) and this
+    # tree's in turn, ROUNDS (default 1) times, on KV (default fp8) pages,
+    # this tree's also with each `--cuda-flash-build` in BUILDS (default
+    # "plain four"); TRACE=1 adds this tree's step trace. Carry .gpu,
+    # .gpu-bench.
     # Fails if a test fails.
     prepare
     set +e
@@ -142,7 +143,7 @@ mode_flash_builds() {
             tee -a "$out/attention.log"
     done
     runs=(/tmp/kiln-base .gpu-bench/kiln)
-    for build in ${BUILDS-ring2 ring3}; do runs+=(".gpu-bench/kiln --cuda-flash-build $build"); done
+    for build in ${BUILDS-plain four}; do runs+=(".gpu-bench/kiln --cuda-flash-build $build"); done
     for round in $(seq "${ROUNDS:-1}"); do
         for run in "${runs[@]}"; do
             echo "== round $round: $run" | tee -a "$out/ab.log"

@@ -134,21 +134,15 @@ const ATT_STAGES: usize = 4;
 /// Blocks of each flash kernel the device runs at once (blocks per SM, as
 /// the driver computes it for the kernel's registers and the shared memory
 /// of its longest partitions, times `sms`): what [`partition_len`] fills
-/// whole waves of. Lets the builds with a ring take their shared memory
-/// (above the 48 KiB default) first; one the device cannot give it is left
-/// out (a launch of it then fails with the driver's error).
+/// whole waves of.
 pub(super) fn flash_resident(
     function: impl Fn(&str) -> R<cudarc::driver::CudaFunction>,
     sms: usize,
 ) -> R<std::collections::HashMap<String, usize>> {
-    use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SHARED;
     let mut resident = std::collections::HashMap::new();
     for k in flash_kernels() {
-        let shared = flash_shared(k.ring, k.group, k.hd, 16, FLASH_MAX_PARTITION);
+        let shared = flash_shared(k.group, k.hd, 16, FLASH_MAX_PARTITION);
         let f = function(&k.name)?;
-        if shared > 48 << 10 && f.set_attribute(MAX_SHARED, shared as i32).is_err() {
-            continue;
-        }
         let per_sm = f
             .occupancy_max_active_blocks_per_multiprocessor(FLASH_THREADS as u32, shared, None)
             .map_err(cuda_err)?;
@@ -241,9 +235,9 @@ impl Gpu {
         unsafe { self.attention_launch(kv, query, batch, plan, scratch, out, RopeIn::default()) }
     }
 
-    /// Which build of flash kernel `name` a launch of `blocks` blocks runs,
-    /// and its ring (see [`AttentionPlan::build`]).
-    fn flash_build(&self, name: String, plan: AttentionPlan, blocks: usize) -> (String, usize) {
+    /// Which build of flash kernel `name` a launch of `blocks` blocks runs
+    /// (see [`AttentionPlan::build`]).
+    fn flash_build(&self, name: String, plan: AttentionPlan, blocks: usize) -> String {
         let build = plan.build.unwrap_or_else(|| {
             let resident = |n: Option<String>| {
                 n.and_then(|n| self.flash_resident.get(&n).copied())
@@ -256,11 +250,7 @@ impl Gpu {
                 FlashBuild::Plain
             }
         });
-        match (build_name(&name, build), build) {
-            (Some(n), FlashBuild::Ring(r)) => (n, r),
-            (Some(n), _) => (n, 0),
-            (None, _) => (name, 0),
-        }
+        build_name(&name, build).unwrap_or(name)
     }
 
     /// The decode attention launches; a flash launch rotates and writes
@@ -361,8 +351,8 @@ impl Gpu {
         }
         let (name, threads, shared) = match kind {
             AttentionKind::Flash => {
-                let (name, ring) = self.flash_build(flash_name, plan, kv_heads * seqs * parts);
-                let shared = flash_shared(ring, group, head_dim, page_size, part_len);
+                let name = self.flash_build(flash_name, plan, kv_heads * seqs * parts);
+                let shared = flash_shared(group, head_dim, page_size, part_len);
                 (name, FLASH_THREADS, shared)
             }
             AttentionKind::Shuffle => (

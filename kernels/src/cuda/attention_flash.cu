@@ -12,13 +12,9 @@
 // head that finishes last merges them (flash_merge_last) and no merge
 // launch runs either.
 //
-// K and V of the warp's next chunk are loaded while this one is summed:
-// into registers, or (RING > 0, fp8 pages) by cp.async into a ring of RING
-// chunks per warp in shared memory, RING - 1 of them in flight while one is
-// summed. Each lane copies exactly the K and V bytes it reads back; the
-// chunk's 16 K and 16 V scales, which eight lanes each read, are copied
-// once by lanes 0-7, so the warp syncs before reading a stage and before
-// copying into it again.
+// K and V of the warp's next chunk are loaded into registers while this
+// one is summed (a cp.async ring in shared memory instead measured slower:
+// see docs/perf.md, session 41).
 //
 // fp8 weights: a token's weight on its raw e4m3 V is p * vscale; the warp
 // keeps them relative to the largest V scale it has seen (cref), so the f16
@@ -28,11 +24,9 @@
 // Shared memory (flash_shared on the host must agree): Q's fragments
 // (HD / 16 x 32 lanes x 16 bytes; with e4m3 scores HD / 32 x 32 x 16 and
 // 8 head factors, less), red (WARPS x (G x HD + 2 G)), pg (part_len /
-// page_size + 1 pages); with a ring, the ring first (red lies inside it:
-// red is used only before the first copy and after the last), then Q's
-// fragments and pg. page_size: a power of two, at least 16.
+// page_size + 1 pages). page_size: a power of two, at least 16.
 
-template <bool FP8, int G, int HD, int RING>
+template <bool FP8, int G, int HD>
 __device__ void attention_flash(const float* q, const void* kc, const void* vc, const float* ks,
                                 const float* vs, const int* tables, const int* table_off,
                                 const int* lens, float* part_out, float* part_ml, int n_heads,
@@ -52,18 +46,11 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     int t1 = min(lens[s], t0 + part_len);
     int p0 = t0 / page_size;
     int npages = t1 > t0 ? (t1 - 1) / page_size - p0 + 1 : 0;
-    static_assert(RING == 0 || (FP8 && RING >= 2), "a ring holds fp8 chunks, two or more");
-    // The ring: per warp RING stages of UNITS x 32 lanes x 16 bytes (K's
-    // pieces, one unit per V token), then the chunk's K and V scales.
-    constexpr int UNITS = 2 * PIECES + 4;
-    constexpr int STAGE = UNITS * 32 * 16 + 2 * 16 * 4;
     constexpr int RED = WARPS * (G * HD + 2 * G);  // floats
-    constexpr int RING_BYTES = RING * WARPS * STAGE > RED * 4 ? RING * WARPS * STAGE : RED * 4;
-    unsigned char* ring = (unsigned char*)smem;
-    uint4* qfs = (uint4*)(ring + (RING ? RING_BYTES : 0));  // Q's fragments
+    uint4* qfs = (uint4*)smem;  // Q's fragments
     float* qscale = (float*)(qfs + Q::STEPS * 32);  // E4: per head
-    float* red = RING ? (float*)smem : qscale + Q::SCALES;
-    int* pg = RING ? (int*)(qscale + Q::SCALES) : (int*)(red + RED);
+    float* red = qscale + Q::SCALES;
+    int* pg = (int*)(red + RED);
     const int* table = tables + table_off[s];
     for (int i = threadIdx.x; i < npages; i += WARPS * 32) pg[i] = table[p0 + i];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -240,117 +227,15 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
             for (int k = 0; k < TERMS; k++) mma16<FP8>(o[i], a0, a1, a2, a3, b0[k], b1[k]);
         }
     };
-    if constexpr (RING == 0) {
-        // Two chunks in turn, one summed while the next loads.
-        Chunk a, b;
-        load(warp, a);
-        for (int c = warp; c < chunks; c += 2 * WARPS) {
-            load(c + WARPS, b);
-            step(c, a);
-            if (c + WARPS >= chunks) break;
-            load(c + 2 * WARPS, a);
-            step(c + WARPS, b);
-        }
-    } else {
-        // The warp's ring: stage `at` at `at * STAGE`, unit u's 16 bytes
-        // of lane l at u * 512 + 16 l, the scales after the units.
-        unsigned wring = smem_addr(ring) + warp * RING * STAGE;
-        const unsigned char* lring = ring + warp * RING * STAGE;
-        constexpr int SCALES = UNITS * 512;
-        // Chunk c's copies into stage `at` (none past the last chunk: its
-        // group is empty), the same bytes and zeros as `load`.
-        auto issue = [&](int c, int at) {
-            if (c >= chunks) return;
-            unsigned st = wring + at * STAGE, lt = st + lane * 16;
-            int cs = t0 + c * 16;
-            int page = pg[(cs >> sh) - p0];
-            size_t base = ((size_t)(page * kv_heads + kvh) << sh) + (cs & (page_size - 1));
-#pragma unroll
-            for (int n = 0; n < 2; n++) {
-                const unsigned char* p = (const unsigned char*)kc + (base + 8 * n + row) * HD;
-                bool ok = cs + 8 * n + row < t1;
-#pragma unroll
-                for (int i = 0; i < PIECES; i++)
-                    ring_copy<16>(lt + (n * PIECES + i) * 512, p + 16 * (j + 4 * i), ok);
-            }
-#pragma unroll
-            for (int x = 0; x < 4; x++) {
-                int off = 8 * (x >> 1) + 2 * j + (x & 1);
-                const unsigned char* p = (const unsigned char*)vc + (base + off) * HD + row * NB;
-                ring_copy<WORDS * 4>(lt + (2 * PIECES + x) * 512, p, cs + off < t1);
-            }
-            // The chunk's 16 scales of K (lanes 0-3) and of V (4-7), four
-            // each, all inside its page (fetch drops those past the end).
-            if (lane < 8) {
-                const float* sp = lane < 4 ? ksp : vsp;
-                size_t at4 = (base + 4 * (lane & 3)) & smask;
-                ring_copy<16>(st + SCALES + 16 * lane, sp + at4, true);
-            }
-        };
-        // Chunk c from stage `at` into registers, as `load` would have
-        // left it (scales of tokens past the end zeroed).
-        auto fetch = [&](int c, int at, Chunk& ch) {
-            const unsigned char* sc = lring + at * STAGE + SCALES;
-            const unsigned char* st = lring + at * STAGE + lane * 16;
-#pragma unroll
-            for (int n = 0; n < 2; n++) {
-#pragma unroll
-                for (int i = 0; i < PIECES; i++)
-                    ch.k[n][i] = *(const uint4*)(st + (n * PIECES + i) * 512);
-            }
-#pragma unroll
-            for (int x = 0; x < 4; x++) {
-                // One 16-byte read where the token's words fill the unit.
-                const unsigned char* u = st + (2 * PIECES + x) * 512;
-                if constexpr (WORDS == 4) {
-                    uint4 v = *(const uint4*)u;
-                    ch.v[x][0] = v.x;
-                    ch.v[x][1] = v.y;
-                    ch.v[x][2] = v.z;
-                    ch.v[x][3] = v.w;
-                } else {
-#pragma unroll
-                    for (int w = 0; w < WORDS; w++) ch.v[x][w] = ((const unsigned*)u)[w];
-                }
-            }
-            // Tokens 2j, 2j + 1 and 8 + 2j, 9 + 2j: the scales `load`
-            // reads, zero past the end as it leaves them.
-            int cs = t0 + c * 16;
-#pragma unroll
-            for (int n = 0; n < 2; n++) {
-                int off = 8 * n + 2 * j;
-                float2 k2 = *(const float2*)(sc + 4 * off);
-                float2 v2 = *(const float2*)(sc + 64 + 4 * off);
-                bool ok0 = cs + off < t1, ok1 = cs + off + 1 < t1;
-                ch.ks[2 * n] = ok0 ? k2.x : 0.0f;
-                ch.vs[2 * n] = ok0 ? v2.x : 0.0f;
-                ch.ks[2 * n + 1] = ok1 ? k2.y : 0.0f;
-                ch.vs[2 * n + 1] = ok1 ? v2.y : 0.0f;
-            }
-        };
-#pragma unroll
-        for (int k = 0; k < RING - 1; k++) {
-            issue(warp + k * WARPS, k);
-            ring_commit();
-        }
-        int at = 0;
-        for (int c = warp; c < chunks; c += WARPS) {
-            // The stage summed last turn takes the chunk RING - 1 ahead,
-            // once every lane has read its scales.
-            __syncwarp();
-            issue(c + (RING - 1) * WARPS, at == 0 ? RING - 1 : at - 1);
-            ring_commit();
-            ring_wait<RING - 1>();
-            // Lanes 0-7's scales, visible to the warp.
-            __syncwarp();
-            Chunk ch;
-            fetch(c, at, ch);
-            step(c, ch);
-            at = at == RING - 1 ? 0 : at + 1;
-        }
-        // red lies in the ring: every warp's copies and reads done first.
-        ring_wait<0>();
-        __syncthreads();
+    // Two chunks in turn, one summed while the next loads.
+    Chunk a, b;
+    load(warp, a);
+    for (int c = warp; c < chunks; c += 2 * WARPS) {
+        load(c + WARPS, b);
+        step(c, a);
+        if (c + WARPS >= chunks) break;
+        load(c + 2 * WARPS, a);
+        step(c + WARPS, b);
     }
     // Per warp: head row's max, sum (over the quad) and output.
     l += __shfl_xor_sync(0xffffffff, l, 1);
@@ -426,9 +311,8 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     }
 }
 
-// MINB: blocks an SM the build is held to (the registers it may take);
-// RING: the chunks of its ring (0: registers).
-#define ATTENTION_FLASH_AT(NAME, FP8, G, HD, MINB, RING)                                        \
+// MINB: blocks an SM the build is held to (the registers it may take).
+#define ATTENTION_FLASH_AT(NAME, FP8, G, HD, MINB)                                             \
     extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32, MINB)                        \
         NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,  \
              const int* tables, const int* table_off, const int* lens, float* part_out,         \
@@ -436,11 +320,11 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
              int part_len, float scale, float* out, __nv_bfloat16* out16, unsigned* done,       \
              RopeIn rin) {                                                                      \
         PDL_ENTER();                                                                            \
-        attention_flash<FP8, G, HD, RING>(q, kc, vc, ks, vs, tables, table_off, lens,           \
-                                          part_out, part_ml, n_heads, kv_heads, page_size,      \
-                                          parts, part_len, scale, out, out16, done, rin);       \
+        attention_flash<FP8, G, HD>(q, kc, vc, ks, vs, tables, table_off, lens, part_out,       \
+                                    part_ml, n_heads, kv_heads, page_size, parts, part_len,     \
+                                    scale, out, out16, done, rin);                              \
     }
-#define ATTENTION_FLASH(NAME, FP8, G, HD) ATTENTION_FLASH_AT(NAME, FP8, G, HD, FP8 ? 3 : 1, 0)
+#define ATTENTION_FLASH(NAME, FP8, G, HD) ATTENTION_FLASH_AT(NAME, FP8, G, HD, FP8 ? 3 : 1)
 
 // attention_flash_{fmt}_g{G}_d{HD}: every format, group size (query heads
 // per KV head) and head size.
@@ -479,36 +363,15 @@ ATTENTION_FLASH(attention_flash_fp8_g8_d128, true, 8, 128)
 
 // attention_flash_fp8_g{G}_d128_r4: the fp8 d128 kernels held to 128
 // registers, four blocks an SM where the builds above run three (168
-// registers; these spill ~170 bytes, so each block runs slower): for a
+// registers; these spill ~50 bytes, so each block runs slower): for a
 // launch whose blocks overflow one wave of three an SM but fit one of four
 // (64 sequences of 8 KV heads in one partition: 512 blocks on 132 SMs).
 // The same operations, so the same bits.
-ATTENTION_FLASH_AT(attention_flash_fp8_g1_d128_r4, true, 1, 128, 4, 0)
-ATTENTION_FLASH_AT(attention_flash_fp8_g2_d128_r4, true, 2, 128, 4, 0)
-ATTENTION_FLASH_AT(attention_flash_fp8_g3_d128_r4, true, 3, 128, 4, 0)
-ATTENTION_FLASH_AT(attention_flash_fp8_g4_d128_r4, true, 4, 128, 4, 0)
-ATTENTION_FLASH_AT(attention_flash_fp8_g5_d128_r4, true, 5, 128, 4, 0)
-ATTENTION_FLASH_AT(attention_flash_fp8_g6_d128_r4, true, 6, 128, 4, 0)
-ATTENTION_FLASH_AT(attention_flash_fp8_g7_d128_r4, true, 7, 128, 4, 0)
-ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_r4, true, 8, 128, 4, 0)
-
-// attention_flash_fp8_g{G}_d128_ring{R}: the fp8 d128 kernels with a ring
-// of R chunks per warp (R - 1 loads in flight, where the builds above hold
-// one), four blocks an SM: ring2 takes 39 KB of shared memory, ring3 56
-// KB. The same operations on the same bytes, so the same bits.
-ATTENTION_FLASH_AT(attention_flash_fp8_g1_d128_ring2, true, 1, 128, 4, 2)
-ATTENTION_FLASH_AT(attention_flash_fp8_g2_d128_ring2, true, 2, 128, 4, 2)
-ATTENTION_FLASH_AT(attention_flash_fp8_g3_d128_ring2, true, 3, 128, 4, 2)
-ATTENTION_FLASH_AT(attention_flash_fp8_g4_d128_ring2, true, 4, 128, 4, 2)
-ATTENTION_FLASH_AT(attention_flash_fp8_g5_d128_ring2, true, 5, 128, 4, 2)
-ATTENTION_FLASH_AT(attention_flash_fp8_g6_d128_ring2, true, 6, 128, 4, 2)
-ATTENTION_FLASH_AT(attention_flash_fp8_g7_d128_ring2, true, 7, 128, 4, 2)
-ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_ring2, true, 8, 128, 4, 2)
-ATTENTION_FLASH_AT(attention_flash_fp8_g1_d128_ring3, true, 1, 128, 4, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g2_d128_ring3, true, 2, 128, 4, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g3_d128_ring3, true, 3, 128, 4, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g4_d128_ring3, true, 4, 128, 4, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g5_d128_ring3, true, 5, 128, 4, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g6_d128_ring3, true, 6, 128, 4, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g7_d128_ring3, true, 7, 128, 4, 3)
-ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_ring3, true, 8, 128, 4, 3)
+ATTENTION_FLASH_AT(attention_flash_fp8_g1_d128_r4, true, 1, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g2_d128_r4, true, 2, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g3_d128_r4, true, 3, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g4_d128_r4, true, 4, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g5_d128_r4, true, 5, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g6_d128_r4, true, 6, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g7_d128_r4, true, 7, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_r4, true, 8, 128, 4)

@@ -1,36 +1,13 @@
 // The flash decode attention kernel's work around its loop (see
-// attention_flash.cu, which follows): the ring's asynchronous copies, the
-// step's RoPE and KV write before the loop (`rin`), and the merge of a
-// sequence's partitions by the block that finishes last (`done`).
+// attention_flash.cu, which follows): the step's RoPE and KV write before
+// the loop (`rin`), and the merge of a sequence's partitions by the block
+// that finishes last (`done`).
 
 #define FLASH_WARPS 4
 
-// The scales of static fp8 pages (see attention_flash's smask): a pair for
-// `load`, four for a lane of the ring's copies.
-__device__ __align__(16) float kiln_unit_scales[4] = {1.0f, 1.0f, 1.0f, 1.0f};
-
-// The ring's copies: BYTES (8 or 16) from src to shared address dst, or
-// zeros where !live (src is not read). The memory clobbers keep the
-// compiler from moving shared-memory reads across the copies and waits.
-template <int BYTES>
-__device__ __forceinline__ void ring_copy(unsigned dst, const void* src, bool live) {
-    if (BYTES == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                     "r"(live ? 16 : 0)
-                     : "memory");
-    } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
-                     "n"(BYTES), "r"(live ? BYTES : 0)
-                     : "memory");
-    }
-}
-__device__ __forceinline__ void ring_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void ring_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+// The scales of static fp8 pages (see attention_flash's smask): the pair
+// `load` reads for two tokens.
+__device__ __align__(8) float kiln_unit_scales[2] = {1.0f, 1.0f};
 
 // A decode step's RoPE and KV write inside its attention (`rin`, see
 // RopeIn): the block's G query heads rotated into qrot (G x HD floats of

@@ -29,14 +29,7 @@ pub enum FlashBuild {
     /// The same held to 128 registers, four blocks an SM (it spills): fp8
     /// pages, heads of 128.
     FourAnSm,
-    /// Loads by cp.async through a ring of this many chunks per warp in
-    /// shared memory ([`RINGS`]: 2 or 3, four blocks an SM): fp8 pages,
-    /// heads of 128.
-    Ring(usize),
 }
-
-/// The rings a flash kernel is built with.
-pub const RINGS: [usize; 2] = [2, 3];
 
 /// Whether a launch of `blocks` flash blocks runs the build of four an SM,
 /// where the device holds `three` blocks of the usual build at once and
@@ -48,13 +41,12 @@ pub(super) fn one_wave_of_four(blocks: usize, three: usize, four: usize) -> bool
     blocks > three && blocks <= four
 }
 
-/// A flash kernel: its name, group, head size and ring (0: none).
+/// A flash kernel: its name, group and head size.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct FlashKernel {
     pub name: String,
     pub group: usize,
     pub hd: usize,
-    pub ring: usize,
 }
 
 /// Every flash attention kernel, every build.
@@ -64,21 +56,9 @@ pub(super) fn flash_kernels() -> Vec<FlashKernel> {
         for group in 1..=8 {
             for hd in [64, 128] {
                 let base = format!("attention_flash_{fmt}_g{group}_d{hd}");
-                let builds = [FlashBuild::Plain, FlashBuild::FourAnSm]
-                    .into_iter()
-                    .chain(RINGS.map(FlashBuild::Ring));
-                for build in builds {
+                for build in [FlashBuild::Plain, FlashBuild::FourAnSm] {
                     if let Some(name) = build_name(&base, build) {
-                        let ring = match build {
-                            FlashBuild::Ring(n) => n,
-                            _ => 0,
-                        };
-                        kernels.push(FlashKernel {
-                            name,
-                            group,
-                            hd,
-                            ring,
-                        });
+                        kernels.push(FlashKernel { name, group, hd });
                     }
                 }
             }
@@ -88,15 +68,13 @@ pub(super) fn flash_kernels() -> Vec<FlashKernel> {
 }
 
 /// The name of `build` of flash kernel `name`, where it has one (the
-/// builds other than [`FlashBuild::Plain`] exist for fp8 pages and heads of
-/// 128: the others run four blocks an SM already or take too many
-/// registers to).
+/// four-an-SM build exists for fp8 pages and heads of 128: the others run
+/// four blocks an SM already or take too many registers to).
 pub(super) fn build_name(name: &str, build: FlashBuild) -> Option<String> {
     let fp8_d128 = name.starts_with("attention_flash_fp8_") && name.ends_with("_d128");
     match build {
         FlashBuild::Plain => Some(name.to_string()),
         FlashBuild::FourAnSm => fp8_d128.then(|| format!("{name}_r4")),
-        FlashBuild::Ring(n) => (fp8_d128 && RINGS.contains(&n)).then(|| format!("{name}_ring{n}")),
     }
 }
 
@@ -105,25 +83,12 @@ pub(super) const FLASH_THREADS: usize = 128;
 
 /// Shared memory of a flash launch, as attention_flash.cu lays it out: Q's
 /// fragments (at most `hd * 32` bytes), the warps' `red`, and one page
-/// index per page of a partition, and one more; with a ring (fp8 pages),
-/// the ring first, with `red` inside it.
-pub(super) fn flash_shared(
-    ring: usize,
-    group: usize,
-    hd: usize,
-    page_size: usize,
-    part: usize,
-) -> usize {
+/// index per page of a partition, and one more.
+pub(super) fn flash_shared(group: usize, hd: usize, page_size: usize, part: usize) -> usize {
     let warps = FLASH_THREADS / 32;
     let red = warps * (group * hd + 2 * group) * 4;
     let pages = (part.div_ceil(page_size) + 1) * 4;
-    if ring == 0 {
-        return hd * 32 + red + pages;
-    }
-    // A stage: K's 2 x hd / 64 units and 4 of V, 16 bytes a lane, then the
-    // chunk's 16 K and 16 V scales.
-    let stage = (2 * hd / 64 + 4) * 32 * 16 + 2 * 16 * 4;
-    (ring * warps * stage).max(red) + hd * 32 + pages
+    hd * 32 + red + pages
 }
 
 /// Fewest tokens per partition: a 16-token chunk for each warp of a flash
@@ -257,36 +222,24 @@ mod tests {
             build_name(base, FlashBuild::FourAnSm).as_deref(),
             Some("attention_flash_fp8_g4_d128_r4")
         );
-        assert_eq!(
-            build_name(base, FlashBuild::Ring(3)).as_deref(),
-            Some("attention_flash_fp8_g4_d128_ring3")
-        );
-        assert_eq!(build_name(base, FlashBuild::Ring(5)), None);
         for none in ["attention_flash_fp8_g4_d64", "attention_flash_bf16_g4_d128"] {
             assert_eq!(build_name(none, FlashBuild::FourAnSm), None);
-            assert_eq!(build_name(none, FlashBuild::Ring(2)), None);
             assert_eq!(build_name(none, FlashBuild::Plain).as_deref(), Some(none));
         }
-        // 2 formats x 8 groups x 2 head sizes, and three more builds of
+        // 2 formats x 8 groups x 2 head sizes, and the four-an-SM build of
         // each fp8 d128 kernel.
-        assert_eq!(flash_kernels().len(), 32 + 8 * 3);
+        assert_eq!(flash_kernels().len(), 32 + 8);
     }
 
     #[test]
-    fn rings_fit_the_blocks_an_sm_they_are_built_for() {
+    fn flash_blocks_fit_four_an_sm_in_the_default_shared_memory() {
         // An H100 or H200 SM: 228 KiB, 1 KiB of it reserved per block;
         // the kernels' own static 128 bytes (ptxas, sm_90a) too.
         let per_sm = |bytes: usize| (228 << 10) / (bytes + 1024 + 128);
         for group in 1..=8 {
-            let plain = flash_shared(0, group, 128, 16, FLASH_MAX_PARTITION);
-            assert!(plain < 48 << 10);
-            // Four an SM, as their registers allow (ring2's memory would
-            // hold five).
-            assert!(per_sm(flash_shared(2, group, 128, 16, FLASH_MAX_PARTITION)) >= 4);
-            assert_eq!(
-                per_sm(flash_shared(3, group, 128, 16, FLASH_MAX_PARTITION)),
-                4
-            );
+            let most = flash_shared(group, 128, 16, FLASH_MAX_PARTITION);
+            assert!(most < 48 << 10, "{group}: {most}");
+            assert!(per_sm(most) >= 4, "{group}: {most}");
         }
     }
 

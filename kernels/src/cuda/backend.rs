@@ -151,7 +151,6 @@ impl Backend for Gpu {
                 AttentionKernel::Best => None,
                 AttentionKernel::Flash
                 | AttentionKernel::FlashFourAnSm
-                | AttentionKernel::FlashRing(_)
                 | AttentionKernel::FlashFusedMerge
                 | AttentionKernel::FlashUnsplit => Some(AttentionKind::Flash),
                 AttentionKernel::Shuffle => Some(AttentionKind::Shuffle),
@@ -159,7 +158,6 @@ impl Backend for Gpu {
             build: match c.kernel {
                 AttentionKernel::Flash => Some(FlashBuild::Plain),
                 AttentionKernel::FlashFourAnSm => Some(FlashBuild::FourAnSm),
-                AttentionKernel::FlashRing(n) => Some(FlashBuild::Ring(n)),
                 _ => None,
             },
             fused_merge: c.kernel == AttentionKernel::FlashFusedMerge,

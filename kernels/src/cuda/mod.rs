@@ -60,7 +60,7 @@ pub use attention::{
     AttentionBuffers, AttentionKind, AttentionPlan, AttnOut, DecodeBatch, PagedQuery,
 };
 pub use attention_plan::{
-    FLASH_MAX_PARTITION, FLASH_PARTITION, FlashBuild, PARTITION, RINGS, partition_len,
+    FLASH_MAX_PARTITION, FLASH_PARTITION, FlashBuild, PARTITION, partition_len,
 };
 pub use bf16_lt::{Bf16Out, Bf16Tuning, TUNE_KEEP_BELOW, TuneBf16};
 pub use cluster::{CLUSTER_MAX_M, CLUSTER_MIN_M, ClusterMma};

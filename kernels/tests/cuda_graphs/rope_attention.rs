@@ -4,8 +4,7 @@
 //! attention, for every page format, both RoPE styles, groups of 1, 2, 4
 //! and 8, one partition and several, an empty row, and a sequence whose
 //! slot the tag check cleared; over fp8 pages with heads of 128, by the
-//! flash kernel's ring builds too (their ring holds the rotated queries
-//! before the first load).
+//! flash kernel's four-an-SM build too.
 
 use kiln_kernels::cuda::{
     AttentionPlan, AttnOut, CudaSlice, DecodeBatch, FlashBuild, Gpu, PagedKv, PagedQuery, RopeKv,
@@ -25,9 +24,9 @@ enum How {
     Stacked,
     /// Attention over separate q, k and v rows.
     Apart,
-    /// Attention over the stacked rows by the flash kernel's build with a
-    /// ring of this many chunks (where the shape has one).
-    Ring(usize),
+    /// Attention over the stacked rows by the flash kernel's four-an-SM
+    /// build (where the shape has one).
+    FourAnSm,
 }
 
 /// Query heads, KV heads, head size.
@@ -158,7 +157,7 @@ fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: &[usize]) {
                     };
                     let rows = match how {
                         How::Launches => None,
-                        How::Stacked | How::Ring(_) => Some(Unrotated::Stacked(&qkv)),
+                        How::Stacked | How::FourAnSm => Some(Unrotated::Stacked(&qkv)),
                         How::Apart => Some(Unrotated::Apart {
                             q: &q_rows,
                             k: &k_rows,
@@ -169,10 +168,7 @@ fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: &[usize]) {
                     match rows {
                         Some(rows) => {
                             let plan = AttentionPlan {
-                                build: match how {
-                                    How::Ring(r) => Some(FlashBuild::Ring(r)),
-                                    _ => None,
-                                },
+                                build: (how == How::FourAnSm).then_some(FlashBuild::FourAnSm),
                                 ..Default::default()
                             };
                             gpu.paged_attention_roped(
@@ -203,7 +199,7 @@ fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: &[usize]) {
                     "{what}: nothing written"
                 );
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
-                for how in [How::Stacked, How::Apart, How::Ring(2), How::Ring(3)] {
+                for how in [How::Stacked, How::Apart, How::FourAnSm] {
                     let mut kv_b = copy_pages(gpu, &start);
                     let got = attend(&mut kv_b, how, &mut scratch);
                     assert!(
