@@ -156,3 +156,38 @@ mode_flash_builds() {
     [ "${TRACE:-0}" = 0 ] || scripts/step_trace.sh "${KV:-fp8}" 64 512 2>&1 | tee "$out/trace.log"
     exit "$failed"
 }
+
+mode_decode_flags() {
+    # Issue 23's batched decode with the opt-in decode flags, each set in
+    # SETS (split by ';'; default: none, the tuned bf16 algorithms with
+    # the bf16 MLP, attention that rotates the keys, and all three) in
+    # turn, ROUNDS (default 1) times: `kiln bench` at CONC (default 64)
+    # sequences on KV_FORMATS (default bf16,fp8-static) pages. TESTS=1
+    # (default) runs parity and the rotating attention's test first. Carry
+    # .gpu, .gpu-bench. Fails if a test or a run fails.
+    prepare
+    set +e
+    failed=0
+    if [ "${TESTS:-1}" != 0 ]; then
+        KILN_TEST_DEVICE=cuda timeout 150 .gpu/parity --test-threads 1 2>&1 | tee "$out/parity.log" |
+            grep -E "test result|panicked"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+        KILN_TEST_DEVICE=cuda timeout 120 .gpu/cuda_graphs --include-ignored rotates 2>&1 |
+            tee -a "$out/parity.log" | grep -E "test result|panicked|differs"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    fi
+    all="--cuda-tune-bf16 on --cuda-bf16-mlp-decode on --cuda-rope-in-attention on"
+    IFS=';' read -ra sets <<<"${SETS-;--cuda-tune-bf16 on --cuda-bf16-mlp-decode on;--cuda-rope-in-attention on;$all}"
+    for round in $(seq "${ROUNDS:-1}"); do
+        for flags in "${sets[@]}"; do
+            echo "== round $round: ${flags:-defaults}" | tee -a "$out/flags.log"
+            # shellcheck disable=SC2086
+            timeout 200 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda \
+                --kv-formats "${KV_FORMATS:-bf16,fp8-static}" --kv-memory 16GiB \
+                --concurrency "${CONC:-64}" --prompt-tokens 512 --gen-tokens 128 $flags 2>&1 |
+                grep -v INFO | tee -a "$out/flags.log"
+            [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+        done
+    done
+    exit "$failed"
+}
