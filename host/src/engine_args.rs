@@ -62,6 +62,11 @@ pub(crate) struct EngineArgs {
     /// sequence than the separate launches beside them; docs/perf.md).
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_fold_int4: OnOff,
+    /// On CUDA, fold FP8 rows' one-token steps too: each product quantizes
+    /// its activation row itself, so no norm, SiLU or quantizer launch runs
+    /// (off until measured on a GPU).
+    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
+    cuda_fold_fp8: OnOff,
     /// On CUDA, int4 products of 2 to 8 rows (decode of a few sequences)
     /// run in one launch with the rows in the MMAs' columns (`off`: a
     /// fragment launch and the GEMV).
@@ -193,6 +198,7 @@ impl EngineArgs {
             cuda_pdl: self.cuda_pdl == OnOff::On,
             cuda_fold: self.cuda_fold == OnOff::On,
             cuda_fold_int4: self.cuda_fold_int4 == OnOff::On,
+            cuda_fold_fp8: self.cuda_fold_fp8 == OnOff::On,
             cuda_int4_rows: self.cuda_int4_rows == OnOff::On,
             cuda_tune_bf16: self.cuda_tune_bf16 == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,

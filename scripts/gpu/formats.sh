@@ -277,3 +277,34 @@ mode_fp8_prefill() {
     done
     exit "$failed"
 }
+
+mode_fp8_fold() {
+    # FP8 rows in the folded one-token step (`--cuda-fold-fp8`): the fold's
+    # kernel chain test (bf16, int4 and FP8 rows, eager and replayed), the
+    # engine's folded-logits test, then decode at CONC (default 1)
+    # sequences on FP8 rows with the fold off and on, ROUNDS (default 2)
+    # times in turn; TRACE=1 adds the folded step's kernels. Carry .gpu,
+    # .gpu-bench. Fails if a test or a run fails.
+    prepare
+    set +e
+    failed=0
+    KILN_TEST_DEVICE=cuda timeout 150 .gpu/cuda_graphs --include-ignored --nocapture folded 2>&1 |
+        tee "$out/fold.log" | grep -E "folded against|test result|panicked|differs"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    KILN_TEST_DEVICE=cuda timeout 150 .gpu/engine --include-ignored --nocapture folded_norms 2>&1 |
+        tee -a "$out/fold.log" | grep -E "row 35|test result|panicked"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    for round in $(seq "${ROUNDS:-2}"); do
+        for fold in off on; do
+            echo "== round $round: --cuda-fold-fp8 $fold" | tee -a "$out/fp8-fold.log"
+            timeout 200 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --weights fp8 \
+                --kv fp8 --kv-memory 16GiB --concurrency "${CONC:-1}" --prompt-tokens 512 \
+                --gen-tokens 128 --cuda-fold-fp8 "$fold" 2>&1 | grep -v INFO | tee -a "$out/fp8-fold.log"
+            [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+        done
+    done
+    if [ "${TRACE:-0}" != 0 ]; then
+        TAG=fp8-fold FLAGS="--weights fp8 --cuda-fold-fp8 on" scripts/step_trace.sh fp8 1 512 2>&1 | tee -a "$out/fp8-fold.log"
+    fi
+    exit "$failed"
+}

@@ -1,11 +1,13 @@
 //! The folded products ([`super::fold`]) for whichever weight the fold
-//! takes: bf16 rows (`fold.rs`) or int4 tiles (`int4_fold.rs`), so the
-//! model's folded step names one product and not a format.
+//! takes: bf16 rows (`fold.rs`), int4 tiles (`int4_fold.rs`) or FP8 rows
+//! (`fp8_fold.rs`), so the model's folded step names one product and not
+//! a format.
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::fold::{NextNorm, Normed};
+use super::fp8_fold::Fp8Rows;
 use super::int4_fold::Int4Tiles;
 use super::{DeviceWeight, Gpu};
 use crate::KernelError;
@@ -16,9 +18,11 @@ type R<T = ()> = Result<T, KernelError>;
 enum FoldWeight<'a> {
     Bf16(&'a CudaSlice<bf16>),
     Int4(Int4Tiles<'a>),
+    Fp8(Fp8Rows<'a>),
 }
 
-/// `w` as the fold's products take it: bf16, or int4 tiles.
+/// `w` as the fold's products take it: bf16, int4 tiles, or FP8 rows as
+/// FP8 tensor cores read them.
 fn fold_weight(w: &DeviceWeight) -> R<FoldWeight<'_>> {
     match w {
         DeviceWeight::Bf16(w) => Ok(FoldWeight::Bf16(w)),
@@ -27,14 +31,16 @@ fn fold_weight(w: &DeviceWeight) -> R<FoldWeight<'_>> {
             group: *group,
             rows: *rows,
         })),
-        DeviceWeight::Blocks { .. } | DeviceWeight::Fp8 { .. } => Err(KernelError::Shape(
-            "a folded product needs bf16 weights or int4 tiles".into(),
+        DeviceWeight::Fp8 { codes, scales } => Ok(FoldWeight::Fp8(Fp8Rows { codes, scales })),
+        DeviceWeight::Blocks { .. } => Err(KernelError::Shape(
+            "a folded product needs bf16 weights, int4 tiles or packed FP8 rows".into(),
         )),
     }
 }
 
 impl Gpu {
-    /// Whether the folded products take `w` (bf16, or int4 tiles).
+    /// Whether the folded products take `w` (bf16, int4 tiles, or FP8
+    /// rows packed for FP8 tensor cores).
     pub fn folds_weight(w: &DeviceWeight) -> bool {
         fold_weight(w).is_ok()
     }
@@ -53,6 +59,7 @@ impl Gpu {
         match fold_weight(w)? {
             FoldWeight::Bf16(w) => self.gemv_bf16_resid(x, w, h, next, n, k),
             FoldWeight::Int4(w) => self.gemv_int4_resid(x, w, h, next, n, k),
+            FoldWeight::Fp8(w) => self.gemv_fp8_resid(x, w, h, next, n, k),
         }
     }
 
@@ -68,6 +75,7 @@ impl Gpu {
         match fold_weight(w)? {
             FoldWeight::Bf16(w) => self.gemv_bf16_normed(input, w, outs, parts, k),
             FoldWeight::Int4(w) => self.gemv_int4_normed(input, w, outs, parts, k),
+            FoldWeight::Fp8(w) => self.gemv_fp8_normed(input, w, outs, parts, k),
         }
     }
 
@@ -83,6 +91,7 @@ impl Gpu {
         match fold_weight(w)? {
             FoldWeight::Bf16(w) => self.gemv_bf16_normed_silu(input, w, out, f, k),
             FoldWeight::Int4(w) => self.gemv_int4_normed_silu(input, w, out, f, k),
+            FoldWeight::Fp8(w) => self.gemv_fp8_normed_silu(input, w, out, f, k),
         }
     }
 }

@@ -82,6 +82,9 @@ pub struct EngineConfig {
     /// On CUDA: with `cuda_fold`, steps of one token with int4 tiles fold
     /// too.
     pub cuda_fold_int4: bool,
+    /// On CUDA: with `cuda_fold`, steps of one token with FP8 rows fold
+    /// too (each product quantizes its activation row itself).
+    pub cuda_fold_fp8: bool,
     /// On CUDA: int4 products of 2 to 8 rows (decode of a few sequences)
     /// run in one launch with the rows in the MMAs' columns instead of a
     /// fragment launch and the GEMV.
@@ -137,6 +140,7 @@ impl Default for EngineConfig {
             cuda_pdl: true,
             cuda_fold: true,
             cuda_fold_int4: true,
+            cuda_fold_fp8: false,
             cuda_int4_rows: true,
             cuda_tune_bf16: false,
             device_sampling: true,
@@ -306,6 +310,7 @@ impl Engine {
                 programmatic: config.cuda_pdl,
                 fold: config.cuda_fold,
                 fold_int4: config.cuda_fold_int4,
+                fold_fp8: config.cuda_fold_fp8,
                 int4_rows: config.cuda_int4_rows,
                 tune_bf16: config.cuda_tune_bf16,
                 tensor_prefill: config.tensor_prefill,

@@ -5,7 +5,7 @@
 use kiln_kernels::KernelError;
 
 use super::{Place, Reserve, RunnerOptions};
-use crate::model::gpu::{GpuKv, GpuModel, GpuRank, RankSum};
+use crate::model::gpu::{FoldFormats, GpuKv, GpuModel, GpuRank, RankSum};
 use crate::model::shard::rank_model;
 use crate::model::step::RunLane;
 use crate::model::{Loaded, Model};
@@ -86,7 +86,11 @@ pub(super) fn gpu_place(loaded: &Loaded, o: &RunnerOptions, n: usize) -> Result<
 /// Sets a GPU model's paths as `o` asks.
 fn configure(m: &mut GpuModel, o: &RunnerOptions) -> Result<(), String> {
     m.set_programmatic(o.programmatic);
-    m.set_fold(o.fold, o.fold_int4);
+    let q = FoldFormats {
+        int4: o.fold_int4,
+        fp8: o.fold_fp8,
+    };
+    m.set_fold(o.fold, q);
     m.set_skinny(o.skinny);
     m.set_int4_rows(o.int4_rows);
     m.set_cluster(o.cluster);

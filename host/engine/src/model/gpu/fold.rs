@@ -1,7 +1,7 @@
 //! A step of one token with the norms folded into its GEMVs
 //! (`kiln_kernels::cuda` `gemv_resid` / `gemv_normed`): where every
-//! product of the model is a bf16 weight or int4 tiles and the batch is one
-//! row, the o and down projections add into the hidden row and write it
+//! product of the model is a bf16 weight, int4 tiles or FP8 rows and the
+//! batch is one row, the o and down projections add into the hidden row and write it
 //! times the next norm's weights with partial sums of squares, and the
 //! products after each norm (q/k/v, gate/up with SiLU-and-multiply, the
 //! head) scale by the norm's factor. A layer then runs no norm and no SiLU
@@ -39,29 +39,53 @@ pub(super) fn fold_weight(w: &DeviceWeight) -> R<&DeviceWeight> {
 
 fn unfoldable() -> KernelError {
     KernelError::Shape(
-        "a folded step needs bf16 weights or int4 tiles, q/k/v and gate/up stacked".into(),
+        "a folded step needs bf16 weights, int4 tiles or FP8 rows, q/k/v and gate/up stacked"
+            .into(),
     )
 }
 
-/// Whether the fold may take `w`: bf16, or int4 tiles where `int4`.
-fn takes(w: &DeviceWeight, int4: bool) -> bool {
-    Gpu::folds_weight(w) && (int4 || !is_int4(w))
+/// The quantized weights a folded step takes beside bf16.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FoldFormats {
+    /// Int4 tiles.
+    pub int4: bool,
+    /// FP8 rows packed for FP8 tensor cores.
+    pub fp8: bool,
 }
 
-fn is_int4(w: &DeviceWeight) -> bool {
-    matches!(w, DeviceWeight::Int4 { .. })
+/// Whether the fold may take `w` (`n x k`): bf16, or int4 tiles or FP8
+/// rows where `q` allows them (FP8 rows in strips of 16 rows and pieces of
+/// 64 columns).
+fn takes(w: &DeviceWeight, q: FoldFormats, n: usize, k: usize) -> bool {
+    let allowed = match w {
+        DeviceWeight::Int4 { .. } => q.int4,
+        DeviceWeight::Fp8 { .. } => q.fp8 && n.is_multiple_of(16) && k.is_multiple_of(64),
+        _ => true,
+    };
+    Gpu::folds_weight(w) && allowed
 }
 
-/// Whether a block runs folded: every weight bf16 (or int4 tiles, with
-/// `int4`), q/k/v and gate/up stacked, no biases, widths the GEMV takes.
-fn foldable_block(b: &Block<Cuda>, c: &ModelConfig, int4: bool) -> bool {
+/// Whether a block runs folded: every weight bf16 (or int4 tiles or FP8
+/// rows, where `q` allows them), q/k/v and gate/up stacked, no biases,
+/// widths the GEMV takes.
+fn foldable_block(b: &Block<Cuda>, c: &ModelConfig, q: FoldFormats) -> bool {
     let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
     let widths = [c.hidden, q_dim, c.ffn].iter().all(|k| k.is_multiple_of(8));
-    let qkv = fold_stack(&b.qkv, &[q_dim, kv_dim, kv_dim]).is_ok_and(|(w, _)| takes(w, int4));
-    // Int4 pairs each gate strip of 16 rows with its up strip.
+    let qkv = fold_stack(&b.qkv, &[q_dim, kv_dim, kv_dim])
+        .is_ok_and(|(w, _)| takes(w, q, q_dim + 2 * kv_dim, c.hidden));
+    // Int4 and FP8 pair each gate strip of 16 rows with its up strip.
+    let strips = |w: &DeviceWeight| {
+        !matches!(w, DeviceWeight::Int4 { .. } | DeviceWeight::Fp8 { .. })
+            || c.ffn.is_multiple_of(16)
+    };
     let gate_up = fold_stack(&b.gate_up, &[c.ffn, c.ffn])
-        .is_ok_and(|(w, _)| takes(w, int4) && (!is_int4(w) || c.ffn.is_multiple_of(16)));
-    widths && b.qkv_bias.is_none() && qkv && gate_up && takes(&b.wo, int4) && takes(&b.down, int4)
+        .is_ok_and(|(w, _)| takes(w, q, 2 * c.ffn, c.hidden) && strips(w));
+    widths
+        && b.qkv_bias.is_none()
+        && qkv
+        && gate_up
+        && takes(&b.wo, q, c.hidden, q_dim)
+        && takes(&b.down, q, c.hidden, c.ffn)
 }
 
 impl GpuModel {
@@ -73,12 +97,10 @@ impl GpuModel {
     }
 
     /// Whether the model's weights allow the folded step at all (int4
-    /// tiles only with `int4`).
-    pub(super) fn foldable(&self, int4: bool) -> bool {
+    /// tiles and FP8 rows only where `q` allows them).
+    pub(super) fn foldable(&self, q: FoldFormats) -> bool {
         let w = &self.weights;
-        w.blocks
-            .iter()
-            .all(|b| foldable_block(b, &self.config, int4))
-            && takes(w.head(), int4)
+        w.blocks.iter().all(|b| foldable_block(b, &self.config, q))
+            && takes(w.head(), q, self.config.vocab, self.config.hidden)
     }
 }

@@ -15,6 +15,7 @@ mod ranks;
 mod step;
 mod tune;
 
+pub use fold::FoldFormats;
 pub use kv_io::DevicePages;
 use lane::LaneKv;
 use linear::Linear;
@@ -244,16 +245,16 @@ impl GpuModel {
             tuned: None,
             sum: None,
         };
-        uploaded.fold = uploaded.foldable(false);
+        uploaded.fold = uploaded.foldable(FoldFormats::default());
         Ok(uploaded)
     }
 
     /// Whether one-token steps fold their norms into the GEMVs, where the
     /// model's weights allow it (bf16 weights do by default; int4 tiles
-    /// with `int4`). Set it before [`Self::kv`]: a step captured as a
-    /// graph keeps the path it was captured with.
-    pub fn set_fold(&mut self, on: bool, int4: bool) {
-        self.fold = on && self.foldable(int4) && self.sum.is_none();
+    /// and FP8 rows where `q` allows them). Set it before [`Self::kv`]: a
+    /// step captured as a graph keeps the path it was captured with.
+    pub fn set_fold(&mut self, on: bool, q: FoldFormats) {
+        self.fold = on && self.foldable(q) && self.sum.is_none();
     }
 
     /// Whether graphs captured from now on join consecutive kernels by
