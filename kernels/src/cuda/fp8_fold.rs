@@ -24,8 +24,9 @@ const STRIP: usize = 16;
 /// Threads of a block (`E4_WARPS` warps).
 const THREADS: u32 = 256;
 
-/// Most columns: x's codes in shared memory, beside two blocks an SM.
-const MAX_K: usize = 32 << 10;
+/// Most columns a folded FP8 product takes: x's codes in shared memory,
+/// beside two blocks an SM.
+pub const FP8_FOLD_MAX_K: usize = 32 << 10;
 
 /// FP8 rows as the fold's kernel takes them: the e4m3 codes (`rows x k`,
 /// packed) and a scale a row.
@@ -129,9 +130,10 @@ impl Gpu {
         grid: usize,
     ) -> R {
         let k = args.k();
-        if k > MAX_K {
+        if k > FP8_FOLD_MAX_K {
             return Err(KernelError::Shape(format!(
-                "folded FP8 product of {k} columns: at most {MAX_K} (x's codes in shared memory)"
+                "folded FP8 product of {k} columns: at most {FP8_FOLD_MAX_K} (x's codes in \
+                 shared memory)"
             )));
         }
         let func = self.function("gemv_e4m3_fold")?;

@@ -71,6 +71,7 @@ pub use comm::NcclRank;
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};
 pub use fp8_act::Fp8Input;
+pub use fp8_fold::FP8_FOLD_MAX_K;
 pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Out, Fp8Scratch};
 pub use fp8_mma::E4M3_MMA_MAX_M;
 pub use fp8_tune::{LtConfig, LtProbe, LtTiming};

@@ -9,7 +9,7 @@
 //! row's GEMVs are short (docs/perf.md has the measured step times).
 
 use kiln_kernels::KernelError;
-use kiln_kernels::cuda::{DeviceWeight, Gpu};
+use kiln_kernels::cuda::{DeviceWeight, FP8_FOLD_MAX_K, Gpu};
 
 use super::linear::Linear;
 use super::{Cuda, GpuModel};
@@ -55,11 +55,13 @@ pub struct FoldFormats {
 
 /// Whether the fold may take `w` (`n x k`): bf16, or int4 tiles or FP8
 /// rows where `q` allows them (FP8 rows in strips of 16 rows and pieces of
-/// 64 columns).
+/// 64 columns, at most [`FP8_FOLD_MAX_K`] of them).
 fn takes(w: &DeviceWeight, q: FoldFormats, n: usize, k: usize) -> bool {
     let allowed = match w {
         DeviceWeight::Int4 { .. } => q.int4,
-        DeviceWeight::Fp8 { .. } => q.fp8 && n.is_multiple_of(16) && k.is_multiple_of(64),
+        DeviceWeight::Fp8 { .. } => {
+            q.fp8 && n.is_multiple_of(16) && k.is_multiple_of(64) && k <= FP8_FOLD_MAX_K
+        }
         _ => true,
     };
     Gpu::folds_weight(w) && allowed
