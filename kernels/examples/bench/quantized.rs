@@ -128,6 +128,9 @@ pub fn quantized_gemv(
                         100.0 * g2 / copy
                     );
                 }
+                if m == 1 && dtype == DType::Fp8Row {
+                    folded_fp8(gpu, &dw, &x, &mut out, (nn, k), (copy, &theirs))?;
+                }
                 if m == 1 && dtype == DType::Int4G128 {
                     // The two-launch path (int4_xfrag, then the GEMV of up to
                     // 8 rows), then each block size of the one-launch GEMV,
@@ -161,6 +164,44 @@ pub fn quantized_gemv(
             }
         }
     }
+    Ok(())
+}
+
+/// FP8 rows' one-row product as a folded step runs it (`fp8_fold.cu`: the
+/// activation row quantized inside each block, no quantizer launch), with
+/// a norm factor of 1 from as many partial sums as the FP8 residual
+/// product of a 4096-wide model writes, beside the unfolded product timed
+/// before it (`theirs`: cuBLAS on the same values).
+fn folded_fp8(
+    gpu: &mut Gpu,
+    dw: &kiln_kernels::cuda::DeviceWeight,
+    x: &CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    (nn, k): (usize, usize),
+    (copy, theirs): (f64, &[f32]),
+) -> Result<(), E> {
+    let sum = gpu.norm_sum_of(k as f32, 2048)?;
+    let input = kiln_kernels::cuda::Normed {
+        gh: x,
+        sum: &sum,
+        eps: 0.0,
+    };
+    gpu.gemv_normed(&input, dw, &mut [&mut *out], &[nn], k)?;
+    let err = rel_diff(&gpu.stream().clone_dtoh(&*out)?, theirs);
+    if err.is_nan() || err >= 6e-2 {
+        return Err(format!("folded FP8 {nn}x{k} vs cuBLAS: rel err {err}").into());
+    }
+    let t = time_graph(gpu, 30, || {
+        Ok(gpu.gemv_normed(&input, dw, &mut [&mut *out], &[nn], k)?)
+    })?;
+    let g = dw.size_bytes() as f64 / t / 1e9;
+    println!(
+        "{:>10} {:>14}   1 folded: {:.1} us, {g:.0} GB/s ({:.0}%), rel err vs cuBLAS {err:.1e}",
+        "",
+        format!("{nn}x{k}"),
+        t * 1e6,
+        100.0 * g / copy
+    );
     Ok(())
 }
 
