@@ -58,8 +58,8 @@ impl Gpu {
     ) -> R {
         match fold_weight(w)? {
             FoldWeight::Bf16(w) => self.gemv_bf16_resid(x, w, h, next, n, k),
-            FoldWeight::Int4(w) => self.gemv_int4_resid(x, w, h, next, n, k),
-            FoldWeight::Fp8(w) => self.gemv_fp8_resid(x, w, h, next, n, k),
+            FoldWeight::Int4(w) => self.gemv_folded_resid(x, w, h, next, n, k),
+            FoldWeight::Fp8(w) => self.gemv_folded_resid(x, w, h, next, n, k),
         }
     }
 
@@ -74,8 +74,8 @@ impl Gpu {
     ) -> R {
         match fold_weight(w)? {
             FoldWeight::Bf16(w) => self.gemv_bf16_normed(input, w, outs, parts, k),
-            FoldWeight::Int4(w) => self.gemv_int4_normed(input, w, outs, parts, k),
-            FoldWeight::Fp8(w) => self.gemv_fp8_normed(input, w, outs, parts, k),
+            FoldWeight::Int4(w) => self.gemv_folded_normed(input, w, outs, parts, k),
+            FoldWeight::Fp8(w) => self.gemv_folded_normed(input, w, outs, parts, k),
         }
     }
 
@@ -90,8 +90,8 @@ impl Gpu {
     ) -> R {
         match fold_weight(w)? {
             FoldWeight::Bf16(w) => self.gemv_bf16_normed_silu(input, w, out, f, k),
-            FoldWeight::Int4(w) => self.gemv_int4_normed_silu(input, w, out, f, k),
-            FoldWeight::Fp8(w) => self.gemv_fp8_normed_silu(input, w, out, f, k),
+            FoldWeight::Int4(w) => self.gemv_folded_silu(input, w, out, f, k),
+            FoldWeight::Fp8(w) => self.gemv_folded_silu(input, w, out, f, k),
         }
     }
 }

@@ -1,17 +1,11 @@
-//! The products of a folded one-token step (fold.rs) on int4 tiles: the
-//! one-launch GEMV of `int4_one.cu` with the fold's ending
-//! (`gemv_int4_fold_g{G}`, two strips a block). The o and down products
-//! add into the hidden row and write the next norm's input and partial
-//! sums; q/k/v and the head scale by the norm's factor; gate/up pairs
-//! each gate strip with its up strip in one block and writes
-//! silu(gate) * up. A layer of int4 weights then runs no norm and no SiLU
+//! The folded products (fold_args.rs) on int4 tiles: the one-launch GEMV
+//! of `int4_one.cu` with the fold's ending (`gemv_int4_fold_g{G}`, two
+//! strips a block), so a layer of int4 weights runs no norm and no SiLU
 //! kernel, as a bf16 one does.
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
-use super::fold::{NextNorm, Normed};
-use super::fold_args::{FoldArgs, FoldLaunch};
-use super::shape::check_parts;
+use super::fold_args::{FoldKernel, FoldLaunch};
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 
@@ -32,7 +26,7 @@ pub(super) struct Int4Tiles<'a> {
 
 impl Int4Tiles<'_> {
     /// Checks that the tiles hold `n` rows of `k` and `x` holds `k`.
-    fn check(&self, x: &CudaSlice<f32>, n: usize, k: usize) -> R {
+    fn check_tiles(&self, x: &CudaSlice<f32>, n: usize, k: usize) -> R {
         let whole = n.is_multiple_of(STRIP) && k.is_multiple_of(self.group);
         let bytes = super::int4_device_bytes(n, k, self.group);
         if self.rows != n || !whole || x.len() < k || self.bytes.len() < bytes {
@@ -48,82 +42,24 @@ impl Int4Tiles<'_> {
     }
 }
 
-impl Gpu {
-    /// `h += x * w^T` for one row (`w`: int4 tiles, `n x k`), then `gh = g
-    /// * h` and its blocks' sums of `h^2` into `sum`:
-    /// [`Self::gemv_bf16_resid`] on int4 tiles.
-    pub(super) fn gemv_int4_resid(
-        &self,
-        x: &CudaSlice<f32>,
-        w: Int4Tiles<'_>,
-        h: &mut CudaSlice<f32>,
-        mut next: NextNorm<'_>,
-        n: usize,
-        k: usize,
-    ) -> R {
-        w.check(x, n, k)?;
-        let grid = n.div_ceil(STRIP * STRIPS);
-        next.check(h, n, grid)?;
-        let fold = FoldArgs::residual(self, h, &mut next);
-        self.launch_int4_fold(x, w, FoldLaunch::new([0; 3], &[n], k, fold), grid)?;
-        next.sum.parts = grid;
-        Ok(())
+impl FoldKernel for Int4Tiles<'_> {
+    const NAME: &'static str = "int4";
+
+    fn check(&self, x: &CudaSlice<f32>, n: usize, k: usize) -> R {
+        self.check_tiles(x, n, k)
     }
 
-    /// `outs[i] = (rmsnorm(h) * g) * w_i^T` for the parts of the int4
-    /// stack `w`, from the `gh` and `sum` a residual product wrote:
-    /// [`Self::gemv_bf16_normed`] on int4 tiles.
-    pub(super) fn gemv_int4_normed(
-        &self,
-        input: &Normed<'_>,
-        w: Int4Tiles<'_>,
-        outs: &mut [&mut CudaSlice<f32>],
-        parts: &[usize],
-        k: usize,
-    ) -> R {
-        let n = check_parts(outs, parts, 1)?;
-        w.check(input.gh, n, k)?;
-        let fold = FoldArgs::normed(self, input)?;
-        let o = self.out_ptrs(outs, parts);
-        let grid = n.div_ceil(STRIP * STRIPS);
-        self.launch_int4_fold(input.gh, w, FoldLaunch::new(o.ptrs, parts, k, fold), grid)
+    fn grid(n: usize) -> usize {
+        n.div_ceil(STRIP * STRIPS)
     }
 
-    /// `out = silu(gate) * up` after the norm, where the int4 stack `w`
-    /// holds gate over up (`2f x k`): [`Self::gemv_bf16_normed_silu`] on
-    /// int4 tiles. A block takes a gate strip and its up strip.
-    pub(super) fn gemv_int4_normed_silu(
-        &self,
-        input: &Normed<'_>,
-        w: Int4Tiles<'_>,
-        out: &mut CudaSlice<f32>,
-        f: usize,
-        k: usize,
-    ) -> R {
-        w.check(input.gh, 2 * f, k)?;
-        let (fold, o) = FoldArgs::paired(self, input, out, f, "int4")?;
-        self.launch_int4_fold(
-            input.gh,
-            w,
-            FoldLaunch::new(o, &[2 * f], k, fold),
-            f / STRIP,
-        )
-    }
-
-    /// Launches `gemv_int4_fold_g{G}` on `grid` blocks (sizes checked by
-    /// the caller).
-    fn launch_int4_fold(
-        &self,
-        x: &CudaSlice<f32>,
-        w: Int4Tiles<'_>,
-        args: FoldLaunch,
-        grid: usize,
-    ) -> R {
-        let k = args.k();
-        let warps = self.int4_one_block_warps(grid, STRIPS, k / w.group);
-        let func = self.function(&format!("gemv_int4_fold_g{}_w{warps}", w.group))?;
-        let mut b = self.stream.launch_builder(func);
-        b.arg(x).arg(w.bytes);
+    /// `gemv_int4_fold_g{G}`, in blocks of 8 or 16 warps as the grid
+    /// allows (`int4_one_block_warps`).
+    fn launch(&self, gpu: &Gpu, x: &CudaSlice<f32>, args: FoldLaunch, grid: usize) -> R {
+        let warps = gpu.int4_one_block_warps(grid, STRIPS, args.k() / self.group);
+        let func = gpu.function(&format!("gemv_int4_fold_g{}_w{warps}", self.group))?;
+        let mut b = gpu.stream.launch_builder(func);
+        b.arg(x).arg(self.bytes);
         args.push(&mut b);
         // SAFETY: two strips of 16 of the n rows a block (or a gate strip
         // and its up strip: f / 16 blocks), x of k, the outputs, norm
