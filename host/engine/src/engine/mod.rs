@@ -140,7 +140,7 @@ impl Default for EngineConfig {
             cuda_pdl: true,
             cuda_fold: true,
             cuda_fold_int4: true,
-            cuda_fold_fp8: false,
+            cuda_fold_fp8: true,
             cuda_int4_rows: true,
             cuda_tune_bf16: false,
             device_sampling: true,
