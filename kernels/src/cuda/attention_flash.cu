@@ -13,8 +13,8 @@
 // launch runs either.
 //
 // K and V of the warp's next chunk are loaded into registers while this
-// one is summed (a cp.async ring in shared memory instead measured slower:
-// see docs/perf.md, session 41).
+// one is summed: a cp.async ring in shared memory measured slower, its
+// round trip and warp syncs costing more than the loads they hide.
 //
 // fp8 weights: a token's weight on its raw e4m3 V is p * vscale; the warp
 // keeps them relative to the largest V scale it has seen (cref), so the f16

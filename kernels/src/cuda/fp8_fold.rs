@@ -30,29 +30,26 @@ pub(super) struct Fp8Rows<'a> {
     pub(super) scales: &'a CudaSlice<f32>,
 }
 
-impl Fp8Rows<'_> {
-    /// Checks that the rows hold `n` of `k` codes and `x` holds `k`, in
-    /// whole strips of rows and 64-wide pieces of `k`.
-    fn check_rows(&self, x: &CudaSlice<f32>, n: usize, k: usize) -> R {
+impl FoldKernel for Fp8Rows<'_> {
+    const NAME: &'static str = "FP8";
+
+    /// The rows hold `n` of `k` codes and `x` holds `k`, in whole strips
+    /// of rows and 64-wide pieces of `k`, at most [`FP8_FOLD_MAX_K`] (x's
+    /// codes in shared memory).
+    fn check(&self, x: &CudaSlice<f32>, n: usize, k: usize) -> R {
         let whole = n.is_multiple_of(STRIP) && k.is_multiple_of(64) && k > 0;
-        if !whole || self.scales.len() < n || self.codes.len() < n * k || x.len() < k {
+        let fits = whole && k <= FP8_FOLD_MAX_K;
+        if !fits || self.scales.len() < n || self.codes.len() < n * k || x.len() < k {
             return Err(KernelError::Shape(format!(
                 "folded FP8 product of {k} over {n} rows: the rows hold {} codes and {} \
-                 scales, x {}; rows in strips of {STRIP} and k in pieces of 64",
+                 scales, x {}; rows in strips of {STRIP} and k in pieces of 64, at most \
+                 {FP8_FOLD_MAX_K}",
                 self.codes.len(),
                 self.scales.len(),
                 x.len()
             )));
         }
         Ok(())
-    }
-}
-
-impl FoldKernel for Fp8Rows<'_> {
-    const NAME: &'static str = "FP8";
-
-    fn check(&self, x: &CudaSlice<f32>, n: usize, k: usize) -> R {
-        self.check_rows(x, n, k)
     }
 
     fn grid(n: usize) -> usize {
@@ -62,12 +59,6 @@ impl FoldKernel for Fp8Rows<'_> {
     /// `gemv_e4m3_fold`, with K bytes of shared memory for x's codes.
     fn launch(&self, gpu: &Gpu, x: &CudaSlice<f32>, args: FoldLaunch, grid: usize) -> R {
         let k = args.k();
-        if k > FP8_FOLD_MAX_K {
-            return Err(KernelError::Shape(format!(
-                "folded FP8 product of {k} columns: at most {FP8_FOLD_MAX_K} (x's codes in \
-                 shared memory)"
-            )));
-        }
         let func = gpu.function("gemv_e4m3_fold")?;
         let mut b = gpu.stream.launch_builder(func);
         b.arg(x).arg(self.codes).arg(self.scales);

@@ -24,9 +24,11 @@ pub(super) struct Int4Tiles<'a> {
     pub(super) rows: usize,
 }
 
-impl Int4Tiles<'_> {
-    /// Checks that the tiles hold `n` rows of `k` and `x` holds `k`.
-    fn check_tiles(&self, x: &CudaSlice<f32>, n: usize, k: usize) -> R {
+impl FoldKernel for Int4Tiles<'_> {
+    const NAME: &'static str = "int4";
+
+    /// The tiles hold `n` rows of `k` and `x` holds `k`.
+    fn check(&self, x: &CudaSlice<f32>, n: usize, k: usize) -> R {
         let whole = n.is_multiple_of(STRIP) && k.is_multiple_of(self.group);
         let bytes = super::int4_device_bytes(n, k, self.group);
         if self.rows != n || !whole || x.len() < k || self.bytes.len() < bytes {
@@ -39,14 +41,6 @@ impl Int4Tiles<'_> {
             )));
         }
         Ok(())
-    }
-}
-
-impl FoldKernel for Int4Tiles<'_> {
-    const NAME: &'static str = "int4";
-
-    fn check(&self, x: &CudaSlice<f32>, n: usize, k: usize) -> R {
-        self.check_tiles(x, n, k)
     }
 
     fn grid(n: usize) -> usize {

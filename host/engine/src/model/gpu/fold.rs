@@ -1,8 +1,9 @@
 //! A step of one token with the norms folded into its GEMVs
 //! (`kiln_kernels::cuda` `gemv_resid` / `gemv_normed`): where every
 //! product of the model is a bf16 weight, int4 tiles or FP8 rows and the
-//! batch is one row, the o and down projections add into the hidden row and write it
-//! times the next norm's weights with partial sums of squares, and the
+//! batch is one row, the o and down projections add into the hidden row
+//! and write it times the next norm's weights with partial sums of
+//! squares, and the
 //! products after each norm (q/k/v, gate/up with SiLU-and-multiply, the
 //! head) scale by the norm's factor. A layer then runs no norm and no SiLU
 //! kernel: five launches instead of eight, which matters most when one
