@@ -43,6 +43,9 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     extern __shared__ __align__(16) float smem[];
     int kvh = blockIdx.x, s = blockIdx.y, part = blockIdx.z;
     int t0 = part * part_len;
+    flash_prefetch<FP8, HD>(kc, vc, ks, tables, table_off, lens, s, kvh, kv_heads, page_size, t0,
+                            part_len);
+    PDL_WAIT();
     int t1 = min(lens[s], t0 + part_len);
     int p0 = t0 / page_size;
     int npages = t1 > t0 ? (t1 - 1) / page_size - p0 + 1 : 0;
@@ -319,7 +322,7 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
              float* part_ml, int n_heads, int kv_heads, int hd, int page_size, int parts,       \
              int part_len, float scale, float* out, __nv_bfloat16* out16, unsigned* done,       \
              RopeIn rin) {                                                                      \
-        PDL_ENTER();                                                                            \
+        PDL_LAUNCH();                                                                           \
         attention_flash<FP8, G, HD>(q, kc, vc, ks, vs, tables, table_off, lens, part_out,       \
                                     part_ml, n_heads, kv_heads, page_size, parts, part_len,     \
                                     scale, out, out16, done, rin);                              \

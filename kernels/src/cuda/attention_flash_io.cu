@@ -9,6 +9,38 @@
 // `load` reads for two tokens.
 __device__ __align__(8) float kiln_unit_scales[2] = {1.0f, 1.0f};
 
+// Before the PDL wait: the K and V lines (and fp8 scales) of the block's
+// first 2 x FLASH_WARPS chunks, the ones its warps load first, asked of L2,
+// so those loads meet L2 once the wait ends where they would otherwise
+// follow the page table to DRAM (at one sequence, a decode step's
+// attention starts ~6 us after the launch before it ends). Only a hint:
+// nothing enters registers, so lens and tables, which the step's tag check
+// may yet change, only aim it; it reads no page the loop would not.
+template <bool FP8, int HD>
+__device__ __forceinline__ void flash_prefetch(const void* kc, const void* vc, const float* ks,
+                                               const int* tables, const int* table_off,
+                                               const int* lens, int s, int kvh, int kv_heads,
+                                               int page_size, int t0, int part_len) {
+    constexpr int BYTES = HD * (FP8 ? 1 : 2);  // a token's vector
+    constexpr int FIRST = 2 * FLASH_WARPS * 16;  // == the block's threads
+    int t = t0 + threadIdx.x;
+    if (threadIdx.x >= FIRST || t >= min(lens[s], t0 + part_len)) return;
+    int page = tables[table_off[s] + t / page_size];
+    size_t vec = kv_vec(page, t % page_size, kvh, kv_heads, page_size);
+    const char* k = (const char*)kc + vec * BYTES;
+    const char* v = (const char*)vc + vec * BYTES;
+#pragma unroll
+    for (int b = 0; b < BYTES; b += 128) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(k + b));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(v + b));
+    }
+    // A line holds 32 tokens' scales (vectors of a page and head lie
+    // together, pages 16-aligned).
+    if (FP8 && ks != nullptr && (vec & 31) == 0) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(ks + vec));
+    }
+}
+
 // A decode step's RoPE and KV write inside its attention (`rin`, see
 // RopeIn): the block's G query heads rotated into qrot (G x HD floats of
 // shared memory; then Hadamard-rotated on static fp8 pages, ks null, as
