@@ -75,7 +75,7 @@ pub(crate) struct EngineArgs {
     /// On CUDA, time cuBLASLt's algorithms for the decode step's bf16
     /// products at load (weights out of L2) and run the fastest where it
     /// beats cuBLAS's own choice (`off`: cuBLAS's choice).
-    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
+    #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_tune_bf16: OnOff,
     /// On CUDA, sample (temperature, top-k, top-p) on the device.
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
@@ -96,7 +96,7 @@ pub(crate) struct EngineArgs {
     /// On CUDA, decode steps' attention rotates the q/k/v rows and writes
     /// the new keys and values into their pages itself, where a separate
     /// launch did before it.
-    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
+    #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_rope_in_attention: OnOff,
     /// On CUDA, the flash attention kernel's build decode steps run over
     /// fp8 pages with heads of 128: each launch picks (auto), loads in
@@ -120,7 +120,7 @@ pub(crate) struct EngineArgs {
     cuda_bf16_mlp: OnOff,
     /// On CUDA, with the bf16 MLP, decode steps past the skinny GEMM's 16
     /// sequences run it too (one gate/up GEMM where they run two).
-    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
+    #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_bf16_mlp_decode: OnOff,
     /// Prefill/decode disaggregation: a prefill lane admits and computes
     /// prompts and a decode lane runs the streams, each with its own

@@ -114,9 +114,11 @@ mode_tune_bf16() {
     device_env
     unpack_kiln
     timeout 150 .gpu/cuda_bench bf16lt 2>&1 | tee "$out/bf16lt.log"
-    for flags in "" "--cuda-tune-bf16 on" "--cuda-bf16-mlp-decode on" \
+    for flags in "--cuda-tune-bf16 off --cuda-bf16-mlp-decode off" \
+        "--cuda-tune-bf16 on --cuda-bf16-mlp-decode off" \
+        "--cuda-tune-bf16 off --cuda-bf16-mlp-decode on" \
         "--cuda-tune-bf16 on --cuda-bf16-mlp-decode on"; do
-        echo "== ${flags:-neither}" | tee -a "$out/tune-bf16.log"
+        echo "== $flags" | tee -a "$out/tune-bf16.log"
         # shellcheck disable=SC2086
         timeout 150 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --kv fp8 \
             --kv-memory 16GiB --concurrency 32,64 --prompt-tokens 512 --gen-tokens 128 \

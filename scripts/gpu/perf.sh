@@ -158,10 +158,11 @@ mode_flash_builds() {
 }
 
 mode_decode_flags() {
-    # Issue 23's batched decode with the opt-in decode flags, each set in
-    # SETS (split by ';'; default: none, the tuned bf16 algorithms with
-    # the bf16 MLP, attention that rotates the keys, and all three) in
-    # turn, ROUNDS (default 1) times: `kiln bench` at CONC (default 64)
+    # Issue 23's batched decode with the decode flags, each set in SETS
+    # (split by ';'; default: the defaults (all three on), none of them,
+    # the tuned bf16 algorithms with the bf16 MLP alone, and attention
+    # that rotates the keys alone) in turn, ROUNDS (default 1) times:
+    # `kiln bench` at CONC (default 64; a list such as 1,32,64 runs each)
     # sequences on KV_FORMATS (default bf16,fp8-static) pages. TESTS=1
     # (default) runs parity and the rotating attention's test first. Carry
     # .gpu, .gpu-bench. Fails if a test or a run fails.
@@ -176,8 +177,10 @@ mode_decode_flags() {
             tee -a "$out/parity.log" | grep -E "test result|panicked|differs"
         [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     fi
-    all="--cuda-tune-bf16 on --cuda-bf16-mlp-decode on --cuda-rope-in-attention on"
-    IFS=';' read -ra sets <<<"${SETS-;--cuda-tune-bf16 on --cuda-bf16-mlp-decode on;--cuda-rope-in-attention on;$all}"
+    tune="--cuda-tune-bf16 on --cuda-bf16-mlp-decode on"
+    rope="--cuda-rope-in-attention on"
+    none="--cuda-tune-bf16 off --cuda-bf16-mlp-decode off --cuda-rope-in-attention off"
+    IFS=';' read -ra sets <<<"${SETS-;$none;$tune --cuda-rope-in-attention off;--cuda-tune-bf16 off --cuda-bf16-mlp-decode off $rope}"
     for round in $(seq "${ROUNDS:-1}"); do
         for flags in "${sets[@]}"; do
             echo "== round $round: ${flags:-defaults}" | tee -a "$out/flags.log"
