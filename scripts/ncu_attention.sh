@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute on decode attention kernels (GPU machine): stall reasons,
 # issue rate and DRAM throughput of the first launch of each kernel named
-# (regexes), while .gpu/cuda_bench runs. Writes $OUT/ncu-<name>.txt.
+# (regexes), while .gpu/cuda_bench runs (with BENCH_ARGS, e.g. "one-row
+# 4096x14336" for the folded FP8 down product). Writes $OUT/ncu-<name>.txt.
 set -uo pipefail
 out="${OUT:-./gpu-out}"
 mkdir -p "$out"
@@ -15,7 +16,8 @@ for s in barrier long_scoreboard short_scoreboard mio_throttle wait math_pipe_th
     m="$m,smsp__average_warps_issue_stalled_${s}_per_issue_active.ratio"
 done
 for k in "$@"; do
+    # shellcheck disable=SC2086
     timeout 150 /usr/local/cuda/bin/ncu -k "regex:$k" -c 1 --section Occupancy --section SchedulerStats --section ComputeWorkloadAnalysis \
-        --metrics "$m" .gpu/cuda_bench 2>&1 | grep -v "^paged\|^ *[0-9]*x[0-9]\|^tag\|^copy\|^device" >"$out/ncu-$k.txt"
+        --metrics "$m" .gpu/cuda_bench ${BENCH_ARGS:-} 2>&1 | grep -v "^paged\|^ *[0-9]*x[0-9]\|^tag\|^copy\|^device" >"$out/ncu-$k.txt"
     grep -E "stalled|inst_executed|dram__|duration|Eligible|Issued|Achieved Active|Registers|Pipe|pipe" "$out/ncu-$k.txt" | sed "s/^/$k: /"
 done
