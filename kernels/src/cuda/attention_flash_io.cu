@@ -9,7 +9,7 @@
 // `load` reads for two tokens.
 __device__ __align__(8) float kiln_unit_scales[2] = {1.0f, 1.0f};
 
-// Before the PDL wait: the K and V lines (and fp8 scales) of the block's
+// Before the PDL wait: the K and V lines (and K's fp8 scales) of the block's
 // first 2 x FLASH_WARPS chunks, the ones its warps load first, asked of L2,
 // so those loads meet L2 once the wait ends where they would otherwise
 // follow the page table to DRAM (at one sequence, a decode step's

@@ -3,9 +3,8 @@
 //! product of the model is a bf16 weight, int4 tiles or FP8 rows and the
 //! batch is one row, the o and down projections add into the hidden row
 //! and write it times the next norm's weights with partial sums of
-//! squares, and the
-//! products after each norm (q/k/v, gate/up with SiLU-and-multiply, the
-//! head) scale by the norm's factor. A layer then runs no norm and no SiLU
+//! squares, and the products after each norm (q/k/v, gate/up with
+//! SiLU-and-multiply, the head) scale by the norm's factor. A layer then runs no norm and no SiLU
 //! kernel: five launches instead of eight, which matters most when one
 //! row's GEMVs are short (docs/perf.md has the measured step times).
 
