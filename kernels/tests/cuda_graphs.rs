@@ -100,8 +100,12 @@ fn device() -> (Gpu, u64) {
     }
     let gpu = Gpu::open(0, true)
         .unwrap_or_else(|e| panic!("KILN_TEST_DEVICE=cuda, but CUDA does not work: {e}"));
-    let seed: u64 = rand::rng().random();
-    eprintln!("seed {seed}");
+    // KILN_TEST_SEED replays a failing run's values.
+    let seed: u64 = std::env::var("KILN_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::rng().random());
+    eprintln!("seed {seed} (KILN_TEST_SEED replays it)");
     (gpu, seed)
 }
 
