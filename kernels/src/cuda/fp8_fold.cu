@@ -8,8 +8,8 @@
 // A block of W warps (8, two blocks an SM, or 16, one) takes one strip of
 // 16 weight rows, or with `pair` gate strip b (the first W / 2 warps) and
 // up strip b (the rest); the warps of a strip split K into 64-wide pieces
-// as gemm_e4m3_strip's do, each lane's
-// fragment of a piece one 16-byte load of rows g and g + 8. Their first
+// as gemm_e4m3_strip's do, each lane's fragment of a piece one 16-byte
+// load of rows g and g + 8. Their first
 // pieces load before the PDL wait (weights depend on no earlier kernel);
 // after it the block quantizes x into shared memory exactly as
 // quant_rows_e4m3 does (the same codes and scale: no quantizer launch runs

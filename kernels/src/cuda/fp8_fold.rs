@@ -84,6 +84,7 @@ impl FoldKernel for Fp8Rows<'_> {
         } else {
             "gemv_e4m3_fold"
         })?;
+        let threads = 32 * warps as u32;
         let mut b = gpu.stream.launch_builder(func);
         b.arg(x).arg(self.codes).arg(self.scales);
         args.push(&mut b);
@@ -91,7 +92,6 @@ impl FoldKernel for Fp8Rows<'_> {
         // its up strip: f / 16 blocks), x of k, the outputs, norm buffers
         // and partial sums checked by the callers; k bytes of shared
         // memory, under the 48 KiB a launch may take by default.
-        let threads = 32 * warps as u32;
         unsafe { b.launch(super::launch::cfg((grid as u32, 1, 1), threads, k as u32)) }
             .map_err(cuda_err)?;
         Ok(())

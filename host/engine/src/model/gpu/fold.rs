@@ -4,9 +4,10 @@
 //! batch is one row, the o and down projections add into the hidden row
 //! and write it times the next norm's weights with partial sums of
 //! squares, and the products after each norm (q/k/v, gate/up with
-//! SiLU-and-multiply, the head) scale by the norm's factor. A layer then runs no norm and no SiLU
-//! kernel: five launches instead of eight, which matters most when one
-//! row's GEMVs are short (docs/perf.md has the measured step times).
+//! SiLU-and-multiply, the head) scale by the norm's factor. A layer then
+//! runs no norm and no SiLU kernel: five launches instead of eight, which
+//! matters most when one row's GEMVs are short (docs/perf.md has the
+//! measured step times).
 
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{DeviceWeight, FP8_FOLD_MAX_K, Gpu};
