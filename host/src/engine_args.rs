@@ -72,10 +72,6 @@ pub(crate) struct EngineArgs {
     /// fragment launch and the GEMV).
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_int4_rows: OnOff,
-    /// On CUDA, warps a block of the folded FP8 products takes: 8, 16, or
-    /// 0 for as many as each launch's grid fills the GPU's waves best.
-    #[arg(long, default_value_t = 8, hide = true)]
-    cuda_fp8_fold_warps: usize,
     /// On CUDA, time cuBLASLt's algorithms for the decode step's bf16
     /// products at load (weights out of L2) and run the fastest where it
     /// beats cuBLAS's own choice (`off`: cuBLAS's choice).
@@ -184,12 +180,6 @@ impl EngineArgs {
             "--prefill-warps {}: a block of prefill attention takes 4 or 8 warps",
             self.prefill_warps.unwrap_or_default()
         );
-        anyhow::ensure!(
-            matches!(self.cuda_fp8_fold_warps, 0 | 8 | 16),
-            "--cuda-fp8-fold-warps {}: a block of the folded FP8 products takes 8 or 16 warps \
-             (0: as its grid fills the GPU's waves)",
-            self.cuda_fp8_fold_warps
-        );
         let gpu = matches!(device, kiln_kernels::Device::Cuda(_));
         let scheduler = kiln_host::engine::SchedulerConfig {
             max_running: self.max_seqs.unwrap_or(if gpu { 256 } else { 64 }),
@@ -210,7 +200,6 @@ impl EngineArgs {
             cuda_fold_int4: self.cuda_fold_int4 == OnOff::On,
             cuda_fold_fp8: self.cuda_fold_fp8 == OnOff::On,
             cuda_int4_rows: self.cuda_int4_rows == OnOff::On,
-            cuda_fp8_fold_warps: Some(self.cuda_fp8_fold_warps).filter(|w| *w > 0),
             cuda_tune_bf16: self.cuda_tune_bf16 == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,
             tensor_prefill: self.tensor_prefill == OnOff::On,

@@ -194,30 +194,3 @@ mode_decode_flags() {
     done
     exit "$failed"
 }
-
-mode_fp8_fold_warps() {
-    # The folded FP8 products in blocks of 8 warps (the default), of 16,
-    # and as each grid's waves choose (`--cuda-fp8-fold-warps 8|16|0`):
-    # the fold chain's test (every block size) first, then `cuda_bench
-    # one-row` at the q/k/v and down shapes (each size timed), then `kiln
-    # bench` of FP8 rows at CONC (default 1) sequences on fp8 pages with
-    # each size of SIZES (default 8 0 16). Carry .gpu, .gpu-bench. Fails
-    # if the test or a run fails.
-    prepare
-    set +e
-    failed=0
-    KILN_TEST_DEVICE=cuda timeout 150 .gpu/cuda_graphs --include-ignored folded_norm --nocapture 2>&1 |
-        tee "$out/fold.log" | grep -E "Fp8Row|test result|panicked|differs"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    for shape in 6144x4096 4096x14336; do
-        timeout 60 .gpu/cuda_bench one-row "$shape" 2>&1 | grep -E "Fp8Row|folded" | tee -a "$out/onerow.log"
-    done
-    for warps in ${SIZES:-8 0 16}; do
-        echo "== --cuda-fp8-fold-warps $warps" | tee -a "$out/bench.log"
-        timeout 150 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --weights fp8 \
-            --kv fp8 --kv-memory 16GiB --concurrency "${CONC:-1}" --prompt-tokens 512 \
-            --gen-tokens 128 --cuda-fp8-fold-warps "$warps" 2>&1 | grep -v INFO | tee -a "$out/bench.log"
-        [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    done
-    exit "$failed"
-}

@@ -5,11 +5,10 @@
 // partial sums, SiLU-and-multiply of a gate strip with its up strip, and
 // the residual add with the next norm's input and sums.
 //
-// A block of W warps (8, two blocks an SM, or 16, one) takes one strip of
-// 16 weight rows, or with `pair` gate strip b (the first W / 2 warps) and
-// up strip b (the rest); the warps of a strip split K into 64-wide pieces
-// as gemm_e4m3_strip's do, each lane's fragment of a piece one 16-byte
-// load of rows g and g + 8. Their first
+// A block of E4_WARPS warps takes one strip of 16 weight rows, or with
+// `pair` gate strip b (warps 0-3) and up strip b (warps 4-7); the warps of
+// a strip split K into 64-wide pieces as gemm_e4m3_strip's do, each lane's
+// fragment of a piece one 16-byte load of rows g and g + 8. Their first
 // pieces load before the PDL wait (weights depend on no earlier kernel);
 // after it the block quantizes x into shared memory exactly as
 // quant_rows_e4m3 does (the same codes and scale: no quantizer launch runs
@@ -50,7 +49,6 @@ __device__ __forceinline__ void e4f_mma(float (&acc)[4], const uint4 (&a)[E4F_U]
 // g + 8 of the block's strip (or strips) summed, scaled by the rows'
 // weight scales, x's scale and the norm's factor, then written as `f`
 // says (lanes t == 0).
-template <int W>
 __device__ __forceinline__ void e4f_out(float2 (*red)[8], const Int4OneFold& f,
                                         const Int4FoldEarly<1>& early, const Outs& o,
                                         const float (&wsc)[2][2], float xs, int K) {
@@ -63,6 +61,7 @@ __device__ __forceinline__ void e4f_out(float2 (*red)[8], const Int4OneFold& f,
         for (int i = lane + 32 * INT4_FOLD_EARLY; i < f.parts; i += 32) v += f.sums[i];
         fac *= norm_factor(warp_sum(v), K, f.eps);
     }
+    constexpr int W = E4_WARPS;
     const int ways = f.pair ? W / 2 : W;
     float2 s[2] = {make_float2(0.0f, 0.0f), make_float2(0.0f, 0.0f)};
     for (int w = 0; w < W; w++) {
@@ -107,18 +106,22 @@ __device__ __forceinline__ void e4f_out(float2 (*red)[8], const Int4OneFold& f,
 
 // x (K f32, K a multiple of 64) against the FP8 rows w (N x K codes, a
 // scale a row in ws; N a multiple of 16), folded as `f` says: N / 16
-// blocks, or N / 32 with `pair`, of W warps. Shared memory: K bytes.
-template <int W>
-__device__ __forceinline__ void e4m3_fold(const float* x, const unsigned char* w, const float* ws,
-                                          const Outs& o, const Int4OneFold& f, int N, int K) {
+// blocks, or N / 32 with `pair`. Shared memory: K bytes.
+extern "C" __global__ void __launch_bounds__(32 * E4_WARPS, 2)
+    gemv_e4m3_fold(const float* x, const unsigned char* w, const float* ws, float* o0, float* o1,
+                   float* o2, int n0, int n1, int N, int K, const float* sums, int parts,
+                   float eps, int pair, float* h, const float* gn, float* gh, float* psum) {
+    constexpr int W = E4_WARPS;
     extern __shared__ __align__(16) unsigned char xq[];
     __shared__ float2 red[W][8];
     __shared__ float xscale;
+    const Outs o{o0, o1, o2, n0, n1, N};
+    const Int4OneFold f{sums, parts, eps, pair, h, gn, gh, psum};
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int strips = N / 16, pieces = K / 64;
     // The strip this warp sums, and its place among that strip's warps.
-    const int ways = f.pair ? W / 2 : W, kw = warp % ways;
-    const int row0 = (blockIdx.x + (f.pair && warp >= ways ? strips / 2 : 0)) * 16;
+    const int ways = pair ? W / 2 : W, kw = warp % ways;
+    const int row0 = (blockIdx.x + (pair && warp >= ways ? strips / 2 : 0)) * 16;
     const uint4* wa = (const uint4*)(w + (size_t)(row0 + g) * K) + t;
     const uint4* wb = (const uint4*)(w + (size_t)(row0 + g + 8) * K) + t;
     PDL_LAUNCH();
@@ -129,7 +132,7 @@ __device__ __forceinline__ void e4m3_fold(const float* x, const unsigned char* w
 #pragma unroll
     for (int k = 0; k < 2; k++) {
         int r = (blockIdx.x + (k ? strips / 2 : 0)) * 16 + g;
-        bool live = warp == 0 && (k == 0 || f.pair);
+        bool live = warp == 0 && (k == 0 || pair);
         wsc[k][0] = live ? ws[r] : 0.0f;
         wsc[k][1] = live ? ws[r + 8] : 0.0f;
     }
@@ -149,19 +152,5 @@ __device__ __forceinline__ void e4m3_fold(const float* x, const unsigned char* w
     }
     if (t == 0) red[warp][g] = make_float2(acc[0], acc[2]);
     __syncthreads();
-    if (warp == 0) e4f_out<W>(red, f, early, o, wsc, xscale, K);
+    if (warp == 0) e4f_out(red, f, early, o, wsc, xscale, K);
 }
-
-// gemv_e4m3_fold (W = 8) and gemv_e4m3_fold_w16 (W = 16; fp8_fold.rs
-// picks by the grid's waves).
-#define GEMV_E4M3_FOLD(NAME, W, MINB)                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * W, MINB)                                  \
-        NAME(const float* x, const unsigned char* w, const float* ws, float* o0, float* o1,      \
-             float* o2, int n0, int n1, int N, int K, const float* sums, int parts, float eps,  \
-             int pair, float* h, const float* gn, float* gh, float* psum) {                     \
-        const Outs o{o0, o1, o2, n0, n1, N};                                                    \
-        const Int4OneFold f{sums, parts, eps, pair, h, gn, gh, psum};                           \
-        e4m3_fold<W>(x, w, ws, o, f, N, K);                                                     \
-    }
-GEMV_E4M3_FOLD(gemv_e4m3_fold, 8, 2)
-GEMV_E4M3_FOLD(gemv_e4m3_fold_w16, 16, 1)

@@ -71,7 +71,7 @@ pub use comm::NcclRank;
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};
 pub use fp8_act::Fp8Input;
-pub use fp8_fold::{FP8_FOLD_MAX_K, FP8_FOLD_WARPS};
+pub use fp8_fold::FP8_FOLD_MAX_K;
 pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Out, Fp8Scratch};
 pub use fp8_mma::E4M3_MMA_MAX_M;
 pub use fp8_tune::{LtConfig, LtProbe, LtTiming};
@@ -138,9 +138,6 @@ pub struct Gpu {
     /// warps in the one-launch int4 GEMV: `None` for the SM count
     /// ([`Gpu::set_int4_one_wide`]).
     int4_one_wide: Option<usize>,
-    /// Warps a block of the folded FP8 product takes, or `None` to choose
-    /// by the grid ([`Gpu::set_fp8_fold_warps`]; eight as a `Gpu` opens).
-    fp8_fold_warps: Option<usize>,
     /// Whether int4 products of 2 to [`GEMV_MAX_M`] rows run in one launch
     /// (`int4_rows.cu`, [`Gpu::set_int4_rows`]).
     int4_rows: bool,
@@ -374,7 +371,6 @@ impl Gpu {
                 int4_one: true,
                 int4_one_strips: None,
                 int4_one_wide: None,
-                fp8_fold_warps: Some(8),
                 int4_rows: true,
                 int4_shared_room,
                 sms,

@@ -89,10 +89,6 @@ pub struct EngineConfig {
     /// run in one launch with the rows in the MMAs' columns instead of a
     /// fragment launch and the GEMV.
     pub cuda_int4_rows: bool,
-    /// On CUDA: warps a block of the folded FP8 products takes (8 or 16);
-    /// `None`: as each launch's grid fills the GPU's waves. Eight by
-    /// default: sixteen is not yet measured in a step.
-    pub cuda_fp8_fold_warps: Option<usize>,
     /// On CUDA: time cuBLASLt's algorithms for decode's bf16 products at
     /// load and run the fastest where it beats cuBLAS's own choice.
     pub cuda_tune_bf16: bool,
@@ -146,7 +142,6 @@ impl Default for EngineConfig {
             cuda_fold_int4: true,
             cuda_fold_fp8: true,
             cuda_int4_rows: true,
-            cuda_fp8_fold_warps: Some(8),
             cuda_tune_bf16: true,
             device_sampling: true,
             tensor_prefill: true,
@@ -317,7 +312,6 @@ impl Engine {
                 fold_int4: config.cuda_fold_int4,
                 fold_fp8: config.cuda_fold_fp8,
                 int4_rows: config.cuda_int4_rows,
-                fp8_fold_warps: config.cuda_fp8_fold_warps,
                 tune_bf16: config.cuda_tune_bf16,
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,

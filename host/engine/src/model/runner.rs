@@ -45,9 +45,6 @@ pub struct RunnerOptions {
     pub fold_fp8: bool,
     /// On CUDA: int4 products of 2 to 8 rows run in one launch.
     pub int4_rows: bool,
-    /// On CUDA: warps a block of the folded FP8 products takes (`None`: as
-    /// each grid chooses).
-    pub fp8_fold_warps: Option<usize>,
     /// On CUDA: decode's bf16 products run cuBLASLt's algorithms tuned at
     /// load where they beat cuBLAS's own choice.
     pub tune_bf16: bool,

@@ -319,15 +319,6 @@ impl GpuModel {
         self.gpus().for_each(|g| g.set_cluster(on));
     }
 
-    /// Warps a block of the folded FP8 products takes (8 or 16; `None`: as
-    /// each grid chooses).
-    pub fn set_fp8_fold_warps(
-        &mut self,
-        warps: Option<usize>,
-    ) -> Result<(), kiln_kernels::KernelError> {
-        self.gpus().try_for_each(|g| g.set_fp8_fold_warps(warps))
-    }
-
     /// Warps a block of prefill attention takes (4 or 8).
     pub fn set_prefill_warps(&mut self, warps: usize) -> Result<(), kiln_kernels::KernelError> {
         self.gpus().try_for_each(|g| g.set_prefill_warps(warps))
