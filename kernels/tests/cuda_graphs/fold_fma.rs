@@ -3,9 +3,11 @@
 //! the host in f64 from the dequantized rows and f32 activations (the
 //! W8A8 launches they would replace quantize x, so they are no reference
 //! for a kernel that does not), and bit for bit the same launched one by
-//! one or replayed from graphs, plain or programmatic.
+//! one or replayed from graphs, plain or programmatic; and every e4m3
+//! code, subnormals included, read as its value.
 
-use kiln_kernels::cuda::Fp8FoldFma;
+use kiln_kernels::cuda::{Fp8FoldFma, Normed};
+use kiln_kernels::matmul::Weight;
 use kiln_kernels::quant::{DType, dequantize_row};
 
 use super::device;
@@ -126,5 +128,58 @@ fn fp8_rows_folded_on_fmas_match_the_chain_in_f64_and_replay_exactly() {
                 );
             }
         }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
+fn every_e4m3_code_reads_as_its_value_on_fmas() {
+    // Random rows hold few subnormal codes, and one read wrong barely
+    // moves a sum: here row r holds code (r + k) mod 256 at column k (the
+    // two NaN codes as zeros) and a scale of its own, and x is the first
+    // column's one-hot, so row r's product is code r's value times its
+    // scale.
+    const K: usize = 64;
+    const ROWS: usize = 256;
+    let (mut gpu, _) = device();
+    gpu.set_fp8_fold_fma(Fp8FoldFma::All);
+    let row_len = 16 + K;
+    let mut bytes = Vec::with_capacity(ROWS * row_len);
+    for r in 0..ROWS {
+        bytes.extend((1.0f32 + r as f32 / 64.0).to_le_bytes());
+        bytes.extend([0u8; 12]);
+        bytes.extend((0..K).map(|k| match ((r + k) % 256) as u8 {
+            0x7F | 0xFF => 0,
+            c => c,
+        }));
+    }
+    let w = Weight::from_bytes(DType::Fp8Row, ROWS, K, bytes.clone()).unwrap();
+    let w = gpu.weight(&w).unwrap();
+    let mut x = vec![0.0f32; K];
+    x[0] = 1.0;
+    let x = gpu.upload(&x).unwrap();
+    // A norm factor of 1: the sum of squares K over K columns.
+    let sum = gpu.norm_sum_of(K as f32, ROWS).unwrap();
+    let input = Normed {
+        gh: &x,
+        sum: &sum,
+        eps: 0.0,
+    };
+    let mut out = gpu.upload(&vec![f32::NAN; ROWS]).unwrap();
+    gpu.gemv_normed(&input, &w, &mut [&mut out], &[ROWS], K)
+        .unwrap();
+    let got = gpu.download(&out).unwrap();
+    let mut row = vec![0.0f32; K];
+    for (r, got) in got.iter().enumerate() {
+        dequantize_row(
+            DType::Fp8Row,
+            &bytes[r * row_len..(r + 1) * row_len],
+            &mut row,
+        );
+        let want = row[0];
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs(),
+            "code {r:#04x}: {got:e} against {want:e}"
+        );
     }
 }
