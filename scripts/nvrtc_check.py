@@ -23,7 +23,14 @@ def main() -> int:
         if lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"kiln.cu", 0, None, None) != 0:
             print("nvrtcCreateProgram failed")
             return 1
-        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-I{include}".encode()]
+        # Fast compilation (CUDA 12.8+): the same front end and the same
+        # errors in a tenth of the time; this check keeps no code.
+        opts = [
+            f"--gpu-architecture={arch}".encode(),
+            b"-std=c++17",
+            b"--Ofast-compile=max",
+            f"-I{include}".encode(),
+        ]
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))

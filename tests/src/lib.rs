@@ -1,10 +1,12 @@
 //! Support for Kiln's end-to-end tests: guest components built from the
 //! workspace, and a real server on 127.0.0.1:0.
 
+pub mod forced;
 pub mod nginx;
 pub mod polyglot;
 pub mod postgres;
 pub mod staggered;
+pub use forced::{Forced, kl_nats, teacher_forced};
 pub use polyglot::{build_project, guest_tools};
 pub use staggered::{Arrivals, PROMPTS, greedy_to, run_salted, staggered, tokens_of};
 
@@ -482,58 +484,4 @@ pub fn chat_ids(e: &kiln_host::engine::Engine, prompt: &str) -> Vec<u32> {
     let tk = &e.loaded().tokenizer;
     let msgs = [kiln_host::model::ChatMessage::text("user", prompt)];
     tk.encode(&tk.chat_prompt(&msgs).unwrap(), true).unwrap()
-}
-
-/// KL(softmax(a) || softmax(b)) in nats, for two rows of logits.
-pub fn kl_nats(a: &[f32], b: &[f32]) -> f64 {
-    let log_softmax = |l: &[f32]| -> Vec<f64> {
-        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let lse = l.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln() + max;
-        l.iter().map(|v| *v as f64 - lse).collect()
-    };
-    let (pa, pb) = (log_softmax(a), log_softmax(b));
-    pa.iter().zip(&pb).map(|(x, y)| x.exp() * (x - y)).sum()
-}
-
-/// Teacher-forced next-token agreement of `other` with `reference`: each
-/// prompt (a chat message, templated by the reference's tokenizer) runs
-/// through the reference's own greedy 32 tokens, and every position's
-/// logits are compared. Returns (positions whose argmax agrees,
-/// positions, mean KL(reference || other) in nats).
-pub fn teacher_forced(
-    reference: &mut kiln_host::engine::Engine,
-    other: &mut kiln_host::engine::Engine,
-    prompts: &[&str],
-) -> (usize, usize, f64) {
-    use kiln_host::engine::{GenerateParams, TenantId};
-    use kiln_host::model::ChatMessage;
-    let (mut agree, mut total, mut kl) = (0usize, 0usize, 0f64);
-    for p in prompts {
-        let tk = &reference.loaded().tokenizer;
-        let msgs = [ChatMessage::text("user", *p)];
-        let prompt = tk.encode(&tk.chat_prompt(&msgs).unwrap(), true).unwrap();
-        let greedy = GenerateParams {
-            max_tokens: 32,
-            temperature: 0.0,
-            ..Default::default()
-        };
-        let cont = reference
-            .generate(TenantId(1), prompt.clone(), greedy)
-            .unwrap()
-            .tokens;
-        let seq: Vec<u32> = prompt.iter().chain(&cont).copied().collect();
-        let a = reference
-            .teacher_forced_logits(TenantId(1), &seq, prompt.len())
-            .unwrap();
-        let b = other
-            .teacher_forced_logits(TenantId(1), &seq, prompt.len())
-            .unwrap();
-        for (la, lb) in a.iter().zip(&b) {
-            total += 1;
-            agree +=
-                usize::from(kiln_kernels::sample::argmax(la) == kiln_kernels::sample::argmax(lb));
-            kl += kl_nats(la, lb);
-        }
-    }
-    (agree, total, kl / total.max(1) as f64)
 }

@@ -1,8 +1,10 @@
 //! The CPU engine on the real default model (SmolLM2-135M-Instruct Q4_1).
 
+use std::sync::LazyLock;
+
 use kiln_host::engine::{Engine, EngineConfig, Event, Finish, GenerateParams, TenantId};
 use kiln_kernels::kv::KvFormat;
-use kiln_tests::{PROMPTS, chat_ids, default_model};
+use kiln_tests::{Forced, PROMPTS, chat_ids, default_model};
 
 fn engine(format: KvFormat, kv_memory: usize) -> Engine {
     Engine::new(
@@ -210,13 +212,18 @@ fn stop_strings_and_max_tokens_end_generation() {
     assert_eq!((short.tokens.len(), short.finish), (3, Finish::Length));
 }
 
+/// The bf16 pages' continuations of every prompt and their logits, shared
+/// by the page formats' tests.
+static BF16_KV: LazyLock<Forced> =
+    LazyLock::new(|| Forced::by(&mut engine(KvFormat::Bf16, 64 << 20), &PROMPTS));
+
 /// Teacher-forced next-token argmax of `format`'s pages against bf16
-/// pages over `prompts` (each forced through the bf16 engine's own greedy
-/// 32 tokens): (agreeing positions, positions, mean KL in nats).
-fn teacher_forced_against_bf16(format: KvFormat, prompts: &[&str]) -> (usize, usize, f64) {
-    let mut bf = engine(KvFormat::Bf16, 64 << 20);
+/// pages over the first `prompts` prompts (each forced through the bf16
+/// engine's own greedy 32 tokens): (agreeing positions, positions, mean KL
+/// in nats).
+fn teacher_forced_against_bf16(format: KvFormat, prompts: usize) -> (usize, usize, f64) {
     let mut other = engine(format, 64 << 20);
-    let (agree, total, kl) = kiln_tests::teacher_forced(&mut bf, &mut other, prompts);
+    let (agree, total, kl) = BF16_KV.against_first(prompts, &mut other);
     eprintln!(
         "{format:?} vs bf16 KV: argmax agreement {agree}/{total} = {:.4}, mean KL {kl:.5} nats",
         agree as f64 / total as f64
@@ -226,7 +233,7 @@ fn teacher_forced_against_bf16(format: KvFormat, prompts: &[&str]) -> (usize, us
 
 #[test]
 fn fp8_kv_agrees_with_bf16_kv_under_teacher_forcing() {
-    let (agree, total, _) = teacher_forced_against_bf16(KvFormat::Fp8, &PROMPTS[..6]);
+    let (agree, total, _) = teacher_forced_against_bf16(KvFormat::Fp8, 6);
     let rate = agree as f64 / total as f64;
     assert!(rate >= 0.97, "agreement {rate}");
 }
@@ -239,7 +246,7 @@ fn fp8_kv_agrees_with_bf16_kv_under_teacher_forcing() {
 /// losing the rotation fails it.
 #[test]
 fn static_fp8_kv_agrees_with_bf16_kv_under_teacher_forcing() {
-    let (agree, total, kl) = teacher_forced_against_bf16(KvFormat::Fp8Static, &PROMPTS);
+    let (agree, total, kl) = teacher_forced_against_bf16(KvFormat::Fp8Static, PROMPTS.len());
     let rate = agree as f64 / total as f64;
     assert!(rate >= 0.94, "agreement {rate}");
     assert!(kl <= 0.009, "mean KL {kl}");

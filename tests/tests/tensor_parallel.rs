@@ -10,7 +10,7 @@ use kiln_host::engine::{Engine, EngineConfig, Finish, TenantId};
 use kiln_host::model::{KvCache, Loaded, WeightPlan};
 use kiln_kernels::kv::KvFormat;
 use kiln_tests::{
-    Arrivals, PROMPTS, chat_ids, default_model, default_model_as, greedy_to, run_salted,
+    Arrivals, Forced, PROMPTS, chat_ids, default_model, default_model_as, greedy_to, run_salted,
     teacher_forced, tokens_of,
 };
 
@@ -34,7 +34,8 @@ fn three_ranks_compute_what_the_whole_model_computes() {
     // On bf16 pages the ranks' sums in another order change no argmax.
     let mut whole = engine(KvFormat::Bf16, 1).unwrap();
     let mut ranks = engine(KvFormat::Bf16, 3).unwrap();
-    let (agree, total, kl) = teacher_forced(&mut whole, &mut ranks, &PROMPTS[..6]);
+    let bf16 = Forced::by(&mut whole, &PROMPTS[..6]);
+    let (agree, total, kl) = bf16.against(&mut ranks);
     eprintln!("bf16 pages: {agree}/{total} argmax agree, mean KL {kl:e} nats");
     assert!(total >= 64, "{total} positions");
     assert_eq!(agree, total, "bf16 pages: {agree}/{total} argmax agree");
@@ -43,7 +44,7 @@ fn three_ranks_compute_what_the_whole_model_computes() {
     // other side of an e4m3 step changes the layers after it, so the two
     // differ as two fp8 runs do; still by well under what fp8 pages cost.
     let mut fp8 = engine(KvFormat::Fp8, 1).unwrap();
-    let (_, _, fp8_kl) = teacher_forced(&mut whole, &mut fp8, &PROMPTS[..6]);
+    let (_, _, fp8_kl) = bf16.against(&mut fp8);
     let mut ranks = engine(KvFormat::Fp8, 3).unwrap();
     let (agree, total, kl) = teacher_forced(&mut fp8, &mut ranks, &PROMPTS[..6]);
     eprintln!(

@@ -3,10 +3,12 @@
 //! dequantized to bf16, then requantized): teacher-forced next-token
 //! agreement and mean KL.
 
+use std::sync::LazyLock;
+
 use kiln_host::engine::{Engine, EngineConfig};
 use kiln_host::model::{WeightFormat, WeightPlan};
 use kiln_kernels::kv::KvFormat;
-use kiln_tests::default_model_as;
+use kiln_tests::{Forced, default_model_as};
 
 const PROMPTS: [&str; 8] = [
     "What is the capital of France?",
@@ -31,12 +33,19 @@ fn engine(weights: impl Into<WeightPlan>) -> Engine {
     .expect("engine")
 }
 
+/// The bf16 weights' continuations and logits, shared by every test here.
+static BF16: LazyLock<Forced> =
+    LazyLock::new(|| Forced::by(&mut engine(WeightFormat::Bf16), &PROMPTS));
+
 /// (agreeing positions, positions, mean KL in nats) of `weights` against
 /// bf16 weights.
 fn against_bf16(weights: impl Into<WeightPlan> + std::fmt::Debug + Copy) -> (usize, usize, f64) {
-    let mut bf = engine(WeightFormat::Bf16);
-    let mut other = engine(weights);
-    let (agree, total, kl) = kiln_tests::teacher_forced(&mut bf, &mut other, &PROMPTS);
+    against_bf16_on(&mut engine(weights), weights)
+}
+
+/// [`against_bf16`] on an engine already loaded with `weights`.
+fn against_bf16_on(other: &mut Engine, weights: impl std::fmt::Debug) -> (usize, usize, f64) {
+    let (agree, total, kl) = BF16.against(other);
     eprintln!(
         "{weights:?} vs bf16 weights: argmax agreement {agree}/{total} = {:.4}, mean KL {kl:.5} nats",
         agree as f64 / total as f64
@@ -87,9 +96,10 @@ fn an_int4_head_is_read_in_int4_and_costs_a_bounded_share_of_agreement() {
     // The head is int4: the file's tied 49152 x 576 head is Q8_0 (34 bytes
     // a block of 32), int4 groups of 64 take 36 bytes, half a byte a
     // weight less.
-    let saved = engine(WeightFormat::Int4).weight_bytes() - engine(plan).weight_bytes();
+    let mut head = engine(plan);
+    let saved = engine(WeightFormat::Int4).weight_bytes() - head.weight_bytes();
     assert_eq!(saved, 49152 * 576 / 2, "bytes an int4 head saves a step");
-    let (agree, total, kl) = against_bf16(plan);
+    let (agree, total, kl) = against_bf16_on(&mut head, plan);
     let rate = agree as f64 / total as f64;
     assert!(rate >= 0.69, "agreement {rate}");
     assert!(kl <= 0.48, "mean KL {kl}");
