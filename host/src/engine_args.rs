@@ -75,8 +75,8 @@ pub(crate) struct EngineArgs {
     cuda_int4_rows: OnOff,
     /// On CUDA, which folded FP8 products of a one-token step run on FMAs,
     /// a warp a weight row, with the activations in f32 (W8A32), instead of
-    /// FP8 MMAs on the activations' e4m3 codes: none, q/k/v (`normed`), or
-    /// all.
+    /// FP8 MMAs on the activations' e4m3 codes: none, q/k/v (`normed`),
+    /// all but gate/up (`unpaired`), or all.
     #[arg(long, value_enum, default_value_t = FoldFmaArg::Off, hide = true)]
     cuda_fp8_fold_fma: FoldFmaArg,
     /// On CUDA, time cuBLASLt's algorithms for the decode step's bf16
@@ -210,6 +210,7 @@ impl EngineArgs {
             cuda_fp8_fold_fma: match self.cuda_fp8_fold_fma {
                 FoldFmaArg::Off => Fp8FoldFma::Off,
                 FoldFmaArg::Normed => Fp8FoldFma::Normed,
+                FoldFmaArg::Unpaired => Fp8FoldFma::Unpaired,
                 FoldFmaArg::All => Fp8FoldFma::All,
             },
             cuda_tune_bf16: self.cuda_tune_bf16 == OnOff::On,
@@ -262,6 +263,7 @@ enum OnOff {
 enum FoldFmaArg {
     Off,
     Normed,
+    Unpaired,
     All,
 }
 

@@ -34,6 +34,9 @@ pub enum Fp8FoldFma {
     /// The products after a norm that neither pair gate with up nor add
     /// into the hidden row: q/k/v (and a head of FP8 rows).
     Normed,
+    /// Every one but the gate/up pairing: q/k/v and the products that add
+    /// into the hidden row (o, down).
+    Unpaired,
     /// Every one.
     All,
 }
@@ -84,6 +87,7 @@ impl FoldKernel for Fp8Rows<'_> {
         let fma = match gpu.fp8_fold_fma {
             Fp8FoldFma::Off => false,
             Fp8FoldFma::Normed => !args.paired() && !args.residual(),
+            Fp8FoldFma::Unpaired => !args.paired(),
             Fp8FoldFma::All => true,
         };
         let (name, threads, shared) = match (fma, args.paired()) {

@@ -92,8 +92,9 @@ fn fp8_rows_folded_on_fmas_match_the_chain_in_f64_and_replay_exactly() {
     let errs = |a: &(Vec<f32>, Vec<f32>, Vec<f32>), b: &(Vec<f32>, Vec<f32>, Vec<f32>)| {
         [rel(&a.0, &b.0), rel(&a.1, &b.1), rel(&a.2, &b.2)]
     };
-    // Every product on FMAs, then q/k/v alone beside the MMAs' others.
-    for which in [Fp8FoldFma::All, Fp8FoldFma::Normed] {
+    // Every product on FMAs, then q/k/v (and o, down) beside the MMAs'
+    // others.
+    for which in [Fp8FoldFma::All, Fp8FoldFma::Normed, Fp8FoldFma::Unpaired] {
         gpu.set_fp8_fold_fma(which);
         gpu.set_programmatic(false);
         let mut eager = Chain::of(&gpu, &values);
