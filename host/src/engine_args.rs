@@ -2,7 +2,6 @@
 //! arguments, and what they parse into.
 
 use kiln_host::serving::devices::DeviceSpec;
-use kiln_kernels::cuda::Fp8FoldFma;
 
 /// Engine settings shared by `run`, `bench` and `serve`. The engine's A/B
 /// switches (`--cuda-graphs`, `--cuda-pdl`, `--cuda-fold`,
@@ -73,12 +72,6 @@ pub(crate) struct EngineArgs {
     /// fragment launch and the GEMV).
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_int4_rows: OnOff,
-    /// On CUDA, which folded FP8 products of a one-token step run on FMAs,
-    /// a warp a weight row, with the activations in f32 (W8A32), instead of
-    /// FP8 MMAs on the activations' e4m3 codes: none, q/k/v (`normed`),
-    /// all but gate/up (`unpaired`), or all.
-    #[arg(long, value_enum, default_value_t = FoldFmaArg::Off, hide = true)]
-    cuda_fp8_fold_fma: FoldFmaArg,
     /// On CUDA, time cuBLASLt's algorithms for the decode step's bf16
     /// products at load (weights out of L2) and run the fastest where it
     /// beats cuBLAS's own choice (`off`: cuBLAS's choice).
@@ -207,12 +200,6 @@ impl EngineArgs {
             cuda_fold_int4: self.cuda_fold_int4 == OnOff::On,
             cuda_fold_fp8: self.cuda_fold_fp8 == OnOff::On,
             cuda_int4_rows: self.cuda_int4_rows == OnOff::On,
-            cuda_fp8_fold_fma: match self.cuda_fp8_fold_fma {
-                FoldFmaArg::Off => Fp8FoldFma::Off,
-                FoldFmaArg::Normed => Fp8FoldFma::Normed,
-                FoldFmaArg::Unpaired => Fp8FoldFma::Unpaired,
-                FoldFmaArg::All => Fp8FoldFma::All,
-            },
             cuda_tune_bf16: self.cuda_tune_bf16 == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,
             tensor_prefill: self.tensor_prefill == OnOff::On,
@@ -256,15 +243,6 @@ pub(crate) enum KvArg {
 enum OnOff {
     On,
     Off,
-}
-
-/// `--cuda-fp8-fold-fma`'s values.
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum FoldFmaArg {
-    Off,
-    Normed,
-    Unpaired,
-    All,
 }
 
 /// `--cuda-flash-build`'s values.

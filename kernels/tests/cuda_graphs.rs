@@ -20,8 +20,6 @@ use rand_chacha::ChaCha8Rng;
 mod attention_out;
 #[path = "cuda_graphs/fold.rs"]
 mod fold;
-#[path = "cuda_graphs/fold_fma.rs"]
-mod fold_fma;
 #[path = "cuda_graphs/int4_one.rs"]
 mod int4_one;
 #[path = "cuda_graphs/int4_rows.rs"]

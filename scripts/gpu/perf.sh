@@ -194,37 +194,3 @@ mode_decode_flags() {
     done
     exit "$failed"
 }
-
-mode_fp8_fold_fma() {
-    # The folded FP8 products on FMAs (`--cuda-fp8-fold-fma`): the fold
-    # chain's FMA test first (every product on FMAs against the chain in
-    # f64; q/k/v, or all but gate/up, graphs held to the launches), then
-    # `cuda_bench one-row` at the q/k/v, o, down and gate/up shapes (MMAs
-    # and FMAs), then `kiln bench` of FP8 rows at one sequence with each of
-    # WHICH (default off normed unpaired all), ROUNDS times (default 2),
-    # then a step trace with each of TRACE (default all off). Carry .gpu,
-    # .gpu-bench. Fails if the test or a run fails.
-    prepare
-    set +e
-    failed=0
-    KILN_TEST_DEVICE=cuda timeout 200 .gpu/cuda_graphs --include-ignored fold_fma --nocapture 2>&1 |
-        tee "$out/fold.log" | grep -E "seed|FP8|test result|panicked"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    for shape in 6144x4096 4096x4096 4096x14336 28672x4096; do
-        timeout 60 .gpu/cuda_bench one-row "$shape" 2>&1 | grep -E "folded" | tee -a "$out/onerow.log"
-    done
-    for round in $(seq "${ROUNDS:-2}"); do
-        for which in ${WHICH:-off normed unpaired all}; do
-            echo "== round $round: --cuda-fp8-fold-fma $which" | tee -a "$out/bench.log"
-            timeout 150 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda \
-                --weights fp8 --kv fp8 --kv-memory 16GiB --concurrency 1 --prompt-tokens 512 \
-                --gen-tokens 128 --cuda-fp8-fold-fma "$which" 2>&1 | grep -v INFO | tee -a "$out/bench.log"
-            [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-        done
-    done
-    for which in ${TRACE:-all off}; do
-        GEN=64 TAG="fma-$which" FLAGS="--weights fp8 --cuda-fp8-fold-fma $which" \
-            scripts/step_trace.sh fp8 1 512 || failed=1
-    done
-    exit "$failed"
-}

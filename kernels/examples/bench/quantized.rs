@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use kiln_kernels::cuda::{Fp8FoldFma, GemmShape, Gpu, StackShape};
+use kiln_kernels::cuda::{GemmShape, Gpu, StackShape};
 use rand::Rng;
 
 use super::{E, rel_diff, time_graph};
@@ -167,10 +167,9 @@ pub fn quantized_gemv(
     Ok(())
 }
 
-/// FP8 rows' one-row product as a folded step runs it, on FP8 MMAs
-/// (`fp8_fold.cu`: the activation row quantized inside each block, no
-/// quantizer launch) and on FMAs (`fp8_fma.cu`: a warp a row, x in f32),
-/// with a norm factor of 1 from as many partial sums as the FP8 residual
+/// FP8 rows' one-row product as a folded step runs it (`fp8_fold.cu`: the
+/// activation row quantized inside each block, no quantizer launch), with
+/// a norm factor of 1 from as many partial sums as the FP8 residual
 /// product of a 4096-wide model writes, beside the unfolded product timed
 /// before it (`theirs`: cuBLAS on the same values).
 fn folded_fp8(
@@ -187,26 +186,22 @@ fn folded_fp8(
         sum: &sum,
         eps: 0.0,
     };
-    for (fma, what) in [(Fp8FoldFma::Off, "MMAs"), (Fp8FoldFma::All, "FMAs")] {
-        gpu.set_fp8_fold_fma(fma);
-        gpu.gemv_normed(&input, dw, &mut [&mut *out], &[nn], k)?;
-        let err = rel_diff(&gpu.stream().clone_dtoh(&*out)?, theirs);
-        if err.is_nan() || err >= 6e-2 {
-            return Err(format!("folded FP8 {nn}x{k} on {what} vs cuBLAS: rel err {err}").into());
-        }
-        let t = time_graph(gpu, 30, || {
-            Ok(gpu.gemv_normed(&input, dw, &mut [&mut *out], &[nn], k)?)
-        })?;
-        let g = dw.size_bytes() as f64 / t / 1e9;
-        println!(
-            "{:>10} {:>14}   1 folded, {what}: {:.1} us, {g:.0} GB/s ({:.0}%), rel err vs cuBLAS {err:.1e}",
-            "",
-            format!("{nn}x{k}"),
-            t * 1e6,
-            100.0 * g / copy
-        );
+    gpu.gemv_normed(&input, dw, &mut [&mut *out], &[nn], k)?;
+    let err = rel_diff(&gpu.stream().clone_dtoh(&*out)?, theirs);
+    if err.is_nan() || err >= 6e-2 {
+        return Err(format!("folded FP8 {nn}x{k} vs cuBLAS: rel err {err}").into());
     }
-    gpu.set_fp8_fold_fma(Fp8FoldFma::Off);
+    let t = time_graph(gpu, 30, || {
+        Ok(gpu.gemv_normed(&input, dw, &mut [&mut *out], &[nn], k)?)
+    })?;
+    let g = dw.size_bytes() as f64 / t / 1e9;
+    println!(
+        "{:>10} {:>14}   1 folded: {:.1} us, {g:.0} GB/s ({:.0}%), rel err vs cuBLAS {err:.1e}",
+        "",
+        format!("{nn}x{k}"),
+        t * 1e6,
+        100.0 * g / copy
+    );
     Ok(())
 }
 

@@ -134,16 +134,6 @@ impl FoldLaunch {
         self.sizes[3] as usize
     }
 
-    /// Whether the launch pairs gate strips with up strips.
-    pub(super) fn paired(&self) -> bool {
-        self.fold.pair != 0
-    }
-
-    /// Whether the launch adds into the hidden row.
-    pub(super) fn residual(&self) -> bool {
-        self.fold.h != 0
-    }
-
     /// Pushes them onto `b`, after the weights.
     pub(super) fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
         let f = &self.fold;

@@ -18,29 +18,6 @@ const STRIP: usize = 16;
 /// Threads of a block (`E4_WARPS` warps).
 const THREADS: u32 = 256;
 
-/// Threads of a block of the FMA build: four warps of four rows, or with
-/// the gate/up pairing eight of two gate rows and their up rows.
-const FMA_THREADS: u32 = 128;
-const FMA_PAIR_THREADS: u32 = 256;
-
-/// Which folded FP8 products run on FMAs, a warp a weight row with x in
-/// f32 (`gemv_e4m3w_fold`, W8A32), instead of FP8 MMAs on x's e4m3 codes
-/// (`gemv_e4m3_fold`, W8A8).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Fp8FoldFma {
-    /// None of them.
-    #[default]
-    Off,
-    /// The products after a norm that neither pair gate with up nor add
-    /// into the hidden row: q/k/v (and a head of FP8 rows).
-    Normed,
-    /// Every one but the gate/up pairing: q/k/v and the products that add
-    /// into the hidden row (o, down).
-    Unpaired,
-    /// Every one.
-    All,
-}
-
 /// Most columns a folded FP8 product takes: x's codes in shared memory,
 /// beside two blocks an SM.
 pub const FP8_FOLD_MAX_K: usize = 32 << 10;
@@ -79,40 +56,19 @@ impl FoldKernel for Fp8Rows<'_> {
         n / STRIP
     }
 
-    /// `gemv_e4m3_fold`, with K bytes of shared memory for x's codes, or
-    /// where [`Gpu::set_fp8_fold_fma`] says `gemv_e4m3w_fold` (`_pair` for
-    /// a gate/up pairing), none.
+    /// `gemv_e4m3_fold`, with K bytes of shared memory for x's codes.
     fn launch(&self, gpu: &Gpu, x: &CudaSlice<f32>, args: FoldLaunch, grid: usize) -> R {
         let k = args.k();
-        let fma = match gpu.fp8_fold_fma {
-            Fp8FoldFma::Off => false,
-            Fp8FoldFma::Normed => !args.paired() && !args.residual(),
-            Fp8FoldFma::Unpaired => !args.paired(),
-            Fp8FoldFma::All => true,
-        };
-        let (name, threads, shared) = match (fma, args.paired()) {
-            (false, _) => ("gemv_e4m3_fold", THREADS, k as u32),
-            (true, false) => ("gemv_e4m3w_fold", FMA_THREADS, 0),
-            (true, true) => ("gemv_e4m3w_fold_pair", FMA_PAIR_THREADS, 0),
-        };
-        let func = gpu.function(name)?;
+        let func = gpu.function("gemv_e4m3_fold")?;
         let mut b = gpu.stream.launch_builder(func);
         b.arg(x).arg(self.codes).arg(self.scales);
         args.push(&mut b);
         // SAFETY: a strip of 16 of the n rows a block (or a gate strip and
         // its up strip: f / 16 blocks), x of k, the outputs, norm buffers
-        // and partial sums checked by the callers; at most k bytes of
-        // shared memory, under the 48 KiB a launch may take by default.
-        unsafe { b.launch(super::launch::cfg((grid as u32, 1, 1), threads, shared)) }
+        // and partial sums checked by the callers; k bytes of shared
+        // memory, under the 48 KiB a launch may take by default.
+        unsafe { b.launch(super::launch::cfg((grid as u32, 1, 1), THREADS, k as u32)) }
             .map_err(cuda_err)?;
         Ok(())
-    }
-}
-
-impl Gpu {
-    /// Which folded FP8 products run on FMAs ([`Fp8FoldFma::Off`] as a
-    /// `Gpu` opens).
-    pub fn set_fp8_fold_fma(&mut self, which: Fp8FoldFma) {
-        self.fp8_fold_fma = which;
     }
 }

@@ -92,7 +92,6 @@ impl Gpu {
             int4_one: self.int4_one,
             int4_one_strips: self.int4_one_strips,
             int4_one_wide: self.int4_one_wide,
-            fp8_fold_fma: self.fp8_fold_fma,
             int4_rows: self.int4_rows,
             int4_shared_room: self.int4_shared_room,
             sms: self.sms,

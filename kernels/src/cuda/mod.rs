@@ -71,7 +71,7 @@ pub use comm::NcclRank;
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};
 pub use fp8_act::Fp8Input;
-pub use fp8_fold::{FP8_FOLD_MAX_K, Fp8FoldFma};
+pub use fp8_fold::FP8_FOLD_MAX_K;
 pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Out, Fp8Scratch};
 pub use fp8_mma::E4M3_MMA_MAX_M;
 pub use fp8_tune::{LtConfig, LtProbe, LtTiming};
@@ -138,9 +138,6 @@ pub struct Gpu {
     /// warps in the one-launch int4 GEMV: `None` for the SM count
     /// ([`Gpu::set_int4_one_wide`]).
     int4_one_wide: Option<usize>,
-    /// Which folded FP8 products run on FMAs, a warp a row (`fp8_fma.cu`),
-    /// instead of MMAs ([`Gpu::set_fp8_fold_fma`]).
-    fp8_fold_fma: Fp8FoldFma,
     /// Whether int4 products of 2 to [`GEMV_MAX_M`] rows run in one launch
     /// (`int4_rows.cu`, [`Gpu::set_int4_rows`]).
     int4_rows: bool,
@@ -374,7 +371,6 @@ impl Gpu {
                 int4_one: true,
                 int4_one_strips: None,
                 int4_one_wide: None,
-                fp8_fold_fma: Fp8FoldFma::Off,
                 int4_rows: true,
                 int4_shared_room,
                 sms,

@@ -27,7 +27,6 @@ pub const SOURCE: &str = concat!(
     include_str!("int4.cu"),
     include_str!("int4_one.cu"),
     include_str!("fp8_fold.cu"),
-    include_str!("fp8_fma.cu"),
     include_str!("int4_rows.cu"),
     include_str!("skinny.cu"),
     include_str!("cluster.cu"),
@@ -131,9 +130,6 @@ pub(super) const KERNELS: &[&str] = &[
     "gemv_int4_fold_g128_w16",
     // fp8_fold.cu
     "gemv_e4m3_fold",
-    // fp8_fma.cu
-    "gemv_e4m3w_fold",
-    "gemv_e4m3w_fold_pair",
     // int4_rows.cu
     "gemv_int4_rows4_g64_w8",
     "gemv_int4_rows4_g64_w16",

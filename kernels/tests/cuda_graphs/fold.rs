@@ -21,18 +21,18 @@ use super::device;
 /// Hidden width (33 int4 groups of 128, so an int4 residual product
 /// writes 132 partial sums: more than a block's lanes load early), and the
 /// FFN's.
-pub(super) const DIM: usize = 4224;
-pub(super) const FFN: usize = 1536;
+const DIM: usize = 4224;
+const FFN: usize = 1536;
 /// The parts of a q/k/v-shaped stack after the same norm: 65 strips of 16,
 /// so the last block of two has one.
-pub(super) const QKV: [usize; 3] = [528, 256, 256];
-pub(super) const ROUNDS: usize = 4;
-pub(super) const EPS: f32 = 1e-5;
+const QKV: [usize; 3] = [528, 256, 256];
+const ROUNDS: usize = 4;
+const EPS: f32 = 1e-5;
 
 /// Device state of a chain whose rounds are a layer's FFN half with a
 /// q/k/v-shaped product beside it: `h += down u`, then `u = silu(gate) *
 /// up` and `q = qkv` of `rmsnorm(h) * g`.
-pub(super) struct Chain {
+struct Chain {
     h: CudaSlice<f32>,
     u: CudaSlice<f32>,
     g: CudaSlice<f32>,
@@ -51,69 +51,33 @@ pub(super) struct Chain {
     scratch: GemmScratch,
 }
 
-/// A chain's starting values on the host: its weights as `dtype` rows,
-/// h, u and the norm's weights g.
-pub(super) struct Values {
-    pub(super) dtype: DType,
-    pub(super) down: Vec<u8>,
-    pub(super) gate_up: Vec<u8>,
-    pub(super) qkv: Vec<u8>,
-    pub(super) h: Vec<f32>,
-    pub(super) u: Vec<f32>,
-    pub(super) g: Vec<f32>,
-}
-
-impl Values {
-    pub(super) fn new(seed: u64, dtype: DType) -> Values {
+impl Chain {
+    fn new(gpu: &Gpu, seed: u64, dtype: DType) -> Chain {
         let rng = &mut ChaCha8Rng::seed_from_u64(seed);
         let mut v =
             |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| rng.random_range(-s..s)).collect() };
-        let mut weight = |rows: usize, cols: usize| -> Vec<u8> {
-            v(rows * cols, 0.05)
+        let nan = |n: usize| gpu.upload(&vec![f32::NAN; n]).unwrap();
+        let mut weight = |rows: usize, cols: usize| {
+            let bytes: Vec<u8> = v(rows * cols, 0.05)
                 .chunks(cols)
                 .flat_map(|row| quantize(dtype, row))
-                .collect()
+                .collect();
+            gpu.weight(&Weight::from_bytes(dtype, rows, cols, bytes).unwrap())
+                .unwrap()
         };
         let (down, gate_up) = (weight(DIM, FFN), weight(2 * FFN, DIM));
         let qkv = weight(QKV.iter().sum(), DIM);
-        Values {
-            dtype,
-            down,
-            gate_up,
-            qkv,
-            h: v(DIM, 1.0),
-            u: v(FFN, 1.0),
-            g: v(DIM, 2.0),
-        }
-    }
-}
-
-impl Chain {
-    fn new(gpu: &Gpu, seed: u64, dtype: DType) -> Chain {
-        Chain::of(gpu, &Values::new(seed, dtype))
-    }
-
-    pub(super) fn of(gpu: &Gpu, v: &Values) -> Chain {
-        let nan = |n: usize| gpu.upload(&vec![f32::NAN; n]).unwrap();
-        let weight = |rows: usize, cols: usize, bytes: &[u8]| {
-            let w = Weight::from_bytes(v.dtype, rows, cols, bytes.to_vec()).unwrap();
-            gpu.weight(&w).unwrap()
-        };
-        let down = weight(DIM, FFN, &v.down);
-        let gate_up = weight(2 * FFN, DIM, &v.gate_up);
-        let qkv = weight(QKV.iter().sum(), DIM, &v.qkv);
         assert!(
             Gpu::folds_weight(&down),
-            "{:?}: the fold does not take it",
-            v.dtype
+            "{dtype:?}: the fold does not take it"
         );
         Chain {
             down,
             gate_up,
             qkv,
-            h: gpu.upload(&v.h).unwrap(),
-            u: gpu.upload(&v.u).unwrap(),
-            g: gpu.upload(&v.g).unwrap(),
+            h: gpu.upload(&v(DIM, 1.0)).unwrap(),
+            u: gpu.upload(&v(FFN, 1.0)).unwrap(),
+            g: gpu.upload(&v(DIM, 2.0)).unwrap(),
             q: QKV.map(nan),
             gh: nan(DIM),
             sum: gpu.norm_sum(DIM).unwrap(),
@@ -125,7 +89,7 @@ impl Chain {
         }
     }
 
-    pub(super) fn folded(&mut self, gpu: &Gpu) -> Result<(), KernelError> {
+    fn folded(&mut self, gpu: &Gpu) -> Result<(), KernelError> {
         for _ in 0..ROUNDS {
             let c = &mut *self;
             let next = NextNorm {
@@ -171,7 +135,7 @@ impl Chain {
     }
 
     /// h, u and the q/k/v parts, one after another.
-    pub(super) fn results(&self, gpu: &Gpu) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    fn results(&self, gpu: &Gpu) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let q = self.q.iter().flat_map(|p| gpu.download(p).unwrap());
         (
             gpu.download(&self.h).unwrap(),

@@ -89,9 +89,6 @@ pub struct EngineConfig {
     /// run in one launch with the rows in the MMAs' columns instead of a
     /// fragment launch and the GEMV.
     pub cuda_int4_rows: bool,
-    /// On CUDA: which folded FP8 products of a one-token step run on FMAs,
-    /// a warp a row (W8A32), instead of FP8 MMAs (W8A8).
-    pub cuda_fp8_fold_fma: kiln_kernels::cuda::Fp8FoldFma,
     /// On CUDA: time cuBLASLt's algorithms for decode's bf16 products at
     /// load and run the fastest where it beats cuBLAS's own choice.
     pub cuda_tune_bf16: bool,
@@ -145,7 +142,6 @@ impl Default for EngineConfig {
             cuda_fold_int4: true,
             cuda_fold_fp8: true,
             cuda_int4_rows: true,
-            cuda_fp8_fold_fma: kiln_kernels::cuda::Fp8FoldFma::Off,
             cuda_tune_bf16: true,
             device_sampling: true,
             tensor_prefill: true,
@@ -316,7 +312,6 @@ impl Engine {
                 fold_int4: config.cuda_fold_int4,
                 fold_fp8: config.cuda_fold_fp8,
                 int4_rows: config.cuda_int4_rows,
-                fp8_fold_fma: config.cuda_fp8_fold_fma,
                 tune_bf16: config.cuda_tune_bf16,
                 tensor_prefill: config.tensor_prefill,
                 skinny: config.cuda_skinny,

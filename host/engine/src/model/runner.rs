@@ -45,8 +45,6 @@ pub struct RunnerOptions {
     pub fold_fp8: bool,
     /// On CUDA: int4 products of 2 to 8 rows run in one launch.
     pub int4_rows: bool,
-    /// On CUDA: which folded FP8 products run on FMAs (W8A32).
-    pub fp8_fold_fma: kiln_kernels::cuda::Fp8FoldFma,
     /// On CUDA: decode's bf16 products run cuBLASLt's algorithms tuned at
     /// load where they beat cuBLAS's own choice.
     pub tune_bf16: bool,

@@ -319,11 +319,6 @@ impl GpuModel {
         self.gpus().for_each(|g| g.set_cluster(on));
     }
 
-    /// Which folded FP8 products run on FMAs (W8A32) instead of MMAs.
-    pub fn set_fp8_fold_fma(&mut self, which: kiln_kernels::cuda::Fp8FoldFma) {
-        self.gpus().for_each(|g| g.set_fp8_fold_fma(which));
-    }
-
     /// Warps a block of prefill attention takes (4 or 8).
     pub fn set_prefill_warps(&mut self, warps: usize) -> Result<(), kiln_kernels::KernelError> {
         self.gpus().try_for_each(|g| g.set_prefill_warps(warps))
