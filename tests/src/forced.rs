@@ -5,7 +5,6 @@
 //! the reference once.
 
 use kiln_host::engine::{Engine, GenerateParams, TenantId};
-use kiln_host::model::ChatMessage;
 
 /// A reference engine's greedy continuation of each prompt, with its
 /// logits at every continued position.
@@ -39,9 +38,7 @@ impl Forced {
         let prompts = prompts
             .iter()
             .map(|p| {
-                let tk = &reference.loaded().tokenizer;
-                let msgs = [ChatMessage::text("user", *p)];
-                let prompt = tk.encode(&tk.chat_prompt(&msgs).unwrap(), true).unwrap();
+                let prompt = crate::chat_ids(reference, p);
                 let cont = reference
                     .generate(TenantId(1), prompt.clone(), greedy.clone())
                     .unwrap()
