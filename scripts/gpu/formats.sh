@@ -280,6 +280,35 @@ mode_fp8_prefill() {
     exit "$failed"
 }
 
+# The FP8 fold modes' start (there): prepare, `set +e`, then the fold's
+# kernel chain test (bf16, int4 and FP8 rows, each round against the
+# separate launches, eager and replayed); `failed` is 1 if it fails.
+fold_chain_test() {
+    prepare
+    set +e
+    failed=0
+    KILN_TEST_DEVICE=cuda timeout 150 .gpu/cuda_graphs --include-ignored --nocapture folded 2>&1 |
+        tee "$out/fold.log" | grep -E "round 3|test result|panicked|differs"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+}
+
+# Decode at CONC (default 1) sequences on FP8 rows with the flag $1 at
+# each of the values after it, ROUNDS (default 2) times in turn (there,
+# under `set +e`, with $out set); sets `failed` to 1 if a run fails.
+fp8_step_runs() {
+    local flag="$1" round v
+    shift
+    for round in $(seq "${ROUNDS:-2}"); do
+        for v in "$@"; do
+            echo "== round $round: $flag $v" | tee -a "$out/fp8-fold.log"
+            timeout 200 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --weights fp8 \
+                --kv fp8 --kv-memory 16GiB --concurrency "${CONC:-1}" --prompt-tokens 512 \
+                --gen-tokens 128 "$flag" "$v" 2>&1 | grep -v INFO | tee -a "$out/fp8-fold.log"
+            [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+        done
+    done
+}
+
 mode_fp8_fold() {
     # FP8 rows in the folded one-token step (`--cuda-fold-fp8`): the fold's
     # kernel chain test (bf16, int4 and FP8 rows, eager and replayed), the
@@ -287,26 +316,33 @@ mode_fp8_fold() {
     # sequences on FP8 rows with the fold off and on, ROUNDS (default 2)
     # times in turn; TRACE=1 adds the folded step's kernels. Carry .gpu,
     # .gpu-bench. Fails if a test or a run fails.
-    prepare
-    set +e
-    failed=0
-    KILN_TEST_DEVICE=cuda timeout 150 .gpu/cuda_graphs --include-ignored --nocapture folded 2>&1 |
-        tee "$out/fold.log" | grep -E "folded against|test result|panicked|differs"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    fold_chain_test
     KILN_TEST_DEVICE=cuda timeout 150 .gpu/engine --include-ignored --nocapture folded_norms 2>&1 |
         tee -a "$out/fold.log" | grep -E "row 35|test result|panicked"
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    for round in $(seq "${ROUNDS:-2}"); do
-        for fold in off on; do
-            echo "== round $round: --cuda-fold-fp8 $fold" | tee -a "$out/fp8-fold.log"
-            timeout 200 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda --weights fp8 \
-                --kv fp8 --kv-memory 16GiB --concurrency "${CONC:-1}" --prompt-tokens 512 \
-                --gen-tokens 128 --cuda-fold-fp8 "$fold" 2>&1 | grep -v INFO | tee -a "$out/fp8-fold.log"
-            [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-        done
-    done
+    fp8_step_runs --cuda-fold-fp8 off on
     if [ "${TRACE:-0}" != 0 ]; then
         TAG=fp8-fold FLAGS="--weights fp8 --cuda-fold-fp8 on" scripts/step_trace.sh fp8 1 512 2>&1 | tee -a "$out/fp8-fold.log"
+    fi
+    exit "$failed"
+}
+
+mode_fp8_fold_twin() {
+    # Two strips a block in the folded FP8 products
+    # (`--cuda-fp8-fold-twin`): the fold's chain test (each round against
+    # the separate launches, with a strip and two a block), then decode at
+    # one sequence on FP8 rows with each value in TWINS (default "off wide
+    # all"), ROUNDS (default 2) times in turn; TRACE=1 adds the step's
+    # kernels for the first and last of TWINS. Carry .gpu, .gpu-bench.
+    # Fails if a test or a run fails.
+    fold_chain_test
+    read -ra twins <<<"${TWINS:-off wide all}"
+    fp8_step_runs --cuda-fp8-fold-twin "${twins[@]}"
+    if [ "${TRACE:-0}" != 0 ]; then
+        for t in "${twins[0]}" "${twins[-1]}"; do
+            TAG="twin-$t" GEN=64 FLAGS="--weights fp8 --cuda-fp8-fold-twin $t" \
+                scripts/step_trace.sh fp8 1 512 2>&1 | tee -a "$out/fp8-fold.log"
+        done
     fi
     exit "$failed"
 }
