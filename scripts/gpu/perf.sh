@@ -194,3 +194,26 @@ mode_decode_flags() {
     done
     exit "$failed"
 }
+
+mode_goals() {
+    # The open decode goals' figures in one call: the fold's chain test,
+    # then on synthetic:llama-3-8b (512-token prompts, 128 generated) one
+    # sequence on FP8 rows with two strips a block off and where one
+    # overflows a wave (issue 18: >= 80% of roofline), one sequence on int4
+    # tiles with an int4 head (issue 18: >= 720 tok/s), and 64 sequences
+    # of bf16 weights on bf16 and fp8-static pages (issue 23: >= 85%).
+    # Carry .gpu, .gpu-bench. Fails if a test or a run fails.
+    fold_chain_test
+    ROUNDS=1 fp8_step_runs --cuda-fp8-fold-twin off wide
+    echo "== int4 tiles, int4 head" | tee -a "$out/goals.log"
+    timeout 200 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda \
+        --weights int4,head=int4 --kv fp8 --kv-memory 16GiB --concurrency 1 --prompt-tokens 512 \
+        --gen-tokens 128 2>&1 | grep -v INFO | tee -a "$out/goals.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    echo "== bf16 weights, 64 sequences" | tee -a "$out/goals.log"
+    timeout 240 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda \
+        --kv-formats bf16,fp8-static --kv-memory 16GiB --concurrency 64 --prompt-tokens 512 \
+        --gen-tokens 128 2>&1 | grep -v INFO | tee -a "$out/goals.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    exit "$failed"
+}

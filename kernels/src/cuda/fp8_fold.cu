@@ -9,16 +9,16 @@
 // `pair` gate strip b (warps 0-3) and up strip b (warps 4-7), or in the
 // twin build strips 2b (warps 0-3) and 2b + 1 (warps 4-7): half the
 // blocks, so a grid that takes one and a half waves takes three quarters
-// of one, and the kernel after it finds room on the SMs it leaves; the
-// warps of
-// a strip split K into 64-wide pieces as gemm_e4m3_strip's do, each lane's
-// fragment of a piece one 16-byte load of rows g and g + 8. Their first
-// pieces load before the PDL wait (weights depend on no earlier kernel);
-// after it the block quantizes x into shared memory exactly as
-// quant_rows_e4m3 does (the same codes and scale: no quantizer launch runs
-// before it), and the MMAs read x's codes from there (lanes g == 0: the
-// one activation row is column 0 of B). Each warp's loads run a batch of
-// E4F_U pieces ahead of its MMAs, in two register sets used in turn.
+// of one, and the kernel after it finds room on the SMs it leaves. The
+// warps of a strip split K into 64-wide pieces as gemm_e4m3_strip's do,
+// each lane's fragment of a piece one 16-byte load of rows g and g + 8.
+// Their first pieces load before the PDL wait (weights depend on no
+// earlier kernel); after it the block quantizes x into shared memory
+// exactly as quant_rows_e4m3 does (the same codes and scale: no quantizer
+// launch runs before it), and the MMAs read x's codes from there (lanes
+// g == 0: the one activation row is column 0 of B). Each warp's loads run
+// a batch of E4F_U pieces ahead of its MMAs, in two register sets used in
+// turn.
 
 #define E4F_U 4
 
