@@ -19,7 +19,7 @@ const STRIP: usize = 16;
 const THREADS: u32 = 256;
 
 /// Most columns a folded FP8 product takes: x's codes in shared memory,
-/// beside three blocks an SM.
+/// beside two blocks an SM.
 pub const FP8_FOLD_MAX_K: usize = 32 << 10;
 
 /// Where the folded FP8 products take two strips of rows a block (the
@@ -112,9 +112,10 @@ impl FoldKernel for Fp8Rows<'_> {
         b.arg(x).arg(self.codes).arg(self.scales);
         args.push(&mut b);
         // SAFETY: a strip of 16 of the n rows a block (or a gate strip and
-        // its up strip: f / 16 blocks; or two strips, the grid rounded up), x of k, the outputs, norm buffers
-        // and partial sums checked by the callers; k bytes of shared
-        // memory, under the 48 KiB a launch may take by default.
+        // its up strip: f / 16 blocks; or two strips, the grid rounded
+        // up), x of k, the outputs, norm buffers and partial sums checked
+        // by the callers; k bytes of shared memory, under the 48 KiB a
+        // launch may take by default.
         unsafe { b.launch(super::launch::cfg((grid as u32, 1, 1), THREADS, k as u32)) }
             .map_err(cuda_err)?;
         Ok(())

@@ -199,7 +199,7 @@ pub(super) fn rel(a: &[f32], b: &[f32]) -> f64 {
 fn folded_norm_gemvs_match_the_launches_they_replace_and_replay_exactly() {
     let (mut gpu, seed) = device();
     // Both paths keep f32 activations; int4's products round their sums
-    // at up to 2.3e-5 each (int4_one.rs), over four rounds of three.
+    // at up to 2.3e-5 each (int4_one.rs), over a round of three.
     // Int4 with blocks of eight warps, then of sixteen wherever a grid is
     // small enough to take them (the separate launches take the same
     // path). FP8 rows: both paths quantize each activation row to e4m3
@@ -222,12 +222,12 @@ fn folded_norm_gemvs_match_the_launches_they_replace_and_replay_exactly() {
         gpu.set_fp8_fold_twin(twin);
         gpu.set_programmatic(false);
         eprintln!("{dtype:?} (wide {wide:?}, twin {twin:?})");
-        let start = Chain::new(&gpu, seed, dtype).results(&gpu);
+        let mut eager = Chain::new(&gpu, seed, dtype);
+        let start = eager.results(&gpu);
         let once = stepped(&gpu, seed, dtype, &start, ROUNDS, bound);
         let twice = stepped(&gpu, seed, dtype, &once, ROUNDS, bound);
         // Launched one by one, the rounds back to back, twice (the second
         // pass starts where the first ended): the stepped rounds' bits.
-        let mut eager = Chain::new(&gpu, seed, dtype);
         eager.folded(&gpu, ROUNDS).unwrap();
         assert!(eager.results(&gpu) == once, "{dtype:?}: eager pass 1");
         eager.folded(&gpu, ROUNDS).unwrap();
