@@ -67,11 +67,6 @@ pub(crate) struct EngineArgs {
     /// (10% faster at one sequence on an H200; docs/perf.md).
     #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
     cuda_fold_fp8: OnOff,
-    /// On CUDA, where the folded FP8 products take two strips of rows a
-    /// block: nowhere (off), where one a block overflows a wave of two
-    /// blocks an SM (wide), or in every product but gate/up (all).
-    #[arg(long, value_enum, default_value_t = Fp8FoldTwinArg::Off, hide = true)]
-    cuda_fp8_fold_twin: Fp8FoldTwinArg,
     /// On CUDA, int4 products of 2 to 8 rows (decode of a few sequences)
     /// run in one launch with the rows in the MMAs' columns (`off`: a
     /// fragment launch and the GEMV).
@@ -204,7 +199,6 @@ impl EngineArgs {
             cuda_fold: self.cuda_fold == OnOff::On,
             cuda_fold_int4: self.cuda_fold_int4 == OnOff::On,
             cuda_fold_fp8: self.cuda_fold_fp8 == OnOff::On,
-            cuda_fp8_fold_twin: self.cuda_fp8_fold_twin.twin(),
             cuda_int4_rows: self.cuda_int4_rows == OnOff::On,
             cuda_tune_bf16: self.cuda_tune_bf16 == OnOff::On,
             device_sampling: self.device_sampling == OnOff::On,
@@ -249,25 +243,6 @@ pub(crate) enum KvArg {
 enum OnOff {
     On,
     Off,
-}
-
-/// `--cuda-fp8-fold-twin`'s values.
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum Fp8FoldTwinArg {
-    Off,
-    Wide,
-    All,
-}
-
-impl Fp8FoldTwinArg {
-    fn twin(self) -> kiln_kernels::cuda::Fp8FoldTwin {
-        use kiln_kernels::cuda::Fp8FoldTwin;
-        match self {
-            Fp8FoldTwinArg::Off => Fp8FoldTwin::Off,
-            Fp8FoldTwinArg::Wide => Fp8FoldTwin::Wide,
-            Fp8FoldTwinArg::All => Fp8FoldTwin::All,
-        }
-    }
 }
 
 /// `--cuda-flash-build`'s values.

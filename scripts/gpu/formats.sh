@@ -287,7 +287,7 @@ fold_chain_test() {
     prepare
     set +e
     failed=0
-    KILN_TEST_DEVICE=cuda timeout 150 .gpu/cuda_graphs --include-ignored --nocapture folded 2>&1 |
+    KILN_TEST_DEVICE=cuda timeout 300 .gpu/cuda_graphs --include-ignored --nocapture folded 2>&1 |
         tee "$out/fold.log" | grep -E "round 3|test result|panicked|differs"
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
 }
@@ -323,26 +323,6 @@ mode_fp8_fold() {
     fp8_step_runs --cuda-fold-fp8 off on
     if [ "${TRACE:-0}" != 0 ]; then
         TAG=fp8-fold FLAGS="--weights fp8 --cuda-fold-fp8 on" scripts/step_trace.sh fp8 1 512 2>&1 | tee -a "$out/fp8-fold.log"
-    fi
-    exit "$failed"
-}
-
-mode_fp8_fold_twin() {
-    # Two strips a block in the folded FP8 products
-    # (`--cuda-fp8-fold-twin`): the fold's chain test (each round against
-    # the separate launches, with a strip and two a block), then decode at
-    # one sequence on FP8 rows with each value in TWINS (default "off wide
-    # all"), ROUNDS (default 2) times in turn; TRACE=1 adds the step's
-    # kernels for the first and last of TWINS. Carry .gpu, .gpu-bench.
-    # Fails if a test or a run fails.
-    fold_chain_test
-    read -ra twins <<<"${TWINS:-off wide all}"
-    fp8_step_runs --cuda-fp8-fold-twin "${twins[@]}"
-    if [ "${TRACE:-0}" != 0 ]; then
-        for t in "${twins[0]}" "${twins[-1]}"; do
-            TAG="twin-$t" GEN=64 FLAGS="--weights fp8 --cuda-fp8-fold-twin $t" \
-                scripts/step_trace.sh fp8 1 512 2>&1 | tee -a "$out/fp8-fold.log"
-        done
     fi
     exit "$failed"
 }

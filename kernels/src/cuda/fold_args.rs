@@ -28,8 +28,8 @@ pub(super) trait FoldKernel {
     /// the kernel's strips.
     fn check(&self, x: &CudaSlice<f32>, n: usize, k: usize) -> R;
 
-    /// Blocks for `n` rows on `gpu` (the gate/up pairing takes `f / 16`).
-    fn grid(gpu: &Gpu, n: usize) -> usize;
+    /// Blocks for `n` rows (the gate/up pairing takes `f / 16`).
+    fn grid(n: usize) -> usize;
 
     /// Launches the kernel on `grid` blocks (sizes checked by the caller).
     fn launch(&self, gpu: &Gpu, x: &CudaSlice<f32>, args: FoldLaunch, grid: usize) -> R;
@@ -134,16 +134,6 @@ impl FoldLaunch {
         self.sizes[3] as usize
     }
 
-    /// The rows of the product (of the whole stack).
-    pub(super) fn n(&self) -> usize {
-        self.sizes[2] as usize
-    }
-
-    /// Whether blocks pair gate strips with up strips.
-    pub(super) fn paired(&self) -> bool {
-        self.fold.pair != 0
-    }
-
     /// Pushes them onto `b`, after the weights.
     pub(super) fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
         let f = &self.fold;
@@ -172,7 +162,7 @@ impl Gpu {
         k: usize,
     ) -> R {
         w.check(x, n, k)?;
-        let grid = W::grid(self, n);
+        let grid = W::grid(n);
         next.check(h, n, grid)?;
         let fold = FoldArgs::residual(self, h, &mut next);
         w.launch(self, x, FoldLaunch::new([0; 3], &[n], k, fold), grid)?;
@@ -196,7 +186,7 @@ impl Gpu {
         let fold = FoldArgs::normed(self, input)?;
         let o = self.out_ptrs(outs, parts);
         let args = FoldLaunch::new(o.ptrs, parts, k, fold);
-        w.launch(self, input.gh, args, W::grid(self, n))
+        w.launch(self, input.gh, args, W::grid(n))
     }
 
     /// `out = silu(gate) * up` after the norm, where the stack `w` holds

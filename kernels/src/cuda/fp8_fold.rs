@@ -22,43 +22,6 @@ const THREADS: u32 = 256;
 /// beside two blocks an SM.
 pub const FP8_FOLD_MAX_K: usize = 32 << 10;
 
-/// Where the folded FP8 products take two strips of rows a block (the
-/// twin build, `gemv_e4m3_fold_twin`) instead of one: half the blocks, so
-/// a grid of one and a half waves (q/k/v of Llama-3-8B: 384 strips on 132
-/// SMs at two blocks an SM) runs in three quarters of one, and the kernel
-/// after it finds room on the SMs it leaves. Gate/up, whose blocks take a
-/// gate strip and its up strip, keeps its own.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Fp8FoldTwin {
-    /// A strip a block everywhere.
-    #[default]
-    Off,
-    /// Two where a strip a block overflows one wave of two blocks an SM.
-    Wide,
-    /// Two in every product but gate/up.
-    All,
-}
-
-impl Fp8FoldTwin {
-    /// Whether a product of `strips` strips on `sms` SMs takes the twin
-    /// build.
-    fn twin(self, strips: usize, sms: usize) -> bool {
-        match self {
-            Fp8FoldTwin::Off => false,
-            Fp8FoldTwin::Wide => strips > 2 * sms,
-            Fp8FoldTwin::All => true,
-        }
-    }
-}
-
-impl Gpu {
-    /// Where the folded FP8 products take two strips a block (nowhere as
-    /// a `Gpu` opens; set before graphs are captured).
-    pub fn set_fp8_fold_twin(&mut self, twin: Fp8FoldTwin) {
-        self.fp8_fold_twin = twin;
-    }
-}
-
 /// FP8 rows as the fold's kernel takes them: the e4m3 codes (`rows x k`,
 /// packed) and a scale a row.
 #[derive(Clone, Copy)]
@@ -89,50 +52,23 @@ impl FoldKernel for Fp8Rows<'_> {
         Ok(())
     }
 
-    fn grid(gpu: &Gpu, n: usize) -> usize {
-        let strips = n / STRIP;
-        if gpu.fp8_fold_twin.twin(strips, gpu.sms) {
-            strips.div_ceil(2)
-        } else {
-            strips
-        }
+    fn grid(n: usize) -> usize {
+        n / STRIP
     }
 
-    /// `gemv_e4m3_fold`, or `gemv_e4m3_fold_twin` where the grid takes
-    /// two strips a block, with K bytes of shared memory for x's codes.
+    /// `gemv_e4m3_fold`, with K bytes of shared memory for x's codes.
     fn launch(&self, gpu: &Gpu, x: &CudaSlice<f32>, args: FoldLaunch, grid: usize) -> R {
         let k = args.k();
-        let twin = !args.paired() && grid < args.n() / STRIP;
-        let func = gpu.function(if twin {
-            "gemv_e4m3_fold_twin"
-        } else {
-            "gemv_e4m3_fold"
-        })?;
+        let func = gpu.function("gemv_e4m3_fold")?;
         let mut b = gpu.stream.launch_builder(func);
         b.arg(x).arg(self.codes).arg(self.scales);
         args.push(&mut b);
         // SAFETY: a strip of 16 of the n rows a block (or a gate strip and
-        // its up strip: f / 16 blocks; or two strips, the grid rounded
-        // up), x of k, the outputs, norm buffers and partial sums checked
-        // by the callers; k bytes of shared memory, under the 48 KiB a
-        // launch may take by default.
+        // its up strip: f / 16 blocks), x of k, the outputs, norm buffers
+        // and partial sums checked by the callers; k bytes of shared
+        // memory, under the 48 KiB a launch may take by default.
         unsafe { b.launch(super::launch::cfg((grid as u32, 1, 1), THREADS, k as u32)) }
             .map_err(cuda_err)?;
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Fp8FoldTwin;
-
-    #[test]
-    fn wide_takes_two_strips_a_block_only_past_a_wave_of_two_an_sm() {
-        let wide = |strips| Fp8FoldTwin::Wide.twin(strips, 132);
-        // Llama-3-8B on 132 SMs: o and down (256 strips) fit one wave of
-        // two blocks an SM; q/k/v (384) and the head (8016) do not.
-        assert!(!wide(256) && wide(384) && wide(8016));
-        assert!(!wide(264) && wide(265));
-        assert!(Fp8FoldTwin::All.twin(1, 132) && !Fp8FoldTwin::Off.twin(8016, 132));
     }
 }

@@ -43,7 +43,7 @@ impl FoldKernel for Int4Tiles<'_> {
         Ok(())
     }
 
-    fn grid(_: &Gpu, n: usize) -> usize {
+    fn grid(n: usize) -> usize {
         n.div_ceil(STRIP * STRIPS)
     }
 

@@ -96,7 +96,6 @@ impl Gpu {
             int4_shared_room: self.int4_shared_room,
             sms: self.sms,
             fp8_mma: self.fp8_mma,
-            fp8_fold_twin: self.fp8_fold_twin,
             prefill_warps: self.prefill_warps,
         })
     }

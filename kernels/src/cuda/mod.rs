@@ -71,7 +71,7 @@ pub use comm::NcclRank;
 pub use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use fold::{NextNorm, NormSum, Normed};
 pub use fp8_act::Fp8Input;
-pub use fp8_fold::{FP8_FOLD_MAX_K, Fp8FoldTwin};
+pub use fp8_fold::FP8_FOLD_MAX_K;
 pub use fp8_gemm::{FP8_GEMV_ROWS, Fp8Out, Fp8Scratch};
 pub use fp8_mma::E4M3_MMA_MAX_M;
 pub use fp8_tune::{LtConfig, LtProbe, LtTiming};
@@ -149,9 +149,6 @@ pub struct Gpu {
     /// Whether W8A8 products of few rows take `fp8_mma.cu`
     /// ([`Gpu::set_fp8_mma`]).
     fp8_mma: bool,
-    /// Where the folded FP8 products take two strips a block
-    /// ([`Gpu::set_fp8_fold_twin`]).
-    fp8_fold_twin: Fp8FoldTwin,
     /// Warps a block of prefill attention: 4 or 8
     /// ([`Gpu::set_prefill_warps`]).
     prefill_warps: usize,
@@ -378,7 +375,6 @@ impl Gpu {
                 int4_shared_room,
                 sms,
                 fp8_mma: true,
-                fp8_fold_twin: Fp8FoldTwin::Off,
                 prefill_warps: prefill::DEFAULT_WARPS,
             })
         });

@@ -130,7 +130,6 @@ pub(super) const KERNELS: &[&str] = &[
     "gemv_int4_fold_g128_w16",
     // fp8_fold.cu
     "gemv_e4m3_fold",
-    "gemv_e4m3_fold_twin",
     // int4_rows.cu
     "gemv_int4_rows4_g64_w8",
     "gemv_int4_rows4_g64_w16",

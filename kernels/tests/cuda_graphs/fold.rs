@@ -9,8 +9,7 @@
 
 use kiln_kernels::KernelError;
 use kiln_kernels::cuda::{
-    CudaSlice, DeviceWeight, Fp8FoldTwin, GemmScratch, Gpu, NextNorm, NormArgs, NormSum, Normed,
-    StackShape,
+    CudaSlice, DeviceWeight, GemmScratch, Gpu, NextNorm, NormArgs, NormSum, Normed, StackShape,
 };
 use kiln_kernels::matmul::Weight;
 use kiln_kernels::quant::{DType, quantize};
@@ -206,22 +205,17 @@ fn folded_norm_gemvs_match_the_launches_they_replace_and_replay_exactly() {
     // (W8A8) with the same codes, but for the rare value that the norm's
     // factor, applied before quantizing apart and after it folded, moves
     // across a rounding boundary (~1 in 2e6): one such code moves a
-    // product by ~1e-3, a wrong scale by far more. FP8 rows with a strip
-    // a block, then two (down's 264 strips, and q/k/v's 65, whose last
-    // block has one).
-    let off = Fp8FoldTwin::Off;
+    // product by ~1e-3, a wrong scale by far more.
     let cases = [
-        (DType::BF16, 1e-4, None, off),
-        (DType::Int4G128, 2e-4, Some(0), off),
-        (DType::Int4G128, 2e-4, Some(usize::MAX), off),
-        (DType::Fp8Row, 5e-3, None, off),
-        (DType::Fp8Row, 5e-3, None, Fp8FoldTwin::All),
+        (DType::BF16, 1e-4, None),
+        (DType::Int4G128, 2e-4, Some(0)),
+        (DType::Int4G128, 2e-4, Some(usize::MAX)),
+        (DType::Fp8Row, 5e-3, None),
     ];
-    for (dtype, bound, wide, twin) in cases {
+    for (dtype, bound, wide) in cases {
         gpu.set_int4_one_wide(wide);
-        gpu.set_fp8_fold_twin(twin);
         gpu.set_programmatic(false);
-        eprintln!("{dtype:?} (wide {wide:?}, twin {twin:?})");
+        eprintln!("{dtype:?} (wide {wide:?})");
         let mut eager = Chain::new(&gpu, seed, dtype);
         let start = eager.results(&gpu);
         let once = stepped(&gpu, seed, dtype, &start, ROUNDS, bound);

@@ -85,8 +85,6 @@ pub struct EngineConfig {
     /// On CUDA: with `cuda_fold`, steps of one token with FP8 rows fold
     /// too (each product quantizes its activation row itself).
     pub cuda_fold_fp8: bool,
-    /// On CUDA: where the folded FP8 products take two strips a block.
-    pub cuda_fp8_fold_twin: kiln_kernels::cuda::Fp8FoldTwin,
     /// On CUDA: int4 products of 2 to 8 rows (decode of a few sequences)
     /// run in one launch with the rows in the MMAs' columns instead of a
     /// fragment launch and the GEMV.
@@ -143,7 +141,6 @@ impl Default for EngineConfig {
             cuda_fold: true,
             cuda_fold_int4: true,
             cuda_fold_fp8: true,
-            cuda_fp8_fold_twin: Default::default(),
             cuda_int4_rows: true,
             cuda_tune_bf16: true,
             device_sampling: true,
@@ -314,7 +311,6 @@ impl Engine {
                 fold: config.cuda_fold,
                 fold_int4: config.cuda_fold_int4,
                 fold_fp8: config.cuda_fold_fp8,
-                fp8_fold_twin: config.cuda_fp8_fold_twin,
                 int4_rows: config.cuda_int4_rows,
                 tune_bf16: config.cuda_tune_bf16,
                 tensor_prefill: config.tensor_prefill,

@@ -43,8 +43,6 @@ pub struct RunnerOptions {
     pub fold_int4: bool,
     /// On CUDA: with `fold`, one-token steps with FP8 rows fold too.
     pub fold_fp8: bool,
-    /// On CUDA: where the folded FP8 products take two strips a block.
-    pub fp8_fold_twin: kiln_kernels::cuda::Fp8FoldTwin,
     /// On CUDA: int4 products of 2 to 8 rows run in one launch.
     pub int4_rows: bool,
     /// On CUDA: decode's bf16 products run cuBLASLt's algorithms tuned at

@@ -92,7 +92,6 @@ fn configure(m: &mut GpuModel, o: &RunnerOptions) -> Result<(), String> {
     };
     m.set_fold(o.fold, q);
     m.set_skinny(o.skinny);
-    m.set_fp8_fold_twin(o.fp8_fold_twin);
     m.set_int4_rows(o.int4_rows);
     m.set_cluster(o.cluster);
     m.set_rope_in_attention(o.rope_in_attention);

@@ -307,12 +307,6 @@ impl GpuModel {
         self.gpus().for_each(|g| g.set_skinny(on));
     }
 
-    /// Where the folded FP8 products take two strips a block (set before
-    /// graphs are captured).
-    pub fn set_fp8_fold_twin(&mut self, twin: kiln_kernels::cuda::Fp8FoldTwin) {
-        self.gpus().for_each(|g| g.set_fp8_fold_twin(twin));
-    }
-
     /// Whether int4 products of 2 to 8 rows run in one launch (set before
     /// graphs are captured).
     pub fn set_int4_rows(&mut self, on: bool) {
