@@ -382,7 +382,7 @@ fn attention(
                         part_len: Some(part),
                         kind: Some(kind),
                         build,
-                        fused_merge: false,
+                        ..Default::default()
                     };
                     if !plans.contains(&plan) {
                         plans.push(plan);
@@ -397,12 +397,16 @@ fn attention(
                 }
             }
         }
-        // Then what the engine picks.
-        plans.push(AttentionPlan {
-            part_len: None,
+        // Then what the engine picks, and the same with the cluster build
+        // where a launch takes it.
+        let picked = AttentionPlan {
             kind: Some(AttentionKind::Flash),
-            build: None,
-            fused_merge: false,
+            ..Default::default()
+        };
+        plans.push(picked);
+        plans.push(AttentionPlan {
+            cluster: true,
+            ..picked
         });
         let mut first: Option<Vec<f32>> = None;
         let query = PagedQuery {
@@ -449,10 +453,10 @@ fn attention(
                     Some(FlashBuild::FourAnSm) => ", four an SM".to_string(),
                     None => String::new(),
                 },
-                if plan.fused_merge {
-                    ", merged in the kernel"
-                } else {
-                    ""
+                match (plan.fused_merge, plan.cluster) {
+                    (true, _) => ", merged in the kernel",
+                    (_, true) => ", merged in a cluster where it fits",
+                    _ => "",
                 },
                 t * 1e3,
                 100.0 * bw / copy

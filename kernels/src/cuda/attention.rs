@@ -4,8 +4,9 @@
 use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
 
 use super::attention_plan::{
-    FLASH_MAX_PARTITION, FLASH_THREADS, FlashBuild, PARTITION, attention_rows, build_name,
-    flash_kernels, flash_shared, one_wave_of_four, partition_len, split_len,
+    FLASH_CLUSTER, FLASH_MAX_PARTITION, FLASH_THREADS, FlashBuild, PARTITION, attention_rows,
+    build_name, cluster_len, cluster_name, flash_cluster_shared, flash_kernels, flash_shared,
+    one_wave_of_four, partition_len, split_len,
 };
 use super::kv::PagedKv;
 use super::kv::push_pages;
@@ -35,6 +36,15 @@ pub struct AttentionPlan {
     /// merge launch follows (the output differs from the merge launch's in
     /// the order of its sums). Other launches ignore it.
     pub fused_merge: bool,
+    /// Where a small batch's flash launch would split its sequences (see
+    /// `cluster_len`), each sequence and KV head splits into
+    /// `FLASH_CLUSTER` partitions run as one thread-block cluster (sm_90
+    /// and up), which merges them through distributed shared memory: no
+    /// merge launch (the output differs from the merge launch's in the
+    /// order of its sums). With `part_len`, the cluster always runs, in
+    /// partitions of that length, which must cover the longest sequence.
+    /// Other launches ignore it.
+    pub cluster: bool,
 }
 
 /// The decode attention kernels.
@@ -307,12 +317,24 @@ impl Gpu {
             KvFormat::Fp8 | KvFormat::Fp8Static => "fp8",
         };
         let flash_name = format!("attention_flash_{fmt}_g{group}_d{head_dim}");
+        let resident = self.flash_resident.get(&flash_name).copied().unwrap_or(1);
+        // The cluster build's partitions, where it runs.
+        let cluster = match plan.part_len {
+            _ if kind != AttentionKind::Flash || !plan.cluster || !self.clusters => None,
+            Some(len) if len * FLASH_CLUSTER >= max_len => Some(len),
+            Some(len) => {
+                return Err(KernelError::Shape(format!(
+                    "a cluster of {FLASH_CLUSTER} partitions of {len} tokens cannot hold \
+                     {max_len}"
+                )));
+            }
+            None => cluster_len(seqs, kv_heads, max_len, resident),
+        };
         let (part_len, most) = match kind {
             AttentionKind::Flash => {
-                let resident = self.flash_resident.get(&flash_name).copied();
-                let len = plan.part_len.unwrap_or_else(|| {
-                    partition_len(seqs, kv_heads, max_len, resident.unwrap_or(1))
-                });
+                let len = cluster
+                    .or(plan.part_len)
+                    .unwrap_or_else(|| partition_len(seqs, kv_heads, max_len, resident));
                 (len, FLASH_MAX_PARTITION)
             }
             AttentionKind::Shuffle => (
@@ -333,9 +355,14 @@ impl Gpu {
                  {page_size}, partitions of {part_len})"
             )));
         }
-        let parts = max_len.div_ceil(part_len).max(1);
-        if scratch.part_ml.len() < seqs * heads * parts * 2
-            || scratch.part_out.len() < seqs * heads * parts * head_dim
+        // A cluster's blocks past the longest sequence find no tokens.
+        let parts = match cluster {
+            Some(_) => FLASH_CLUSTER,
+            None => max_len.div_ceil(part_len).max(1),
+        };
+        if cluster.is_none()
+            && (scratch.part_ml.len() < seqs * heads * parts * 2
+                || scratch.part_out.len() < seqs * heads * parts * head_dim)
         {
             return Err(KernelError::Shape(format!(
                 "attention scratch too small for {seqs} sequences in {parts} partitions"
@@ -350,6 +377,10 @@ impl Gpu {
             )));
         }
         let (name, threads, shared) = match kind {
+            AttentionKind::Flash if cluster.is_some() => {
+                let shared = flash_cluster_shared(group, head_dim, page_size, part_len);
+                (cluster_name(&flash_name), FLASH_THREADS, shared)
+            }
             AttentionKind::Flash => {
                 let name = self.flash_build(flash_name, plan, kv_heads * seqs * parts);
                 let shared = flash_shared(group, head_dim, page_size, part_len);
@@ -380,9 +411,9 @@ impl Gpu {
         }
         b.arg(&scale);
         // One flash partition: the kernel normalizes its output itself; or
-        // several, merged by each sequence's last block.
-        let direct = kind == AttentionKind::Flash && parts == 1;
-        let fused = kind == AttentionKind::Flash && parts > 1 && plan.fused_merge;
+        // several, merged by each sequence's cluster, or by its last block.
+        let direct = kind == AttentionKind::Flash && (parts == 1 || cluster.is_some());
+        let fused = kind == AttentionKind::Flash && !direct && plan.fused_merge;
         if fused && scratch.done.len() < seqs * kv_heads {
             return Err(KernelError::Shape(format!(
                 "attention scratch holds the merge counters of {} sequences, not {seqs}",
@@ -408,7 +439,9 @@ impl Gpu {
             ));
         }
         let grid = (kv_heads as u32, seqs as u32, parts as u32);
-        // SAFETY: shared memory as each kernel lays it out, sized above.
+        // SAFETY: shared memory as each kernel lays it out, sized above;
+        // the cluster build's clusters (its compile-time size) are its
+        // `parts` blocks of a sequence and KV head.
         unsafe { b.launch(cfg(grid, threads as u32, shared as u32)) }.map_err(cuda_err)?;
         if direct || fused {
             return Ok(());

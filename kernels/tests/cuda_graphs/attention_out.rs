@@ -114,13 +114,24 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
                 "flash, merged in the kernel",
             ),
             (AttentionKind::Shuffle, 256, false, "shuffle, merged"),
+            (
+                AttentionKind::Flash,
+                192,
+                true,
+                "flash, merged in a cluster",
+            ),
         ];
         let mut merged: Option<Vec<f32>> = None;
-        for (kind, len, fused_merge, what) in plans {
+        for (kind, len, merged_here, what) in plans {
+            // Merged by the kernel: by each sequence's last block, or (in
+            // eight partitions of 192, 1536 tokens) by its cluster.
+            let cluster = len == 192;
+            let fused_merge = merged_here && !cluster;
             let plan = AttentionPlan {
                 part_len: Some(len),
                 kind: Some(kind),
                 fused_merge,
+                cluster,
                 ..Default::default()
             };
             let mut f = gpu.upload(&vec![f32::NAN; rows(n)]).unwrap();
@@ -140,7 +151,7 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
             // The kernel's own merge sums the same partials in another
             // order than the merge launch.
             let rows = gpu.download(&f).unwrap();
-            match (kind, fused_merge, &merged) {
+            match (kind, merged_here, &merged) {
                 (AttentionKind::Flash, false, None) if len == 256 => merged = Some(rows),
                 (_, true, Some(want)) => {
                     let most = rows

@@ -141,6 +141,7 @@ fn paged_decode_attention_matches_float64_in_bf16_and_fp8() {
             AttentionKernel::FlashFourAnSm,
             AttentionKernel::FlashFusedMerge,
             AttentionKernel::FlashUnsplit,
+            AttentionKernel::FlashCluster,
             AttentionKernel::Shuffle,
         ] {
             case.kernel = kernel;
