@@ -217,3 +217,51 @@ mode_goals() {
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     exit "$failed"
 }
+
+mode_attention_cluster() {
+    # Decode attention merged in a thread-block cluster
+    # (`--cuda-attention-cluster`): the attention parity test (the cluster
+    # build against float64 and the other kernels), the graph tests (the
+    # cluster against the merge launch, and against the launches that
+    # rotate and write the step's keys apart), the engine's logits with it
+    # off and on; its attention beside the merge launch's at 1 x 640 and
+    # 1 x 1024 (`cuda_bench attention`), then decode at one sequence on
+    # FP8 rows and on int4 tiles (int4 head) with it off and on, ROUNDS
+    # (default 2) times in turn; TRACE=1 adds the FP8 step's kernels both
+    # ways. Carry .gpu, .gpu-bench. Fails if a test or a run fails.
+    prepare
+    set +e
+    failed=0
+    KILN_TEST_DEVICE=cuda timeout 300 .gpu/parity --include-ignored paged_decode_attention 2>&1 |
+        tee "$out/parity.log" | grep -E "test result|panicked"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    KILN_TEST_DEVICE=cuda timeout 150 .gpu/cuda_graphs --include-ignored attention_ 2>&1 |
+        tee -a "$out/parity.log" | grep -E "test result|panicked|differs|off by"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    KILN_TEST_DEVICE=cuda timeout 150 .gpu/engine --include-ignored --nocapture merge_launch 2>&1 |
+        tee -a "$out/parity.log" | grep -E "test result|panicked|row 20"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    for shape in 1x640 1x1024; do
+        timeout 150 .gpu/cuda_bench attention "$shape" 2>&1 | grep -E "Flash|disagrees" |
+            tee -a "$out/attention.log"
+    done
+    for round in $(seq "${ROUNDS:-2}"); do
+        for weights in fp8 int4,head=int4; do
+            for c in off on; do
+                echo "== round $round: --weights $weights --cuda-attention-cluster $c" | tee -a "$out/ab.log"
+                timeout 150 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda \
+                    --weights "$weights" --kv fp8 --kv-memory 16GiB --concurrency 1 \
+                    --prompt-tokens 512 --gen-tokens 128 --cuda-attention-cluster "$c" 2>&1 |
+                    grep -v INFO | tail -n 1 | tee -a "$out/ab.log"
+                [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+            done
+        done
+    done
+    if [ "${TRACE:-0}" != 0 ]; then
+        for c in off on; do
+            TAG="cluster-$c" GEN=64 FLAGS="--weights fp8 --cuda-attention-cluster $c" \
+                scripts/step_trace.sh fp8 1 512 2>&1 | tee -a "$out/ab.log"
+        done
+    fi
+    exit "$failed"
+}
