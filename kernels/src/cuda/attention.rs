@@ -41,9 +41,10 @@ pub struct AttentionPlan {
     /// `FLASH_CLUSTER` partitions run as one thread-block cluster (sm_90
     /// and up), which merges them through distributed shared memory: no
     /// merge launch (the output differs from the merge launch's in the
-    /// order of its sums). With `part_len`, the cluster always runs, in
-    /// partitions of that length, which must cover the longest sequence.
-    /// Other launches ignore it.
+    /// order of its sums); below sm_90, the plan's own partitions. With
+    /// `part_len` and the flash kernel, the cluster runs in partitions of
+    /// that length, which must cover the longest sequence (an error below
+    /// sm_90). Other launches ignore it.
     pub cluster: bool,
 }
 
@@ -320,7 +321,14 @@ impl Gpu {
         let resident = self.flash_resident.get(&flash_name).copied().unwrap_or(1);
         // The cluster build's partitions, where it runs.
         let cluster = match plan.part_len {
-            _ if kind != AttentionKind::Flash || !plan.cluster || !self.clusters => None,
+            _ if kind != AttentionKind::Flash || !plan.cluster => None,
+            Some(_) if !self.clusters => {
+                return Err(KernelError::Shape(format!(
+                    "the flash kernel's cluster build needs sm_90 or newer: {}",
+                    self.name
+                )));
+            }
+            None if !self.clusters => None,
             Some(len) if len * FLASH_CLUSTER >= max_len => Some(len),
             Some(len) => {
                 return Err(KernelError::Shape(format!(

@@ -69,6 +69,7 @@ __device__ __forceinline__ void flash_cluster_out(const float* bo, float* out,
                                                   int n_heads) {
     constexpr int PER = G * HD / CL;
     static_assert(PER * CL == G * HD, "a cluster splits the outputs evenly");
+    __syncwarp();  // the barriers are .aligned: whole warps arrive together
     cluster_barrier();
     unsigned rank = cluster_rank(), base = smem_addr(bo);
     for (int i = rank * PER + threadIdx.x; i < (int)(rank + 1) * PER; i += FLASH_WARPS * 32) {
@@ -97,6 +98,7 @@ __device__ __forceinline__ void flash_cluster_out(const float* bo, float* out,
             out[h * HD + i % HD] = o;
         }
     }
+    __syncwarp();
     cluster_barrier();
 }
 #endif
@@ -340,8 +342,9 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
 #if CL_HOPPER
     if constexpr (CL > 1) {
         for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
-            float mx, lsum;
-            flash_warps_merged<G, HD>(red, i, bo[i], mx, lsum);
+            float sum, mx, lsum;
+            flash_warps_merged<G, HD>(red, i, sum, mx, lsum);
+            bo[i] = sum;
             if (i % HD == 0) {
                 bool empty = t1 <= t0;
                 bo[G * HD + 2 * (i / HD)] = empty ? -INFINITY : mx;
@@ -351,6 +354,9 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
         flash_cluster_out<G, HD, CL>(bo, out, out16, s, kvh, n_heads);
         return;
     }
+#else
+    // No clusters below sm_90 (the host never launches this build there).
+    if constexpr (CL > 1) __trap();
 #endif
     // The block's output: warps merged at their common max; with `out`
     // or `out16` (the sequence in one partition) normalized into it (f32,

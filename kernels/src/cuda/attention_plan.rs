@@ -51,7 +51,8 @@ pub(super) fn cluster_name(name: &str) -> String {
 /// sequence and KV head fit one wave, of sequences longer than one
 /// partition (which the plan would split, and a merge launch join), in
 /// partitions of at most [`CLUSTER_MAX_PARTITION`]. `None`: the plan's
-/// own partitions.
+/// own partitions. (Blocks, not clusters: a GPC may hold fewer clusters
+/// of eight than its SMs' blocks suggest, which costs time, not results.)
 pub(super) fn cluster_len(
     seqs: usize,
     kv_heads: usize,

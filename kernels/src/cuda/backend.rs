@@ -150,9 +150,12 @@ impl Backend for Gpu {
                 AttentionKernel::FlashUnsplit => {
                     Some(max_len.next_multiple_of(16).clamp(16, FLASH_MAX_PARTITION))
                 }
-                AttentionKernel::FlashCluster => {
-                    Some(max_len.div_ceil(FLASH_CLUSTER).next_multiple_of(16))
-                }
+                AttentionKernel::FlashCluster => Some(
+                    max_len
+                        .div_ceil(FLASH_CLUSTER)
+                        .next_multiple_of(16)
+                        .clamp(16, FLASH_MAX_PARTITION),
+                ),
                 _ => None,
             },
             kind: match c.kernel {

@@ -126,6 +126,13 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
             // Merged by the kernel: by each sequence's last block, or (in
             // eight partitions of 192, 1536 tokens) by its cluster.
             let cluster = len == 192;
+            if cluster && !gpu.clusters() {
+                eprintln!(
+                    "{format:?} decode, {what}: skipped, no clusters on {}",
+                    gpu.name()
+                );
+                continue;
+            }
             let fused_merge = merged_here && !cluster;
             let plan = AttentionPlan {
                 part_len: Some(len),
@@ -164,14 +171,26 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
                 _ => {}
             }
         }
-        fused_in_a_graph(
-            gpu,
-            &kv,
-            &query,
-            batch,
-            &mut scratch,
-            &format!("{format:?}"),
-        );
+        let fused = AttentionPlan {
+            part_len: Some(256),
+            kind: Some(AttentionKind::Flash),
+            fused_merge: true,
+            ..Default::default()
+        };
+        let cluster = AttentionPlan {
+            part_len: Some(192),
+            kind: Some(AttentionKind::Flash),
+            cluster: true,
+            ..Default::default()
+        };
+        for (plan, how) in [(fused, "fused merge"), (cluster, "cluster")] {
+            let what = format!("{format:?}, {how}");
+            if plan.cluster && !gpu.clusters() {
+                eprintln!("{what} in a graph: skipped, no clusters on {}", gpu.name());
+                continue;
+            }
+            merged_in_a_graph(gpu, &kv, &query, batch, &mut scratch, plan, &what);
+        }
         // Prefill: the prompt's rows, each over its own prefix.
         let first = at;
         let q = queries(gpu, rng, rows(prompt));
@@ -200,25 +219,21 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
     }
 }
 
-/// Two launches with the fused merge in one graph, as two layers share
-/// scratch and its counters, with programmatic edges where the device has
-/// them, replayed twice: every launch writes the rows one eager launch
-/// writes, bit for bit (the merging block zeroed the counters, so each
-/// launch and replay merges again).
-fn fused_in_a_graph(
+/// Two launches that merge their partitions themselves (`plan`: by the
+/// last block, or by a cluster) in one graph, as two layers share scratch
+/// and its counters, with programmatic edges where the device has them,
+/// replayed twice: every launch writes the rows one eager launch writes,
+/// bit for bit (the merging block zeroed the counters, so each launch and
+/// replay merges again).
+fn merged_in_a_graph(
     gpu: &Gpu,
     kv: &PagedKv,
     query: &PagedQuery<'_>,
     batch: DecodeBatch,
     scratch: &mut AttentionBuffers,
+    plan: AttentionPlan,
     what: &str,
 ) {
-    let plan = AttentionPlan {
-        part_len: Some(256),
-        kind: Some(AttentionKind::Flash),
-        fused_merge: true,
-        ..Default::default()
-    };
     let n = batch.seqs * query.heads * LAYOUT.head_dim;
     let mut want = gpu.upload(&vec![f32::NAN; n]).unwrap();
     gpu.paged_attention_to(kv, query, batch, plan, scratch, AttnOut::F32(&mut want))
@@ -242,7 +257,7 @@ fn fused_in_a_graph(
         for (out, which) in [(&a, "first"), (&b, "second")] {
             assert!(
                 bits(&gpu.download(out).unwrap()) == bits(&want),
-                "{what}: replay {replay}, the {which} fused launch differs from the eager one"
+                "{what}: replay {replay}, the {which} launch differs from the eager one"
             );
         }
     }

@@ -214,6 +214,10 @@ fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: &[usize]) {
                 );
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
                 for how in [How::Stacked, How::Apart, How::FourAnSm, How::Cluster] {
+                    if how == How::Cluster && !gpu.clusters() {
+                        eprintln!("{what}, cluster: skipped, no clusters on {}", gpu.name());
+                        continue;
+                    }
                     let mut kv_b = copy_pages(gpu, &start);
                     let got = attend(&mut kv_b, how, &mut scratch);
                     if how == How::Cluster {
