@@ -86,7 +86,7 @@ pub enum AttentionKernel {
     FlashUnsplit,
     /// CUDA: the flash kernel's cluster build, each sequence split into
     /// one cluster's partitions, merged through distributed shared memory
-    /// (sm_90 and up; elsewhere the plain build).
+    /// (sm_90 and up; elsewhere an error).
     FlashCluster,
     /// CUDA: scores and values summed by warp shuffles on CUDA cores.
     Shuffle,

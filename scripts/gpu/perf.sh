@@ -118,6 +118,17 @@ mode_trace() {
     scripts/step_trace.sh "$@" 2>&1 | tee -a "$out/trace.log"
 }
 
+# There (with $out set): every decode attention plan at each BATCHxCTX
+# shape given, timed and checked against the shuffle kernel
+# (`cuda_bench attention`).
+attention_plans() {
+    local shape
+    for shape in "$@"; do
+        timeout 150 .gpu/cuda_bench attention "$shape" 2>&1 | grep -E "Flash|disagrees" |
+            tee -a "$out/attention.log"
+    done
+}
+
 mode_flash_builds() {
     # The flash attention kernel's builds (three and four blocks an SM)
     # and its fused merge: parity (which holds the builds to the plain
@@ -138,10 +149,7 @@ mode_flash_builds() {
     KILN_TEST_DEVICE=cuda timeout 120 .gpu/cuda_graphs --include-ignored rotates 2>&1 |
         tee -a "$out/parity.log" | grep -E "test result|panicked|differs"
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    for shape in 64x640 1x640; do
-        timeout 150 .gpu/cuda_bench attention "$shape" 2>&1 | grep -E "Flash|disagrees" |
-            tee -a "$out/attention.log"
-    done
+    attention_plans 64x640 1x640
     runs=(/tmp/kiln-base .gpu-bench/kiln)
     for build in ${BUILDS-plain four}; do runs+=(".gpu-bench/kiln --cuda-flash-build $build"); done
     for round in $(seq "${ROUNDS:-1}"); do
@@ -241,10 +249,7 @@ mode_attention_cluster() {
     KILN_TEST_DEVICE=cuda timeout 150 .gpu/engine --include-ignored --nocapture merge_launch 2>&1 |
         tee -a "$out/parity.log" | grep -E "test result|panicked|row 20"
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    for shape in 1x640 1x1024; do
-        timeout 150 .gpu/cuda_bench attention "$shape" 2>&1 | grep -E "Flash|disagrees" |
-            tee -a "$out/attention.log"
-    done
+    attention_plans 1x640 1x1024
     for round in $(seq "${ROUNDS:-2}"); do
         for weights in fp8 int4,head=int4; do
             for c in off on; do

@@ -104,43 +104,37 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
         let mut scratch = gpu
             .attention_buffers((n, 1500), (HEADS, 2, 128), 0)
             .unwrap();
+        let plan = |kind, len| AttentionPlan {
+            part_len: Some(len),
+            kind: Some(kind),
+            ..Default::default()
+        };
+        // Merged by the kernel: by each sequence's last block, or (in eight
+        // partitions of 192, 1536 tokens) by its cluster.
+        let fused = AttentionPlan {
+            fused_merge: true,
+            ..plan(AttentionKind::Flash, 256)
+        };
+        let cluster = AttentionPlan {
+            cluster: true,
+            ..plan(AttentionKind::Flash, 192)
+        };
         let plans = [
-            (AttentionKind::Flash, 1504, false, "flash, one partition"),
-            (AttentionKind::Flash, 256, false, "flash, merged"),
-            (
-                AttentionKind::Flash,
-                256,
-                true,
-                "flash, merged in the kernel",
-            ),
-            (AttentionKind::Shuffle, 256, false, "shuffle, merged"),
-            (
-                AttentionKind::Flash,
-                192,
-                true,
-                "flash, merged in a cluster",
-            ),
+            (plan(AttentionKind::Flash, 1504), "flash, one partition"),
+            (plan(AttentionKind::Flash, 256), "flash, merged"),
+            (fused, "flash, merged in the kernel"),
+            (plan(AttentionKind::Shuffle, 256), "shuffle, merged"),
+            (cluster, "flash, merged in a cluster"),
         ];
         let mut merged: Option<Vec<f32>> = None;
-        for (kind, len, merged_here, what) in plans {
-            // Merged by the kernel: by each sequence's last block, or (in
-            // eight partitions of 192, 1536 tokens) by its cluster.
-            let cluster = len == 192;
-            if cluster && !gpu.clusters() {
+        for (plan, what) in plans {
+            if plan.cluster && !gpu.clusters() {
                 eprintln!(
                     "{format:?} decode, {what}: skipped, no clusters on {}",
                     gpu.name()
                 );
                 continue;
             }
-            let fused_merge = merged_here && !cluster;
-            let plan = AttentionPlan {
-                part_len: Some(len),
-                kind: Some(kind),
-                fused_merge,
-                cluster,
-                ..Default::default()
-            };
             let mut f = gpu.upload(&vec![f32::NAN; rows(n)]).unwrap();
             let mut h = gpu.upload(&vec![bf16::NAN; rows(n)]).unwrap();
             gpu.paged_attention_to(&kv, &query, batch, plan, &mut scratch, AttnOut::F32(&mut f))
@@ -158,8 +152,11 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
             // The kernel's own merge sums the same partials in another
             // order than the merge launch.
             let rows = gpu.download(&f).unwrap();
-            match (kind, merged_here, &merged) {
-                (AttentionKind::Flash, false, None) if len == 256 => merged = Some(rows),
+            let merged_here = plan.fused_merge || plan.cluster;
+            match (plan.kind, merged_here, &merged) {
+                (Some(AttentionKind::Flash), false, None) if plan.part_len == Some(256) => {
+                    merged = Some(rows)
+                }
                 (_, true, Some(want)) => {
                     let most = rows
                         .iter()
@@ -171,18 +168,6 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
                 _ => {}
             }
         }
-        let fused = AttentionPlan {
-            part_len: Some(256),
-            kind: Some(AttentionKind::Flash),
-            fused_merge: true,
-            ..Default::default()
-        };
-        let cluster = AttentionPlan {
-            part_len: Some(192),
-            kind: Some(AttentionKind::Flash),
-            cluster: true,
-            ..Default::default()
-        };
         for (plan, how) in [(fused, "fused merge"), (cluster, "cluster")] {
             let what = format!("{format:?}, {how}");
             if plan.cluster && !gpu.clusters() {
