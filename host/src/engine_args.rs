@@ -108,11 +108,6 @@ pub(crate) struct EngineArgs {
     /// launch follows it.
     #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
     cuda_fused_merge: OnOff,
-    /// On CUDA, decode attention of a small batch that splits sequences
-    /// into partitions runs each sequence's as one thread-block cluster,
-    /// which merges them in distributed shared memory (no merge launch).
-    #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
-    cuda_attention_cluster: OnOff,
     /// On CUDA, warps a block of prefill attention takes: 4 (three blocks
     /// an SM) or 8 (one block, twice the query rows per key tile read)
     /// [default: 4 for bf16 pages, 8 for fp8 pages].
@@ -214,7 +209,6 @@ impl EngineArgs {
             cuda_attention: kiln_kernels::cuda::AttentionPlan {
                 build: self.cuda_flash_build.build(),
                 fused_merge: self.cuda_fused_merge == OnOff::On,
-                cluster: self.cuda_attention_cluster == OnOff::On,
                 ..Default::default()
             },
             prefill_warps: self.prefill_warps,

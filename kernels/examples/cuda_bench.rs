@@ -382,7 +382,7 @@ fn attention(
                         part_len: Some(part),
                         kind: Some(kind),
                         build,
-                        ..Default::default()
+                        fused_merge: false,
                     };
                     if !plans.contains(&plan) {
                         plans.push(plan);
@@ -397,16 +397,12 @@ fn attention(
                 }
             }
         }
-        // Then what the engine picks, and the same with the cluster build
-        // where a launch takes it.
-        let picked = AttentionPlan {
-            kind: Some(AttentionKind::Flash),
-            ..Default::default()
-        };
-        plans.push(picked);
+        // Then what the engine picks.
         plans.push(AttentionPlan {
-            cluster: true,
-            ..picked
+            part_len: None,
+            kind: Some(AttentionKind::Flash),
+            build: None,
+            fused_merge: false,
         });
         let mut first: Option<Vec<f32>> = None;
         let query = PagedQuery {
@@ -453,10 +449,10 @@ fn attention(
                     Some(FlashBuild::FourAnSm) => ", four an SM".to_string(),
                     None => String::new(),
                 },
-                match (plan.fused_merge, plan.cluster) {
-                    (true, _) => ", merged in the kernel",
-                    (_, true) => ", merged in a cluster where it fits",
-                    _ => "",
+                if plan.fused_merge {
+                    ", merged in the kernel"
+                } else {
+                    ""
                 },
                 t * 1e3,
                 100.0 * bw / copy

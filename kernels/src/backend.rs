@@ -84,10 +84,6 @@ pub enum AttentionKernel {
     /// CUDA: the same, each sequence in one partition (the kernel
     /// normalizes its output; no merge).
     FlashUnsplit,
-    /// CUDA: the flash kernel's cluster build, each sequence split into
-    /// one cluster's partitions, merged through distributed shared memory
-    /// (sm_90 and up; elsewhere an error).
-    FlashCluster,
     /// CUDA: scores and values summed by warp shuffles on CUDA cores.
     Shuffle,
 }

@@ -118,17 +118,6 @@ mode_trace() {
     scripts/step_trace.sh "$@" 2>&1 | tee -a "$out/trace.log"
 }
 
-# There (with $out set): every decode attention plan at each BATCHxCTX
-# shape given, timed and checked against the shuffle kernel
-# (`cuda_bench attention`).
-attention_plans() {
-    local shape
-    for shape in "$@"; do
-        timeout 150 .gpu/cuda_bench attention "$shape" 2>&1 | grep -E "Flash|disagrees" |
-            tee -a "$out/attention.log"
-    done
-}
-
 mode_flash_builds() {
     # The flash attention kernel's builds (three and four blocks an SM)
     # and its fused merge: parity (which holds the builds to the plain
@@ -149,7 +138,10 @@ mode_flash_builds() {
     KILN_TEST_DEVICE=cuda timeout 120 .gpu/cuda_graphs --include-ignored rotates 2>&1 |
         tee -a "$out/parity.log" | grep -E "test result|panicked|differs"
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    attention_plans 64x640 1x640
+    for shape in 64x640 1x640; do
+        timeout 150 .gpu/cuda_bench attention "$shape" 2>&1 | grep -E "Flash|disagrees" |
+            tee -a "$out/attention.log"
+    done
     runs=(/tmp/kiln-base .gpu-bench/kiln)
     for build in ${BUILDS-plain four}; do runs+=(".gpu-bench/kiln --cuda-flash-build $build"); done
     for round in $(seq "${ROUNDS:-1}"); do
@@ -223,50 +215,5 @@ mode_goals() {
         --kv-formats bf16,fp8-static --kv-memory 16GiB --concurrency 64 --prompt-tokens 512 \
         --gen-tokens 128 2>&1 | grep -v INFO | tee -a "$out/goals.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    exit "$failed"
-}
-
-mode_attention_cluster() {
-    # Decode attention merged in a thread-block cluster
-    # (`--cuda-attention-cluster`): the attention parity test (the cluster
-    # build against float64 and the other kernels), the graph tests (the
-    # cluster against the merge launch, and against the launches that
-    # rotate and write the step's keys apart), the engine's logits with it
-    # off and on; its attention beside the merge launch's at 1 x 640 and
-    # 1 x 1024 (`cuda_bench attention`), then decode at one sequence on
-    # FP8 rows and on int4 tiles (int4 head) with it off and on, ROUNDS
-    # (default 2) times in turn; TRACE=1 adds the FP8 step's kernels both
-    # ways. Carry .gpu, .gpu-bench. Fails if a test or a run fails.
-    prepare
-    set +e
-    failed=0
-    KILN_TEST_DEVICE=cuda timeout 300 .gpu/parity --include-ignored paged_decode_attention 2>&1 |
-        tee "$out/parity.log" | grep -E "test result|panicked"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    KILN_TEST_DEVICE=cuda timeout 150 .gpu/cuda_graphs --include-ignored attention_ 2>&1 |
-        tee -a "$out/parity.log" | grep -E "test result|panicked|differs|off by"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    KILN_TEST_DEVICE=cuda timeout 150 .gpu/engine --include-ignored --nocapture merge_launch 2>&1 |
-        tee -a "$out/parity.log" | grep -E "test result|panicked|row 20"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-    attention_plans 1x640 1x1024
-    for round in $(seq "${ROUNDS:-2}"); do
-        for weights in fp8 int4,head=int4; do
-            for c in off on; do
-                echo "== round $round: --weights $weights --cuda-attention-cluster $c" | tee -a "$out/ab.log"
-                timeout 150 .gpu-bench/kiln bench --model synthetic:llama-3-8b --device cuda \
-                    --weights "$weights" --kv fp8 --kv-memory 16GiB --concurrency 1 \
-                    --prompt-tokens 512 --gen-tokens 128 --cuda-attention-cluster "$c" 2>&1 |
-                    grep -v INFO | tail -n 1 | tee -a "$out/ab.log"
-                [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
-            done
-        done
-    done
-    if [ "${TRACE:-0}" != 0 ]; then
-        for c in off on; do
-            TAG="cluster-$c" GEN=64 FLAGS="--weights fp8 --cuda-attention-cluster $c" \
-                scripts/step_trace.sh fp8 1 512 2>&1 | tee -a "$out/ab.log"
-        done
-    fi
     exit "$failed"
 }

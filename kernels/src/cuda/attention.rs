@@ -4,9 +4,8 @@
 use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
 
 use super::attention_plan::{
-    FLASH_CLUSTER, FLASH_MAX_PARTITION, FLASH_THREADS, FlashBuild, PARTITION, attention_rows,
-    build_name, cluster_len, cluster_name, flash_cluster_shared, flash_kernels, flash_shared,
-    one_wave_of_four, partition_len, split_len,
+    FLASH_MAX_PARTITION, FLASH_THREADS, FlashBuild, PARTITION, attention_rows, build_name,
+    flash_kernels, flash_shared, one_wave_of_four, partition_len, split_len,
 };
 use super::kv::PagedKv;
 use super::kv::push_pages;
@@ -36,16 +35,6 @@ pub struct AttentionPlan {
     /// merge launch follows (the output differs from the merge launch's in
     /// the order of its sums). Other launches ignore it.
     pub fused_merge: bool,
-    /// Where a small batch's flash launch would split its sequences (see
-    /// `cluster_len`), each sequence and KV head splits into
-    /// `FLASH_CLUSTER` partitions run as one thread-block cluster (sm_90
-    /// and up), which merges them through distributed shared memory: no
-    /// merge launch (the output differs from the merge launch's in the
-    /// order of its sums); below sm_90, the plan's own partitions. With
-    /// `part_len` and the flash kernel, the cluster runs in partitions of
-    /// that length, which must cover the longest sequence (an error below
-    /// sm_90). Other launches ignore it.
-    pub cluster: bool,
 }
 
 /// The decode attention kernels.
@@ -318,31 +307,12 @@ impl Gpu {
             KvFormat::Fp8 | KvFormat::Fp8Static => "fp8",
         };
         let flash_name = format!("attention_flash_{fmt}_g{group}_d{head_dim}");
-        let resident = self.flash_resident.get(&flash_name).copied().unwrap_or(1);
-        // The cluster build's partitions, where it runs.
-        let cluster = match plan.part_len {
-            _ if kind != AttentionKind::Flash || !plan.cluster => None,
-            Some(_) if !self.clusters => {
-                return Err(KernelError::Shape(format!(
-                    "the flash kernel's cluster build needs sm_90 or newer: {}",
-                    self.name
-                )));
-            }
-            None if !self.clusters => None,
-            Some(len) if len * FLASH_CLUSTER >= max_len => Some(len),
-            Some(len) => {
-                return Err(KernelError::Shape(format!(
-                    "a cluster of {FLASH_CLUSTER} partitions of {len} tokens cannot hold \
-                     {max_len}"
-                )));
-            }
-            None => cluster_len(seqs, kv_heads, max_len, resident),
-        };
         let (part_len, most) = match kind {
             AttentionKind::Flash => {
-                let len = cluster
-                    .or(plan.part_len)
-                    .unwrap_or_else(|| partition_len(seqs, kv_heads, max_len, resident));
+                let resident = self.flash_resident.get(&flash_name).copied();
+                let len = plan.part_len.unwrap_or_else(|| {
+                    partition_len(seqs, kv_heads, max_len, resident.unwrap_or(1))
+                });
                 (len, FLASH_MAX_PARTITION)
             }
             AttentionKind::Shuffle => (
@@ -363,14 +333,9 @@ impl Gpu {
                  {page_size}, partitions of {part_len})"
             )));
         }
-        // A cluster's blocks past the longest sequence find no tokens.
-        let parts = match cluster {
-            Some(_) => FLASH_CLUSTER,
-            None => max_len.div_ceil(part_len).max(1),
-        };
-        if cluster.is_none()
-            && (scratch.part_ml.len() < seqs * heads * parts * 2
-                || scratch.part_out.len() < seqs * heads * parts * head_dim)
+        let parts = max_len.div_ceil(part_len).max(1);
+        if scratch.part_ml.len() < seqs * heads * parts * 2
+            || scratch.part_out.len() < seqs * heads * parts * head_dim
         {
             return Err(KernelError::Shape(format!(
                 "attention scratch too small for {seqs} sequences in {parts} partitions"
@@ -385,10 +350,6 @@ impl Gpu {
             )));
         }
         let (name, threads, shared) = match kind {
-            AttentionKind::Flash if cluster.is_some() => {
-                let shared = flash_cluster_shared(group, head_dim, page_size, part_len);
-                (cluster_name(&flash_name), FLASH_THREADS, shared)
-            }
             AttentionKind::Flash => {
                 let name = self.flash_build(flash_name, plan, kv_heads * seqs * parts);
                 let shared = flash_shared(group, head_dim, page_size, part_len);
@@ -419,9 +380,9 @@ impl Gpu {
         }
         b.arg(&scale);
         // One flash partition: the kernel normalizes its output itself; or
-        // several, merged by each sequence's cluster, or by its last block.
-        let direct = kind == AttentionKind::Flash && (parts == 1 || cluster.is_some());
-        let fused = kind == AttentionKind::Flash && !direct && plan.fused_merge;
+        // several, merged by each sequence's last block.
+        let direct = kind == AttentionKind::Flash && parts == 1;
+        let fused = kind == AttentionKind::Flash && parts > 1 && plan.fused_merge;
         if fused && scratch.done.len() < seqs * kv_heads {
             return Err(KernelError::Shape(format!(
                 "attention scratch holds the merge counters of {} sequences, not {seqs}",
@@ -447,9 +408,7 @@ impl Gpu {
             ));
         }
         let grid = (kv_heads as u32, seqs as u32, parts as u32);
-        // SAFETY: shared memory as each kernel lays it out, sized above;
-        // the cluster build's clusters (its compile-time size) are its
-        // `parts` blocks of a sequence and KV head.
+        // SAFETY: shared memory as each kernel lays it out, sized above.
         unsafe { b.launch(cfg(grid, threads as u32, shared as u32)) }.map_err(cuda_err)?;
         if direct || fused {
             return Ok(());

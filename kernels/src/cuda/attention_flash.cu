@@ -10,11 +10,7 @@
 // block writes the normalized output itself and no merge runs after it;
 // with `done` too (several partitions), the block of each sequence and KV
 // head that finishes last merges them (flash_merge_last) and no merge
-// launch runs either. In the cluster build (CL blocks a cluster along the
-// partitions: a sequence and KV head split into CL of them) the blocks
-// leave their merged sums in shared memory and each merges a CL-th of the
-// heads' outputs from every block's through distributed shared memory
-// (flash_cluster_out): no global round trip, no merge launch.
+// launch runs either.
 //
 // K and V of the warp's next chunk are loaded into registers while this
 // one is summed: a cp.async ring in shared memory measured slower, its
@@ -27,83 +23,10 @@
 //
 // Shared memory (flash_shared on the host must agree): Q's fragments
 // (HD / 16 x 32 lanes x 16 bytes; with e4m3 scores HD / 32 x 32 x 16 and
-// 8 head factors, less), red (WARPS x (G x HD + 2 G)), in the cluster
-// build the block's sums (G x HD + 2 G), pg (part_len / page_size + 1
-// pages). page_size: a power of two, at least 16.
+// 8 head factors, less), red (WARPS x (G x HD + 2 G)), pg (part_len /
+// page_size + 1 pages). page_size: a power of two, at least 16.
 
-// The block's sums of output i (head i / HD) from its warps' in `red`,
-// merged at their common max: the output's sum, and its head's max and
-// sum of weights.
-template <int G, int HD>
-__device__ __forceinline__ void flash_warps_merged(const float* red, int i, float& sum, float& mx,
-                                                   float& lsum) {
-    constexpr int WARPS = FLASH_WARPS, STRIDE = G * HD + 2 * G;
-    int g = i / HD;
-    mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, red[w * STRIDE + G * HD + 2 * g]);
-    sum = 0.0f;
-    lsum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < WARPS; w++) {
-        const float* r = red + w * STRIDE;
-        float mw = r[G * HD + 2 * g];
-        if (mw > -INFINITY) {
-            float e = __expf(mw - mx);
-            sum += r[i] * e;
-            lsum += r[G * HD + 2 * g + 1] * e;
-        }
-    }
-}
-
-#if CL_HOPPER
-// The cluster build's ending: every block's sums (`bo`: G x HD outputs,
-// then each head's max and sum of weights) merged at their common max,
-// this block (cluster rank r) writing outputs r x G x HD / CL onward,
-// normalized, as the merge launch writes them. Between two cluster
-// barriers: the first publishes every block's `bo`, the second keeps it
-// until every block has read it.
-template <int G, int HD, int CL>
-__device__ __forceinline__ void flash_cluster_out(const float* bo, float* out,
-                                                  __nv_bfloat16* out16, int s, int kvh,
-                                                  int n_heads) {
-    constexpr int PER = G * HD / CL;
-    static_assert(PER * CL == G * HD, "a cluster splits the outputs evenly");
-    __syncwarp();  // the barriers are .aligned: whole warps arrive together
-    cluster_barrier();
-    unsigned rank = cluster_rank(), base = smem_addr(bo);
-    for (int i = rank * PER + threadIdx.x; i < (int)(rank + 1) * PER; i += FLASH_WARPS * 32) {
-        int g = i / HD;
-        unsigned at_m = base + 4 * (G * HD + 2 * g);
-        float mr[CL], mx = -INFINITY;
-#pragma unroll
-        for (int r = 0; r < CL; r++) {
-            mr[r] = ld_cluster(at_m, r);
-            mx = fmaxf(mx, mr[r]);
-        }
-        float sum = 0.0f, lsum = 0.0f;
-#pragma unroll
-        for (int r = 0; r < CL; r++) {
-            if (mr[r] > -INFINITY) {
-                float e = __expf(mr[r] - mx);
-                sum += e * ld_cluster(base + 4 * i, r);
-                lsum += e * ld_cluster(at_m + 4, r);
-            }
-        }
-        float o = sum * (lsum > 0.0f ? 1.0f / lsum : 0.0f);
-        size_t h = (size_t)s * n_heads + kvh * G + g;
-        if (out16 != nullptr) {
-            out16[h * HD + i % HD] = __float2bfloat16(o);
-        } else {
-            out[h * HD + i % HD] = o;
-        }
-    }
-    __syncwarp();
-    cluster_barrier();
-}
-#endif
-
-template <bool FP8, int G, int HD, int CL>
+template <bool FP8, int G, int HD>
 __device__ void attention_flash(const float* q, const void* kc, const void* vc, const float* ks,
                                 const float* vs, const int* tables, const int* table_off,
                                 const int* lens, float* part_out, float* part_ml, int n_heads,
@@ -130,8 +53,7 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     uint4* qfs = (uint4*)smem;  // Q's fragments
     float* qscale = (float*)(qfs + Q::STEPS * 32);  // E4: per head
     float* red = qscale + Q::SCALES;
-    float* bo = red + RED;  // the cluster build's sums
-    int* pg = (int*)(bo + (CL > 1 ? G * HD + 2 * G : 0));
+    int* pg = (int*)(red + RED);
     const int* table = tables + table_off[s];
     for (int i = threadIdx.x; i < npages; i += WARPS * 32) pg[i] = table[p0 + i];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -339,34 +261,28 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
         wo[G * HD + 2 * row + 1] = l;
     }
     __syncthreads();
-#if CL_HOPPER
-    if constexpr (CL > 1) {
-        for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
-            float sum, mx, lsum;
-            flash_warps_merged<G, HD>(red, i, sum, mx, lsum);
-            bo[i] = sum;
-            if (i % HD == 0) {
-                bool empty = t1 <= t0;
-                bo[G * HD + 2 * (i / HD)] = empty ? -INFINITY : mx;
-                bo[G * HD + 2 * (i / HD) + 1] = empty ? 0.0f : lsum;
-            }
-        }
-        flash_cluster_out<G, HD, CL>(bo, out, out16, s, kvh, n_heads);
-        return;
-    }
-#else
-    // No clusters below sm_90 (the host never launches this build there).
-    if constexpr (CL > 1) __trap();
-#endif
     // The block's output: warps merged at their common max; with `out`
     // or `out16` (the sequence in one partition) normalized into it (f32,
     // or bf16 for the next GEMM), no merge launch after; else partial, for
     // the merge.
     bool direct = parts == 1 && (out != nullptr || out16 != nullptr);
     for (int i = threadIdx.x; i < G * HD; i += WARPS * 32) {
-        float sum, mx, lsum;
-        flash_warps_merged<G, HD>(red, i, sum, mx, lsum);
-        size_t h = (size_t)s * n_heads + kvh * G + i / HD;
+        int g = i / HD;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, red[w * (G * HD + 2 * G) + G * HD + 2 * g]);
+        float sum = 0.0f, lsum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            const float* r = red + w * (G * HD + 2 * G);
+            float mw = r[G * HD + 2 * g];
+            if (mw > -INFINITY) {
+                float e = __expf(mw - mx);
+                sum += r[i] * e;
+                lsum += r[G * HD + 2 * g + 1] * e;
+            }
+        }
+        size_t h = (size_t)s * n_heads + kvh * G + g;
         if (direct) {
             float o = sum * (lsum > 0.0f ? 1.0f / lsum : 0.0f);
             if (out16 != nullptr) {
@@ -381,12 +297,16 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     if (direct) return;
     if (threadIdx.x < G) {
         int g = threadIdx.x;
-        float sum, mx, lsum;
-        flash_warps_merged<G, HD>(red, g * HD, sum, mx, lsum);
+        float mx = -INFINITY, sum = 0.0f;
+        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, red[w * (G * HD + 2 * G) + G * HD + 2 * g]);
+        for (int w = 0; w < WARPS; w++) {
+            const float* r = red + w * (G * HD + 2 * G) + G * HD + 2 * g;
+            if (r[0] > -INFINITY) sum += r[1] * __expf(r[0] - mx);
+        }
         size_t h = (size_t)s * n_heads + kvh * G + g;
         bool empty = t1 <= t0;
         part_ml[(h * parts + part) * 2] = empty ? -INFINITY : mx;
-        part_ml[(h * parts + part) * 2 + 1] = empty ? 0.0f : lsum;
+        part_ml[(h * parts + part) * 2 + 1] = empty ? 0.0f : sum;
     }
     if (done != nullptr) {
         flash_merge_last<G, HD>(done, part_out, part_ml, out, out16, s, kvh, n_heads, kv_heads,
@@ -394,25 +314,20 @@ __device__ void attention_flash(const float* q, const void* kc, const void* vc, 
     }
 }
 
-// MINB: blocks an SM the build is held to (the registers it may take);
-// CL: blocks a cluster along the partitions (0: no clusters), DIMS its
-// attribute.
-#define ATTENTION_FLASH_AT(NAME, FP8, G, HD, MINB, CL, DIMS)                                   \
-    extern "C" __global__ void DIMS __launch_bounds__(FLASH_WARPS * 32, MINB)                   \
+// MINB: blocks an SM the build is held to (the registers it may take).
+#define ATTENTION_FLASH_AT(NAME, FP8, G, HD, MINB)                                             \
+    extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32, MINB)                        \
         NAME(const float* q, const void* kc, const void* vc, const float* ks, const float* vs,  \
              const int* tables, const int* table_off, const int* lens, float* part_out,         \
              float* part_ml, int n_heads, int kv_heads, int hd, int page_size, int parts,       \
              int part_len, float scale, float* out, __nv_bfloat16* out16, unsigned* done,       \
              RopeIn rin) {                                                                      \
         PDL_LAUNCH();                                                                           \
-        attention_flash<FP8, G, HD, CL>(q, kc, vc, ks, vs, tables, table_off, lens, part_out,   \
-                                        part_ml, n_heads, kv_heads, page_size, parts,           \
-                                        part_len, scale, out, out16, done, rin);                \
+        attention_flash<FP8, G, HD>(q, kc, vc, ks, vs, tables, table_off, lens, part_out,       \
+                                    part_ml, n_heads, kv_heads, page_size, parts, part_len,     \
+                                    scale, out, out16, done, rin);                              \
     }
-#define ATTENTION_FLASH(NAME, FP8, G, HD) ATTENTION_FLASH_AT(NAME, FP8, G, HD, FP8 ? 3 : 1, 0, )
-#define ATTENTION_FLASH_R4(NAME, FP8, G, HD) ATTENTION_FLASH_AT(NAME, FP8, G, HD, 4, 0, )
-#define ATTENTION_FLASH_CL(NAME, FP8, G, HD) \
-    ATTENTION_FLASH_AT(NAME, FP8, G, HD, FP8 ? 3 : 1, FLASH_CLUSTER, CL_DIMS_Z(FLASH_CLUSTER))
+#define ATTENTION_FLASH(NAME, FP8, G, HD) ATTENTION_FLASH_AT(NAME, FP8, G, HD, FP8 ? 3 : 1)
 
 // attention_flash_{fmt}_g{G}_d{HD}: every format, group size (query heads
 // per KV head) and head size.
@@ -455,47 +370,11 @@ ATTENTION_FLASH(attention_flash_fp8_g8_d128, true, 8, 128)
 // launch whose blocks overflow one wave of three an SM but fit one of four
 // (64 sequences of 8 KV heads in one partition: 512 blocks on 132 SMs).
 // The same operations, so the same bits.
-ATTENTION_FLASH_R4(attention_flash_fp8_g1_d128_r4, true, 1, 128)
-ATTENTION_FLASH_R4(attention_flash_fp8_g2_d128_r4, true, 2, 128)
-ATTENTION_FLASH_R4(attention_flash_fp8_g3_d128_r4, true, 3, 128)
-ATTENTION_FLASH_R4(attention_flash_fp8_g4_d128_r4, true, 4, 128)
-ATTENTION_FLASH_R4(attention_flash_fp8_g5_d128_r4, true, 5, 128)
-ATTENTION_FLASH_R4(attention_flash_fp8_g6_d128_r4, true, 6, 128)
-ATTENTION_FLASH_R4(attention_flash_fp8_g7_d128_r4, true, 7, 128)
-ATTENTION_FLASH_R4(attention_flash_fp8_g8_d128_r4, true, 8, 128)
-
-// attention_flash_{fmt}_g{G}_d{HD}_c8: the cluster build of each, for a
-// sequence and KV head split into FLASH_CLUSTER partitions (a small
-// batch: see attention_plan.rs).
-ATTENTION_FLASH_CL(attention_flash_bf16_g1_d64_c8, false, 1, 64)
-ATTENTION_FLASH_CL(attention_flash_bf16_g2_d64_c8, false, 2, 64)
-ATTENTION_FLASH_CL(attention_flash_bf16_g3_d64_c8, false, 3, 64)
-ATTENTION_FLASH_CL(attention_flash_bf16_g4_d64_c8, false, 4, 64)
-ATTENTION_FLASH_CL(attention_flash_bf16_g5_d64_c8, false, 5, 64)
-ATTENTION_FLASH_CL(attention_flash_bf16_g6_d64_c8, false, 6, 64)
-ATTENTION_FLASH_CL(attention_flash_bf16_g7_d64_c8, false, 7, 64)
-ATTENTION_FLASH_CL(attention_flash_bf16_g8_d64_c8, false, 8, 64)
-ATTENTION_FLASH_CL(attention_flash_bf16_g1_d128_c8, false, 1, 128)
-ATTENTION_FLASH_CL(attention_flash_bf16_g2_d128_c8, false, 2, 128)
-ATTENTION_FLASH_CL(attention_flash_bf16_g3_d128_c8, false, 3, 128)
-ATTENTION_FLASH_CL(attention_flash_bf16_g4_d128_c8, false, 4, 128)
-ATTENTION_FLASH_CL(attention_flash_bf16_g5_d128_c8, false, 5, 128)
-ATTENTION_FLASH_CL(attention_flash_bf16_g6_d128_c8, false, 6, 128)
-ATTENTION_FLASH_CL(attention_flash_bf16_g7_d128_c8, false, 7, 128)
-ATTENTION_FLASH_CL(attention_flash_bf16_g8_d128_c8, false, 8, 128)
-ATTENTION_FLASH_CL(attention_flash_fp8_g1_d64_c8, true, 1, 64)
-ATTENTION_FLASH_CL(attention_flash_fp8_g2_d64_c8, true, 2, 64)
-ATTENTION_FLASH_CL(attention_flash_fp8_g3_d64_c8, true, 3, 64)
-ATTENTION_FLASH_CL(attention_flash_fp8_g4_d64_c8, true, 4, 64)
-ATTENTION_FLASH_CL(attention_flash_fp8_g5_d64_c8, true, 5, 64)
-ATTENTION_FLASH_CL(attention_flash_fp8_g6_d64_c8, true, 6, 64)
-ATTENTION_FLASH_CL(attention_flash_fp8_g7_d64_c8, true, 7, 64)
-ATTENTION_FLASH_CL(attention_flash_fp8_g8_d64_c8, true, 8, 64)
-ATTENTION_FLASH_CL(attention_flash_fp8_g1_d128_c8, true, 1, 128)
-ATTENTION_FLASH_CL(attention_flash_fp8_g2_d128_c8, true, 2, 128)
-ATTENTION_FLASH_CL(attention_flash_fp8_g3_d128_c8, true, 3, 128)
-ATTENTION_FLASH_CL(attention_flash_fp8_g4_d128_c8, true, 4, 128)
-ATTENTION_FLASH_CL(attention_flash_fp8_g5_d128_c8, true, 5, 128)
-ATTENTION_FLASH_CL(attention_flash_fp8_g6_d128_c8, true, 6, 128)
-ATTENTION_FLASH_CL(attention_flash_fp8_g7_d128_c8, true, 7, 128)
-ATTENTION_FLASH_CL(attention_flash_fp8_g8_d128_c8, true, 8, 128)
+ATTENTION_FLASH_AT(attention_flash_fp8_g1_d128_r4, true, 1, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g2_d128_r4, true, 2, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g3_d128_r4, true, 3, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g4_d128_r4, true, 4, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g5_d128_r4, true, 5, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g6_d128_r4, true, 6, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g7_d128_r4, true, 7, 128, 4)
+ATTENTION_FLASH_AT(attention_flash_fp8_g8_d128_r4, true, 8, 128, 4)

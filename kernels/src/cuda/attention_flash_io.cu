@@ -4,9 +4,6 @@
 // that finishes last (`done`).
 
 #define FLASH_WARPS 4
-// Blocks a cluster in the flash kernels' cluster build (the portable
-// most; `FLASH_CLUSTER` in attention_plan.rs).
-#define FLASH_CLUSTER 8
 
 // The scales of static fp8 pages (see attention_flash's smask): the pair
 // `load` reads for two tokens.

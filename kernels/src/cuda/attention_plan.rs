@@ -14,54 +14,9 @@ pub const FLASH_PARTITION: usize = 1024;
 /// memory holds one page index per page of a partition).
 pub const FLASH_MAX_PARTITION: usize = 4096;
 
-/// Blocks a thread-block cluster of the flash kernels' cluster build
-/// (`FLASH_CLUSTER` in the source): the portable most.
-pub(crate) const FLASH_CLUSTER: usize = 8;
-
-/// Most tokens a partition of the cluster build takes: two 16-token chunks
-/// a warp. Past that, a sequence's [`FLASH_CLUSTER`] partitions run longer
-/// than the merge launch they save (a guess until measured; at one
-/// sequence partitions of 64 ran fastest apart, see [`MIN_PARTITION`]).
-const CLUSTER_MAX_PARTITION: usize = 128;
-
-/// Every flash attention kernel, per format, group size and head size,
-/// every build, and the cluster build of each plain one.
+/// Every flash attention kernel, per format, group size and head size.
 pub(crate) fn attention_kernels() -> Vec<String> {
-    let kernels = flash_kernels();
-    let clusters: Vec<String> = kernels
-        .iter()
-        .filter(|k| !k.name.ends_with("_r4"))
-        .map(|k| cluster_name(&k.name))
-        .collect();
-    kernels
-        .into_iter()
-        .map(|k| k.name)
-        .chain(clusters)
-        .collect()
-}
-
-/// The cluster build of plain flash kernel `name`.
-pub(super) fn cluster_name(name: &str) -> String {
-    format!("{name}_c{FLASH_CLUSTER}")
-}
-
-/// Tokens per partition where a launch of `seqs` sequences of up to
-/// `max_len` over `kv_heads` takes the cluster build, when `resident`
-/// blocks run at once: a small batch, whose [`FLASH_CLUSTER`] partitions a
-/// sequence and KV head fit one wave, of sequences longer than one
-/// partition (which the plan would split, and a merge launch join), in
-/// partitions of at most [`CLUSTER_MAX_PARTITION`]. `None`: the plan's
-/// own partitions. (Blocks, not clusters: a GPC may hold fewer clusters
-/// of eight than its SMs' blocks suggest, which costs time, not results.)
-pub(super) fn cluster_len(
-    seqs: usize,
-    kv_heads: usize,
-    max_len: usize,
-    resident: usize,
-) -> Option<usize> {
-    let blocks = seqs * kv_heads * FLASH_CLUSTER;
-    let len = max_len.div_ceil(FLASH_CLUSTER).next_multiple_of(16);
-    (max_len > MIN_PARTITION && blocks <= resident && len <= CLUSTER_MAX_PARTITION).then_some(len)
+    flash_kernels().into_iter().map(|k| k.name).collect()
 }
 
 /// The builds of a flash kernel (the same operations on the same bytes,
@@ -134,17 +89,6 @@ pub(super) fn flash_shared(group: usize, hd: usize, page_size: usize, part: usiz
     let red = warps * (group * hd + 2 * group) * 4;
     let pages = (part.div_ceil(page_size) + 1) * 4;
     hd * 32 + red + pages
-}
-
-/// Shared memory of a launch of the cluster build: [`flash_shared`]'s,
-/// and the block's sums the cluster merges (`bo` in the source).
-pub(super) fn flash_cluster_shared(
-    group: usize,
-    hd: usize,
-    page_size: usize,
-    part: usize,
-) -> usize {
-    flash_shared(group, hd, page_size, part) + (group * hd + 2 * group) * 4
 }
 
 /// Fewest tokens per partition: a 16-token chunk for each warp of a flash
@@ -253,46 +197,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn one_sequence_splits_into_a_cluster_of_partitions_up_to_1024_tokens() {
-        // Llama-3-8B at one sequence of 640 tokens: 8 partitions of 80,
-        // 64 blocks.
-        assert_eq!(cluster_len(1, 8, 640, FP8_H200), Some(80));
-        assert_eq!(cluster_len(1, 8, 1024, FP8_H200), Some(128));
-        // Past 1024 tokens each partition would take more than two chunks
-        // a warp; at 64 or fewer the plan keeps one partition, no merge.
-        assert_eq!(cluster_len(1, 8, 1025, FP8_H200), None);
-        assert_eq!(cluster_len(1, 8, 64, FP8_H200), None);
-        assert_eq!(cluster_len(1, 8, 65, FP8_H200), Some(16));
-        // Every token in one of the cluster's partitions, each a whole
-        // number of chunks.
-        for max_len in 65..=1024 {
-            let len = cluster_len(1, 8, max_len, FP8_H200).unwrap();
-            assert!(
-                len.is_multiple_of(16) && len * FLASH_CLUSTER >= max_len,
-                "{max_len}"
-            );
-        }
-    }
-
-    #[test]
-    fn clusters_only_where_their_blocks_fit_one_wave() {
-        // 4 sequences of 8 KV heads: 256 blocks, one wave of either build;
-        // 6 overflow bf16's 264 and fit fp8's 396; 7 fit neither.
-        assert!(cluster_len(4, 8, 640, BF16_H200).is_some());
-        assert!(cluster_len(6, 8, 640, BF16_H200).is_none());
-        assert!(cluster_len(6, 8, 640, FP8_H200).is_some());
-        assert!(cluster_len(7, 8, 640, FP8_H200).is_none());
-    }
-
-    #[test]
-    fn every_plain_flash_kernel_has_a_cluster_build() {
-        let names = attention_kernels();
-        assert!(names.contains(&"attention_flash_fp8_g4_d128_c8".to_string()));
-        assert!(!names.iter().any(|n| n.ends_with("_r4_c8")));
-        assert_eq!(names.len(), 32 + 8 + 32);
     }
 
     #[test]

@@ -2,7 +2,6 @@
 //! Outputs are poisoned (NaN) on the device first, so an element a kernel
 //! fails to write shows up in the parity tests.
 
-use super::attention_plan::FLASH_CLUSTER;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
@@ -146,25 +145,14 @@ impl Backend for Gpu {
             scale: c.scale,
         };
         let plan = super::AttentionPlan {
-            part_len: match c.kernel {
-                AttentionKernel::FlashUnsplit => {
-                    Some(max_len.next_multiple_of(16).clamp(16, FLASH_MAX_PARTITION))
-                }
-                AttentionKernel::FlashCluster => Some(
-                    max_len
-                        .div_ceil(FLASH_CLUSTER)
-                        .next_multiple_of(16)
-                        .clamp(16, FLASH_MAX_PARTITION),
-                ),
-                _ => None,
-            },
+            part_len: (c.kernel == AttentionKernel::FlashUnsplit)
+                .then(|| max_len.next_multiple_of(16).clamp(16, FLASH_MAX_PARTITION)),
             kind: match c.kernel {
                 AttentionKernel::Best => None,
                 AttentionKernel::Flash
                 | AttentionKernel::FlashFourAnSm
                 | AttentionKernel::FlashFusedMerge
-                | AttentionKernel::FlashUnsplit
-                | AttentionKernel::FlashCluster => Some(AttentionKind::Flash),
+                | AttentionKernel::FlashUnsplit => Some(AttentionKind::Flash),
                 AttentionKernel::Shuffle => Some(AttentionKind::Shuffle),
             },
             build: match c.kernel {
@@ -173,7 +161,6 @@ impl Backend for Gpu {
                 _ => None,
             },
             fused_merge: c.kernel == AttentionKernel::FlashFusedMerge,
-            cluster: c.kernel == AttentionKernel::FlashCluster,
         };
         let batch = DecodeBatch { seqs, max_len };
         self.paged_attention(&kv, &query, batch, plan, &mut scratch, &mut out)?;

@@ -22,6 +22,14 @@
 #define CL_THREADS 256  // 4 warps along the rows x 2 along each stage's K
 #define CL_PAD 132      // f32 row stride of the partial tile (bank-conflict free)
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define CL_DIMS(S)
+#define CL_HOPPER 0
+#else
+#define CL_DIMS(S) __cluster_dims__(S, 1, 1)
+#define CL_HOPPER 1
+#endif
+
 // 16 bytes from global to shared memory, or zeros where !live (src must
 // still be a valid address).
 __device__ __forceinline__ void cp_async16z(unsigned dst, const void* src, bool live) {
@@ -40,6 +48,32 @@ __device__ __forceinline__ void ldsm4(unsigned addr, unsigned& r0, unsigned& r1,
 __device__ __forceinline__ unsigned cl_at(int row, int ch) {
     return row * 128 + ((ch ^ (row & 7)) << 4);
 }
+
+#if CL_HOPPER
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+
+// Every thread of the cluster: its shared-memory writes before, visible
+// to every block's reads after.
+__device__ __forceinline__ void cluster_barrier() {
+    asm volatile(
+        "barrier.cluster.arrive.release.aligned;\n"
+        "barrier.cluster.wait.acquire.aligned;\n" ::
+            : "memory");
+}
+
+// The f32 at shared address `local` in cluster block `rank`.
+__device__ __forceinline__ float ld_cluster(unsigned local, unsigned rank) {
+    unsigned remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+#endif
 
 
 // Warpgroup MMAs (sm_90a): the operands straight from the swizzled

@@ -36,45 +36,6 @@
         PDL_WAIT();   \
     } while (0)
 
-// Thread-block clusters (sm_90 and up): CL_DIMS(S) gives a kernel
-// clusters of S blocks along x (CL_DIMS_Z along z); below sm_90 neither
-// exists and CL_HOPPER is 0, so a cluster kernel's body compiles out.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define CL_DIMS(S)
-#define CL_DIMS_Z(S)
-#define CL_HOPPER 0
-#else
-#define CL_DIMS(S) __cluster_dims__(S, 1, 1)
-#define CL_DIMS_Z(S) __cluster_dims__(1, 1, S)
-#define CL_HOPPER 1
-#endif
-
-#if CL_HOPPER
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-
-// Every thread of the cluster: its shared-memory writes before, visible
-// to every block's reads after.
-__device__ __forceinline__ void cluster_barrier() {
-    asm volatile(
-        "barrier.cluster.arrive.release.aligned;\n"
-        "barrier.cluster.wait.acquire.aligned;\n" ::
-            : "memory");
-}
-
-// The f32 at shared address `local` in cluster block `rank`.
-__device__ __forceinline__ float ld_cluster(unsigned local, unsigned rank) {
-    unsigned remote;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
-#endif
-
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif

@@ -500,11 +500,6 @@ impl Gpu {
         &self.name
     }
 
-    /// Whether the device runs thread-block clusters (sm_90 and up).
-    pub fn clusters(&self) -> bool {
-        self.clusters
-    }
-
     /// The stream every kernel runs on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream

@@ -187,19 +187,12 @@ mod tests {
             // first parenthesis after the bounds.
             let head = def.split('{').next().unwrap_or_default();
             let mut head = head.trim_start().trim_start_matches("void").trim_start();
-            // Attributes before the name: launch bounds, cluster dims (or
-            // a macro's parameter for them, `DIMS`).
-            loop {
-                if let Some(rest) = head.strip_prefix("DIMS ") {
-                    head = rest.trim_start();
-                } else if head.starts_with("__launch_bounds__") || head.starts_with("CL_DIMS") {
-                    head = head
-                        .split_once(')')
-                        .map_or("", |(_, rest)| rest)
-                        .trim_start();
-                } else {
-                    break;
-                }
+            // Attributes before the name: launch bounds, cluster dims.
+            while head.starts_with("__launch_bounds__") || head.starts_with("CL_DIMS") {
+                head = head
+                    .split_once(')')
+                    .map_or("", |(_, rest)| rest)
+                    .trim_start();
             }
             let before = head.split('(').next().unwrap_or_default();
             let name = before

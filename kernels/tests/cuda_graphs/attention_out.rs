@@ -104,37 +104,25 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
         let mut scratch = gpu
             .attention_buffers((n, 1500), (HEADS, 2, 128), 0)
             .unwrap();
-        let plan = |kind, len| AttentionPlan {
-            part_len: Some(len),
-            kind: Some(kind),
-            ..Default::default()
-        };
-        // Merged by the kernel: by each sequence's last block, or (in eight
-        // partitions of 192, 1536 tokens) by its cluster.
-        let fused = AttentionPlan {
-            fused_merge: true,
-            ..plan(AttentionKind::Flash, 256)
-        };
-        let cluster = AttentionPlan {
-            cluster: true,
-            ..plan(AttentionKind::Flash, 192)
-        };
         let plans = [
-            (plan(AttentionKind::Flash, 1504), "flash, one partition"),
-            (plan(AttentionKind::Flash, 256), "flash, merged"),
-            (fused, "flash, merged in the kernel"),
-            (plan(AttentionKind::Shuffle, 256), "shuffle, merged"),
-            (cluster, "flash, merged in a cluster"),
+            (AttentionKind::Flash, 1504, false, "flash, one partition"),
+            (AttentionKind::Flash, 256, false, "flash, merged"),
+            (
+                AttentionKind::Flash,
+                256,
+                true,
+                "flash, merged in the kernel",
+            ),
+            (AttentionKind::Shuffle, 256, false, "shuffle, merged"),
         ];
         let mut merged: Option<Vec<f32>> = None;
-        for (plan, what) in plans {
-            if plan.cluster && !gpu.clusters() {
-                eprintln!(
-                    "{format:?} decode, {what}: skipped, no clusters on {}",
-                    gpu.name()
-                );
-                continue;
-            }
+        for (kind, len, fused_merge, what) in plans {
+            let plan = AttentionPlan {
+                part_len: Some(len),
+                kind: Some(kind),
+                fused_merge,
+                ..Default::default()
+            };
             let mut f = gpu.upload(&vec![f32::NAN; rows(n)]).unwrap();
             let mut h = gpu.upload(&vec![bf16::NAN; rows(n)]).unwrap();
             gpu.paged_attention_to(&kv, &query, batch, plan, &mut scratch, AttnOut::F32(&mut f))
@@ -152,11 +140,8 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
             // The kernel's own merge sums the same partials in another
             // order than the merge launch.
             let rows = gpu.download(&f).unwrap();
-            let merged_here = plan.fused_merge || plan.cluster;
-            match (plan.kind, merged_here, &merged) {
-                (Some(AttentionKind::Flash), false, None) if plan.part_len == Some(256) => {
-                    merged = Some(rows)
-                }
+            match (kind, fused_merge, &merged) {
+                (AttentionKind::Flash, false, None) if len == 256 => merged = Some(rows),
                 (_, true, Some(want)) => {
                     let most = rows
                         .iter()
@@ -168,14 +153,14 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
                 _ => {}
             }
         }
-        for (plan, how) in [(fused, "fused merge"), (cluster, "cluster")] {
-            let what = format!("{format:?}, {how}");
-            if plan.cluster && !gpu.clusters() {
-                eprintln!("{what} in a graph: skipped, no clusters on {}", gpu.name());
-                continue;
-            }
-            merged_in_a_graph(gpu, &kv, &query, batch, &mut scratch, plan, &what);
-        }
+        fused_in_a_graph(
+            gpu,
+            &kv,
+            &query,
+            batch,
+            &mut scratch,
+            &format!("{format:?}"),
+        );
         // Prefill: the prompt's rows, each over its own prefix.
         let first = at;
         let q = queries(gpu, rng, rows(prompt));
@@ -204,21 +189,25 @@ pub(super) fn check(gpu: &Gpu, seed: u64) {
     }
 }
 
-/// Two launches that merge their partitions themselves (`plan`: by the
-/// last block, or by a cluster) in one graph, as two layers share scratch
-/// and its counters, with programmatic edges where the device has them,
-/// replayed twice: every launch writes the rows one eager launch writes,
-/// bit for bit (the merging block zeroed the counters, so each launch and
-/// replay merges again).
-fn merged_in_a_graph(
+/// Two launches with the fused merge in one graph, as two layers share
+/// scratch and its counters, with programmatic edges where the device has
+/// them, replayed twice: every launch writes the rows one eager launch
+/// writes, bit for bit (the merging block zeroed the counters, so each
+/// launch and replay merges again).
+fn fused_in_a_graph(
     gpu: &Gpu,
     kv: &PagedKv,
     query: &PagedQuery<'_>,
     batch: DecodeBatch,
     scratch: &mut AttentionBuffers,
-    plan: AttentionPlan,
     what: &str,
 ) {
+    let plan = AttentionPlan {
+        part_len: Some(256),
+        kind: Some(AttentionKind::Flash),
+        fused_merge: true,
+        ..Default::default()
+    };
     let n = batch.seqs * query.heads * LAYOUT.head_dim;
     let mut want = gpu.upload(&vec![f32::NAN; n]).unwrap();
     gpu.paged_attention_to(kv, query, batch, plan, scratch, AttnOut::F32(&mut want))
@@ -242,7 +231,7 @@ fn merged_in_a_graph(
         for (out, which) in [(&a, "first"), (&b, "second")] {
             assert!(
                 bits(&gpu.download(out).unwrap()) == bits(&want),
-                "{what}: replay {replay}, the {which} launch differs from the eager one"
+                "{what}: replay {replay}, the {which} fused launch differs from the eager one"
             );
         }
     }

@@ -27,9 +27,6 @@ enum How {
     /// Attention over the stacked rows by the flash kernel's four-an-SM
     /// build (where the shape has one).
     FourAnSm,
-    /// Attention over the stacked rows by the flash kernel's cluster
-    /// build, each sequence in one cluster's partitions.
-    Cluster,
 }
 
 /// Query heads, KV heads, head size.
@@ -41,12 +38,6 @@ const SHAPES: [(usize, usize, usize); 4] = [(8, 2, 128), (4, 2, 64), (2, 2, 64),
 /// partition, which the kernel finishes itself, after an empty row (a
 /// padded one, or one the tag check cleared).
 const BATCHES: [&[usize]; 2] = [&[1, 40, 700, 1024, 1500], &[0, 1, 17, 33, 64]];
-
-/// Tokens a partition where `max_len` fills one cluster of the flash
-/// kernel's cluster build (8 blocks).
-fn cluster_part(max_len: usize) -> usize {
-    max_len.div_ceil(8).next_multiple_of(16).max(16)
-}
 
 /// The pages' bytes and scales, as bits.
 fn page_bits(gpu: &Gpu, kv: &PagedKv) -> (Vec<u8>, Vec<u8>, Vec<u32>, Vec<u32>) {
@@ -166,9 +157,7 @@ fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: &[usize]) {
                     };
                     let rows = match how {
                         How::Launches => None,
-                        How::Stacked | How::FourAnSm | How::Cluster => {
-                            Some(Unrotated::Stacked(&qkv))
-                        }
+                        How::Stacked | How::FourAnSm => Some(Unrotated::Stacked(&qkv)),
                         How::Apart => Some(Unrotated::Apart {
                             q: &q_rows,
                             k: &k_rows,
@@ -178,11 +167,8 @@ fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: &[usize]) {
                     let o = AttnOut::F32(&mut out);
                     match rows {
                         Some(rows) => {
-                            let cluster = how == How::Cluster;
                             let plan = AttentionPlan {
                                 build: (how == How::FourAnSm).then_some(FlashBuild::FourAnSm),
-                                part_len: cluster.then(|| cluster_part(max_len)),
-                                cluster,
                                 ..Default::default()
                             };
                             gpu.paged_attention_roped(
@@ -213,27 +199,13 @@ fn check_batch(gpu: &Gpu, rng: &mut ChaCha8Rng, lens_in: &[usize]) {
                     "{what}: nothing written"
                 );
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
-                for how in [How::Stacked, How::Apart, How::FourAnSm, How::Cluster] {
-                    if how == How::Cluster && !gpu.clusters() {
-                        eprintln!("{what}, cluster: skipped, no clusters on {}", gpu.name());
-                        continue;
-                    }
+                for how in [How::Stacked, How::Apart, How::FourAnSm] {
                     let mut kv_b = copy_pages(gpu, &start);
                     let got = attend(&mut kv_b, how, &mut scratch);
-                    if how == How::Cluster {
-                        // Other partitions, merged in another order.
-                        let most = got
-                            .iter()
-                            .zip(&want)
-                            .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
-                            .fold(0.0f32, f32::max);
-                        assert!(most < 1e-3, "{what}, cluster: off by {most}");
-                    } else {
-                        assert!(
-                            bits(&got) == bits(&want),
-                            "{what}, {how:?}: the output differs"
-                        );
-                    }
+                    assert!(
+                        bits(&got) == bits(&want),
+                        "{what}, {how:?}: the output differs"
+                    );
                     assert!(
                         page_bits(gpu, &kv_b) == page_bits(gpu, &kv_a),
                         "{what}, {how:?}: the pages differ"

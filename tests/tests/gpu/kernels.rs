@@ -143,35 +143,16 @@ fn attention_merged_by_its_last_block_gives_the_logits_of_the_merge_launch() {
     // 281-300 tokens splits into five partitions of 64 (to fill the GPU),
     // which the merge launch sums four at a time and the fused merge one by
     // one, so the order of the sums differs and nothing else does.
-    plan_agrees_with_the_merge_launch(kiln_kernels::cuda::AttentionPlan {
-        fused_merge: true,
-        ..Default::default()
-    });
-}
-
-/// [`kernels_agree`] on a sequence of 281-300 tokens (a prefill of 280
-/// rows, then 20 one-token steps) between decode attention as planned by
-/// default (a merge launch after split partitions) and as `plan` says.
-fn plan_agrees_with_the_merge_launch(plan: kiln_kernels::cuda::AttentionPlan) {
-    let with = |plan| {
+    let merged = |on| {
         move |c| EngineConfig {
-            cuda_attention: plan,
+            cuda_attention: kiln_kernels::cuda::AttentionPlan {
+                fused_merge: on,
+                ..Default::default()
+            },
             ..c
         }
     };
-    kernels_agree(with(Default::default()), with(plan), (300, 280), 1e-2);
-}
-
-#[test]
-#[ignore = "needs a GPU: KILN_TEST_DEVICE=cuda and --include-ignored"]
-fn attention_merged_in_a_cluster_gives_the_logits_of_the_merge_launch() {
-    // A prefill of 280 rows, then 20 one-token steps: one sequence of
-    // 281-300 tokens over 3 KV heads, which the merge launch joins from
-    // five partitions of 64 and a cluster from eight of 48 (sm_90 and up).
-    plan_agrees_with_the_merge_launch(kiln_kernels::cuda::AttentionPlan {
-        cluster: true,
-        ..Default::default()
-    });
+    kernels_agree(merged(false), merged(true), (300, 280), 1e-2);
 }
 
 #[test]
