@@ -10,7 +10,7 @@ use super::attention_plan::{
 use super::kv::PagedKv;
 use super::kv::push_pages;
 use super::launch::cfg;
-use super::rope_attention::RopeIn;
+use super::rope::RopeIn;
 use super::{Gpu, cuda_err};
 use crate::KernelError;
 use crate::kv::{KvFormat, KvLayout};

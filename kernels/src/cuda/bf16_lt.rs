@@ -9,7 +9,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys as drv}
 use half::bf16;
 
 use super::fp8_tune::{LtConfig, LtTiming};
-use super::lt::{Descs, Lt, Operands, poisoned};
+use super::lt::{Bf16Out, Descs, Lt, Operands, Tuned, poisoned};
 use super::shape::GemmShape;
 use super::{Gpu, cuda_err};
 use crate::KernelError;
@@ -33,37 +33,6 @@ const MOST_COPIES: usize = 16;
 /// timings' spread decides.
 pub const TUNE_KEEP_BELOW: f64 = 0.97;
 
-/// The output type of a tuned bf16 product (f32 accumulation either way).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Bf16Out {
-    /// f32, as most products write.
-    F32,
-    /// bf16, as the bf16 MLP's gate/up product writes.
-    Bf16,
-}
-
-impl Bf16Out {
-    /// Its type as cuBLASLt names it.
-    fn ty(self) -> sys::cudaDataType {
-        match self {
-            Bf16Out::F32 => sys::cudaDataType::CUDA_R_32F,
-            Bf16Out::Bf16 => sys::cudaDataType::CUDA_R_16BF,
-        }
-    }
-
-    /// Its type as cuBLAS (a binding of its own) names it.
-    fn blas_ty(self) -> cudarc::cublas::sys::cudaDataType_t {
-        use cudarc::cublas::sys::cudaDataType_t as T;
-        match self {
-            Bf16Out::F32 => T::CUDA_R_32F,
-            Bf16Out::Bf16 => T::CUDA_R_16BF,
-        }
-    }
-}
-
-/// A tuned product's key: rows, weight rows, columns and output type.
-pub(super) type TunedKey = (usize, usize, usize, Bf16Out);
-
 /// What [`Gpu::tune_bf16`] times and keeps.
 #[derive(Clone, Copy, Debug)]
 pub struct TuneBf16<'a> {
@@ -77,13 +46,6 @@ pub struct TuneBf16<'a> {
     pub keep_below: f64,
     /// The output type the product writes.
     pub out: Bf16Out,
-}
-
-/// A bf16 product's tuned algorithm with its descriptors, made once (they
-/// cost host time on every launch otherwise).
-pub(super) struct Tuned {
-    pub(super) descs: Descs,
-    pub(super) algo: sys::cublasLtMatmulAlgo_t,
 }
 
 /// What tuning found for one product at one row count.

@@ -19,6 +19,44 @@ type R<T = ()> = Result<T, KernelError>;
 /// Bytes of cuBLASLt's workspace.
 const LT_WORKSPACE: usize = 32 << 20;
 
+/// The output type of a tuned bf16 product (f32 accumulation either way).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Bf16Out {
+    /// f32, as most products write.
+    F32,
+    /// bf16, as the bf16 MLP's gate/up product writes.
+    Bf16,
+}
+
+impl Bf16Out {
+    /// Its type as cuBLASLt names it.
+    pub(super) fn ty(self) -> sys::cudaDataType {
+        match self {
+            Bf16Out::F32 => sys::cudaDataType::CUDA_R_32F,
+            Bf16Out::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+        }
+    }
+
+    /// Its type as cuBLAS (a binding of its own) names it.
+    pub(super) fn blas_ty(self) -> cudarc::cublas::sys::cudaDataType_t {
+        use cudarc::cublas::sys::cudaDataType_t as T;
+        match self {
+            Bf16Out::F32 => T::CUDA_R_32F,
+            Bf16Out::Bf16 => T::CUDA_R_16BF,
+        }
+    }
+}
+
+/// A tuned product's key: rows, weight rows, columns and output type.
+pub(super) type TunedKey = (usize, usize, usize, Bf16Out);
+
+/// A bf16 product's tuned algorithm with its descriptors, made once (they
+/// cost host time on every launch otherwise).
+pub(super) struct Tuned {
+    pub(super) descs: Descs,
+    pub(super) algo: sys::cublasLtMatmulAlgo_t,
+}
+
 /// A cuBLASLt handle, its workspace and the algorithm it chose per shape
 /// (the heuristic query costs host time on every product otherwise).
 pub(super) struct Lt {
@@ -27,7 +65,7 @@ pub(super) struct Lt {
     pub(super) algos: HashMap<(usize, usize, usize, u32), sys::cublasLtMatmulAlgo_t>,
     /// bf16 products (m, n, k, output type) that run a tuned algorithm,
     /// not `cublasGemmEx` (`bf16_lt.rs`).
-    pub(super) bf16: HashMap<super::bf16_lt::TunedKey, super::bf16_lt::Tuned>,
+    pub(super) bf16: HashMap<TunedKey, Tuned>,
 }
 
 // SAFETY: the handle is used only under the `Mutex` that holds it, on the
@@ -302,7 +340,7 @@ impl Lt {
     /// As [`Self::run`].
     pub(super) unsafe fn run_tuned(
         &mut self,
-        key: &super::bf16_lt::TunedKey,
+        key: &TunedKey,
         p: Operands,
         stream: &CudaStream,
     ) -> bool {

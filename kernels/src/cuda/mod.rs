@@ -64,7 +64,7 @@ pub use attention::{
 pub use attention_plan::{
     FLASH_MAX_PARTITION, FLASH_PARTITION, FlashBuild, PARTITION, partition_len,
 };
-pub use bf16_lt::{Bf16Out, Bf16Tuning, TUNE_KEEP_BELOW, TuneBf16};
+pub use bf16_lt::{Bf16Tuning, TUNE_KEEP_BELOW, TuneBf16};
 pub use cluster::{CLUSTER_MAX_M, CLUSTER_MIN_M, ClusterMma};
 pub use comm::NcclRank;
 /// The CUDA driver API types device code works with.
@@ -80,6 +80,7 @@ use int4::INT4_ONE_STRIPS;
 pub use int4::{INT4_MMA_MAX_M, int4_device_bytes, int4_tiles};
 pub use kv::PagedKv;
 pub use lane::{Mark, Settle};
+pub use lt::Bf16Out;
 pub use meeting::{HostSum, Vote};
 pub use norm::NormArgs;
 pub use prefill::{PREFILL_HEAD_DIMS, prefill_supports, prefill_tiles};

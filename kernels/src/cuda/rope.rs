@@ -1,7 +1,7 @@
 //! Rotary position embedding over a step's queries and keys (`rope.cu`):
 //! alone, or with the keys and values then written into their pages.
 
-use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, PushKernelArg};
 
 use super::kv::NULL_SCALES;
 use super::kv::PagedKv;
@@ -70,6 +70,37 @@ struct QkvRows {
     q_ld: usize,
     kv_ld: usize,
     q_out: u64,
+}
+
+/// What a flash launch rotates and writes first (`RopeIn` in rope.cu):
+/// token t's query heads at `q + t * q_ld`, its key and value heads at
+/// `k` and `v` plus `t * kv_ld` (floats), each token's position and KV
+/// slot, and the rotary frequencies; nothing where `q` is 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct RopeIn {
+    pub(super) q: u64,
+    pub(super) k: u64,
+    pub(super) v: u64,
+    pub(super) pos: u64,
+    pub(super) inv_freq: u64,
+    pub(super) slots: u64,
+    pub(super) q_ld: i32,
+    pub(super) kv_ld: i32,
+    pub(super) interleaved: i32,
+}
+
+// SAFETY: a plain `repr(C)` struct of integers, as the kernels declare it.
+unsafe impl DeviceRepr for RopeIn {}
+
+// Six pointers and three ints, padded to 8 bytes: the CUDA struct's size.
+const _: () = assert!(std::mem::size_of::<RopeIn>() == 64);
+
+impl RopeIn {
+    /// Whether the launch rotates and writes.
+    pub(super) fn rotates(&self) -> bool {
+        self.q != 0
+    }
 }
 
 impl Gpu {

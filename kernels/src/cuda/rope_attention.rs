@@ -6,10 +6,10 @@
 //! [`Gpu::rope_kv_write_stacked`] then [`Gpu::paged_attention_to`], with
 //! the same bits in the pages and the output.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
+use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::attention::{AttentionKind, AttentionPlan, AttnOut, DecodeBatch, PagedQuery};
-use super::rope::RopeKv;
+use super::rope::{RopeIn, RopeKv};
 use super::{AttentionBuffers, Gpu, PagedKv};
 use crate::KernelError;
 use crate::kv::KvFormat;
@@ -33,37 +33,6 @@ pub enum Unrotated<'a> {
         /// The values.
         v: &'a CudaSlice<f32>,
     },
-}
-
-/// What a flash launch rotates and writes first (`RopeIn` in rope.cu):
-/// token t's query heads at `q + t * q_ld`, its key and value heads at
-/// `k` and `v` plus `t * kv_ld` (floats), each token's position and KV
-/// slot, and the rotary frequencies; nothing where `q` is 0.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct RopeIn {
-    q: u64,
-    k: u64,
-    v: u64,
-    pos: u64,
-    inv_freq: u64,
-    slots: u64,
-    q_ld: i32,
-    kv_ld: i32,
-    interleaved: i32,
-}
-
-// SAFETY: a plain `repr(C)` struct of integers, as the kernels declare it.
-unsafe impl DeviceRepr for RopeIn {}
-
-// Six pointers and three ints, padded to 8 bytes: the CUDA struct's size.
-const _: () = assert!(std::mem::size_of::<RopeIn>() == 64);
-
-impl RopeIn {
-    /// Whether the launch rotates and writes.
-    pub(super) fn rotates(&self) -> bool {
-        self.q != 0
-    }
 }
 
 impl Gpu {
