@@ -175,6 +175,26 @@ async fn api_errors_are_openai_error_objects_naming_the_problem() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_call_whose_prompt_cannot_run_is_a_400_not_a_stream() {
+    let s = TestServer::start_with_models().await;
+    let key = s.tenant("a").await;
+    // Longer than the default model's 8192-token context.
+    let mut body = chat_body(&"word ".repeat(10_000), 4);
+    body["stream"] = true.into();
+    let (st, e) = s.openai(&key, "/v1/chat/completions", None, &body).await;
+    assert_eq!(st, 400, "{e}");
+    let message = e["error"]["message"].as_str().unwrap();
+    assert!(message.contains("the prompt has"), "{message}");
+    // The same as n samples, streamed or not.
+    body["n"] = 2.into();
+    let (st, e) = s.openai(&key, "/v1/chat/completions", None, &body).await;
+    assert_eq!(st, 400, "{e}");
+    body["stream"] = false.into();
+    let (st, e) = s.openai(&key, "/v1/chat/completions", None, &body).await;
+    assert_eq!(st, 400, "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn samples_of_one_prompt_share_its_cached_pages() {
     let s = TestServer::start_with_models().await;
     let key = s.tenant("a").await;

@@ -222,8 +222,12 @@ async fn malformed_and_oversized_uploads_are_rejected() {
     let truncated = std::fs::read(guest("hello")).unwrap()[..4000].to_vec();
     assert_eq!(error_of(s.put(&key, "f", truncated).await).await.0, 400);
 
-    let (status, kind, _) = error_of(s.put(&key, "f", vec![0u8; 2 << 20]).await).await;
+    let (status, kind, msg) = error_of(s.put(&key, "f", vec![0u8; 2 << 20]).await).await;
     assert_eq!((status, kind.as_str()), (413, "payload_too_large"));
+    assert!(
+        msg.contains("--max-upload"),
+        "names the flag that sets it: {msg}"
+    );
 
     // Nothing was stored.
     let list: serde_json::Value = s

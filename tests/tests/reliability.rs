@@ -145,6 +145,50 @@ async fn an_engine_panic_is_a_500_engine_restarted_and_the_model_keeps_serving()
     assert_eq!(s.metric(&["kiln_engine_restarts_total{"]).await, 1.0);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_huge_prompt_is_prepared_off_the_worker_other_tasks_run_on() {
+    let metrics = Metrics::default();
+    let served = Arc::new(
+        ServedModels::start(
+            vec![(default_model(), EngineConfig::default())],
+            1,
+            metrics.engine.clone(),
+        )
+        .unwrap(),
+    );
+    let ticks = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let ticker = tokio::spawn({
+        let ticks = ticks.clone();
+        async move {
+            loop {
+                ticks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    // On the runtime's one worker: while the call templates and tokenizes
+    // its megabytes, the ticker runs only if the worker was handed on.
+    let call = tokio::spawn({
+        let (served, ticks) = (served.clone(), ticks.clone());
+        async move {
+            let before = ticks.load(std::sync::atomic::Ordering::Relaxed);
+            let pending = served.call(chat(&"word ".repeat(400_000), 4));
+            let during = ticks.load(std::sync::atomic::Ordering::Relaxed) - before;
+            (during, pending.await)
+        }
+    });
+    let (during, result) = call.await.unwrap();
+    ticker.abort();
+    assert!(
+        during > 0,
+        "no other task ran while the prompt was prepared"
+    );
+    match result {
+        Err(AiError::InvalidInput(m)) => assert!(m.contains("the prompt has"), "{m}"),
+        other => panic!("a prompt past the context should be refused: {other:?}"),
+    }
+}
+
 /// Reads from `stream` until the server closes it; what it sent.
 async fn read_to_close(stream: &mut tokio::net::TcpStream) -> String {
     let mut buf = Vec::new();

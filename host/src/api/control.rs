@@ -12,19 +12,24 @@ use crate::db::FunctionRow;
 use crate::names::Name;
 use crate::serving::policy::{MAX_WEIGHT, TenantPolicy};
 
-/// Reads a whole body, refusing more than `limit` bytes with a 413.
+/// Reads a whole body, refusing more than `limit` bytes with a 413 that
+/// names `flag`, the option that sets the limit if one does.
 ///
 /// An oversized body is still read and discarded up to twice the limit, so
 /// that a client still writing it gets the 413 rather than a broken pipe;
 /// only a body declared larger than that is refused unread.
-pub(super) async fn read_body<B>(req: Request<B>, limit: usize) -> Result<Bytes, ApiError>
+pub(super) async fn read_body<B>(
+    req: Request<B>,
+    limit: usize,
+    flag: Option<&str>,
+) -> Result<Bytes, ApiError>
 where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
     let drain_cap = limit.saturating_mul(2).max(limit + (1 << 20)) as u64;
     if super::declared_length(&req).is_some_and(|n| n > drain_cap) {
-        return Err(ApiError::too_large(limit));
+        return Err(ApiError::too_large(limit, flag));
     }
     let mut body = std::pin::pin!(req.into_body());
     let mut buf = BytesMut::new();
@@ -44,7 +49,7 @@ where
         }
     }
     if total > limit as u64 {
-        return Err(ApiError::too_large(limit));
+        return Err(ApiError::too_large(limit, flag));
     }
     Ok(buf.freeze())
 }
@@ -71,7 +76,7 @@ where
     B::Error: Into<BoxError>,
 {
     require_admin(app, &req)?;
-    let body = read_body(req, 64 << 10).await?;
+    let body = read_body(req, 64 << 10, None).await?;
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct NewTenant {
@@ -100,7 +105,7 @@ where
 {
     require_admin(app, &req)?;
     let tenant = Name::tenant(tenant)?;
-    let body = read_body(req, 64 << 10).await?;
+    let body = read_body(req, 64 << 10, None).await?;
     let policy: TenantPolicy = serde_json::from_slice(&body).map_err(|e| {
         ApiError::bad_request(format!(
             "expected a JSON policy {{\"allowed_models\": [..], \"tokens_per_minute\": N, \
@@ -162,7 +167,7 @@ where
             "the API key does not belong to the tenant named in `kiln-tenant`",
         ));
     }
-    let bytes = read_body(req, app.config.max_upload_bytes).await?;
+    let bytes = read_body(req, app.config.max_upload_bytes, Some("--max-upload")).await?;
     if bytes.is_empty() {
         return Err(ApiError::bad_request(
             "empty upload: send the component's bytes as the request body",

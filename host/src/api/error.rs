@@ -85,12 +85,13 @@ impl ApiError {
         Self::new(StatusCode::CONFLICT, "conflict", message)
     }
 
-    /// 413: the body is over the limit.
-    pub fn too_large(limit: usize) -> Self {
+    /// 413: the body is over the limit, which `flag` sets if one does.
+    pub fn too_large(limit: usize, flag: Option<&str>) -> Self {
+        let see = flag.map_or(String::new(), |f| format!(" (see {f})"));
         Self::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "payload_too_large",
-            format!("upload exceeds the limit of {limit} bytes (see --max-upload)"),
+            format!("the request body exceeds the limit of {limit} bytes{see}"),
         )
     }
 

@@ -26,7 +26,7 @@ use tokio::sync::mpsc as tmpsc;
 
 use crate::engine::{EngineConfig, Finish, GenerateParams, OutputFormat, PAGE_SIZE, Salt, prefix};
 use crate::metrics::{EngineMetrics, ModelLabels, PoolLabels, TenantModelLabels};
-use crate::model::Loaded;
+use crate::model::{Loaded, ModelConfig};
 use engine_thread::{Msg, Out, PoolHandle, Submit};
 use prometheus_client::metrics::histogram::Histogram;
 use router::{PoolLoad, Route};
@@ -46,6 +46,11 @@ pub struct EngineSnapshot {
     /// Requests the engines hold (waiting or running).
     pub requests: usize,
 }
+
+/// Bytes of prompt text from which a call is prepared off the async
+/// runtime's worker (`ServedModels::submit_aside`): below it, the handoff
+/// costs more than the work.
+const ASIDE_PROMPT_BYTES: usize = 64 << 10;
 
 /// The slots of a pool's published figures (`PoolHandle::figures`).
 const FREE_PAGES: usize = 0;
@@ -187,6 +192,22 @@ impl ServedModels {
         })
     }
 
+    /// [`Self::submit`], for a long prompt off the async runtime's worker
+    /// (where there are several): templating, tokenizing and hashing a
+    /// few megabytes of text takes a while, and the worker's other tasks,
+    /// other tenants' handlers and streams among them, would wait for it.
+    fn submit_aside(&self, call: ModelCall, n: usize) -> Result<Submitted, AiError> {
+        use tokio::runtime::{Handle, RuntimeFlavor};
+        let aside = policy::prompt_bytes(&call) >= ASIDE_PROMPT_BYTES
+            && Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
+        if aside {
+            tokio::task::block_in_place(|| self.submit(call, n))
+        } else {
+            self.submit(call, n)
+        }
+    }
+
     /// Sends `n` samples of `call` to a pool: their channels, and whether
     /// their replies may be tool calls.
     fn submit(&self, call: ModelCall, n: usize) -> Result<Submitted, AiError> {
@@ -229,6 +250,7 @@ impl ServedModels {
         let ids = text
             .and_then(|t| tk.encode(&t, true))
             .map_err(|e| AiError::InvalidInput(e.to_string()))?;
+        check_prompt(&ids, &served.loaded.model.config, &served.pools)?;
         let salt = Salt::derive(&self.secret, model, tenant);
         let hashes = prefix::page_hashes(&salt, &ids, PAGE_SIZE);
         let loads: Vec<PoolLoad> = served.pools[..served.decode]
@@ -323,6 +345,40 @@ impl Submitted {
     }
 }
 
+/// Why the prompt `ids` cannot run on a model of `config` served by
+/// `pools`, if it cannot: empty, a token past the model's embeddings, or
+/// longer than the model's context or the smallest pool's KV pages (the
+/// engine's own checks, made here too so that a streamed call gets its
+/// error before the stream's 200). A pool that has not yet published
+/// its pages is left to the engine's check.
+fn check_prompt(ids: &[u32], config: &ModelConfig, pools: &[PoolHandle]) -> Result<(), AiError> {
+    let bad = |m: String| Err(AiError::InvalidInput(m));
+    if ids.is_empty() {
+        return bad("the prompt is empty".into());
+    }
+    if let Some(id) = ids.iter().find(|&&id| id as usize >= config.vocab) {
+        return bad(format!(
+            "the prompt holds token {id}, past the model's {} embeddings",
+            config.vocab
+        ));
+    }
+    let pages = (pools.iter())
+        .map(|p| p.figures[TOTAL_PAGES].load(Ordering::Relaxed))
+        .filter(|&n| n > 0)
+        .min();
+    let limit = pages.map_or(config.context_length, |n| {
+        config.context_length.min(n * PAGE_SIZE)
+    });
+    if ids.len() + 1 > limit {
+        return bad(format!(
+            "the prompt has {} tokens; this model and KV pool hold at most {}",
+            ids.len(),
+            limit.saturating_sub(1)
+        ));
+    }
+    Ok(())
+}
+
 /// The WIT params with the host's defaults, validated.
 fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
     let bad = |m: String| Err(AiError::InvalidInput(m));
@@ -344,6 +400,7 @@ fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
     if max_tokens == 0 {
         return bad("max-tokens must be at least 1".into());
     }
+    GenerateParams::check_stop(&p.stop).map_err(AiError::InvalidInput)?;
     let most = crate::engine::MAX_TOP_LOGPROBS;
     if let Some(n) = p.logprobs.filter(|n| usize::from(*n) > most) {
         return bad(format!("logprobs {n} is out of range: use 0 to {most}"));
@@ -490,17 +547,17 @@ type Fut<'a, T> = kiln_runtime::BoxFuture<'a, Result<T, AiError>>;
 
 impl Inference for ServedModels {
     fn call(&self, call: ModelCall) -> Fut<'_, Completion> {
-        let sent = self.submit(call, 1);
+        let sent = self.submit_aside(call, 1);
         Box::pin(async move { collect(sent?.one()?).await })
     }
 
     fn stream(&self, call: ModelCall) -> Fut<'_, Box<dyn TokenStream>> {
-        let sent = self.submit(call, 1);
+        let sent = self.submit_aside(call, 1);
         Box::pin(async move { Ok(Box::new(sent?.one()?) as Box<dyn TokenStream>) })
     }
 
     fn stream_samples(&self, call: ModelCall, n: usize) -> Fut<'_, Vec<Box<dyn TokenStream>>> {
-        let sent = self.submit(call, n);
+        let sent = self.submit_aside(call, n);
         Box::pin(async move {
             let streams = sent?.streams();
             Ok(streams

@@ -441,6 +441,9 @@ impl TokenStream for Guarded {
             match &ev {
                 Ok(StreamEvent::Delta(_)) => self.deltas += 1,
                 Ok(StreamEvent::Done(end)) => self.permit.settle_usage(&end.usage),
+                // Refused before any token (a schema the engine cannot
+                // compile): as a call refused up front, free.
+                Err(e) if self.deltas == 0 => self.permit.settle_error(e),
                 Err(_) => self.permit.settle(self.permit.cost.prompt, self.deltas),
             }
             ev
@@ -546,6 +549,7 @@ mod cluster;
 #[path = "policy_cost.rs"]
 mod cost;
 use cost::Cost;
+pub(super) use cost::prompt_bytes;
 
 #[cfg(test)]
 #[path = "policy_tests.rs"]

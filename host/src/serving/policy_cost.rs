@@ -29,33 +29,40 @@ impl Cost {
     }
 
     pub(super) fn of_call(call: &ModelCall) -> Self {
-        let (bytes, pieces): (usize, usize) = match &call.prompt {
-            Prompt::Chat(messages) => (
-                (messages.iter())
-                    .map(|m| {
-                        m.content.len()
-                            + m.tool_calls
-                                .iter()
-                                .map(|c| c.arguments.len())
-                                .sum::<usize>()
-                    })
-                    .sum(),
-                messages.len(),
-            ),
-            Prompt::Text(text) => (text.len(), 1),
+        let pieces = match &call.prompt {
+            Prompt::Chat(messages) => messages.len(),
+            Prompt::Text(_) => 1,
         };
-        // Tools reach the prompt too, their schemas written out.
-        let tools: usize = (call.params.tools.iter())
-            .map(|t| {
-                t.name.len()
-                    + t.description.as_ref().map_or(0, String::len)
-                    + t.parameters.as_ref().map_or(0, String::len)
-            })
-            .sum();
         Self::of(
-            bytes + tools,
+            prompt_bytes(call),
             pieces + call.params.tools.len(),
             call.params.max_tokens,
         )
     }
+}
+
+/// Bytes of text a call's prompt brings: its messages (tool calls'
+/// arguments included) or its text, and its tools' names, descriptions
+/// and schemas, which the chat template writes out.
+pub(in crate::serving) fn prompt_bytes(call: &ModelCall) -> usize {
+    let bytes: usize = match &call.prompt {
+        Prompt::Chat(messages) => (messages.iter())
+            .map(|m| {
+                m.content.len()
+                    + m.tool_calls
+                        .iter()
+                        .map(|c| c.arguments.len())
+                        .sum::<usize>()
+            })
+            .sum(),
+        Prompt::Text(text) => text.len(),
+    };
+    let tools: usize = (call.params.tools.iter())
+        .map(|t| {
+            t.name.len()
+                + t.description.as_ref().map_or(0, String::len)
+                + t.parameters.as_ref().map_or(0, String::len)
+        })
+        .sum();
+    bytes + tools
 }

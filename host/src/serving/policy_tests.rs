@@ -211,6 +211,46 @@ async fn a_stream_dropped_early_pays_its_prompt_and_the_tokens_it_received() {
     assert_eq!(u.models[0].completion_tokens, 3);
 }
 
+/// Streams that the engine refuses before their first token.
+struct Refused;
+
+impl TokenStream for Refused {
+    fn next(&mut self) -> BoxFuture<'_, Result<StreamEvent, AiError>> {
+        Box::pin(async { Err(AiError::InvalidInput("the schema does not compile".into())) })
+    }
+}
+
+impl Inference for Refused {
+    fn call(&self, _: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
+        Box::pin(async { Err(AiError::InvalidInput("the schema does not compile".into())) })
+    }
+    fn stream(&self, _: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
+        Box::pin(async { Ok(Box::new(Refused) as Box<dyn TokenStream>) })
+    }
+    fn list_models(&self, _: &str) -> Vec<ModelInfo> {
+        Vec::new()
+    }
+}
+
+#[tokio::test]
+async fn a_stream_refused_before_its_first_token_is_free() {
+    let g = Gateway::new(
+        Arc::new(Refused),
+        Duration::from_secs(5),
+        8,
+        EngineMetrics::default(),
+    );
+    quota(&g, "a", 1000);
+    let mut r = with_max_tokens(req("a", "a"), 100);
+    r.prompt = Prompt::Chat(vec![Message::text(Role::User, "x".repeat(30))]);
+    let mut s = g.stream(r).await.unwrap();
+    assert!(matches!(s.next().await, Err(AiError::InvalidInput(_))));
+    drop(s);
+    let u = g.usage("a");
+    assert_eq!((u.tokens_last_minute, u.tokens_reserved), (0, 0));
+    assert_eq!(u.calls_in_flight, 0);
+}
+
 #[tokio::test]
 async fn a_call_past_its_deadline_pays_all_it_reserved() {
     let gate = Arc::new(tokio::sync::Semaphore::new(0));

@@ -468,9 +468,17 @@ impl Engine {
         if prompt.is_empty() {
             return Err("the prompt is empty".into());
         }
+        GenerateParams::check_stop(&params.stop)?;
         if params.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
             return Err(format!(
                 "at most {MAX_TOP_LOGPROBS} top log-probabilities a token may be asked for"
+            ));
+        }
+        let vocab = self.loaded.model.config.vocab;
+        if let Some(id) = prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err(format!(
+                "the prompt holds token {id}, past the model's {vocab} embeddings: \
+                 its tokenizer names more tokens than the model has"
             ));
         }
         let limit = self.max_len();

@@ -69,6 +69,32 @@ impl GenerateParams {
     pub const DEFAULT_TEMPERATURE: f32 = 0.7;
     /// Nucleus-sampling threshold when a call does not say.
     pub const DEFAULT_TOP_P: f32 = 0.9;
+    /// Most stop strings a call may give (OpenAI's limit).
+    pub const MAX_STOPS: usize = 4;
+    /// Most bytes of one stop string: every token of the sequence
+    /// searches its text for each, on the engine's thread, which every
+    /// request of the pool shares.
+    pub const MAX_STOP_BYTES: usize = 1024;
+
+    /// Why `stop` is not a list of stop strings a call may give, if it
+    /// is not: too many, or one too long (an empty one is ignored).
+    pub fn check_stop(stop: &[String]) -> Result<(), String> {
+        if stop.len() > Self::MAX_STOPS {
+            return Err(format!(
+                "{} stop strings given; at most {} are allowed",
+                stop.len(),
+                Self::MAX_STOPS
+            ));
+        }
+        if let Some(s) = stop.iter().find(|s| s.len() > Self::MAX_STOP_BYTES) {
+            return Err(format!(
+                "a stop string has {} bytes; at most {} are allowed",
+                s.len(),
+                Self::MAX_STOP_BYTES
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for GenerateParams {
@@ -149,5 +175,34 @@ impl Request {
 
     pub(super) fn generated(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GenerateParams;
+
+    #[test]
+    fn stop_lists_past_the_limits_are_refused_with_the_reason() {
+        let ok = vec!["END".to_string(); GenerateParams::MAX_STOPS];
+        assert_eq!(GenerateParams::check_stop(&ok), Ok(()));
+        let longest = "x".repeat(GenerateParams::MAX_STOP_BYTES);
+        assert_eq!(
+            GenerateParams::check_stop(std::slice::from_ref(&longest)),
+            Ok(())
+        );
+        let five = vec!["END".to_string(); GenerateParams::MAX_STOPS + 1];
+        assert!(
+            GenerateParams::check_stop(&five)
+                .unwrap_err()
+                .contains("at most 4")
+        );
+        let long = longest + "x";
+        assert!(
+            GenerateParams::check_stop(&[long])
+                .unwrap_err()
+                .contains("1025 bytes")
+        );
+        assert_eq!(GenerateParams::check_stop(&["".into()]), Ok(()));
     }
 }

@@ -13,6 +13,13 @@
 //! Text that might begin a stop string is held back until the match is
 //! settled, so a stop string never goes out, not even in part.
 
+/// Tokens held back for an incomplete character before their text is
+/// taken as final, U+FFFD and all: a character is at most four bytes, so
+/// a run this long is invalid bytes (a character that completes right
+/// after it goes out as U+FFFD too). It bounds the decode window, so each
+/// token's cost stays constant in any output.
+const MAX_PENDING: usize = 64;
+
 /// The streaming text of one generation.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct TextStream {
@@ -81,6 +88,9 @@ impl TextStream {
         if self.stopped || tokens.len() <= self.read {
             return self.stopped;
         }
+        // Past MAX_PENDING held-back tokens the text is final: waiting on
+        // would grow the window (and its cost) with every token.
+        let last = last || tokens.len() - self.read > MAX_PENDING;
         let before = decode(&tokens[self.prefix..self.read]);
         let now = decode(&tokens[self.prefix..]);
         if !last && now.ends_with('\u{FFFD}') {

@@ -166,3 +166,34 @@ fn the_earliest_stop_string_wins_and_empty_ones_are_ignored() {
     let out: String = deltas(b"abcdef", &["", "de", "cd"]).concat();
     assert_eq!(out, "ab");
 }
+
+#[test]
+fn a_long_run_of_invalid_bytes_costs_each_token_a_bounded_window() {
+    use std::cell::Cell;
+    let decoded = Cell::new(0usize);
+    let decode = |tokens: &[u32]| {
+        decoded.set(decoded.get() + tokens.len());
+        bytes_decode(tokens)
+    };
+    let n = 2000;
+    let tokens = vec![0xFF_u32; n];
+    let mut s = TextStream::new(&[]);
+    let mut out = String::new();
+    for i in 1..=n {
+        assert!(!s.push(&tokens[..i], decode));
+        out += &s.take_delta(false);
+    }
+    // Each push decodes two windows of at most MAX_PENDING + 1 tokens
+    // past the last text taken as final.
+    assert!(
+        decoded.get() <= n * 2 * (2 * MAX_PENDING + 2),
+        "{} tokens decoded",
+        decoded.get()
+    );
+    // The text went out as it came, not all at the end.
+    assert!(out.chars().count() >= n - MAX_PENDING - 1, "{}", out.len());
+    assert!(out.chars().all(|c| c == '\u{FFFD}'));
+    s.flush(&tokens, decode);
+    out += &s.take_delta(true);
+    assert_eq!(out, bytes_decode(&tokens));
+}

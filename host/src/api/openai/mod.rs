@@ -79,7 +79,7 @@ where
 {
     let tenant = tenant_of(app, &req)?;
     let affinity = SessionAffinity::from_headers(req.headers());
-    let body = read_body(req, MAX_BODY).await?;
+    let body = read_body(req, MAX_BODY, None).await?;
     let mut v = validate(&body)?;
     v.params.session = affinity.session(v.params.session.take());
     let mut id = [0u8; 12];

@@ -5,6 +5,7 @@ use kiln_runtime::{Message, OutputFormat, Params, Prompt, Role, Tool, ToolCall, 
 use serde_json::{Map, Value};
 
 use crate::api::ApiError;
+use crate::engine::GenerateParams;
 
 /// Proof that a body was validated; only this module can make one.
 #[derive(Debug, Clone)]
@@ -295,14 +296,24 @@ fn response_format(v: &Value) -> Result<Option<OutputFormat>, ApiError> {
 }
 
 fn stop(v: &Value) -> Result<Vec<String>, ApiError> {
-    match v {
-        Value::String(s) => Ok(vec![s.clone()]),
-        Value::Array(a) if a.len() <= 4 => a.iter().map(|s| string("stop", s)).collect(),
-        _ => Err(bad(
-            "stop",
-            "expected a string or an array of up to 4 strings",
-        )),
-    }
+    let stop = match v {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(a) if a.len() <= GenerateParams::MAX_STOPS => a
+            .iter()
+            .map(|s| string("stop", s))
+            .collect::<Result<_, _>>()?,
+        _ => {
+            return Err(bad(
+                "stop",
+                format!(
+                    "expected a string or an array of up to {} strings",
+                    GenerateParams::MAX_STOPS
+                ),
+            ));
+        }
+    };
+    GenerateParams::check_stop(&stop).map_err(|m| bad("stop", m))?;
+    Ok(stop)
 }
 
 /// Validates a `/v1/chat/completions` body.

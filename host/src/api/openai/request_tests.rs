@@ -241,3 +241,26 @@ fn tools_choices_and_tool_messages_map_onto_the_call() {
     let c = completion(br#"{"model": "m", "prompt": "a", "tools": []}"#).unwrap_err();
     assert_eq!(c.param.as_deref(), Some("tools"));
 }
+
+#[test]
+fn stop_strings_too_many_or_too_long_are_refused_naming_stop() {
+    let with = |stop: Value| serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": stop});
+    let long = "a".repeat(GenerateParams::MAX_STOP_BYTES + 1);
+    for stop in [
+        serde_json::json!(long),
+        serde_json::json!(["END", long]),
+        serde_json::json!(["a", "b", "c", "d", "e"]),
+    ] {
+        let e = err(with(stop.clone()));
+        assert_eq!(e.param.as_deref(), Some("stop"), "{stop}");
+    }
+    let fine = "a".repeat(GenerateParams::MAX_STOP_BYTES);
+    assert!(
+        chat(
+            with(serde_json::json!(["END", fine]))
+                .to_string()
+                .as_bytes()
+        )
+        .is_ok()
+    );
+}
