@@ -2,7 +2,9 @@
 //! default model: the output always parses, and a schema's output
 //! validates against it, greedy or sampled.
 
-use kiln_host::engine::{Engine, EngineConfig, Finish, GenerateParams, OutputFormat, TenantId};
+use kiln_host::engine::{
+    Engine, EngineConfig, Event, Finish, Formats, GenerateParams, OutputFormat, Salt, TenantId,
+};
 use kiln_tests::{chat_ids, default_model};
 use serde_json::{Value, json};
 
@@ -90,4 +92,39 @@ fn a_schema_that_cannot_be_compiled_is_refused_at_once() {
     };
     let err = e.add(TenantId(1), ids, params).unwrap_err();
     assert!(err.contains("JSON schema"), "{err}");
+}
+
+#[test]
+fn a_format_compiled_before_admission_is_the_one_the_engine_runs() {
+    let mut e = engine();
+    let loaded = e.loaded();
+    let formats = Formats::new(&loaded.tokenizer, loaded.model.config.vocab).unwrap();
+    let compiled = formats.compile(&OutputFormat::JsonObject).unwrap();
+    let ids = chat_ids(&e, "Copy this JSON object exactly: {\"ok\": true}");
+    // The params' own format cannot compile: the engine compiling it
+    // would refuse the request, so its admission shows it used what it
+    // was given, as a server's engine thread does.
+    let params = GenerateParams {
+        max_tokens: 40,
+        temperature: 0.0,
+        format: Some(OutputFormat::JsonSchema(json!({"type": "no-such-type"}))),
+        ..Default::default()
+    };
+    let salt = Salt::derive(&[7; 32], "m", "t");
+    let seqs = e
+        .admit(TenantId(1), salt, ids, params, 2, Some(compiled))
+        .unwrap();
+    let mut texts = vec![String::new(); seqs.len()];
+    while e.has_work() {
+        for ev in e.step().unwrap() {
+            if let Event::Token { seq, text, .. } = ev {
+                texts[seqs.iter().position(|s| *s == seq).unwrap()].push_str(&text);
+            }
+        }
+    }
+    for text in texts {
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|err| panic!("not JSON ({err}): {text:?}"));
+        assert!(v.is_object(), "{v}");
+    }
 }

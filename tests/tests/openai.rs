@@ -175,7 +175,7 @@ async fn api_errors_are_openai_error_objects_naming_the_problem() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_streamed_call_whose_prompt_cannot_run_is_a_400_not_a_stream() {
+async fn a_streamed_call_that_cannot_run_is_a_400_not_a_stream() {
     let s = TestServer::start_with_models().await;
     let key = s.tenant("a").await;
     // Longer than the default model's 8192-token context.
@@ -192,6 +192,15 @@ async fn a_streamed_call_whose_prompt_cannot_run_is_a_400_not_a_stream() {
     body["stream"] = false.into();
     let (st, e) = s.openai(&key, "/v1/chat/completions", None, &body).await;
     assert_eq!(st, 400, "{e}");
+    // A schema that cannot compile, streamed: refused before the stream.
+    let mut body = chat_body("hi", 4);
+    body["stream"] = true.into();
+    body["response_format"] =
+        json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}});
+    let (st, e) = s.openai(&key, "/v1/chat/completions", None, &body).await;
+    assert_eq!(st, 400, "{e}");
+    let message = e["error"]["message"].as_str().unwrap();
+    assert!(message.contains("cannot be used"), "{message}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

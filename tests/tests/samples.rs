@@ -59,7 +59,7 @@ fn samples_share_the_prompts_full_pages_and_draw_with_their_own_seeds() {
     );
     let salt = Salt::derive(&[7; 32], "m", "t");
     let ids = e
-        .add_samples(TenantId(1), salt, prompt.clone(), sampled(100), 3)
+        .admit(TenantId(1), salt, prompt.clone(), sampled(100), 3, None)
         .unwrap();
     let got = drain(&mut e);
     let full_pages = prompt.len() / 16 * 16;
@@ -91,7 +91,7 @@ fn a_waiting_sample_can_be_cancelled_and_bad_counts_are_refused() {
     let prompt = long_prompt(&e);
     let salt = Salt::derive(&[7; 32], "m", "t");
     let ids = e
-        .add_samples(TenantId(1), salt, prompt.clone(), sampled(1), 3)
+        .admit(TenantId(1), salt, prompt.clone(), sampled(1), 3, None)
         .unwrap();
     assert!(e.cancel(ids[2]));
     let got = drain(&mut e);
@@ -99,7 +99,7 @@ fn a_waiting_sample_can_be_cancelled_and_bad_counts_are_refused() {
     assert!(!got.contains_key(&ids[2]), "a cancelled sample never ran");
     for n in [0, MAX_SAMPLES + 1] {
         let err = e
-            .add_samples(TenantId(1), salt, prompt.clone(), sampled(1), n)
+            .admit(TenantId(1), salt, prompt.clone(), sampled(1), n, None)
             .unwrap_err();
         assert!(err.contains("1 to 16"), "{err}");
     }
@@ -111,7 +111,7 @@ fn when_the_first_sample_is_cancelled_the_next_computes_the_prompt_for_the_rest(
     let prompt = long_prompt(&e);
     let salt = Salt::derive(&[7; 32], "m", "t");
     let ids = e
-        .add_samples(TenantId(1), salt, prompt.clone(), sampled(100), 3)
+        .admit(TenantId(1), salt, prompt.clone(), sampled(100), 3, None)
         .unwrap();
     assert!(e.cancel(ids[0]));
     let got = drain(&mut e);

@@ -56,6 +56,7 @@ impl PoolThread {
                         salt,
                         ids,
                         params,
+                        format: None,
                         outs: vec![live.out],
                         restarts: live.restarts + 1,
                         then: live.then,

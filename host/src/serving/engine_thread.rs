@@ -28,7 +28,7 @@ use kiln_runtime::{AiError, TokenLogprob, TopLogprob};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::mpsc as tmpsc;
 
-use crate::engine::TenantId;
+use crate::engine::{CompiledFormat, TenantId};
 use crate::engine::{
     Engine, EngineConfig, Event, Finish, GenerateParams, PageHash, Salt, SeqId, SeqTransfer,
     TokenLogprobs,
@@ -44,6 +44,9 @@ pub(super) struct Submit {
     pub(super) salt: Salt,
     pub(super) ids: Vec<u32>,
     pub(super) params: GenerateParams,
+    /// The params' output format, compiled by the sender (a replay's is
+    /// compiled by the engine).
+    pub(super) format: Option<CompiledFormat>,
     /// One channel per sample of the prompt (usually one); sample `i`
     /// draws with the params' seed plus `i`.
     pub(super) outs: Vec<tmpsc::UnboundedSender<Out>>,
@@ -381,13 +384,7 @@ impl PoolThread {
                 }
             })
             .collect();
-        let added = if n == 1 {
-            engine
-                .add_salted(tenant, sub.salt, sub.ids, sub.params)
-                .map(|seq| vec![seq])
-        } else {
-            engine.add_samples(tenant, sub.salt, sub.ids, sub.params, n)
-        };
+        let added = engine.admit(tenant, sub.salt, sub.ids, sub.params, n, sub.format);
         let lives = std::mem::take(&mut self.admitting);
         match added {
             Ok(seqs) => self.outs.extend(seqs.into_iter().zip(lives)),

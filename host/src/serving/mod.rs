@@ -11,26 +11,28 @@ mod engine_thread;
 pub mod policy;
 pub mod router;
 mod tools;
+mod validate;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Instant;
 
 use kiln_runtime::{
     AiError, Completion, FinishReason, Inference, ModelCall, ModelInfo, OutputFormat as Format,
-    Params, Prompt, StreamEnd, StreamEvent, TextDelta, TokenStream, ToolCall, Usage,
+    Prompt, StreamEnd, StreamEvent, TextDelta, TokenStream, ToolCall, Usage,
 };
 use rand::RngCore;
 use tokio::sync::mpsc as tmpsc;
 
-use crate::engine::{EngineConfig, Finish, GenerateParams, OutputFormat, PAGE_SIZE, Salt, prefix};
+use crate::engine::{EngineConfig, Finish, Formats, OutputFormat, PAGE_SIZE, Salt, prefix};
 use crate::metrics::{EngineMetrics, ModelLabels, PoolLabels, TenantModelLabels};
-use crate::model::{Loaded, ModelConfig};
+use crate::model::Loaded;
 use engine_thread::{Msg, Out, PoolHandle, Submit};
 use prometheus_client::metrics::histogram::Histogram;
 use router::{PoolLoad, Route};
 use tools::{CallFilter, Tools};
+use validate::{check_prompt, generate_params};
 
 /// A snapshot of one model's engines, summed over its pools.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,6 +76,9 @@ struct Served {
     pools: Vec<PoolHandle>,
     /// How many of `pools` are decode pools.
     decode: usize,
+    /// Output formats compiled for its vocabulary, made at the first call
+    /// that asks for one.
+    formats: OnceLock<Result<Formats, String>>,
 }
 
 /// The models a server serves, by name.
@@ -149,6 +154,7 @@ impl ServedModels {
                     info,
                     pools: handles,
                     decode,
+                    formats: OnceLock::new(),
                 },
             );
         }
@@ -192,13 +198,18 @@ impl ServedModels {
         })
     }
 
-    /// [`Self::submit`], for a long prompt off the async runtime's worker
-    /// (where there are several): templating, tokenizing and hashing a
-    /// few megabytes of text takes a while, and the worker's other tasks,
-    /// other tenants' handlers and streams among them, would wait for it.
+    /// [`Self::submit`], for a long prompt or output format off the async
+    /// runtime's worker (where there are several): templating, tokenizing
+    /// and hashing a few megabytes of text, or compiling a large schema,
+    /// takes a while, and the worker's other tasks, other tenants'
+    /// handlers and streams among them, would wait for it.
     fn submit_aside(&self, call: ModelCall, n: usize) -> Result<Submitted, AiError> {
         use tokio::runtime::{Handle, RuntimeFlavor};
-        let aside = policy::prompt_bytes(&call) >= ASIDE_PROMPT_BYTES
+        let format = match &call.params.format {
+            Some(Format::JsonSchema(text) | Format::Grammar(text)) => text.len(),
+            _ => 0,
+        };
+        let aside = policy::prompt_bytes(&call) + format >= ASIDE_PROMPT_BYTES
             && Handle::try_current()
                 .is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
         if aside {
@@ -251,6 +262,9 @@ impl ServedModels {
             .and_then(|t| tk.encode(&t, true))
             .map_err(|e| AiError::InvalidInput(e.to_string()))?;
         check_prompt(&ids, &served.loaded.model.config, &served.pools)?;
+        let format = (generate.format.as_ref())
+            .map(|f| served.compile(f))
+            .transpose()?;
         let salt = Salt::derive(&self.secret, model, tenant);
         let hashes = prefix::page_hashes(&salt, &ids, PAGE_SIZE);
         let loads: Vec<PoolLoad> = served.pools[..served.decode]
@@ -300,6 +314,7 @@ impl ServedModels {
             salt,
             ids,
             params: generate,
+            format,
             outs,
             restarts: 0,
             then,
@@ -342,90 +357,6 @@ impl Submitted {
 
     fn one(self) -> Result<Stream, AiError> {
         self.streams().next().ok_or_else(dropped)
-    }
-}
-
-/// Why the prompt `ids` cannot run on a model of `config` served by
-/// `pools`, if it cannot: empty, a token past the model's embeddings, or
-/// longer than the model's context or the smallest pool's KV pages (the
-/// engine's own checks, made here too so that a streamed call gets its
-/// error before the stream's 200). A pool that has not yet published
-/// its pages is left to the engine's check.
-fn check_prompt(ids: &[u32], config: &ModelConfig, pools: &[PoolHandle]) -> Result<(), AiError> {
-    let bad = |m: String| Err(AiError::InvalidInput(m));
-    if ids.is_empty() {
-        return bad("the prompt is empty".into());
-    }
-    if let Some(id) = ids.iter().find(|&&id| id as usize >= config.vocab) {
-        return bad(format!(
-            "the prompt holds token {id}, past the model's {} embeddings",
-            config.vocab
-        ));
-    }
-    let pages = (pools.iter())
-        .map(|p| p.figures[TOTAL_PAGES].load(Ordering::Relaxed))
-        .filter(|&n| n > 0)
-        .min();
-    let limit = pages.map_or(config.context_length, |n| {
-        config.context_length.min(n * PAGE_SIZE)
-    });
-    if ids.len() + 1 > limit {
-        return bad(format!(
-            "the prompt has {} tokens; this model and KV pool hold at most {}",
-            ids.len(),
-            limit.saturating_sub(1)
-        ));
-    }
-    Ok(())
-}
-
-/// The WIT params with the host's defaults, validated.
-fn generate_params(p: Params) -> Result<GenerateParams, AiError> {
-    let bad = |m: String| Err(AiError::InvalidInput(m));
-    let temperature = p.temperature.unwrap_or(GenerateParams::DEFAULT_TEMPERATURE);
-    if !(0.0..=2.0).contains(&temperature) {
-        return bad(format!(
-            "temperature {temperature} is out of range: use 0 (greedy) to 2"
-        ));
-    }
-    let top_p = p.top_p.unwrap_or(GenerateParams::DEFAULT_TOP_P);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return bad(format!(
-            "top-p {top_p} is out of range: use a value in (0, 1]"
-        ));
-    }
-    let max_tokens = p
-        .max_tokens
-        .map_or(GenerateParams::DEFAULT_MAX_TOKENS, |n| n as usize);
-    if max_tokens == 0 {
-        return bad("max-tokens must be at least 1".into());
-    }
-    GenerateParams::check_stop(&p.stop).map_err(AiError::InvalidInput)?;
-    let most = crate::engine::MAX_TOP_LOGPROBS;
-    if let Some(n) = p.logprobs.filter(|n| usize::from(*n) > most) {
-        return bad(format!("logprobs {n} is out of range: use 0 to {most}"));
-    }
-    Ok(GenerateParams {
-        max_tokens,
-        temperature,
-        top_k: p.top_k.unwrap_or(0) as usize,
-        top_p,
-        seed: p.seed,
-        stop: p.stop,
-        ignore_eos: false,
-        logprobs: p.logprobs.map(usize::from),
-        format: p.format.map(output_format).transpose()?,
-    })
-}
-
-/// The engine's form of a call's output format.
-fn output_format(f: Format) -> Result<OutputFormat, AiError> {
-    match f {
-        Format::JsonObject => Ok(OutputFormat::JsonObject),
-        Format::JsonSchema(text) => serde_json::from_str(&text)
-            .map(OutputFormat::JsonSchema)
-            .map_err(|e| AiError::InvalidInput(format!("the JSON schema is not JSON: {e}"))),
-        Format::Grammar(g) => Ok(OutputFormat::Grammar(g)),
     }
 }
 

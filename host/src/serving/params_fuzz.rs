@@ -3,6 +3,7 @@
 
 use super::*;
 use kiln_kernels::sample::{SamplingParams, sample};
+use kiln_runtime::Params;
 use proptest::prelude::*;
 use rand::SeedableRng;
 

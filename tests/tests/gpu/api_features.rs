@@ -135,7 +135,7 @@ fn samples_on_the_test_device_draw_as_lone_requests() {
     };
     let mut e = engine_with(device(), true);
     let group = e
-        .add_samples(TenantId(0), salt, ids.clone(), params(9), 3)
+        .admit(TenantId(0), salt, ids.clone(), params(9), 3, None)
         .unwrap();
     let got = drain(&mut e);
     // A lone request after them hits the same cached pages, so it computes

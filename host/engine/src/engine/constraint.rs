@@ -4,7 +4,8 @@
 //! is sampled, the tokens the matcher forbids get no probability, and the
 //! token drawn advances it. Once the format is complete, only EOS is left.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
@@ -43,16 +44,28 @@ const CACHED_FORMATS: usize = 64;
 
 /// Compiles output formats for one model's vocabulary, and keeps the
 /// recent ones: requests of one format (an API's schema) then start from a
-/// copy instead of a compile.
-pub(super) struct Formats {
+/// copy instead of a compile. Shared between threads: a server compiles a
+/// call's format before the call reaches the engine's thread
+/// ([`Engine::admit`](super::Engine::admit)), where a compile would hold
+/// up every request of the pool.
+pub struct Formats {
     factory: ParserFactory,
-    compiled: std::collections::HashMap<String, Matcher>,
+    compiled: Mutex<HashMap<String, Matcher>>,
+}
+
+/// An output format compiled for a model's vocabulary, at its start.
+pub struct CompiledFormat(pub(super) Matcher);
+
+impl std::fmt::Debug for CompiledFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CompiledFormat")
+    }
 }
 
 impl Formats {
     /// The compiler for `tokenizer`'s `vocab` tokens (ids past the
     /// tokenizer's own are never allowed).
-    pub(super) fn new(tokenizer: &Tokenizer, vocab: usize) -> Result<Self, String> {
+    pub fn new(tokenizer: &Tokenizer, vocab: usize) -> Result<Self, String> {
         let mut words = tokenizer.token_bytes()?;
         words.resize(vocab.max(words.len()), Vec::new());
         let eos = tokenizer.eos_ids().first().copied().unwrap_or(0);
@@ -72,25 +85,36 @@ impl Formats {
         })
     }
 
+    /// `format` compiled, or why it cannot be.
+    pub fn compile(&self, format: &OutputFormat) -> Result<CompiledFormat, String> {
+        self.matcher(format).map(CompiledFormat)
+    }
+
     /// A matcher for `format` at its start, or why it cannot be compiled.
-    pub(super) fn matcher(&mut self, format: &OutputFormat) -> Result<Matcher, String> {
+    pub(super) fn matcher(&self, format: &OutputFormat) -> Result<Matcher, String> {
         let key = match format {
             OutputFormat::JsonObject => "object".to_owned(),
             OutputFormat::JsonSchema(s) => format!("schema:{s}"),
             OutputFormat::Grammar(g) => format!("lark:{g}"),
         };
-        if let Some(m) = self.compiled.get(&key) {
-            return Ok(m.deep_clone());
+        let cached = |key: &str| {
+            let compiled = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
+            compiled.get(key).map(Matcher::deep_clone)
+        };
+        if let Some(m) = cached(&key) {
+            return Ok(m);
         }
-        let m = self.compile(format)?;
-        if self.compiled.len() >= CACHED_FORMATS {
-            self.compiled.clear();
+        // Compiled outside the lock: other formats' lookups go on.
+        let m = self.compile_matcher(format)?;
+        let mut compiled = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
+        if compiled.len() >= CACHED_FORMATS {
+            compiled.clear();
         }
-        self.compiled.insert(key, m.deep_clone());
+        compiled.insert(key, m.deep_clone());
         Ok(m)
     }
 
-    fn compile(&self, format: &OutputFormat) -> Result<Matcher, String> {
+    fn compile_matcher(&self, format: &OutputFormat) -> Result<Matcher, String> {
         let (grammar, what) = match format {
             OutputFormat::JsonObject => (
                 TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
@@ -143,7 +167,7 @@ mod tests {
     #[test]
     fn a_byte_vocabulary_without_eos_compiles_formats_and_masks_them() {
         // Synthetic models: one token per byte, ids past 255 empty.
-        let mut formats = Formats::new(&Tokenizer::bytes(300), 300).unwrap();
+        let formats = Formats::new(&Tokenizer::bytes(300), 300).unwrap();
         let mut m = formats.matcher(&OutputFormat::JsonObject).unwrap();
         let words = mask_words(&mut m, 300).unwrap();
         // Bytes only: the words past 255 allow nothing and are left out.

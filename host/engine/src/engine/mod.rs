@@ -30,7 +30,7 @@ use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 
 pub use block_pool::{PrefixChange, TenantId};
-pub use constraint::OutputFormat;
+pub use constraint::{CompiledFormat, Formats, OutputFormat};
 pub use kiln_kernels::sample::MAX_TOP_LOGPROBS;
 pub use kv_manager::SeqId;
 pub use prefix::{PageHash, Salt};
@@ -443,7 +443,7 @@ impl Engine {
         prompt: Vec<u32>,
         params: GenerateParams,
     ) -> Result<SeqId, String> {
-        self.add_request(tenant, None, prompt, params)
+        self.add_request(tenant, None, prompt, params, None)
     }
 
     /// Queues a request that reuses, and adds to, the prefix cache of
@@ -455,15 +455,18 @@ impl Engine {
         prompt: Vec<u32>,
         params: GenerateParams,
     ) -> Result<SeqId, String> {
-        self.add_request(tenant, Some(salt), prompt, params)
+        self.add_request(tenant, Some(salt), prompt, params, None)
     }
 
-    fn add_request(
+    /// Queues a request; `compiled` is its output format's matcher where
+    /// the caller compiled it (otherwise it is compiled here).
+    pub(super) fn add_request(
         &mut self,
         tenant: TenantId,
         salt: Option<Salt>,
         prompt: Vec<u32>,
         params: GenerateParams,
+        compiled: Option<llguidance::Matcher>,
     ) -> Result<SeqId, String> {
         if prompt.is_empty() {
             return Err("the prompt is empty".into());
@@ -489,11 +492,10 @@ impl Engine {
                 limit - 1
             ));
         }
-        let matcher = params
-            .format
-            .as_ref()
-            .map(|f| self.matcher(f))
-            .transpose()?;
+        let matcher = match (compiled, &params.format) {
+            (Some(m), Some(_)) => Some(m),
+            (_, format) => format.as_ref().map(|f| self.matcher(f)).transpose()?,
+        };
         let id = self.next_id;
         self.next_id += 1;
         let mut request = Request::new(prompt, params);

@@ -34,21 +34,26 @@ impl Engine {
     /// salted as [`Engine::add_salted`], sharing the prompt's pages; their
     /// ids in order. Sample `i` draws with seed `seed + i` (each its own
     /// random seed when `params` has none), so sample 0 is what one request
-    /// with `params` gives.
-    pub fn add_samples(
+    /// with `params` gives. With `format`, `params`' output format compiled
+    /// by the caller ([`super::Formats::compile`]), so no compile holds up
+    /// the engine's thread.
+    pub fn admit(
         &mut self,
         tenant: TenantId,
         salt: Salt,
         prompt: Vec<u32>,
         params: GenerateParams,
         n: usize,
+        format: Option<super::CompiledFormat>,
     ) -> Result<Vec<SeqId>, String> {
         if !(1..=MAX_SAMPLES).contains(&n) {
             return Err(format!(
                 "{n} samples of one prompt: ask for 1 to {MAX_SAMPLES}"
             ));
         }
-        let leader = self.add_salted(tenant, salt, prompt.clone(), params.clone())?;
+        let compiled = format.map(|f| f.0);
+        let leader =
+            self.add_request(tenant, Some(salt), prompt.clone(), params.clone(), compiled)?;
         // Every sample starts its output format where the first does.
         let matcher = self.requests[&leader].matcher.as_ref();
         let matcher = matcher.map(llguidance::Matcher::deep_clone);
