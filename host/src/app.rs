@@ -129,6 +129,10 @@ impl App {
             ai.clone(),
             &config.data_dir.join("cache"),
         )?;
+        let stale = runtime.collect_orphans(|d| in_use.contains(d));
+        if stale > 0 {
+            tracing::info!("removed {stale} compiled artifacts of components no function uses");
+        }
         let routes = db
             .functions(None)?
             .into_iter()
@@ -262,6 +266,7 @@ impl App {
         );
         if let Some(old) = unused {
             self.components.remove(&guard, &old);
+            self.runtime.forget(&old);
             self.db.forget_component(&old)?;
         }
         self.db.publish(&Change::Function {
@@ -281,6 +286,7 @@ impl App {
             .remove(&(tenant.to_owned(), name.as_str().to_owned()));
         if !shared {
             self.components.remove(&guard, &row.digest);
+            self.runtime.forget(&row.digest);
             self.db.forget_component(&row.digest)?;
         }
         self.db.publish(&Change::Function {

@@ -36,6 +36,14 @@ impl std::fmt::Debug for Deployment {
     }
 }
 
+/// Most core instances one component may create: componentize-py's
+/// components make 14 (CPython and its libraries), Rust's and
+/// componentize-js's 3-4.
+pub const CORE_INSTANCES_PER_COMPONENT: u32 = 16;
+
+/// Most tables one component may hold (the toolchains above make 2).
+pub const TABLES_PER_COMPONENT: u32 = 4;
+
 /// The shared engine: configuration, linker, model backend and the on-disk
 /// cache of compiled artifacts.
 pub struct Runtime {
@@ -63,10 +71,15 @@ impl Runtime {
         let setup = |e: wasmtime::Error| RuntimeError::Setup(e.to_string());
         let mut pool = PoolingAllocationConfig::default();
         let n = limits.max_instances;
+        // Each component instance may hold at most its share of the pool's
+        // core instances and tables, so no tenant's component can take
+        // other tenants' slots while its own instance count is in bounds.
         pool.total_component_instances(n)
-            .total_core_instances(n.saturating_mul(4))
+            .max_core_instances_per_component(CORE_INSTANCES_PER_COMPONENT)
+            .total_core_instances(n.saturating_mul(CORE_INSTANCES_PER_COMPONENT))
+            .max_tables_per_component(TABLES_PER_COMPONENT)
+            .total_tables(n.saturating_mul(TABLES_PER_COMPONENT))
             .total_memories(n)
-            .total_tables(n.saturating_mul(2))
             .total_stacks(n)
             .max_memory_size(limits.memory_bytes)
             .max_memories_per_component(1)
@@ -126,12 +139,59 @@ impl Runtime {
         let pre = self
             .linker
             .instantiate_pre(&component)
-            .map_err(|e| RuntimeError::UnsupportedImport(format!("{e:#}")))?;
-        let pre = ProxyPre::new(pre).map_err(|e| RuntimeError::MissingHandler(format!("{e:#}")))?;
-        Ok(Deployment {
-            digest: digest.to_owned(),
-            pre,
+            .map_err(|e| RuntimeError::UnsupportedImport(format!("{e:#}")))
+            .and_then(|pre| {
+                ProxyPre::new(pre).map_err(|e| RuntimeError::MissingHandler(format!("{e:#}")))
+            });
+        match pre {
+            Ok(pre) => Ok(Deployment {
+                digest: digest.to_owned(),
+                pre,
+            }),
+            Err(e) => {
+                // A refused upload leaves no artifact behind to fill the disk.
+                self.forget(digest);
+                Err(e)
+            }
+        }
+    }
+
+    /// Deletes the compiled artifacts of `digest` (a component no function
+    /// uses any more, or one refused).
+    pub fn forget(&self, digest: &str) {
+        self.remove_artifacts(|d| d == digest);
+    }
+
+    /// Deletes the compiled artifacts of every component that `in_use`
+    /// does not name, and those of older engines: how many.
+    pub fn collect_orphans(&self, in_use: impl Fn(&str) -> bool) -> usize {
+        let current = format!("-{}.cwasm", self.engine_key);
+        self.remove_artifacts(|d| !in_use(d)) + self.remove_files(|name| !name.ends_with(&current))
+    }
+
+    fn remove_artifacts(&self, remove: impl Fn(&str) -> bool) -> usize {
+        self.remove_files(|name| {
+            name.split_once('-')
+                .is_some_and(|(digest, rest)| rest.ends_with(".cwasm") && remove(digest))
         })
+    }
+
+    fn remove_files(&self, remove: impl Fn(&str) -> bool) -> usize {
+        let Ok(dir) = std::fs::read_dir(&self.cache_dir) else {
+            return 0;
+        };
+        let mut removed = 0;
+        for entry in dir.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.ends_with(".cwasm") && remove(&name) {
+                match std::fs::remove_file(entry.path()) {
+                    Ok(()) => removed += 1,
+                    Err(e) => tracing::warn!(file = %name, "could not remove artifact: {e}"),
+                }
+            }
+        }
+        removed
     }
 
     fn compile_cached(&self, digest: &str, bytes: &[u8]) -> Result<Component, RuntimeError> {

@@ -131,6 +131,11 @@ pub struct TestServer {
 pub const ADMIN: &str = "test-admin-token";
 
 impl TestServer {
+    /// The server's data directory.
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
     /// Starts a server with default settings on a fresh data dir.
     pub async fn start() -> Self {
         Self::start_with(|_| {}).await

@@ -222,6 +222,18 @@ async fn malformed_and_oversized_uploads_are_rejected() {
     let truncated = std::fs::read(guest("hello")).unwrap()[..4000].to_vec();
     assert_eq!(error_of(s.put(&key, "f", truncated).await).await.0, 400);
 
+    // More core instances than one instance's share of the pool.
+    let many = format!(
+        "(component (core module $m) {})",
+        "(core instance (instantiate $m))".repeat(17)
+    );
+    let many = wat::parse_str(many).unwrap();
+    let (status, _, msg) = error_of(s.put(&key, "f", many).await).await;
+    assert_eq!(status, 400);
+    assert!(msg.contains("17 core module instances"), "{msg}");
+    // Refused uploads leave no compiled artifact behind.
+    assert_eq!(artifacts(&s), Vec::<String>::new());
+
     let (status, kind, msg) = error_of(s.put(&key, "f", vec![0u8; 2 << 20]).await).await;
     assert_eq!((status, kind.as_str()), (413, "payload_too_large"));
     assert!(
@@ -313,7 +325,7 @@ async fn bad_names_and_credentials_get_clear_errors() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn restart_keeps_tenants_and_functions() {
+async fn restart_keeps_tenants_and_functions_and_deletes_drop_their_artifacts() {
     let s = TestServer::start().await;
     let key = s.tenant("acme").await;
     s.deploy(&key, "hello", "hello").await;
@@ -336,6 +348,9 @@ async fn restart_keeps_tenants_and_functions() {
         .unwrap();
     assert_eq!(del.status(), 204);
     assert_eq!(error_of(s.call("acme", "hello", "/").await).await.0, 404);
+    // Neither component is used any more: their compiled artifacts went
+    // with them (the replaced one at the redeploy).
+    assert_eq!(artifacts(&s), Vec::<String>::new());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -576,4 +591,13 @@ async fn a_client_that_leaves_a_quiet_stream_cancels_its_generation() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+}
+
+/// The compiled artifacts in the server's cache.
+fn artifacts(s: &TestServer) -> Vec<String> {
+    (std::fs::read_dir(s.data_dir().join("cache"))
+        .unwrap()
+        .flatten())
+    .map(|e| e.file_name().to_string_lossy().into_owned())
+    .collect()
 }
