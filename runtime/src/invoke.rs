@@ -45,12 +45,15 @@ pub struct InvokeOutcome {
 impl Runtime {
     /// Runs `req` through a fresh instance of `deployment`. The request's URI
     /// is what the guest sees; the body streams in and the response body
-    /// streams out while the guest runs.
+    /// streams out while the guest runs. `lease` (the caller's count of its
+    /// instances) is dropped when the instance is gone, which may be long
+    /// after the response head, or after the caller stopped waiting.
     pub async fn invoke<B>(
         &self,
         deployment: &Deployment,
         invocation: Invocation,
         req: hyper::Request<B>,
+        lease: impl Send + 'static,
     ) -> InvokeOutcome
     where
         B: http_body::Body<Data = Bytes> + Send + 'static,
@@ -100,6 +103,7 @@ impl Runtime {
         let limits = self.limits.clone();
         let (inst_tx, mut inst_rx) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
+            let _lease = lease;
             let run = async {
                 let t = Instant::now();
                 let proxy = pre.instantiate_async(&mut store).await?;

@@ -325,6 +325,24 @@ async fn bad_names_and_credentials_get_clear_errors() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_header_that_is_not_ascii_is_a_400() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "hello", "hello").await;
+    let addr = s.url.trim_start_matches("http://");
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    c.write_all(b"GET /fn/acme/hello/ HTTP/1.1\r\nHost: caf\xe9\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut reply = Vec::new();
+    c.read_to_end(&mut reply).await.unwrap();
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(reply.starts_with("HTTP/1.1 400"), "{reply}");
+    assert!(reply.contains("Host header"), "{reply}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_keeps_tenants_and_functions_and_deletes_drop_their_artifacts() {
     let s = TestServer::start().await;
     let key = s.tenant("acme").await;

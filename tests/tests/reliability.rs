@@ -238,14 +238,20 @@ async fn slow_clients_time_out_and_connections_past_the_cap_get_503() {
     assert!(s.metric(&["kiln_connections_refused_total"]).await >= 1.0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_flood_of_one_tenants_slow_function_leaves_other_tenants_answered() {
-    let s = TestServer::start_with(|c| {
+/// A server of 8 instance slots, half of them a tenant's at most, and a
+/// wall time of 3 s.
+async fn small_pool() -> TestServer {
+    TestServer::start_with(|c| {
         c.limits.max_instances = 8;
         c.limits.wall_time = Duration::from_secs(3);
         c.tenant_instance_share = 0.5;
     })
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_one_tenants_slow_function_leaves_other_tenants_answered() {
+    let s = small_pool().await;
     let a = s.tenant("a").await;
     let b = s.tenant("b").await;
     s.deploy(&a, "slow", "misbehave").await;
@@ -286,6 +292,33 @@ async fn a_flood_of_one_tenants_slow_function_leaves_other_tenants_answered() {
     };
     let (one, two) = tokio::join!(one, two);
     assert_eq!((one.status().as_u16(), two.status().as_u16()), (504, 429));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_whose_clients_left_still_count_against_their_tenant() {
+    let s = small_pool().await;
+    let a = s.tenant("a").await;
+    s.deploy(&a, "slow", "misbehave").await;
+    // Four sleeping instances (a's cap) whose clients give up at once.
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let left: Vec<_> = (0..4)
+        .map(|_| http.get(format!("{}/fn/a/slow/sleep", s.url)).send())
+        .collect();
+    for r in futures::future::join_all(left).await {
+        assert!(r.is_err(), "the client should have timed out: {r:?}");
+    }
+    // The instances sleep on into the wall-time limit, and hold a's slots.
+    let r = s.call("a", "slow", "/sleep").await;
+    assert_eq!(
+        r.status(),
+        429,
+        "a fifth instance of a's while four still run"
+    );
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "tenant_instances_exceeded", "{v}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

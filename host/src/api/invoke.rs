@@ -13,7 +13,6 @@ use kiln_runtime::{Invocation, InvokeError, SessionAffinity};
 
 use super::{ApiError, Body, BoxError};
 use crate::app::App;
-use crate::fairness::InstanceSlot;
 use crate::metrics::{FnLabels, InvokeLabels, LimitLabels};
 use crate::names::Name;
 
@@ -96,6 +95,12 @@ where
     let deployment = app.deployment(route)?;
     let (mut parts, body) = req.into_parts();
     parts.uri = guest_uri(&parts.uri, rest)?;
+    // The guest reads the authority as text (wasi-http refuses any other).
+    if (parts.headers.get(hyper::header::HOST)).is_some_and(|h| h.to_str().is_err()) {
+        return Err(ApiError::bad_request(
+            "the Host header is not visible ASCII",
+        ));
+    }
     if parts.uri.authority().is_none() && !parts.headers.contains_key(hyper::header::HOST) {
         parts.headers.insert(
             hyper::header::HOST,
@@ -122,7 +127,12 @@ where
     };
     let outcome = app
         .runtime
-        .invoke(&deployment, invocation, Request::from_parts(parts, body))
+        .invoke(
+            &deployment,
+            invocation,
+            Request::from_parts(parts, body),
+            slot,
+        )
         .await;
     let labels = crate::metrics::FnLabels {
         tenant: route.row.tenant.clone(),
@@ -142,13 +152,7 @@ where
         return Err(ApiError::body_too_large(limit));
     }
     match outcome.result {
-        Ok(resp) => Ok(resp.map(|b| {
-            Held {
-                inner: b.map_err(|e| Box::new(e) as BoxError),
-                _slot: slot,
-            }
-            .boxed_unsync()
-        })),
+        Ok(resp) => Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed_unsync())),
         Err(e) => {
             if let InvokeError::Limit { kind, .. } = &e {
                 app.metrics
@@ -205,33 +209,6 @@ where
             self.left -= n;
         }
         Poll::Ready(frame)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-/// A response body that holds the tenant's instance slot until the guest
-/// has written all of it (or the client has gone).
-struct Held<B> {
-    inner: B,
-    _slot: InstanceSlot,
-}
-
-impl<B: http_body::Body + Unpin> http_body::Body for Held<B> {
-    type Data = B::Data;
-    type Error = B::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {
