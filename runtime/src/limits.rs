@@ -37,6 +37,9 @@ impl Default for Limits {
 /// How often the engine's epoch advances: the granularity of CPU accounting.
 pub(crate) const TICK: Duration = Duration::from_millis(1);
 
+/// Most wall time a guest runs between yields to the executor.
+const YIELD_EVERY: Duration = Duration::from_millis(2);
+
 /// A handle that restarts the CPU meter's clock: called when a host call
 /// returns, so time the guest spent waiting in it is not billed.
 #[derive(Clone)]
@@ -62,6 +65,11 @@ pub(crate) struct StoreLimits {
     /// charged; shared with yield futures so they can mark the resume time.
     mark: Arc<AtomicU64>,
     base: Instant,
+    /// Nanoseconds since `base` past which the request is over its wall
+    /// time.
+    deadline: u64,
+    /// Nanoseconds since `base` at which the guest last yielded.
+    yielded: u64,
     /// The limit that stopped the guest, if one did.
     pub(crate) exceeded: Option<LimitKind>,
 }
@@ -74,6 +82,8 @@ impl StoreLimits {
             cpu_used: Duration::ZERO,
             mark: Arc::new(AtomicU64::new(0)),
             base: Instant::now(),
+            deadline: u64::try_from(limits.wall_time.as_nanos()).unwrap_or(u64::MAX),
+            yielded: 0,
             exceeded: None,
         }
     }
@@ -120,12 +130,24 @@ impl StoreLimits {
     /// guest execution. Charges the time since the last mark, capped at two
     /// ticks so that time parked in host calls or in the executor's queue is
     /// not billed as guest CPU.
+    ///
+    /// It also ends the request at its wall time, and yields at least
+    /// every [`YIELD_EVERY`]: a guest whose host calls never wait (each
+    /// answered at once) would otherwise never give its thread back, so
+    /// neither the thread's other tasks nor the wall-time timer would run.
     pub(crate) fn on_epoch(&mut self) -> wasmtime::Result<UpdateDeadline> {
-        let charge = self.charge(self.now_nanos())?;
-        if charge < TICK / 2 {
+        let now = self.now_nanos();
+        if now >= self.deadline {
+            self.exceeded = Some(LimitKind::WallTime);
+            return Err(LimitKind::WallTime.into());
+        }
+        let charge = self.charge(now)?;
+        let since_yield = Duration::from_nanos(now.saturating_sub(self.yielded));
+        if charge < TICK / 2 && since_yield < YIELD_EVERY {
             // Just resumed: run a slice before yielding again.
             return Ok(UpdateDeadline::Continue(1));
         }
+        self.yielded = now;
         let mark = self.cpu_mark();
         Ok(UpdateDeadline::YieldCustom(
             1,

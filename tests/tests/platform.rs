@@ -192,6 +192,25 @@ async fn trap_and_wall_limit_are_reported_and_outbound_http_is_denied() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_whose_host_calls_never_wait_is_stopped_at_its_wall_time() {
+    let s = TestServer::start_with(|c| {
+        c.limits.wall_time = std::time::Duration::from_secs(1);
+        c.limits.cpu_time = std::time::Duration::from_secs(5);
+    })
+    .await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    // Its calls bill it microseconds each: the wall time must end it, long
+    // before its CPU time would.
+    let (status, kind, msg) = error_of(s.call("acme", "bad", "/hog").await).await;
+    assert_eq!(
+        (status, kind.as_str()),
+        (504, "wall_time_limit_exceeded"),
+        "{msg}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_oversized_uploads_are_rejected() {
     let s = TestServer::start_with(|c| c.max_upload_bytes = 1 << 20).await;
     let key = s.tenant("acme").await;

@@ -70,6 +70,10 @@ impl Handler for Misbehave {
                 Ok(report) => Response::text(200, report),
                 Err(e) => Response::text(502, format!("{e:?}")),
             },
+            "/hog" => loop {
+                // Host calls answered at once: the guest never waits.
+                let _ = ai::Chat::new("no-such-model").user("hi").send();
+            },
             "/ai" => match ai::Chat::new("no-such-model").user("hi").send() {
                 Ok(c) => Response::text(200, c.text),
                 Err(e) => Response::text(502, format!("{e:?}")),
