@@ -308,11 +308,15 @@ impl App {
     }
 
     /// The route's deployment, compiling it (or loading the cached
-    /// artifact) on first use.
+    /// artifact) on first use, aside from the async worker it is called on.
     pub fn deployment(&self, route: &Route) -> Result<Deployment, AppError> {
-        if let Some(d) = route.deployment.get() {
-            return Ok(d.clone());
+        match route.deployment.get() {
+            Some(d) => Ok(d.clone()),
+            None => crate::aside::aside(|| self.load(route)),
         }
+    }
+
+    fn load(&self, route: &Route) -> Result<Deployment, AppError> {
         let digest = &route.row.digest;
         let bytes = match std::fs::read(self.components.path(digest)) {
             Ok(b) => b,

@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod app;
+pub mod aside;
 pub mod auth;
 pub mod bench;
 pub mod bench_plot;

@@ -343,6 +343,50 @@ async fn bad_names_and_credentials_get_clear_errors() {
     assert_eq!(health.status(), 200);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_first_call_compiles_its_component_aside_from_the_worker() {
+    use kiln_host::names::Name;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "hello", "hello").await;
+    // Restarted without compiled artifacts: the first use compiles.
+    std::fs::remove_dir_all(s.data_dir().join("cache")).unwrap();
+    let s = s.restart().await;
+    let app = s.app.clone();
+    let route = (app.route(
+        &Name::tenant("acme").unwrap(),
+        &Name::function("hello").unwrap(),
+    ))
+    .expect("the function is routed");
+    let ticks = Arc::new(AtomicU64::new(0));
+    let ticker = tokio::spawn({
+        let ticks = ticks.clone();
+        async move {
+            loop {
+                ticks.fetch_add(1, Ordering::Relaxed);
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    // On the runtime's one worker: the ticker runs during the compile only
+    // if the worker was handed on.
+    let during = tokio::spawn({
+        let ticks = ticks.clone();
+        async move {
+            let before = ticks.load(Ordering::Relaxed);
+            app.deployment(&route).expect("the component compiles");
+            ticks.load(Ordering::Relaxed) - before
+        }
+    })
+    .await
+    .unwrap();
+    ticker.abort();
+    assert!(during > 0, "no other task ran while the component compiled");
+    assert!(!artifacts(&s).is_empty(), "the compile left its artifact");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_header_that_is_not_ascii_is_a_400() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

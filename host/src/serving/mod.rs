@@ -204,16 +204,12 @@ impl ServedModels {
     /// takes a while, and the worker's other tasks, other tenants'
     /// handlers and streams among them, would wait for it.
     fn submit_aside(&self, call: ModelCall, n: usize) -> Result<Submitted, AiError> {
-        use tokio::runtime::{Handle, RuntimeFlavor};
         let format = match &call.params.format {
             Some(Format::JsonSchema(text) | Format::Grammar(text)) => text.len(),
             _ => 0,
         };
-        let aside = policy::prompt_bytes(&call) + format >= ASIDE_PROMPT_BYTES
-            && Handle::try_current()
-                .is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
-        if aside {
-            tokio::task::block_in_place(|| self.submit(call, n))
+        if policy::prompt_bytes(&call) + format >= ASIDE_PROMPT_BYTES {
+            crate::aside::aside(|| self.submit(call, n))
         } else {
             self.submit(call, n)
         }
