@@ -490,3 +490,35 @@ pub fn chat_ids(e: &kiln_host::engine::Engine, prompt: &str) -> Vec<u32> {
     let msgs = [kiln_host::model::ChatMessage::text("user", prompt)];
     tk.encode(&tk.chat_prompt(&msgs).unwrap(), true).unwrap()
 }
+
+/// Runs `work` in a task beside one that only counts its own turns: how
+/// many turns that task got while `work` ran, and `work`'s output. On a
+/// runtime of one worker, `work` that never waits itself gives it none
+/// unless it hands the worker on (`block_in_place`).
+pub async fn turns_beside<T: Send + 'static>(
+    work: impl std::future::Future<Output = T> + Send + 'static,
+) -> (u64, T) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let turns = Arc::new(AtomicU64::new(0));
+    let counter = tokio::spawn({
+        let turns = turns.clone();
+        async move {
+            loop {
+                turns.fetch_add(1, Ordering::Relaxed);
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    let worked = tokio::spawn({
+        let turns = turns.clone();
+        async move {
+            let before = turns.load(Ordering::Relaxed);
+            let out = work.await;
+            (turns.load(Ordering::Relaxed) - before, out)
+        }
+    })
+    .await
+    .expect("the work task ran to its end");
+    counter.abort();
+    worked
+}

@@ -11,7 +11,7 @@ use kiln_host::metrics::Metrics;
 use kiln_host::model::DEFAULT_MODEL;
 use kiln_host::serving::ServedModels;
 use kiln_runtime::{AiError, Inference};
-use kiln_tests::{TestServer, default_model, error_of};
+use kiln_tests::{TestServer, default_model, error_of, turns_beside};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -156,29 +156,11 @@ async fn a_huge_prompt_is_prepared_off_the_worker_other_tasks_run_on() {
         )
         .unwrap(),
     );
-    let ticks = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let ticker = tokio::spawn({
-        let ticks = ticks.clone();
-        async move {
-            loop {
-                ticks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tokio::task::yield_now().await;
-            }
-        }
-    });
     // On the runtime's one worker: while the call templates and tokenizes
-    // its megabytes, the ticker runs only if the worker was handed on.
-    let call = tokio::spawn({
-        let (served, ticks) = (served.clone(), ticks.clone());
-        async move {
-            let before = ticks.load(std::sync::atomic::Ordering::Relaxed);
-            let pending = served.call(chat(&"word ".repeat(400_000), 4));
-            let during = ticks.load(std::sync::atomic::Ordering::Relaxed) - before;
-            (during, pending.await)
-        }
-    });
-    let (during, result) = call.await.unwrap();
-    ticker.abort();
+    // its megabytes (it is refused at once after), the other task runs only
+    // if the worker was handed on.
+    let (during, result) =
+        turns_beside(async move { served.call(chat(&"word ".repeat(400_000), 4)).await }).await;
     assert!(
         during > 0,
         "no other task ran while the prompt was prepared"

@@ -9,7 +9,7 @@ use kiln_runtime::{AiError, OutputFormat as Format, Params};
 
 use super::engine_thread::PoolHandle;
 use super::{Served, TOTAL_PAGES};
-use crate::engine::{CompiledFormat, Formats, GenerateParams, OutputFormat, PAGE_SIZE};
+use crate::engine::{self, CompiledFormat, Formats, GenerateParams, OutputFormat, PAGE_SIZE};
 use crate::model::ModelConfig;
 
 impl Served {
@@ -39,16 +39,6 @@ pub(super) fn check_prompt(
     config: &ModelConfig,
     pools: &[PoolHandle],
 ) -> Result<(), AiError> {
-    let bad = |m: String| Err(AiError::InvalidInput(m));
-    if ids.is_empty() {
-        return bad("the prompt is empty".into());
-    }
-    if let Some(id) = ids.iter().find(|&&id| id as usize >= config.vocab) {
-        return bad(format!(
-            "the prompt holds token {id}, past the model's {} embeddings",
-            config.vocab
-        ));
-    }
     let pages = (pools.iter())
         .map(|p| p.figures[TOTAL_PAGES].load(Ordering::Relaxed))
         .filter(|&n| n > 0)
@@ -56,14 +46,7 @@ pub(super) fn check_prompt(
     let limit = pages.map_or(config.context_length, |n| {
         config.context_length.min(n * PAGE_SIZE)
     });
-    if ids.len() + 1 > limit {
-        return bad(format!(
-            "the prompt has {} tokens; this model and KV pool hold at most {}",
-            ids.len(),
-            limit.saturating_sub(1)
-        ));
-    }
-    Ok(())
+    engine::check_prompt(ids, config.vocab, limit).map_err(AiError::InvalidInput)
 }
 
 /// The WIT params with the host's defaults, validated.

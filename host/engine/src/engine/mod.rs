@@ -34,7 +34,7 @@ pub use constraint::{CompiledFormat, Formats, OutputFormat};
 pub use kiln_kernels::sample::MAX_TOP_LOGPROBS;
 pub use kv_manager::SeqId;
 pub use prefix::{PageHash, Salt};
-pub use request::{Finish, GenerateParams, Logprob, TokenLogprobs};
+pub use request::{Finish, GenerateParams, Logprob, TokenLogprobs, check_prompt};
 pub use samples::MAX_SAMPLES;
 pub use scheduler::SchedulerConfig;
 pub use transfer::SeqTransfer;
@@ -468,28 +468,11 @@ impl Engine {
         params: GenerateParams,
         compiled: Option<llguidance::Matcher>,
     ) -> Result<SeqId, String> {
-        if prompt.is_empty() {
-            return Err("the prompt is empty".into());
-        }
+        check_prompt(&prompt, self.loaded.model.config.vocab, self.max_len())?;
         GenerateParams::check_stop(&params.stop)?;
         if params.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
             return Err(format!(
                 "at most {MAX_TOP_LOGPROBS} top log-probabilities a token may be asked for"
-            ));
-        }
-        let vocab = self.loaded.model.config.vocab;
-        if let Some(id) = prompt.iter().find(|&&id| id as usize >= vocab) {
-            return Err(format!(
-                "the prompt holds token {id}, past the model's {vocab} embeddings: \
-                 its tokenizer names more tokens than the model has"
-            ));
-        }
-        let limit = self.max_len();
-        if prompt.len() + 1 > limit {
-            return Err(format!(
-                "the prompt has {} tokens; this model and KV pool hold at most {}",
-                prompt.len(),
-                limit - 1
             ));
         }
         let matcher = match (compiled, &params.format) {

@@ -36,6 +36,29 @@ pub struct GenerateParams {
     pub format: Option<super::OutputFormat>,
 }
 
+/// Why `prompt` cannot run on a model of `vocab` embeddings whose engine
+/// holds `max_len` tokens a sequence, if it cannot: empty, a token past the
+/// embeddings (a tokenizer naming more tokens than the model has), or no
+/// room left for a generated token.
+pub fn check_prompt(prompt: &[u32], vocab: usize, max_len: usize) -> Result<(), String> {
+    if prompt.is_empty() {
+        return Err("the prompt is empty".into());
+    }
+    if let Some(id) = prompt.iter().find(|&&id| id as usize >= vocab) {
+        return Err(format!(
+            "the prompt holds token {id}, past the model's {vocab} embeddings"
+        ));
+    }
+    if prompt.len() + 1 > max_len {
+        return Err(format!(
+            "the prompt has {} tokens; this model and KV pool hold at most {}",
+            prompt.len(),
+            max_len.saturating_sub(1)
+        ));
+    }
+    Ok(())
+}
+
 /// A generated token's log-probability under the model (before
 /// temperature, top-k or top-p) and the most likely tokens at its place.
 #[derive(Debug, Clone, PartialEq)]

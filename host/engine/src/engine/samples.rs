@@ -52,6 +52,15 @@ impl Engine {
             ));
         }
         let compiled = format.map(|f| f.0);
+        if n == 1 {
+            return Ok(vec![self.add_request(
+                tenant,
+                Some(salt),
+                prompt,
+                params,
+                compiled,
+            )?]);
+        }
         let leader =
             self.add_request(tenant, Some(salt), prompt.clone(), params.clone(), compiled)?;
         // Every sample starts its output format where the first does.
