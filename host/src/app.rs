@@ -7,11 +7,12 @@ use std::sync::{Arc, OnceLock, RwLock};
 use kiln_runtime::{Deployment, Inference, Runtime, RuntimeError};
 use sha2::{Digest, Sha256};
 
+use crate::aside::aside;
 use crate::auth;
 use crate::components::ComponentStore;
 use crate::config::ServeConfig;
 use crate::db::{Change, Db, DbError, FunctionRow, Subscription};
-use crate::fairness::{InstanceCaps, InstanceSlot, default_cap};
+use crate::fairness::{TenantCaps, TenantSlot, default_cap};
 use crate::metrics::Metrics;
 use crate::names::Name;
 use crate::serving::policy::{Gateway, TenantPolicy};
@@ -49,8 +50,16 @@ pub struct App {
     routes: RwLock<HashMap<(String, String), Arc<Route>>>,
     /// Other nodes' changes, until the server starts following them.
     subscription: std::sync::Mutex<Option<Subscription>>,
-    instances: InstanceCaps,
+    instances: TenantCaps,
+    /// Deploys in flight, by tenant.
+    deploys: TenantCaps,
+    keys: auth::KeyCache,
 }
+
+/// Deploys one tenant may have in flight at once: each holds its upload
+/// in memory and compiles on a thread of its own, so without a cap one
+/// tenant's burst would take the server's memory and cores.
+pub const DEPLOYS_PER_TENANT: u32 = 2;
 
 /// How far back the status page's plots go.
 const STATUS_SPAN: std::time::Duration = std::time::Duration::from_secs(300);
@@ -72,6 +81,14 @@ pub enum AppError {
         /// The tenant.
         tenant: String,
         /// Its cap on instances in flight.
+        cap: u32,
+    },
+    /// The tenant already has its most deploys in flight.
+    #[error("tenant `{tenant}` already has {cap} deploys in flight; retry when one finishes")]
+    DeploysExceeded {
+        /// The tenant.
+        tenant: String,
+        /// Its cap on deploys in flight.
         cap: u32,
     },
     /// The component was refused, or could not be compiled.
@@ -160,7 +177,9 @@ impl App {
             components,
             routes: RwLock::new(routes),
             subscription: std::sync::Mutex::new(db_subscription),
-            instances: InstanceCaps::default(),
+            instances: TenantCaps::default(),
+            deploys: TenantCaps::default(),
+            keys: auth::KeyCache::default(),
         })
     }
 
@@ -177,25 +196,25 @@ impl App {
     }
 
     /// The tenant owning API key `key`, if it is valid.
+    /// A key not seen before is looked up aside from the async worker.
     pub fn tenant_for_key(&self, key: &str) -> Result<Option<String>, AppError> {
-        let Some(id) = auth::key_id(key) else {
-            return Ok(None);
-        };
-        Ok(match self.db.api_key(id)? {
-            Some((tenant, hash)) if auth::verify(key, &hash) => Some(tenant),
-            _ => None,
-        })
+        let lookup = |id: &str| aside(|| self.db.api_key(id));
+        Ok(self.keys.tenant(key, lookup)?)
     }
 
     /// Creates a tenant; returns its first API key.
     pub fn create_tenant(&self, name: &Name) -> Result<String, AppError> {
         let key = auth::new_key();
-        self.db.create_tenant(name.as_str(), &key.id, &key.hash)?;
+        aside(|| self.db.create_tenant(name.as_str(), &key.id, &key.hash))?;
         Ok(key.key)
     }
 
     /// Sets a tenant's model policy, stored and in force at once.
     pub fn set_policy(&self, tenant: &Name, policy: TenantPolicy) -> Result<(), AppError> {
+        aside(|| self.store_policy(tenant, policy))
+    }
+
+    fn store_policy(&self, tenant: &Name, policy: TenantPolicy) -> Result<(), AppError> {
         if !self.db.tenant_exists(tenant.as_str())? {
             return Err(AppError::NoTenant(tenant.clone()));
         }
@@ -211,7 +230,7 @@ impl App {
 
     /// A tenant's model policy.
     pub fn policy(&self, tenant: &Name) -> Result<TenantPolicy, AppError> {
-        if !self.db.tenant_exists(tenant.as_str())? {
+        if !aside(|| self.db.tenant_exists(tenant.as_str()))? {
             return Err(AppError::NoTenant(tenant.clone()));
         }
         Ok(self.ai.policy(tenant.as_str()))
@@ -220,7 +239,7 @@ impl App {
     /// One of `tenant`'s function instance slots, or
     /// [`AppError::InstancesExceeded`] when it holds its share of the pool
     /// already.
-    pub fn instance_slot(&self, tenant: &str) -> Result<InstanceSlot, AppError> {
+    pub fn instance_slot(&self, tenant: &str) -> Result<TenantSlot, AppError> {
         let cap = self.ai.policy(tenant).max_instances.unwrap_or_else(|| {
             default_cap(
                 self.config.limits.max_instances,
@@ -233,6 +252,22 @@ impl App {
                 tenant: tenant.to_owned(),
                 cap,
             })
+    }
+
+    /// One of `tenant`'s deploy slots, or [`AppError::DeploysExceeded`]
+    /// when it has [`DEPLOYS_PER_TENANT`] in flight already.
+    pub fn deploy_slot(&self, tenant: &str) -> Result<TenantSlot, AppError> {
+        self.deploys
+            .try_acquire(tenant, DEPLOYS_PER_TENANT)
+            .ok_or_else(|| AppError::DeploysExceeded {
+                tenant: tenant.to_owned(),
+                cap: DEPLOYS_PER_TENANT,
+            })
+    }
+
+    /// Deploys `tenant` has in flight.
+    pub fn deploys_in_flight(&self, tenant: &str) -> u32 {
+        self.deploys.in_flight(tenant)
     }
 
     /// Validates, stores and routes a component; replaces any previous
@@ -278,6 +313,10 @@ impl App {
 
     /// Deletes a function; false if the tenant has no such function.
     pub fn delete(&self, tenant: &str, name: &Name) -> Result<bool, AppError> {
+        aside(|| self.delete_now(tenant, name))
+    }
+
+    fn delete_now(&self, tenant: &str, name: &Name) -> Result<bool, AppError> {
         let guard = self.components.lock();
         let Some((row, shared)) = self.db.delete_function(tenant, name.as_str())? else {
             return Ok(false);

@@ -1,7 +1,9 @@
 //! API keys and the admin token: generated at random, stored as SHA-256
 //! hashes, compared in constant time.
 
+use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Mutex;
 
 use rand::Rng;
 use sha2::{Digest, Sha256};
@@ -59,6 +61,53 @@ pub struct AdminToken {
     pub generated: bool,
 }
 
+/// Keys' stored rows (tenant, hash) by key id, so that checking a known
+/// key reads no database: a request's check would otherwise wait on the
+/// database (on PostgreSQL, behind every other node's statement on the one
+/// connection). A key's row never changes once made (keys are neither
+/// revoked nor moved), so a kept row is never stale. Only rows found are
+/// kept, so a key made on another node is found on first use. Bounded:
+/// past [`KEYS_KEPT`] rows it starts again empty.
+#[derive(Default)]
+pub struct KeyCache(Mutex<HashMap<String, (String, Vec<u8>)>>);
+
+/// The most key rows a [`KeyCache`] keeps.
+pub const KEYS_KEPT: usize = 65_536;
+
+impl KeyCache {
+    /// The tenant owning `key`, if it is valid: from the kept row of its
+    /// id, else from `lookup` (the database), whose row is kept if found.
+    pub fn tenant<E>(
+        &self,
+        key: &str,
+        lookup: impl FnOnce(&str) -> Result<Option<(String, Vec<u8>)>, E>,
+    ) -> Result<Option<String>, E> {
+        let Some(id) = key_id(key) else {
+            return Ok(None);
+        };
+        let kept = self.rows().get(id).cloned();
+        let row = match kept {
+            Some(row) => row,
+            None => match lookup(id)? {
+                Some(row) => {
+                    let mut rows = self.rows();
+                    if rows.len() >= KEYS_KEPT {
+                        rows.clear();
+                    }
+                    rows.insert(id.to_owned(), row.clone());
+                    row
+                }
+                None => return Ok(None),
+            },
+        };
+        Ok(verify(key, &row.1).then_some(row.0))
+    }
+
+    fn rows(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, Vec<u8>)>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 /// Reads `<data-dir>/admin-token`, or generates it with mode 0600.
 pub fn load_or_create_admin_token(data_dir: &Path) -> std::io::Result<AdminToken> {
     let path = data_dir.join("admin-token");
@@ -106,6 +155,38 @@ mod tests {
         wrong.push('x');
         assert!(!verify(&wrong, &k.hash));
         assert_eq!(key_id("kiln_short_x"), None);
+    }
+
+    #[test]
+    fn a_known_key_is_checked_without_the_database_and_unknown_ids_always_ask_it() {
+        let cache = KeyCache::default();
+        let k = new_key();
+        let row = (String::from("acme"), k.hash.to_vec());
+        let asked = std::cell::Cell::new(0);
+        let lookup = |id: &str| {
+            asked.set(asked.get() + 1);
+            Ok::<_, ()>((id == k.id).then(|| row.clone()))
+        };
+        assert_eq!(cache.tenant(&k.key, lookup), Ok(Some("acme".into())));
+        assert_eq!(cache.tenant(&k.key, lookup), Ok(Some("acme".into())));
+        assert_eq!(asked.get(), 1, "the second check read the database");
+        // A wrong secret under a known id is refused from the kept row.
+        let mut wrong = k.key.clone();
+        wrong.pop();
+        wrong.push(if k.key.ends_with('0') { '1' } else { '0' });
+        assert_eq!(cache.tenant(&wrong, lookup), Ok(None));
+        assert_eq!(asked.get(), 1);
+        // An id not found is asked again each time: a key made meanwhile
+        // (on another node) must be found.
+        let other = new_key();
+        assert_eq!(cache.tenant(&other.key, lookup), Ok(None));
+        assert_eq!(cache.tenant(&other.key, lookup), Ok(None));
+        assert_eq!(asked.get(), 3);
+        // A database error is the caller's, and nothing is kept.
+        assert_eq!(cache.tenant(&other.key, |_| Err("down")), Err("down"));
+        // Malformed keys never reach the database.
+        assert_eq!(cache.tenant("kiln_short_x", lookup), Ok(None));
+        assert_eq!(asked.get(), 3);
     }
 
     #[test]

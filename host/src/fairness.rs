@@ -1,31 +1,31 @@
-//! Per-tenant caps on function instances in flight, so that one tenant's
-//! flood of slow requests cannot hold every slot of the shared instance
-//! pool while other tenants are refused.
+//! Per-tenant caps on work in flight (function instances, deploys), so
+//! that one tenant's flood of slow requests cannot hold every slot of a
+//! shared pool while other tenants are refused.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Instances in flight, counted per tenant.
+/// Work in flight, counted per tenant.
 #[derive(Debug, Default)]
-pub struct InstanceCaps {
+pub struct TenantCaps {
     inflight: Mutex<HashMap<String, Arc<AtomicU32>>>,
 }
 
-/// One instance slot of a tenant, released when dropped (with the response
-/// body, so a streaming guest holds its slot until it has finished).
+/// One slot of a tenant, released when dropped: an instance's slot goes
+/// with the instance, so a streaming guest holds it until it has finished.
 #[derive(Debug)]
-pub struct InstanceSlot(Arc<AtomicU32>);
+pub struct TenantSlot(Arc<AtomicU32>);
 
-impl Drop for InstanceSlot {
+impl Drop for TenantSlot {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-impl InstanceCaps {
+impl TenantCaps {
     /// A slot for `tenant` if it has fewer than `cap` instances in flight.
-    pub fn try_acquire(&self, tenant: &str, cap: u32) -> Option<InstanceSlot> {
+    pub fn try_acquire(&self, tenant: &str, cap: u32) -> Option<TenantSlot> {
         let counter = {
             let mut map = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
             map.entry(tenant.to_owned()).or_default().clone()
@@ -34,10 +34,10 @@ impl InstanceCaps {
             counter.fetch_sub(1, Ordering::AcqRel);
             return None;
         }
-        Some(InstanceSlot(counter))
+        Some(TenantSlot(counter))
     }
 
-    /// Instances `tenant` has in flight.
+    /// Slots `tenant` holds.
     pub fn in_flight(&self, tenant: &str) -> u32 {
         let map = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
         map.get(tenant).map_or(0, |c| c.load(Ordering::Acquire))
@@ -55,8 +55,8 @@ mod tests {
 
     #[test]
     fn a_tenant_at_its_cap_is_refused_while_others_are_not() {
-        let caps = InstanceCaps::default();
-        let held: Vec<InstanceSlot> = (0..3).map(|_| caps.try_acquire("a", 3).unwrap()).collect();
+        let caps = TenantCaps::default();
+        let held: Vec<TenantSlot> = (0..3).map(|_| caps.try_acquire("a", 3).unwrap()).collect();
         assert!(caps.try_acquire("a", 3).is_none());
         assert!(caps.try_acquire("b", 3).is_some(), "b has its own count");
         drop(held);

@@ -106,6 +106,37 @@ impl Postgres {
         as_postgres(&self.bin, "pg_ctl", &args)
     }
 
+    /// `psql` on this server running `sql`, not yet waited for.
+    pub fn psql(&self, sql: &str) -> std::process::Child {
+        Command::new(self.bin.join("psql"))
+            .args([
+                self.url.as_str(),
+                "-X",
+                "-q",
+                "-t",
+                "-A",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-c",
+                sql,
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("psql runs")
+    }
+
+    /// What `sql` prints through `psql` on this server, trimmed.
+    pub fn query(&self, sql: &str) -> String {
+        let out = self.psql(sql).wait_with_output().expect("psql ends");
+        assert!(
+            out.status.success(),
+            "psql: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
     /// Stops the server (dropping every connection) and starts it again
     /// on the same data and port.
     pub fn restart(&self) {

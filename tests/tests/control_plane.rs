@@ -306,3 +306,32 @@ async fn after_a_burst_of_deploys_over_three_nodes_every_node_serves_the_last_ve
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_key_check_waiting_on_postgres_leaves_the_async_worker_to_others() {
+    use std::time::{Duration, Instant};
+    let pg = tokio::task::spawn_blocking(Postgres::start).await.unwrap();
+    let url = pg.url.clone();
+    let s = TestServer::start_with(move |c| c.database = Some(url)).await;
+    s.tenant("acme").await;
+    // Another session holds the keys' table for two seconds, so Kiln's
+    // lookup of a key it has not seen waits on the database meanwhile.
+    let holder =
+        pg.psql("BEGIN; LOCK TABLE api_keys IN ACCESS EXCLUSIVE MODE; SELECT pg_sleep(2); COMMIT;");
+    let held = "SELECT count(*) FROM pg_locks WHERE relation = 'api_keys'::regclass \
+                AND mode = 'AccessExclusiveLock' AND granted";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pg.query(held) != "1" {
+        assert!(Instant::now() < deadline, "the table was never locked");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let app = s.app.clone();
+    let unseen = format!("kiln_{}_{}", "0".repeat(12), "0".repeat(48));
+    // On the runtime's one worker: the other task runs while the lookup
+    // waits only if the worker was handed on.
+    let (during, found) =
+        kiln_tests::turns_beside(async move { app.tenant_for_key(&unseen) }).await;
+    assert_eq!(found.unwrap(), None);
+    assert!(during > 0, "no other task ran while the lookup waited");
+    assert!(holder.wait_with_output().unwrap().status.success());
+}

@@ -8,6 +8,7 @@ use hyper::{Request, Response, StatusCode};
 
 use super::{ApiError, Body, BoxError, json, require_admin, tenant_of};
 use crate::app::App;
+use crate::aside::aside;
 use crate::db::FunctionRow;
 use crate::names::Name;
 use crate::serving::policy::{MAX_WEIGHT, TenantPolicy};
@@ -167,6 +168,8 @@ where
             "the API key does not belong to the tenant named in `kiln-tenant`",
         ));
     }
+    // Taken before the upload is read: it bounds the uploads held too.
+    let slot = app.deploy_slot(&tenant)?;
     let bytes = read_body(req, app.config.max_upload_bytes, Some("--max-upload")).await?;
     if bytes.is_empty() {
         return Err(ApiError::bad_request(
@@ -175,16 +178,20 @@ where
     }
     // Compiling a component takes a while: keep it off the I/O threads.
     let (app2, name2) = (app.clone(), name.clone());
-    let row = tokio::task::spawn_blocking(move || app2.deploy(&tenant, &name2, &bytes))
-        .await
-        .map_err(|e| ApiError::internal(format!("deploy task failed: {e}")))??;
+    // The slot goes with the work, which runs on if the client leaves.
+    let row = tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        app2.deploy(&tenant, &name2, &bytes)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("deploy task failed: {e}")))??;
     Ok(json(StatusCode::CREATED, function_json(app, &row)))
 }
 
 /// `GET /v1/functions` -> the caller's functions.
 pub(super) fn list_functions<B>(app: &App, req: &Request<B>) -> Result<Response<Body>, ApiError> {
     let tenant = tenant_of(app, req)?;
-    let rows = app.db.functions(Some(&tenant))?;
+    let rows = aside(|| app.db.functions(Some(&tenant)))?;
     let list: Vec<_> = rows.iter().map(|r| function_json(app, r)).collect();
     Ok(json(StatusCode::OK, serde_json::json!({"functions": list})))
 }
@@ -201,10 +208,7 @@ pub(super) fn get_function<B>(
 ) -> Result<Response<Body>, ApiError> {
     let tenant = tenant_of(app, req)?;
     let name = Name::function(name)?;
-    let row = app
-        .db
-        .function(&tenant, name.as_str())?
-        .ok_or_else(|| not_found(&name))?;
+    let row = aside(|| app.db.function(&tenant, name.as_str()))?.ok_or_else(|| not_found(&name))?;
     Ok(json(StatusCode::OK, function_json(app, &row)))
 }
 

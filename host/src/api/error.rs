@@ -177,6 +177,9 @@ impl From<AppError> for ApiError {
             AppError::InstancesExceeded { .. } => {
                 Self::too_many_requests(e.to_string()).with_code("tenant_instances_exceeded")
             }
+            AppError::DeploysExceeded { .. } => {
+                Self::too_many_requests(e.to_string()).with_code("tenant_deploys_exceeded")
+            }
             AppError::Component(e) => Self::from(e),
             AppError::Db(e) => Self::from(e),
             AppError::Internal(m) => Self::internal(m),
