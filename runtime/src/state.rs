@@ -7,6 +7,20 @@ use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpVi
 use crate::ai::{AiCtx, AiView};
 use crate::limits::StoreLimits;
 
+/// Resources one instance may hold at once (header maps, requests and
+/// responses, bodies, streams, model streams). Each may hold host memory
+/// that the linear-memory limit does not see, so their count, with the
+/// sizes below, bounds it: 1024 unsent bodies of two chunks each, or maps
+/// of headers, come to about 128 MiB, as much as linear memory.
+pub(crate) const MAX_RESOURCES: usize = 1024;
+
+/// Bytes of names and values one map of header fields may hold.
+pub(crate) const FIELD_BYTES: usize = 64 << 10;
+
+/// The most bytes one write to a body takes; a body not yet sent buffers
+/// two such writes.
+pub(crate) const BODY_CHUNK: usize = 64 << 10;
+
 /// Everything one instance can reach. Built fresh for every request.
 pub(crate) struct State {
     pub(crate) table: ResourceTable,
@@ -22,10 +36,14 @@ impl State {
         // No preopened directories, no environment, no arguments; sockets
         // and name lookups are denied by the builder's defaults.
         let wasi = WasiCtx::builder().build();
+        let mut table = ResourceTable::new();
+        table.set_max_capacity(MAX_RESOURCES);
+        let mut http = WasiHttpCtx::new();
+        http.set_field_size_limit(FIELD_BYTES);
         Self {
-            table: ResourceTable::new(),
+            table,
             wasi,
-            http: WasiHttpCtx::new(),
+            http,
             hooks: DenyOutbound,
             ai,
             limits,
@@ -77,5 +95,9 @@ impl WasiHttpHooks for DenyOutbound {
             > + Send,
     > {
         Box::new(async { Err(wasmtime_wasi_http::Error::HttpRequestDenied) })
+    }
+
+    fn p2_outgoing_body_chunk_size(&mut self) -> usize {
+        BODY_CHUNK
     }
 }

@@ -1,7 +1,11 @@
 //! Each request's limits, end to end: guest CPU time (and what is not
-//! billed as such), linear memory, wall time, traps and outbound HTTP.
+//! billed as such), linear memory, wall time, traps, outbound HTTP, and a
+//! tenant's deploys in flight.
 
-use kiln_tests::{TestServer, error_of};
+use std::time::{Duration, Instant};
+
+use kiln_tests::{TestServer, error_of, guest};
+use tokio::io::AsyncWriteExt;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn infinite_loop_is_stopped_by_cpu_limit_while_others_succeed() {
@@ -98,4 +102,81 @@ async fn a_guest_whose_host_calls_never_wait_is_stopped_at_its_wall_time() {
         (504, "wall_time_limit_exceeded"),
         "{msg}"
     );
+}
+
+/// A deploy of `name` whose upload never ends: its headers and the
+/// component's first bytes, on a connection the caller holds.
+async fn unfinished_deploy(s: &TestServer, key: &str, name: &str) -> tokio::net::TcpStream {
+    let addr = s.url.trim_start_matches("http://");
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "PUT /v1/functions/{name} HTTP/1.1\r\nHost: kiln\r\nAuthorization: Bearer {key}\r\n\
+         Content-Length: 1000000\r\n\r\n\0asm"
+    );
+    c.write_all(head.as_bytes()).await.unwrap();
+    c
+}
+
+/// Waits until tenant `a` of `s` has `n` deploys in flight.
+async fn deploys_reach(s: &TestServer, n: u32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.app.deploys_in_flight("a") != n {
+        assert!(
+            Instant::now() < deadline,
+            "tenant a never had {n} deploys in flight"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_has_two_deploys_in_flight_at_most_while_others_deploy() {
+    let s = TestServer::start().await;
+    let a = s.tenant("a").await;
+    let b = s.tenant("b").await;
+    let hello = || std::fs::read(guest("hello")).unwrap();
+    let held = [
+        unfinished_deploy(&s, &a, "one").await,
+        unfinished_deploy(&s, &a, "two").await,
+    ];
+    deploys_reach(&s, 2).await;
+    // Refused before its body is read, so the body need not be valid.
+    let third = s.put(&a, "three", b"\0asm".to_vec()).await;
+    let (status, _, msg) = error_of(third).await;
+    assert_eq!(status, 429);
+    assert!(msg.contains("2 deploys in flight"), "{msg}");
+    assert_eq!(s.put(&b, "three", hello()).await.status(), 201);
+    // A client that leaves mid-upload gives its slot back.
+    drop(held);
+    deploys_reach(&s, 0).await;
+    assert_eq!(s.put(&a, "three", hello()).await.status(), 201);
+}
+
+/// The process's peak resident memory, bytes.
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib << 10
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_cannot_hoard_host_memory_in_bodies_it_never_sends() {
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    let before = peak_rss();
+    let resp = s.call("acme", "bad", "/bodies").await;
+    let status = resp.status();
+    let text = resp.text().await.unwrap();
+    let grown = peak_rss().saturating_sub(before);
+    // Unbounded, its 2048 bodies would hold 2 MiB each (4 GiB); bounded,
+    // the resource table fills first, which traps the guest.
+    assert!(
+        grown < 1 << 30,
+        "peak memory grew {} MiB: {status} {text}",
+        grown >> 20
+    );
+    assert_ne!(status, 200, "{text}");
+    assert_eq!(s.call("acme", "bad", "/").await.status(), 200);
 }

@@ -8,7 +8,8 @@
 //! the error, `/stream` counts the chunks of a streaming chat with the model
 //! `slow` (and reports the error that ended it, if one did), `/tool` makes
 //! the default model call a tool (`kiln:ai@0.2.0`), with log-probabilities,
-//! and feeds the result back.
+//! and feeds the result back, `/bodies` fills response bodies it never
+//! sends (host memory, not its own).
 
 use kiln_guest::{Handler, Request, Response, ai};
 
@@ -74,6 +75,7 @@ impl Handler for Misbehave {
                 // Host calls answered at once: the guest never waits.
                 let _ = ai::Chat::new("no-such-model").user("hi").send();
             },
+            "/bodies" => Response::text(200, hoard_bodies()),
             "/ai" => match ai::Chat::new("no-such-model").user("hi").send() {
                 Ok(c) => Response::text(200, c.text),
                 Err(e) => Response::text(502, format!("{e:?}")),
@@ -139,4 +141,27 @@ fn fetch() -> String {
         Some(Ok(Err(code))) => format!("refused: {code:?}"),
         other => format!("unexpected: {other:?}"),
     }
+}
+
+/// Writes 1 MiB chunks into up to 2048 response bodies it keeps and never
+/// sends, so that only the host's buffers hold them; reports how far it got.
+fn hoard_bodies() -> String {
+    use kiln_guest::bindings::wasi::http::types;
+    let chunk = vec![7u8; 1 << 20];
+    let mut kept = Vec::new();
+    let mut written = 0usize;
+    while kept.len() < 2048 {
+        let resp = types::OutgoingResponse::new(types::Fields::new());
+        let Ok(body) = resp.body() else { break };
+        let Ok(out) = body.write() else { break };
+        while let Ok(n) = out.check_write() {
+            let n = (n as usize).min(chunk.len());
+            if n == 0 || out.write(&chunk[..n]).is_err() {
+                break;
+            }
+            written += n;
+        }
+        kept.push((resp, body, out));
+    }
+    format!("{written} bytes in {} bodies", kept.len())
 }
