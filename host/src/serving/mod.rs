@@ -208,7 +208,7 @@ impl ServedModels {
             Some(Format::JsonSchema(text) | Format::Grammar(text)) => text.len(),
             _ => 0,
         };
-        if policy::prompt_bytes(&call) + format >= ASIDE_PROMPT_BYTES {
+        if policy::templated_bytes(&call) + format >= ASIDE_PROMPT_BYTES {
             crate::aside::aside(|| self.submit(call, n))
         } else {
             self.submit(call, n)

@@ -115,7 +115,12 @@ impl Permit {
         q.reserved = q.reserved.saturating_sub(self.cost.total());
         q.window.push_back((Instant::now(), prompt + completion));
         drop(q);
+        // A call that used nothing adds no series: its model may be any
+        // name a caller made up, and each series lives as long as the server.
         for (kind, n) in [("prompt", prompt), ("completion", completion)] {
+            if n == 0 {
+                continue;
+            }
             self.metrics
                 .tokens
                 .get_or_create(&TokenLabels {
@@ -237,6 +242,14 @@ impl Gateway {
     }
 
     fn admit(&self, tenant: &str, model: &str, cost: Cost) -> Result<Permit, AiError> {
+        if model.len() > MAX_MODEL_NAME {
+            let e = AiError::InvalidInput(format!(
+                "the model's name is {} bytes; a model's name has at most {MAX_MODEL_NAME} \
+                 (GET /v1/models lists them)",
+                model.len()
+            ));
+            return Err(self.reject(tenant, "model_name", e));
+        }
         let state = self.state(tenant);
         let policy = state
             .policy
@@ -544,12 +557,15 @@ impl Inference for Gateway {
     }
 }
 
+/// The longest model name a call may give.
+pub const MAX_MODEL_NAME: usize = 256;
+
 #[path = "policy_cluster.rs"]
 mod cluster;
 #[path = "policy_cost.rs"]
 mod cost;
 use cost::Cost;
-pub(super) use cost::prompt_bytes;
+pub(super) use cost::templated_bytes;
 
 #[cfg(test)]
 #[path = "policy_tests.rs"]

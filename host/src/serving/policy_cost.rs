@@ -41,17 +41,18 @@ impl Cost {
     }
 }
 
-/// Bytes of text a call's prompt brings: its messages (tool calls'
-/// arguments included) or its text, and its tools' names, descriptions
-/// and schemas, which the chat template writes out.
+/// Bytes of text a call's prompt brings: its messages (tool calls' ids,
+/// names and arguments, and the id a tool message answers, included) or
+/// its text, and its tools' names, descriptions and schemas, which the
+/// chat template writes out.
 pub(in crate::serving) fn prompt_bytes(call: &ModelCall) -> usize {
     let bytes: usize = match &call.prompt {
         Prompt::Chat(messages) => (messages.iter())
             .map(|m| {
                 m.content.len()
-                    + m.tool_calls
-                        .iter()
-                        .map(|c| c.arguments.len())
+                    + m.tool_call_id.as_ref().map_or(0, String::len)
+                    + (m.tool_calls.iter())
+                        .map(|c| c.id.len() + c.name.len() + c.arguments.len())
                         .sum::<usize>()
             })
             .sum(),
@@ -65,4 +66,66 @@ pub(in crate::serving) fn prompt_bytes(call: &ModelCall) -> usize {
         })
         .sum();
     bytes + tools
+}
+
+/// Bytes of text templating a call writes, at least: [`prompt_bytes`] and
+/// the template's own text around each message and tool, which may be
+/// most of it (thousands of empty messages).
+pub(in crate::serving) fn templated_bytes(call: &ModelCall) -> usize {
+    const AROUND: usize = 32;
+    let pieces = match &call.prompt {
+        Prompt::Chat(messages) => {
+            messages.len() + messages.iter().map(|m| m.tool_calls.len()).sum::<usize>()
+        }
+        Prompt::Text(_) => 0,
+    };
+    prompt_bytes(call) + AROUND * (pieces + call.params.tools.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use kiln_runtime::{Message, Params, Role, ToolCall};
+
+    use super::*;
+
+    fn chat(messages: Vec<Message>) -> ModelCall {
+        ModelCall {
+            tenant: "a".into(),
+            model: "m".into(),
+            prompt: Prompt::Chat(messages),
+            params: Params::defaults(),
+        }
+    }
+
+    fn message(content: &str) -> Message {
+        Message {
+            role: Role::User,
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+
+    #[test]
+    fn tool_call_names_and_ids_count_as_prompt_text() {
+        let big = "n".repeat(100_000);
+        let mut m = message("");
+        m.role = Role::Assistant;
+        m.tool_calls.push(ToolCall {
+            id: big.clone(),
+            name: big.clone(),
+            arguments: "{}".into(),
+        });
+        let mut answer = message("ok");
+        answer.role = Role::Tool;
+        answer.tool_call_id = Some(big);
+        assert!(prompt_bytes(&chat(vec![m, answer])) >= 300_000);
+    }
+
+    #[test]
+    fn many_empty_messages_weigh_what_their_template_writes() {
+        let call = chat((0..10_000).map(|_| message("")).collect());
+        assert_eq!(prompt_bytes(&call), 0);
+        assert!(templated_bytes(&call) >= 320_000);
+    }
 }

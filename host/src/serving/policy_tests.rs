@@ -331,3 +331,26 @@ async fn samples_of_one_call_hold_a_slot_each_and_reserve_their_prompt_once() {
     let u = g.usage("a");
     assert_eq!((u.tokens_last_minute, u.tokens_reserved), (prompt, 0));
 }
+
+#[tokio::test]
+async fn calls_to_models_nobody_serves_leave_no_metric_series() {
+    let metrics = crate::metrics::Metrics::default();
+    let g = Gateway::new(
+        Arc::new(kiln_runtime::NoModels),
+        Duration::from_secs(5),
+        8,
+        metrics.engine.clone(),
+    );
+    for i in 0..20 {
+        let e = g.call(req("a", &format!("made-up-{i}"))).await.unwrap_err();
+        assert!(matches!(e, AiError::ModelNotFound(_)), "{e:?}");
+    }
+    let long = "m".repeat(MAX_MODEL_NAME + 1);
+    match g.call(req("a", &long)).await {
+        Err(AiError::InvalidInput(m)) => assert!(m.contains("at most 256"), "{m}"),
+        other => panic!("a model name past the limit must be refused: {other:?}"),
+    }
+    let text = metrics.encode();
+    assert!(!text.contains("made-up"), "{text}");
+    assert!(!text.contains(&long));
+}
