@@ -137,7 +137,8 @@ where
     let call = prepare(&app, req, request::chat, "chatcmpl").await?;
     if call.v.stream {
         let streams = app.ai.stream_samples(call.model_call(), call.v.n).await?;
-        return Ok(sse::respond(streams, sse::Shape::chat(&call)));
+        let until = tokio::time::Instant::now() + app.config.model_deadline;
+        return Ok(sse::respond(streams, sse::Shape::chat(&call), until));
     }
     let answers = answers(&app, &call).await?;
     let asked = call.v.params.logprobs.is_some();
@@ -206,7 +207,8 @@ where
     let call = prepare(&app, req, request::completion, "cmpl").await?;
     if call.v.stream {
         let streams = app.ai.stream_samples(call.model_call(), call.v.n).await?;
-        return Ok(sse::respond(streams, sse::Shape::completion(&call)));
+        let until = tokio::time::Instant::now() + app.config.model_deadline;
+        return Ok(sse::respond(streams, sse::Shape::completion(&call), until));
     }
     let answers = answers(&app, &call).await?;
     let asked = call.v.params.logprobs.is_some();

@@ -2,7 +2,8 @@
 //! text of a sample (its choice `index`), a last chunk per sample with its
 //! finish reason, a usage chunk if asked, then `data: [DONE]`. A client
 //! that goes away drops the body, which drops the samples' streams and
-//! cancels their sequences.
+//! cancels their sequences; so does one that stops reading until past the
+//! call's deadline.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -14,6 +15,7 @@ use hyper::{Response, StatusCode, header};
 use kiln_runtime::{AiError, StreamEvent, TokenStream, Usage};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
+use tokio::time::{Duration, Instant};
 
 use super::{Call, finish_reason, logprobs, tool_calls_json, usage_json};
 use crate::api::{ApiError, Body, BoxError};
@@ -142,14 +144,36 @@ async fn forward(index: usize, mut stream: Box<dyn TokenStream>, tx: mpsc::Sende
     }
 }
 
+/// How long past its call's deadline a stream may wait for its client to
+/// read: the samples stop at the deadline, and a reading client takes
+/// what is left within this.
+const READ_GRACE: Duration = Duration::from_secs(10);
+
+/// Sends `b` to the client, unless it has gone or has stopped reading
+/// until [`READ_GRACE`] past `until`. A stalled client's samples would
+/// otherwise wait unpolled, out of reach of their deadline, while the
+/// engine generates on and their output piles up.
+async fn send(tx: &mpsc::Sender<Bytes>, b: Bytes, until: Instant) -> bool {
+    matches!(
+        tokio::time::timeout_at(until + READ_GRACE, tx.send(b)).await,
+        Ok(Ok(()))
+    )
+}
+
 /// Pumps the samples' `streams` into SSE events, each chunk one sample's
-/// choice, until every sample ends, one fails or the client leaves.
-async fn pump(streams: Vec<Box<dyn TokenStream>>, shape: Shape, tx: mpsc::Sender<Bytes>) {
+/// choice, until every sample ends, one fails, the client leaves or it
+/// stops reading past `until`.
+async fn pump(
+    streams: Vec<Box<dyn TokenStream>>,
+    shape: Shape,
+    tx: mpsc::Sender<Bytes>,
+    until: Instant,
+) {
     let n = streams.len();
     if shape.chat {
         for i in 0..n {
             let first = shape.chunk(i, Some(""), true, (None, Value::Null));
-            if tx.send(event(&first)).await.is_err() {
+            if !send(&tx, event(&first), until).await {
                 return;
             }
         }
@@ -212,7 +236,7 @@ async fn pump(streams: Vec<Box<dyn TokenStream>>, shape: Shape, tx: mpsc::Sender
         };
         let last = out.last().is_some_and(|b| b.starts_with(b"data: [DONE]"));
         for b in out {
-            if tx.send(b).await.is_err() {
+            if !send(&tx, b, until).await {
                 return; // the client went away: the samples are cancelled
             }
         }
@@ -222,10 +246,15 @@ async fn pump(streams: Vec<Box<dyn TokenStream>>, shape: Shape, tx: mpsc::Sender
     }
 }
 
-/// A `text/event-stream` response fed by the samples' `streams`.
-pub(super) fn respond(streams: Vec<Box<dyn TokenStream>>, shape: Shape) -> Response<Body> {
+/// A `text/event-stream` response fed by the samples' `streams`, whose
+/// call ends at `until`.
+pub(super) fn respond(
+    streams: Vec<Box<dyn TokenStream>>,
+    shape: Shape,
+    until: Instant,
+) -> Response<Body> {
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(pump(streams, shape, tx));
+    tokio::spawn(pump(streams, shape, tx, until));
     let mut resp = Response::new(ChannelBody(rx).boxed_unsync());
     *resp.status_mut() = StatusCode::OK;
     let h = resp.headers_mut();
@@ -238,4 +267,62 @@ pub(super) fn respond(streams: Vec<Box<dyn TokenStream>>, shape: Shape) -> Respo
         header::HeaderValue::from_static("no-cache"),
     );
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use kiln_runtime::{BoxFuture, TextDelta};
+
+    use super::*;
+
+    /// Deltas without end; sets its flag when dropped (its call cancelled).
+    struct Endless(Arc<AtomicBool>);
+
+    impl TokenStream for Endless {
+        fn next(&mut self) -> BoxFuture<'_, Result<StreamEvent, AiError>> {
+            Box::pin(async {
+                Ok(StreamEvent::Delta(TextDelta {
+                    text: "x".into(),
+                    logprobs: Vec::new(),
+                }))
+            })
+        }
+    }
+
+    impl Drop for Endless {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_stops_reading_has_its_samples_cancelled_after_the_deadline() {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let shape = Shape {
+            id: "chatcmpl-1".into(),
+            created: 0,
+            model: "m".into(),
+            object: "chat.completion.chunk",
+            chat: true,
+            include_usage: false,
+            logprobs: false,
+        };
+        let until = Instant::now() + Duration::from_secs(120);
+        let stream = Box::new(Endless(dropped.clone())) as Box<dyn TokenStream>;
+        // The body is held and never read: the channels fill up.
+        let _body = respond(vec![stream], shape, until);
+        tokio::time::sleep(Duration::from_secs(119)).await;
+        assert!(
+            !dropped.load(Ordering::SeqCst),
+            "cancelled before its deadline"
+        );
+        tokio::time::sleep(READ_GRACE + Duration::from_secs(2)).await;
+        assert!(
+            dropped.load(Ordering::SeqCst),
+            "still generating for a stalled client"
+        );
+    }
 }
