@@ -42,6 +42,10 @@ impl TokenizerEnv for Vocabulary {
 /// Most compiled formats kept for reuse.
 const CACHED_FORMATS: usize = 64;
 
+/// Longest format text kept for reuse: a key holds the whole text, so
+/// without a bound the cache could pin 64 request bodies' worth of it.
+const CACHED_FORMAT_BYTES: usize = 64 << 10;
+
 /// Compiles output formats for one model's vocabulary, and keeps the
 /// recent ones: requests of one format (an API's schema) then start from a
 /// copy instead of a compile. Shared between threads: a server compiles a
@@ -106,6 +110,9 @@ impl Formats {
         }
         // Compiled outside the lock: other formats' lookups go on.
         let m = self.compile_matcher(format)?;
+        if key.len() > CACHED_FORMAT_BYTES {
+            return Ok(m);
+        }
         let mut compiled = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
         if compiled.len() >= CACHED_FORMATS {
             compiled.clear();
@@ -196,5 +203,16 @@ mod tests {
             panic!("an undefined rule compiled")
         };
         assert!(e.contains("grammar"), "{e}");
+    }
+
+    #[test]
+    fn formats_are_kept_for_reuse_unless_their_text_is_long() {
+        let formats = Formats::new(&Tokenizer::bytes(300), 300).unwrap();
+        let kept = || formats.compiled.lock().unwrap().len();
+        formats.matcher(&OutputFormat::JsonObject).unwrap();
+        assert_eq!(kept(), 1);
+        let long = format!("start: \"{}\"", "a".repeat(CACHED_FORMAT_BYTES));
+        formats.matcher(&OutputFormat::Grammar(long)).unwrap();
+        assert_eq!(kept(), 1, "a long format's text was kept");
     }
 }
