@@ -226,27 +226,20 @@ impl Scheduler {
         here + self.elsewhere.get(&tenant).copied().unwrap_or(0)
     }
 
-    /// The running sequence to preempt: the newest one of the tenant that
-    /// holds the most KV pages here for its weight, skipping the
-    /// `protected` (those already in this step, or waiting for their
-    /// decode turn). Pages, not sequences: one tenant's long sequence must
-    /// not grow by taking pages from another tenant's many short ones.
-    fn victim(&self, kv: &KvCacheManager, protected: impl Fn(&SeqId) -> bool) -> Option<SeqId> {
-        let mut pages: HashMap<TenantId, usize> = HashMap::new();
-        for r in &self.running {
-            let held = kv.table(*r).map_or(0, |t| t.pages.len());
-            *pages.entry(self.seqs[r].tenant).or_default() += held;
-        }
-        // (pages, weight, index): p / w compared as p * bw >= bp * w.
+    /// The running sequence to preempt: the newest one of the tenant with
+    /// the most running sequences for its weight, skipping the `protected`
+    /// (those already in this step, or waiting for their decode turn).
+    fn victim(&self, protected: impl Fn(&SeqId) -> bool) -> Option<SeqId> {
+        // (running, weight, index): n / w compared as n * bw >= bn * w.
         let mut best: Option<(usize, usize, usize)> = None;
         for (i, r) in self.running.iter().enumerate() {
             if protected(r) {
                 continue;
             }
             let tenant = self.seqs[r].tenant;
-            let (p, w) = (pages[&tenant], self.weight(tenant));
-            if best.is_none_or(|(bp, bw, _)| p * bw >= bp * w) {
-                best = Some((p, w, i));
+            let (n, w) = (self.running_of(tenant), self.weight(tenant));
+            if best.is_none_or(|(bn, bw, _)| n * bw >= bn * w) {
+                best = Some((n, w, i));
             }
         }
         best.map(|(_, _, i)| self.running[i])

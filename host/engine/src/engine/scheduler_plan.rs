@@ -119,17 +119,16 @@ impl Scheduler {
         }
     }
 
-    /// Plans `count` tokens of running sequence `id`, preempting the newest
-    /// sequences of the tenant holding the most pages for its weight if its
-    /// pages do not fit (`id` itself when that is its own tenant, or when
-    /// nothing else frees enough).
+    /// Plans `count` tokens of running sequence `id`, preempting the busiest
+    /// tenant's newest sequences if its pages do not fit (or `id` itself
+    /// when nothing else frees enough).
     fn run_chunk(&mut self, id: SeqId, count: usize, kv: &mut KvCacheManager, step: &mut Planning) {
         let s = self.seqs[&id].clone();
         let tokens = s.computed + count;
         // Preempt for pages that are missing, never for those kept free
         // for other lanes' streams (the chunk waits for those).
         while !kv.fits(id, tokens) {
-            match self.victim(kv, |id| !step.open(id)) {
+            match self.victim(|id| !step.open(id)) {
                 Some(v) if v != id => self.preempt(v, kv, &mut step.out),
                 _ => break,
             }

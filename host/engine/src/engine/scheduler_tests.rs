@@ -290,12 +290,12 @@ fn a_heavier_tenant_gets_its_weights_share_of_prompt_tokens_and_slots() {
 }
 
 #[test]
-fn preemption_takes_from_the_tenant_holding_the_most_pages_for_its_weight() {
+fn preemption_takes_from_the_tenant_furthest_over_its_weighted_share() {
     let mut kv = KvCacheManager::new(64, 16);
     let mut s = Scheduler::new(cfg(1000, 16));
     s.set_weight(TenantId(1), 4);
-    // Tenant 1 (weight 4) runs 4 sequences of a page, tenant 2 (weight 1)
-    // runs 2: per unit of weight, tenant 2 holds more.
+    // Tenant 1 (weight 4) runs 4 sequences, tenant 2 (weight 1) runs 2:
+    // per unit of weight, tenant 2 holds more.
     for id in 0..4 {
         s.add(id, TenantId(1), 16, Vec::new());
     }
@@ -304,35 +304,7 @@ fn preemption_takes_from_the_tenant_holding_the_most_pages_for_its_weight() {
     }
     s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(s.running(), 6);
-    let v = s.victim(&kv, |_| false).unwrap();
+    let v = s.victim(|_| false).unwrap();
     assert_eq!(s.seqs[&v].tenant, TenantId(2), "victim {v}");
     assert_eq!(v, 11, "the newest of that tenant");
-}
-
-#[test]
-fn one_long_sequence_cannot_take_the_pool_from_another_tenants_short_ones() {
-    let mut kv = KvCacheManager::new(64, 16);
-    let mut s = Scheduler::new(cfg(4096, 16));
-    // Tenant 2: eight sequences of four pages each, half the pool.
-    for id in 10..18 {
-        s.add(id, TenantId(2), 60, Vec::new());
-    }
-    // Tenant 1: one sequence of 30 pages that keeps growing.
-    s.add(1, TenantId(1), 16 * 30 - 4, Vec::new());
-    let mut preempted = Vec::new();
-    for _ in 0..200 {
-        let out = s.schedule(&mut kv, StepCaps::NONE);
-        preempted.extend(out.preempted.iter().copied());
-        if out.scheduled.iter().any(|x| x.seq == 1 && x.sample) {
-            s.append_token(1);
-        }
-    }
-    // At half the pool each, the newest sequence goes (one of tenant 2's);
-    // past its half, tenant 1 gives up its own sequence rather than take
-    // more of tenant 2's.
-    let others = preempted.iter().filter(|&&id| id != 1).count();
-    assert!(preempted.contains(&1), "preempted: {preempted:?}");
-    assert!(others <= 1, "preempted: {preempted:?}");
-    let running = s.running_by_tenant();
-    assert!(running.get(&TenantId(2)) >= Some(&7), "{running:?}");
 }
