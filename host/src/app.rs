@@ -6,13 +6,14 @@ use std::sync::{Arc, OnceLock, RwLock};
 
 use kiln_runtime::{Deployment, Inference, Runtime, RuntimeError};
 use sha2::{Digest, Sha256};
+use tokio::sync::OwnedSemaphorePermit;
 
 use crate::aside::aside;
 use crate::auth;
 use crate::components::ComponentStore;
 use crate::config::ServeConfig;
 use crate::db::{Change, Db, DbError, FunctionRow, Subscription};
-use crate::fairness::{TenantCaps, TenantSlot, default_cap};
+use crate::fairness::{TenantCaps, TenantQueues, TenantSlot, default_cap};
 use crate::metrics::Metrics;
 use crate::names::Name;
 use crate::serving::policy::{Gateway, TenantPolicy};
@@ -52,13 +53,14 @@ pub struct App {
     subscription: std::sync::Mutex<Option<Subscription>>,
     instances: TenantCaps,
     /// Deploys in flight, by tenant.
-    deploys: TenantCaps,
+    deploys: TenantQueues,
     keys: auth::KeyCache,
 }
 
-/// Deploys one tenant may have in flight at once: each holds its upload
-/// in memory and compiles on a thread of its own, so without a cap one
-/// tenant's burst would take the server's memory and cores.
+/// Deploys one tenant may have in flight at once on a node: each holds its
+/// upload in memory and compiles on a thread of its own, so without a cap
+/// one tenant's burst would take the server's memory and cores. The others
+/// wait their turn, up to `deploy_wait`, before reading their uploads.
 pub const DEPLOYS_PER_TENANT: u32 = 2;
 
 /// How far back the status page's plots go.
@@ -83,8 +85,12 @@ pub enum AppError {
         /// Its cap on instances in flight.
         cap: u32,
     },
-    /// The tenant already has its most deploys in flight.
-    #[error("tenant `{tenant}` already has {cap} deploys in flight; retry when one finishes")]
+    /// The tenant already had its most deploys in flight for as long as a
+    /// deploy waits.
+    #[error(
+        "tenant `{tenant}` had {cap} deploys in flight for as long as another may wait; \
+         retry when one finishes"
+    )]
     DeploysExceeded {
         /// The tenant.
         tenant: String,
@@ -178,7 +184,7 @@ impl App {
             routes: RwLock::new(routes),
             subscription: std::sync::Mutex::new(db_subscription),
             instances: TenantCaps::default(),
-            deploys: TenantCaps::default(),
+            deploys: TenantQueues::new(DEPLOYS_PER_TENANT),
             keys: auth::KeyCache::default(),
         })
     }
@@ -254,14 +260,16 @@ impl App {
             })
     }
 
-    /// One of `tenant`'s deploy slots, or [`AppError::DeploysExceeded`]
-    /// when it has [`DEPLOYS_PER_TENANT`] in flight already.
-    pub fn deploy_slot(&self, tenant: &str) -> Result<TenantSlot, AppError> {
+    /// One of `tenant`'s deploy slots, once one is free, or
+    /// [`AppError::DeploysExceeded`] when none frees within the config's
+    /// `deploy_wait`.
+    pub async fn deploy_slot(&self, tenant: &str) -> Result<OwnedSemaphorePermit, AppError> {
         self.deploys
-            .try_acquire(tenant, DEPLOYS_PER_TENANT)
+            .acquire(tenant, self.config.deploy_wait)
+            .await
             .ok_or_else(|| AppError::DeploysExceeded {
                 tenant: tenant.to_owned(),
-                cap: DEPLOYS_PER_TENANT,
+                cap: self.deploys.cap(),
             })
     }
 

@@ -18,6 +18,9 @@ pub struct ServeConfig {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// Largest component upload accepted, in bytes.
     pub max_upload_bytes: usize,
+    /// How long a deploy waits for one of its tenant's deploy slots before
+    /// it is refused.
+    pub deploy_wait: Duration,
     /// Limits of every request's instance.
     pub limits: Limits,
     /// How long shutdown waits for requests in flight.
@@ -89,6 +92,7 @@ impl ServeConfig {
             data_dir: data_dir.into(),
             tls: None,
             max_upload_bytes: 32 << 20,
+            deploy_wait: Duration::from_secs(30),
             limits: Limits::default(),
             drain_timeout: Duration::from_secs(10),
             model_deadline: Duration::from_secs(120),

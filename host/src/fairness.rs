@@ -5,6 +5,9 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Work in flight, counted per tenant.
 #[derive(Debug, Default)]
@@ -44,6 +47,51 @@ impl TenantCaps {
     }
 }
 
+/// Per-tenant slots a caller waits for (deploys), a fixed number each.
+#[derive(Debug)]
+pub struct TenantQueues {
+    cap: u32,
+    slots: Mutex<HashMap<String, Arc<Semaphore>>>,
+}
+
+impl TenantQueues {
+    /// `cap` slots for each tenant.
+    pub fn new(cap: u32) -> Self {
+        Self {
+            cap,
+            slots: Mutex::default(),
+        }
+    }
+
+    /// The slots each tenant has.
+    pub fn cap(&self) -> u32 {
+        self.cap
+    }
+
+    fn of(&self, tenant: &str) -> Arc<Semaphore> {
+        let mut map = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let cap = self.cap as usize;
+        map.entry(tenant.to_owned())
+            .or_insert_with(|| Arc::new(Semaphore::new(cap)))
+            .clone()
+    }
+
+    /// One of `tenant`'s slots, released when dropped; `None` if none
+    /// frees within `wait`. Waiters are served in their order.
+    pub async fn acquire(&self, tenant: &str, wait: Duration) -> Option<OwnedSemaphorePermit> {
+        let slots = self.of(tenant);
+        tokio::time::timeout(wait, slots.acquire_owned())
+            .await
+            .ok()?
+            .ok()
+    }
+
+    /// Slots `tenant` holds.
+    pub fn in_flight(&self, tenant: &str) -> u32 {
+        self.cap - self.of(tenant).available_permits() as u32
+    }
+}
+
 /// The default cap of one tenant: `share` of the pool's `slots`, at least 1.
 pub fn default_cap(slots: u32, share: f64) -> u32 {
     ((f64::from(slots) * share.clamp(0.0, 1.0)).floor() as u32).max(1)
@@ -62,6 +110,27 @@ mod tests {
         drop(held);
         assert_eq!(caps.in_flight("a"), 0);
         assert!(caps.try_acquire("a", 3).is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tenant_past_its_slots_waits_its_turn_then_is_refused() {
+        let q = TenantQueues::new(2);
+        let wait = Duration::from_secs(30);
+        let held = [q.acquire("a", wait).await, q.acquire("a", wait).await];
+        assert!(held.iter().all(Option::is_some));
+        assert_eq!(q.in_flight("a"), 2);
+        assert!(q.acquire("b", wait).await.is_some(), "b has its own slots");
+        // A third waits; a slot freed meanwhile is its.
+        let waiter = q.acquire("a", wait);
+        let [first, _second] = held;
+        let free = async {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            drop(first);
+        };
+        let (got, ()) = tokio::join!(waiter, free);
+        assert!(got.is_some(), "the freed slot went to the waiter");
+        // With none freed within the wait, it is refused.
+        assert!(q.acquire("a", wait).await.is_none());
     }
 
     #[test]

@@ -169,7 +169,7 @@ where
         ));
     }
     // Taken before the upload is read: it bounds the uploads held too.
-    let slot = app.deploy_slot(&tenant)?;
+    let slot = app.deploy_slot(&tenant).await?;
     let bytes = read_body(req, app.config.max_upload_bytes, Some("--max-upload")).await?;
     if bytes.is_empty() {
         return Err(ApiError::bad_request(
