@@ -6,6 +6,8 @@
 //! call's deadline.
 
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -111,8 +113,13 @@ fn event(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-/// A body fed from a channel.
-struct ChannelBody(mpsc::Receiver<Bytes>);
+/// A body fed from a channel; it ends in an error, not cleanly, when its
+/// pump gave up on a client that stopped reading (`cut`), so the client
+/// cannot take what it got for the whole answer.
+struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+    cut: Arc<AtomicBool>,
+}
 
 impl http_body::Body for ChannelBody {
     type Data = Bytes;
@@ -122,7 +129,12 @@ impl http_body::Body for ChannelBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(None) if self.cut.load(Ordering::Acquire) => Poll::Ready(Some(Err(
+                "the client stopped reading past the call's deadline".into(),
+            ))),
+            other => other.map(|b| b.map(|b| Ok(Frame::data(b)))),
+        }
     }
 }
 
@@ -149,31 +161,40 @@ async fn forward(index: usize, mut stream: Box<dyn TokenStream>, tx: mpsc::Sende
 /// what is left within this.
 const READ_GRACE: Duration = Duration::from_secs(10);
 
-/// Sends `b` to the client, unless it has gone or has stopped reading
-/// until [`READ_GRACE`] past `until`. A stalled client's samples would
-/// otherwise wait unpolled, out of reach of their deadline, while the
-/// engine generates on and their output piles up.
-async fn send(tx: &mpsc::Sender<Bytes>, b: Bytes, until: Instant) -> bool {
-    matches!(
-        tokio::time::timeout_at(until + READ_GRACE, tx.send(b)).await,
-        Ok(Ok(()))
-    )
+/// Where a stream's events go: the body's channel, until `until` (the
+/// call's deadline) and [`READ_GRACE`].
+struct Sink {
+    tx: mpsc::Sender<Bytes>,
+    until: Instant,
+    cut: Arc<AtomicBool>,
+}
+
+impl Sink {
+    /// Sends `b` to the client, unless it has gone or has stopped reading
+    /// until [`READ_GRACE`] past the deadline (then the body ends in an
+    /// error). A stalled client's samples would otherwise wait unpolled,
+    /// out of reach of their deadline, while the engine generates on and
+    /// their output piles up.
+    async fn send(&self, b: Bytes) -> bool {
+        match tokio::time::timeout_at(self.until + READ_GRACE, self.tx.send(b)).await {
+            Ok(sent) => sent.is_ok(),
+            Err(_) => {
+                self.cut.store(true, Ordering::Release);
+                false
+            }
+        }
+    }
 }
 
 /// Pumps the samples' `streams` into SSE events, each chunk one sample's
 /// choice, until every sample ends, one fails, the client leaves or it
 /// stops reading past `until`.
-async fn pump(
-    streams: Vec<Box<dyn TokenStream>>,
-    shape: Shape,
-    tx: mpsc::Sender<Bytes>,
-    until: Instant,
-) {
+async fn pump(streams: Vec<Box<dyn TokenStream>>, shape: Shape, tx: Sink) {
     let n = streams.len();
     if shape.chat {
         for i in 0..n {
             let first = shape.chunk(i, Some(""), true, (None, Value::Null));
-            if !send(&tx, event(&first), until).await {
+            if !tx.send(event(&first)).await {
                 return;
             }
         }
@@ -194,7 +215,7 @@ async fn pump(
                 Some(e) => e,
                 None => return,
             },
-            _ = tx.closed() => return,
+            _ = tx.tx.closed() => return,
         };
         let out = match ev {
             Ok(StreamEvent::Delta(d)) => {
@@ -236,7 +257,7 @@ async fn pump(
         };
         let last = out.last().is_some_and(|b| b.starts_with(b"data: [DONE]"));
         for b in out {
-            if !send(&tx, b, until).await {
+            if !tx.send(b).await {
                 return; // the client went away: the samples are cancelled
             }
         }
@@ -254,8 +275,14 @@ pub(super) fn respond(
     until: Instant,
 ) -> Response<Body> {
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(pump(streams, shape, tx, until));
-    let mut resp = Response::new(ChannelBody(rx).boxed_unsync());
+    let cut = Arc::new(AtomicBool::new(false));
+    let sink = Sink {
+        tx,
+        until,
+        cut: cut.clone(),
+    };
+    tokio::spawn(pump(streams, shape, sink));
+    let mut resp = Response::new(ChannelBody { rx, cut }.boxed_unsync());
     *resp.status_mut() = StatusCode::OK;
     let h = resp.headers_mut();
     h.insert(
@@ -271,9 +298,6 @@ pub(super) fn respond(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, Ordering};
-
     use kiln_runtime::{BoxFuture, TextDelta};
 
     use super::*;
@@ -313,7 +337,7 @@ mod tests {
         let until = Instant::now() + Duration::from_secs(120);
         let stream = Box::new(Endless(dropped.clone())) as Box<dyn TokenStream>;
         // The body is held and never read: the channels fill up.
-        let _body = respond(vec![stream], shape, until);
+        let resp = respond(vec![stream], shape, until);
         tokio::time::sleep(Duration::from_secs(119)).await;
         assert!(
             !dropped.load(Ordering::SeqCst),
@@ -324,5 +348,8 @@ mod tests {
             dropped.load(Ordering::SeqCst),
             "still generating for a stalled client"
         );
+        // What was sent arrives, then an error: not a clean end.
+        let read = resp.into_body().collect().await;
+        assert!(read.is_err(), "a cut stream ended as if whole");
     }
 }
