@@ -13,7 +13,7 @@ use crate::auth;
 use crate::components::ComponentStore;
 use crate::config::ServeConfig;
 use crate::db::{Change, Db, DbError, FunctionRow, Subscription};
-use crate::fairness::{TenantCaps, TenantQueues, TenantSlot, default_cap};
+use crate::fairness::{InstanceCaps, InstanceSlot, TenantQueues, default_cap};
 use crate::metrics::Metrics;
 use crate::names::Name;
 use crate::serving::policy::{Gateway, TenantPolicy};
@@ -51,7 +51,7 @@ pub struct App {
     routes: RwLock<HashMap<(String, String), Arc<Route>>>,
     /// Other nodes' changes, until the server starts following them.
     subscription: std::sync::Mutex<Option<Subscription>>,
-    instances: TenantCaps,
+    instances: InstanceCaps,
     /// Deploys in flight, by tenant.
     deploys: TenantQueues,
     keys: auth::KeyCache,
@@ -183,7 +183,7 @@ impl App {
             components,
             routes: RwLock::new(routes),
             subscription: std::sync::Mutex::new(db_subscription),
-            instances: TenantCaps::default(),
+            instances: InstanceCaps::default(),
             deploys: TenantQueues::new(DEPLOYS_PER_TENANT),
             keys: auth::KeyCache::default(),
         })
@@ -245,7 +245,7 @@ impl App {
     /// One of `tenant`'s function instance slots, or
     /// [`AppError::InstancesExceeded`] when it holds its share of the pool
     /// already.
-    pub fn instance_slot(&self, tenant: &str) -> Result<TenantSlot, AppError> {
+    pub fn instance_slot(&self, tenant: &str) -> Result<InstanceSlot, AppError> {
         let cap = self.ai.policy(tenant).max_instances.unwrap_or_else(|| {
             default_cap(
                 self.config.limits.max_instances,

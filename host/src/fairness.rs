@@ -1,6 +1,7 @@
-//! Per-tenant caps on work in flight (function instances, deploys), so
-//! that one tenant's flood of slow requests cannot hold every slot of a
-//! shared pool while other tenants are refused.
+//! Per-tenant caps on function instances in flight, so that one tenant's
+//! flood of slow requests cannot hold every slot of the shared instance
+//! pool while other tenants are refused; and per-tenant queues for
+//! deploys.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -9,26 +10,26 @@ use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// Work in flight, counted per tenant.
+/// Instances in flight, counted per tenant.
 #[derive(Debug, Default)]
-pub struct TenantCaps {
+pub struct InstanceCaps {
     inflight: Mutex<HashMap<String, Arc<AtomicU32>>>,
 }
 
-/// One slot of a tenant, released when dropped: an instance's slot goes
-/// with the instance, so a streaming guest holds it until it has finished.
+/// One instance slot of a tenant, released when dropped (with the
+/// instance, so a streaming guest holds its slot until it has finished).
 #[derive(Debug)]
-pub struct TenantSlot(Arc<AtomicU32>);
+pub struct InstanceSlot(Arc<AtomicU32>);
 
-impl Drop for TenantSlot {
+impl Drop for InstanceSlot {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-impl TenantCaps {
+impl InstanceCaps {
     /// A slot for `tenant` if it has fewer than `cap` instances in flight.
-    pub fn try_acquire(&self, tenant: &str, cap: u32) -> Option<TenantSlot> {
+    pub fn try_acquire(&self, tenant: &str, cap: u32) -> Option<InstanceSlot> {
         let counter = {
             let mut map = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
             map.entry(tenant.to_owned()).or_default().clone()
@@ -37,10 +38,10 @@ impl TenantCaps {
             counter.fetch_sub(1, Ordering::AcqRel);
             return None;
         }
-        Some(TenantSlot(counter))
+        Some(InstanceSlot(counter))
     }
 
-    /// Slots `tenant` holds.
+    /// Instances `tenant` has in flight.
     pub fn in_flight(&self, tenant: &str) -> u32 {
         let map = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
         map.get(tenant).map_or(0, |c| c.load(Ordering::Acquire))
@@ -103,8 +104,8 @@ mod tests {
 
     #[test]
     fn a_tenant_at_its_cap_is_refused_while_others_are_not() {
-        let caps = TenantCaps::default();
-        let held: Vec<TenantSlot> = (0..3).map(|_| caps.try_acquire("a", 3).unwrap()).collect();
+        let caps = InstanceCaps::default();
+        let held: Vec<InstanceSlot> = (0..3).map(|_| caps.try_acquire("a", 3).unwrap()).collect();
         assert!(caps.try_acquire("a", 3).is_none());
         assert!(caps.try_acquire("b", 3).is_some(), "b has its own count");
         drop(held);

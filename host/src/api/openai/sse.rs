@@ -189,12 +189,12 @@ impl Sink {
 /// Pumps the samples' `streams` into SSE events, each chunk one sample's
 /// choice, until every sample ends, one fails, the client leaves or it
 /// stops reading past `until`.
-async fn pump(streams: Vec<Box<dyn TokenStream>>, shape: Shape, tx: Sink) {
+async fn pump(streams: Vec<Box<dyn TokenStream>>, shape: Shape, sink: Sink) {
     let n = streams.len();
     if shape.chat {
         for i in 0..n {
             let first = shape.chunk(i, Some(""), true, (None, Value::Null));
-            if !tx.send(event(&first)).await {
+            if !sink.send(event(&first)).await {
                 return;
             }
         }
@@ -215,7 +215,7 @@ async fn pump(streams: Vec<Box<dyn TokenStream>>, shape: Shape, tx: Sink) {
                 Some(e) => e,
                 None => return,
             },
-            _ = tx.tx.closed() => return,
+            _ = sink.tx.closed() => return,
         };
         let out = match ev {
             Ok(StreamEvent::Delta(d)) => {
@@ -257,7 +257,7 @@ async fn pump(streams: Vec<Box<dyn TokenStream>>, shape: Shape, tx: Sink) {
         };
         let last = out.last().is_some_and(|b| b.starts_with(b"data: [DONE]"));
         for b in out {
-            if !tx.send(b).await {
+            if !sink.send(b).await {
                 return; // the client went away: the samples are cancelled
             }
         }
