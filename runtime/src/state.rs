@@ -1,7 +1,12 @@
 //! The data of one request's store: WASI, WASI-HTTP, `kiln:ai` and limits.
 
-use wasmtime::component::ResourceTable;
+use std::str::FromStr;
+
+use http::uri::Authority;
+use wasmtime::StoreContextMut;
+use wasmtime::component::{Linker, Resource, ResourceTable, WasmStr};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+use wasmtime_wasi_http::p2::types::HostOutgoingRequest;
 use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
 use crate::ai::{AiCtx, AiView};
@@ -20,6 +25,43 @@ pub(crate) const FIELD_BYTES: usize = 64 << 10;
 /// The most bytes one write to a body takes; a body not yet sent buffers
 /// two such writes.
 pub(crate) const BODY_CHUNK: usize = 64 << 10;
+
+/// The longest authority (host and port) a guest may set on an outgoing
+/// request. WASI-HTTP checks an authority's syntax but not its length, and
+/// keeps it in host memory, which the linear-memory limit does not see.
+pub(crate) const AUTHORITY_BYTES: usize = 4 << 10;
+
+/// The WASI-HTTP interface whose `set-authority` [`bound_authority`]
+/// replaces (the version wasmtime-wasi-http defines).
+const HTTP_TYPES: &str = "wasi:http/types@0.2.12";
+
+/// Replaces WASI-HTTP's `outgoing-request.set-authority` in `linker` with
+/// one that refuses an authority over [`AUTHORITY_BYTES`] (the guest sees
+/// the WIT's error, as for a malformed one) before copying it out of the
+/// guest's memory.
+pub(crate) fn bound_authority(linker: &mut Linker<State>) -> wasmtime::Result<()> {
+    linker.allow_shadowing(true);
+    let defined = linker.instance(HTTP_TYPES)?.func_wrap(
+        "[method]outgoing-request.set-authority",
+        |mut store: StoreContextMut<'_, State>,
+         (req, authority): (Resource<HostOutgoingRequest>, Option<WasmStr>)| {
+            let authority = match authority {
+                None => None,
+                Some(a) => {
+                    let a = a.to_str(&store)?;
+                    if a.len() > AUTHORITY_BYTES || Authority::from_str(&a).is_err() {
+                        return Ok((Err(()),));
+                    }
+                    Some(a.into_owned())
+                }
+            };
+            store.data_mut().table.get_mut(&req)?.authority = authority;
+            Ok((Ok(()),))
+        },
+    );
+    linker.allow_shadowing(false);
+    defined
+}
 
 /// Everything one instance can reach. Built fresh for every request.
 pub(crate) struct State {

@@ -193,3 +193,18 @@ async fn a_guest_cannot_hoard_host_memory_in_bodies_it_never_sends() {
     assert_ne!(status, 200, "{text}");
     assert_eq!(s.call("acme", "bad", "/").await.status(), 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_cannot_park_a_megabyte_authority_in_host_memory() {
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    let resp = s.call("acme", "bad", "/authority").await;
+    assert_eq!(resp.status(), 200);
+    // The long one is refused as a malformed one would be; the request
+    // keeps the short one.
+    assert_eq!(
+        resp.text().await.unwrap(),
+        "short true, long false, kept 15"
+    );
+}

@@ -9,7 +9,8 @@
 //! `slow` (and reports the error that ended it, if one did), `/tool` makes
 //! the default model call a tool (`kiln:ai@0.2.0`), with log-probabilities,
 //! and feeds the result back, `/bodies` fills response bodies it never
-//! sends (host memory, not its own).
+//! sends (host memory, not its own), `/authority` sets a short and a 1 MiB
+//! authority on an outgoing request and reports which the host took.
 
 use kiln_guest::{Handler, Request, Response, ai};
 
@@ -76,6 +77,7 @@ impl Handler for Misbehave {
                 let _ = ai::Chat::new("no-such-model").user("hi").send();
             },
             "/bodies" => Response::text(200, hoard_bodies()),
+            "/authority" => Response::text(200, authorities()),
             "/ai" => match ai::Chat::new("no-such-model").user("hi").send() {
                 Ok(c) => Response::text(200, c.text),
                 Err(e) => Response::text(502, format!("{e:?}")),
@@ -164,4 +166,15 @@ fn hoard_bodies() -> String {
         kept.push((resp, body, out));
     }
     format!("{written} bytes in {} bodies", kept.len())
+}
+
+/// Sets a plain authority, then one of 1 MiB, on a request it never sends;
+/// reports whether each was taken and the length the request kept.
+fn authorities() -> String {
+    use kiln_guest::bindings::wasi::http::types;
+    let req = types::OutgoingRequest::new(types::Fields::new());
+    let short = req.set_authority(Some("example.com:443")).is_ok();
+    let long = req.set_authority(Some(&"a".repeat(1 << 20))).is_ok();
+    let kept = req.authority().map_or(0, |a| a.len());
+    format!("short {short}, long {long}, kept {kept}")
 }
