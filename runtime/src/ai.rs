@@ -133,6 +133,25 @@ pub async fn complete_stream(stream: &mut dyn TokenStream) -> Result<Completion,
     }
 }
 
+/// Runs every sample of a call to its end, side by side: each sample's
+/// tokens count as they arrive, so a call dropped part-way pays for all of
+/// them (dropping this future drops every stream). In the samples' order.
+pub async fn complete_samples(
+    streams: Vec<Box<dyn TokenStream>>,
+) -> Result<Vec<Completion>, AiError> {
+    let n = streams.len();
+    let mut reads = tokio::task::JoinSet::new();
+    for (i, mut s) in streams.into_iter().enumerate() {
+        reads.spawn(async move { (i, complete_stream(s.as_mut()).await) });
+    }
+    let mut out: Vec<Option<Completion>> = (0..n).map(|_| None).collect();
+    while let Some(read) = reads.join_next().await {
+        let (i, c) = read.map_err(|e| AiError::RuntimeError(format!("reading a sample: {e}")))?;
+        out[i] = Some(c?);
+    }
+    Ok(out.into_iter().flatten().collect())
+}
+
 /// How loaded one served model is, for a gateway choosing among servers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelLoad {

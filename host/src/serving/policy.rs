@@ -266,6 +266,12 @@ impl Gateway {
             ));
             return Err(self.reject(tenant, "model_not_allowed", e));
         }
+        // A call never generates past its model's context, so it reserves
+        // no more than that whatever max-tokens it gives.
+        let mut cost = cost;
+        if let Some(m) = (self.inner.list_models(tenant).iter()).find(|m| m.id == model) {
+            cost.completion = cost.completion.min(u64::from(m.context_length));
+        }
         let cap = policy.max_concurrent.unwrap_or(self.default_concurrency);
         let (_, remote_inflight) = *state.remote.lock().unwrap_or_else(|p| p.into_inner());
         if state.inflight.fetch_add(1, Ordering::AcqRel) + remote_inflight >= cap {
@@ -378,25 +384,6 @@ impl Gateway {
         ))
     }
 
-    /// Runs `call` under the deadline and settles `permit` with what it
-    /// used.
-    async fn finish(
-        &self,
-        mut permit: Permit,
-        call: BoxFuture<'_, Result<Completion, AiError>>,
-    ) -> Result<Completion, AiError> {
-        let Ok(out) = tokio::time::timeout(self.deadline, call).await else {
-            // It ran until the deadline: it may have used all it reserved.
-            permit.settle(permit.cost.prompt, permit.cost.completion);
-            return Err(self.deadline_error());
-        };
-        match &out {
-            Ok(c) => permit.settle_usage(&c.usage),
-            Err(e) => permit.settle_error(e),
-        }
-        out
-    }
-
     /// Starts `call` under the deadline; the stream holds `permit` and
     /// settles it when it ends.
     async fn guard(
@@ -473,9 +460,12 @@ impl Drop for Guarded {
 
 impl Inference for Gateway {
     fn call(&self, call: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
+        // As a stream read to its end, so that a call dropped part-way (its
+        // client gone, its guest stopped) or cut at its deadline pays for
+        // the tokens it generated, as a stream does.
         Box::pin(async move {
-            let permit = self.admit(&call.tenant, &call.model, Cost::of_call(&call))?;
-            self.finish(permit, self.inner.call(call)).await
+            let mut s = self.stream(call).await?;
+            kiln_runtime::complete_stream(s.as_mut()).await
         })
     }
 

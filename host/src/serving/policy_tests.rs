@@ -2,48 +2,64 @@ use super::*;
 use kiln_runtime::{FinishReason, Message, Params, Prompt, Role};
 
 /// Answers every call with `tokens` completion tokens (after `gate`
-/// opens, when there is one); streams deltas of one token without end.
+/// opens, when there is one): a stream of that many one-token deltas,
+/// then its end.
 struct Fixed {
     tokens: u32,
     gate: Option<Arc<tokio::sync::Semaphore>>,
 }
 
-struct Endless;
-
-impl TokenStream for Endless {
-    fn next(&mut self) -> BoxFuture<'_, Result<StreamEvent, AiError>> {
-        Box::pin(async { Ok(StreamEvent::Delta("x".into())) })
-    }
+/// `Fixed`'s stream.
+struct Counted {
+    tokens: u32,
+    sent: u32,
+    gate: Option<Arc<tokio::sync::Semaphore>>,
 }
 
-impl Inference for Fixed {
-    fn call(&self, _: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
-        let n = self.tokens;
+impl TokenStream for Counted {
+    fn next(&mut self) -> BoxFuture<'_, Result<StreamEvent, AiError>> {
         Box::pin(async move {
             if let Some(gate) = &self.gate {
                 let _ = gate.acquire().await;
             }
-            Ok(Completion {
-                text: "ok".into(),
-                finish_reason: FinishReason::Stop,
-                usage: Usage {
-                    prompt_tokens: 0,
-                    completion_tokens: n,
-                    cached_prompt_tokens: 0,
-                },
-                tool_calls: Vec::new(),
-                logprobs: Vec::new(),
-            })
+            if self.sent == self.tokens {
+                return Ok(StreamEvent::Done(kiln_runtime::StreamEnd {
+                    finish_reason: FinishReason::Stop,
+                    usage: Usage {
+                        prompt_tokens: 0,
+                        completion_tokens: self.tokens,
+                        cached_prompt_tokens: 0,
+                    },
+                    tool_calls: Vec::new(),
+                }));
+            }
+            self.sent += 1;
+            Ok(StreamEvent::Delta("x".into()))
+        })
+    }
+}
+
+impl Inference for Fixed {
+    fn call(&self, call: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
+        // As the engine's: its stream read to the end.
+        Box::pin(async move {
+            let mut s = self.stream(call).await?;
+            kiln_runtime::complete_stream(s.as_mut()).await
         })
     }
     fn stream(&self, _: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
-        Box::pin(async { Ok(Box::new(Endless) as Box<dyn TokenStream>) })
+        let s = Counted {
+            tokens: self.tokens,
+            sent: 0,
+            gate: self.gate.clone(),
+        };
+        Box::pin(async { Ok(Box::new(s) as Box<dyn TokenStream>) })
     }
     fn list_models(&self, _: &str) -> Vec<ModelInfo> {
-        ["a", "b"]
-            .map(|id| ModelInfo {
+        [("a", 4096), ("b", 4)]
+            .map(|(id, context_length)| ModelInfo {
                 id: id.into(),
-                context_length: 1,
+                context_length,
             })
             .to_vec()
     }
@@ -195,7 +211,7 @@ async fn a_call_larger_than_the_whole_quota_is_refused_naming_max_tokens() {
 
 #[tokio::test]
 async fn a_stream_dropped_early_pays_its_prompt_and_the_tokens_it_received() {
-    let g = gateway(1, 8);
+    let g = gateway(50, 8);
     let mut r = with_max_tokens(req("a", "a"), 100);
     r.prompt = Prompt::Chat(vec![Message::text(Role::User, "x".repeat(30))]);
     let prompt = Cost::of_call(&r).prompt;
@@ -251,25 +267,102 @@ async fn a_stream_refused_before_its_first_token_is_free() {
     assert_eq!(u.calls_in_flight, 0);
 }
 
-#[tokio::test]
-async fn a_call_past_its_deadline_pays_all_it_reserved() {
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+/// Streams `deltas` one-token deltas, counting them in `sent`, then waits
+/// forever.
+struct Stalls {
+    deltas: u32,
+    sent: Arc<std::sync::atomic::AtomicU32>,
+}
+
+struct Stalled {
+    left: u32,
+    sent: Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl TokenStream for Stalled {
+    fn next(&mut self) -> BoxFuture<'_, Result<StreamEvent, AiError>> {
+        Box::pin(async move {
+            if self.left == 0 {
+                std::future::pending::<()>().await;
+            }
+            self.left -= 1;
+            self.sent.fetch_add(1, Ordering::AcqRel);
+            Ok(StreamEvent::Delta("x".into()))
+        })
+    }
+}
+
+impl Inference for Stalls {
+    fn call(&self, call: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
+        // As the engine's: its stream read to the end.
+        Box::pin(async move {
+            let mut s = self.stream(call).await?;
+            kiln_runtime::complete_stream(s.as_mut()).await
+        })
+    }
+    fn stream(&self, _: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
+        let s = Stalled {
+            left: self.deltas,
+            sent: self.sent.clone(),
+        };
+        Box::pin(async { Ok(Box::new(s) as Box<dyn TokenStream>) })
+    }
+    fn list_models(&self, _: &str) -> Vec<ModelInfo> {
+        Vec::new()
+    }
+}
+
+/// A gateway over [`Stalls`] of three deltas, its counter, and a call of
+/// a 30-character prompt with its prompt's cost.
+fn stalling(
+    deadline: Duration,
+) -> (
+    Arc<Gateway>,
+    Arc<std::sync::atomic::AtomicU32>,
+    ModelCall,
+    u64,
+) {
+    let sent = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let g = Gateway::new(
-        Arc::new(Fixed {
-            tokens: 1,
-            gate: Some(gate),
+        Arc::new(Stalls {
+            deltas: 3,
+            sent: sent.clone(),
         }),
-        Duration::from_millis(20),
+        deadline,
         8,
         EngineMetrics::default(),
     );
-    let e = g
-        .call(with_max_tokens(req("a", "a"), 40))
-        .await
-        .unwrap_err();
+    let mut r = with_max_tokens(req("a", "a"), 40);
+    r.prompt = Prompt::Chat(vec![Message::text(Role::User, "x".repeat(30))]);
+    let prompt = Cost::of_call(&r).prompt;
+    (Arc::new(g), sent, r, prompt)
+}
+
+#[tokio::test]
+async fn a_call_past_its_deadline_pays_its_prompt_and_the_tokens_it_generated() {
+    let (g, _, r, prompt) = stalling(Duration::from_millis(20));
+    let e = g.call(r).await.unwrap_err();
     assert!(matches!(e, AiError::Aborted(_)), "{e:?}");
     let u = g.usage("a");
-    assert_eq!((u.tokens_last_minute, u.tokens_reserved), (40, 0));
+    assert_eq!((u.tokens_last_minute, u.tokens_reserved), (prompt + 3, 0));
+}
+
+#[tokio::test]
+async fn a_call_dropped_part_way_pays_its_prompt_and_the_tokens_it_generated() {
+    let (g, sent, r, prompt) = stalling(Duration::from_secs(30));
+    let call = tokio::spawn({
+        let g = g.clone();
+        async move { g.call(r).await }
+    });
+    while sent.load(Ordering::Acquire) < 3 {
+        tokio::task::yield_now().await;
+    }
+    // Its client leaves: the handler's future is dropped.
+    call.abort();
+    let _ = call.await;
+    let u = g.usage("a");
+    assert_eq!((u.tokens_last_minute, u.tokens_reserved), (prompt + 3, 0));
+    assert_eq!(u.calls_in_flight, 0);
 }
 
 /// Records the share weights it is given; serves nothing.
@@ -353,4 +446,43 @@ async fn calls_to_models_nobody_serves_leave_no_metric_series() {
     let text = metrics.encode();
     assert!(!text.contains("made-up"), "{text}");
     assert!(!text.contains(&long));
+}
+
+#[tokio::test]
+async fn samples_of_a_call_dropped_part_way_pay_for_every_samples_tokens() {
+    let (g, sent, r, prompt) = stalling(Duration::from_secs(30));
+    let call = tokio::spawn({
+        let g = g.clone();
+        async move {
+            let streams = g.stream_samples(r, 2).await?;
+            kiln_runtime::complete_samples(streams).await
+        }
+    });
+    // Both samples' three tokens are read before either sample ends.
+    let both = tokio::time::timeout(Duration::from_secs(5), async {
+        while sent.load(Ordering::Acquire) < 6 {
+            tokio::task::yield_now().await;
+        }
+    });
+    assert!(
+        both.await.is_ok(),
+        "read {} tokens",
+        sent.load(Ordering::Acquire)
+    );
+    call.abort();
+    let _ = call.await;
+    let u = g.usage("a");
+    assert_eq!((u.tokens_last_minute, u.tokens_reserved), (prompt + 6, 0));
+    assert_eq!(u.calls_in_flight, 0);
+}
+
+#[tokio::test]
+async fn a_call_reserves_no_more_than_its_models_context_whatever_its_max_tokens() {
+    // Fixed's model `b` has a context of four tokens.
+    let g = gateway(1, 8);
+    quota(&g, "a", 100);
+    let r = with_max_tokens(req("a", "b"), u32::MAX);
+    let c = g.call(r).await.unwrap();
+    assert_eq!(c.usage.completion_tokens, 1);
+    assert_eq!(g.usage("a").tokens_last_minute, 1);
 }

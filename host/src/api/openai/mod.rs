@@ -174,12 +174,7 @@ async fn answers(app: &App, call: &Call) -> Result<Vec<Completion>, ApiError> {
         return Ok(vec![app.ai.call(call.model_call()).await?]);
     }
     let streams = app.ai.stream_samples(call.model_call(), call.v.n).await?;
-    let mut out = Vec::with_capacity(streams.len());
-    for s in streams {
-        let mut s = s;
-        out.push(kiln_runtime::complete_stream(s.as_mut()).await?);
-    }
-    Ok(out)
+    Ok(kiln_runtime::complete_samples(streams).await?)
 }
 
 /// The usage of a call's samples: the prompt once (the samples share it),
