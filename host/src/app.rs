@@ -54,8 +54,15 @@ pub struct App {
     instances: InstanceCaps,
     /// Deploys in flight, by tenant.
     deploys: TenantQueues,
+    /// Model calls' bodies arriving, per tenant.
+    bodies: TenantQueues,
     keys: auth::KeyCache,
 }
+
+/// How long a model call waits for one of its tenant's body slots: short,
+/// so that the calls past a tenant's stalled bodies give their connections
+/// back soon.
+const BODY_SLOT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Deploys one tenant may have in flight at once on a node: each holds its
 /// upload in memory and compiles on a thread of its own, so without a cap
@@ -97,6 +104,17 @@ pub enum AppError {
         /// Its cap on deploys in flight.
         cap: u32,
     },
+    /// The tenant has as many model calls' bodies arriving as it may.
+    #[error(
+        "tenant `{tenant}` already has {cap} model calls' request bodies arriving, its cap; send \
+         a body whole once its head is sent, or retry when one has arrived"
+    )]
+    BodiesExceeded {
+        /// The tenant.
+        tenant: String,
+        /// Its cap on bodies arriving at once.
+        cap: u32,
+    },
     /// The component was refused, or could not be compiled.
     #[error(transparent)]
     Component(#[from] RuntimeError),
@@ -125,6 +143,7 @@ impl App {
         metrics: Metrics,
     ) -> anyhow::Result<Self> {
         let components = ComponentStore::open(config.data_dir.join("components"))?;
+        let tenant_bodies = config.net.tenant_bodies;
         let db = match &config.database {
             Some(url) => Db::connect(url)?,
             None => Db::open(&config.data_dir.join("kiln.db"))?,
@@ -185,6 +204,7 @@ impl App {
             subscription: std::sync::Mutex::new(db_subscription),
             instances: InstanceCaps::default(),
             deploys: TenantQueues::new(DEPLOYS_PER_TENANT),
+            bodies: TenantQueues::new(tenant_bodies),
             keys: auth::KeyCache::default(),
         })
     }
@@ -270,6 +290,19 @@ impl App {
             .ok_or_else(|| AppError::DeploysExceeded {
                 tenant: tenant.to_owned(),
                 cap: self.deploys.cap(),
+            })
+    }
+
+    /// One of `tenant`'s slots for a model call's body arriving (the config's
+    /// `net.tenant_bodies`), held while the body is read, or
+    /// [`AppError::BodiesExceeded`] when none frees within two seconds.
+    pub async fn body_slot(&self, tenant: &str) -> Result<OwnedSemaphorePermit, AppError> {
+        self.bodies
+            .acquire(tenant, BODY_SLOT_WAIT)
+            .await
+            .ok_or_else(|| AppError::BodiesExceeded {
+                tenant: tenant.to_owned(),
+                cap: self.bodies.cap(),
             })
     }
 

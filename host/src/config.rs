@@ -67,6 +67,12 @@ pub struct NetLimits {
     pub max_connections: usize,
     /// Largest request body a function is given; past it, 413.
     pub max_body_bytes: u64,
+    /// Time a body the server reads whole (model calls, the control plane,
+    /// deploys) has to arrive once its head has; past it, 408.
+    pub body_read_timeout: Duration,
+    /// Model calls' bodies one tenant may have arriving at once; past them
+    /// a call waits briefly for one to land, then gets 429.
+    pub tenant_bodies: u32,
 }
 
 impl Default for NetLimits {
@@ -77,6 +83,8 @@ impl Default for NetLimits {
             keep_alive: Duration::from_secs(60),
             max_connections: 10_000,
             max_body_bytes: 16 << 20,
+            body_read_timeout: Duration::from_secs(60),
+            tenant_bodies: 64,
         }
     }
 }
@@ -129,6 +137,10 @@ pub struct LimitArgs {
     /// Largest request body a function is given (`16MiB`); past it, 413.
     #[arg(long = "max-body", alias = "max-body-bytes", default_value = "16MiB", value_parser = parse_size_u64)]
     pub max_body_bytes: u64,
+    /// Seconds a body the server reads whole (a model call's, a deploy's
+    /// upload) has to arrive once its head has; past it, 408.
+    #[arg(long, default_value_t = 60)]
+    pub body_read_timeout_s: u64,
     /// The share of --max-instances one tenant may hold at once, unless its
     /// policy sets `max_instances`; past it, that tenant gets 429.
     #[arg(long, default_value_t = 0.25)]
@@ -147,6 +159,8 @@ impl LimitArgs {
             keep_alive: Duration::from_secs(self.keep_alive_s),
             max_connections: self.max_connections,
             max_body_bytes: self.max_body_bytes,
+            body_read_timeout: Duration::from_secs(self.body_read_timeout_s),
+            ..NetLimits::default()
         };
         config.tenant_instance_share = self.tenant_instance_share;
         config.metrics_token = self.metrics_token.clone().filter(|t| !t.is_empty());

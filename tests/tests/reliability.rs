@@ -220,6 +220,59 @@ async fn slow_clients_time_out_and_connections_past_the_cap_get_503() {
     assert!(s.metric(&["kiln_connections_refused_total"]).await >= 1.0);
 }
 
+/// Opens a connection that sends a model call's head and the first bytes
+/// of its 1000-byte body with `key`, then stalls.
+async fn stalled_call(addr: &str, key: &str) -> tokio::net::TcpStream {
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: kiln\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{\"model\": "
+    );
+    c.write_all(head.as_bytes()).await.unwrap();
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_request_bodies_time_out_and_hold_only_their_tenants_slots() {
+    let s = TestServer::start_with(|c| {
+        c.net.body_read_timeout = Duration::from_secs(6);
+        c.net.tenant_bodies = 2;
+    })
+    .await;
+    let (a, b) = (s.tenant("a").await, s.tenant("b").await);
+    let addr = s.url.trim_start_matches("http://").to_owned();
+    let mut stalled = vec![stalled_call(&addr, &a).await, stalled_call(&addr, &a).await];
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let call = |key: &str| {
+        s.http
+            .post(format!("{}/v1/chat/completions", s.url))
+            .bearer_auth(key)
+            .json(&json!({"model": "none", "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+    };
+    // Another tenant's call is read at once (no model: 404).
+    let other = call(&b).await.unwrap();
+    assert_eq!(other.status(), 404);
+    // a's third call waits for a slot, then is refused, naming the cap.
+    let third = call(&a).await.unwrap();
+    assert_eq!(third.status(), 429);
+    let v: serde_json::Value = third.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "tenant_bodies_exceeded", "{v}");
+    // The stalled bodies are cut at their deadline.
+    for c in &mut stalled {
+        let answer = tokio::time::timeout(Duration::from_secs(15), read_to_close(c))
+            .await
+            .expect("a stalled body is answered");
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains("--body-read-timeout-s"), "{answer}");
+    }
+    assert_eq!(
+        call(&a).await.unwrap().status(),
+        404,
+        "a's slots are free again"
+    );
+}
+
 /// A server of 8 instance slots, half of them a tenant's at most, and a
 /// wall time of 3 s.
 async fn small_pool() -> TestServer {

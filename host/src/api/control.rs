@@ -1,6 +1,7 @@
 //! Control-plane handlers: tenants and functions.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
@@ -14,7 +15,9 @@ use crate::names::Name;
 use crate::serving::policy::{MAX_WEIGHT, TenantPolicy};
 
 /// Reads a whole body, refusing more than `limit` bytes with a 413 that
-/// names `flag`, the option that sets the limit if one does.
+/// names `flag`, the option that sets the limit if one does, and a body
+/// that takes longer than `within` with a 408, so a client that stalls
+/// part-way holds neither its buffer nor its connection for long.
 ///
 /// An oversized body is still read and discarded up to twice the limit, so
 /// that a client still writing it gets the 413 rather than a broken pipe;
@@ -23,7 +26,18 @@ pub(super) async fn read_body<B>(
     req: Request<B>,
     limit: usize,
     flag: Option<&str>,
+    within: Duration,
 ) -> Result<Bytes, ApiError>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    tokio::time::timeout(within, read_all(req, limit, flag))
+        .await
+        .unwrap_or_else(|_| Err(ApiError::body_timeout(within)))
+}
+
+async fn read_all<B>(req: Request<B>, limit: usize, flag: Option<&str>) -> Result<Bytes, ApiError>
 where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -77,7 +91,7 @@ where
     B::Error: Into<BoxError>,
 {
     require_admin(app, &req)?;
-    let body = read_body(req, 64 << 10, None).await?;
+    let body = read_body(req, 64 << 10, None, app.config.net.body_read_timeout).await?;
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct NewTenant {
@@ -106,7 +120,7 @@ where
 {
     require_admin(app, &req)?;
     let tenant = Name::tenant(tenant)?;
-    let body = read_body(req, 64 << 10, None).await?;
+    let body = read_body(req, 64 << 10, None, app.config.net.body_read_timeout).await?;
     let policy: TenantPolicy = serde_json::from_slice(&body).map_err(|e| {
         ApiError::bad_request(format!(
             "expected a JSON policy {{\"allowed_models\": [..], \"tokens_per_minute\": N, \
@@ -170,7 +184,13 @@ where
     }
     // Taken before the upload is read: it bounds the uploads held too.
     let slot = app.deploy_slot(&tenant).await?;
-    let bytes = read_body(req, app.config.max_upload_bytes, Some("--max-upload")).await?;
+    let bytes = read_body(
+        req,
+        app.config.max_upload_bytes,
+        Some("--max-upload"),
+        app.config.net.body_read_timeout,
+    )
+    .await?;
     if bytes.is_empty() {
         return Err(ApiError::bad_request(
             "empty upload: send the component's bytes as the request body",

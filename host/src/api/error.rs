@@ -95,6 +95,19 @@ impl ApiError {
         )
     }
 
+    /// 408: the request's body did not arrive within `within`.
+    pub fn body_timeout(within: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            format!(
+                "the request body did not arrive within {} s of its head (see \
+                 --body-read-timeout-s)",
+                within.as_secs_f64()
+            ),
+        )
+    }
+
     /// 429: the caller is over one of its limits for now.
     pub fn too_many_requests(message: impl Into<String>) -> Self {
         Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
@@ -179,6 +192,9 @@ impl From<AppError> for ApiError {
             }
             AppError::DeploysExceeded { .. } => {
                 Self::too_many_requests(e.to_string()).with_code("tenant_deploys_exceeded")
+            }
+            AppError::BodiesExceeded { .. } => {
+                Self::too_many_requests(e.to_string()).with_code("tenant_bodies_exceeded")
             }
             AppError::Component(e) => Self::from(e),
             AppError::Db(e) => Self::from(e),

@@ -79,7 +79,10 @@ where
 {
     let tenant = tenant_of(app, &req)?;
     let affinity = SessionAffinity::from_headers(req.headers());
-    let body = read_body(req, MAX_BODY, None).await?;
+    let body = {
+        let _arriving = app.body_slot(&tenant).await?;
+        read_body(req, MAX_BODY, None, app.config.net.body_read_timeout).await?
+    };
     let mut v = validate(&body)?;
     v.params.session = affinity.session(v.params.session.take());
     let mut id = [0u8; 12];
