@@ -8,7 +8,7 @@ use kiln_host::metrics::Metrics;
 use kiln_host::serving::ServedModels;
 use kiln_host::serving::devices::Placement;
 use kiln_kernels::Device;
-use kiln_runtime::Inference;
+use kiln_runtime::{Inference, OutputFormat, StreamEvent, TokenStream};
 use kiln_tests::{PROMPTS, default_model};
 
 #[path = "shared/pools.rs"]
@@ -93,4 +93,61 @@ async fn a_full_decode_pool_takes_handed_on_requests_as_its_slots_free() {
     assert_eq!(pool_count(&metrics.engine.transfers, 1), 4);
     let snapshot = served.snapshot(kiln_host::model::DEFAULT_MODEL).unwrap();
     assert_eq!(snapshot.requests, 0, "every pool's count is back to 0");
+}
+
+/// Reads `s` up to its first text.
+async fn first_text(s: &mut Box<dyn TokenStream>) {
+    while !matches!(s.next().await, Ok(StreamEvent::Delta(_))) {}
+}
+
+/// Polls `done` every 20 ms for up to `secs` seconds.
+async fn within(secs: u64, done: impl Fn() -> bool) -> bool {
+    for _ in 0..secs * 50 {
+        if done() {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    done()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handed_on_request_whose_caller_left_is_dropped_while_it_waits_for_a_slot() {
+    let config = EngineConfig {
+        kv_memory: 64 << 20,
+        scheduler: kiln_host::engine::SchedulerConfig {
+            max_running: 1,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let metrics = Metrics::default();
+    let served = with_prefill(config, 1, &metrics);
+    let requests = || {
+        served
+            .snapshot(kiln_host::model::DEFAULT_MODEL)
+            .unwrap()
+            .requests
+    };
+    // a holds the decode pool's one slot for hundreds of tokens.
+    let mut long = chat(PROMPTS[0], 4000);
+    let schema = r#"{"type": "array", "minItems": 60,
+        "items": {"type": "string", "minLength": 24}}"#;
+    long.params.format = Some(OutputFormat::JsonSchema(schema.into()));
+    let mut a = served.stream(long).await.unwrap();
+    first_text(&mut a).await;
+    // b is handed on, and waits for that slot; then its caller leaves.
+    let mut b = served.stream(chat(PROMPTS[1], 50)).await.unwrap();
+    first_text(&mut b).await;
+    let handed = || pool_count(&metrics.engine.transfers, 1) == 2;
+    assert!(within(10, handed).await, "b was handed on");
+    assert!(within(5, || requests() == 2).await, "a runs, b waits");
+    drop(b);
+    assert!(
+        within(5, || requests() == 1).await,
+        "b is forgotten while a runs: {} requests",
+        requests()
+    );
+    drop(a);
+    assert!(within(5, || requests() == 0).await);
 }

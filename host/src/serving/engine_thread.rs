@@ -344,6 +344,7 @@ impl PoolThread {
             engine.cancel(seq);
             self.leave(seq);
         }
+        self.drop_abandoned();
         self.adopt_pending(engine);
         if engine.has_work() {
             // Left set by a failure, for `restart` to read.

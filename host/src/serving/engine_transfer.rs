@@ -74,6 +74,16 @@ impl PoolThread {
         }
     }
 
+    /// In a decode pool: forgets the sequences handed on whose callers left
+    /// while they waited for a slot (and the KV they carry), so that they
+    /// hold no memory, count in no load and are never run.
+    pub(super) fn drop_abandoned(&mut self) {
+        let before = self.pending.len();
+        self.pending.retain(|a| !a.out.is_closed());
+        self.load
+            .fetch_sub(before - self.pending.len(), Ordering::Relaxed);
+    }
+
     /// In a decode pool: runs the sequences the prefill pool handed on
     /// while a running slot and their pages are free (as admission would
     /// ask of a new request), the next always of the tenant running the
