@@ -102,3 +102,22 @@ fn the_next_sequence_adopted_is_of_the_tenant_running_fewest_there() {
     assert_eq!(decode.next_to_adopt(&[(b, 1), (a, 3)]), Some(1));
     assert_eq!(decode.next_to_adopt(&[(b, 1), (a, 1)]), Some(0));
 }
+
+#[test]
+fn a_sequence_whose_pages_fail_their_tags_stays_home_and_is_aborted() {
+    let mut prefill = engine(KvFormat::Fp8, false);
+    let a = (prefill.add(TenantId(1), chat_ids(&prefill, PROMPTS[0]), greedy_to(10))).unwrap();
+    let b = (prefill.add(TenantId(2), chat_ids(&prefill, PROMPTS[1]), greedy_to(10))).unwrap();
+    let (first, _) = tokens_of(&mut prefill, a, 1);
+    assert_eq!(first.len(), 1);
+    // a's first page now maps b's: its KV is another tenant's.
+    assert!(prefill.inject_page_fault(a, b));
+    let e = prefill.export(a).unwrap_err();
+    assert!(e.contains("tag check"), "{e}");
+    let (_, end) = tokens_of(&mut prefill, a, usize::MAX);
+    assert!(
+        matches!(end, Some(Finish::Aborted(_))),
+        "the next step stops it: {end:?}"
+    );
+    assert_eq!(prefill.stats().integrity_aborts, 1);
+}

@@ -98,7 +98,11 @@ impl Engine {
         let table: Vec<u32> = (self.kv.table(seq))
             .map(|t| t.pages.iter().take(pages).copied().collect())
             .unwrap_or_default();
-        let read = if table.len() == pages {
+        // The pages go out as the tenant's own KV: a mapping that fails its
+        // tags (the next step aborts the sequence) must not be read.
+        let read = if !self.kv.check(&[seq], self.checker.as_ref())[0] {
+            Err(format!("sequence {seq}'s pages fail their tag check"))
+        } else if table.len() == pages {
             self.runner.read_pages(&table)
         } else {
             Err(format!(
