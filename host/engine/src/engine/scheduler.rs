@@ -228,7 +228,7 @@ impl Scheduler {
 
     /// The running sequence to preempt: the newest one of the tenant with
     /// the most running sequences for its weight, skipping the `protected`
-    /// (those already in this step, or waiting for their decode turn).
+    /// (those already in this step).
     fn victim(&self, protected: impl Fn(&SeqId) -> bool) -> Option<SeqId> {
         // (running, weight, index): n / w compared as n * bw >= bn * w.
         let mut best: Option<(usize, usize, usize)> = None;

@@ -121,21 +121,29 @@ impl Scheduler {
 
     /// Plans `count` tokens of running sequence `id`, preempting the busiest
     /// tenant's newest sequences if its pages do not fit (or `id` itself
-    /// when nothing else frees enough).
+    /// when nothing else frees enough), unless pages are kept for another
+    /// lane's streams: then it waits.
     fn run_chunk(&mut self, id: SeqId, count: usize, kv: &mut KvCacheManager, step: &mut Planning) {
         let s = self.seqs[&id].clone();
         let tokens = s.computed + count;
-        // Preempt for pages that are missing, never for those kept free
-        // for other lanes' streams (the chunk waits for those).
-        while !kv.fits(id, tokens) {
-            match self.victim(|id| !step.open(id)) {
-                Some(v) if v != id => self.preempt(v, kv, &mut step.out),
-                _ => break,
+        // Preempt for pages that are missing. While another lane's streams
+        // are due pages (`reserve`), a chunk that lacks them waits for
+        // theirs to free instead: the kept pages are not its to take, and
+        // preempting for the rest could discard other prompts' work for a
+        // chunk that still does not fit.
+        if self.reserve == 0 {
+            while !kv.fits(id, tokens) {
+                // Streams waiting for their decode turn may go: fairness,
+                // not the turn, says whose pages are taken.
+                match self.victim(|id| step.planned.contains(id)) {
+                    Some(v) if v != id => self.preempt(v, kv, &mut step.out),
+                    _ => break,
+                }
             }
-        }
-        if !kv.fits(id, tokens) {
-            self.preempt(id, kv, &mut step.out);
-            return;
+            if !kv.fits(id, tokens) {
+                self.preempt(id, kv, &mut step.out);
+                return;
+            }
         }
         if !kv.allocate_leaving(id, s.tenant, tokens, self.reserve) {
             return;

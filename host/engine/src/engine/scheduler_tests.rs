@@ -308,3 +308,54 @@ fn preemption_takes_from_the_tenant_furthest_over_its_weighted_share() {
     assert_eq!(s.seqs[&v].tenant, TenantId(2), "victim {v}");
     assert_eq!(v, 11, "the newest of that tenant");
 }
+
+#[test]
+fn a_stream_waiting_its_decode_turn_is_preempted_before_another_tenants_within_its_share() {
+    let mut kv = KvCacheManager::new(4, 16);
+    let mut s = Scheduler::new(cfg(256, 64));
+    for id in 0..3 {
+        s.add(id, TenantId(1), 8, Vec::new());
+    }
+    s.add(3, TenantId(2), 16, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    assert_eq!(kv.num_free(), 0);
+    for id in 0..4 {
+        s.append_token(id);
+    }
+    // Two decode turns: tenant 1's oldest and tenant 2's stream, which
+    // needs a second page; tenant 1's other two wait their turn.
+    let caps = StepCaps {
+        decodes: 2,
+        prompt: usize::MAX,
+    };
+    let out = s.schedule(&mut kv, caps);
+    assert_eq!(out.preempted, vec![2], "tenant 1's newest, over its share");
+    let ran: Vec<_> = out.scheduled.iter().map(|x| x.seq).collect();
+    assert!(ran.contains(&3), "{ran:?}");
+}
+
+#[test]
+fn a_chunk_short_of_pages_kept_for_another_lanes_streams_waits_and_preempts_nobody() {
+    let mut kv = KvCacheManager::new(3, 16);
+    let mut s = Scheduler::new(cfg(32, 8));
+    s.add(1, TenantId(1), 64, Vec::new());
+    s.add(2, TenantId(2), 64, Vec::new());
+    let first = s.schedule(&mut kv, StepCaps::NONE);
+    assert_eq!(first.scheduled.len(), 2);
+    // Another lane's stream takes the last page and is due one more.
+    assert!(kv.allocate(99, TenantId(3), 16));
+    s.set_reserve(1);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    assert_eq!(out.preempted, Vec::<SeqId>::new());
+    assert!(out.scheduled.is_empty());
+    // The stream's page frees: the older prompt goes on where it was.
+    kv.free(99);
+    s.set_reserve(0);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    let starts: Vec<_> = out.scheduled.iter().map(|x| (x.seq, x.start)).collect();
+    assert_eq!(
+        starts[0],
+        (1, 16),
+        "the older prompt kept its work: {starts:?}"
+    );
+}
