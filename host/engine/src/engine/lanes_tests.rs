@@ -152,3 +152,34 @@ fn a_chunk_waits_for_pages_kept_for_the_other_lane_rather_than_preempt() {
     assert_eq!(seqs(&out.scheduled), vec![(1, 16, 8)]);
     assert_eq!(kv.num_free(), 1);
 }
+
+#[test]
+fn a_stream_handed_to_the_decode_lane_takes_its_turn_after_the_streams_waiting_there() {
+    let mut kv = KvCacheManager::new(16, 16);
+    let mut l = Lanes::new(cfg(64, 8), true);
+    l.add(1, TenantId(1), 8, Vec::new());
+    l.add(3, TenantId(2), 8, Vec::new());
+    step(&mut l, &mut kv);
+    // The decode lane steps alone for a while (its clock runs ahead of
+    // the prefill lane's).
+    for _ in 0..5 {
+        let out = l.schedule(Lane::Decode, &mut kv, StepCaps::NONE);
+        for s in out.scheduled.iter().filter(|s| s.sample) {
+            l.append_token(s.seq);
+        }
+    }
+    l.add(2, TenantId(1), 8, Vec::new());
+    let out = l.schedule(Lane::Prefill, &mut kv, StepCaps::NONE);
+    assert_eq!(seqs(&out.scheduled), vec![(2, 0, 8)]);
+    l.append_token(2);
+    l.hand_off();
+    // Two turns: one of tenant 1's two streams, and tenant 2's. Stream 1
+    // and the newcomer both just decoded; the older goes first.
+    let caps = StepCaps {
+        decodes: 2,
+        prompt: 0,
+    };
+    let out = l.schedule(Lane::Decode, &mut kv, caps);
+    let ran: Vec<SeqId> = out.scheduled.iter().map(|s| s.seq).collect();
+    assert_eq!(ran, vec![1, 3]);
+}

@@ -32,13 +32,6 @@ impl Handoff {
     pub fn set_tenant(&mut self, tenant: TenantId) {
         self.seq.tenant = tenant;
     }
-
-    /// For another engine, whose steps count from their own start: the
-    /// sequence decodes there as one not yet decoded.
-    pub fn rebase(mut self) -> Self {
-        self.seq.decoded_at = 0;
-        self
-    }
 }
 
 impl Scheduler {
@@ -55,8 +48,11 @@ impl Scheduler {
     }
 
     /// Takes a running sequence whose KV another lane computed: it runs
-    /// here from the next step, its pages as they are.
-    pub fn adopt(&mut self, seq: SeqId, h: Handoff) {
+    /// here from the next step, its pages as they are. It has just sampled
+    /// (its first token, in the other lane), so on this lane's clock its
+    /// decode turn comes after the streams already waiting here.
+    pub fn adopt(&mut self, seq: SeqId, mut h: Handoff) {
+        h.seq.decoded_at = self.steps;
         self.seqs.insert(seq, h.seq);
         self.running.push(seq);
     }

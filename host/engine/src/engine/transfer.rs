@@ -124,7 +124,7 @@ impl Engine {
         };
         self.kv.free(seq);
         Ok(SeqTransfer {
-            handoff: handoff.rebase(),
+            handoff,
             request,
             pages,
             kv,
