@@ -123,3 +123,30 @@ fn when_the_first_sample_is_cancelled_the_next_computes_the_prompt_for_the_rest(
         "the third waits for it and shares its pages"
     );
 }
+
+#[test]
+fn samples_of_one_token_run_beside_each_other_once_the_first_has_its_prompt() {
+    let mut e = engine();
+    let prompt = long_prompt(&e);
+    let salt = Salt::derive(&[7; 32], "m", "t");
+    let one = GenerateParams {
+        max_tokens: 1,
+        ..sampled(3)
+    };
+    let ids = e.admit(TenantId(1), salt, prompt, one, 4, None).unwrap();
+    let mut steps = 0;
+    let mut tokens: HashMap<u64, usize> = HashMap::new();
+    while e.has_work() {
+        steps += 1;
+        for ev in e.step().unwrap() {
+            if let Event::Token { seq, token, .. } = ev {
+                *tokens.entry(seq).or_default() += usize::from(token.is_some());
+            }
+        }
+    }
+    assert!(
+        ids.iter().all(|id| tokens.get(id) == Some(&1)),
+        "{tokens:?}"
+    );
+    assert_eq!(steps, 2, "the first sample's step, then the other three's");
+}

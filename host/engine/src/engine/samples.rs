@@ -20,6 +20,9 @@ pub(super) struct Waiting {
     tenant: TenantId,
     /// The others, in order, with their ids already given out.
     rest: Vec<(SeqId, Request)>,
+    /// The first sample finished after computing the prompt (its first
+    /// token its last): every other may go.
+    computed: bool,
 }
 
 impl Waiting {
@@ -87,20 +90,23 @@ impl Engine {
                 leader,
                 tenant,
                 rest,
+                computed: false,
             });
         }
         Ok(ids)
     }
 
-    /// Queues the samples whose first sample has computed its prompt. When
-    /// the first has gone before that (cancelled), the next one takes its
-    /// place and the rest wait for it instead.
+    /// Queues the samples whose first sample has computed its prompt (or
+    /// finished after it). When the first has gone before that
+    /// (cancelled), the next one takes its place and the rest wait for it
+    /// instead.
     pub(super) fn release_waiting(&mut self) {
         let mut still = Vec::new();
         for mut w in std::mem::take(&mut self.waiting) {
             let release = match self.requests.get(&w.leader) {
                 Some(r) if r.tokens.len() > r.prompt_len => std::mem::take(&mut w.rest),
                 Some(_) => Vec::new(),
+                None if w.computed => std::mem::take(&mut w.rest),
                 None => {
                     let next = w.rest.remove(0);
                     w.leader = next.0;
@@ -117,6 +123,15 @@ impl Engine {
             }
         }
         self.waiting = still;
+    }
+
+    /// Notes that `seq` finished after computing its prompt: samples that
+    /// wait on it all go at the next step (the prompt's pages stay cached),
+    /// not one at a time.
+    pub(super) fn prompt_computed(&mut self, seq: SeqId) {
+        for w in self.waiting.iter_mut().filter(|w| w.leader == seq) {
+            w.computed = true;
+        }
     }
 
     /// Drops a sample still waiting; whether `seq` was one.
