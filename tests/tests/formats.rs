@@ -99,7 +99,7 @@ fn a_format_compiled_before_admission_is_the_one_the_engine_runs() {
     let mut e = engine();
     let loaded = e.loaded();
     let formats = Formats::new(&loaded.tokenizer, loaded.model.config.vocab).unwrap();
-    let compiled = formats.compile(&OutputFormat::JsonObject).unwrap();
+    let compiled = formats.compile("t", &OutputFormat::JsonObject).unwrap();
     let ids = chat_ids(&e, "Copy this JSON object exactly: {\"ok\": true}");
     // The params' own format cannot compile: the engine compiling it
     // would refuse the request, so its admission shows it used what it

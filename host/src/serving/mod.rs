@@ -259,7 +259,7 @@ impl ServedModels {
             .map_err(|e| AiError::InvalidInput(e.to_string()))?;
         check_prompt(&ids, &served.loaded.model.config, &served.pools)?;
         let format = (generate.format.as_ref())
-            .map(|f| served.compile(f))
+            .map(|f| served.compile(tenant, f))
             .transpose()?;
         let salt = Salt::derive(&self.secret, model, tenant);
         let hashes = prefix::page_hashes(&salt, &ids, PAGE_SIZE);

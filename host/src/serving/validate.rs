@@ -13,17 +13,21 @@ use crate::engine::{self, CompiledFormat, Formats, GenerateParams, OutputFormat,
 use crate::model::ModelConfig;
 
 impl Served {
-    /// `format` compiled for this model: before the call reaches an
-    /// engine's thread, where compiling would hold up the pool's steps,
-    /// and so that a format that cannot compile is refused before a
-    /// stream starts.
-    pub(super) fn compile(&self, format: &OutputFormat) -> Result<CompiledFormat, AiError> {
+    /// `format` compiled for this model and `tenant` (whose compiled
+    /// formats are its own): before the call reaches an engine's thread,
+    /// where compiling would hold up the pool's steps, and so that a
+    /// format that cannot compile is refused before a stream starts.
+    pub(super) fn compile(
+        &self,
+        tenant: &str,
+        format: &OutputFormat,
+    ) -> Result<CompiledFormat, AiError> {
         let formats = self
             .formats
             .get_or_init(|| Formats::new(&self.loaded.tokenizer, self.loaded.model.config.vocab));
         (formats.as_ref())
             .map_err(Clone::clone)
-            .and_then(|f| f.compile(format))
+            .and_then(|f| f.compile(tenant, format))
             .map_err(AiError::InvalidInput)
     }
 }

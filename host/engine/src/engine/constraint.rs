@@ -42,6 +42,10 @@ impl TokenizerEnv for Vocabulary {
 /// Most compiled formats kept for reuse.
 const CACHED_FORMATS: usize = 64;
 
+/// Most compiled formats kept for one tenant: a tenant that sends a new
+/// format with every call pushes out only its own.
+const CACHED_PER_SCOPE: usize = 8;
+
 /// Longest format text kept for reuse: a key holds the whole text, so
 /// without a bound the cache could pin 64 request bodies' worth of it.
 const CACHED_FORMAT_BYTES: usize = 64 << 10;
@@ -54,7 +58,52 @@ const CACHED_FORMAT_BYTES: usize = 64 << 10;
 /// up every request of the pool.
 pub struct Formats {
     factory: ParserFactory,
-    compiled: Mutex<HashMap<String, Matcher>>,
+    compiled: Mutex<Kept>,
+}
+
+/// Compiled formats, each kept for the tenant (`scope`) that compiled it,
+/// so that no tenant can tell from a call's speed which formats another
+/// used, nor push another's out by sending many: a tenant keeps at most
+/// [`CACHED_PER_SCOPE`], and past [`CACHED_FORMATS`] in all the least
+/// recently used goes.
+#[derive(Default)]
+struct Kept {
+    /// By scope and text: the scope, the matcher, when last used.
+    entries: HashMap<String, (String, Matcher, u64)>,
+    clock: u64,
+}
+
+impl Kept {
+    fn get(&mut self, key: &str) -> Option<Matcher> {
+        self.clock += 1;
+        let (_, m, used) = self.entries.get_mut(key)?;
+        *used = self.clock;
+        Some(m.deep_clone())
+    }
+
+    fn insert(&mut self, scope: &str, key: String, m: Matcher) {
+        let lru = |of: &dyn Fn(&str) -> bool| {
+            (self.entries.iter())
+                .filter(|(_, (s, _, _))| of(s))
+                .min_by_key(|(_, (_, _, used))| *used)
+                .map(|(k, _)| k.clone())
+        };
+        let own = (self.entries.values())
+            .filter(|(s, _, _)| s == scope)
+            .count();
+        let out = if own >= CACHED_PER_SCOPE {
+            lru(&|s| s == scope)
+        } else if self.entries.len() >= CACHED_FORMATS {
+            lru(&|_| true)
+        } else {
+            None
+        };
+        if let Some(k) = out {
+            self.entries.remove(&k);
+        }
+        self.clock += 1;
+        self.entries.insert(key, (scope.to_owned(), m, self.clock));
+    }
 }
 
 /// An output format compiled for a model's vocabulary, at its start.
@@ -89,21 +138,23 @@ impl Formats {
         })
     }
 
-    /// `format` compiled, or why it cannot be.
-    pub fn compile(&self, format: &OutputFormat) -> Result<CompiledFormat, String> {
-        self.matcher(format).map(CompiledFormat)
+    /// `format` compiled for a call of the tenant `scope` names, or why it
+    /// cannot be.
+    pub fn compile(&self, scope: &str, format: &OutputFormat) -> Result<CompiledFormat, String> {
+        self.matcher(scope, format).map(CompiledFormat)
     }
 
-    /// A matcher for `format` at its start, or why it cannot be compiled.
-    pub(super) fn matcher(&self, format: &OutputFormat) -> Result<Matcher, String> {
+    /// A matcher for `format` at its start, compiled or reused within
+    /// `scope` (a tenant), or why it cannot be compiled.
+    pub(super) fn matcher(&self, scope: &str, format: &OutputFormat) -> Result<Matcher, String> {
         let key = match format {
-            OutputFormat::JsonObject => "object".to_owned(),
-            OutputFormat::JsonSchema(s) => format!("schema:{s}"),
-            OutputFormat::Grammar(g) => format!("lark:{g}"),
+            OutputFormat::JsonObject => format!("{scope}\0object"),
+            OutputFormat::JsonSchema(s) => format!("{scope}\0schema:{s}"),
+            OutputFormat::Grammar(g) => format!("{scope}\0lark:{g}"),
         };
         let cached = |key: &str| {
-            let compiled = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
-            compiled.get(key).map(Matcher::deep_clone)
+            let mut compiled = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
+            compiled.get(key)
         };
         if let Some(m) = cached(&key) {
             return Ok(m);
@@ -114,10 +165,7 @@ impl Formats {
             return Ok(m);
         }
         let mut compiled = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
-        if compiled.len() >= CACHED_FORMATS {
-            compiled.clear();
-        }
-        compiled.insert(key, m.deep_clone());
+        compiled.insert(scope, key, m.deep_clone());
         Ok(m)
     }
 
@@ -175,7 +223,7 @@ mod tests {
     fn a_byte_vocabulary_without_eos_compiles_formats_and_masks_them() {
         // Synthetic models: one token per byte, ids past 255 empty.
         let formats = Formats::new(&Tokenizer::bytes(300), 300).unwrap();
-        let mut m = formats.matcher(&OutputFormat::JsonObject).unwrap();
+        let mut m = formats.matcher("t", &OutputFormat::JsonObject).unwrap();
         let words = mask_words(&mut m, 300).unwrap();
         // Bytes only: the words past 255 allow nothing and are left out.
         assert!(words.len() <= 8, "{}", words.len());
@@ -187,32 +235,56 @@ mod tests {
         assert!(!allowed.contains(&(b'a' as usize)), "{allowed:?}");
         assert!(allowed.iter().all(|v| *v < 256), "{allowed:?}");
         let grammar = OutputFormat::Grammar("start: \"yes\" | \"no\"".into());
-        let mut g = formats.matcher(&grammar).unwrap();
+        let mut g = formats.matcher("t", &grammar).unwrap();
         let mut logits = vec![0.0f32; 300];
         mask(&mut g, &mut logits).unwrap();
         let open: Vec<usize> = (0..300).filter(|v| logits[*v] == 0.0).collect();
         assert_eq!(open, [b'n' as usize, b'y' as usize]);
         // A second matcher of a format starts where the first started.
         g.consume_token(b'y' as u32).unwrap();
-        let mut again = formats.matcher(&grammar).unwrap();
+        let mut again = formats.matcher("t", &grammar).unwrap();
         let mut logits = vec![0.0f32; 300];
         mask(&mut again, &mut logits).unwrap();
         assert_eq!(logits.iter().filter(|l| **l == 0.0).count(), 2);
         let bad = OutputFormat::Grammar("start: undefined_rule".into());
-        let Err(e) = formats.matcher(&bad) else {
+        let Err(e) = formats.matcher("t", &bad) else {
             panic!("an undefined rule compiled")
         };
         assert!(e.contains("grammar"), "{e}");
     }
 
     #[test]
+    fn a_tenants_formats_are_its_own_and_its_flood_pushes_out_only_its_own() {
+        let formats = Formats::new(&Tokenizer::bytes(300), 300).unwrap();
+        let kept = || formats.compiled.lock().unwrap().entries.len();
+        let object = OutputFormat::JsonObject;
+        formats.matcher("a", &object).unwrap();
+        formats.matcher("a", &object).unwrap();
+        assert_eq!(kept(), 1, "a's second call reuses its format");
+        formats.matcher("b", &object).unwrap();
+        assert_eq!(kept(), 2, "b's call compiles its own");
+        for i in 0..20 {
+            let g = OutputFormat::Grammar(format!("start: \"{i}\""));
+            formats.matcher("c", &g).unwrap();
+        }
+        assert_eq!(kept(), 2 + CACHED_PER_SCOPE);
+        let entries = &formats.compiled.lock().unwrap().entries;
+        for t in ["a", "b"] {
+            assert!(
+                entries.contains_key(&format!("{t}\0object")),
+                "{t}'s was pushed out"
+            );
+        }
+    }
+
+    #[test]
     fn formats_are_kept_for_reuse_unless_their_text_is_long() {
         let formats = Formats::new(&Tokenizer::bytes(300), 300).unwrap();
-        let kept = || formats.compiled.lock().unwrap().len();
-        formats.matcher(&OutputFormat::JsonObject).unwrap();
+        let kept = || formats.compiled.lock().unwrap().entries.len();
+        formats.matcher("t", &OutputFormat::JsonObject).unwrap();
         assert_eq!(kept(), 1);
         let long = format!("start: \"{}\"", "a".repeat(CACHED_FORMAT_BYTES));
-        formats.matcher(&OutputFormat::Grammar(long)).unwrap();
+        formats.matcher("t", &OutputFormat::Grammar(long)).unwrap();
         assert_eq!(kept(), 1, "a long format's text was kept");
     }
 }

@@ -477,7 +477,9 @@ impl Engine {
         }
         let matcher = match (compiled, &params.format) {
             (Some(m), Some(_)) => Some(m),
-            (_, format) => format.as_ref().map(|f| self.matcher(f)).transpose()?,
+            (_, format) => (format.as_ref())
+                .map(|f| self.matcher(tenant, f))
+                .transpose()?,
         };
         let id = self.next_id;
         self.next_id += 1;
@@ -511,8 +513,12 @@ impl Engine {
         self.requests.remove(&seq).is_some()
     }
 
-    /// A matcher for `format` over this model's vocabulary.
-    fn matcher(&mut self, format: &OutputFormat) -> Result<llguidance::Matcher, String> {
+    /// A matcher for `format` over this model's vocabulary, for `tenant`.
+    fn matcher(
+        &mut self,
+        tenant: TenantId,
+        format: &OutputFormat,
+    ) -> Result<llguidance::Matcher, String> {
         let formats = match &mut self.formats {
             Some(f) => f,
             None => {
@@ -521,7 +527,7 @@ impl Engine {
                 self.formats.insert(f)
             }
         };
-        formats.matcher(format)
+        formats.matcher(&tenant.0.to_string(), format)
     }
 
     /// Test-only: corrupts `victim`'s mapping with one of `donor`'s pages.
