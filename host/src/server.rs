@@ -243,16 +243,34 @@ impl Server {
         // Model calls still running end with an error their clients see
         // (a last SSE event), and the engines free their devices on their
         // own threads before the process exits.
-        let ai = self.app.ai.clone();
-        match tokio::time::timeout(CLOSE, tokio::task::spawn_blocking(move || ai.close())).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::error!("stopping the engines failed: {e}"),
-            Err(_) => tracing::error!("the engines did not stop within {CLOSE:?}; exiting anyway"),
-        }
+        close_engines(self.app.ai.clone(), CLOSE).await;
         if !done && tokio::time::timeout(FLUSH, &mut drained).await.is_err() {
             tracing::warn!("closing the connections that remain");
         }
         Ok(())
+    }
+}
+
+/// Stops `ai`'s engines, waiting for them up to `within`. They stop on a
+/// thread of their own, outside the runtime's blocking pool: an engine
+/// that never stops (a wedged device) must not hold the process when the
+/// runtime, which waits for its blocking pool's threads, is dropped.
+async fn close_engines(ai: Arc<dyn Inference>, within: Duration) {
+    let (done, stopped) = tokio::sync::oneshot::channel();
+    let closer = std::thread::Builder::new()
+        .name("kiln-close".into())
+        .spawn(move || {
+            ai.close();
+            let _ = done.send(());
+        });
+    if let Err(e) = closer {
+        tracing::error!("stopping the engines failed: {e}");
+        return;
+    }
+    match tokio::time::timeout(within, stopped).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => tracing::error!("stopping the engines panicked"),
+        Err(_) => tracing::error!("the engines did not stop within {within:?}; exiting anyway"),
     }
 }
 
@@ -395,5 +413,47 @@ struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_runtime::{AiError, BoxFuture, Completion, ModelCall, ModelInfo, TokenStream};
+
+    /// A backend whose engines never stop.
+    struct Wedged;
+
+    impl Inference for Wedged {
+        fn call(&self, _: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
+            Box::pin(async { Err(AiError::ModelNotFound("none".into())) })
+        }
+        fn stream(&self, _: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
+            Box::pin(async { Err(AiError::ModelNotFound("none".into())) })
+        }
+        fn list_models(&self, _: &str) -> Vec<ModelInfo> {
+            Vec::new()
+        }
+        fn close(&self) {
+            loop {
+                std::thread::park();
+            }
+        }
+    }
+
+    #[test]
+    fn engines_that_never_stop_do_not_hold_the_process_past_the_close_timeout() {
+        let (exited, wait) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(close_engines(Arc::new(Wedged), Duration::from_millis(100)));
+            // What `main` does when `serve` returns.
+            drop(rt);
+            let _ = exited.send(());
+        });
+        assert!(
+            wait.recv_timeout(Duration::from_secs(10)).is_ok(),
+            "the runtime waited for the wedged engines"
+        );
     }
 }
