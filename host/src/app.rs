@@ -323,7 +323,6 @@ impl App {
         self.components
             .put(&guard, &digest, bytes)
             .map_err(|e| AppError::Internal(format!("storing the component failed: {e}")))?;
-        self.db.put_component(&digest, bytes)?;
         let row = FunctionRow {
             tenant: tenant.to_owned(),
             name: name.as_str().to_owned(),
@@ -331,7 +330,7 @@ impl App {
             size: bytes.len() as u64,
             created: Db::now(),
         };
-        let unused = self.db.upsert_function(&row)?;
+        let unused = self.store_function(&row, bytes)?;
         let route = Route {
             row: row.clone(),
             deployment: OnceLock::from(deployment),
@@ -350,6 +349,19 @@ impl App {
             name: name.as_str().to_owned(),
         })?;
         Ok(row)
+    }
+
+    /// Stores `row` and its component's bytes; again if another node's
+    /// delete took the bytes between the two (a shared database).
+    fn store_function(&self, row: &FunctionRow, bytes: &[u8]) -> Result<Option<String>, AppError> {
+        let mut tries = 0;
+        loop {
+            self.db.put_component(&row.digest, bytes)?;
+            match self.db.upsert_function(row) {
+                Err(DbError::ComponentGone(_)) if tries < 3 => tries += 1,
+                out => return Ok(out?),
+            }
+        }
     }
 
     /// Deletes a function; false if the tenant has no such function.

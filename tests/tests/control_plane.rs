@@ -31,7 +31,10 @@ fn keeps_the_control_plane(db: &Db) {
     );
     assert!(db.tenant_exists("acme").unwrap() && !db.tenant_exists("nobody").unwrap());
 
-    // A redeploy replaces the row and frees the old digest.
+    // A redeploy replaces the row and frees the old digest. (A database
+    // of several nodes keeps the bytes a row refers to: stored first.)
+    db.put_component("aa", b"a").unwrap();
+    db.put_component("bb", b"b").unwrap();
     let mut f = row("acme", "f", "aa");
     assert_eq!(db.upsert_function(&f).unwrap(), None);
     f.digest = "bb".into();
@@ -69,6 +72,36 @@ fn sqlite_and_postgres_keep_the_control_plane_alike() {
     keeps_the_control_plane(&Db::connect(&pg.url).unwrap());
     let again = Db::connect(&pg.url).unwrap();
     assert!(again.tenant_exists("beta").unwrap());
+}
+
+#[test]
+fn a_delete_on_one_node_cannot_take_the_bytes_of_a_deploy_on_another() {
+    let pg = Postgres::start();
+    let (a, b) = (Db::connect(&pg.url).unwrap(), Db::connect(&pg.url).unwrap());
+    a.create_tenant("acme", "k1", b"h1").unwrap();
+    a.create_tenant("beta", "k2", b"h2").unwrap();
+    a.put_component("xx", b"x").unwrap();
+    a.upsert_function(&row("acme", "h", "xx")).unwrap();
+    // Node b is deploying the same bytes (stored already, so its insert
+    // does nothing) when node a deletes their last user and forgets them.
+    b.put_component("xx", b"x").unwrap();
+    let (_, shared) = a.delete_function("acme", "h").unwrap().unwrap();
+    assert!(!shared);
+    a.forget_component("xx").unwrap();
+    assert!(matches!(
+        b.upsert_function(&row("beta", "g", "xx")),
+        Err(DbError::ComponentGone(_))
+    ));
+    assert_eq!(
+        b.function("beta", "g").unwrap(),
+        None,
+        "no row without its bytes"
+    );
+    // The deploy stores them again and goes on; a forget now keeps them.
+    b.put_component("xx", b"x").unwrap();
+    b.upsert_function(&row("beta", "g", "xx")).unwrap();
+    a.forget_component("xx").unwrap();
+    assert_eq!(b.component("xx").unwrap(), Some(b"x".to_vec()));
 }
 
 #[test]

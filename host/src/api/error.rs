@@ -213,6 +213,7 @@ impl From<DbError> for ApiError {
     fn from(e: DbError) -> Self {
         match e {
             DbError::TenantExists(_) => Self::conflict(e.to_string()),
+            DbError::ComponentGone(_) => Self::unavailable(e.to_string()),
             DbError::Postgres(_) | DbError::Closed => {
                 tracing::error!("{e}");
                 Self::unavailable(

@@ -27,6 +27,10 @@ pub enum DbError {
     /// The PostgreSQL connection's thread is gone.
     #[error("the database connection closed")]
     Closed,
+    /// A function was to refer to a component whose bytes another node's
+    /// delete removed meanwhile: store them again, then retry.
+    #[error("component {0} was removed meanwhile by a delete on another node; deploy again")]
+    ComponentGone(String),
 }
 
 /// A deployed function's record.
@@ -114,7 +118,9 @@ pub trait Store: Send + Sync {
     fn api_key(&self, key_id: &str) -> Result<Option<(String, Vec<u8>)>, DbError>;
     /// Creates or replaces a function in one transaction; returns the
     /// digest it had before if no row refers to that any more (its file
-    /// may go).
+    /// may go). Where the database keeps components' bytes, fails with
+    /// [`DbError::ComponentGone`] if the row's are not there, and holds
+    /// them against [`Store::forget_component`] until it commits.
     fn upsert_function(&self, row: &FunctionRow) -> Result<Option<String>, DbError>;
     /// One tenant's function.
     fn function(&self, tenant: &str, name: &str) -> Result<Option<FunctionRow>, DbError>;

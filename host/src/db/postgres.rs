@@ -166,6 +166,12 @@ impl Store for Postgres {
         let row = row.clone();
         self.run(move |c| {
             let mut tx = c.transaction()?;
+            // The bytes stay until this row is committed: a delete on
+            // another node takes this lock's rival before it forgets them.
+            let bytes = "SELECT 1 FROM components WHERE digest = $1 FOR KEY SHARE";
+            if tx.query_opt(bytes, &[&row.digest])?.is_none() {
+                return Err(DbError::ComponentGone(row.digest.clone()));
+            }
             let previous: Option<String> = tx
                 .query_opt(
                     "SELECT digest FROM functions WHERE tenant = $1 AND name = $2 FOR UPDATE",
@@ -295,11 +301,20 @@ impl Store for Postgres {
     fn forget_component(&self, digest: &str) -> Result<(), DbError> {
         let digest = digest.to_owned();
         self.run(move |c| {
-            c.execute(
+            let mut tx = c.transaction()?;
+            // Waits for every deploy about to refer to these bytes to
+            // commit; the delete after it, a statement of its own, sees
+            // their rows.
+            tx.query_opt(
+                "SELECT 1 FROM components WHERE digest = $1 FOR UPDATE",
+                &[&digest],
+            )?;
+            tx.execute(
                 "DELETE FROM components WHERE digest = $1
                  AND NOT EXISTS (SELECT 1 FROM functions WHERE digest = $1)",
                 &[&digest],
             )?;
+            tx.commit()?;
             Ok(())
         })
     }
