@@ -101,7 +101,7 @@ impl Runtime {
         let mut linker = Linker::<State>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(setup)?;
         wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(setup)?;
-        crate::state::bound_authority(&mut linker).map_err(setup)?;
+        crate::state::bound_outgoing_requests(&mut linker).map_err(setup)?;
         ai::add_to_linker(&mut linker, State::ai).map_err(setup)?;
         crate::ai_legacy::add_to_linker(&mut linker, State::ai).map_err(setup)?;
 

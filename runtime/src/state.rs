@@ -6,6 +6,7 @@ use http::uri::Authority;
 use wasmtime::StoreContextMut;
 use wasmtime::component::{Linker, Resource, ResourceTable, WasmStr};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+use wasmtime_wasi_http::p2::bindings::http::types::Method;
 use wasmtime_wasi_http::p2::types::HostOutgoingRequest;
 use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
@@ -31,17 +32,29 @@ pub(crate) const BODY_CHUNK: usize = 64 << 10;
 /// keeps it in host memory, which the linear-memory limit does not see.
 pub(crate) const AUTHORITY_BYTES: usize = 4 << 10;
 
-/// The WASI-HTTP interface whose `set-authority` [`bound_authority`]
+/// The longest method of its own (`other`) a guest may set on an outgoing
+/// request, for the same reason.
+pub(crate) const METHOD_BYTES: usize = 64;
+
+/// The WASI-HTTP interface whose setters [`bound_outgoing_requests`]
 /// replaces (the version wasmtime-wasi-http defines).
 const HTTP_TYPES: &str = "wasi:http/types@0.2.12";
 
-/// Replaces WASI-HTTP's `outgoing-request.set-authority` in `linker` with
-/// one that refuses an authority over [`AUTHORITY_BYTES`] (the guest sees
-/// the WIT's error, as for a malformed one) before copying it out of the
-/// guest's memory.
-pub(crate) fn bound_authority(linker: &mut Linker<State>) -> wasmtime::Result<()> {
+/// Replaces WASI-HTTP's `outgoing-request.set-authority` and `set-method`
+/// in `linker` with ones that refuse an authority over
+/// [`AUTHORITY_BYTES`] (before copying it out of the guest's memory) or a
+/// method over [`METHOD_BYTES`]: the guest sees the WIT's error, as for a
+/// malformed one.
+pub(crate) fn bound_outgoing_requests(linker: &mut Linker<State>) -> wasmtime::Result<()> {
     linker.allow_shadowing(true);
-    let defined = linker.instance(HTTP_TYPES)?.func_wrap(
+    let defined = define_setters(linker);
+    linker.allow_shadowing(false);
+    defined
+}
+
+fn define_setters(linker: &mut Linker<State>) -> wasmtime::Result<()> {
+    let mut types = linker.instance(HTTP_TYPES)?;
+    types.func_wrap(
         "[method]outgoing-request.set-authority",
         |mut store: StoreContextMut<'_, State>,
          (req, authority): (Resource<HostOutgoingRequest>, Option<WasmStr>)| {
@@ -58,9 +71,20 @@ pub(crate) fn bound_authority(linker: &mut Linker<State>) -> wasmtime::Result<()
             store.data_mut().table.get_mut(&req)?.authority = authority;
             Ok((Ok(()),))
         },
-    );
-    linker.allow_shadowing(false);
-    defined
+    )?;
+    types.func_wrap(
+        "[method]outgoing-request.set-method",
+        |mut store: StoreContextMut<'_, State>,
+         (req, method): (Resource<HostOutgoingRequest>, Method)| {
+            if let Method::Other(m) = &method
+                && (m.len() > METHOD_BYTES || http::Method::from_str(m).is_err())
+            {
+                return Ok((Err(()),));
+            }
+            store.data_mut().table.get_mut(&req)?.method = method;
+            Ok((Ok(()),))
+        },
+    )
 }
 
 /// Everything one instance can reach. Built fresh for every request.

@@ -195,16 +195,16 @@ async fn a_guest_cannot_hoard_host_memory_in_bodies_it_never_sends() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_guest_cannot_park_a_megabyte_authority_in_host_memory() {
+async fn a_guest_cannot_park_a_megabyte_authority_or_method_in_host_memory() {
     let s = TestServer::start().await;
     let key = s.tenant("acme").await;
     s.deploy(&key, "bad", "misbehave").await;
     let resp = s.call("acme", "bad", "/authority").await;
     assert_eq!(resp.status(), 200);
-    // The long one is refused as a malformed one would be; the request
-    // keeps the short one.
+    // The long ones are refused as malformed ones would be; the request
+    // keeps the short ones.
     assert_eq!(
         resp.text().await.unwrap(),
-        "short true, long false, kept 15"
+        "short true, long false, kept 15; method true, huge false, kept 5"
     );
 }

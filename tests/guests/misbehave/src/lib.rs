@@ -10,7 +10,8 @@
 //! the default model call a tool (`kiln:ai@0.2.0`), with log-probabilities,
 //! and feeds the result back, `/bodies` fills response bodies it never
 //! sends (host memory, not its own), `/authority` sets a short and a 1 MiB
-//! authority on an outgoing request and reports which the host took.
+//! authority, then method, on an outgoing request and reports which the
+//! host took.
 
 use kiln_guest::{Handler, Request, Response, ai};
 
@@ -168,13 +169,24 @@ fn hoard_bodies() -> String {
     format!("{written} bytes in {} bodies", kept.len())
 }
 
-/// Sets a plain authority, then one of 1 MiB, on a request it never sends;
-/// reports whether each was taken and the length the request kept.
+/// Sets a plain authority, then one of 1 MiB, and a method of its own,
+/// then one of 1 MiB, on a request it never sends; reports whether each
+/// was taken and the lengths the request kept.
 fn authorities() -> String {
     use kiln_guest::bindings::wasi::http::types;
     let req = types::OutgoingRequest::new(types::Fields::new());
     let short = req.set_authority(Some("example.com:443")).is_ok();
     let long = req.set_authority(Some(&"a".repeat(1 << 20))).is_ok();
     let kept = req.authority().map_or(0, |a| a.len());
-    format!("short {short}, long {long}, kept {kept}")
+    let purge = types::Method::Other("PURGE".into());
+    let method = req.set_method(&purge).is_ok();
+    let huge = types::Method::Other("A".repeat(1 << 20));
+    let huge = req.set_method(&huge).is_ok();
+    let kept_method = match req.method() {
+        types::Method::Other(m) => m.len(),
+        _ => 0,
+    };
+    format!(
+        "short {short}, long {long}, kept {kept}; method {method}, huge {huge}, kept {kept_method}"
+    )
 }
