@@ -132,7 +132,7 @@ impl Runtime {
                 });
                 Ok(resp)
             }
-            Ok(Err(code)) => Err(InvokeError::Guest(format!("{code:?}"))),
+            Ok(Err(code)) => Err(InvokeError::Guest(capped_debug(&code, GUEST_ERROR_BYTES))),
             Err(_) => match task.await {
                 Ok(Ok(())) => Err(InvokeError::NoResponse),
                 Ok(Err(e)) => Err(e),
@@ -145,6 +145,36 @@ impl Runtime {
             elapsed: start.elapsed(),
         }
     }
+}
+
+/// The most of a guest's error code the host writes out (in logs, in the
+/// error body): its payload is the guest's, of any size.
+const GUEST_ERROR_BYTES: usize = 4 << 10;
+
+/// `value`'s `Debug` text, cut after `cap` bytes: formatting stops there,
+/// so a huge payload costs no more than its first bytes.
+fn capped_debug(value: &impl std::fmt::Debug, cap: usize) -> String {
+    struct Capped(String, usize);
+    impl std::fmt::Write for Capped {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            let room = self.1 - self.0.len();
+            if s.len() <= room {
+                self.0.push_str(s);
+                return Ok(());
+            }
+            let mut end = room;
+            while !s.is_char_boundary(end) {
+                end -= 1;
+            }
+            self.0.push_str(&s[..end]);
+            Err(std::fmt::Error)
+        }
+    }
+    let mut out = Capped(String::new(), cap);
+    if std::fmt::write(&mut out, format_args!("{value:?}")).is_err() {
+        out.0.push_str("... (cut)");
+    }
+    out.0
 }
 
 fn limit_error(kind: LimitKind, limits: &crate::Limits) -> InvokeError {
@@ -175,4 +205,21 @@ fn classify(
         return InvokeError::Overloaded(format!("{e}"));
     }
     InvokeError::Trap(format!("{e:#}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wasmtime_wasi_http::p2::bindings::http::types::ErrorCode;
+
+    #[test]
+    fn a_guests_error_payload_is_written_out_cut_to_a_few_kilobytes() {
+        let code = ErrorCode::InternalError(Some("\u{1}".repeat(4 << 20)));
+        let text = capped_debug(&code, GUEST_ERROR_BYTES);
+        assert!(text.len() <= GUEST_ERROR_BYTES + 16, "{} bytes", text.len());
+        assert!(text.contains("InternalError(Some(\""), "{}", &text[..40]);
+        assert!(text.ends_with("... (cut)"));
+        let small = ErrorCode::HttpRequestDenied;
+        assert!(capped_debug(&small, GUEST_ERROR_BYTES).ends_with("HttpRequestDenied"));
+    }
 }

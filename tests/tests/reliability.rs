@@ -171,6 +171,22 @@ async fn a_huge_prompt_is_prepared_off_the_worker_other_tasks_run_on() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_past_four_mebibytes_is_refused_before_it_is_tokenized() {
+    let served = ServedModels::start(
+        vec![(default_model(), EngineConfig::default())],
+        1,
+        Metrics::default().engine,
+    )
+    .unwrap();
+    // A guest's call has no request body to bound it.
+    let big = "word ".repeat(1 << 20);
+    match served.call(chat(&big, 4)).await {
+        Err(AiError::InvalidInput(m)) => assert!(m.contains("at most 4194304"), "{m}"),
+        other => panic!("a 5 MiB prompt should be refused: {other:?}"),
+    }
+}
+
 /// Reads from `stream` until the server closes it; what it sent.
 async fn read_to_close(stream: &mut tokio::net::TcpStream) -> String {
     let mut buf = Vec::new();

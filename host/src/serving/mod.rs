@@ -54,6 +54,12 @@ pub struct EngineSnapshot {
 /// costs more than the work.
 const ASIDE_PROMPT_BYTES: usize = 64 << 10;
 
+/// The most text a call's prompt, tools and output format may bring, as
+/// much as an API call's body may hold: a guest's calls are not bounded by
+/// a body, and templating and tokenizing cost the host memory and time
+/// (many times the text) that no guest limit sees.
+pub const MAX_PROMPT_BYTES: usize = 4 << 20;
+
 /// The slots of a pool's published figures (`PoolHandle::figures`).
 const FREE_PAGES: usize = 0;
 const CACHED_PAGES: usize = 1;
@@ -208,7 +214,14 @@ impl ServedModels {
             Some(Format::JsonSchema(text) | Format::Grammar(text)) => text.len(),
             _ => 0,
         };
-        if policy::templated_bytes(&call) + format >= ASIDE_PROMPT_BYTES {
+        let bytes = policy::templated_bytes(&call) + format;
+        if bytes > MAX_PROMPT_BYTES {
+            return Err(AiError::InvalidInput(format!(
+                "the call's prompt, tools and output format come to {bytes} bytes; a call may \
+                 bring at most {MAX_PROMPT_BYTES} (the model reads at most its context)"
+            )));
+        }
+        if bytes >= ASIDE_PROMPT_BYTES {
             crate::aside::aside(|| self.submit(call, n))
         } else {
             self.submit(call, n)
