@@ -15,8 +15,55 @@ use crate::limits::StoreLimits;
 use crate::session::SessionAffinity;
 use crate::state::State;
 
-/// The body of a guest's response, streamed as the guest writes it.
-pub type ResponseBody = wasmtime_wasi_http::p2::body::HyperOutgoingBody;
+/// The body of a guest's response, streamed as the guest writes it. It
+/// ends in an error, not cleanly, when the guest failed (a trap, a limit)
+/// before finishing it: WASI-HTTP ends a body whose writer is dropped as
+/// if it were whole, and the client would take a cut answer for a full one.
+pub struct ResponseBody {
+    inner: HyperOutgoingBody,
+    /// Sent once the guest has failed, before its store (and so this
+    /// body's writer) is dropped.
+    failed: tokio::sync::oneshot::Receiver<()>,
+    ended: bool,
+}
+
+type HyperOutgoingBody = wasmtime_wasi_http::p2::body::HyperOutgoingBody;
+
+impl http_body::Body for ResponseBody {
+    type Data = Bytes;
+    type Error = wasmtime_wasi_http::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        match std::pin::Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(None) => {
+                this.ended = true;
+                match this.failed.try_recv() {
+                    Ok(()) => Poll::Ready(Some(Err(Self::Error::InternalError(Some(
+                        "the function failed before finishing its response".into(),
+                    ))))),
+                    Err(_) => Poll::Ready(None),
+                }
+            }
+            other => other,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
 
 /// Who an invocation runs as. Built by the host from the route; the guest
 /// cannot change it.
@@ -102,6 +149,7 @@ impl Runtime {
         let pre = deployment.pre.clone();
         let limits = self.limits.clone();
         let (inst_tx, mut inst_rx) = tokio::sync::oneshot::channel();
+        let (failed, failure) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
             let _lease = lease;
             let run = async {
@@ -114,11 +162,17 @@ impl Runtime {
                     .await
             };
             let outcome = tokio::time::timeout(limits.wall_time, run).await;
-            match outcome {
+            let result = match outcome {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(e)) => Err(classify(&e, store.data().limits.exceeded, &limits)),
                 Err(_) => Err(limit_error(LimitKind::WallTime, &limits)),
+            };
+            // Before the store goes, and with it the body's writer.
+            if result.is_err() {
+                let _ = failed.send(());
             }
+            drop(store);
+            result
         });
 
         let result = match rx.await {
@@ -130,7 +184,11 @@ impl Runtime {
                         tracing::warn!("guest failed after sending its response head: {e}");
                     }
                 });
-                Ok(resp)
+                Ok(resp.map(|inner| ResponseBody {
+                    inner,
+                    failed: failure,
+                    ended: false,
+                }))
             }
             Ok(Err(code)) => Err(InvokeError::Guest(capped_debug(&code, GUEST_ERROR_BYTES))),
             Err(_) => match task.await {

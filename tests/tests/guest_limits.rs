@@ -208,3 +208,15 @@ async fn a_guest_cannot_park_a_megabyte_authority_or_method_in_host_memory() {
         "short true, long false, kept 15; method true, huge false, kept 5"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_body_cut_by_a_limit_ends_in_an_error_not_as_a_whole_one() {
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    let resp = s.call("acme", "bad", "/partial").await;
+    assert_eq!(resp.status(), 200, "the head went out before the spin");
+    let body = resp.bytes().await;
+    assert!(body.is_err(), "a cut body read as whole: {body:?}");
+    assert_eq!(s.call("acme", "bad", "/").await.status(), 200);
+}

@@ -11,7 +11,7 @@
 //! and feeds the result back, `/bodies` fills response bodies it never
 //! sends (host memory, not its own), `/authority` sets a short and a 1 MiB
 //! authority, then method, on an outgoing request and reports which the
-//! host took.
+//! host took, `/partial` streams a few bytes and then spins.
 
 use kiln_guest::{Handler, Request, Response, ai};
 
@@ -79,6 +79,13 @@ impl Handler for Misbehave {
             },
             "/bodies" => Response::text(200, hoard_bodies()),
             "/authority" => Response::text(200, authorities()),
+            "/partial" => Response::stream(200, |w| {
+                w.write(b"partial");
+                let mut x: u64 = 0;
+                loop {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+            }),
             "/ai" => match ai::Chat::new("no-such-model").user("hi").send() {
                 Ok(c) => Response::text(200, c.text),
                 Err(e) => Response::text(502, format!("{e:?}")),
