@@ -247,9 +247,6 @@ pub(crate) struct AiCtx {
     pub(crate) tenant: String,
     pub(crate) session: SessionAffinity,
     pub(crate) backend: Arc<dyn Inference>,
-    /// Restarts the CPU meter when a model call returns: waiting for the
-    /// model is not guest CPU time.
-    pub(crate) cpu: crate::limits::CpuMark,
 }
 
 impl AiCtx {
@@ -296,7 +293,6 @@ impl wit::Host for AiView<'_> {
     ) -> wasmtime::Result<Result<Completion, AiError>> {
         let call = self.ctx.model_call(model, Prompt::Chat(messages), params);
         let out = self.ctx.backend.call(call).await;
-        self.ctx.cpu.resume();
         Ok(out)
     }
 
@@ -308,7 +304,6 @@ impl wit::Host for AiView<'_> {
     ) -> wasmtime::Result<Result<Resource<ChatStreamHandle>, AiError>> {
         let call = self.ctx.model_call(model, Prompt::Chat(messages), params);
         let started = self.ctx.backend.stream(call).await;
-        self.ctx.cpu.resume();
         match started {
             Ok(stream) => {
                 let handle = ChatStreamHandle {
@@ -329,7 +324,6 @@ impl wit::Host for AiView<'_> {
     ) -> wasmtime::Result<Result<Completion, AiError>> {
         let call = self.ctx.model_call(model, Prompt::Text(prompt), params);
         let out = self.ctx.backend.call(call).await;
-        self.ctx.cpu.resume();
         Ok(out)
     }
 
@@ -350,7 +344,6 @@ impl wit::HostChatStream for AiView<'_> {
             )));
         }
         let event = handle.stream.next().await;
-        self.ctx.cpu.resume();
         if matches!(event, Ok(StreamEvent::Done(_)) | Err(_)) {
             handle.finished = true;
         }

@@ -1,17 +1,18 @@
 //! One request: a fresh store and instance, the guest's handler, and the
 //! mapping of everything that can go wrong to an [`InvokeError`].
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use wasmtime::{CallHook, Store};
+use wasmtime::Store;
 use wasmtime_wasi_http::WasiHttpView;
 use wasmtime_wasi_http::p2::bindings::http::types::Scheme;
 
 use crate::ai::AiCtx;
 use crate::compile::{Deployment, Runtime};
 use crate::error::{InvokeError, LimitKind};
-use crate::limits::StoreLimits;
+use crate::limits::{CpuMeter, Metered, StoreLimits};
 use crate::session::SessionAffinity;
 use crate::state::State;
 
@@ -107,27 +108,17 @@ impl Runtime {
         B::Error: Into<wasmtime_wasi_http::Error>,
     {
         let start = Instant::now();
-        let limits = StoreLimits::new(&self.limits);
+        let meter = Arc::new(CpuMeter::default());
+        let limits = StoreLimits::new(&self.limits, meter.clone());
         let ai = AiCtx {
             tenant: invocation.tenant,
             session: invocation.session,
             backend: self.backend.clone(),
-            cpu: limits.cpu_mark(),
         };
         let mut store = Store::new(&self.engine, State::new(ai, limits));
         store.limiter(|s| &mut s.limits);
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(|mut ctx| ctx.data_mut().limits.on_epoch());
-        // Time inside host calls (WASI streams, model calls) is not guest
-        // CPU: bill on the way in, restart the meter on the way out.
-        store.call_hook(|mut ctx, hook| {
-            match hook {
-                CallHook::CallingHost => ctx.data_mut().limits.enter_host()?,
-                CallHook::ReturningFromHost => ctx.data_mut().limits.leave_host(),
-                CallHook::CallingWasm | CallHook::ReturningFromWasm => {}
-            }
-            Ok(())
-        });
 
         let (tx, rx) = tokio::sync::oneshot::channel();
         let handles = store
@@ -161,7 +152,9 @@ impl Runtime {
                     .call_handle(&mut store, req, out)
                     .await
             };
-            let outcome = tokio::time::timeout(limits.wall_time, run).await;
+            // Billed by the CPU its polls take: the guest's and the host's
+            // work for it, not its waits.
+            let outcome = tokio::time::timeout(limits.wall_time, Metered::new(run, meter)).await;
             let result = match outcome {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(e)) => Err(classify(&e, store.data().limits.exceeded, &limits)),

@@ -13,8 +13,8 @@ use crate::error::LimitKind;
 pub struct Limits {
     /// Largest linear memory one instance may grow to, in bytes.
     pub memory_bytes: usize,
-    /// Guest execution time one request may use (time spent waiting inside
-    /// host calls does not count).
+    /// CPU time one request may use: the guest's code and the host's work
+    /// on its behalf (time spent waiting inside host calls does not count).
     pub cpu_time: Duration,
     /// Wall-clock time from the start of the request until the guest has
     /// finished, response body included.
@@ -34,36 +34,99 @@ impl Default for Limits {
     }
 }
 
-/// How often the engine's epoch advances: the granularity of CPU accounting.
+/// How often the engine's epoch advances: how often a running guest's CPU
+/// time and wall time are checked.
 pub(crate) const TICK: Duration = Duration::from_millis(1);
 
 /// Most wall time a guest runs between yields to the executor.
 const YIELD_EVERY: Duration = Duration::from_millis(2);
 
-/// A handle that restarts the CPU meter's clock: called when a host call
-/// returns, so time the guest spent waiting in it is not billed.
-#[derive(Clone)]
-pub(crate) struct CpuMark {
-    mark: Arc<AtomicU64>,
-    base: Instant,
+/// CPU time this thread has used: the clock a request is billed by, read
+/// around each poll of its future, so the guest's code and the host's
+/// work on its behalf (a call answered at once, a prompt templated) count,
+/// and waiting (for a model, a body, a timer) does not.
+fn thread_cpu() -> Duration {
+    #[cfg(unix)]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec through a valid pointer.
+        if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0 {
+            return Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32);
+        }
+    }
+    // Elsewhere, wall time inside the poll: waiting is still not billed.
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed()
 }
 
-impl CpuMark {
-    /// The guest resumes now.
-    pub(crate) fn resume(&self) {
-        self.mark
-            .store(self.base.elapsed().as_nanos() as u64, Ordering::Relaxed);
+/// A request's CPU time so far, shared by its future ([`Metered`]) and its
+/// store's checks.
+#[derive(Debug, Default)]
+pub(crate) struct CpuMeter {
+    /// Nanoseconds used in polls that have ended.
+    done: AtomicU64,
+    /// The thread's CPU clock (nanoseconds, at least 1) when the poll now
+    /// running began; 0 between polls.
+    poll_start: AtomicU64,
+}
+
+impl CpuMeter {
+    /// CPU time used so far, the poll now running included (read from the
+    /// thread running it, as the store's checks are).
+    fn used(&self) -> Duration {
+        let start = self.poll_start.load(Ordering::Relaxed);
+        let running = match start {
+            0 => 0,
+            s => (thread_cpu().as_nanos() as u64).saturating_sub(s),
+        };
+        Duration::from_nanos(self.done.load(Ordering::Relaxed) + running)
     }
 }
 
-/// Per-store enforcement state: the memory limiter and the CPU meter.
+/// A future whose polls are billed to `meter` by the thread's CPU clock.
+pub(crate) struct Metered<F> {
+    inner: std::pin::Pin<Box<F>>,
+    meter: Arc<CpuMeter>,
+}
+
+impl<F: std::future::Future> Metered<F> {
+    pub(crate) fn new(inner: F, meter: Arc<CpuMeter>) -> Self {
+        Self {
+            inner: Box::pin(inner),
+            meter,
+        }
+    }
+}
+
+impl<F: std::future::Future> std::future::Future for Metered<F> {
+    type Output = F::Output;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        let start = (thread_cpu().as_nanos() as u64).max(1);
+        self.meter.poll_start.store(start, Ordering::Relaxed);
+        let out = self.inner.as_mut().poll(cx);
+        let end = thread_cpu().as_nanos() as u64;
+        let meter = &self.meter;
+        meter.poll_start.store(0, Ordering::Relaxed);
+        meter
+            .done
+            .fetch_add(end.saturating_sub(start), Ordering::Relaxed);
+        out
+    }
+}
+
+/// Per-store enforcement state: the memory limiter, the CPU budget and
+/// the wall-time deadline.
 pub(crate) struct StoreLimits {
     memory_bytes: usize,
     cpu_budget: Duration,
-    cpu_used: Duration,
-    /// Nanoseconds since `base` at which the guest last resumed or was last
-    /// charged; shared with yield futures so they can mark the resume time.
-    mark: Arc<AtomicU64>,
+    meter: Arc<CpuMeter>,
     base: Instant,
     /// Nanoseconds since `base` past which the request is over its wall
     /// time.
@@ -75,12 +138,13 @@ pub(crate) struct StoreLimits {
 }
 
 impl StoreLimits {
-    pub(crate) fn new(limits: &Limits) -> Self {
+    /// Limits for one request, billing CPU time by `meter` (which the
+    /// request's future must be [`Metered`] by).
+    pub(crate) fn new(limits: &Limits, meter: Arc<CpuMeter>) -> Self {
         Self {
             memory_bytes: limits.memory_bytes,
             cpu_budget: limits.cpu_time,
-            cpu_used: Duration::ZERO,
-            mark: Arc::new(AtomicU64::new(0)),
+            meter,
             base: Instant::now(),
             deadline: u64::try_from(limits.wall_time.as_nanos()).unwrap_or(u64::MAX),
             yielded: 0,
@@ -88,73 +152,38 @@ impl StoreLimits {
         }
     }
 
-    /// A handle to restart the meter's clock from host calls.
-    pub(crate) fn cpu_mark(&self) -> CpuMark {
-        CpuMark {
-            mark: self.mark.clone(),
-            base: self.base,
-        }
-    }
-
     fn now_nanos(&self) -> u64 {
         self.base.elapsed().as_nanos() as u64
     }
 
-    /// Charges `since` (capped at two ticks: anything longer was not spent
-    /// running this guest) and moves the mark to `now`.
-    fn charge(&mut self, now: u64) -> wasmtime::Result<Duration> {
-        let since = Duration::from_nanos(now.saturating_sub(self.mark.load(Ordering::Relaxed)));
-        let charge = since.min(TICK * 2);
-        self.cpu_used += charge;
-        self.mark.store(now, Ordering::Relaxed);
-        tracing::trace!(?charge, used = ?self.cpu_used, "guest CPU charged");
-        if self.cpu_used > self.cpu_budget {
-            self.exceeded = Some(LimitKind::CpuTime);
-            return Err(LimitKind::CpuTime.into());
-        }
-        Ok(charge)
-    }
-
-    /// The guest calls into the host: bill what it ran since the last mark.
-    pub(crate) fn enter_host(&mut self) -> wasmtime::Result<()> {
-        self.charge(self.now_nanos()).map(|_| ())
-    }
-
-    /// A host call returns: the time it took (waiting for a body, a model,
-    /// a timer) is not guest CPU, so the meter restarts now.
-    pub(crate) fn leave_host(&mut self) {
-        self.mark.store(self.now_nanos(), Ordering::Relaxed);
-    }
-
-    /// Called from the epoch-deadline callback, about once per [`TICK`] of
-    /// guest execution. Charges the time since the last mark, capped at two
-    /// ticks so that time parked in host calls or in the executor's queue is
-    /// not billed as guest CPU.
+    /// Called from the epoch-deadline callback, about once per [`TICK`]
+    /// while the guest runs (and at its first check after a host call that
+    /// took longer): ends the request past its CPU time (the guest's code
+    /// and the host's work for it) or its wall time.
     ///
-    /// It also ends the request at its wall time, and yields at least
-    /// every [`YIELD_EVERY`]: a guest whose host calls never wait (each
-    /// answered at once) would otherwise never give its thread back, so
-    /// neither the thread's other tasks nor the wall-time timer would run.
+    /// It also yields at least every [`YIELD_EVERY`]: a guest whose host
+    /// calls never wait (each answered at once) would otherwise never give
+    /// its thread back, so neither the thread's other tasks nor the
+    /// wall-time timer would run.
     pub(crate) fn on_epoch(&mut self) -> wasmtime::Result<UpdateDeadline> {
         let now = self.now_nanos();
         if now >= self.deadline {
             self.exceeded = Some(LimitKind::WallTime);
             return Err(LimitKind::WallTime.into());
         }
-        let charge = self.charge(now)?;
-        let since_yield = Duration::from_nanos(now.saturating_sub(self.yielded));
-        if charge < TICK / 2 && since_yield < YIELD_EVERY {
-            // Just resumed: run a slice before yielding again.
+        let used = self.meter.used();
+        tracing::trace!(?used, "guest CPU");
+        if used > self.cpu_budget {
+            self.exceeded = Some(LimitKind::CpuTime);
+            return Err(LimitKind::CpuTime.into());
+        }
+        if Duration::from_nanos(now.saturating_sub(self.yielded)) < YIELD_EVERY {
             return Ok(UpdateDeadline::Continue(1));
         }
         self.yielded = now;
-        let mark = self.cpu_mark();
         Ok(UpdateDeadline::YieldCustom(
             1,
-            Box::pin(async move {
-                tokio::task::yield_now().await;
-                mark.resume();
-            }),
+            Box::pin(tokio::task::yield_now()),
         ))
     }
 }

@@ -94,12 +94,31 @@ async fn a_guest_whose_host_calls_never_wait_is_stopped_at_its_wall_time() {
     .await;
     let key = s.tenant("acme").await;
     s.deploy(&key, "bad", "misbehave").await;
-    // Its calls bill it microseconds each: the wall time must end it, long
-    // before its CPU time would.
+    // Its CPU time is ample: the wall time must end it, though its host
+    // calls never wait.
     let (status, kind, msg) = error_of(s.call("acme", "bad", "/hog").await).await;
     assert_eq!(
         (status, kind.as_str()),
         (504, "wall_time_limit_exceeded"),
+        "{msg}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_work_done_for_a_guest_counts_against_its_cpu_time() {
+    let s = TestServer::start_with(|c| {
+        c.limits.wall_time = std::time::Duration::from_secs(10);
+        c.limits.cpu_time = std::time::Duration::from_millis(50);
+    })
+    .await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    // Its loop is nearly all host calls answered at once: that work is
+    // the guest's to pay, so its CPU time ends it, not the wall time.
+    let (status, kind, msg) = error_of(s.call("acme", "bad", "/hog").await).await;
+    assert_eq!(
+        (status, kind.as_str()),
+        (504, "cpu_time_limit_exceeded"),
         "{msg}"
     );
 }

@@ -50,7 +50,13 @@ async fn deploy(s: &TestServer, key: &str, name: &str, project: &'static str) {
 }
 
 async fn serve_end_to_end(p: &Projects) {
-    let s = TestServer::start_with_models().await;
+    // CPU time counts the kernel's work for a guest too: `/grow` touches
+    // every page it allocates (zeroed), and 128 MiB of them must fit in
+    // the budget for the memory limit to be the one that stops it.
+    let s = TestServer::start_with_pools(1, |c| {
+        c.limits.cpu_time = std::time::Duration::from_millis(500)
+    })
+    .await;
     let key = s.tenant("acme").await;
     deploy(&s, &key, "hello", p.hello).await;
     deploy(&s, &key, "chat", p.chat).await;
