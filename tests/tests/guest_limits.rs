@@ -85,42 +85,35 @@ async fn trap_and_wall_limit_are_reported_and_outbound_http_is_denied() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_guest_whose_host_calls_never_wait_is_stopped_at_its_wall_time() {
+/// The limit that stops misbehave's `/hog` (a loop of host calls answered
+/// at once) under `wall` and `cpu`.
+async fn hog_stopped_by(wall: Duration, cpu: Duration) -> String {
     let s = TestServer::start_with(|c| {
-        c.limits.wall_time = std::time::Duration::from_secs(1);
-        c.limits.cpu_time = std::time::Duration::from_secs(5);
+        c.limits.wall_time = wall;
+        c.limits.cpu_time = cpu;
     })
     .await;
     let key = s.tenant("acme").await;
     s.deploy(&key, "bad", "misbehave").await;
+    let (status, kind, msg) = error_of(s.call("acme", "bad", "/hog").await).await;
+    assert_eq!(status, 504, "{msg}");
+    kind
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_whose_host_calls_never_wait_is_stopped_at_its_wall_time() {
     // Its CPU time is ample: the wall time must end it, though its host
     // calls never wait.
-    let (status, kind, msg) = error_of(s.call("acme", "bad", "/hog").await).await;
-    assert_eq!(
-        (status, kind.as_str()),
-        (504, "wall_time_limit_exceeded"),
-        "{msg}"
-    );
+    let kind = hog_stopped_by(Duration::from_secs(1), Duration::from_secs(5)).await;
+    assert_eq!(kind, "wall_time_limit_exceeded");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_work_done_for_a_guest_counts_against_its_cpu_time() {
-    let s = TestServer::start_with(|c| {
-        c.limits.wall_time = std::time::Duration::from_secs(10);
-        c.limits.cpu_time = std::time::Duration::from_millis(50);
-    })
-    .await;
-    let key = s.tenant("acme").await;
-    s.deploy(&key, "bad", "misbehave").await;
     // Its loop is nearly all host calls answered at once: that work is
     // the guest's to pay, so its CPU time ends it, not the wall time.
-    let (status, kind, msg) = error_of(s.call("acme", "bad", "/hog").await).await;
-    assert_eq!(
-        (status, kind.as_str()),
-        (504, "cpu_time_limit_exceeded"),
-        "{msg}"
-    );
+    let kind = hog_stopped_by(Duration::from_secs(10), Duration::from_millis(50)).await;
+    assert_eq!(kind, "cpu_time_limit_exceeded");
 }
 
 /// A deploy of `name` whose upload never ends: its headers and the
