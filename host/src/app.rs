@@ -376,6 +376,7 @@ impl App {
         };
         self.routes_mut()
             .remove(&(tenant.to_owned(), name.as_str().to_owned()));
+        self.metrics.forget_function(tenant, name.as_str());
         if !shared {
             self.components.remove(&guard, &row.digest);
             self.runtime.forget(&row.digest);

@@ -29,7 +29,9 @@ impl App {
                         routes.insert(key, Arc::new(route));
                     }
                     None => {
-                        routes.remove(&key);
+                        if routes.remove(&key).is_some() {
+                            self.metrics.forget_function(tenant, name);
+                        }
                     }
                 }
             }

@@ -16,8 +16,36 @@ pub struct InvokeLabels {
     pub tenant: String,
     /// Function name.
     pub function: String,
-    /// HTTP status returned.
-    pub status: u16,
+    /// HTTP status returned: the code itself for the statuses Kiln and
+    /// most functions answer, its class (`2xx`, ...) for the others, so a
+    /// function choosing odd codes adds a handful of series, not hundreds.
+    pub status: String,
+}
+
+/// The statuses [`InvokeLabels`] names by their code.
+const NAMED_STATUSES: [u16; 17] = [
+    200, 201, 202, 204, 301, 302, 304, 400, 401, 403, 404, 408, 409, 413, 429, 500, 502,
+];
+
+/// More statuses named by code: the ones Kiln's limits answer.
+const LIMIT_STATUSES: [u16; 2] = [503, 504];
+
+impl InvokeLabels {
+    /// `status` as its label: the code, or its class.
+    pub fn status_label(status: u16) -> String {
+        if NAMED_STATUSES.contains(&status) || LIMIT_STATUSES.contains(&status) {
+            status.to_string()
+        } else {
+            format!("{}xx", status / 100)
+        }
+    }
+
+    /// Every label a status can have.
+    fn all_status_labels() -> impl Iterator<Item = String> {
+        let codes = NAMED_STATUSES.iter().chain(&LIMIT_STATUSES);
+        let classes = (1..=9).map(|c| format!("{c}xx"));
+        codes.map(u16::to_string).chain(classes)
+    }
 }
 
 /// Labels of a per-function latency.
@@ -298,6 +326,27 @@ pub struct Metrics {
     pub engine: EngineMetrics,
 }
 
+impl Metrics {
+    /// Drops the series of `tenant`'s function `function` (deleted): a
+    /// tenant deploying, calling and deleting made-up functions would
+    /// otherwise grow the metrics for the server's life.
+    pub fn forget_function(&self, tenant: &str, function: &str) {
+        let labels = FnLabels {
+            tenant: tenant.to_owned(),
+            function: function.to_owned(),
+        };
+        self.instantiate.remove(&labels);
+        self.handler.remove(&labels);
+        for status in InvokeLabels::all_status_labels() {
+            self.requests.remove(&InvokeLabels {
+                tenant: tenant.to_owned(),
+                function: function.to_owned(),
+                status,
+            });
+        }
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::with_prefix("kiln");
@@ -352,5 +401,22 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn common_statuses_are_labelled_by_code_and_the_rest_by_class() {
+        assert_eq!(InvokeLabels::status_label(200), "200");
+        assert_eq!(InvokeLabels::status_label(504), "504");
+        assert_eq!(InvokeLabels::status_label(299), "2xx");
+        assert_eq!(InvokeLabels::status_label(999), "9xx");
+        let all: Vec<String> = InvokeLabels::all_status_labels().collect();
+        for code in 100..1000 {
+            assert!(all.contains(&InvokeLabels::status_label(code)), "{code}");
+        }
     }
 }

@@ -187,6 +187,32 @@ async fn a_prompt_past_four_mebibytes_is_refused_before_it_is_tokenized() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_functions_metric_series_go_with_it() {
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    let metrics = || async {
+        let resp = s
+            .http
+            .get(format!("{}/metrics", s.url))
+            .bearer_auth(&s.admin);
+        resp.send().await.unwrap().text().await.unwrap()
+    };
+    for name in ["f-1", "f-2"] {
+        s.deploy(&key, name, "misbehave").await;
+        assert_eq!(s.call("acme", name, "/").await.status(), 200);
+    }
+    assert!(metrics().await.contains(r#"function="f-1""#));
+    let del = s
+        .http
+        .delete(format!("{}/v1/functions/f-1", s.url))
+        .bearer_auth(&key);
+    assert_eq!(del.send().await.unwrap().status(), 204);
+    let text = metrics().await;
+    assert!(!text.contains(r#"function="f-1""#), "{text}");
+    assert!(text.contains(r#"function="f-2",status="200""#), "{text}");
+}
+
 /// Reads from `stream` until the server closes it; what it sent.
 async fn read_to_close(stream: &mut tokio::net::TcpStream) -> String {
     let mut buf = Vec::new();

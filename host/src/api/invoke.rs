@@ -71,7 +71,7 @@ where
         .get_or_create(&InvokeLabels {
             tenant: fn_labels.tenant.clone(),
             function: fn_labels.function.clone(),
-            status: response.status().as_u16(),
+            status: InvokeLabels::status_label(response.status().as_u16()),
         })
         .inc();
     response
