@@ -115,6 +115,12 @@ pub enum AppError {
         /// Its cap on bodies arriving at once.
         cap: u32,
     },
+    /// As many API keys not seen before are being looked up as may be.
+    #[error(
+        "the server is checking as many API keys it has not seen before as it may at once; \
+         retry shortly"
+    )]
+    KeyChecksBusy,
     /// The component was refused, or could not be compiled.
     #[error(transparent)]
     Component(#[from] RuntimeError),
@@ -224,8 +230,8 @@ impl App {
     /// The tenant owning API key `key`, if it is valid.
     /// A key not seen before is looked up aside from the async worker.
     pub fn tenant_for_key(&self, key: &str) -> Result<Option<String>, AppError> {
-        let lookup = |id: &str| aside(|| self.db.api_key(id));
-        Ok(self.keys.tenant(key, lookup)?)
+        let lookup = |id: &str| aside(|| self.db.api_key(id)).map_err(AppError::from);
+        self.keys.tenant(key, lookup, || AppError::KeyChecksBusy)
     }
 
     /// Creates a tenant; returns its first API key.

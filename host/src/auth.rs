@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rand::Rng;
 use sha2::{Digest, Sha256};
@@ -67,20 +68,40 @@ pub struct AdminToken {
 /// connection). A key's row never changes once made (keys are neither
 /// revoked nor moved), so a kept row is never stale. Only rows found are
 /// kept, so a key made on another node is found on first use. Bounded:
-/// past [`KEYS_KEPT`] rows it starts again empty.
+/// past [`KEYS_KEPT`] rows it starts again empty. At most
+/// [`KEY_LOOKUPS`] ids not kept are looked up at once: a flood of made-up
+/// keys (each well formed, each new) is refused without the database,
+/// rather than queueing every node's statements behind it.
 #[derive(Default)]
-pub struct KeyCache(Mutex<HashMap<String, (String, Vec<u8>)>>);
+pub struct KeyCache {
+    rows: Mutex<HashMap<String, (String, Vec<u8>)>>,
+    lookups: AtomicUsize,
+}
 
 /// The most key rows a [`KeyCache`] keeps.
 pub const KEYS_KEPT: usize = 65_536;
 
+/// The most keys not kept that a [`KeyCache`] looks up at once.
+pub const KEY_LOOKUPS: usize = 16;
+
+/// One of a [`KeyCache`]'s lookups, given back when dropped.
+struct LookupSlot<'a>(&'a AtomicUsize);
+
+impl Drop for LookupSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 impl KeyCache {
     /// The tenant owning `key`, if it is valid: from the kept row of its
-    /// id, else from `lookup` (the database), whose row is kept if found.
+    /// id, else from `lookup` (the database), whose row is kept if found;
+    /// `busy()` when [`KEY_LOOKUPS`] lookups are under way already.
     pub fn tenant<E>(
         &self,
         key: &str,
         lookup: impl FnOnce(&str) -> Result<Option<(String, Vec<u8>)>, E>,
+        busy: impl FnOnce() -> E,
     ) -> Result<Option<String>, E> {
         let Some(id) = key_id(key) else {
             return Ok(None);
@@ -88,7 +109,7 @@ impl KeyCache {
         let kept = self.rows().get(id).cloned();
         let row = match kept {
             Some(row) => row,
-            None => match lookup(id)? {
+            None => match self.looked_up(id, lookup, busy)? {
                 Some(row) => {
                     let mut rows = self.rows();
                     if rows.len() >= KEYS_KEPT {
@@ -103,8 +124,21 @@ impl KeyCache {
         Ok(verify(key, &row.1).then_some(row.0))
     }
 
+    fn looked_up<E>(
+        &self,
+        id: &str,
+        lookup: impl FnOnce(&str) -> Result<Option<(String, Vec<u8>)>, E>,
+        busy: impl FnOnce() -> E,
+    ) -> Result<Option<(String, Vec<u8>)>, E> {
+        let _slot = LookupSlot(&self.lookups);
+        if self.lookups.fetch_add(1, Ordering::AcqRel) >= KEY_LOOKUPS {
+            return Err(busy());
+        }
+        lookup(id)
+    }
+
     fn rows(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, Vec<u8>)>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.rows.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -167,26 +201,80 @@ mod tests {
             asked.set(asked.get() + 1);
             Ok::<_, ()>((id == k.id).then(|| row.clone()))
         };
-        assert_eq!(cache.tenant(&k.key, lookup), Ok(Some("acme".into())));
-        assert_eq!(cache.tenant(&k.key, lookup), Ok(Some("acme".into())));
+        assert_eq!(cache.tenant(&k.key, lookup, || ()), Ok(Some("acme".into())));
+        assert_eq!(cache.tenant(&k.key, lookup, || ()), Ok(Some("acme".into())));
         assert_eq!(asked.get(), 1, "the second check read the database");
         // A wrong secret under a known id is refused from the kept row.
         let mut wrong = k.key.clone();
         wrong.pop();
         wrong.push(if k.key.ends_with('0') { '1' } else { '0' });
-        assert_eq!(cache.tenant(&wrong, lookup), Ok(None));
+        assert_eq!(cache.tenant(&wrong, lookup, || ()), Ok(None));
         assert_eq!(asked.get(), 1);
         // An id not found is asked again each time: a key made meanwhile
         // (on another node) must be found.
         let other = new_key();
-        assert_eq!(cache.tenant(&other.key, lookup), Ok(None));
-        assert_eq!(cache.tenant(&other.key, lookup), Ok(None));
+        assert_eq!(cache.tenant(&other.key, lookup, || ()), Ok(None));
+        assert_eq!(cache.tenant(&other.key, lookup, || ()), Ok(None));
         assert_eq!(asked.get(), 3);
         // A database error is the caller's, and nothing is kept.
-        assert_eq!(cache.tenant(&other.key, |_| Err("down")), Err("down"));
+        assert_eq!(
+            cache.tenant(&other.key, |_| Err("down"), || "busy"),
+            Err("down")
+        );
         // Malformed keys never reach the database.
-        assert_eq!(cache.tenant("kiln_short_x", lookup), Ok(None));
+        assert_eq!(cache.tenant("kiln_short_x", lookup, || ()), Ok(None));
         assert_eq!(asked.get(), 3);
+    }
+
+    #[test]
+    fn past_its_lookups_under_way_an_unknown_key_is_refused_without_the_database() {
+        let cache = std::sync::Arc::new(KeyCache::default());
+        let known = new_key();
+        let row = (String::from("acme"), known.hash.to_vec());
+        let found = |_: &str| Ok::<_, &str>(Some(row.clone()));
+        assert_eq!(
+            cache.tenant(&known.key, found, || "busy"),
+            Ok(Some("acme".into()))
+        );
+        // KEY_LOOKUPS lookups wait on a slow database.
+        let (entered, release) = (
+            std::sync::mpsc::channel(),
+            std::sync::Barrier::new(KEY_LOOKUPS + 1),
+        );
+        let release = std::sync::Arc::new(release);
+        let waiting: Vec<_> = (0..KEY_LOOKUPS)
+            .map(|_| {
+                let (cache, entered, release) = (cache.clone(), entered.0.clone(), release.clone());
+                std::thread::spawn(move || {
+                    let slow = |_: &str| {
+                        entered.send(()).unwrap();
+                        release.wait();
+                        Ok::<_, &str>(None)
+                    };
+                    cache.tenant(&new_key().key, slow, || "busy")
+                })
+            })
+            .collect();
+        for _ in 0..KEY_LOOKUPS {
+            entered.1.recv().unwrap();
+        }
+        let never = |_: &str| -> Result<Option<(String, Vec<u8>)>, &str> { panic!("asked") };
+        assert_eq!(cache.tenant(&new_key().key, never, || "busy"), Err("busy"));
+        // A kept key still passes.
+        assert_eq!(
+            cache.tenant(&known.key, never, || "busy"),
+            Ok(Some("acme".into()))
+        );
+        release.wait();
+        for w in waiting {
+            assert_eq!(w.join().unwrap(), Ok(None));
+        }
+        let none = |_: &str| Ok::<_, &str>(None);
+        assert_eq!(
+            cache.tenant(&new_key().key, none, || "busy"),
+            Ok(None),
+            "slots back"
+        );
     }
 
     #[test]

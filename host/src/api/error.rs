@@ -193,6 +193,7 @@ impl From<AppError> for ApiError {
             AppError::DeploysExceeded { .. } => {
                 Self::too_many_requests(e.to_string()).with_code("tenant_deploys_exceeded")
             }
+            AppError::KeyChecksBusy => Self::unavailable(e.to_string()),
             AppError::BodiesExceeded { .. } => {
                 Self::too_many_requests(e.to_string()).with_code("tenant_bodies_exceeded")
             }
