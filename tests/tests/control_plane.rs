@@ -2,7 +2,7 @@
 //! SQLite in the data directory and PostgreSQL (a throwaway server), both
 //! migrated by the same tool; and a server runs on PostgreSQL.
 
-use kiln_host::db::{Db, DbError, FunctionRow};
+use kiln_host::db::{Db, DbError, FunctionRow, TenantLoad};
 use kiln_tests::TestServer;
 use kiln_tests::postgres::Postgres;
 
@@ -102,6 +102,23 @@ fn a_delete_on_one_node_cannot_take_the_bytes_of_a_deploy_on_another() {
     b.upsert_function(&row("beta", "g", "xx")).unwrap();
     a.forget_component("xx").unwrap();
     assert_eq!(b.component("xx").unwrap(), Some(b"x".to_vec()));
+}
+
+#[test]
+fn the_quota_rows_of_a_node_gone_for_a_minute_are_cleared() {
+    let pg = Postgres::start();
+    let db = Db::connect(&pg.url).unwrap();
+    let load = TenantLoad {
+        tenant: "acme".into(),
+        tokens: 10,
+        inflight: 1,
+    };
+    db.share_load("gone", std::slice::from_ref(&load)).unwrap();
+    db.share_load("alive", std::slice::from_ref(&load)).unwrap();
+    // "gone" stopped (each start of a node is a new one) a minute ago.
+    pg.query("UPDATE quota_load SET updated = now() - interval '2 minutes' WHERE node = 'gone'");
+    db.share_load("alive", std::slice::from_ref(&load)).unwrap();
+    assert_eq!(pg.query("SELECT node FROM quota_load"), "alive");
 }
 
 #[test]

@@ -335,7 +335,12 @@ impl Store for Postgres {
         let (node, load) = (node.to_owned(), load.to_vec());
         self.run(move |c| {
             let mut tx = c.transaction()?;
-            tx.execute("DELETE FROM quota_load WHERE node = $1", &[&node])?;
+            // Its own rows, and those of nodes gone for a minute (each
+            // start is a new node): the table holds the live nodes' only.
+            tx.execute(
+                "DELETE FROM quota_load WHERE node = $1 OR updated < now() - interval '1 minute'",
+                &[&node],
+            )?;
             for l in &load {
                 tx.execute(
                     "INSERT INTO quota_load (node, tenant, tokens, inflight) VALUES ($1, $2, $3, $4)",
