@@ -18,7 +18,10 @@ impl App {
             Change::Function { tenant, name } => {
                 let row = self.db.function(tenant, name)?;
                 let key = (tenant.clone(), name.clone());
+                // In the order deploys take them.
+                let guard = self.components.lock();
                 let mut routes = self.routes_mut();
+                let before = routes.get(&key).map(|r| r.row.digest.clone());
                 match row {
                     Some(row) if routes.get(&key).is_some_and(|r| r.row == row) => {}
                     Some(row) => {
@@ -33,6 +36,18 @@ impl App {
                             self.metrics.forget_function(tenant, name);
                         }
                     }
+                }
+                // A component no route here uses any more: its file (fetched
+                // when first called here) and compiled code go, as they do on
+                // the node that made the change.
+                if let Some(old) = before
+                    && !routes.values().any(|r| r.row.digest == old)
+                {
+                    drop(routes);
+                    if self.components.path(&old).exists() {
+                        self.components.remove(&guard, &old);
+                    }
+                    self.runtime.forget(&old);
                 }
             }
             Change::Policy { tenant } => {

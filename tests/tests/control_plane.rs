@@ -224,6 +224,40 @@ async fn what_one_node_changes_another_serves_within_a_second() {
     assert_eq!(b.call("acme", "f", "/").await.status(), 404);
 }
 
+/// The components whose files `node` holds.
+fn component_files(node: &TestServer) -> Vec<String> {
+    let dir = node.data_dir().join("components");
+    let mut names: Vec<String> = (std::fs::read_dir(dir).unwrap())
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".wasm"))
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redeploy_on_one_node_clears_the_old_component_from_the_others() {
+    use std::time::Duration;
+    let pg = tokio::task::spawn_blocking(Postgres::start).await.unwrap();
+    let a = TestServer::start_on_database(&pg.url).await;
+    let b = TestServer::start_on_database(&pg.url).await;
+    let key = a.tenant("acme").await;
+    a.deploy(&key, "f", "misbehave").await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while b.call("acme", "f", "/").await.status() != 200 {
+        assert!(std::time::Instant::now() < deadline, "b never served f");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let old = component_files(&b);
+    assert_eq!(old.len(), 1, "b fetched f's component: {old:?}");
+    a.deploy(&key, "f", "hello").await;
+    while component_files(&b) == old {
+        assert!(std::time::Instant::now() < deadline, "b kept {old:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!component_files(&b).contains(&old[0]));
+}
+
 /// Calls `node`'s chat API with `key` until its quota refuses one (429);
 /// how many it admitted.
 async fn call_until_refused(node: &TestServer, key: &str) -> usize {
