@@ -57,6 +57,10 @@ pub struct App {
     /// Model calls' bodies arriving, per tenant.
     bodies: TenantQueues,
     keys: auth::KeyCache,
+    /// Held while a policy is written to the database and set in memory,
+    /// or read back from it for a change another node made: so the two
+    /// always end up holding the same last write.
+    policy_writes: std::sync::Mutex<()>,
 }
 
 /// How long a model call waits for one of its tenant's body slots: short,
@@ -212,6 +216,7 @@ impl App {
             deploys: TenantQueues::new(DEPLOYS_PER_TENANT),
             bodies: TenantQueues::new(tenant_bodies),
             keys: auth::KeyCache::default(),
+            policy_writes: std::sync::Mutex::default(),
         })
     }
 
@@ -252,8 +257,11 @@ impl App {
         }
         let json = serde_json::to_string(&policy)
             .map_err(|e| AppError::Internal(format!("encoding the policy: {e}")))?;
-        self.db.set_policy(tenant.as_str(), &json)?;
-        self.ai.set_policy(tenant.as_str(), policy);
+        {
+            let _write = self.policy_writes.lock().unwrap_or_else(|p| p.into_inner());
+            self.db.set_policy(tenant.as_str(), &json)?;
+            self.ai.set_policy(tenant.as_str(), policy);
+        }
         self.db.publish(&Change::Policy {
             tenant: tenant.as_str().to_owned(),
         })?;

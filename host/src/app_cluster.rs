@@ -51,6 +51,7 @@ impl App {
                 }
             }
             Change::Policy { tenant } => {
+                let _write = self.policy_writes.lock().unwrap_or_else(|p| p.into_inner());
                 for (t, json) in self.db.policies()? {
                     if t == *tenant {
                         self.set_stored_policy(&t, &json);
