@@ -167,6 +167,13 @@ impl KvCacheManager {
         tokens.div_ceil(self.page_size).saturating_sub(have)
     }
 
+    /// The most tokens `seq` could cover while leaving `reserve` pages
+    /// free: its pages and those free above the reserve.
+    pub fn tokens_leaving(&self, seq: SeqId, reserve: usize) -> usize {
+        let have = self.tables.get(&seq).map_or(0, |t| t.pages.len());
+        (have + self.pool.num_free().saturating_sub(reserve)) * self.page_size
+    }
+
     /// Whether the free pages would cover `seq` to `tokens` tokens.
     pub fn fits(&self, seq: SeqId, tokens: usize) -> bool {
         self.need(seq, tokens) <= self.pool.num_free()

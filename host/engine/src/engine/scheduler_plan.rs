@@ -122,16 +122,25 @@ impl Scheduler {
     /// Plans `count` tokens of running sequence `id`, preempting the busiest
     /// tenant's newest sequences if its pages do not fit (or `id` itself
     /// when nothing else frees enough), unless pages are kept for another
-    /// lane's streams: then it waits.
+    /// lane's streams: then it runs what fits above them.
     fn run_chunk(&mut self, id: SeqId, count: usize, kv: &mut KvCacheManager, step: &mut Planning) {
         let s = self.seqs[&id].clone();
-        let tokens = s.computed + count;
+        let mut count = count;
         // Preempt for pages that are missing. While another lane's streams
-        // are due pages (`reserve`), a chunk that lacks them waits for
-        // theirs to free instead: the kept pages are not its to take, and
-        // preempting for the rest could discard other prompts' work for a
-        // chunk that still does not fit.
-        if self.reserve == 0 {
+        // are due pages (`reserve`), a chunk runs as far as the pages above
+        // the reserve take it and waits for the rest: the kept pages are not
+        // its to take, and preempting for the rest could discard other
+        // prompts' work for a chunk that still does not fit.
+        if self.reserve > 0 {
+            count = count.min(
+                kv.tokens_leaving(id, self.reserve)
+                    .saturating_sub(s.computed),
+            );
+            if count == 0 {
+                return;
+            }
+        } else {
+            let tokens = s.computed + count;
             while !kv.fits(id, tokens) {
                 // Streams waiting for their decode turn may go: fairness,
                 // not the turn, says whose pages are taken.
@@ -145,6 +154,7 @@ impl Scheduler {
                 return;
             }
         }
+        let tokens = s.computed + count;
         if !kv.allocate_leaving(id, s.tenant, tokens, self.reserve) {
             return;
         }

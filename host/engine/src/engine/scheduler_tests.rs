@@ -359,3 +359,24 @@ fn a_chunk_short_of_pages_kept_for_another_lanes_streams_waits_and_preempts_nobo
         "the older prompt kept its work: {starts:?}"
     );
 }
+
+#[test]
+fn a_chunk_beside_pages_kept_for_another_lanes_streams_runs_as_far_as_the_rest_take_it() {
+    let mut kv = KvCacheManager::new(5, 16);
+    let mut s = Scheduler::new(cfg(32, 8));
+    s.add(1, TenantId(1), 96, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    // Another lane's stream holds a page and is due one more: of the two
+    // free, one is the prompt's to take.
+    assert!(kv.allocate(99, TenantId(3), 16));
+    s.set_reserve(1);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    let plan: Vec<_> = out
+        .scheduled
+        .iter()
+        .map(|x| (x.seq, x.start, x.count))
+        .collect();
+    assert_eq!(plan, vec![(1, 32, 16)]);
+    assert!(out.preempted.is_empty());
+    assert_eq!(kv.num_free(), 1, "the kept page stays free");
+}
