@@ -247,9 +247,16 @@ pub(crate) struct AiCtx {
     pub(crate) tenant: String,
     pub(crate) session: SessionAffinity,
     pub(crate) backend: Arc<dyn Inference>,
+    /// The request's CPU meter, which model calls are kept off.
+    pub(crate) meter: Arc<crate::limits::CpuMeter>,
 }
 
 impl AiCtx {
+    /// `call` kept off the request's CPU time.
+    fn unbilled<F: std::future::Future>(&self, call: F) -> crate::limits::Unbilled<F> {
+        crate::limits::Unbilled::new(call, self.meter.clone())
+    }
+
     /// A guest's call as the backend gets it: the invocation's tenant, and
     /// the session key that [`SessionAffinity`]'s precedence gives it.
     fn model_call(&self, model: String, prompt: Prompt, mut params: Params) -> ModelCall {
@@ -292,7 +299,7 @@ impl wit::Host for AiView<'_> {
         params: Params,
     ) -> wasmtime::Result<Result<Completion, AiError>> {
         let call = self.ctx.model_call(model, Prompt::Chat(messages), params);
-        let out = self.ctx.backend.call(call).await;
+        let out = self.ctx.unbilled(self.ctx.backend.call(call)).await;
         Ok(out)
     }
 
@@ -303,7 +310,7 @@ impl wit::Host for AiView<'_> {
         params: Params,
     ) -> wasmtime::Result<Result<Resource<ChatStreamHandle>, AiError>> {
         let call = self.ctx.model_call(model, Prompt::Chat(messages), params);
-        let started = self.ctx.backend.stream(call).await;
+        let started = self.ctx.unbilled(self.ctx.backend.stream(call)).await;
         match started {
             Ok(stream) => {
                 let handle = ChatStreamHandle {
@@ -323,7 +330,7 @@ impl wit::Host for AiView<'_> {
         params: Params,
     ) -> wasmtime::Result<Result<Completion, AiError>> {
         let call = self.ctx.model_call(model, Prompt::Text(prompt), params);
-        let out = self.ctx.backend.call(call).await;
+        let out = self.ctx.unbilled(self.ctx.backend.call(call)).await;
         Ok(out)
     }
 
@@ -343,7 +350,8 @@ impl wit::HostChatStream for AiView<'_> {
                 "the stream has already ended: do not call `next` after `done`".into(),
             )));
         }
-        let event = handle.stream.next().await;
+        let meter = self.ctx.meter.clone();
+        let event = crate::limits::Unbilled::new(handle.stream.next(), meter).await;
         if matches!(event, Ok(StreamEvent::Done(_)) | Err(_)) {
             handle.finished = true;
         }

@@ -114,6 +114,7 @@ impl Runtime {
             tenant: invocation.tenant,
             session: invocation.session,
             backend: self.backend.clone(),
+            meter: meter.clone(),
         };
         let mut store = Store::new(&self.engine, State::new(ai, limits));
         store.limiter(|s| &mut s.limits);

@@ -68,6 +68,9 @@ fn thread_cpu() -> Duration {
 pub(crate) struct CpuMeter {
     /// Nanoseconds used in polls that have ended.
     done: AtomicU64,
+    /// Nanoseconds of those (and of the poll now running) spent in model
+    /// calls ([`Unbilled`]).
+    unbilled: AtomicU64,
     /// The thread's CPU clock (nanoseconds, at least 1) when the poll now
     /// running began; 0 between polls.
     poll_start: AtomicU64,
@@ -82,7 +85,41 @@ impl CpuMeter {
             0 => 0,
             s => (thread_cpu().as_nanos() as u64).saturating_sub(s),
         };
-        Duration::from_nanos(self.done.load(Ordering::Relaxed) + running)
+        let spent = self.done.load(Ordering::Relaxed) + running;
+        Duration::from_nanos(spent.saturating_sub(self.unbilled.load(Ordering::Relaxed)))
+    }
+}
+
+/// A model call inside a request, whose polls are taken off the request's
+/// CPU time: preparing a prompt (templating, tokenizing, compiling its
+/// format) is the model's work, bounded as an API call's is (by its size
+/// and the tenant's model calls in flight), not the guest's.
+pub(crate) struct Unbilled<F> {
+    inner: std::pin::Pin<Box<F>>,
+    meter: Arc<CpuMeter>,
+}
+
+impl<F: std::future::Future> Unbilled<F> {
+    pub(crate) fn new(inner: F, meter: Arc<CpuMeter>) -> Self {
+        Self {
+            inner: Box::pin(inner),
+            meter,
+        }
+    }
+}
+
+impl<F: std::future::Future> std::future::Future for Unbilled<F> {
+    type Output = F::Output;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        let start = thread_cpu().as_nanos() as u64;
+        let out = self.inner.as_mut().poll(cx);
+        let spent = (thread_cpu().as_nanos() as u64).saturating_sub(start);
+        self.meter.unbilled.fetch_add(spent, Ordering::Relaxed);
+        out
     }
 }
 

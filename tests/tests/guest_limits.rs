@@ -85,9 +85,8 @@ async fn trap_and_wall_limit_are_reported_and_outbound_http_is_denied() {
     );
 }
 
-/// The limit that stops misbehave's `/hog` (a loop of host calls answered
-/// at once) under `wall` and `cpu`.
-async fn hog_stopped_by(wall: Duration, cpu: Duration) -> String {
+/// The limit that stops misbehave's `path` under `wall` and `cpu`.
+async fn stopped_by(path: &str, wall: Duration, cpu: Duration) -> String {
     let s = TestServer::start_with(|c| {
         c.limits.wall_time = wall;
         c.limits.cpu_time = cpu;
@@ -95,25 +94,47 @@ async fn hog_stopped_by(wall: Duration, cpu: Duration) -> String {
     .await;
     let key = s.tenant("acme").await;
     s.deploy(&key, "bad", "misbehave").await;
-    let (status, kind, msg) = error_of(s.call("acme", "bad", "/hog").await).await;
+    let (status, kind, msg) = error_of(s.call("acme", "bad", path).await).await;
     assert_eq!(status, 504, "{msg}");
     kind
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_whose_host_calls_never_wait_is_stopped_at_its_wall_time() {
-    // Its CPU time is ample: the wall time must end it, though its host
-    // calls never wait.
-    let kind = hog_stopped_by(Duration::from_secs(1), Duration::from_secs(5)).await;
+    // `/hog` calls a model in a loop, each call answered at once: the wall
+    // time must end it, though its calls never wait.
+    let kind = stopped_by("/hog", Duration::from_secs(1), Duration::from_secs(5)).await;
     assert_eq!(kind, "wall_time_limit_exceeded");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_work_done_for_a_guest_counts_against_its_cpu_time() {
-    // Its loop is nearly all host calls answered at once: that work is
-    // the guest's to pay, so its CPU time ends it, not the wall time.
-    let kind = hog_stopped_by(Duration::from_secs(10), Duration::from_millis(50)).await;
+    // Its loop is nearly all the host's work (random bytes): the guest's
+    // to pay, so its CPU time ends it, not the wall time.
+    let kind = stopped_by(
+        "/random",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+    )
+    .await;
     assert_eq!(kind, "cpu_time_limit_exceeded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_calls_preparation_is_not_the_guests_cpu_time() {
+    let s = TestServer::start_with_models().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    // Templating and tokenizing 2 MB takes the host far more than the
+    // guest's 50 ms; the model refuses the prompt, and the guest says so.
+    let resp = s.call("acme", "bad", "/longask").await;
+    let status = resp.status();
+    let text = resp.text().await.unwrap();
+    assert_eq!(status, 502, "{text}");
+    assert!(
+        text.contains("InvalidInput") && text.contains("the prompt has"),
+        "{text}"
+    );
 }
 
 /// A deploy of `name` whose upload never ends: its headers and the

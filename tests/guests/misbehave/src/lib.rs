@@ -11,7 +11,9 @@
 //! and feeds the result back, `/bodies` fills response bodies it never
 //! sends (host memory, not its own), `/authority` sets a short and a 1 MiB
 //! authority, then method, on an outgoing request and reports which the
-//! host took, `/partial` streams a few bytes and then spins.
+//! host took, `/partial` streams a few bytes and then spins, `/random`
+//! asks the host for random bytes without end, `/longask` sends the
+//! default model a 2 MB prompt (past its context) and reports the error.
 
 use kiln_guest::{Handler, Request, Response, ai};
 
@@ -69,6 +71,14 @@ impl Handler for Misbehave {
                 Ok(c) => Response::text(200, c.text),
                 Err(e) => Response::text(502, format!("{e:?}")),
             },
+            "/longask" => match ai::Chat::new("smollm2-135m-instruct")
+                .user("word ".repeat(400_000))
+                .max_tokens(1)
+                .send()
+            {
+                Ok(c) => Response::text(200, c.text),
+                Err(e) => Response::text(502, format!("{e:?}")),
+            },
             "/tool" => match tool_round_trip() {
                 Ok(report) => Response::text(200, report),
                 Err(e) => Response::text(502, format!("{e:?}")),
@@ -76,6 +86,11 @@ impl Handler for Misbehave {
             "/hog" => loop {
                 // Host calls answered at once: the guest never waits.
                 let _ = ai::Chat::new("no-such-model").user("hi").send();
+            },
+            "/random" => loop {
+                // Host work for the guest: 8 MiB of random bytes a call.
+                let bytes = kiln_guest::bindings::wasi::random::random::get_random_bytes(8 << 20);
+                std::hint::black_box(bytes);
             },
             "/bodies" => Response::text(200, hoard_bodies()),
             "/authority" => Response::text(200, authorities()),
