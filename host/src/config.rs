@@ -67,8 +67,8 @@ pub struct NetLimits {
     pub max_connections: usize,
     /// Largest request body a function is given; past it, 413.
     pub max_body_bytes: u64,
-    /// Time a body the server reads whole (model calls, the control plane,
-    /// deploys) has to arrive once its head has; past it, 408.
+    /// The longest a body the server reads whole (model calls, the control
+    /// plane, deploys) may go without sending a byte; past it, 408.
     pub body_read_timeout: Duration,
     /// Model calls' bodies one tenant may have arriving at once; past them
     /// a call waits briefly for one to land, then gets 429.
@@ -138,7 +138,7 @@ pub struct LimitArgs {
     #[arg(long = "max-body", alias = "max-body-bytes", default_value = "16MiB", value_parser = parse_size_u64)]
     pub max_body_bytes: u64,
     /// Seconds a body the server reads whole (a model call's, a deploy's
-    /// upload) has to arrive once its head has; past it, 408.
+    /// upload) may go without sending a byte; past it, 408.
     #[arg(long, default_value_t = 60)]
     pub body_read_timeout_s: u64,
     /// The share of --max-instances one tenant may hold at once, unless its

@@ -16,8 +16,9 @@ use crate::serving::policy::{MAX_WEIGHT, TenantPolicy};
 
 /// Reads a whole body, refusing more than `limit` bytes with a 413 that
 /// names `flag`, the option that sets the limit if one does, and a body
-/// that takes longer than `within` with a 408, so a client that stalls
-/// part-way holds neither its buffer nor its connection for long.
+/// that goes `idle` without sending a byte with a 408: a client that stalls
+/// part-way holds neither its buffer nor its connection for long, while a
+/// slow link that keeps sending gets its upload through.
 ///
 /// An oversized body is still read and discarded up to twice the limit, so
 /// that a client still writing it gets the 413 rather than a broken pipe;
@@ -26,18 +27,8 @@ pub(super) async fn read_body<B>(
     req: Request<B>,
     limit: usize,
     flag: Option<&str>,
-    within: Duration,
+    idle: Duration,
 ) -> Result<Bytes, ApiError>
-where
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-{
-    tokio::time::timeout(within, read_all(req, limit, flag))
-        .await
-        .unwrap_or_else(|_| Err(ApiError::body_timeout(within)))
-}
-
-async fn read_all<B>(req: Request<B>, limit: usize, flag: Option<&str>) -> Result<Bytes, ApiError>
 where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -49,7 +40,11 @@ where
     let mut body = std::pin::pin!(req.into_body());
     let mut buf = BytesMut::new();
     let mut total: u64 = 0;
-    while let Some(frame) = body.frame().await {
+    loop {
+        let next = tokio::time::timeout(idle, body.frame()).await;
+        let Some(frame) = next.map_err(|_| ApiError::body_timeout(idle))? else {
+            break;
+        };
         let frame = frame.map_err(|e| {
             ApiError::bad_request(format!("reading the request body failed: {}", e.into()))
         })?;
@@ -246,4 +241,61 @@ pub(super) fn delete_function<B>(
     let mut resp = super::full(StatusCode::NO_CONTENT, "application/json", Bytes::new());
     resp.headers_mut().remove(hyper::header::CONTENT_TYPE);
     Ok(resp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    /// A body of `left` two-byte frames, `gap` apart.
+    struct Trickle {
+        left: u32,
+        gap: Duration,
+        wait: Pin<Box<tokio::time::Sleep>>,
+    }
+
+    impl Trickle {
+        fn new(left: u32, gap: Duration) -> Self {
+            let wait = Box::pin(tokio::time::sleep(gap));
+            Self { left, gap, wait }
+        }
+    }
+
+    impl http_body::Body for Trickle {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+            if self.left == 0 {
+                return Poll::Ready(None);
+            }
+            if self.wait.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            self.left -= 1;
+            let next = tokio::time::Instant::now() + self.gap;
+            self.wait.as_mut().reset(next);
+            Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(b"ab")))))
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_keeps_sending_is_read_and_one_that_stops_gets_408() {
+        let idle = Duration::from_secs(60);
+        let slow = Request::new(Trickle::new(3, Duration::from_secs(40)));
+        let read = read_body(slow, 1 << 10, None, idle).await.unwrap();
+        assert_eq!(
+            &read[..],
+            b"ababab",
+            "two minutes in all, never a minute idle"
+        );
+        let stalled = Request::new(Trickle::new(3, Duration::from_secs(70)));
+        let e = read_body(stalled, 1 << 10, None, idle).await.unwrap_err();
+        assert_eq!(e.status, StatusCode::REQUEST_TIMEOUT);
+    }
 }

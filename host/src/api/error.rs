@@ -95,15 +95,14 @@ impl ApiError {
         )
     }
 
-    /// 408: the request's body did not arrive within `within`.
-    pub fn body_timeout(within: std::time::Duration) -> Self {
+    /// 408: the request's body sent nothing for `idle`.
+    pub fn body_timeout(idle: std::time::Duration) -> Self {
         Self::new(
             StatusCode::REQUEST_TIMEOUT,
             "request_timeout",
             format!(
-                "the request body did not arrive within {} s of its head (see \
-                 --body-read-timeout-s)",
-                within.as_secs_f64()
+                "the request body sent nothing for {} s (see --body-read-timeout-s)",
+                idle.as_secs_f64()
             ),
         )
     }
