@@ -75,6 +75,7 @@ impl App {
                 }
                 *routes = next;
                 drop(routes);
+                let _write = self.policy_writes.lock().unwrap_or_else(|p| p.into_inner());
                 for (t, json) in self.db.policies()? {
                     self.set_stored_policy(&t, &json);
                 }
