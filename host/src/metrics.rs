@@ -23,17 +23,14 @@ pub struct InvokeLabels {
 }
 
 /// The statuses [`InvokeLabels`] names by their code.
-const NAMED_STATUSES: [u16; 17] = [
-    200, 201, 202, 204, 301, 302, 304, 400, 401, 403, 404, 408, 409, 413, 429, 500, 502,
+const NAMED_STATUSES: [u16; 19] = [
+    200, 201, 202, 204, 301, 302, 304, 400, 401, 403, 404, 408, 409, 413, 429, 500, 502, 503, 504,
 ];
-
-/// More statuses named by code: the ones Kiln's limits answer.
-const LIMIT_STATUSES: [u16; 2] = [503, 504];
 
 impl InvokeLabels {
     /// `status` as its label: the code, or its class.
     pub fn status_label(status: u16) -> String {
-        if NAMED_STATUSES.contains(&status) || LIMIT_STATUSES.contains(&status) {
+        if NAMED_STATUSES.contains(&status) {
             status.to_string()
         } else {
             format!("{}xx", status / 100)
@@ -42,9 +39,8 @@ impl InvokeLabels {
 
     /// Every label a status can have.
     fn all_status_labels() -> impl Iterator<Item = String> {
-        let codes = NAMED_STATUSES.iter().chain(&LIMIT_STATUSES);
         let classes = (1..=9).map(|c| format!("{c}xx"));
-        codes.map(u16::to_string).chain(classes)
+        NAMED_STATUSES.iter().map(u16::to_string).chain(classes)
     }
 }
 

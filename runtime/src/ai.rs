@@ -253,8 +253,8 @@ pub(crate) struct AiCtx {
 
 impl AiCtx {
     /// `call` kept off the request's CPU time.
-    fn unbilled<F: std::future::Future>(&self, call: F) -> crate::limits::Unbilled<F> {
-        crate::limits::Unbilled::new(call, self.meter.clone())
+    fn unbilled<F: std::future::Future>(&self, call: F) -> crate::limits::Metered<F> {
+        crate::limits::Metered::unbilled(call, self.meter.clone())
     }
 
     /// A guest's call as the backend gets it: the invocation's tenant, and
@@ -350,8 +350,7 @@ impl wit::HostChatStream for AiView<'_> {
                 "the stream has already ended: do not call `next` after `done`".into(),
             )));
         }
-        let meter = self.ctx.meter.clone();
-        let event = crate::limits::Unbilled::new(handle.stream.next(), meter).await;
+        let event = self.ctx.unbilled(handle.stream.next()).await;
         if matches!(event, Ok(StreamEvent::Done(_)) | Err(_)) {
             handle.finished = true;
         }

@@ -155,7 +155,7 @@ impl Runtime {
             };
             // Billed by the CPU its polls take: the guest's and the host's
             // work for it, not its waits.
-            let outcome = tokio::time::timeout(limits.wall_time, Metered::new(run, meter)).await;
+            let outcome = tokio::time::timeout(limits.wall_time, Metered::billed(run, meter)).await;
             let result = match outcome {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(e)) => Err(classify(&e, store.data().limits.exceeded, &limits)),

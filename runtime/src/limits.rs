@@ -41,11 +41,11 @@ pub(crate) const TICK: Duration = Duration::from_millis(1);
 /// Most wall time a guest runs between yields to the executor.
 const YIELD_EVERY: Duration = Duration::from_millis(2);
 
-/// CPU time this thread has used: the clock a request is billed by, read
-/// around each poll of its future, so the guest's code and the host's
-/// work on its behalf (a call answered at once, a prompt templated) count,
-/// and waiting (for a model, a body, a timer) does not.
-fn thread_cpu() -> Duration {
+/// CPU time this thread has used, in nanoseconds: the clock a request is
+/// billed by, read around each poll of its future, so the guest's code and
+/// the host's work on its behalf (a call answered at once, random bytes)
+/// count, and waiting (for a model, a body, a timer) does not.
+fn thread_cpu_ns() -> u64 {
     #[cfg(unix)]
     {
         let mut ts = libc::timespec {
@@ -54,22 +54,22 @@ fn thread_cpu() -> Duration {
         };
         // SAFETY: clock_gettime writes one timespec through a valid pointer.
         if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0 {
-            return Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32);
+            return ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
         }
     }
     // Elsewhere, wall time inside the poll: waiting is still not billed.
     static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    START.get_or_init(Instant::now).elapsed()
+    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
 }
 
-/// A request's CPU time so far, shared by its future ([`Metered`]) and its
-/// store's checks.
+/// A request's CPU time so far, shared by its future ([`Metered::billed`])
+/// and its store's checks.
 #[derive(Debug, Default)]
 pub(crate) struct CpuMeter {
     /// Nanoseconds used in polls that have ended.
     done: AtomicU64,
     /// Nanoseconds of those (and of the poll now running) spent in model
-    /// calls ([`Unbilled`]).
+    /// calls ([`Metered::unbilled`]).
     unbilled: AtomicU64,
     /// The thread's CPU clock (nanoseconds, at least 1) when the poll now
     /// running began; 0 between polls.
@@ -80,60 +80,42 @@ impl CpuMeter {
     /// CPU time used so far, the poll now running included (read from the
     /// thread running it, as the store's checks are).
     fn used(&self) -> Duration {
-        let start = self.poll_start.load(Ordering::Relaxed);
-        let running = match start {
+        let running = match self.poll_start.load(Ordering::Relaxed) {
             0 => 0,
-            s => (thread_cpu().as_nanos() as u64).saturating_sub(s),
+            start => thread_cpu_ns().saturating_sub(start),
         };
         let spent = self.done.load(Ordering::Relaxed) + running;
         Duration::from_nanos(spent.saturating_sub(self.unbilled.load(Ordering::Relaxed)))
     }
 }
 
-/// A model call inside a request, whose polls are taken off the request's
-/// CPU time: preparing a prompt (templating, tokenizing, compiling its
-/// format) is the model's work, bounded as an API call's is (by its size
-/// and the tenant's model calls in flight), not the guest's.
-pub(crate) struct Unbilled<F> {
-    inner: std::pin::Pin<Box<F>>,
-    meter: Arc<CpuMeter>,
-}
-
-impl<F: std::future::Future> Unbilled<F> {
-    pub(crate) fn new(inner: F, meter: Arc<CpuMeter>) -> Self {
-        Self {
-            inner: Box::pin(inner),
-            meter,
-        }
-    }
-}
-
-impl<F: std::future::Future> std::future::Future for Unbilled<F> {
-    type Output = F::Output;
-
-    fn poll(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<F::Output> {
-        let start = thread_cpu().as_nanos() as u64;
-        let out = self.inner.as_mut().poll(cx);
-        let spent = (thread_cpu().as_nanos() as u64).saturating_sub(start);
-        self.meter.unbilled.fetch_add(spent, Ordering::Relaxed);
-        out
-    }
-}
-
-/// A future whose polls are billed to `meter` by the thread's CPU clock.
+/// A future whose polls are timed by the thread's CPU clock into `meter`:
+/// billed (the request), or taken off the bill (a model call inside it).
 pub(crate) struct Metered<F> {
     inner: std::pin::Pin<Box<F>>,
     meter: Arc<CpuMeter>,
+    billed: bool,
 }
 
 impl<F: std::future::Future> Metered<F> {
-    pub(crate) fn new(inner: F, meter: Arc<CpuMeter>) -> Self {
+    /// The request's future: its polls are its CPU time.
+    pub(crate) fn billed(inner: F, meter: Arc<CpuMeter>) -> Self {
         Self {
             inner: Box::pin(inner),
             meter,
+            billed: true,
+        }
+    }
+
+    /// A model call inside the request, whose polls are taken off its CPU
+    /// time: preparing a prompt (templating, tokenizing, compiling its
+    /// format) is the model's work, bounded as an API call's is (by its
+    /// size and the tenant's model calls in flight), not the guest's.
+    pub(crate) fn unbilled(inner: F, meter: Arc<CpuMeter>) -> Self {
+        Self {
+            inner: Box::pin(inner),
+            meter,
+            billed: false,
         }
     }
 }
@@ -145,15 +127,19 @@ impl<F: std::future::Future> std::future::Future for Metered<F> {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<F::Output> {
-        let start = (thread_cpu().as_nanos() as u64).max(1);
-        self.meter.poll_start.store(start, Ordering::Relaxed);
+        let start = thread_cpu_ns().max(1);
+        if self.billed {
+            self.meter.poll_start.store(start, Ordering::Relaxed);
+        }
         let out = self.inner.as_mut().poll(cx);
-        let end = thread_cpu().as_nanos() as u64;
+        let spent = thread_cpu_ns().saturating_sub(start);
         let meter = &self.meter;
-        meter.poll_start.store(0, Ordering::Relaxed);
-        meter
-            .done
-            .fetch_add(end.saturating_sub(start), Ordering::Relaxed);
+        if self.billed {
+            meter.poll_start.store(0, Ordering::Relaxed);
+            meter.done.fetch_add(spent, Ordering::Relaxed);
+        } else {
+            meter.unbilled.fetch_add(spent, Ordering::Relaxed);
+        }
         out
     }
 }

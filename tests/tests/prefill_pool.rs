@@ -73,18 +73,23 @@ async fn at_once(served: &ServedModels) -> Vec<String> {
     done.into_iter().map(|c| c.unwrap().text).collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_full_decode_pool_takes_handed_on_requests_as_its_slots_free() {
-    // One running slot a pool: the prefill pool hands on each prompt as
-    // it computes it, while the decode pool's one slot is still busy.
-    let config = EngineConfig {
+/// Pools of one running slot each.
+fn one_slot() -> EngineConfig {
+    EngineConfig {
         kv_memory: 64 << 20,
         scheduler: kiln_host::engine::SchedulerConfig {
             max_running: 1,
             ..Default::default()
         },
         ..Default::default()
-    };
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_decode_pool_takes_handed_on_requests_as_its_slots_free() {
+    // One running slot a pool: the prefill pool hands on each prompt as
+    // it computes it, while the decode pool's one slot is still busy.
+    let config = one_slot();
     let metrics = Metrics::default();
     let models = vec![(default_model(), config.clone())];
     let want = at_once(&ServedModels::start(models, 1, metrics.engine.clone()).unwrap()).await;
@@ -113,14 +118,7 @@ async fn within(secs: u64, done: impl Fn() -> bool) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handed_on_request_whose_caller_left_is_dropped_while_it_waits_for_a_slot() {
-    let config = EngineConfig {
-        kv_memory: 64 << 20,
-        scheduler: kiln_host::engine::SchedulerConfig {
-            max_running: 1,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
+    let config = one_slot();
     let metrics = Metrics::default();
     let served = with_prefill(config, 1, &metrics);
     let requests = || {

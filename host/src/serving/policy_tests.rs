@@ -39,13 +39,20 @@ impl TokenStream for Counted {
     }
 }
 
+/// `backend`'s call as the engine makes it: its stream read to the end.
+fn streamed(
+    backend: &dyn Inference,
+    call: ModelCall,
+) -> BoxFuture<'_, Result<Completion, AiError>> {
+    Box::pin(async move {
+        let mut s = backend.stream(call).await?;
+        kiln_runtime::complete_stream(s.as_mut()).await
+    })
+}
+
 impl Inference for Fixed {
     fn call(&self, call: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
-        // As the engine's: its stream read to the end.
-        Box::pin(async move {
-            let mut s = self.stream(call).await?;
-            kiln_runtime::complete_stream(s.as_mut()).await
-        })
+        streamed(self, call)
     }
     fn stream(&self, _: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
         let s = Counted {
@@ -294,11 +301,7 @@ impl TokenStream for Stalled {
 
 impl Inference for Stalls {
     fn call(&self, call: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
-        // As the engine's: its stream read to the end.
-        Box::pin(async move {
-            let mut s = self.stream(call).await?;
-            kiln_runtime::complete_stream(s.as_mut()).await
-        })
+        streamed(self, call)
     }
     fn stream(&self, _: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
         let s = Stalled {
