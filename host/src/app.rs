@@ -2,7 +2,7 @@
 //! the routing table of deployed functions.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, RwLock};
 
 use kiln_runtime::{Deployment, Inference, Runtime, RuntimeError};
 use sha2::{Digest, Sha256};
@@ -27,7 +27,19 @@ pub use cluster::{QUOTA_SYNC, follow, share_quotas};
 pub struct Route {
     /// The control-plane record.
     pub row: FunctionRow,
-    deployment: OnceLock<Deployment>,
+    /// Filled by the first request; those arriving meanwhile wait for it
+    /// rather than each loading the component again.
+    deployment: tokio::sync::OnceCell<Deployment>,
+}
+
+impl Route {
+    /// A route whose component loads on first use.
+    pub(crate) fn new(row: FunctionRow) -> Self {
+        Self {
+            row,
+            deployment: tokio::sync::OnceCell::new(),
+        }
+    }
 }
 
 /// Everything a request handler needs.
@@ -190,11 +202,7 @@ impl App {
             .into_iter()
             .map(|row| {
                 let key = (row.tenant.clone(), row.name.clone());
-                let route = Route {
-                    row,
-                    deployment: OnceLock::new(),
-                };
-                (key, Arc::new(route))
+                (key, Arc::new(Route::new(row)))
             })
             .collect();
         Ok(Self {
@@ -347,7 +355,7 @@ impl App {
         let unused = self.store_function(&row, bytes)?;
         let route = Route {
             row: row.clone(),
-            deployment: OnceLock::from(deployment),
+            deployment: tokio::sync::OnceCell::new_with(Some(deployment)),
         };
         self.routes_mut().insert(
             (tenant.to_owned(), name.as_str().to_owned()),
@@ -416,11 +424,14 @@ impl App {
 
     /// The route's deployment, compiling it (or loading the cached
     /// artifact) on first use, aside from the async worker it is called on.
-    pub fn deployment(&self, route: &Route) -> Result<Deployment, AppError> {
-        match route.deployment.get() {
-            Some(d) => Ok(d.clone()),
-            None => crate::aside::aside(|| self.load(route)),
-        }
+    /// Requests arriving during that load wait for it without holding a
+    /// thread; if it fails, the next request tries again.
+    pub async fn deployment(&self, route: &Route) -> Result<Deployment, AppError> {
+        route
+            .deployment
+            .get_or_try_init(|| async { crate::aside::aside(|| self.load(route)) })
+            .await
+            .cloned()
     }
 
     fn load(&self, route: &Route) -> Result<Deployment, AppError> {
@@ -444,7 +455,7 @@ impl App {
                 }
             },
         };
-        let d = self.runtime.load(&route.row.digest, &bytes)?;
-        Ok(route.deployment.get_or_init(|| d).clone())
+        self.metrics.component_loads.inc();
+        Ok(self.runtime.load(&route.row.digest, &bytes)?)
     }
 }

@@ -3,7 +3,7 @@
 //! a deploy answered on one node is served by every node within moments.
 
 use std::sync::mpsc::RecvTimeoutError;
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::{App, Route};
@@ -25,11 +25,7 @@ impl App {
                 match row {
                     Some(row) if routes.get(&key).is_some_and(|r| r.row == row) => {}
                     Some(row) => {
-                        let route = Route {
-                            row,
-                            deployment: OnceLock::new(),
-                        };
-                        routes.insert(key, Arc::new(route));
+                        routes.insert(key, Arc::new(Route::new(row)));
                     }
                     None => {
                         if routes.remove(&key).is_some() {
@@ -66,10 +62,7 @@ impl App {
                     let key = (row.tenant.clone(), row.name.clone());
                     let route = match routes.remove(&key) {
                         Some(r) if r.row == row => r,
-                        _ => Arc::new(Route {
-                            row,
-                            deployment: OnceLock::new(),
-                        }),
+                        _ => Arc::new(Route::new(row)),
                     };
                     next.insert(key, route);
                 }

@@ -318,6 +318,8 @@ pub struct Metrics {
     pub limits: Family<LimitLabels, Counter>,
     /// Connections refused because --max-connections were open.
     pub connections_refused: Counter,
+    /// Components compiled or read from the artifact cache for a route.
+    pub component_loads: Counter,
     /// The engines' metrics (shared with the engine threads).
     pub engine: EngineMetrics,
 }
@@ -376,6 +378,12 @@ impl Default for Metrics {
             "Connections refused because the server had --max-connections open",
             connections_refused.clone(),
         );
+        let component_loads = Counter::default();
+        registry.register(
+            "component_loads",
+            "Components compiled, or read from the artifact cache, on a route's first use",
+            component_loads.clone(),
+        );
         let engine = EngineMetrics::default();
         engine.register(&mut registry);
         Self {
@@ -385,6 +393,7 @@ impl Default for Metrics {
             handler,
             limits,
             connections_refused,
+            component_loads,
             engine,
         }
     }

@@ -264,11 +264,33 @@ async fn a_first_call_compiles_its_component_aside_from_the_worker() {
     // On the runtime's one worker: the other task runs during the compile
     // only if the worker was handed on.
     let (during, ()) = turns_beside(async move {
-        app.deployment(&route).expect("the component compiles");
+        app.deployment(&route)
+            .await
+            .expect("the component compiles");
     })
     .await;
     assert!(during > 0, "no other task ran while the component compiled");
     assert!(!artifacts(&s).is_empty(), "the compile left its artifact");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_arriving_during_a_first_compile_wait_for_that_one_load() {
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "hello", "hello").await;
+    std::fs::remove_dir_all(s.data_dir().join("cache")).unwrap();
+    let s = s.restart().await;
+    let calls = (0..8).map(|_| s.call("acme", "hello", "/"));
+    for resp in futures::future::join_all(calls).await {
+        assert_eq!(resp.status(), 200);
+    }
+    let metrics = s.http.get(format!("{}/metrics", s.url));
+    let text = metrics.bearer_auth(&s.admin).send().await.unwrap();
+    let text = text.text().await.unwrap();
+    assert!(
+        text.contains("kiln_component_loads_total 1\n"),
+        "each waiting request loaded the component again: {text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

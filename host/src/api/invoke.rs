@@ -92,7 +92,7 @@ where
         return Err(ApiError::body_too_large(limit));
     }
     let slot = app.instance_slot(&route.row.tenant)?;
-    let deployment = app.deployment(route)?;
+    let deployment = app.deployment(route).await?;
     let (mut parts, body) = req.into_parts();
     parts.uri = guest_uri(&parts.uri, rest)?;
     // The guest reads the authority as text (wasi-http refuses any other).
