@@ -339,6 +339,18 @@ impl App {
     /// always agree.
     pub fn deploy(&self, tenant: &str, name: &Name, bytes: &[u8]) -> Result<FunctionRow, AppError> {
         let digest = hex::encode(Sha256::digest(bytes));
+        let max_functions = self.max_functions(tenant);
+        // Before the compile, which a tenant at its cap must not get for
+        // free; the store checks again, atomically.
+        if self.route_of(tenant, name.as_str()).is_none()
+            && self.db.functions(Some(tenant))?.len() >= max_functions as usize
+        {
+            return Err(DbError::FunctionsExceeded {
+                tenant: tenant.to_owned(),
+                cap: max_functions,
+            }
+            .into());
+        }
         // Validation first: nothing is stored for a component we reject.
         let deployment = self.runtime.load(&digest, bytes)?;
         let guard = self.components.lock();
@@ -352,7 +364,18 @@ impl App {
             size: bytes.len() as u64,
             created: Db::now(),
         };
-        let unused = self.store_function(&row, bytes)?;
+        let unused = match self.store_function(&row, bytes, max_functions) {
+            Ok(unused) => unused,
+            Err(e) => {
+                // Refused: no row may refer to these bytes; none is left.
+                if !self.db.digests()?.contains(&row.digest) {
+                    self.components.remove(&guard, &row.digest);
+                    self.runtime.forget(&row.digest);
+                    self.db.forget_component(&row.digest)?;
+                }
+                return Err(e);
+            }
+        };
         let route = Route {
             row: row.clone(),
             deployment: tokio::sync::OnceCell::new_with(Some(deployment)),
@@ -375,11 +398,16 @@ impl App {
 
     /// Stores `row` and its component's bytes; again if another node's
     /// delete took the bytes between the two (a shared database).
-    fn store_function(&self, row: &FunctionRow, bytes: &[u8]) -> Result<Option<String>, AppError> {
+    fn store_function(
+        &self,
+        row: &FunctionRow,
+        bytes: &[u8],
+        max_functions: u32,
+    ) -> Result<Option<String>, AppError> {
         let mut tries = 0;
         loop {
             self.db.put_component(&row.digest, bytes)?;
-            match self.db.upsert_function(row) {
+            match self.db.upsert_function(row, max_functions) {
                 Err(DbError::ComponentGone(_)) if tries < 3 => tries += 1,
                 out => return Ok(out?),
             }
@@ -417,9 +445,17 @@ impl App {
 
     /// The route of `tenant`'s function `name`, if deployed.
     pub fn route(&self, tenant: &Name, name: &Name) -> Option<Arc<Route>> {
+        self.route_of(tenant.as_str(), name.as_str())
+    }
+
+    fn route_of(&self, tenant: &str, name: &str) -> Option<Arc<Route>> {
         let routes = self.routes.read().unwrap_or_else(|p| p.into_inner());
-        let key = (tenant.as_str().to_owned(), name.as_str().to_owned());
-        routes.get(&key).cloned()
+        routes.get(&(tenant.to_owned(), name.to_owned())).cloned()
+    }
+
+    /// How many functions `tenant` may have deployed.
+    fn max_functions(&self, tenant: &str) -> u32 {
+        (self.ai.policy(tenant).max_functions).unwrap_or(self.config.max_functions)
     }
 
     /// The route's deployment, compiling it (or loading the cached

@@ -34,6 +34,8 @@ pub struct ServeConfig {
     /// The share of the instance pool one tenant may hold unless its
     /// policy says otherwise.
     pub tenant_instance_share: f64,
+    /// Functions one tenant may have deployed, unless its policy says.
+    pub max_functions: u32,
     /// A token that may read `/metrics` besides the admin token.
     pub metrics_token: Option<String>,
     /// Limits of connections and request bodies.
@@ -106,6 +108,7 @@ impl ServeConfig {
             model_deadline: Duration::from_secs(120),
             max_concurrent_calls: 32,
             tenant_instance_share: 0.25,
+            max_functions: 100,
             metrics_token: None,
             status_interval: Duration::from_secs(2),
             node_name: String::new(),
@@ -145,6 +148,10 @@ pub struct LimitArgs {
     /// policy sets `max_instances`; past it, that tenant gets 429.
     #[arg(long, default_value_t = 0.25)]
     pub tenant_instance_share: f64,
+    /// Functions one tenant may have deployed unless its policy sets
+    /// `max_functions`; past it, deploying a new name gets 403.
+    #[arg(long, default_value_t = 100)]
+    pub max_functions: u32,
     /// A bearer token that may read /metrics (the admin token always may).
     #[arg(long, env = "KILN_METRICS_TOKEN", hide_env_values = true)]
     pub metrics_token: Option<String>,
@@ -163,6 +170,7 @@ impl LimitArgs {
             ..NetLimits::default()
         };
         config.tenant_instance_share = self.tenant_instance_share;
+        config.max_functions = self.max_functions;
         config.metrics_token = self.metrics_token.clone().filter(|t| !t.is_empty());
     }
 }

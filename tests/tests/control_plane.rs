@@ -36,20 +36,31 @@ fn keeps_the_control_plane(db: &Db) {
     db.put_component("aa", b"a").unwrap();
     db.put_component("bb", b"b").unwrap();
     let mut f = row("acme", "f", "aa");
-    assert_eq!(db.upsert_function(&f).unwrap(), None);
+    assert_eq!(db.upsert_function(&f, 100).unwrap(), None);
     f.digest = "bb".into();
-    assert_eq!(db.upsert_function(&f).unwrap(), Some("aa".into()));
+    assert_eq!(db.upsert_function(&f, 100).unwrap(), Some("aa".into()));
     assert_eq!(db.functions(Some("acme")).unwrap(), vec![f.clone()]);
     assert_eq!(db.function("acme", "f").unwrap(), Some(f.clone()));
 
     // A digest two tenants share stays in use until both let go.
     db.create_tenant("beta", "k3", b"h3").unwrap();
-    db.upsert_function(&row("beta", "g", "bb")).unwrap();
+    db.upsert_function(&row("beta", "g", "bb"), 100).unwrap();
     let (gone, shared) = db.delete_function("acme", "f").unwrap().unwrap();
     assert_eq!((gone, shared), (f, true));
     assert!(db.delete_function("acme", "f").unwrap().is_none());
     assert_eq!(db.digests().unwrap(), ["bb".to_owned()].into());
     assert_eq!(db.functions(None).unwrap().len(), 1);
+
+    // A tenant at its cap may redeploy, but not add a name.
+    assert_eq!(
+        db.upsert_function(&row("beta", "g", "bb"), 1).unwrap(),
+        None
+    );
+    assert!(matches!(
+        db.upsert_function(&row("beta", "h", "bb"), 1),
+        Err(DbError::FunctionsExceeded { cap: 1, .. })
+    ));
+    assert_eq!(db.function("beta", "h").unwrap(), None);
 
     // Policies are stored and replaced.
     db.set_policy("acme", "{\"weight\":2}").unwrap();
@@ -81,7 +92,7 @@ fn a_delete_on_one_node_cannot_take_the_bytes_of_a_deploy_on_another() {
     a.create_tenant("acme", "k1", b"h1").unwrap();
     a.create_tenant("beta", "k2", b"h2").unwrap();
     a.put_component("xx", b"x").unwrap();
-    a.upsert_function(&row("acme", "h", "xx")).unwrap();
+    a.upsert_function(&row("acme", "h", "xx"), 100).unwrap();
     // Node b is deploying the same bytes (stored already, so its insert
     // does nothing) when node a deletes their last user and forgets them.
     b.put_component("xx", b"x").unwrap();
@@ -89,7 +100,7 @@ fn a_delete_on_one_node_cannot_take_the_bytes_of_a_deploy_on_another() {
     assert!(!shared);
     a.forget_component("xx").unwrap();
     assert!(matches!(
-        b.upsert_function(&row("beta", "g", "xx")),
+        b.upsert_function(&row("beta", "g", "xx"), 100),
         Err(DbError::ComponentGone(_))
     ));
     assert_eq!(
@@ -99,9 +110,33 @@ fn a_delete_on_one_node_cannot_take_the_bytes_of_a_deploy_on_another() {
     );
     // The deploy stores them again and goes on; a forget now keeps them.
     b.put_component("xx", b"x").unwrap();
-    b.upsert_function(&row("beta", "g", "xx")).unwrap();
+    b.upsert_function(&row("beta", "g", "xx"), 100).unwrap();
     a.forget_component("xx").unwrap();
     assert_eq!(b.component("xx").unwrap(), Some(b"x".to_vec()));
+}
+
+#[test]
+fn two_nodes_adding_functions_at_once_stay_within_the_tenants_cap() {
+    let pg = Postgres::start();
+    let (a, b) = (Db::connect(&pg.url).unwrap(), Db::connect(&pg.url).unwrap());
+    a.create_tenant("acme", "k1", b"h1").unwrap();
+    a.put_component("xx", b"x").unwrap();
+    for round in 1..=20u32 {
+        // Each node adds a name with room for one more: one of them wins.
+        let barrier = std::sync::Barrier::new(2);
+        let added = std::thread::scope(|s| {
+            let (barrier, a, b) = (&barrier, &a, &b);
+            let add = move |db: &Db, name: String| {
+                barrier.wait();
+                db.upsert_function(&row("acme", &name, "xx"), round).is_ok()
+            };
+            let x = s.spawn(move || add(a, format!("a-{round}")));
+            let y = s.spawn(move || add(b, format!("b-{round}")));
+            u32::from(x.join().unwrap()) + u32::from(y.join().unwrap())
+        });
+        assert_eq!(added, 1, "round {round}");
+        assert_eq!(a.functions(Some("acme")).unwrap().len(), round as usize);
+    }
 }
 
 #[test]
@@ -418,4 +453,33 @@ async fn a_key_check_waiting_on_postgres_leaves_the_async_worker_to_others() {
     assert_eq!(found.unwrap(), None);
     assert!(during > 0, "no other task ran while the lookup waited");
     assert!(holder.wait_with_output().unwrap().status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_at_its_function_cap_may_redeploy_but_not_add_a_name() {
+    let s = TestServer::start().await;
+    let (a, b) = (s.tenant("acme").await, s.tenant("beta").await);
+    let cap = serde_json::json!({"max_functions": 2});
+    assert_eq!(s.set_policy("acme", cap).await.status(), 200);
+    s.deploy(&a, "f-1", "hello").await;
+    s.deploy(&a, "f-2", "hello").await;
+    let other = std::fs::read(kiln_tests::guest("misbehave")).unwrap();
+    let resp = s.put(&a, "f-3", other.clone()).await;
+    assert_eq!(resp.status(), 403);
+    let v: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "tenant_functions_exceeded", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_functions")
+    );
+    let files = std::fs::read_dir(s.data_dir().join("components")).unwrap();
+    assert_eq!(files.count(), 1, "the refused upload left its bytes");
+    // A redeploy of a name it has, and another tenant, are not refused.
+    assert_eq!(s.put(&a, "f-2", other.clone()).await.status(), 201);
+    s.deploy(&b, "f-3", "hello").await;
+    let del = s.http.delete(format!("{}/v1/functions/f-1", s.url));
+    assert_eq!(del.bearer_auth(&a).send().await.unwrap().status(), 204);
+    assert_eq!(s.put(&a, "f-3", other).await.status(), 201);
 }

@@ -119,7 +119,7 @@ where
     let policy: TenantPolicy = serde_json::from_slice(&body).map_err(|e| {
         ApiError::bad_request(format!(
             "expected a JSON policy {{\"allowed_models\": [..], \"tokens_per_minute\": N, \
-             \"max_concurrent\": N, \"max_instances\": N, \"weight\": N}} (each optional): {e}"
+             \"max_concurrent\": N, \"max_instances\": N, \"max_functions\": N, \"weight\": N}} (each optional): {e}"
         ))
     })?;
     if policy
@@ -154,6 +154,7 @@ fn policy_json(tenant: &Name, p: &TenantPolicy) -> serde_json::Value {
         "tokens_per_minute": p.tokens_per_minute,
         "max_concurrent": p.max_concurrent,
         "max_instances": p.max_instances,
+        "max_functions": p.max_functions,
         "weight": p.weight,
     })
 }

@@ -214,6 +214,9 @@ impl From<DbError> for ApiError {
         match e {
             DbError::TenantExists(_) => Self::conflict(e.to_string()),
             DbError::ComponentGone(_) => Self::unavailable(e.to_string()),
+            DbError::FunctionsExceeded { .. } => {
+                Self::forbidden(e.to_string()).with_code("tenant_functions_exceeded")
+            }
             DbError::Postgres(_) | DbError::Closed => {
                 tracing::error!("{e}");
                 Self::unavailable(

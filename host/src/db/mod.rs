@@ -31,6 +31,17 @@ pub enum DbError {
     /// delete removed meanwhile: store them again, then retry.
     #[error("component {0} was removed meanwhile by a delete on another node; deploy again")]
     ComponentGone(String),
+    /// The tenant has as many functions as it may; a new name is refused.
+    #[error(
+        "tenant `{tenant}` already has {cap} functions deployed, its cap; delete one or ask the \
+         operator to raise the tenant policy's `max_functions`"
+    )]
+    FunctionsExceeded {
+        /// The tenant.
+        tenant: String,
+        /// Its cap on functions.
+        cap: u32,
+    },
 }
 
 /// A deployed function's record.
@@ -120,8 +131,14 @@ pub trait Store: Send + Sync {
     /// digest it had before if no row refers to that any more (its file
     /// may go). Where the database keeps components' bytes, fails with
     /// [`DbError::ComponentGone`] if the row's are not there, and holds
-    /// them against [`Store::forget_component`] until it commits.
-    fn upsert_function(&self, row: &FunctionRow) -> Result<Option<String>, DbError>;
+    /// them against [`Store::forget_component`] until it commits. A new
+    /// name is refused with [`DbError::FunctionsExceeded`] when the tenant
+    /// already has `max_functions`.
+    fn upsert_function(
+        &self,
+        row: &FunctionRow,
+        max_functions: u32,
+    ) -> Result<Option<String>, DbError>;
     /// One tenant's function.
     fn function(&self, tenant: &str, name: &str) -> Result<Option<FunctionRow>, DbError>;
     /// Functions of one tenant, or of all tenants when `tenant` is `None`,

@@ -162,10 +162,20 @@ impl Store for Postgres {
         })
     }
 
-    fn upsert_function(&self, row: &FunctionRow) -> Result<Option<String>, DbError> {
+    fn upsert_function(
+        &self,
+        row: &FunctionRow,
+        max_functions: u32,
+    ) -> Result<Option<String>, DbError> {
         let row = row.clone();
         self.run(move |c| {
             let mut tx = c.transaction()?;
+            // Deploys of one tenant take turns here, so two new names on
+            // two nodes cannot both pass the count below.
+            tx.execute(
+                "SELECT 1 FROM tenants WHERE name = $1 FOR UPDATE",
+                &[&row.tenant],
+            )?;
             // The bytes stay until this row is committed: a delete on
             // another node takes this lock's rival before it forgets them.
             let bytes = "SELECT 1 FROM components WHERE digest = $1 FOR KEY SHARE";
@@ -178,6 +188,16 @@ impl Store for Postgres {
                     &[&row.tenant, &row.name],
                 )?
                 .map(|r| r.get(0));
+            if previous.is_none() {
+                let count = "SELECT COUNT(*) FROM functions WHERE tenant = $1";
+                let n: i64 = tx.query_one(count, &[&row.tenant])?.get(0);
+                if n >= i64::from(max_functions) {
+                    return Err(DbError::FunctionsExceeded {
+                        tenant: row.tenant.clone(),
+                        cap: max_functions,
+                    });
+                }
+            }
             tx.execute(
                 "INSERT INTO functions (tenant, name, digest, size, created)
                  VALUES ($1, $2, $3, $4, $5)

@@ -77,7 +77,11 @@ impl Store for Sqlite {
             .optional()?)
     }
 
-    fn upsert_function(&self, row: &FunctionRow) -> Result<Option<String>, DbError> {
+    fn upsert_function(
+        &self,
+        row: &FunctionRow,
+        max_functions: u32,
+    ) -> Result<Option<String>, DbError> {
         let mut conn = self.conn();
         let tx = conn.transaction()?;
         let previous: Option<String> = tx
@@ -87,6 +91,16 @@ impl Store for Sqlite {
                 |r| r.get(0),
             )
             .optional()?;
+        if previous.is_none() {
+            let count = "SELECT COUNT(*) FROM functions WHERE tenant = ?1";
+            let n: i64 = tx.query_row(count, params![row.tenant], |r| r.get(0))?;
+            if n >= i64::from(max_functions) {
+                return Err(DbError::FunctionsExceeded {
+                    tenant: row.tenant.clone(),
+                    cap: max_functions,
+                });
+            }
+        }
         tx.execute(
             "INSERT INTO functions (tenant, name, digest, size, created)
              VALUES (?1, ?2, ?3, ?4, ?5)

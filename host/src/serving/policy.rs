@@ -32,6 +32,8 @@ pub struct TenantPolicy {
     /// Function instances in flight at once (default: the server's share
     /// of its instance pool, `--tenant-instance-share`).
     pub max_instances: Option<u32>,
+    /// Functions deployed at once (default: the server's `--max-functions`).
+    pub max_functions: Option<u32>,
     /// Weight of the tenant's share of a shared GPU (running slots and
     /// prompt tokens) while tenants compete, 1 to [`MAX_WEIGHT`] (default
     /// 1): a tenant of weight 3 beside one of weight 1 gets three quarters.
