@@ -161,8 +161,9 @@ impl Runtime {
                 Ok(Err(e)) => Err(classify(&e, store.data().limits.exceeded, &limits)),
                 Err(_) => Err(limit_error(LimitKind::WallTime, &limits)),
             };
-            // Before the store goes, and with it the body's writer.
-            if result.is_err() {
+            // Before the store goes, and with it the body's writer. A body
+            // the guest finished before it failed is whole.
+            if result.is_err() && store.data().response_unfinished() {
                 let _ = failed.send(());
             }
             drop(store);

@@ -7,7 +7,8 @@ use wasmtime::StoreContextMut;
 use wasmtime::component::{Linker, Resource, ResourceTable, WasmStr};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 use wasmtime_wasi_http::p2::bindings::http::types::Method;
-use wasmtime_wasi_http::p2::types::HostOutgoingRequest;
+use wasmtime_wasi_http::p2::body::HostOutgoingBody;
+use wasmtime_wasi_http::p2::types::{HostOutgoingRequest, HostOutgoingResponse};
 use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
 
 use crate::ai::{AiCtx, AiView};
@@ -44,12 +45,29 @@ const HTTP_TYPES: &str = "wasi:http/types@0.2.12";
 /// in `linker` with ones that refuse an authority over
 /// [`AUTHORITY_BYTES`] (before copying it out of the guest's memory) or a
 /// method over [`METHOD_BYTES`]: the guest sees the WIT's error, as for a
-/// malformed one.
+/// malformed one. And `outgoing-response.body` with one that notes which
+/// body is the response's, so a guest failing later is known to have
+/// finished it or not ([`State::response_unfinished`]).
 pub(crate) fn bound_outgoing_requests(linker: &mut Linker<State>) -> wasmtime::Result<()> {
     linker.allow_shadowing(true);
-    let defined = define_setters(linker);
+    let defined = define_setters(linker).and_then(|()| define_response_body(linker));
     linker.allow_shadowing(false);
     defined
+}
+
+fn define_response_body(linker: &mut Linker<State>) -> wasmtime::Result<()> {
+    use wasmtime_wasi_http::p2::bindings::http::types::HostOutgoingResponse as Host;
+    linker.instance(HTTP_TYPES)?.func_wrap(
+        "[method]outgoing-response.body",
+        |mut store: StoreContextMut<'_, State>, (resp,): (Resource<HostOutgoingResponse>,)| {
+            let state = store.data_mut();
+            let body = Host::body(&mut state.http(), resp)?;
+            if let Ok(b) = &body {
+                state.response_body = Some(b.rep());
+            }
+            Ok((body,))
+        },
+    )
 }
 
 fn define_setters(linker: &mut Linker<State>) -> wasmtime::Result<()> {
@@ -95,6 +113,8 @@ pub(crate) struct State {
     pub(crate) hooks: DenyOutbound,
     pub(crate) ai: AiCtx,
     pub(crate) limits: StoreLimits,
+    /// The resource of the last response body the guest took.
+    response_body: Option<u32>,
 }
 
 impl State {
@@ -113,7 +133,18 @@ impl State {
             hooks: DenyOutbound,
             ai,
             limits,
+            response_body: None,
         }
+    }
+
+    /// Whether the response's body, if the guest took one, is still open:
+    /// not finished (finishing takes it from the table), so a failure now
+    /// cuts it short.
+    pub(crate) fn response_unfinished(&self) -> bool {
+        self.response_body.is_none_or(|rep| {
+            let body = Resource::<HostOutgoingBody>::new_own(rep);
+            self.table.get(&body).is_ok()
+        })
     }
 
     pub(crate) fn ai(&mut self) -> AiView<'_> {

@@ -62,6 +62,18 @@ async fn unbounded_memory_growth_is_stopped_by_the_memory_limit() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_failing_after_it_finished_its_body_sends_the_body_whole() {
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    for _ in 0..5 {
+        let resp = s.call("acme", "bad", "/late-trap").await;
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.text().await.expect("a whole body"), "ok");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trap_and_wall_limit_are_reported_and_outbound_http_is_denied() {
     let s =
         TestServer::start_with(|c| c.limits.wall_time = std::time::Duration::from_secs(1)).await;

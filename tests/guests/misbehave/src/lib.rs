@@ -13,7 +13,8 @@
 //! authority, then method, on an outgoing request and reports which the
 //! host took, `/partial` streams a few bytes and then spins, `/random`
 //! asks the host for random bytes without end, `/longask` sends the
-//! default model a 2 MB prompt (past its context) and reports the error.
+//! default model a 2 MB prompt (past its context) and reports the error,
+//! `/late-trap` answers `ok`, finishes its body, and then traps.
 
 use kiln_guest::{Handler, Request, Response, ai};
 
@@ -110,7 +111,26 @@ impl Handler for Misbehave {
     }
 }
 
-kiln_guest::export_handler!(Misbehave);
+/// The SDK's export, but `/late-trap` traps after the response is whole.
+#[cfg(target_arch = "wasm32")]
+mod export {
+    use kiln_guest::bindings::exports::wasi::http::incoming_handler::Guest;
+    use kiln_guest::bindings::wasi::http::types::{IncomingRequest, ResponseOutparam};
+
+    struct Export;
+
+    impl Guest for Export {
+        fn handle(request: IncomingRequest, out: ResponseOutparam) {
+            let late = request.path_with_query().as_deref() == Some("/late-trap");
+            kiln_guest::__private::run::<super::Misbehave>(request, out);
+            if late {
+                std::process::abort();
+            }
+        }
+    }
+
+    kiln_guest::bindings::export!(Export with_types_in kiln_guest::bindings);
+}
 
 /// A tool call and its answer: `name|arguments|finish|logprobs|tokens`
 /// of the call, then `|` and the reply to its result.
