@@ -174,6 +174,13 @@ impl From<AiError> for ApiError {
                 Self::new(StatusCode::GATEWAY_TIMEOUT, "server_error", m)
                     .with_code("deadline_exceeded")
             }
+            // A format past the grammar engine's limits shows only as the
+            // tokens come: the client's to simplify.
+            AiError::Aborted(m) if m.starts_with(kiln_engine::engine::FORMAT_FAILED) => {
+                Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", m)
+                    .with_param("response_format")
+                    .with_code("output_format_failed")
+            }
             AiError::Aborted(m) => {
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m).with_code("aborted")
             }
@@ -349,5 +356,9 @@ mod tests {
             s(AiError::Aborted("cancelled".into())),
             StatusCode::INTERNAL_SERVER_ERROR
         );
+        let format = format!("{}: lexer fuel", kiln_engine::engine::FORMAT_FAILED);
+        let e = ApiError::from(AiError::Aborted(format));
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert!(e.body().contains("output_format_failed"), "{}", e.body());
     }
 }

@@ -192,11 +192,16 @@ impl Formats {
     }
 }
 
+/// How the error of a request whose output format failed mid-generation
+/// begins (a grammar past the matcher's limits, say): the client's format
+/// to simplify, not a fault of the server.
+pub const FORMAT_FAILED: &str = "the output format failed";
+
 /// Takes every token `matcher` forbids next out of `logits`.
 pub(super) fn mask(matcher: &mut Matcher, logits: &mut [f32]) -> Result<(), String> {
     let allowed = matcher
         .compute_mask_or_eos()
-        .map_err(|e| format!("the output format failed: {e}"))?;
+        .map_err(|e| format!("{FORMAT_FAILED}: {e}"))?;
     kiln_kernels::sample::mask_logits(logits, allowed.as_slice());
     Ok(())
 }
@@ -208,7 +213,7 @@ pub(super) fn mask(matcher: &mut Matcher, logits: &mut [f32]) -> Result<(), Stri
 pub(super) fn mask_words(matcher: &mut Matcher, vocab: usize) -> Result<Vec<u32>, String> {
     let allowed = matcher
         .compute_mask_or_eos()
-        .map_err(|e| format!("the output format failed: {e}"))?;
+        .map_err(|e| format!("{FORMAT_FAILED}: {e}"))?;
     let words = allowed.as_slice();
     let words = &words[..words.len().min(vocab.div_ceil(32))];
     let used = words.iter().rposition(|w| *w != 0).map_or(1, |i| i + 1);

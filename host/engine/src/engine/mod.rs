@@ -30,7 +30,7 @@ use kiln_kernels::Device;
 use kiln_kernels::kv::KvFormat;
 
 pub use block_pool::{PrefixChange, TenantId};
-pub use constraint::{CompiledFormat, Formats, OutputFormat};
+pub use constraint::{CompiledFormat, FORMAT_FAILED, Formats, OutputFormat};
 pub use kiln_kernels::sample::MAX_TOP_LOGPROBS;
 pub use kv_manager::SeqId;
 pub use prefix::{PageHash, Salt};

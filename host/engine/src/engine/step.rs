@@ -396,7 +396,7 @@ fn advance(r: &mut Request, token: u32) -> Result<(), String> {
     match r.matcher.as_mut().filter(|m| !m.is_stopped()) {
         Some(m) => m
             .consume_token(token)
-            .map_err(|e| format!("the output format failed: {e}")),
+            .map_err(|e| format!("{}: {e}", super::constraint::FORMAT_FAILED)),
         None => Ok(()),
     }
 }
