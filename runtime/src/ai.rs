@@ -108,6 +108,22 @@ pub trait TokenStream: Send {
     /// asked for log-probabilities also gets a delta (perhaps of no text)
     /// for each step that generated tokens.
     fn next(&mut self) -> BoxFuture<'_, Result<StreamEvent, AiError>>;
+
+    /// Takes what the stream's source produced that no one has read yet,
+    /// so that a stream dropped early pays for the tokens generated, read
+    /// or not (default: the source buffers nothing).
+    fn take_unread(&mut self) -> Unread {
+        Unread::Deltas(0)
+    }
+}
+
+/// What a stream's source produced beyond what its reader took.
+#[derive(Debug, Clone)]
+pub enum Unread {
+    /// Deltas waiting, each of at least one token.
+    Deltas(u64),
+    /// The generation had ended: its whole usage.
+    Done(Usage),
 }
 
 /// Runs `stream` to its end: its text, log-probabilities and tool calls

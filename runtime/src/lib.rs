@@ -20,8 +20,8 @@ mod state;
 pub use ai::{
     AiError, BoxFuture, Completion, FinishReason, Inference, Message, ModelCall, ModelInfo,
     ModelLoad, NoModels, OutputFormat, Params, Prompt, Role, StreamEnd, StreamEvent, TextDelta,
-    TokenLogprob, TokenStream, Tool, ToolCall, ToolChoice, TopLogprob, Usage, complete_samples,
-    complete_stream,
+    TokenLogprob, TokenStream, Tool, ToolCall, ToolChoice, TopLogprob, Unread, Usage,
+    complete_samples, complete_stream,
 };
 pub use compile::{Deployment, Runtime};
 pub use error::{InvokeError, LimitKind, RuntimeError};

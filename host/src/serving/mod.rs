@@ -481,6 +481,26 @@ impl TokenStream for Stream {
     fn next(&mut self) -> kiln_runtime::BoxFuture<'_, Result<StreamEvent, AiError>> {
         Box::pin(self.event())
     }
+
+    fn take_unread(&mut self) -> kiln_runtime::Unread {
+        if let Some(end) = &self.end {
+            return kiln_runtime::Unread::Done(end.usage);
+        }
+        let mut deltas = 0;
+        while let Ok(out) = self.rx.try_recv() {
+            match out {
+                Out::Text(..) => deltas += 1,
+                Out::Done {
+                    prompt,
+                    completion,
+                    cached,
+                    ..
+                } => return kiln_runtime::Unread::Done(usage(prompt, completion, cached)),
+                Out::Error(_) => break,
+            }
+        }
+        kiln_runtime::Unread::Deltas(deltas)
+    }
 }
 
 type Fut<'a, T> = kiln_runtime::BoxFuture<'a, Result<T, AiError>>;

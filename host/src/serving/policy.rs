@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kiln_runtime::{
     AiError, BoxFuture, Completion, Inference, ModelCall, ModelInfo, StreamEvent, TokenStream,
-    Usage,
+    Unread, Usage,
 };
 
 use crate::metrics::{EngineMetrics, RejectLabels, TokenLabels};
@@ -455,8 +455,12 @@ impl TokenStream for Guarded {
 
 impl Drop for Guarded {
     fn drop(&mut self) {
-        // Ended early: the prompt and the tokens that went out.
-        self.permit.settle(self.permit.cost.prompt, self.deltas);
+        // Ended early: the prompt and every token generated, those that
+        // went out and those the engine left waiting unread.
+        match self.inner.take_unread() {
+            Unread::Done(usage) => self.permit.settle_usage(&usage),
+            Unread::Deltas(n) => (self.permit).settle(self.permit.cost.prompt, self.deltas + n),
+        }
     }
 }
 

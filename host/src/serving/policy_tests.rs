@@ -489,3 +489,65 @@ async fn a_call_reserves_no_more_than_its_models_context_whatever_its_max_tokens
     assert_eq!(c.usage.completion_tokens, 1);
     assert_eq!(g.usage("a").tokens_last_minute, 1);
 }
+
+/// Serves each call as an engine that ran ahead of its reader: `texts`
+/// deltas waiting in the call's channel, then, if `done`, its end (12
+/// prompt tokens).
+struct RanAhead {
+    texts: usize,
+    done: bool,
+}
+
+impl Inference for RanAhead {
+    fn call(&self, call: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
+        streamed(self, call)
+    }
+    fn stream(&self, _: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
+        use super::super::{Out, Stream};
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        for _ in 0..self.texts {
+            let _ = tx.send(Out::Text("x".into(), Vec::new()));
+        }
+        if self.done {
+            let finish = kiln_engine::engine::Finish::Length;
+            let (prompt, completion, cached) = (12, self.texts, 0);
+            let _ = tx.send(Out::Done {
+                finish,
+                prompt,
+                completion,
+                cached,
+            });
+        }
+        let s = Stream::new(rx, false, None);
+        Box::pin(async { Ok(Box::new(s) as Box<dyn TokenStream>) })
+    }
+    fn list_models(&self, _: &str) -> Vec<ModelInfo> {
+        Fixed {
+            tokens: 0,
+            gate: None,
+        }
+        .list_models("")
+    }
+}
+
+#[tokio::test]
+async fn a_stream_dropped_unread_pays_for_every_token_the_engine_generated() {
+    for done in [true, false] {
+        let backend = Arc::new(RanAhead { texts: 40, done });
+        let g = Gateway::new(backend, Duration::from_secs(5), 8, EngineMetrics::default());
+        let r = with_max_tokens(req("a", "a"), 100);
+        let prompt = Cost::of_call(&r).prompt;
+        let mut s = g.stream(r).await.unwrap();
+        for _ in 0..2 {
+            assert!(matches!(s.next().await, Ok(StreamEvent::Delta(_))));
+        }
+        drop(s);
+        let u = g.usage("a");
+        let (paid, why) = match done {
+            true => (12 + 40, "the usage of the end it left unread"),
+            false => (prompt + 40, "its prompt and the 2 + 38 deltas generated"),
+        };
+        assert_eq!(u.tokens_last_minute, paid, "{why}");
+        assert_eq!((u.tokens_reserved, u.calls_in_flight), (0, 0));
+    }
+}
