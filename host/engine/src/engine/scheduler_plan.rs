@@ -149,10 +149,14 @@ impl Scheduler {
                     _ => break,
                 }
             }
-            if !kv.fits(id, tokens) {
+            // Short still: a smaller chunk takes what is free, and only a
+            // chunk with no page at all gives its own up.
+            let fit = kv.tokens_leaving(id, 0).saturating_sub(s.computed);
+            if fit == 0 {
                 self.preempt(id, kv, &mut step.out);
                 return;
             }
+            count = count.min(fit);
         }
         let tokens = s.computed + count;
         if !kv.allocate_leaving(id, s.tenant, tokens, self.reserve) {
@@ -165,7 +169,9 @@ impl Scheduler {
 
     /// Admits the head of `tenant`'s queue with up to `allowance` tokens of
     /// its prompt (after the prefix cache's hit); false when it does not
-    /// fit the pool.
+    /// fit the pool. A tenant with nothing running takes what the free
+    /// pages hold, so a tenant whose chunk is larger than the pages others
+    /// free one by one is not left waiting while they take each.
     fn admit(
         &mut self,
         tenant: TenantId,
@@ -181,8 +187,14 @@ impl Scheduler {
         s.present = hit.min(s.len);
         // Every token cached: recompute the last one for its logits.
         s.computed = s.present.min(s.len - 1);
-        let count = (s.len - s.computed).min(allowance);
-        if !kv.allocate_leaving(id, s.tenant, s.computed + count, self.reserve) {
+        let mut count = (s.len - s.computed).min(allowance);
+        if !self.running.iter().any(|r| self.seqs[r].tenant == tenant) {
+            let fit = kv
+                .tokens_leaving(id, self.reserve)
+                .saturating_sub(s.computed);
+            count = count.min(fit);
+        }
+        if count == 0 || !kv.allocate_leaving(id, s.tenant, s.computed + count, self.reserve) {
             kv.free(id);
             return false;
         }

@@ -380,3 +380,43 @@ fn a_chunk_beside_pages_kept_for_another_lanes_streams_runs_as_far_as_the_rest_t
     assert!(out.preempted.is_empty());
     assert_eq!(kv.num_free(), 1, "the kept page stays free");
 }
+
+#[test]
+fn a_tenant_with_nothing_running_is_admitted_with_what_the_free_pages_hold() {
+    let mut kv = KvCacheManager::new(4, 16);
+    let mut s = Scheduler::new(cfg(64, 8));
+    s.add(1, TenantId(1), 40, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    assert_eq!(kv.num_free(), 1);
+    // Tenant 0's 48 tokens need 3 pages; tenant 1's next prompt needs the
+    // one page free. Tenant 0 takes it for a first chunk, rather than
+    // waiting while tenant 1 takes every page that frees.
+    s.append_token(1);
+    s.add(2, TenantId(0), 48, Vec::new());
+    s.add(3, TenantId(1), 16, Vec::new());
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    let planned: Vec<_> = out.scheduled.iter().map(|x| (x.seq, x.count)).collect();
+    assert!(planned.contains(&(2, 16)), "{planned:?}");
+    assert!(out.preempted.is_empty(), "{:?}", out.preempted);
+}
+
+#[test]
+fn a_chunk_short_of_pages_runs_what_fits_instead_of_giving_up_its_own() {
+    let mut kv = KvCacheManager::new(6, 16);
+    let mut s = Scheduler::new(cfg(64, 8));
+    s.add(1, TenantId(1), 32, Vec::new());
+    s.add(2, TenantId(0), 96, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    assert_eq!(kv.num_free(), 2);
+    // Stream 1's next token takes a page; prompt 2's next 32 tokens need
+    // two and one is left.
+    s.append_token(1);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    assert!(out.preempted.is_empty(), "{:?}", out.preempted);
+    let planned: Vec<_> = out
+        .scheduled
+        .iter()
+        .map(|x| (x.seq, x.start, x.count))
+        .collect();
+    assert_eq!(planned, vec![(1, 32, 1), (2, 32, 16)]);
+}
