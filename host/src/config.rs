@@ -56,8 +56,8 @@ pub struct ServeConfig {
 /// Limits that keep slow or greedy clients from holding the server.
 #[derive(Debug, Clone)]
 pub struct NetLimits {
-    /// Time a connection has to send a request's head (HTTP/1; the clock
-    /// also runs while a kept-alive connection waits for its next request).
+    /// Time a connection has to send a request's head (HTTP/1), and may
+    /// stay with no request in flight (HTTP/1 and HTTP/2) before it closes.
     pub header_read_timeout: Duration,
     /// Time a TLS client has to finish its handshake.
     pub tls_handshake_timeout: Duration,
@@ -124,7 +124,8 @@ impl ServeConfig {
 #[derive(Debug, Clone, clap::Args)]
 pub struct LimitArgs {
     /// Seconds a connection has to send a request's head (HTTP/1); also how
-    /// long a kept-alive connection may wait idle for its next request.
+    /// long a connection (HTTP/1 or HTTP/2) may stay with no request in
+    /// flight before it is closed.
     #[arg(long, default_value_t = 10)]
     pub header_read_timeout_s: u64,
     /// Seconds a TLS client has to finish its handshake.

@@ -17,6 +17,7 @@ pub mod config;
 pub mod db;
 pub mod fairness;
 pub mod gateway_metrics;
+pub mod idle;
 pub mod loadgen;
 pub mod metrics;
 pub mod names;

@@ -19,6 +19,7 @@ use tokio_rustls::TlsAcceptor;
 use crate::app::App;
 use crate::auth;
 use crate::config::ServeConfig;
+use crate::idle::Activity;
 use crate::metrics::Metrics;
 
 /// A server that is listening.
@@ -166,15 +167,21 @@ impl Server {
                 continue;
             };
             let app = self.app.clone();
+            let activity = Activity::new();
+            let flights = activity.clone();
             let service = service_fn(move |req| {
-                let app = app.clone();
+                let (app, flight) = (app.clone(), flights.begin());
                 async move {
                     let node = app.node.clone();
                     let mut resp = crate::api::handle(app, req).await;
                     resp.headers_mut().insert(NODE_HEADER, node);
-                    Ok::<_, std::convert::Infallible>(resp)
+                    Ok::<_, std::convert::Infallible>(resp.map(|b| flight.hold(b)))
                 }
             });
+            // A connection with nothing in flight for as long as a kept-alive
+            // HTTP/1 connection may wait for its next request is closed
+            // (HTTP/2 has no such timeout of its own).
+            let idle = net.header_read_timeout;
             match &self.tls {
                 None => {
                     let builder = builder.clone();
@@ -186,9 +193,7 @@ impl Server {
                         }
                         let conn =
                             builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                        if let Err(e) = watcher.watch(conn.into_owned()).await {
-                            tracing::debug!(%peer, "connection error: {e}");
-                        }
+                        serve(watcher.watch(conn.into_owned()), &activity, idle, peer).await;
                     });
                 }
                 Some(acceptor) => {
@@ -224,9 +229,7 @@ impl Server {
                         };
                         let conn =
                             builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                        if let Err(e) = watcher.watch(conn.into_owned()).await {
-                            tracing::debug!(%peer, "connection error: {e}");
-                        }
+                        serve(watcher.watch(conn.into_owned()), &activity, idle, peer).await;
                     });
                 }
             }
@@ -248,6 +251,22 @@ impl Server {
             tracing::warn!("closing the connections that remain");
         }
         Ok(())
+    }
+}
+
+/// Serves `conn` until it ends, or until nothing has been in flight on it
+/// for `idle` (then it is closed).
+async fn serve<E: std::fmt::Display>(
+    conn: impl Future<Output = Result<(), E>>,
+    activity: &Activity,
+    idle: Duration,
+    peer: SocketAddr,
+) {
+    tokio::select! {
+        served = conn => if let Err(e) = served {
+            tracing::debug!(%peer, "connection error: {e}");
+        },
+        () = activity.idle(idle) => tracing::debug!(%peer, "idle connection closed"),
     }
 }
 

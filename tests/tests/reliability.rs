@@ -262,6 +262,35 @@ async fn slow_clients_time_out_and_connections_past_the_cap_get_503() {
     assert!(s.metric(&["kiln_connections_refused_total"]).await >= 1.0);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_connection_with_nothing_in_flight_is_closed_and_a_busy_one_kept() {
+    let s =
+        TestServer::start_with(|c| c.net.header_read_timeout = Duration::from_millis(300)).await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    // A request that takes longer than the idle time is not cut.
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let nap = h2
+        .get(format!("{}/fn/acme/bad/nap", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(nap.version(), reqwest::Version::HTTP_2);
+    assert_eq!(nap.text().await.unwrap(), "rested");
+    // A client that opens HTTP/2 and sends no request is let go.
+    let addr = s.url.trim_start_matches("http://").to_owned();
+    let mut c = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), read_to_close(&mut c))
+        .await
+        .expect("an idle HTTP/2 connection is closed by the server");
+}
+
 /// Opens a connection that sends a model call's head and the first bytes
 /// of its 1000-byte body with `key`, then stalls.
 async fn stalled_call(addr: &str, key: &str) -> tokio::net::TcpStream {
