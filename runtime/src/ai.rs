@@ -273,6 +273,31 @@ impl AiCtx {
         crate::limits::Metered::unbilled(call, self.meter.clone())
     }
 
+    /// A model call started, kept off the request's CPU time unless it is
+    /// refused before the model does any work (a prompt past the context,
+    /// the quota spent): then its preparation was for nothing the model
+    /// does, and the guest's own, or a guest could loop refused calls on
+    /// host CPU it never pays for.
+    async fn start<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, AiError>>,
+    ) -> Result<T, AiError> {
+        // A guest's host calls run one at a time: what the meter takes off
+        // meanwhile is this call's.
+        let before = self.meter.unbilled_ns();
+        let out = self.unbilled(call).await;
+        if let Err(
+            AiError::InvalidInput(_)
+            | AiError::ModelNotFound(_)
+            | AiError::QuotaExceeded(_)
+            | AiError::Overloaded(_),
+        ) = &out
+        {
+            self.meter.bill(self.meter.unbilled_ns() - before);
+        }
+        out
+    }
+
     /// A guest's call as the backend gets it: the invocation's tenant, and
     /// the session key that [`SessionAffinity`]'s precedence gives it.
     fn model_call(&self, model: String, prompt: Prompt, mut params: Params) -> ModelCall {
@@ -315,7 +340,7 @@ impl wit::Host for AiView<'_> {
         params: Params,
     ) -> wasmtime::Result<Result<Completion, AiError>> {
         let call = self.ctx.model_call(model, Prompt::Chat(messages), params);
-        let out = self.ctx.unbilled(self.ctx.backend.call(call)).await;
+        let out = self.ctx.start(self.ctx.backend.call(call)).await;
         Ok(out)
     }
 
@@ -326,7 +351,7 @@ impl wit::Host for AiView<'_> {
         params: Params,
     ) -> wasmtime::Result<Result<Resource<ChatStreamHandle>, AiError>> {
         let call = self.ctx.model_call(model, Prompt::Chat(messages), params);
-        let started = self.ctx.unbilled(self.ctx.backend.stream(call)).await;
+        let started = self.ctx.start(self.ctx.backend.stream(call)).await;
         match started {
             Ok(stream) => {
                 let handle = ChatStreamHandle {
@@ -346,7 +371,7 @@ impl wit::Host for AiView<'_> {
         params: Params,
     ) -> wasmtime::Result<Result<Completion, AiError>> {
         let call = self.ctx.model_call(model, Prompt::Text(prompt), params);
-        let out = self.ctx.unbilled(self.ctx.backend.call(call)).await;
+        let out = self.ctx.start(self.ctx.backend.call(call)).await;
         Ok(out)
     }
 

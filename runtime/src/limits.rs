@@ -77,6 +77,16 @@ pub(crate) struct CpuMeter {
 }
 
 impl CpuMeter {
+    /// Nanoseconds taken off the bill so far.
+    pub(crate) fn unbilled_ns(&self) -> u64 {
+        self.unbilled.load(Ordering::Relaxed)
+    }
+
+    /// Puts `ns` taken off the bill back on it.
+    pub(crate) fn bill(&self, ns: u64) {
+        self.unbilled.fetch_sub(ns, Ordering::Relaxed);
+    }
+
     /// CPU time used so far, the poll now running included (read from the
     /// thread running it, as the store's checks are).
     fn used(&self) -> Duration {
