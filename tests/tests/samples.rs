@@ -150,3 +150,31 @@ fn samples_of_one_token_run_beside_each_other_once_the_first_has_its_prompt() {
     );
     assert_eq!(steps, 2, "the first sample's step, then the other three's");
 }
+
+#[test]
+fn samples_whose_first_ends_at_once_on_eos_run_beside_each_other_next() {
+    let mut e = engine();
+    let prompt = long_prompt(&e);
+    let salt = Salt::derive(&[7; 32], "m", "t");
+    // A format of the empty text only: each sample's first token is EOS.
+    let empty = GenerateParams {
+        ignore_eos: false,
+        format: Some(kiln_host::engine::OutputFormat::Grammar(
+            "start: \"\"".into(),
+        )),
+        ..sampled(3)
+    };
+    let ids = e.admit(TenantId(1), salt, prompt, empty, 4, None).unwrap();
+    let (mut steps, mut finished) = (0, Vec::new());
+    while e.has_work() {
+        steps += 1;
+        for ev in e.step().unwrap() {
+            if let Event::Finished { seq, .. } = ev {
+                finished.push(seq);
+            }
+        }
+    }
+    finished.sort();
+    assert_eq!(finished, ids);
+    assert_eq!(steps, 2, "the first sample's step, then the other three's");
+}

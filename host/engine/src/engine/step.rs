@@ -296,6 +296,9 @@ impl Engine {
     /// Appends the token `row` gives `seq`, with its text, and ends the
     /// request at EOS, a stop string, its `max_tokens` or `max_len`.
     fn take_token(&mut self, seq: SeqId, row: SeqOut, max_len: usize, events: &mut Vec<Event>) {
+        // Sampled, so its prompt is computed: samples waiting for it may
+        // start, whether this token ends it (EOS, a format's end) or not.
+        self.prompt_computed(seq);
         let Some(r) = self.requests.get_mut(&seq) else {
             return;
         };
