@@ -33,6 +33,11 @@ pub(super) struct Validated {
     _sealed: Sealed,
 }
 
+/// Most log-probabilities (each token's and its alternatives') an answer
+/// without streaming may hold: it is built whole in memory, at hundreds of
+/// bytes each, before it is sent. A stream has no such bound.
+pub(super) const MAX_WHOLE_LOGPROBS: u64 = 1 << 18;
+
 /// Most `top_logprobs` (and completions' `logprobs`) a request may ask for.
 const MAX_TOP_LOGPROBS: u64 = kiln_engine::engine::MAX_TOP_LOGPROBS as u64;
 
@@ -455,6 +460,23 @@ fn validate(body: &[u8], chat: bool) -> Result<Validated, ApiError> {
         logprobs = Some(n);
     }
     params.logprobs = logprobs;
+    if let (Some(top), false) = (logprobs, stream) {
+        let tokens = params.max_tokens.map_or(
+            kiln_engine::engine::GenerateParams::DEFAULT_MAX_TOKENS as u64,
+            u64::from,
+        );
+        let whole = n as u64 * tokens * (u64::from(top) + 1);
+        if whole > MAX_WHOLE_LOGPROBS {
+            return Err(bad(
+                "max_tokens",
+                format!(
+                    "n ({n}) x max_tokens ({tokens}) x (top log-probabilities ({top}) + 1) \
+                     come to {whole} log-probabilities, and an answer without streaming holds \
+                     at most {MAX_WHOLE_LOGPROBS}: stream it (`stream: true`) or ask for fewer"
+                ),
+            ));
+        }
+    }
     let field = if chat { "messages" } else { "prompt" };
     Ok(Validated {
         model: model.ok_or_else(|| bad("model", "is required"))?,

@@ -194,6 +194,22 @@ fn log_probabilities_are_asked_for_as_each_endpoint_spells_it() {
 }
 
 #[test]
+fn an_answer_without_streaming_holds_a_bounded_number_of_log_probabilities() {
+    let ask = |n: u32, max: u32, stream: bool| {
+        let m = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": true, "top_logprobs": 20, "n": n, "max_tokens": max, "stream": stream});
+        chat(m.to_string().as_bytes())
+    };
+    // 16 x 780 x 21 fits; 16 x 8192 x 21 (2.75 million) does not, unless
+    // streamed.
+    assert!(ask(16, 780, false).is_ok());
+    let e = ask(16, 8192, false).unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("max_tokens"));
+    assert!(e.message.contains("stream: true"), "{}", e.message);
+    assert!(ask(16, 8192, true).is_ok());
+}
+
+#[test]
 fn tools_choices_and_tool_messages_map_onto_the_call() {
     let v = chat(
         serde_json::json!({
