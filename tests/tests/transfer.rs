@@ -121,3 +121,43 @@ fn a_sequence_whose_pages_fail_their_tags_stays_home_and_is_aborted() {
     );
     assert_eq!(prefill.stats().integrity_aborts, 1);
 }
+
+#[test]
+fn a_sequence_is_adopted_only_once_the_engines_own_waiting_ones_have_run() {
+    let mut prefill = engine(KvFormat::Fp8, false);
+    let page = KvCache::page_bytes(&default_model().model.config, KvFormat::Fp8, 16);
+    let config = EngineConfig {
+        kv_format: KvFormat::Fp8,
+        kv_memory: 64 * page,
+        scheduler: kiln_host::engine::SchedulerConfig {
+            max_running: 1,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut decode = Engine::new(default_model(), config).expect("engine");
+    let prompt = chat_ids(&prefill, PROMPTS[0]);
+    let seq = prefill
+        .add(TenantId(1), prompt.clone(), greedy_to(8))
+        .unwrap();
+    tokens_of(&mut prefill, seq, 1);
+    let moved = prefill.export(seq).unwrap();
+    assert!(
+        decode.room_to_adopt(moved.pages(), 1),
+        "an idle engine takes it"
+    );
+    // One of its own runs and one waits (in a decode pool, a stream it
+    // preempted): the slot that frees is the waiting one's.
+    let (a, _b) = (
+        decode
+            .add(TenantId(2), prompt.clone(), greedy_to(8))
+            .unwrap(),
+        decode.add(TenantId(2), prompt, greedy_to(8)).unwrap(),
+    );
+    decode.step().unwrap();
+    assert!(decode.cancel(a));
+    assert_eq!(decode.running(), 0);
+    assert!(!decode.room_to_adopt(moved.pages(), 1));
+    decode.step().unwrap();
+    assert_eq!(decode.running(), 1, "the waiting one runs");
+}

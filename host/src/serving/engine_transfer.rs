@@ -86,9 +86,10 @@ impl PoolThread {
 
     /// In a decode pool: runs the sequences the prefill pool handed on
     /// while a running slot and their pages are free (as admission would
-    /// ask of a new request), the next always of the tenant running the
-    /// fewest here for its weight (in order within a tenant); with nothing
-    /// running, that one runs or fails at once.
+    /// ask of a new request) and none of its own waits (`room_to_adopt`),
+    /// the next always of the tenant running the fewest here for its
+    /// weight (in order within a tenant); with nothing running or waiting,
+    /// that one runs or fails at once.
     pub(super) fn adopt_pending(&mut self, engine: &mut Engine) {
         let tenants: Vec<(Arc<str>, u32)> = (self.pending.iter())
             .map(|a| (Arc::clone(&a.tenant), a.weight))
@@ -97,9 +98,8 @@ impl PoolThread {
             .map(|(t, w)| (self.tenant_id(t), *w))
             .collect();
         while let Some(next) = engine.next_to_adopt(&waiting) {
-            let room = engine.running() < self.config.scheduler.max_running
-                && engine.free_pages() > self.pending[next].transfer.pages();
-            if !room && engine.running() > 0 {
+            let pages = self.pending[next].transfer.pages();
+            if !engine.room_to_adopt(pages, self.config.scheduler.max_running) {
                 return;
             }
             waiting.remove(next);

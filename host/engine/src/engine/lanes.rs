@@ -128,6 +128,12 @@ impl Lanes {
         self.handoffs
     }
 
+    /// Sequences waiting on every lane (queued, or preempted to be
+    /// recomputed).
+    pub fn waiting(&self) -> usize {
+        self.all().map(|s| s.len() - s.running()).sum()
+    }
+
     fn all(&self) -> impl Iterator<Item = &Scheduler> {
         std::iter::once(&self.prefill).chain(self.decode.as_ref())
     }

@@ -171,6 +171,20 @@ impl Engine {
         Ok(id)
     }
 
+    /// Whether a sequence of `pages` pages handed on from another engine
+    /// may be adopted now, as admission would take a request with
+    /// `max_running` slots: none of this engine's own sequences waits (in a
+    /// decode pool, a stream it preempted, whose text has gone out: it goes
+    /// first), and a running slot and the pages are free; or nothing runs
+    /// or waits here (then it runs, or fails at once).
+    pub fn room_to_adopt(&self, pages: usize, max_running: usize) -> bool {
+        if self.lanes.waiting() > 0 {
+            return false;
+        }
+        let running = self.running();
+        running == 0 || (running < max_running && self.free_pages() > pages)
+    }
+
     /// Of sequences waiting to be adopted (each given as its tenant here
     /// and that tenant's share weight, in arrival order), the one to adopt
     /// next: the first of the tenant running the fewest sequences here for
