@@ -492,6 +492,15 @@ impl App {
             },
         };
         self.metrics.component_loads.inc();
-        Ok(self.runtime.load(&route.row.digest, &bytes)?)
+        // Accepted when it was deployed: failing now is the server's fault
+        // (a changed runtime, damaged storage), not the caller's.
+        self.runtime.load(digest, &bytes).map_err(|e| {
+            tracing::error!(digest, "a deployed component no longer loads: {e}");
+            AppError::Internal(format!(
+                "function `{}` was deployed but its component no longer loads here; redeploy \
+                 it (see the server log)",
+                route.row.name
+            ))
+        })
     }
 }

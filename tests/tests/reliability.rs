@@ -492,3 +492,26 @@ async fn a_function_body_over_the_limit_gets_413_declared_or_streamed() {
     let (status, kind, msg) = error_of(streamed).await;
     assert_eq!((status, kind.as_str()), (413, "payload_too_large"), "{msg}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deployed_component_that_no_longer_loads_is_the_servers_500() {
+    let s = TestServer::start().await;
+    let key = s.tenant("acme").await;
+    let row = s.deploy(&key, "hello", "hello").await;
+    // Storage damaged while the server was down, no compiled code left.
+    let digest = row["digest"]
+        .as_str()
+        .and_then(|d| d.strip_prefix("sha256:"))
+        .unwrap();
+    let file = s
+        .data_dir()
+        .join("components")
+        .join(format!("{digest}.wasm"));
+    std::fs::write(&file, b"not a component").unwrap();
+    std::fs::remove_dir_all(s.data_dir().join("cache")).unwrap();
+    let s = s.restart().await;
+    let resp = s.call("acme", "hello", "/").await;
+    assert_eq!(resp.status(), 500);
+    let body = resp.text().await.unwrap();
+    assert!(body.contains("redeploy"), "{body}");
+}
