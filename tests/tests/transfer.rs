@@ -71,7 +71,7 @@ fn only_a_computed_sequence_moves_and_only_to_pages_of_its_format() {
     let seq = a.add(TenantId(1), prompt, greedy_to(4)).unwrap();
     let early = a.export(seq).unwrap_err();
     assert!(
-        early.contains("not running with its prompt computed"),
+        early.why.contains("not running with its prompt computed") && early.later,
         "{early}"
     );
     tokens_of(&mut a, seq, 1);
@@ -113,7 +113,7 @@ fn a_sequence_whose_pages_fail_their_tags_stays_home_and_is_aborted() {
     // a's first page now maps b's: its KV is another tenant's.
     assert!(prefill.inject_page_fault(a, b));
     let e = prefill.export(a).unwrap_err();
-    assert!(e.contains("tag check"), "{e}");
+    assert!(e.why.contains("tag check") && !e.later, "{e}");
     let (_, end) = tokens_of(&mut prefill, a, usize::MAX);
     assert!(
         matches!(end, Some(Finish::Aborted(_))),
@@ -160,4 +160,20 @@ fn a_sequence_is_adopted_only_once_the_engines_own_waiting_ones_have_run() {
     assert!(!decode.room_to_adopt(moved.pages(), 1));
     decode.step().unwrap();
     assert_eq!(decode.running(), 1, "the waiting one runs");
+}
+
+#[test]
+fn a_sequence_other_samples_wait_on_moves_once_they_have_started() {
+    let mut prefill = engine(KvFormat::Fp8, false);
+    let prompt = chat_ids(&prefill, PROMPTS[0]);
+    let salt = kiln_host::engine::Salt::derive(&[7; 32], "m", "t");
+    let ids = (prefill.admit(TenantId(1), salt, prompt, greedy_to(8), 2, None)).unwrap();
+    tokens_of(&mut prefill, ids[0], 1);
+    let e = prefill.export(ids[0]).unwrap_err();
+    assert!(e.why.contains("samples wait") && e.later, "{e}");
+    // The next step starts the other sample from its prompt's pages.
+    prefill.step().unwrap();
+    let moved = prefill.export(ids[0]).expect("it moves now");
+    let mut decode = engine(KvFormat::Fp8, false);
+    decode.adopt(moved).unwrap();
 }

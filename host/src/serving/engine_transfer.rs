@@ -3,8 +3,10 @@
 //! with the request's channel, to the decode pool the router chose for it
 //! (`Forward`); that pool's thread adopts it into its engine, on pages of
 //! its own pool tagged for the tenant, and streams the rest. A sequence
-//! its engine will not hand on (other samples wait on its prompt, say)
-//! stays and decodes where it is. A decode pool takes what it is handed
+//! its engine cannot hand on yet (in a step in flight, preempted, or other
+//! samples about to start from its prompt) is tried again after the next
+//! step; one it never will (pages that fail their tags) stays and decodes
+//! where it is. A decode pool takes what it is handed
 //! as it would admit a request: while a running slot and the pages are
 //! free, the rest waiting, fairly among tenants; one it still cannot take
 //! fails with a clear error.
@@ -28,8 +30,10 @@ impl PoolThread {
         for seq in ready {
             let transfer = match engine.export(seq) {
                 Ok(t) => t,
-                Err(why) => {
-                    tracing::debug!(model = %self.model, pool = %self.pool, "sequence {seq} decodes here: {why}");
+                // Preempted, or in a step in flight: after a later step.
+                Err(e) if e.later => continue,
+                Err(e) => {
+                    tracing::debug!(model = %self.model, pool = %self.pool, "sequence {seq} decodes here: {e}");
                     if let Some(live) = self.outs.get_mut(&seq) {
                         live.then = None;
                     }

@@ -37,7 +37,7 @@ pub use prefix::{PageHash, Salt};
 pub use request::{Finish, GenerateParams, Logprob, TokenLogprobs, check_prompt};
 pub use samples::MAX_SAMPLES;
 pub use scheduler::SchedulerConfig;
-pub use transfer::SeqTransfer;
+pub use transfer::{SeqTransfer, Unexported};
 
 use crate::model::{KvCache, Loaded, Reserve, Runner, RunnerOptions};
 use integrity::{IntegrityCheck, NoCheck, TagCheck};

@@ -69,6 +69,24 @@ impl SeqTransfer {
     }
 }
 
+/// Why [`Engine::export`] left a sequence where it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unexported {
+    /// What stands in the way.
+    pub why: String,
+    /// Whether it may move after a later step (it is in a step in flight,
+    /// preempted and not yet recomputed, or samples wait to start from its
+    /// prompt); if not, it stays for good (its pages fail their tags or
+    /// cannot be read out).
+    pub later: bool,
+}
+
+impl std::fmt::Display for Unexported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.why)
+    }
+}
+
 impl Engine {
     fn kv_shape(&self) -> KvShape {
         KvShape {
@@ -81,19 +99,26 @@ impl Engine {
     /// Takes `seq` out of this engine once only its next token is left to
     /// compute, with its pages' contents; its pages here are freed (those
     /// the prefix cache names stay cached). Fails, leaving it here, when it
-    /// is not such a sequence, is in a step in flight, or other samples
-    /// wait on its prompt.
-    pub fn export(&mut self, seq: SeqId) -> Result<SeqTransfer, String> {
+    /// is not such a sequence (yet), is in a step in flight, or other
+    /// samples wait on its prompt.
+    pub fn export(&mut self, seq: SeqId) -> Result<SeqTransfer, Unexported> {
+        let later = |why| Unexported { why, later: true };
         // Between steps only the prefill lane's launched step (`--pd on`
         // on a GPU) may still be computing.
         if self.in_flight.iter().flatten().any(|s| s.seq == seq) {
-            return Err(format!("sequence {seq} is in a step in flight"));
+            return Err(later(format!("sequence {seq} is in a step in flight")));
         }
+        // Samples start from its prompt's pages at the next step.
         if self.waiting.iter().any(|w| w.waits_on(seq)) {
-            return Err(format!("other samples wait on sequence {seq}'s prompt"));
+            return Err(later(format!(
+                "other samples wait on sequence {seq}'s prompt"
+            )));
         }
-        let handoff = (self.lanes.release_ready(seq))
-            .ok_or_else(|| format!("sequence {seq} is not running with its prompt computed"))?;
+        let handoff = (self.lanes.release_ready(seq)).ok_or_else(|| {
+            later(format!(
+                "sequence {seq} is not running with its prompt computed"
+            ))
+        })?;
         let pages = handoff.computed().div_ceil(PAGE_SIZE);
         let table: Vec<u32> = (self.kv.table(seq))
             .map(|t| t.pages.iter().take(pages).copied().collect())
@@ -117,9 +142,10 @@ impl Engine {
                     self.requests.insert(seq, r);
                 }
                 self.lanes.adopt_running(seq, handoff);
-                return Err(read
-                    .err()
-                    .unwrap_or(format!("sequence {seq} has no request")));
+                return Err(Unexported {
+                    why: (read.err()).unwrap_or(format!("sequence {seq} has no request")),
+                    later: false,
+                });
             }
         };
         self.kv.free(seq);
