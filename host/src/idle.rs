@@ -36,11 +36,18 @@ impl Activity {
         InFlight(self.clone())
     }
 
+    /// Restarts the idle clock (serving begins now).
+    pub fn touch(&self) {
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+
     /// Resolves once nothing has been in flight for `idle`.
     pub async fn idle(&self, idle: Duration) {
         loop {
-            let since = *self.last.lock().unwrap_or_else(|p| p.into_inner());
+            // `open` first: a request that ended after this read has set
+            // `last` before its count went down.
             let busy = self.open.load(Ordering::Acquire) > 0;
+            let since = *self.last.lock().unwrap_or_else(|p| p.into_inner());
             if !busy && since.elapsed() >= idle {
                 return;
             }

@@ -10,7 +10,6 @@ use anyhow::Context;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use kiln_runtime::Inference;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -64,6 +63,46 @@ fn tls_acceptor(cert: &std::path::Path, key: &std::path::Path) -> anyhow::Result
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
+/// Serves `$conn` until it ends. When nothing has been in flight on it for
+/// `$idle`, or the server stops (`$stopping`), it is shut down gracefully
+/// (GOAWAY on HTTP/2, no more keep-alive on HTTP/1), so what is in flight
+/// and a client's request racing the close are not cut; an idle one that
+/// then does not end within `$idle` more (an HTTP/2 client that does not
+/// answer the closing ping) is dropped. (A macro: the same code
+/// as a generic function trips rustc's higher-ranked `Send` check on
+/// hyper's connection.)
+macro_rules! serve {
+    ($conn:expr, $activity:expr, $idle:expr, $stopping:expr, $peer:expr) => {{
+        let (activity, idle, mut stopping, peer) = ($activity, $idle, $stopping, $peer);
+        // The handshake's time is not idleness.
+        activity.touch();
+        let conn = $conn;
+        tokio::pin!(conn);
+        let bound = tokio::select! {
+            served = conn.as_mut() => {
+                if let Err(e) = served {
+                    tracing::debug!(%peer, "connection error: {e}");
+                }
+                None
+            }
+            () = activity.idle(idle) => Some(Some(idle)),
+            _ = stopping.wait_for(|s| *s) => Some(None),
+        };
+        if let Some(bound) = bound {
+            conn.as_mut().graceful_shutdown();
+            let ended = match bound {
+                Some(bound) => tokio::time::timeout(bound, conn).await,
+                None => Ok(conn.await),
+            };
+            match ended {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(%peer, "connection error: {e}"),
+                Err(_) => tracing::debug!(%peer, "an idle connection did not close in time"),
+            }
+        }
+    }};
+}
+
 impl Server {
     /// Opens the data dir, builds the runtime and binds the listener.
     /// `admin_token` overrides the one stored in the data dir; `metrics`
@@ -110,7 +149,8 @@ impl Server {
     /// Serves until `shutdown` resolves, then stops accepting and waits up
     /// to the drain timeout for connections in flight.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-        let graceful = GracefulShutdown::new();
+        // Told to every connection when the server stops accepting.
+        let (stop, stopping) = tokio::sync::watch::channel(false);
         let net = self.app.config.net.clone();
         let mut builder = auto::Builder::new(TokioExecutor::new());
         builder
@@ -185,7 +225,7 @@ impl Server {
             match &self.tls {
                 None => {
                     let builder = builder.clone();
-                    let watcher = graceful.watcher();
+                    let stopping = stopping.clone();
                     tokio::spawn(async move {
                         let _permit = permit;
                         if !first_bytes(&stream, net.header_read_timeout).await {
@@ -193,13 +233,13 @@ impl Server {
                         }
                         let conn =
                             builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                        serve(watcher.watch(conn.into_owned()), &activity, idle, peer).await;
+                        serve!(conn, &activity, idle, stopping, peer);
                     });
                 }
                 Some(acceptor) => {
                     let acceptor = acceptor.clone();
                     let builder = builder.clone();
-                    let watcher = graceful.watcher();
+                    let stopping = stopping.clone();
                     tokio::spawn(async move {
                         let _permit = permit;
                         let handshake = acceptor.accept(stream);
@@ -229,7 +269,7 @@ impl Server {
                         };
                         let conn =
                             builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                        serve(watcher.watch(conn.into_owned()), &activity, idle, peer).await;
+                        serve!(conn, &activity, idle, stopping, peer);
                     });
                 }
             }
@@ -237,7 +277,11 @@ impl Server {
         drop(self.listener);
         let drain = self.app.config.drain_timeout;
         tracing::info!("shutting down; draining for up to {drain:?}");
-        let drained = graceful.shutdown();
+        let _ = stop.send(true);
+        // Each connection holds a permit until it ends: all of them back
+        // means every connection has drained.
+        let all = u32::try_from(net.max_connections).unwrap_or(u32::MAX);
+        let drained = connections.acquire_many(all);
         tokio::pin!(drained);
         let done = tokio::time::timeout(drain, &mut drained).await.is_ok();
         if !done {
@@ -251,22 +295,6 @@ impl Server {
             tracing::warn!("closing the connections that remain");
         }
         Ok(())
-    }
-}
-
-/// Serves `conn` until it ends, or until nothing has been in flight on it
-/// for `idle` (then it is closed).
-async fn serve<E: std::fmt::Display>(
-    conn: impl Future<Output = Result<(), E>>,
-    activity: &Activity,
-    idle: Duration,
-    peer: SocketAddr,
-) {
-    tokio::select! {
-        served = conn => if let Err(e) = served {
-            tracing::debug!(%peer, "connection error: {e}");
-        },
-        () = activity.idle(idle) => tracing::debug!(%peer, "idle connection closed"),
     }
 }
 
