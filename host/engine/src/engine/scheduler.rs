@@ -85,6 +85,10 @@ struct Seq {
     /// The step that last decoded it (0: none yet), so capped decodes
     /// take turns.
     decoded_at: u64,
+    /// Whether it lost its pages once: it then waits for its whole next
+    /// chunk's pages, rather than start again on the few left free and
+    /// lose them again to the streams that took its own.
+    preempted: bool,
 }
 
 impl Seq {
@@ -170,6 +174,7 @@ impl Scheduler {
                 prefix,
                 present: 0,
                 decoded_at: 0,
+                preempted: false,
             },
         );
         self.waiting.entry(tenant).or_default().push_back(seq);

@@ -63,6 +63,7 @@ impl Scheduler {
     pub fn requeue_front(&mut self, seq: SeqId, mut h: Handoff) {
         h.seq.computed = 0;
         h.seq.present = 0;
+        h.seq.preempted = true;
         let tenant = h.seq.tenant;
         self.seqs.insert(seq, h.seq);
         self.waiting.entry(tenant).or_default().push_front(seq);

@@ -149,11 +149,15 @@ impl Scheduler {
                     _ => break,
                 }
             }
-            // Short still: a smaller chunk takes what is free, and only a
-            // chunk with no page at all gives its own up.
+            // Short still: a smaller chunk takes what is free. With no page
+            // free, a prompt waits, keeping its pages, while the step has
+            // other work (which may take them as a victim); otherwise, and
+            // for a stream, it gives its own up.
             let fit = kv.tokens_leaving(id, 0).saturating_sub(s.computed);
             if fit == 0 {
-                self.preempt(id, kv, &mut step.out);
+                if self.remaining(id) == 1 || step.planned.is_empty() {
+                    self.preempt(id, kv, &mut step.out);
+                }
                 return;
             }
             count = count.min(fit);
@@ -171,7 +175,9 @@ impl Scheduler {
     /// its prompt (after the prefix cache's hit); false when it does not
     /// fit the pool. A tenant with nothing running takes what the free
     /// pages hold, so a tenant whose chunk is larger than the pages others
-    /// free one by one is not left waiting while they take each.
+    /// free one by one is not left waiting while they take each (unless
+    /// the sequence was preempted once: then the pool's streams need the
+    /// pages, and it waits for its whole chunk's).
     fn admit(
         &mut self,
         tenant: TenantId,
@@ -182,13 +188,17 @@ impl Scheduler {
         let Some(&id) = self.waiting.get(&tenant).and_then(VecDeque::front) else {
             return false;
         };
+        // Preempted in this step: not back before the next.
+        if step.out.preempted.contains(&id) {
+            return false;
+        }
         let mut s = self.seqs[&id].clone();
         let hit = kv.attach_prefix(id, s.tenant, &s.prefix) * kv.page_size();
         s.present = hit.min(s.len);
         // Every token cached: recompute the last one for its logits.
         s.computed = s.present.min(s.len - 1);
         let mut count = (s.len - s.computed).min(allowance);
-        if !self.running.iter().any(|r| self.seqs[r].tenant == tenant) {
+        if !s.preempted && !self.running.iter().any(|r| self.seqs[r].tenant == tenant) {
             let fit = kv
                 .tokens_leaving(id, self.reserve)
                 .saturating_sub(s.computed);

@@ -420,3 +420,58 @@ fn a_chunk_short_of_pages_runs_what_fits_instead_of_giving_up_its_own() {
         .collect();
     assert_eq!(planned, vec![(1, 32, 1), (2, 32, 16)]);
 }
+
+#[test]
+fn a_prompt_short_of_pages_beside_a_stream_waits_instead_of_recomputing_each_step() {
+    let mut kv = KvCacheManager::new(4, 16);
+    let mut s = Scheduler::new(cfg(64, 8));
+    // Stream 1 (tenant 1) holds two pages; prompt 2 (tenant 0) gets the
+    // other two for its first 32 tokens and needs more.
+    s.add(1, TenantId(1), 31, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    s.append_token(1);
+    s.add(2, TenantId(0), 96, Vec::new());
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    assert!(
+        out.scheduled.iter().any(|x| (x.seq, x.start) == (2, 0)),
+        "{out:?}"
+    );
+    assert_eq!(kv.num_free(), 0);
+    // The stream's next page is the prompt's (it is the victim); the
+    // prompt then waits for its whole chunk's pages rather than start
+    // again on the one page left and lose it at the stream's next page.
+    let mut recomputed = 0;
+    for _ in 0..20 {
+        s.append_token(1);
+        let out = s.schedule(&mut kv, StepCaps::NONE);
+        recomputed += out.scheduled.iter().filter(|x| x.seq == 2).count();
+    }
+    assert_eq!(recomputed, 0);
+    s.remove(1);
+    kv.free(1);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    assert!(
+        out.scheduled.iter().any(|x| (x.seq, x.start) == (2, 0)),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn a_prompt_with_no_page_free_beside_a_stream_keeps_its_pages_and_waits() {
+    let mut kv = KvCacheManager::new(4, 16);
+    let mut s = Scheduler::new(cfg(64, 8));
+    s.add(1, TenantId(1), 20, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    s.append_token(1);
+    s.add(2, TenantId(0), 96, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    assert_eq!((s.seqs[&2].computed, kv.num_free()), (32, 0));
+    // The stream's next tokens fit its pages; the prompt's next chunk
+    // finds none free and no victim: it waits, its 32 tokens kept.
+    s.append_token(1);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    assert!(out.preempted.is_empty(), "{:?}", out.preempted);
+    let planned: Vec<_> = out.scheduled.iter().map(|x| x.seq).collect();
+    assert_eq!(planned, vec![1]);
+    assert_eq!(s.seqs[&2].computed, 32);
+}
