@@ -28,8 +28,10 @@ pub struct Route {
     /// The control-plane record.
     pub row: FunctionRow,
     /// Filled by the first request; those arriving meanwhile wait for it
-    /// rather than each loading the component again.
-    deployment: tokio::sync::OnceCell<Deployment>,
+    /// rather than each loading the component again. A component that
+    /// does not load keeps its error (until a redeploy makes a new route);
+    /// a failure to fetch it (the database) is tried again.
+    deployment: tokio::sync::OnceCell<Result<Deployment, String>>,
 }
 
 impl Route {
@@ -342,8 +344,9 @@ impl App {
         let max_functions = self.max_functions(tenant);
         // Before the compile, which a tenant at its cap must not get for
         // free; the store checks again, atomically.
-        if self.route_of(tenant, name.as_str()).is_none()
-            && self.db.functions(Some(tenant))?.len() >= max_functions as usize
+        let deployed = self.db.functions(Some(tenant))?;
+        if deployed.len() >= max_functions as usize
+            && !deployed.iter().any(|f| f.name == name.as_str())
         {
             return Err(DbError::FunctionsExceeded {
                 tenant: tenant.to_owned(),
@@ -368,17 +371,19 @@ impl App {
             Ok(unused) => unused,
             Err(e) => {
                 // Refused: no row may refer to these bytes; none is left.
-                if !self.db.digests()?.contains(&row.digest) {
+                // (The refusal is what the caller hears, whatever happens
+                // here.)
+                if self.db.digests().is_ok_and(|d| !d.contains(&row.digest)) {
                     self.components.remove(&guard, &row.digest);
                     self.runtime.forget(&row.digest);
-                    self.db.forget_component(&row.digest)?;
+                    let _ = self.db.forget_component(&row.digest);
                 }
                 return Err(e);
             }
         };
         let route = Route {
             row: row.clone(),
-            deployment: tokio::sync::OnceCell::new_with(Some(deployment)),
+            deployment: tokio::sync::OnceCell::new_with(Some(Ok(deployment))),
         };
         self.routes_mut().insert(
             (tenant.to_owned(), name.as_str().to_owned()),
@@ -463,14 +468,13 @@ impl App {
     /// Requests arriving during that load wait for it without holding a
     /// thread; if it fails, the next request tries again.
     pub async fn deployment(&self, route: &Route) -> Result<Deployment, AppError> {
-        route
-            .deployment
+        let loaded = (route.deployment)
             .get_or_try_init(|| async { crate::aside::aside(|| self.load(route)) })
-            .await
-            .cloned()
+            .await?;
+        loaded.clone().map_err(AppError::Internal)
     }
 
-    fn load(&self, route: &Route) -> Result<Deployment, AppError> {
+    fn load(&self, route: &Route) -> Result<Result<Deployment, String>, AppError> {
         let digest = &route.row.digest;
         let bytes = match std::fs::read(self.components.path(digest)) {
             Ok(b) => b,
@@ -494,13 +498,13 @@ impl App {
         self.metrics.component_loads.inc();
         // Accepted when it was deployed: failing now is the server's fault
         // (a changed runtime, damaged storage), not the caller's.
-        self.runtime.load(digest, &bytes).map_err(|e| {
+        Ok(self.runtime.load(digest, &bytes).map_err(|e| {
             tracing::error!(digest, "a deployed component no longer loads: {e}");
-            AppError::Internal(format!(
+            format!(
                 "function `{}` was deployed but its component no longer loads here; redeploy \
                  it (see the server log)",
                 route.row.name
-            ))
-        })
+            )
+        }))
     }
 }

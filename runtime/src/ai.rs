@@ -273,11 +273,12 @@ impl AiCtx {
         crate::limits::Metered::unbilled(call, self.meter.clone())
     }
 
-    /// A model call started, kept off the request's CPU time unless it is
-    /// refused before the model does any work (a prompt past the context,
-    /// the quota spent): then its preparation was for nothing the model
-    /// does, and the guest's own, or a guest could loop refused calls on
-    /// host CPU it never pays for.
+    /// A model call started, kept off the request's CPU time unless it ends
+    /// in a refusal (a prompt past the context, the quota spent, no room),
+    /// which nearly always comes before the model does any work: then its
+    /// preparation bought nothing, and is the guest's, or a guest could
+    /// loop refused calls on host CPU it never pays for. (A rare refusal
+    /// after a prompt was computed, a decode pool full, is billed too.)
     async fn start<T>(
         &self,
         call: impl std::future::Future<Output = Result<T, AiError>>,

@@ -399,7 +399,9 @@ fn advance(r: &mut Request, token: u32) -> Result<(), String> {
     match r.matcher.as_mut().filter(|m| !m.is_stopped()) {
         Some(m) => m
             .consume_token(token)
-            .map_err(|e| format!("{}: {e}", super::constraint::FORMAT_FAILED)),
+            // The token was drawn under the format's own mask: its refusal
+            // is the engine's fault, not the request's format.
+            .map_err(|e| format!("a token drawn under the output format's mask was refused: {e}")),
         None => Ok(()),
     }
 }
