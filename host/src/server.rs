@@ -66,9 +66,9 @@ fn tls_acceptor(cert: &std::path::Path, key: &std::path::Path) -> anyhow::Result
 /// Serves `$conn` until it ends. When nothing has been in flight on it for
 /// `$idle`, or the server stops (`$stopping`), it is shut down gracefully
 /// (GOAWAY on HTTP/2, no more keep-alive on HTTP/1), so what is in flight
-/// and a client's request racing the close are not cut; an idle one that
-/// then does not end within `$idle` more (an HTTP/2 client that does not
-/// answer the closing ping) is dropped. (A macro: the same code
+/// and a client's request racing the close are not cut; one that then
+/// stays idle for `$idle` more without closing (an HTTP/2 client that
+/// does not answer the closing ping) is dropped. (A macro: the same code
 /// as a generic function trips rustc's higher-ranked `Send` check on
 /// hyper's connection.)
 macro_rules! serve {
@@ -78,26 +78,31 @@ macro_rules! serve {
         activity.touch();
         let conn = $conn;
         tokio::pin!(conn);
-        let bound = tokio::select! {
+        // The connection first: a request it has read is served, even if
+        // the server stops at the same moment.
+        let idled = tokio::select! {
+            biased;
             served = conn.as_mut() => {
                 if let Err(e) = served {
                     tracing::debug!(%peer, "connection error: {e}");
                 }
                 None
             }
-            () = activity.idle(idle) => Some(Some(idle)),
-            _ = stopping.wait_for(|s| *s) => Some(None),
+            () = activity.idle(idle) => Some(true),
+            _ = stopping.wait_for(|s| *s) => Some(false),
         };
-        if let Some(bound) = bound {
+        if let Some(idled) = idled {
             conn.as_mut().graceful_shutdown();
-            let ended = match bound {
-                Some(bound) => tokio::time::timeout(bound, conn).await,
-                None => Ok(conn.await),
+            activity.touch();
+            let ended = tokio::select! {
+                biased;
+                ended = conn.as_mut() => Some(ended),
+                () = activity.idle(idle), if idled => None,
             };
             match ended {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::debug!(%peer, "connection error: {e}"),
-                Err(_) => tracing::debug!(%peer, "an idle connection did not close in time"),
+                Some(Ok(())) => {}
+                Some(Err(e)) => tracing::debug!(%peer, "connection error: {e}"),
+                None => tracing::debug!(%peer, "an idle connection did not close; dropped"),
             }
         }
     }};
