@@ -345,14 +345,8 @@ impl App {
         // Before the compile, which a tenant at its cap must not get for
         // free; the store checks again, atomically.
         let deployed = self.db.functions(Some(tenant))?;
-        if deployed.len() >= max_functions as usize
-            && !deployed.iter().any(|f| f.name == name.as_str())
-        {
-            return Err(DbError::FunctionsExceeded {
-                tenant: tenant.to_owned(),
-                cap: max_functions,
-            }
-            .into());
+        if !deployed.iter().any(|f| f.name == name.as_str()) {
+            crate::db::within_cap(tenant, deployed.len() as i64, max_functions)?;
         }
         // Validation first: nothing is stored for a component we reject.
         let deployment = self.runtime.load(&digest, bytes)?;
@@ -450,12 +444,9 @@ impl App {
 
     /// The route of `tenant`'s function `name`, if deployed.
     pub fn route(&self, tenant: &Name, name: &Name) -> Option<Arc<Route>> {
-        self.route_of(tenant.as_str(), name.as_str())
-    }
-
-    fn route_of(&self, tenant: &str, name: &str) -> Option<Arc<Route>> {
         let routes = self.routes.read().unwrap_or_else(|p| p.into_inner());
-        routes.get(&(tenant.to_owned(), name.to_owned())).cloned()
+        let key = (tenant.as_str().to_owned(), name.as_str().to_owned());
+        routes.get(&key).cloned()
     }
 
     /// How many functions `tenant` may have deployed.
@@ -466,7 +457,8 @@ impl App {
     /// The route's deployment, compiling it (or loading the cached
     /// artifact) on first use, aside from the async worker it is called on.
     /// Requests arriving during that load wait for it without holding a
-    /// thread; if it fails, the next request tries again.
+    /// thread; a component that does not load keeps its error, a failure
+    /// to fetch it is tried again by the next request.
     pub async fn deployment(&self, route: &Route) -> Result<Deployment, AppError> {
         let loaded = (route.deployment)
             .get_or_try_init(|| async { crate::aside::aside(|| self.load(route)) })

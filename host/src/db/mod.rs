@@ -44,6 +44,18 @@ pub enum DbError {
     },
 }
 
+/// Whether a tenant with `deployed` functions may add one under its cap
+/// of `max_functions` ([`DbError::FunctionsExceeded`] if not).
+pub fn within_cap(tenant: &str, deployed: i64, max_functions: u32) -> Result<(), DbError> {
+    if deployed >= i64::from(max_functions) {
+        return Err(DbError::FunctionsExceeded {
+            tenant: tenant.to_owned(),
+            cap: max_functions,
+        });
+    }
+    Ok(())
+}
+
 /// A deployed function's record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FunctionRow {

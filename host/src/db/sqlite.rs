@@ -94,12 +94,7 @@ impl Store for Sqlite {
         if previous.is_none() {
             let count = "SELECT COUNT(*) FROM functions WHERE tenant = ?1";
             let n: i64 = tx.query_row(count, params![row.tenant], |r| r.get(0))?;
-            if n >= i64::from(max_functions) {
-                return Err(DbError::FunctionsExceeded {
-                    tenant: row.tenant.clone(),
-                    cap: max_functions,
-                });
-            }
+            super::within_cap(&row.tenant, n, max_functions)?;
         }
         tx.execute(
             "INSERT INTO functions (tenant, name, digest, size, created)

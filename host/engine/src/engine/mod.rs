@@ -554,9 +554,6 @@ impl Engine {
         self.lanes.remove(seq);
         self.free_pages_of(seq);
         if let Some(r) = self.requests.remove(&seq) {
-            if r.tokens.len() > r.prompt_len {
-                self.prompt_computed(seq);
-            }
             events.push(Event::Finished {
                 seq,
                 finish,
