@@ -49,8 +49,9 @@ impl Lanes {
     /// Plans `lane`'s next step within the engine's `caps`. The prefill
     /// lane counts the decode lane's streams against its running slots and
     /// leaves a page free for each that will soon need one (and waits for
-    /// those pages rather than preempt); the decode lane computes no prompt, and
-    /// what it preempts goes to the front of the prefill queue.
+    /// those pages rather than preempt); the decode lane computes no prompt,
+    /// picks its victims by what each tenant runs on both lanes, and what
+    /// it preempts goes to the front of the prefill queue.
     pub fn schedule(
         &mut self,
         lane: Lane,
@@ -60,6 +61,7 @@ impl Lanes {
         match (lane, &mut self.decode) {
             (Lane::Decode, Some(decode)) => {
                 let no_prompt = StepCaps { prompt: 0, ..caps };
+                decode.set_elsewhere(self.prefill.running_by_tenant());
                 let out = decode.schedule(kv, no_prompt);
                 for seq in &out.preempted {
                     if let Some(h) = decode.release(*seq) {

@@ -187,3 +187,61 @@ fn a_stream_handed_to_the_decode_lane_takes_its_turn_after_the_streams_waiting_t
     let ran: Vec<SeqId> = out.scheduled.iter().map(|s| s.seq).collect();
     assert_eq!(ran, vec![1, 3]);
 }
+
+#[test]
+fn the_decode_lane_preempts_the_tenant_running_most_on_both_lanes() {
+    // Tenant 0 streams one sequence and prefills another; tenant 1
+    // streams one. Counted over both lanes tenant 0 runs more, so when a
+    // stream outgrows the full pool the decode lane preempts tenant 0's
+    // (on that lane alone the two tie, and the newer would go).
+    let mut kv = KvCacheManager::new(16, 16);
+    let mut l = Lanes::new(cfg(16, 8), true);
+    l.add(1, TenantId(0), 17, Vec::new());
+    l.add(2, TenantId(1), 17, Vec::new());
+    while l.handoffs() < 2 {
+        step(&mut l, &mut kv);
+    }
+    l.add(3, TenantId(0), 400, Vec::new());
+    let out = l.schedule(Lane::Prefill, &mut kv, StepCaps::NONE);
+    assert_eq!(seqs(&out.scheduled), vec![(3, 0, 16)]);
+    // Whatever else is free is held outside the lanes.
+    assert!(kv.allocate(99, TenantId(2), kv.num_free() * 16));
+    for _ in 0..40 {
+        let out = l.schedule(Lane::Decode, &mut kv, StepCaps::NONE);
+        let decoded: Vec<SeqId> = out.scheduled.iter().map(|s| s.seq).collect();
+        decoded.iter().for_each(|s| l.append_token(*s));
+        if decoded.len() < 2 {
+            assert_eq!((decoded, out.preempted), (vec![2], vec![1]));
+            return;
+        }
+    }
+    panic!("the pool was meant to force a preemption");
+}
+
+#[test]
+fn a_prompt_short_of_pages_waits_for_the_decode_lanes_streams_rather_than_recompute() {
+    // Two streams hold four pages of sixteen; a 200-token prompt needs
+    // thirteen. It computes what is free, then keeps its pages while the
+    // streams run (they free pages as they finish or are preempted), and
+    // never starts over.
+    let mut kv = KvCacheManager::new(16, 16);
+    let mut l = Lanes::new(cfg(16, 8), true);
+    l.add(1, TenantId(0), 17, Vec::new());
+    l.add(2, TenantId(1), 17, Vec::new());
+    while l.handoffs() < 2 {
+        step(&mut l, &mut kv);
+    }
+    l.add(3, TenantId(2), 200, Vec::new());
+    let mut starts = 0;
+    for _ in 0..80 {
+        let plans = step(&mut l, &mut kv);
+        starts += (plans[1].1.iter())
+            .filter(|s| s.seq == 3 && s.start == 0)
+            .count();
+        if l.handoffs() == 3 {
+            assert_eq!(starts, 1, "the prompt was recomputed");
+            return;
+        }
+    }
+    panic!("the prompt never finished ({starts} starts)");
+}

@@ -116,6 +116,12 @@ impl Scheduler {
         self.reserve = pages;
     }
 
+    /// Whether another lane runs sequences (whose pages come free as they
+    /// end or are preempted there).
+    pub(super) fn runs_elsewhere(&self) -> bool {
+        self.elsewhere.values().any(|n| *n > 0)
+    }
+
     /// Running sequences of every lane this one knows of.
     pub(super) fn running_everywhere(&self) -> usize {
         self.running.len() + self.elsewhere.values().sum::<usize>()

@@ -150,12 +150,14 @@ impl Scheduler {
                 }
             }
             // Short still: a smaller chunk takes what is free. With no page
-            // free, a prompt waits, keeping its pages, while the step has
-            // other work (which may take them as a victim); otherwise, and
-            // for a stream, it gives its own up.
+            // free, a prompt waits, keeping its pages, while the step or
+            // another lane has other work (which frees pages as it ends or
+            // is preempted, or takes these as a victim); otherwise, and for
+            // a stream, it gives its own up.
             let fit = kv.tokens_leaving(id, 0).saturating_sub(s.computed);
             if fit == 0 {
-                if self.remaining(id) == 1 || step.planned.is_empty() {
+                let others = !step.planned.is_empty() || self.runs_elsewhere();
+                if self.remaining(id) == 1 || !others {
                     self.preempt(id, kv, &mut step.out);
                 }
                 return;
