@@ -188,12 +188,9 @@ fn a_stream_handed_to_the_decode_lane_takes_its_turn_after_the_streams_waiting_t
     assert_eq!(ran, vec![1, 3]);
 }
 
-#[test]
-fn the_decode_lane_preempts_the_tenant_running_most_on_both_lanes() {
-    // Tenant 0 streams one sequence and prefills another; tenant 1
-    // streams one. Counted over both lanes tenant 0 runs more, so when a
-    // stream outgrows the full pool the decode lane preempts tenant 0's
-    // (on that lane alone the two tie, and the newer would go).
+/// Streams of tenants 0 and 1 (two pages each) on the decode lane of a
+/// sixteen-page pool, sixteen prompt tokens a step.
+fn two_tenants_streaming() -> (Lanes, KvCacheManager) {
     let mut kv = KvCacheManager::new(16, 16);
     let mut l = Lanes::new(cfg(16, 8), true);
     l.add(1, TenantId(0), 17, Vec::new());
@@ -201,6 +198,16 @@ fn the_decode_lane_preempts_the_tenant_running_most_on_both_lanes() {
     while l.handoffs() < 2 {
         step(&mut l, &mut kv);
     }
+    (l, kv)
+}
+
+#[test]
+fn the_decode_lane_preempts_the_tenant_running_most_on_both_lanes() {
+    // Tenant 0 streams one sequence and prefills another; tenant 1
+    // streams one. Counted over both lanes tenant 0 runs more, so when a
+    // stream outgrows the full pool the decode lane preempts tenant 0's
+    // (on that lane alone the two tie, and the newer would go).
+    let (mut l, mut kv) = two_tenants_streaming();
     l.add(3, TenantId(0), 400, Vec::new());
     let out = l.schedule(Lane::Prefill, &mut kv, StepCaps::NONE);
     assert_eq!(seqs(&out.scheduled), vec![(3, 0, 16)]);
@@ -224,13 +231,7 @@ fn a_prompt_short_of_pages_waits_for_the_decode_lanes_streams_rather_than_recomp
     // thirteen. It computes what is free, then keeps its pages while the
     // streams run (they free pages as they finish or are preempted), and
     // never starts over.
-    let mut kv = KvCacheManager::new(16, 16);
-    let mut l = Lanes::new(cfg(16, 8), true);
-    l.add(1, TenantId(0), 17, Vec::new());
-    l.add(2, TenantId(1), 17, Vec::new());
-    while l.handoffs() < 2 {
-        step(&mut l, &mut kv);
-    }
+    let (mut l, mut kv) = two_tenants_streaming();
     l.add(3, TenantId(2), 200, Vec::new());
     let mut starts = 0;
     for _ in 0..80 {
