@@ -29,9 +29,17 @@ pub struct Route {
     pub row: FunctionRow,
     /// Filled by the first request; those arriving meanwhile wait for it
     /// rather than each loading the component again. A component that
-    /// does not load keeps its error (until a redeploy makes a new route);
-    /// a failure to fetch it (the database) is tried again.
-    deployment: tokio::sync::OnceCell<Result<Deployment, String>>,
+    /// does not load keeps its error for `reload_after` (then a fresh
+    /// route tries again); a failure to fetch it (the database) is tried
+    /// again by the next request.
+    deployment: tokio::sync::OnceCell<Result<Deployment, LoadFailure>>,
+}
+
+/// Why a route's component did not load, and when.
+#[derive(Debug)]
+struct LoadFailure {
+    why: String,
+    at: std::time::Instant,
 }
 
 impl Route {
@@ -457,16 +465,46 @@ impl App {
     /// The route's deployment, compiling it (or loading the cached
     /// artifact) on first use, aside from the async worker it is called on.
     /// Requests arriving during that load wait for it without holding a
-    /// thread; a component that does not load keeps its error, a failure
-    /// to fetch it is tried again by the next request.
-    pub async fn deployment(&self, route: &Route) -> Result<Deployment, AppError> {
-        let loaded = (route.deployment)
-            .get_or_try_init(|| async { crate::aside::aside(|| self.load(route)) })
-            .await?;
-        loaded.clone().map_err(AppError::Internal)
+    /// thread; a component that does not load keeps its error for
+    /// `reload_after`, and the first request after that loads it again on
+    /// a fresh route (unless a change replaced the route already). A
+    /// failure to fetch it is tried again by the next request.
+    pub async fn deployment(&self, route: &Arc<Route>) -> Result<Deployment, AppError> {
+        let mut route = route.clone();
+        let mut renewed = false;
+        loop {
+            let loaded = (route.deployment)
+                .get_or_try_init(|| async { crate::aside::aside(|| self.load(&route)) })
+                .await?;
+            match loaded {
+                Ok(d) => return Ok(d.clone()),
+                Err(failed) => {
+                    if !renewed
+                        && failed.at.elapsed() >= self.config.reload_after
+                        && let Some(fresh) = self.renew(&route)
+                    {
+                        (route, renewed) = (fresh, true);
+                        continue;
+                    }
+                    return Err(AppError::Internal(failed.why.clone()));
+                }
+            }
+        }
     }
 
-    fn load(&self, route: &Route) -> Result<Result<Deployment, String>, AppError> {
+    /// Replaces `route` with a fresh one of the same row, if it is still
+    /// the one its name routes to; returns the route its name now has.
+    fn renew(&self, route: &Arc<Route>) -> Option<Arc<Route>> {
+        let key = (route.row.tenant.clone(), route.row.name.clone());
+        let mut routes = self.routes_mut();
+        let now = routes.get_mut(&key)?;
+        if Arc::ptr_eq(now, route) {
+            *now = Arc::new(Route::new(route.row.clone()));
+        }
+        Some(now.clone())
+    }
+
+    fn load(&self, route: &Route) -> Result<Result<Deployment, LoadFailure>, AppError> {
         let digest = &route.row.digest;
         let bytes = match std::fs::read(self.components.path(digest)) {
             Ok(b) => b,
@@ -492,11 +530,14 @@ impl App {
         // (a changed runtime, damaged storage), not the caller's.
         Ok(self.runtime.load(digest, &bytes).map_err(|e| {
             tracing::error!(digest, "a deployed component no longer loads: {e}");
-            format!(
-                "function `{}` was deployed but its component no longer loads here; redeploy \
-                 it (see the server log)",
-                route.row.name
-            )
+            LoadFailure {
+                why: format!(
+                    "function `{}` was deployed but its component no longer loads here; \
+                     redeploy it (see the server log)",
+                    route.row.name
+                ),
+                at: std::time::Instant::now(),
+            }
         }))
     }
 }

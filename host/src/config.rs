@@ -42,6 +42,10 @@ pub struct ServeConfig {
     pub net: NetLimits,
     /// How often the status page's history samples the metrics.
     pub status_interval: Duration,
+    /// How long a deployed component that failed to load keeps its error
+    /// before a request tries to load it again (the failure may have
+    /// passed: memory pressure, storage repaired).
+    pub reload_after: Duration,
     /// This node's name in the `x-kiln-node` header of every response
     /// (empty: `HOST:PORT`).
     pub node_name: String,
@@ -111,6 +115,7 @@ impl ServeConfig {
             max_functions: 100,
             metrics_token: None,
             status_interval: Duration::from_secs(2),
+            reload_after: Duration::from_secs(30),
             node_name: String::new(),
             gateway_metrics: None,
             database: None,

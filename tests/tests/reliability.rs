@@ -493,12 +493,15 @@ async fn a_function_body_over_the_limit_gets_413_declared_or_streamed() {
     assert_eq!((status, kind.as_str()), (413, "payload_too_large"), "{msg}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_deployed_component_that_no_longer_loads_is_the_servers_500() {
+/// A server whose tenant `acme` deployed `hello`, restarted (after
+/// `tweak`) with that component's file damaged and no compiled code left;
+/// and the file's path and good bytes.
+async fn acme_hello_damaged(
+    tweak: impl FnOnce(&mut kiln_host::config::ServeConfig),
+) -> (TestServer, (std::path::PathBuf, Vec<u8>)) {
     let s = TestServer::start().await;
     let key = s.tenant("acme").await;
     let row = s.deploy(&key, "hello", "hello").await;
-    // Storage damaged while the server was down, no compiled code left.
     let digest = row["digest"]
         .as_str()
         .and_then(|d| d.strip_prefix("sha256:"))
@@ -507,9 +510,15 @@ async fn a_deployed_component_that_no_longer_loads_is_the_servers_500() {
         .data_dir()
         .join("components")
         .join(format!("{digest}.wasm"));
+    let good = std::fs::read(&file).unwrap();
     std::fs::write(&file, b"not a component").unwrap();
     std::fs::remove_dir_all(s.data_dir().join("cache")).unwrap();
-    let s = s.restart().await;
+    (s.restart_with(tweak).await, (file, good))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deployed_component_that_no_longer_loads_is_the_servers_500() {
+    let (s, _) = acme_hello_damaged(|_| {}).await;
     for _ in 0..3 {
         let resp = s.call("acme", "hello", "/").await;
         assert_eq!(resp.status(), 500);
@@ -518,4 +527,19 @@ async fn a_deployed_component_that_no_longer_loads_is_the_servers_500() {
     }
     // Tried once: each call does not compile it again.
     assert_eq!(s.metric(&["kiln_component_loads_total"]).await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_component_that_failed_to_load_is_loaded_again_after_a_while() {
+    let reload_after = Duration::from_secs(1);
+    let (s, (file, good)) = acme_hello_damaged(|c| c.reload_after = reload_after).await;
+    assert_eq!(s.call("acme", "hello", "/").await.status(), 500);
+    // The failure passes (storage repaired): within `reload_after` the
+    // error stands, after it the next call loads the component again.
+    std::fs::write(&file, &good).unwrap();
+    assert_eq!(s.call("acme", "hello", "/").await.status(), 500);
+    tokio::time::sleep(reload_after).await;
+    assert_eq!(s.call("acme", "hello", "/").await.status(), 200);
+    assert_eq!(s.call("acme", "hello", "/").await.status(), 200);
+    assert_eq!(s.metric(&["kiln_component_loads_total"]).await, 2.0);
 }

@@ -79,7 +79,7 @@ where
 
 async fn run<B>(
     app: &App,
-    route: &crate::app::Route,
+    route: &Arc<crate::app::Route>,
     req: Request<B>,
     rest: &str,
 ) -> Result<Response<Body>, ApiError>
