@@ -188,6 +188,16 @@ impl EngineArgs {
                 .step_target
                 .unwrap_or(if gpu { DEFAULT_STEP_TARGET } else { 0.0 }),
         };
+        // Each running sequence decodes a token a step: a step of fewer
+        // tokens would leave the newest streams (and every prompt) waiting
+        // behind the oldest for as long as those run.
+        anyhow::ensure!(
+            scheduler.max_running >= 1 && scheduler.max_tokens_per_step >= scheduler.max_running,
+            "--step-tokens {} with --max-seqs {}: a step computes at least a token for each \
+             running sequence, so --step-tokens must be at least --max-seqs (and that at least 1)",
+            scheduler.max_tokens_per_step,
+            scheduler.max_running
+        );
         Ok(kiln_host::engine::EngineConfig {
             kv_format: kv_format(self.kv),
             kv_memory: self.kv_memory,
@@ -269,5 +279,39 @@ pub(crate) fn kv_format(kv: KvArg) -> kiln_kernels::kv::KvFormat {
         KvArg::Fp8 => kiln_kernels::kv::KvFormat::Fp8,
         KvArg::Fp8Static => kiln_kernels::kv::KvFormat::Fp8Static,
         KvArg::Bf16 => kiln_kernels::kv::KvFormat::Bf16,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::EngineArgs;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    fn config(args: &[&str]) -> anyhow::Result<kiln_host::engine::EngineConfig> {
+        let argv = std::iter::once("kiln").chain(args.iter().copied());
+        Cli::try_parse_from(argv)?.engine.config()
+    }
+
+    #[test]
+    fn a_step_of_fewer_tokens_than_running_sequences_is_refused() {
+        for args in [
+            &["--max-seqs", "512", "--step-tokens", "256"][..],
+            &["--step-tokens", "0"],
+            &["--max-seqs", "0"],
+        ] {
+            let e = config(args).expect_err("refused").to_string();
+            assert!(
+                e.contains("--step-tokens must be at least --max-seqs"),
+                "{e}"
+            );
+        }
+        assert!(config(&["--max-seqs", "256", "--step-tokens", "256"]).is_ok());
     }
 }

@@ -85,6 +85,8 @@ struct Seq {
     /// The step that last decoded it (0: none yet), so capped decodes
     /// take turns.
     decoded_at: u64,
+    /// Tokens of its prompt: once they are computed it is a stream.
+    prompt: usize,
     /// Whether it lost its pages once: it then waits for its whole next
     /// chunk's pages, rather than start again on the few left free and
     /// lose them again to the streams that took its own.
@@ -151,6 +153,10 @@ pub struct Scheduler {
     elsewhere: HashMap<TenantId, usize>,
     /// Pages allocations leave free for other lanes.
     reserve: usize,
+    /// The sequence first refused admission for pages, and the pages its
+    /// chunk needs: other admissions leave them free until it is in, so
+    /// requests arriving later cannot take each page as it frees.
+    blocked: Option<(SeqId, usize)>,
 }
 
 impl Scheduler {
@@ -174,6 +180,7 @@ impl Scheduler {
                 prefix,
                 present: 0,
                 decoded_at: 0,
+                prompt: prompt_len,
                 preempted: false,
             },
         );

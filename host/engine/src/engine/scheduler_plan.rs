@@ -85,6 +85,23 @@ impl Scheduler {
         self.seqs.get(&id).map_or(0, |s| s.len - s.computed)
     }
 
+    /// Whether `id` is the next of its tenant's waiting sequences (one
+    /// requeued in front of it goes first).
+    fn heads_its_queue(&self, id: SeqId) -> bool {
+        (self.seqs.get(&id))
+            .and_then(|s| self.waiting.get(&s.tenant))
+            .is_some_and(|q| q.front() == Some(&id))
+    }
+
+    /// Whether `id` is a stream: its prompt computed, its next token to
+    /// decode (a prompt's last token is not one, though it too is left
+    /// alone).
+    fn is_stream(&self, id: SeqId) -> bool {
+        self.seqs
+            .get(&id)
+            .is_some_and(|s| s.len - s.computed == 1 && s.computed >= s.prompt)
+    }
+
     /// Up to `allowance` prompt tokens of `tenant`: its running prompts,
     /// oldest first, then admissions from its queue.
     fn prefill(
@@ -122,7 +139,8 @@ impl Scheduler {
     /// Plans `count` tokens of running sequence `id`, preempting the busiest
     /// tenant's newest sequences if its pages do not fit (or `id` itself
     /// when nothing else frees enough), unless pages are kept for another
-    /// lane's streams: then it runs what fits above them.
+    /// lane's streams: then it runs what fits above them, and prompts give
+    /// their pages up while the streams are short of theirs.
     fn run_chunk(&mut self, id: SeqId, count: usize, kv: &mut KvCacheManager, step: &mut Planning) {
         let s = self.seqs[&id].clone();
         let mut count = count;
@@ -137,6 +155,16 @@ impl Scheduler {
                     .saturating_sub(s.computed),
             );
             if count == 0 {
+                // Decode first: while the streams are due more pages than
+                // are free, prompts not in this step give theirs up (the
+                // busiest tenant's newest first).
+                while kv.num_free() < self.reserve {
+                    let spare = |v: &SeqId| step.planned.contains(v) || self.is_stream(*v);
+                    match self.victim(spare) {
+                        Some(v) => self.preempt(v, kv, &mut step.out),
+                        None => break,
+                    }
+                }
                 return;
             }
         } else {
@@ -157,7 +185,7 @@ impl Scheduler {
             let fit = kv.tokens_leaving(id, 0).saturating_sub(s.computed);
             if fit == 0 {
                 let others = !step.planned.is_empty() || self.runs_elsewhere();
-                if self.remaining(id) == 1 || !others {
+                if self.is_stream(id) || !others {
                     self.preempt(id, kv, &mut step.out);
                 }
                 return;
@@ -179,7 +207,8 @@ impl Scheduler {
     /// pages hold, so a tenant whose chunk is larger than the pages others
     /// free one by one is not left waiting while they take each (unless
     /// the sequence was preempted once: then the pool's streams need the
-    /// pages, and it waits for its whole chunk's).
+    /// pages, and it waits for its whole chunk's). The first sequence
+    /// refused is `blocked`: later admissions leave its chunk's pages.
     fn admit(
         &mut self,
         tenant: TenantId,
@@ -200,15 +229,24 @@ impl Scheduler {
         // Every token cached: recompute the last one for its logits.
         s.computed = s.present.min(s.len - 1);
         let mut count = (s.len - s.computed).min(allowance);
-        if !s.preempted && !self.running.iter().any(|r| self.seqs[r].tenant == tenant) {
-            let fit = kv
-                .tokens_leaving(id, self.reserve)
-                .saturating_sub(s.computed);
+        let chunk_pages = (s.computed + count).div_ceil(kv.page_size());
+        let leave = match self.blocked {
+            Some((b, pages)) if b != id && self.heads_its_queue(b) => self.reserve + pages,
+            _ => self.reserve,
+        };
+        if !s.preempted && self.running_of(tenant) == 0 {
+            let fit = kv.tokens_leaving(id, leave).saturating_sub(s.computed);
             count = count.min(fit);
         }
-        if count == 0 || !kv.allocate_leaving(id, s.tenant, s.computed + count, self.reserve) {
+        if count == 0 || !kv.allocate_leaving(id, s.tenant, s.computed + count, leave) {
             kv.free(id);
+            if self.blocked.is_none_or(|(b, _)| !self.heads_its_queue(b)) {
+                self.blocked = Some((id, chunk_pages));
+            }
             return false;
+        }
+        if self.blocked.is_some_and(|(b, _)| b == id) {
+            self.blocked = None;
         }
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.present = s.present;

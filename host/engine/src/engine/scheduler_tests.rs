@@ -335,19 +335,22 @@ fn a_stream_waiting_its_decode_turn_is_preempted_before_another_tenants_within_i
 }
 
 #[test]
-fn a_chunk_short_of_pages_kept_for_another_lanes_streams_waits_and_preempts_nobody() {
+fn a_chunk_short_of_pages_kept_for_another_lanes_streams_waits_and_the_newest_prompt_gives_its_up()
+{
     let mut kv = KvCacheManager::new(3, 16);
     let mut s = Scheduler::new(cfg(32, 8));
     s.add(1, TenantId(1), 64, Vec::new());
     s.add(2, TenantId(2), 64, Vec::new());
     let first = s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(first.scheduled.len(), 2);
-    // Another lane's stream takes the last page and is due one more.
+    // Another lane's stream takes the last page and is due one more: the
+    // newer prompt (of tenants that tie) gives its page up for it.
     assert!(kv.allocate(99, TenantId(3), 16));
     s.set_reserve(1);
     let out = s.schedule(&mut kv, StepCaps::NONE);
-    assert_eq!(out.preempted, Vec::<SeqId>::new());
+    assert_eq!(out.preempted, vec![2]);
     assert!(out.scheduled.is_empty());
+    assert_eq!(kv.num_free(), 1);
     // The stream's page frees: the older prompt goes on where it was.
     kv.free(99);
     s.set_reserve(0);
@@ -474,4 +477,67 @@ fn a_prompt_with_no_page_free_beside_a_stream_keeps_its_pages_and_waits() {
     let planned: Vec<_> = out.scheduled.iter().map(|x| x.seq).collect();
     assert_eq!(planned, vec![1]);
     assert_eq!(s.seqs[&2].computed, 32);
+}
+
+#[test]
+fn a_prompt_with_its_last_token_short_of_a_page_waits_rather_than_start_over() {
+    // A stream holds one page of three; a 33-token prompt takes the other
+    // two for 32 tokens, and its 33rd needs a third page. It is a prompt,
+    // not a stream: it waits beside the stream, keeping its work.
+    let mut kv = KvCacheManager::new(3, 16);
+    let mut s = Scheduler::new(cfg(32, 8));
+    s.add(1, TenantId(0), 4, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    s.append_token(1);
+    s.add(2, TenantId(1), 33, Vec::new());
+    let mut starts = 0;
+    for _ in 0..10 {
+        let out = s.schedule(&mut kv, StepCaps::NONE);
+        for x in out.scheduled.iter().filter(|x| x.sample) {
+            s.append_token(x.seq);
+        }
+        starts += (out.scheduled.iter())
+            .filter(|x| x.seq == 2 && x.start == 0)
+            .count();
+        assert_eq!(out.preempted, Vec::<SeqId>::new());
+    }
+    assert_eq!(starts, 1, "the prompt started over");
+}
+
+#[test]
+fn a_prompt_waiting_for_its_chunks_pages_is_not_passed_by_short_requests_taking_each_page() {
+    // Tenant 0 streams on one page of four and waits with a 40-token
+    // prompt (three pages); tenant 1 keeps two one-page requests in
+    // flight, one ending and another arriving each step. A page comes
+    // free each step, and the next request must not take it before the
+    // prompt has its three.
+    let mut kv = KvCacheManager::new(4, 16);
+    let mut s = Scheduler::new(cfg(64, 8));
+    s.add(1, TenantId(0), 8, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    s.append_token(1);
+    s.add(10, TenantId(1), 8, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    s.append_token(1);
+    s.append_token(10);
+    s.add(2, TenantId(0), 40, Vec::new());
+    s.add(11, TenantId(1), 8, Vec::new());
+    let mut live = std::collections::VecDeque::from([10, 11]);
+    for next in 12..30 {
+        let out = s.schedule(&mut kv, StepCaps::NONE);
+        if out.scheduled.iter().any(|x| x.seq == 2) {
+            return;
+        }
+        for x in out.scheduled.iter().filter(|x| x.sample) {
+            s.append_token(x.seq);
+        }
+        // The older request ends as the next arrives.
+        if let Some(done) = live.pop_front() {
+            s.remove(done);
+            kv.free(done);
+        }
+        s.add(next, TenantId(1), 8, Vec::new());
+        live.push_back(next);
+    }
+    panic!("the prompt never got its pages");
 }
