@@ -68,10 +68,27 @@ struct Quota {
 impl Quota {
     /// Tokens charged in the last minute, dropping older charges.
     fn used(&mut self, now: Instant) -> u64 {
+        self.prune(now);
+        self.window.iter().map(|(_, n)| n).sum()
+    }
+
+    /// Drops the charges older than the window.
+    fn prune(&mut self, now: Instant) {
         while self.window.front().is_some_and(|(t, _)| now - *t >= WINDOW) {
             self.window.pop_front();
         }
-        self.window.iter().map(|(_, n)| n).sum()
+    }
+
+    /// Charges `tokens` now. Older charges go as new ones come, so the
+    /// window holds at most a minute's calls whether or not anything
+    /// reads it (a tenant without a quota), and a call that used nothing
+    /// adds nothing.
+    fn charge(&mut self, tokens: u64) {
+        let now = Instant::now();
+        self.prune(now);
+        if tokens > 0 {
+            self.window.push_back((now, tokens));
+        }
     }
 
     /// Seconds until the oldest charge leaves the window (at least one: a
@@ -115,7 +132,7 @@ impl Permit {
         let prompt = if self.shares_prompt { 0 } else { prompt };
         let mut q = self.state.quota.lock().unwrap_or_else(|p| p.into_inner());
         q.reserved = q.reserved.saturating_sub(self.cost.total());
-        q.window.push_back((Instant::now(), prompt + completion));
+        q.charge(prompt + completion);
         drop(q);
         // A call that used nothing adds no series: its model may be any
         // name a caller made up, and each series lives as long as the server.

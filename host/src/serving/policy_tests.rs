@@ -551,3 +551,15 @@ async fn a_stream_dropped_unread_pays_for_every_token_the_engine_generated() {
         assert_eq!((u.tokens_reserved, u.calls_in_flight), (0, 0));
     }
 }
+
+#[tokio::test]
+async fn calls_that_use_nothing_leave_no_charge_behind_without_a_quota() {
+    // A tenant without a quota never has its window read at admission: a
+    // loop of calls that use nothing must not grow it.
+    let g = gateway(0, 8);
+    for _ in 0..1000 {
+        assert!(g.call(req("a", "a")).await.is_ok());
+    }
+    let charges = g.state("a").quota.lock().unwrap().window.len();
+    assert_eq!(charges, 0);
+}
