@@ -79,6 +79,10 @@ pub struct NetLimits {
     /// Model calls' bodies one tenant may have arriving at once; past them
     /// a call waits briefly for one to land, then gets 429.
     pub tenant_bodies: u32,
+    /// The longest a response body with data ready may wait for the client
+    /// to take it (a full TCP buffer, a closed HTTP/2 window) before the
+    /// connection is dropped.
+    pub write_stall_timeout: Duration,
 }
 
 impl Default for NetLimits {
@@ -91,6 +95,7 @@ impl Default for NetLimits {
             max_body_bytes: 16 << 20,
             body_read_timeout: Duration::from_secs(60),
             tenant_bodies: 64,
+            write_stall_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -150,6 +155,11 @@ pub struct LimitArgs {
     /// upload) may go without sending a byte; past it, 408.
     #[arg(long, default_value_t = 60)]
     pub body_read_timeout_s: u64,
+    /// Seconds a response with data ready may wait for its client to take
+    /// it (a full TCP buffer, a closed HTTP/2 window); past it, the
+    /// connection is dropped.
+    #[arg(long, default_value_t = 60)]
+    pub write_stall_timeout_s: u64,
     /// The share of --max-instances one tenant may hold at once, unless its
     /// policy sets `max_instances`; past it, that tenant gets 429.
     #[arg(long, default_value_t = 0.25)]
@@ -173,6 +183,7 @@ impl LimitArgs {
             max_connections: self.max_connections,
             max_body_bytes: self.max_body_bytes,
             body_read_timeout: Duration::from_secs(self.body_read_timeout_s),
+            write_stall_timeout: Duration::from_secs(self.write_stall_timeout_s),
             ..NetLimits::default()
         };
         config.tenant_instance_share = self.tenant_instance_share;

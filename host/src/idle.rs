@@ -2,6 +2,9 @@
 //! be closed: HTTP/2 answers pings but has no idle timeout of its own, so
 //! a client that opens connections and sends no request (or one request
 //! long ago) would hold `--max-connections` slots for as long as it likes.
+//! And whether its responses move: a client that stops taking a response
+//! (a full TCP buffer, an HTTP/2 window it never opens) would hold its
+//! connection, with the request in flight, as long.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,6 +22,9 @@ use crate::api::{Body, BoxError};
 pub struct Activity {
     open: AtomicUsize,
     last: Mutex<Instant>,
+    /// Response bodies waiting for the connection to take their next frame
+    /// (new, or with a frame just taken), and when one was last taken.
+    owed: Mutex<(usize, Instant)>,
 }
 
 impl Activity {
@@ -27,6 +33,7 @@ impl Activity {
         Arc::new(Self {
             open: AtomicUsize::new(0),
             last: Mutex::new(Instant::now()),
+            owed: Mutex::new((0, Instant::now())),
         })
     }
 
@@ -63,6 +70,46 @@ impl Activity {
     }
 }
 
+impl Activity {
+    /// Resolves once a response body has waited `limit` for the
+    /// connection to take its next frame, none being taken meanwhile.
+    pub async fn stalled(&self, limit: Duration) {
+        loop {
+            let (owed, since) = *self.owed();
+            if owed > 0 && since.elapsed() >= limit {
+                return;
+            }
+            let wake = if owed > 0 {
+                since + limit
+            } else {
+                Instant::now() + limit
+            };
+            tokio::time::sleep_until(wake).await;
+        }
+    }
+
+    fn owed(&self) -> std::sync::MutexGuard<'_, (usize, Instant)> {
+        self.owed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A body waits for the connection (its clock starts now if none was).
+    fn owe(&self) {
+        let mut owed = self.owed();
+        if owed.0 == 0 {
+            owed.1 = Instant::now();
+        }
+        owed.0 += 1;
+    }
+
+    /// The connection asked a body for its next frame (`was_owed`: one it
+    /// was waiting to take).
+    fn taken(&self, was_owed: bool) {
+        let mut owed = self.owed();
+        owed.0 -= usize::from(was_owed);
+        owed.1 = Instant::now();
+    }
+}
+
 /// A request in flight on a connection, from its head to its body's end.
 #[derive(Debug)]
 pub struct InFlight(Arc<Activity>);
@@ -70,9 +117,11 @@ pub struct InFlight(Arc<Activity>);
 impl InFlight {
     /// `body`, holding this request in flight until it ends or drops.
     pub fn hold(self, body: Body) -> Body {
+        self.0.owe();
         Body::new(Held {
             body,
-            _flight: self,
+            flight: self,
+            owed: true,
         })
     }
 }
@@ -84,10 +133,20 @@ impl Drop for InFlight {
     }
 }
 
-/// A response body that keeps its request in flight.
+/// A response body that keeps its request in flight, and tells its
+/// connection whether it waits for the connection to take a frame.
 struct Held {
     body: Body,
-    _flight: InFlight,
+    flight: InFlight,
+    owed: bool,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if self.owed {
+            self.flight.0.taken(true);
+        }
+    }
 }
 
 impl http_body::Body for Held {
@@ -98,7 +157,16 @@ impl http_body::Body for Held {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        let was_owed = std::mem::replace(&mut self.owed, false);
+        self.flight.0.taken(was_owed);
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        // A frame handed over: the next poll is the connection's to make.
+        // Pending is the body's own wait (the guest, the model).
+        if let Poll::Ready(Some(Ok(_))) = &polled {
+            self.owed = true;
+            self.flight.0.owe();
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -126,5 +194,56 @@ mod tests {
         let started = Instant::now();
         a.idle(idle).await;
         assert_eq!(started.elapsed(), idle, "idle from the request's end");
+    }
+
+    /// A body with this many frames ready, then waiting forever.
+    struct Frames(usize);
+
+    impl http_body::Body for Frames {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+            if self.0 == 0 {
+                return Poll::Pending;
+            }
+            self.0 -= 1;
+            Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(b"x")))))
+        }
+    }
+
+    fn body(frames: usize) -> Body {
+        Body::new(Frames(frames))
+    }
+
+    async fn poll_once(body: &mut Body) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        use http_body::Body as _;
+        std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *body).poll_frame(cx))).await
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_a_body_whose_data_waits_for_the_connection_stalls_it() {
+        let a = Activity::new();
+        let limit = Duration::from_secs(60);
+        // Waiting on its own source (a guest, a model) is not a stall.
+        let mut waiting = a.begin().hold(body(0));
+        assert!(poll_once(&mut waiting).await.is_pending());
+        let early = tokio::time::timeout(limit * 10, a.stalled(limit)).await;
+        assert!(early.is_err(), "a body waiting on its source stalled");
+        // A frame taken, the next never asked for: stalled after the limit.
+        let mut taken = a.begin().hold(body(2));
+        assert!(poll_once(&mut taken).await.is_ready());
+        let started = Instant::now();
+        a.stalled(limit).await;
+        assert_eq!(started.elapsed(), limit);
+        // Asked again, and dropped: nothing waits on the connection.
+        assert!(poll_once(&mut taken).await.is_ready());
+        drop(taken);
+        let after = tokio::time::timeout(limit * 10, a.stalled(limit)).await;
+        assert!(after.is_err(), "a dropped body still stalls");
+        drop(waiting);
     }
 }

@@ -68,19 +68,21 @@ fn tls_acceptor(cert: &std::path::Path, key: &std::path::Path) -> anyhow::Result
 /// (GOAWAY on HTTP/2, no more keep-alive on HTTP/1), so what is in flight
 /// and a client's request racing the close are not cut; one that then
 /// stays idle for `$idle` more without closing (an HTTP/2 client that
-/// does not answer the closing ping) is dropped. (A macro: the same code
-/// as a generic function trips rustc's higher-ranked `Send` check on
-/// hyper's connection.)
+/// does not answer the closing ping) is dropped. A connection whose
+/// client has not taken a ready response frame for `$stall` is dropped at
+/// once. (A macro: the same code as a generic function trips rustc's
+/// higher-ranked `Send` check on hyper's connection.)
 macro_rules! serve {
-    ($conn:expr, $activity:expr, $idle:expr, $stopping:expr, $peer:expr) => {{
-        let (activity, idle, mut stopping, peer) = ($activity, $idle, $stopping, $peer);
+    ($conn:expr, $activity:expr, $idle:expr, $stall:expr, $stopping:expr, $peer:expr) => {{
+        let (activity, idle, stall, mut stopping, peer) =
+            ($activity, $idle, $stall, $stopping, $peer);
         // The handshake's time is not idleness.
         activity.touch();
         let conn = $conn;
         tokio::pin!(conn);
         // The connection first: a request it has read is served, even if
         // the server stops at the same moment.
-        let idled = tokio::select! {
+        let close = tokio::select! {
             biased;
             served = conn.as_mut() => {
                 if let Err(e) = served {
@@ -88,24 +90,39 @@ macro_rules! serve {
                 }
                 None
             }
-            () = activity.idle(idle) => Some(true),
-            _ = stopping.wait_for(|s| *s) => Some(false),
+            () = activity.stalled(stall) => Some(Close::Stalled),
+            () = activity.idle(idle) => Some(Close::Idle),
+            _ = stopping.wait_for(|s| *s) => Some(Close::Stopping),
         };
-        if let Some(idled) = idled {
+        if let Some(close) = close.filter(|c| *c != Close::Stalled) {
             conn.as_mut().graceful_shutdown();
             activity.touch();
             let ended = tokio::select! {
                 biased;
                 ended = conn.as_mut() => Some(ended),
-                () = activity.idle(idle), if idled => None,
+                () = activity.stalled(stall) => None,
+                () = activity.idle(idle), if close == Close::Idle => None,
             };
             match ended {
                 Some(Ok(())) => {}
                 Some(Err(e)) => tracing::debug!(%peer, "connection error: {e}"),
-                None => tracing::debug!(%peer, "an idle connection did not close; dropped"),
+                None => tracing::debug!(%peer, "a closing connection did not close; dropped"),
             }
+        } else if close.is_some() {
+            tracing::debug!(%peer, "the client took no response data for {stall:?}; dropped");
         }
     }};
+}
+
+/// Why a connection is closed before its client closes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Close {
+    /// Nothing in flight for the idle time.
+    Idle,
+    /// The server stops.
+    Stopping,
+    /// A response's data waited too long for the client.
+    Stalled,
 }
 
 impl Server {
@@ -227,6 +244,7 @@ impl Server {
             // HTTP/1 connection may wait for its next request is closed
             // (HTTP/2 has no such timeout of its own).
             let idle = net.header_read_timeout;
+            let stall = net.write_stall_timeout;
             match &self.tls {
                 None => {
                     let builder = builder.clone();
@@ -238,7 +256,7 @@ impl Server {
                         }
                         let conn =
                             builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                        serve!(conn, &activity, idle, stopping, peer);
+                        serve!(conn, &activity, idle, stall, stopping, peer);
                     });
                 }
                 Some(acceptor) => {
@@ -274,7 +292,7 @@ impl Server {
                         };
                         let conn =
                             builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                        serve!(conn, &activity, idle, stopping, peer);
+                        serve!(conn, &activity, idle, stall, stopping, peer);
                     });
                 }
             }

@@ -291,6 +291,32 @@ async fn an_http2_connection_with_nothing_in_flight_is_closed_and_a_busy_one_kep
         .expect("an idle HTTP/2 connection is closed by the server");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_takes_no_response_data_is_dropped_after_the_stall_time() {
+    let s =
+        TestServer::start_with(|c| c.net.write_stall_timeout = Duration::from_millis(500)).await;
+    let addr = s.url.trim_start_matches("http://").to_owned();
+    let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    // HTTP/2 with a window of nothing: the response's head comes, its
+    // body never can.
+    let (mut send, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(0)
+            .handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = hyper::Request::get(format!("{}/healthz", s.url))
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let resp = send.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    // In flight, so never idle: only the stall time lets it go.
+    let ended = tokio::time::timeout(Duration::from_secs(8), conn).await;
+    assert!(ended.is_ok(), "the stalled connection was kept");
+    drop(resp);
+}
+
 /// Opens a connection that sends a model call's head and the first bytes
 /// of its 1000-byte body with `key`, then stalls.
 async fn stalled_call(addr: &str, key: &str) -> tokio::net::TcpStream {
