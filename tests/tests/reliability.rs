@@ -81,6 +81,36 @@ async fn an_engine_panic_in_one_pool_leaves_the_other_pools_streams_running() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_left_unread_is_ended_rather_than_piled_up() {
+    let metrics = Metrics::default();
+    let config = EngineConfig {
+        kv_memory: 32 << 20,
+        ..Default::default()
+    };
+    let served =
+        ServedModels::start(vec![(default_model(), config)], 1, metrics.engine.clone()).unwrap();
+    // Six entries a token (the token and its five likeliest): about 20
+    // tokens may wait unread.
+    served.set_max_unread(120);
+    let mut call = chat("Count from 1 to 100.", 200);
+    call.params.logprobs = Some(5);
+    let mut stream = served.stream(call).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let mut deltas = 0;
+    let end = loop {
+        match stream.next().await {
+            Ok(kiln_runtime::StreamEvent::Delta(_)) => deltas += 1,
+            other => break other,
+        }
+    };
+    match end {
+        Err(AiError::Aborted(m)) => assert!(m.contains("unread"), "{m}"),
+        other => panic!("the unread stream should be ended: {other:?} after {deltas} deltas"),
+    }
+    assert!(deltas <= 40, "{deltas} deltas piled up");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_that_returns_an_error_fails_the_requests_in_it() {
     // Prefill in chunks of 8 tokens: the fault lands before the request's
     // first token, when it could still be replayed, but it was in the step.

@@ -24,9 +24,9 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, mpsc};
 
+use super::outlet::Outlet;
 use kiln_runtime::{AiError, TokenLogprob, TopLogprob};
 use prometheus_client::metrics::gauge::Gauge;
-use tokio::sync::mpsc as tmpsc;
 
 use crate::engine::{CompiledFormat, TenantId};
 use crate::engine::{
@@ -49,7 +49,7 @@ pub(super) struct Submit {
     pub(super) format: Option<CompiledFormat>,
     /// One channel per sample of the prompt (usually one); sample `i`
     /// draws with the params' seed plus `i`.
-    pub(super) outs: Vec<tmpsc::UnboundedSender<Out>>,
+    pub(super) outs: Vec<Outlet>,
     /// Engine failures the request has lived through (0 when new).
     pub(super) restarts: u32,
     /// Sent to a prefill pool: the decode pool its sequences go to once
@@ -69,7 +69,7 @@ pub(super) struct Forward {
 /// run from its next token, with the request's channel.
 pub(super) struct Adopt {
     transfer: SeqTransfer,
-    out: tmpsc::UnboundedSender<Out>,
+    out: Outlet,
     tenant: Arc<str>,
     weight: u32,
     restarts: u32,
@@ -149,7 +149,7 @@ impl PoolHandle {
 /// A request the engine holds, and what it takes to give it to a rebuilt
 /// engine.
 struct Live {
-    out: tmpsc::UnboundedSender<Out>,
+    out: Outlet,
     tenant: Arc<str>,
     /// The tenant's share weight.
     weight: u32,
@@ -344,6 +344,7 @@ impl PoolThread {
             engine.cancel(seq);
             self.leave(seq);
         }
+        self.cut_unread(engine);
         self.drop_abandoned();
         self.adopt_pending(engine);
         if engine.has_work() {
@@ -414,6 +415,13 @@ impl PoolThread {
         // Figures first, so that anyone who sees this step's tokens also
         // sees the pages it holds.
         self.publish(engine);
+        self.deliver(engine, events);
+        Ok(())
+    }
+
+    /// Sends each event to its request and hands on what a decode pool
+    /// takes from here.
+    fn deliver(&mut self, engine: &mut Engine, events: Vec<Event>) {
         for ev in events {
             match ev {
                 Event::Token {
@@ -453,7 +461,30 @@ impl PoolThread {
             }
         }
         self.hand_on(engine);
-        Ok(())
+    }
+
+    /// Ends the samples whose callers have left more unread than their
+    /// share of the call's bound: the engine
+    /// would otherwise keep generating into memory for a caller that does
+    /// not read, until its deadline. What they generated is still theirs
+    /// to read, and to pay for.
+    fn cut_unread(&mut self, engine: &mut Engine) {
+        let overdue: Vec<SeqId> = (self.outs.iter())
+            .filter(|(_, l)| l.out.overdue())
+            .map(|(s, _)| *s)
+            .collect();
+        if overdue.is_empty() {
+            return;
+        }
+        let mut events = Vec::new();
+        for seq in overdue {
+            let why = "the caller left too much of this answer unread (its log-probabilities \
+                       above all); read the stream as it comes, or ask for fewer tokens, \
+                       samples or top_logprobs";
+            engine.abort(seq, why.into(), &mut events);
+        }
+        self.publish(engine);
+        self.deliver(engine, events);
     }
 }
 

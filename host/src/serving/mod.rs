@@ -8,6 +8,7 @@
 
 pub mod devices;
 mod engine_thread;
+mod outlet;
 pub mod policy;
 pub mod router;
 mod tools;
@@ -23,7 +24,6 @@ use kiln_runtime::{
     Prompt, StreamEnd, StreamEvent, TextDelta, TokenStream, ToolCall, Usage,
 };
 use rand::RngCore;
-use tokio::sync::mpsc as tmpsc;
 
 use crate::engine::{EngineConfig, Finish, Formats, OutputFormat, PAGE_SIZE, Salt, prefix};
 use crate::metrics::{EngineMetrics, ModelLabels, PoolLabels, TenantModelLabels};
@@ -96,6 +96,8 @@ pub struct ServedModels {
     metrics: EngineMetrics,
     /// Tenants' share weights from their policies (absent: 1).
     weights: RwLock<HashMap<String, u32>>,
+    /// Entries a call's samples may leave unread before they are cut.
+    max_unread: std::sync::atomic::AtomicUsize,
 }
 
 impl ServedModels {
@@ -171,7 +173,15 @@ impl ServedModels {
             secret,
             metrics,
             weights: RwLock::default(),
+            max_unread: outlet::MAX_UNREAD.into(),
         })
+    }
+
+    /// Sets how many entries (deltas, and the log-probabilities each
+    /// carries) a call's samples may leave unread between them before the
+    /// engine ends them ([`outlet::MAX_UNREAD`] unless set).
+    pub fn set_max_unread(&self, entries: usize) {
+        self.max_unread.store(entries, Ordering::Relaxed);
     }
 
     /// Test-only: makes the next step of `model`'s pool `pool` panic.
@@ -308,7 +318,7 @@ impl ServedModels {
                 pool: route.pool().to_string(),
             })
             .inc();
-        let (outs, rxs): (Vec<_>, Vec<_>) = (0..n).map(|_| tmpsc::unbounded_channel()).unzip();
+        let (outs, rxs) = outlet::outlets(n, self.max_unread.load(Ordering::Relaxed));
         pool.load.fetch_add(n, Ordering::Relaxed);
         let weight = self
             .weights
@@ -353,7 +363,7 @@ impl ServedModels {
 /// A call handed to a pool: a channel per sample, whether replies may be
 /// tool calls, and the histogram its first tokens' latency goes to.
 struct Submitted {
-    rxs: Vec<tmpsc::UnboundedReceiver<Out>>,
+    rxs: Vec<outlet::Inlet>,
     tools: bool,
     first_token: (Histogram, Instant),
 }
@@ -411,7 +421,7 @@ async fn collect(mut stream: Stream) -> Result<Completion, AiError> {
 /// A request's results as they come; a reply that may be tool calls goes
 /// through a [`CallFilter`].
 struct Stream {
-    rx: tmpsc::UnboundedReceiver<Out>,
+    rx: outlet::Inlet,
     calls: Option<CallFilter>,
     /// The end, held while the text a filter held goes out first.
     end: Option<StreamEnd>,
@@ -420,11 +430,7 @@ struct Stream {
 }
 
 impl Stream {
-    fn new(
-        rx: tmpsc::UnboundedReceiver<Out>,
-        tools: bool,
-        first_token: Option<(Histogram, Instant)>,
-    ) -> Self {
+    fn new(rx: outlet::Inlet, tools: bool, first_token: Option<(Histogram, Instant)>) -> Self {
         let calls = tools.then(CallFilter::default);
         Self {
             rx,

@@ -504,7 +504,8 @@ impl Inference for RanAhead {
     }
     fn stream(&self, _: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
         use super::super::{Out, Stream};
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let (mut txs, mut rxs) = super::super::outlet::outlets(1, usize::MAX);
+        let (tx, rx) = (txs.remove(0), rxs.remove(0));
         for _ in 0..self.texts {
             let _ = tx.send(Out::Text("x".into(), Vec::new()));
         }

@@ -550,6 +550,13 @@ impl Engine {
         &self.stepping
     }
 
+    /// Ends `seq` now, aborted for `why` (its caller cannot keep up): its
+    /// pages go (once no step in flight writes them) and `events` gets its
+    /// end, with the tokens it generated.
+    pub fn abort(&mut self, seq: SeqId, why: String, events: &mut Vec<Event>) {
+        self.finish(seq, Finish::Aborted(why), events);
+    }
+
     fn finish(&mut self, seq: SeqId, finish: Finish, events: &mut Vec<Event>) {
         self.lanes.remove(seq);
         self.free_pages_of(seq);
