@@ -93,7 +93,8 @@ const BODY_SLOT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// Deploys one tenant may have in flight at once on a node: each holds its
 /// upload in memory and compiles on a thread of its own, so without a cap
 /// one tenant's burst would take the server's memory and cores. The others
-/// wait their turn, up to `deploy_wait`, before reading their uploads.
+/// wait their turn, up to `deploy_wait`, before reading their uploads. A
+/// function's first load on a node takes a slot too.
 pub const DEPLOYS_PER_TENANT: u32 = 2;
 
 /// How far back the status page's plots go.
@@ -121,8 +122,8 @@ pub enum AppError {
     /// The tenant already had its most deploys in flight for as long as a
     /// deploy waits.
     #[error(
-        "tenant `{tenant}` had {cap} deploys in flight for as long as another may wait; \
-         retry when one finishes"
+        "tenant `{tenant}` had {cap} deploys in flight (first loads of its functions on this \
+         node count as deploys) for as long as another may wait; retry when one finishes"
     )]
     DeploysExceeded {
         /// The tenant.
@@ -474,7 +475,14 @@ impl App {
         let mut renewed = false;
         loop {
             let loaded = (route.deployment)
-                .get_or_try_init(|| async { crate::aside::aside(|| self.load(&route)) })
+                .get_or_try_init(|| async {
+                    // A first load compiles (or reads) the component as a
+                    // deploy does, on a slot of the tenant's deploys: one
+                    // tenant's first calls to many functions (a node new
+                    // to them) do not take the node's cores and memory.
+                    let _slot = self.deploy_slot(&route.row.tenant).await?;
+                    crate::aside::aside(|| self.load(&route))
+                })
                 .await?;
             match loaded {
                 Ok(d) => return Ok(d.clone()),

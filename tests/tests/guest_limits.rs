@@ -202,6 +202,28 @@ async fn a_tenant_has_two_deploys_in_flight_at_most_while_others_deploy() {
     deploys_reach(&s, 0).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_functions_first_load_takes_one_of_its_tenants_deploy_slots() {
+    let s = TestServer::start().await;
+    let a = s.tenant("a").await;
+    s.deploy(&a, "greet", "hello").await;
+    // After a restart the function's component loads on its first call.
+    let s = s
+        .restart_with(|c| c.deploy_wait = Duration::from_millis(500))
+        .await;
+    let held = [
+        unfinished_deploy(&s, &a, "one").await,
+        unfinished_deploy(&s, &a, "two").await,
+    ];
+    deploys_reach(&s, 2).await;
+    let (status, _, msg) = error_of(s.call("a", "greet", "/").await).await;
+    assert_eq!(status, 429);
+    assert!(msg.contains("first loads"), "{msg}");
+    drop(held);
+    deploys_reach(&s, 0).await;
+    assert_eq!(s.call("a", "greet", "/").await.status(), 200);
+}
+
 /// Starts the process's peak resident memory again from what it holds now.
 fn reset_peak_rss() {
     std::fs::write("/proc/self/clear_refs", "5").unwrap();
