@@ -36,8 +36,8 @@ pub(crate) struct EngineArgs {
     /// Most sequences running at once [default: 64 on the CPU, 256 on CUDA].
     #[arg(long)]
     max_seqs: Option<usize>,
-    /// Most tokens one step computes (prefill chunks and decodes)
-    /// [default: 256 on the CPU, 2048 on CUDA].
+    /// Most tokens one step computes (prefill chunks and decodes); at least
+    /// --max-seqs [default: 256 on the CPU, 2048 on CUDA, or --max-seqs if more].
     #[arg(long)]
     step_tokens: Option<usize>,
     /// While tenants compete (one tenant's streams beside another's prompts
@@ -181,9 +181,15 @@ impl EngineArgs {
             self.prefill_warps.unwrap_or_default()
         );
         let gpu = matches!(device, kiln_kernels::Device::Cuda(_));
+        let max_running = self.max_seqs.unwrap_or(if gpu { 256 } else { 64 });
         let scheduler = kiln_host::engine::SchedulerConfig {
-            max_running: self.max_seqs.unwrap_or(if gpu { 256 } else { 64 }),
-            max_tokens_per_step: self.step_tokens.unwrap_or(if gpu { 2048 } else { 256 }),
+            max_running,
+            // Unset, at least a token for each running sequence.
+            max_tokens_per_step: (self.step_tokens).unwrap_or(max_running.max(if gpu {
+                2048
+            } else {
+                256
+            })),
             step_target: self
                 .step_target
                 .unwrap_or(if gpu { DEFAULT_STEP_TARGET } else { 0.0 }),
@@ -313,5 +319,8 @@ mod tests {
             );
         }
         assert!(config(&["--max-seqs", "256", "--step-tokens", "256"]).is_ok());
+        // Unset, the step's tokens follow the sequences.
+        let many = config(&["--max-seqs", "300"]).unwrap().scheduler;
+        assert_eq!(many.max_tokens_per_step, 300);
     }
 }

@@ -23,8 +23,8 @@ pub struct Activity {
     open: AtomicUsize,
     last: Mutex<Instant>,
     /// Response bodies waiting for the connection to take their next frame
-    /// (new, or with a frame just taken), and when one was last taken.
-    owed: Mutex<(usize, Instant)>,
+    /// (new, or with a frame just taken): since when, by body.
+    owed: Mutex<Owed>,
 }
 
 impl Activity {
@@ -33,7 +33,7 @@ impl Activity {
         Arc::new(Self {
             open: AtomicUsize::new(0),
             last: Mutex::new(Instant::now()),
-            owed: Mutex::new((0, Instant::now())),
+            owed: Mutex::default(),
         })
     }
 
@@ -72,42 +72,43 @@ impl Activity {
 
 impl Activity {
     /// Resolves once a response body has waited `limit` for the
-    /// connection to take its next frame, none being taken meanwhile.
+    /// connection to take its next frame.
     pub async fn stalled(&self, limit: Duration) {
         loop {
-            let (owed, since) = *self.owed();
-            if owed > 0 && since.elapsed() >= limit {
-                return;
-            }
-            let wake = if owed > 0 {
-                since + limit
-            } else {
-                Instant::now() + limit
+            let oldest = self.owed().since.values().min().copied();
+            let wake = match oldest {
+                Some(since) if since.elapsed() >= limit => return,
+                Some(since) => since + limit,
+                None => Instant::now() + limit,
             };
             tokio::time::sleep_until(wake).await;
         }
     }
 
-    fn owed(&self) -> std::sync::MutexGuard<'_, (usize, Instant)> {
+    fn owed(&self) -> std::sync::MutexGuard<'_, Owed> {
         self.owed.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A body waits for the connection (its clock starts now if none was).
-    fn owe(&self) {
+    /// A body waits for the connection from now; its ticket.
+    fn owe(&self) -> u64 {
         let mut owed = self.owed();
-        if owed.0 == 0 {
-            owed.1 = Instant::now();
-        }
-        owed.0 += 1;
+        let ticket = owed.next;
+        owed.next += 1;
+        owed.since.insert(ticket, Instant::now());
+        ticket
     }
 
-    /// The connection asked a body for its next frame (`was_owed`: one it
-    /// was waiting to take).
-    fn taken(&self, was_owed: bool) {
-        let mut owed = self.owed();
-        owed.0 -= usize::from(was_owed);
-        owed.1 = Instant::now();
+    /// The connection asked the body holding `ticket` for its next frame.
+    fn taken(&self, ticket: u64) {
+        self.owed().since.remove(&ticket);
     }
+}
+
+/// Bodies that wait for their connection to take a frame.
+#[derive(Debug, Default)]
+struct Owed {
+    next: u64,
+    since: std::collections::BTreeMap<u64, Instant>,
 }
 
 /// A request in flight on a connection, from its head to its body's end.
@@ -117,11 +118,11 @@ pub struct InFlight(Arc<Activity>);
 impl InFlight {
     /// `body`, holding this request in flight until it ends or drops.
     pub fn hold(self, body: Body) -> Body {
-        self.0.owe();
+        let owed = Some(self.0.owe());
         Body::new(Held {
             body,
             flight: self,
-            owed: true,
+            owed,
         })
     }
 }
@@ -138,13 +139,14 @@ impl Drop for InFlight {
 struct Held {
     body: Body,
     flight: InFlight,
-    owed: bool,
+    /// Its ticket while it waits for the connection.
+    owed: Option<u64>,
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if self.owed {
-            self.flight.0.taken(true);
+        if let Some(ticket) = self.owed {
+            self.flight.0.taken(ticket);
         }
     }
 }
@@ -157,14 +159,14 @@ impl http_body::Body for Held {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
-        let was_owed = std::mem::replace(&mut self.owed, false);
-        self.flight.0.taken(was_owed);
+        if let Some(ticket) = self.owed.take() {
+            self.flight.0.taken(ticket);
+        }
         let polled = Pin::new(&mut self.body).poll_frame(cx);
         // A frame handed over: the next poll is the connection's to make.
         // Pending is the body's own wait (the guest, the model).
         if let Poll::Ready(Some(Ok(_))) = &polled {
-            self.owed = true;
-            self.flight.0.owe();
+            self.owed = Some(self.flight.0.owe());
         }
         polled
     }
@@ -233,11 +235,17 @@ mod tests {
         assert!(poll_once(&mut waiting).await.is_pending());
         let early = tokio::time::timeout(limit * 10, a.stalled(limit)).await;
         assert!(early.is_err(), "a body waiting on its source stalled");
-        // A frame taken, the next never asked for: stalled after the limit.
+        // A frame taken, the next never asked for: stalled after the limit,
+        // though the other body is asked for its frames all along.
         let mut taken = a.begin().hold(body(2));
         assert!(poll_once(&mut taken).await.is_ready());
         let started = Instant::now();
-        a.stalled(limit).await;
+        for _ in 0..10 {
+            tokio::time::sleep(limit / 10).await;
+            assert!(poll_once(&mut waiting).await.is_pending());
+        }
+        let now = tokio::time::timeout(Duration::ZERO, a.stalled(limit)).await;
+        assert!(now.is_ok(), "a busy body hid a stalled one");
         assert_eq!(started.elapsed(), limit);
         // Asked again, and dropped: nothing waits on the connection.
         assert!(poll_once(&mut taken).await.is_ready());

@@ -425,6 +425,8 @@ struct Stream {
     calls: Option<CallFilter>,
     /// The end, held while the text a filter held goes out first.
     end: Option<StreamEnd>,
+    /// What an aborted request used (its end is an error).
+    aborted: Option<Usage>,
     /// Where the first token's latency goes, and when the call arrived.
     first_token: Option<(Histogram, Instant)>,
 }
@@ -436,6 +438,7 @@ impl Stream {
             rx,
             calls,
             end: None,
+            aborted: None,
             first_token,
         }
     }
@@ -464,9 +467,12 @@ impl Stream {
                 let (held, tool_calls) = (self.calls.as_mut())
                     .map(CallFilter::finish)
                     .unwrap_or_default();
+                let used = usage(prompt, completion, cached);
+                let finish_reason = finish_reason(&finish, &tool_calls)
+                    .inspect_err(|_| self.aborted = Some(used))?;
                 let end = StreamEnd {
-                    finish_reason: finish_reason(&finish, &tool_calls)?,
-                    usage: usage(prompt, completion, cached),
+                    finish_reason,
+                    usage: used,
                     tool_calls,
                 };
                 if held.is_empty() {
@@ -489,8 +495,8 @@ impl TokenStream for Stream {
     }
 
     fn take_unread(&mut self) -> kiln_runtime::Unread {
-        if let Some(end) = &self.end {
-            return kiln_runtime::Unread::Done(end.usage);
+        if let Some(used) = self.end.as_ref().map(|e| e.usage).or(self.aborted) {
+            return kiln_runtime::Unread::Done(used);
         }
         let mut deltas = 0;
         while let Ok(out) = self.rx.try_recv() {

@@ -463,7 +463,14 @@ impl TokenStream for Guarded {
                 // Refused before any token (a schema the engine cannot
                 // compile): as a call refused up front, free.
                 Err(e) if self.deltas == 0 => self.permit.settle_error(e),
-                Err(_) => self.permit.settle(self.permit.cost.prompt, self.deltas),
+                // Ended part-way: what it used, if the engine said (an
+                // abort does), else its prompt and what waited to be read.
+                Err(_) => match self.inner.take_unread() {
+                    Unread::Done(usage) => self.permit.settle_usage(&usage),
+                    Unread::Deltas(n) => {
+                        (self.permit).settle(self.permit.cost.prompt, self.deltas + n)
+                    }
+                },
             }
             ev
         })

@@ -492,10 +492,12 @@ async fn a_call_reserves_no_more_than_its_models_context_whatever_its_max_tokens
 
 /// Serves each call as an engine that ran ahead of its reader: `texts`
 /// deltas waiting in the call's channel, then, if `done`, its end (12
-/// prompt tokens).
+/// prompt tokens), or if `aborted` an abort after ten more tokens that
+/// made no text.
 struct RanAhead {
     texts: usize,
     done: bool,
+    aborted: bool,
 }
 
 impl Inference for RanAhead {
@@ -509,9 +511,13 @@ impl Inference for RanAhead {
         for _ in 0..self.texts {
             let _ = tx.send(Out::Text("x".into(), Vec::new()));
         }
-        if self.done {
-            let finish = kiln_engine::engine::Finish::Length;
-            let (prompt, completion, cached) = (12, self.texts, 0);
+        if self.done || self.aborted {
+            use kiln_engine::engine::Finish;
+            let (finish, silent) = match self.aborted {
+                true => (Finish::Aborted("cut".into()), 10),
+                false => (Finish::Length, 0),
+            };
+            let (prompt, completion, cached) = (12, self.texts + silent, 0);
             let _ = tx.send(Out::Done {
                 finish,
                 prompt,
@@ -534,7 +540,11 @@ impl Inference for RanAhead {
 #[tokio::test]
 async fn a_stream_dropped_unread_pays_for_every_token_the_engine_generated() {
     for done in [true, false] {
-        let backend = Arc::new(RanAhead { texts: 40, done });
+        let backend = Arc::new(RanAhead {
+            texts: 40,
+            done,
+            aborted: false,
+        });
         let g = Gateway::new(backend, Duration::from_secs(5), 8, EngineMetrics::default());
         let r = with_max_tokens(req("a", "a"), 100);
         let prompt = Cost::of_call(&r).prompt;
@@ -551,6 +561,28 @@ async fn a_stream_dropped_unread_pays_for_every_token_the_engine_generated() {
         assert_eq!(u.tokens_last_minute, paid, "{why}");
         assert_eq!((u.tokens_reserved, u.calls_in_flight), (0, 0));
     }
+}
+
+#[tokio::test]
+async fn an_aborted_stream_pays_for_what_the_engine_says_it_generated() {
+    let backend = Arc::new(RanAhead {
+        texts: 40,
+        done: false,
+        aborted: true,
+    });
+    let g = Gateway::new(backend, Duration::from_secs(5), 8, EngineMetrics::default());
+    let mut s = g.stream(with_max_tokens(req("a", "a"), 100)).await.unwrap();
+    let mut deltas = 0;
+    let end = loop {
+        match s.next().await {
+            Ok(StreamEvent::Delta(_)) => deltas += 1,
+            other => break other,
+        }
+    };
+    assert!(matches!(end, Err(AiError::Aborted(_))), "{end:?}");
+    assert_eq!(deltas, 40);
+    // The 40 tokens read and the 10 that made no text, and the prompt.
+    assert_eq!(g.usage("a").tokens_last_minute, 12 + 50);
 }
 
 #[tokio::test]

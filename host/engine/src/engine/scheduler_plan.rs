@@ -93,6 +93,13 @@ impl Scheduler {
             .is_some_and(|q| q.front() == Some(&id))
     }
 
+    /// Whether blocked sequence `id` holds pages back from others' admissions:
+    /// while it heads its queue and its tenant may take a slot (one over
+    /// its share would hold them for nothing).
+    fn holds_pages(&self, id: SeqId) -> bool {
+        self.heads_its_queue(id) && self.may_admit(self.seqs[&id].tenant)
+    }
+
     /// Whether `id` is a stream: its prompt computed, its next token to
     /// decode (a prompt's last token is not one, though it too is left
     /// alone).
@@ -231,7 +238,7 @@ impl Scheduler {
         let mut count = (s.len - s.computed).min(allowance);
         let chunk_pages = (s.computed + count).div_ceil(kv.page_size());
         let leave = match self.blocked {
-            Some((b, pages)) if b != id && self.heads_its_queue(b) => self.reserve + pages,
+            Some((b, pages)) if b != id && self.holds_pages(b) => self.reserve + pages,
             _ => self.reserve,
         };
         if !s.preempted && self.running_of(tenant) == 0 {

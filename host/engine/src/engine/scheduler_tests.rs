@@ -541,3 +541,26 @@ fn a_prompt_waiting_for_its_chunks_pages_is_not_passed_by_short_requests_taking_
     }
     panic!("the prompt never got its pages");
 }
+
+#[test]
+fn a_blocked_prompt_of_a_tenant_over_its_share_holds_no_pages_back() {
+    // Tenant 0 runs two streams of four slots and waits with a prompt
+    // whose 128-token chunk (eight pages) the six free pages do not hold.
+    // Tenant 1 arrives: tenant 0 is at its share (two), so its prompt is
+    // not tried, and must not keep tenant 1 from the free pages.
+    let mut kv = KvCacheManager::new(8, 16);
+    let mut s = Scheduler::new(cfg(128, 4));
+    s.add(1, TenantId(0), 8, Vec::new());
+    s.add(2, TenantId(0), 8, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    s.append_token(1);
+    s.append_token(2);
+    s.add(3, TenantId(0), 400, Vec::new());
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    assert!(!out.scheduled.iter().any(|x| x.seq == 3), "{out:?}");
+    s.append_token(1);
+    s.append_token(2);
+    s.add(4, TenantId(1), 16, Vec::new());
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    assert!(out.scheduled.iter().any(|x| x.seq == 4), "{out:?}");
+}
