@@ -118,6 +118,7 @@ impl Runtime {
         };
         let mut store = Store::new(&self.engine, State::new(ai, limits));
         store.limiter(|s| &mut s.limits);
+        store.set_hostcall_fuel(crate::state::HOSTCALL_BYTES);
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(|mut ctx| ctx.data_mut().limits.on_epoch());
 

@@ -21,6 +21,15 @@ use crate::limits::StoreLimits;
 /// of headers, come to about 128 MiB, as much as linear memory.
 pub(crate) const MAX_RESOURCES: usize = 1024;
 
+/// Bytes of host memory one host call may fill with what it copies in from
+/// the guest (wasmtime's hostcall fuel, counted at the host's sizes). A
+/// list of small records (empty messages, empty strings) costs the host
+/// several times its bytes in the guest, so without this bound one call
+/// over a guest's 128 MiB could take gigabytes of the host before any of
+/// Kiln's own checks run. 16 MiB holds the largest prompt a model call
+/// accepts (4 MiB of text) several times over.
+pub(crate) const HOSTCALL_BYTES: usize = 16 << 20;
+
 /// Bytes of names and values one map of header fields may hold.
 pub(crate) const FIELD_BYTES: usize = 64 << 10;
 

@@ -74,6 +74,19 @@ async fn a_guest_failing_after_it_finished_its_body_sends_the_body_whole() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_call_copying_in_more_than_its_bound_traps_before_the_host_holds_it() {
+    // CPU enough to build the messages.
+    let s = TestServer::start_with(|c| c.limits.cpu_time = Duration::from_secs(5)).await;
+    let key = s.tenant("acme").await;
+    s.deploy(&key, "bad", "misbehave").await;
+    // Half a million empty messages are ~16 MB in the guest and ~40 MB as
+    // the host's messages: refused while being copied in.
+    let (status, kind, msg) = error_of(s.call("acme", "bad", "/manymessages").await).await;
+    assert_eq!((status, kind.as_str()), (500, "guest_trap"), "{msg}");
+    assert!(msg.contains("too much data"), "{msg}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trap_and_wall_limit_are_reported_and_outbound_http_is_denied() {
     let s =
         TestServer::start_with(|c| c.limits.wall_time = std::time::Duration::from_secs(1)).await;

@@ -14,7 +14,8 @@
 //! host took, `/partial` streams a few bytes and then spins, `/random`
 //! asks the host for random bytes without end, `/longask` sends the
 //! default model a 2 MB prompt (past its context) and reports the error,
-//! `/late-trap` answers `ok`, finishes its body, and then traps.
+//! `/late-trap` answers `ok`, finishes its body, and then traps,
+//! `/manymessages` calls the model with half a million empty messages.
 
 use kiln_guest::{Handler, Request, Response, ai};
 
@@ -80,6 +81,18 @@ impl Handler for Misbehave {
                 Ok(c) => Response::text(200, c.text),
                 Err(e) => Response::text(502, format!("{e:?}")),
             },
+            "/manymessages" => {
+                // Half a million empty messages: a few MiB here, far more
+                // on the host once copied in.
+                let mut chat = ai::Chat::new("smollm2-135m-instruct").max_tokens(1);
+                for _ in 0..500_000 {
+                    chat = chat.user("");
+                }
+                match chat.send() {
+                    Ok(c) => Response::text(200, c.text),
+                    Err(e) => Response::text(502, format!("{e:?}")),
+                }
+            }
             "/tool" => match tool_round_trip() {
                 Ok(report) => Response::text(200, report),
                 Err(e) => Response::text(502, format!("{e:?}")),
