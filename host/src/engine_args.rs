@@ -182,14 +182,11 @@ impl EngineArgs {
         );
         let gpu = matches!(device, kiln_kernels::Device::Cuda(_));
         let max_running = self.max_seqs.unwrap_or(if gpu { 256 } else { 64 });
+        let step_tokens = if gpu { 2048 } else { 256 };
         let scheduler = kiln_host::engine::SchedulerConfig {
             max_running,
             // Unset, at least a token for each running sequence.
-            max_tokens_per_step: (self.step_tokens).unwrap_or(max_running.max(if gpu {
-                2048
-            } else {
-                256
-            })),
+            max_tokens_per_step: self.step_tokens.unwrap_or(max_running.max(step_tokens)),
             step_target: self
                 .step_target
                 .unwrap_or(if gpu { DEFAULT_STEP_TARGET } else { 0.0 }),

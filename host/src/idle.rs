@@ -68,9 +68,7 @@ impl Activity {
             tokio::time::sleep_until(wake).await;
         }
     }
-}
 
-impl Activity {
     /// Resolves once a response body has waited `limit` for the
     /// connection to take its next frame.
     pub async fn stalled(&self, limit: Duration) {

@@ -33,11 +33,11 @@ pub(super) struct Inlet {
 /// A channel for each of a call's `n` samples, which may leave `bound`
 /// entries unread between them.
 pub(super) fn outlets(n: usize, bound: usize) -> (Vec<Outlet>, Vec<Inlet>) {
+    let limit = bound / n.max(1);
     (0..n)
         .map(|_| {
             let (tx, rx) = tmpsc::unbounded_channel();
             let unread = Arc::new(AtomicUsize::new(0));
-            let limit = bound / n.max(1);
             let outlet = Outlet {
                 tx,
                 unread: unread.clone(),
