@@ -4,15 +4,20 @@
 
 # API clients of one tenant (there, with $out set): `pd_clients CLIENTS
 # PD...` runs scripts/clients.py at each client count of CLIENTS with each
-# `--pd` mode in turn (DURATION_S seconds, default 25).
+# `--pd` mode in turn (DURATION_S seconds, default 25), for each server of
+# SERVERS (default this tree's; "/tmp/kiln-base .gpu-bench/kiln" after
+# `unpack` for the base build beside it), SERVE_ARGS added to each.
 pd_clients() {
-    local clients="$1" pd
+    local clients="$1" pd server
     shift
-    for pd in "$@"; do
-        echo "== clients, --pd $pd" | tee -a "$out/pd.log"
-        CLIENTS="$clients" DURATION_S="${DURATION_S:-25}" timeout 200 python3 scripts/clients.py \
-            .gpu-bench/kiln .gpu-bench/kiln big synthetic:llama-3-8b --device cuda --kv fp8-static \
-            --kv-memory 24GiB --pd "$pd" 2>&1 | grep -v INFO | tee -a "$out/pd.log"
+    for server in ${SERVERS:-.gpu-bench/kiln}; do
+        for pd in "$@"; do
+            echo "== clients, $server --pd $pd ${SERVE_ARGS:-}" | tee -a "$out/pd.log"
+            # shellcheck disable=SC2086
+            CLIENTS="$clients" DURATION_S="${DURATION_S:-25}" timeout 200 python3 scripts/clients.py \
+                "$server" .gpu-bench/kiln big synthetic:llama-3-8b --device cuda --kv fp8-static \
+                --kv-memory 24GiB --pd "$pd" ${SERVE_ARGS:-} 2>&1 | grep -v INFO | tee -a "$out/pd.log"
+        done
     done
 }
 
@@ -70,6 +75,16 @@ mode_pd_goals() {
     done
     [ -z "${PD_CLIENTS-256}" ] || DURATION_S="${DURATION_S:-20}" pd_clients "${PD_CLIENTS-256}" on off
     exit "$failed"
+}
+
+mode_pd_clients() {
+    # 256 API clients of one tenant (CLIENTS overrides) with each `--pd`
+    # mode of PD (default "on off") for each server of SERVERS, SERVE_ARGS
+    # added, 20 s each (carry .gpu-bench; .gpu-bench/kiln-base.xz for the
+    # base build).
+    prepare
+    # shellcheck disable=SC2086
+    DURATION_S="${DURATION_S:-20}" pd_clients "${CLIENTS:-256}" ${PD:-on off}
 }
 
 mode_pd() {

@@ -177,3 +177,59 @@ fn decodes_go_first_on_the_device_only_while_tenants_compete_under_the_step_targ
         assert!(!e.stats().decode_first, "target {target}: idle");
     }
 }
+
+/// Engine steps until `e` has handed `handoffs` sequences to the decode
+/// lane, and every sequence's tokens once all have finished.
+fn steps_to_hand_off(e: &mut Engine, handoffs: u64) -> (usize, HashMap<u64, Vec<u32>>) {
+    let mut steps = 0;
+    let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut take = |events: Vec<Event>| {
+        for ev in events {
+            if let Event::Token { seq, token, .. } = ev {
+                tokens.entry(seq).or_default().extend(token);
+            }
+        }
+    };
+    while e.stats().handoffs < handoffs {
+        take(e.step().unwrap());
+        steps += 1;
+    }
+    while e.has_work() {
+        take(e.step().unwrap());
+    }
+    (steps, tokens)
+}
+
+#[test]
+fn prefill_steps_follow_each_other_while_a_decode_step_runs() {
+    // A stream decodes while a prompt of several 32-token chunks arrives.
+    // Each decode step is reported running for three checks, as a
+    // device's would be: each prefill chunk that lands meanwhile is
+    // followed by the next at once, not after the decode step.
+    let run = |hold: u32| {
+        let mut e = engine(true, 256);
+        e.hold_decode_steps(hold);
+        let params = GenerateParams {
+            max_tokens: 48,
+            temperature: 0.0,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let stream = chat_ids(&e, PROMPTS[0]);
+        e.add(TenantId(1), stream, params.clone()).unwrap();
+        while e.stats().handoffs < 1 {
+            e.step().unwrap();
+        }
+        let long = chat_ids(&e, &PROMPTS[1..].join(" ").repeat(2));
+        assert!(long.len() > 4 * 32, "{} tokens", long.len());
+        e.add(TenantId(2), long, params).unwrap();
+        steps_to_hand_off(&mut e, 2)
+    };
+    let (alone, want) = run(0);
+    let (held, got) = run(3);
+    assert_eq!(got, want, "the same tokens");
+    assert!(
+        held * 2 <= alone,
+        "{held} steps with the decode step running, {alone} without"
+    );
+}

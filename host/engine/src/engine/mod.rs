@@ -272,6 +272,9 @@ pub struct Engine {
     /// Disaggregated: the prefill lane's step launched on the side lane
     /// and not yet landed.
     in_flight: Option<Vec<scheduler::Scheduled>>,
+    /// Disaggregated: a prefill step ran beside the decode step under way
+    /// (one may land before it ends).
+    ran_beside: bool,
     /// Sequences cancelled while their prefill step was in flight: their
     /// pages are freed when it lands, not while kernels may write them.
     deferred_free: Vec<SeqId>,
@@ -358,6 +361,7 @@ impl Engine {
             stats: EngineStats::default(),
             stepping: Vec::new(),
             in_flight: None,
+            ran_beside: false,
             deferred_free: Vec::new(),
             retags: Default::default(),
             waiting: Vec::new(),
@@ -528,6 +532,13 @@ impl Engine {
             }
         };
         formats.matcher(&tenant.0.to_string(), format)
+    }
+
+    /// Test-only: each main-lane step reports itself still running to the
+    /// first `polls` checks after its launch, as a device's step would.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn hold_decode_steps(&mut self, polls: u32) {
+        self.runner.hold_main(polls);
     }
 
     /// Test-only: corrupts `victim`'s mapping with one of `donor`'s pages.

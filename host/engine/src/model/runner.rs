@@ -127,6 +127,10 @@ pub struct Reserve {
 pub struct Runner {
     place: Place,
     landed: [Option<StepOut>; 2],
+    /// Test-only: polls after each main-lane launch that report its step
+    /// still running, as a device's would (a CPU runs a step at launch).
+    #[cfg(any(test, feature = "fault-injection"))]
+    hold_main: (u32, std::cell::Cell<u32>),
 }
 
 /// Where the KV pages live and the forward pass runs.
@@ -175,6 +179,8 @@ impl Runner {
         Ok(Self {
             place,
             landed: [None, None],
+            #[cfg(any(test, feature = "fault-injection"))]
+            hold_main: Default::default(),
         })
     }
 
@@ -185,6 +191,13 @@ impl Runner {
         {
             *slot = Some((model.ordinal(), model, decode));
         }
+    }
+
+    /// Test-only: each main-lane step reports itself still running to the
+    /// first `polls` of [`Self::is_done`] after its launch.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn hold_main(&mut self, polls: u32) {
+        self.hold_main.0 = polls;
     }
 
     /// Whether it runs on a GPU (which checks page tags inside the step).
@@ -305,6 +318,10 @@ impl Runner {
         if self.landed[lane.index()].is_some() {
             return Err(format!("a step is already in flight on the {lane:?} lane"));
         }
+        #[cfg(any(test, feature = "fault-injection"))]
+        if lane == RunLane::Main {
+            self.hold_main.1.set(self.hold_main.0);
+        }
         if let Place::Gpu(model, kv, None) = &mut self.place {
             return model.launch(kv, lane, step).map_err(|e| e.to_string());
         }
@@ -315,6 +332,11 @@ impl Runner {
 
     /// Whether `lane`'s launched step has run.
     pub fn is_done(&self, lane: RunLane) -> bool {
+        #[cfg(any(test, feature = "fault-injection"))]
+        if lane == RunLane::Main && self.hold_main.1.get() > 0 {
+            self.hold_main.1.set(self.hold_main.1.get() - 1);
+            return false;
+        }
         match &self.place {
             Place::Gpu(model, kv, None) if self.landed[lane.index()].is_none() => {
                 model.is_done(kv, lane)

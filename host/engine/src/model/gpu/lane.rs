@@ -82,8 +82,8 @@ pub(super) struct Running {
     /// slot holds.
     pub scores: (Vec<i32>, usize),
     pub start: Instant,
-    /// After the step's kernels, on the side lane (the main lane's steps
-    /// are finished at once and keep none).
+    /// After the step's kernels, once the side lane is open (one lane's
+    /// steps are finished at once and keep none).
     pub mark: Option<Mark>,
 }
 
@@ -118,7 +118,8 @@ impl GpuModel {
     }
 
     /// Whether `lane`'s launched step has run (or none is in flight); a
-    /// main-lane step in flight, which has no mark, counts as running.
+    /// step in flight without a mark (no side lane open) counts as
+    /// running.
     pub fn is_done(&self, kv: &GpuKv, lane: RunLane) -> bool {
         match &kv.lanes[lane.index()].flight {
             Some(Flight::Running(r)) => r.mark.as_ref().is_some_and(Mark::is_done),

@@ -224,7 +224,9 @@ impl GpuModel {
             draws: x.draws,
             scores: (x.score_slot, x.score_top),
             start,
-            mark: (lane == RunLane::Side).then(|| g.mark()).transpose()?,
+            // With two lanes the engine works on one while the other's
+            // step runs, so each step's end is marked.
+            mark: self.side.is_some().then(|| g.mark()).transpose()?,
         }))
     }
 
