@@ -275,6 +275,10 @@ pub struct Engine {
     /// Disaggregated: a prefill step ran beside the decode step under way
     /// (one may land before it ends).
     ran_beside: bool,
+    /// Disaggregated: the sequences of the decode step launched and not
+    /// yet finished (a failure while prefill steps land and launch beside
+    /// it concerns them too).
+    decoding: Vec<SeqId>,
     /// Sequences cancelled while their prefill step was in flight: their
     /// pages are freed when it lands, not while kernels may write them.
     deferred_free: Vec<SeqId>,
@@ -362,6 +366,7 @@ impl Engine {
             stepping: Vec::new(),
             in_flight: None,
             ran_beside: false,
+            decoding: Vec::new(),
             deferred_free: Vec::new(),
             retags: Default::default(),
             waiting: Vec::new(),

@@ -47,11 +47,13 @@ impl Engine {
         };
         if let Some(run) = self.launch(Lane::Decode, RunLane::Main, caps, events)? {
             self.ran_beside = self.in_flight.is_some();
+            self.decoding = run.iter().map(|s| s.seq).collect();
             self.prefill_beside(prefill, events)?;
             self.stepping.clear();
             self.stepping.extend(run.iter().map(|s| s.seq));
             self.stepping
                 .extend(self.in_flight.iter().flatten().map(|s| s.seq));
+            self.decoding.clear();
             let out = self.runner.finish(RunLane::Main)?;
             self.apply(&run, RunLane::Main, out, events);
         }
@@ -96,6 +98,7 @@ impl Engine {
         };
         self.stepping.clear();
         self.stepping.extend(run.iter().map(|s| s.seq));
+        self.stepping.extend_from_slice(&self.decoding);
         let out = self.runner.finish(RunLane::Side);
         for seq in std::mem::take(&mut self.deferred_free) {
             self.kv.free(seq);

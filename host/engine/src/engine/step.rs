@@ -156,6 +156,7 @@ impl Engine {
         if let Some(run) = &self.in_flight {
             self.stepping.extend(run.iter().map(|s| s.seq));
         }
+        self.stepping.extend_from_slice(&self.decoding);
         self.stats.preemptions += plan.preempted.len() as u64;
         for (seq, hit) in &plan.prefix_hits {
             if let Some(r) = self.requests.get_mut(seq) {
