@@ -98,6 +98,7 @@ for l in sys.stdin:
     cp "$(test_bin kiln-kernels skinny)" .gpu/skinny
     cp "$(test_bin kiln-kernels bf16_mlp)" .gpu/bf16_mlp
     cp "$(test_bin kiln-kernels nccl)" .gpu/nccl
+    cp "$(test_bin kiln-kernels device_fault)" .gpu/device_fault
     cp "$(test_bin kiln-tests gpu)" .gpu/engine
     cargo build --release -p kiln-kernels --example cuda_bench
     cp target/release/examples/cuda_bench .gpu/cuda_bench
@@ -152,6 +153,8 @@ mode_run() {
         KILN_TEST_DEVICE=cuda timeout 60 .gpu/skinny --include-ignored 2>&1 | tee -a "$out/parity.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
         KILN_TEST_DEVICE=cuda timeout 60 .gpu/bf16_mlp --include-ignored 2>&1 | tee -a "$out/parity.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
+        KILN_TEST_DEVICE=cuda timeout 60 .gpu/device_fault --include-ignored 2>&1 | tee -a "$out/parity.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || parity=1
         # Skipped, saying so, on one GPU.
         KILN_TEST_DEVICE=cuda timeout 90 .gpu/nccl --include-ignored --test-threads 1 --nocapture 2>&1 | tee -a "$out/parity.log"

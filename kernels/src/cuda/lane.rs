@@ -20,9 +20,17 @@ use crate::KernelError;
 pub struct Mark(CudaEvent);
 
 impl Mark {
-    /// Whether the work before the mark has run.
-    pub fn is_done(&self) -> bool {
-        self.0.is_complete()
+    /// Whether the work before the mark has run; an error where that work
+    /// failed (a fault is never reported as work still running).
+    pub fn is_done(&self) -> Result<bool, KernelError> {
+        use cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY;
+        // SAFETY: the event is this mark's own, created and recorded by
+        // `Gpu::mark`, and lives as long as it.
+        match unsafe { cudarc::driver::result::event::query(self.0.cu_event()) } {
+            Ok(()) => Ok(true),
+            Err(e) if e.0 == CUDA_ERROR_NOT_READY => Ok(false),
+            Err(e) => Err(cuda_err(e)),
+        }
     }
 }
 

@@ -188,6 +188,26 @@ fn a_stream_handed_to_the_decode_lane_takes_its_turn_after_the_streams_waiting_t
     assert_eq!(ran, vec![1, 3]);
 }
 
+#[test]
+fn the_prefill_lane_keeps_pages_for_streams_whose_decode_step_still_runs() {
+    // A pool of four 16-token pages; a stream of 12 prompt tokens on the
+    // decode lane, its step planned (and on a device, still running).
+    let mut kv = KvCacheManager::new(4, 16);
+    let mut l = Lanes::new(cfg(64, 8), true);
+    l.add(1, TenantId(0), 12, Vec::new());
+    while l.handoffs() < 1 {
+        step(&mut l, &mut kv);
+    }
+    let out = l.schedule(Lane::Decode, &mut kv, StepCaps::NONE);
+    assert_eq!(seqs(&out.scheduled), vec![(1, 12, 1)]);
+    // A prompt that would take every free page: one stays for the
+    // stream's next page, three tokens on.
+    l.add(2, TenantId(1), 64, Vec::new());
+    let out = l.schedule(Lane::Prefill, &mut kv, StepCaps::NONE);
+    assert_eq!(seqs(&out.scheduled), vec![(2, 0, 32)]);
+    assert_eq!(kv.num_free(), 1);
+}
+
 /// Streams of tenants 0 and 1 (two pages each) on the decode lane of a
 /// sixteen-page pool, sixteen prompt tokens a step.
 fn two_tenants_streaming() -> (Lanes, KvCacheManager) {

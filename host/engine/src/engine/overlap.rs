@@ -35,7 +35,7 @@ impl Engine {
             self.stats.decode_first = first;
         }
         if self.in_flight.is_some()
-            && (self.runner.is_done(RunLane::Side) || !self.lanes.decoding())
+            && (!self.lanes.decoding() || self.runner.is_done(RunLane::Side)?)
         {
             self.land_prefill(events)?;
         }
@@ -72,9 +72,9 @@ impl Engine {
         // Planned once a wait: a lane with nothing to launch stays so
         // until a step lands.
         let mut planned = self.in_flight.is_some();
-        while !self.runner.is_done(RunLane::Main) {
+        while !self.runner.is_done(RunLane::Main)? {
             let due = self.step_budget.prefill_due();
-            if due && self.in_flight.is_some() && self.runner.is_done(RunLane::Side) {
+            if due && self.in_flight.is_some() && self.runner.is_done(RunLane::Side)? {
                 self.land_prefill(events)?;
                 self.ran_beside = true;
                 planned = false;

@@ -87,11 +87,13 @@ impl Scheduler {
     }
 
     /// Streams whose next `horizon` tokens start a new page of
-    /// `page_size` tokens: the pages another lane should leave free.
+    /// `page_size` tokens: the pages another lane should leave free. A
+    /// stream in a step planned and not yet applied (none left to compute
+    /// until its token comes) counts from the token that step computes.
     pub fn pages_due(&self, page_size: usize, horizon: usize) -> usize {
         let ps = page_size.max(1);
         (self.running.iter())
-            .filter(|r| self.remaining(**r) == 1)
+            .filter(|r| self.remaining(**r) <= 1)
             .filter(|r| (ps - self.seqs[*r].computed % ps) % ps < horizon)
             .count()
     }

@@ -330,18 +330,19 @@ impl Runner {
         Ok(())
     }
 
-    /// Whether `lane`'s launched step has run.
-    pub fn is_done(&self, lane: RunLane) -> bool {
+    /// Whether `lane`'s launched step has run; an error where the device
+    /// failed it (the step's [`Self::finish`] would fail too).
+    pub fn is_done(&self, lane: RunLane) -> Result<bool, String> {
         #[cfg(any(test, feature = "fault-injection"))]
         if lane == RunLane::Main && self.hold_main.1.get() > 0 {
             self.hold_main.1.set(self.hold_main.1.get() - 1);
-            return false;
+            return Ok(false);
         }
         match &self.place {
             Place::Gpu(model, kv, None) if self.landed[lane.index()].is_none() => {
-                model.is_done(kv, lane)
+                model.is_done(kv, lane).map_err(|e| e.to_string())
             }
-            _ => true,
+            _ => Ok(true),
         }
     }
 

@@ -119,11 +119,11 @@ impl GpuModel {
 
     /// Whether `lane`'s launched step has run (or none is in flight); a
     /// step in flight without a mark (no side lane open) counts as
-    /// running.
-    pub fn is_done(&self, kv: &GpuKv, lane: RunLane) -> bool {
+    /// running. An error where its work failed.
+    pub fn is_done(&self, kv: &GpuKv, lane: RunLane) -> Result<bool, KernelError> {
         match &kv.lanes[lane.index()].flight {
-            Some(Flight::Running(r)) => r.mark.as_ref().is_some_and(Mark::is_done),
-            _ => true,
+            Some(Flight::Running(r)) => r.mark.as_ref().map_or(Ok(false), Mark::is_done),
+            _ => Ok(true),
         }
     }
 }
