@@ -56,8 +56,9 @@ mode_neighbour() {
 
 mode_pd_goals() {
     # Issue 18's PD goals in one call (carry .gpu, .gpu-bench/kiln.xz,
-    # .gpu-bench/kiln-base.xz): the CUDA-graph tests and the engine's
-    # working-buffer tests first, then the neighbour at target 1.3 with
+    # .gpu-bench/kiln-base.xz): the CUDA-graph and device-fault tests
+    # and the engine's working-buffer tests first, then the neighbour at
+    # target 1.3 with
     # `--pd on` and `--pd off` (PD_ARGS overrides, ";" apart), then 256
     # clients of one tenant with PD on and off (PD_CLIENTS overrides; empty
     # skips them). Fails if a test fails.
@@ -65,6 +66,8 @@ mode_pd_goals() {
     set +e
     failed=0
     KILN_TEST_DEVICE=cuda timeout 60 .gpu/cuda_graphs --include-ignored 2>&1 | tee "$out/tests.log" | tail -3
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    KILN_TEST_DEVICE=cuda timeout 60 .gpu/device_fault --include-ignored 2>&1 | tee -a "$out/tests.log" | tail -3
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
     KILN_TEST_DEVICE=cuda timeout 200 .gpu/engine --include-ignored --test-threads 1 memory:: 2>&1 |
         tee -a "$out/tests.log" | grep -E "test |test result|panicked" | tail -8

@@ -258,8 +258,9 @@ impl Engine {
             self.stats.last_step_device_us = device.as_micros() as u64;
             let decodes = run.iter().filter(|s| s.count == 1).count();
             let prompt: usize = run.iter().filter(|s| s.count > 1).map(|s| s.count).sum();
-            let beside = (self.lanes.disaggregated())
-                .then_some(self.in_flight.is_some() || std::mem::take(&mut self.ran_beside));
+            let landed_beside = std::mem::take(&mut self.ran_beside);
+            let beside =
+                (self.lanes.disaggregated()).then_some(self.in_flight.is_some() || landed_beside);
             self.step_budget.carried(decodes, prompt, beside);
         }
         // Sequences the device's check stopped: their results are void.
