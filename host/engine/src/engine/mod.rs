@@ -9,6 +9,8 @@
 pub mod block_pool;
 mod constraint;
 mod drive;
+#[cfg(any(test, feature = "fault-injection"))]
+mod faults;
 pub mod integrity;
 pub mod kv_manager;
 mod lanes;
@@ -40,6 +42,8 @@ pub use scheduler::SchedulerConfig;
 pub use transfer::{SeqTransfer, Unexported};
 
 use crate::model::{KvCache, Loaded, Reserve, Runner, RunnerOptions};
+#[cfg(any(test, feature = "fault-injection"))]
+pub use faults::Fault;
 use integrity::{IntegrityCheck, NoCheck, TagCheck};
 use kv_manager::KvCacheManager;
 use lanes::Lanes;
@@ -47,16 +51,6 @@ use request::Request;
 
 /// Tokens per KV page.
 pub const PAGE_SIZE: usize = 16;
-
-/// Test-only: how an injected fault fails a step.
-#[cfg(any(test, feature = "fault-injection"))]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fault {
-    /// The step panics.
-    Panic,
-    /// The step returns an error.
-    Error,
-}
 
 /// Engine settings.
 #[derive(Debug, Clone)]
@@ -537,26 +531,6 @@ impl Engine {
             }
         };
         formats.matcher(&tenant.0.to_string(), format)
-    }
-
-    /// Test-only: each main-lane step reports itself still running to the
-    /// first `polls` checks after its launch, as a device's step would.
-    #[cfg(any(test, feature = "fault-injection"))]
-    pub fn hold_decode_steps(&mut self, polls: u32) {
-        self.runner.hold_main(polls);
-    }
-
-    /// Test-only: corrupts `victim`'s mapping with one of `donor`'s pages.
-    #[cfg(any(test, feature = "fault-injection"))]
-    pub fn inject_page_fault(&mut self, victim: SeqId, donor: SeqId) -> bool {
-        self.kv.corrupt_mapping(victim, donor, 0)
-    }
-
-    /// Test-only: the next step fails once it has scheduled its batch, as
-    /// a bug (a panic) or a device (an error) inside a step would.
-    #[cfg(any(test, feature = "fault-injection"))]
-    pub fn inject_fault(&mut self, fault: Fault) {
-        self.fault_next_step = Some(fault);
     }
 
     /// The sequences of the last step begun (with those of a prefill step

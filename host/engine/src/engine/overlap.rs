@@ -49,11 +49,9 @@ impl Engine {
             self.ran_beside = self.in_flight.is_some();
             self.decoding = run.iter().map(|s| s.seq).collect();
             self.prefill_beside(prefill, events)?;
-            self.stepping.clear();
-            self.stepping.extend(run.iter().map(|s| s.seq));
+            self.stepping = std::mem::take(&mut self.decoding);
             self.stepping
                 .extend(self.in_flight.iter().flatten().map(|s| s.seq));
-            self.decoding.clear();
             let out = self.runner.finish(RunLane::Main)?;
             self.apply(&run, RunLane::Main, out, events);
         }
