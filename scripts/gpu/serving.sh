@@ -38,10 +38,12 @@ mode_neighbour() {
     # call (carry .gpu-bench; this tree's `kiln loadgen` drives every run).
     # TARGETS and SERVERS override (SERVERS="/tmp/kiln-base .gpu-bench/kiln"
     # after `unpack` for the base build beside this one); SERVE_ARGS adds
-    # serve arguments (`--pd on`).
+    # serve arguments (`--pd off`: one lane, where serve's default on a
+    # GPU is two).
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     device_env
+    unpack_kiln
     export ALONE_S="${ALONE_S:-10}" BURST_S="${BURST_S:-20}"
     for server in ${SERVERS:-.gpu-bench/kiln}; do
         for target in ${TARGETS:-0 1.8}; do
