@@ -126,8 +126,12 @@ pub(crate) struct EngineArgs {
     /// prompts and a decode lane runs the streams, each with its own
     /// queue, token budget and step, over one KV pool (a sequence changes
     /// lanes at its first token, its pages staying where they are).
-    #[arg(long, value_enum, default_value_t = OnOff::Off)]
-    pd: OnOff,
+    /// `auto` turns it on for `serve` on one GPU with CUDA graphs, where
+    /// the prefill lane's steps run beside the decode lane's on a stream of
+    /// their own, and off elsewhere (`run` and `bench` measure one lane
+    /// unless asked).
+    #[arg(long, value_enum, default_value_t = PdArg::Auto)]
+    pd: PdArg,
     /// Split the model over N tensor-parallel ranks: each holds 1/N of the
     /// heads and of the MLP, and KV pages of its own KV heads. On CUDA the
     /// ranks take GPUs N, N + 1, ... from `--device cuda:N` and sum their
@@ -143,7 +147,7 @@ impl EngineArgs {
     /// cannot be used or `--device` names several.
     pub(crate) fn config(&self) -> anyhow::Result<kiln_host::engine::EngineConfig> {
         let device = self.device.single().map_err(anyhow::Error::msg)?;
-        self.config_on(&[device])
+        self.config_on(&[device], false)
     }
 
     /// The devices `--device` names (`cuda:all` counted) and the engine
@@ -154,14 +158,17 @@ impl EngineArgs {
     ) -> anyhow::Result<(Vec<kiln_kernels::Device>, kiln_host::engine::EngineConfig)> {
         let count = || kiln_kernels::cuda::Gpu::count().map_err(|e| e.to_string());
         let devices = self.device.resolve(count).map_err(anyhow::Error::msg)?;
-        let config = self.config_on(&devices)?;
+        let config = self.config_on(&devices, true)?;
         Ok((devices, config))
     }
 
-    /// The settings for engines on `devices` (one or more, all probed).
+    /// The settings for engines on `devices` (one or more, all probed),
+    /// `serving` requests as they arrive (`serve`) rather than a command's
+    /// fixed batch.
     fn config_on(
         &self,
         devices: &[kiln_kernels::Device],
+        serving: bool,
     ) -> anyhow::Result<kiln_host::engine::EngineConfig> {
         anyhow::ensure!(
             devices.len() <= 1 || self.tensor_parallel == 1,
@@ -227,7 +234,11 @@ impl EngineArgs {
             prefill_warps: self.prefill_warps,
             cuda_bf16_mlp: self.cuda_bf16_mlp == OnOff::On,
             cuda_bf16_mlp_decode: self.cuda_bf16_mlp_decode == OnOff::On,
-            pd: self.pd == OnOff::On,
+            pd: self.pd.on(
+                serving && gpu,
+                self.tensor_parallel,
+                self.cuda_graphs == OnOff::On,
+            ),
             tensor_parallel: usize::from(self.tensor_parallel),
         })
     }
@@ -256,6 +267,32 @@ pub(crate) enum KvArg {
 enum OnOff {
     On,
     Off,
+}
+
+/// `--pd`'s values.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum PdArg {
+    Auto,
+    On,
+    Off,
+}
+
+impl PdArg {
+    /// Whether an engine disaggregates. `auto` does where it pays: a
+    /// server on one GPU with graphs, whose prefill lane runs on a stream
+    /// of its own beside the decode lane while prompts keep arriving (more
+    /// output and a third of the TTFT at 256 clients, docs/perf.md). On
+    /// the CPU the lanes' steps would only take turns; ranks and
+    /// graph-less engines cannot open the second stream (an explicit `on`
+    /// there fails at start, saying why); a fixed batch (`bench`, `run`)
+    /// keeps the one-lane figures it is compared by.
+    fn on(self, serving_on_gpu: bool, tensor_parallel: u16, graphs: bool) -> bool {
+        match self {
+            PdArg::On => true,
+            PdArg::Off => false,
+            PdArg::Auto => serving_on_gpu && tensor_parallel == 1 && graphs,
+        }
+    }
 }
 
 /// `--cuda-flash-build`'s values.
@@ -289,7 +326,7 @@ pub(crate) fn kv_format(kv: KvArg) -> kiln_kernels::kv::KvFormat {
 mod tests {
     use clap::Parser;
 
-    use super::EngineArgs;
+    use super::{EngineArgs, PdArg};
 
     #[derive(Parser)]
     struct Cli {
@@ -319,5 +356,20 @@ mod tests {
         // Unset, the step's tokens follow the sequences.
         let many = config(&["--max-seqs", "300"]).unwrap().scheduler;
         assert_eq!(many.max_tokens_per_step, 300);
+    }
+
+    #[test]
+    fn disaggregation_is_on_by_default_only_for_a_server_on_one_gpu_with_graphs() {
+        assert!(PdArg::Auto.on(true, 1, true));
+        assert!(!PdArg::Auto.on(false, 1, true), "the CPU, or bench");
+        assert!(!PdArg::Auto.on(true, 2, true), "tensor-parallel ranks");
+        assert!(!PdArg::Auto.on(true, 1, false), "no CUDA graphs");
+        assert!(PdArg::On.on(false, 1, true) && !PdArg::Off.on(true, 1, true));
+        // On the CPU, and for bench and run, the default stays one lane.
+        assert!(!config(&[]).unwrap().pd);
+        assert!(config(&["--pd", "on"]).unwrap().pd);
+        let argv = ["kiln", "--device", "cpu"];
+        let (_, serving) = Cli::try_parse_from(argv).unwrap().engine.devices().unwrap();
+        assert!(!serving.pd, "a server on the CPU");
     }
 }
