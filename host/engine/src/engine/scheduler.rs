@@ -87,9 +87,10 @@ struct Seq {
     decoded_at: u64,
     /// Tokens of its prompt: once they are computed it is a stream.
     prompt: usize,
-    /// Whether it lost its pages once: it then waits for its whole next
-    /// chunk's pages, rather than start again on the few left free and
-    /// lose them again to the streams that took its own.
+    /// Whether it lost its pages once: it then waits until the free pages
+    /// hold all of it, rather than start again on the few left free and
+    /// lose them again to the streams that took its own, and other prompts
+    /// give their pages up to the streams before it does.
     preempted: bool,
 }
 
@@ -153,8 +154,8 @@ pub struct Scheduler {
     elsewhere: HashMap<TenantId, usize>,
     /// Pages allocations leave free for other lanes.
     reserve: usize,
-    /// The sequence first refused admission for pages, and the pages its
-    /// chunk needs: other admissions leave them free until it is in, so
+    /// The sequence first refused admission for pages, and the pages it
+    /// waits for: other admissions leave them free until it is in, so
     /// requests arriving later cannot take each page as it frees.
     blocked: Option<(SeqId, usize)>,
 }

@@ -164,10 +164,15 @@ impl Scheduler {
             if count == 0 {
                 // Decode first: while the streams are due more pages than
                 // are free, prompts not in this step give theirs up (the
-                // busiest tenant's newest first).
+                // busiest tenant's newest first; those that gave theirs up
+                // once, last).
                 while kv.num_free() < self.reserve {
                     let spare = |v: &SeqId| step.planned.contains(v) || self.is_stream(*v);
-                    match self.victim(spare) {
+                    let again = |v: &SeqId| self.seqs[v].preempted;
+                    match self
+                        .victim(|v| spare(v) || again(v))
+                        .or_else(|| self.victim(spare))
+                    {
                         Some(v) => self.preempt(v, kv, &mut step.out),
                         None => break,
                     }
@@ -212,10 +217,14 @@ impl Scheduler {
     /// its prompt (after the prefix cache's hit); false when it does not
     /// fit the pool. A tenant with nothing running takes what the free
     /// pages hold, so a tenant whose chunk is larger than the pages others
-    /// free one by one is not left waiting while they take each (unless
-    /// the sequence was preempted once: then the pool's streams need the
-    /// pages, and it waits for its whole chunk's). The first sequence
-    /// refused is `blocked`: later admissions leave its chunk's pages.
+    /// free one by one is not left waiting while they take each. A
+    /// sequence preempted once lost its pages to the pool's streams: it
+    /// waits until the free pages hold all it has to recompute, rather
+    /// than start again on a chunk's worth and lose them again part-way
+    /// (each restart throws away what it computed) while the streams are
+    /// still there. It takes them chunk by chunk as any prompt, leaving
+    /// the other lane's reserve. The first sequence refused is `blocked`:
+    /// later admissions leave the pages it waits for.
     fn admit(
         &mut self,
         tenant: TenantId,
@@ -236,7 +245,13 @@ impl Scheduler {
         // Every token cached: recompute the last one for its logits.
         s.computed = s.present.min(s.len - 1);
         let mut count = (s.len - s.computed).min(allowance);
-        let chunk_pages = (s.computed + count).div_ceil(kv.page_size());
+        // What it waits for: its chunk, or all it must recompute.
+        let wants = if s.preempted {
+            s.len
+        } else {
+            s.computed + count
+        };
+        let chunk_pages = wants.div_ceil(kv.page_size());
         let leave = match self.blocked {
             Some((b, pages)) if b != id && self.holds_pages(b) => self.reserve + pages,
             _ => self.reserve,
@@ -245,7 +260,8 @@ impl Scheduler {
             let fit = kv.tokens_leaving(id, leave).saturating_sub(s.computed);
             count = count.min(fit);
         }
-        if count == 0 || !kv.allocate_leaving(id, s.tenant, s.computed + count, leave) {
+        let room = !s.preempted || kv.tokens_leaving(id, leave) >= s.len;
+        if count == 0 || !room || !kv.allocate_leaving(id, s.tenant, s.computed + count, leave) {
             kv.free(id);
             if self.blocked.is_none_or(|(b, _)| !self.heads_its_queue(b)) {
                 self.blocked = Some((id, chunk_pages));

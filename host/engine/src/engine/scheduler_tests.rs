@@ -433,7 +433,7 @@ fn a_prompt_short_of_pages_beside_a_stream_waits_instead_of_recomputing_each_ste
     s.add(1, TenantId(1), 31, Vec::new());
     s.schedule(&mut kv, StepCaps::NONE);
     s.append_token(1);
-    s.add(2, TenantId(0), 96, Vec::new());
+    s.add(2, TenantId(0), 60, Vec::new());
     let out = s.schedule(&mut kv, StepCaps::NONE);
     assert!(
         out.scheduled.iter().any(|x| (x.seq, x.start) == (2, 0)),
@@ -441,8 +441,8 @@ fn a_prompt_short_of_pages_beside_a_stream_waits_instead_of_recomputing_each_ste
     );
     assert_eq!(kv.num_free(), 0);
     // The stream's next page is the prompt's (it is the victim); the
-    // prompt then waits for its whole chunk's pages rather than start
-    // again on the one page left and lose it at the stream's next page.
+    // prompt then waits for pages for all of it rather than start again
+    // on the one page left and lose it at the stream's next page.
     let mut recomputed = 0;
     for _ in 0..20 {
         s.append_token(1);
