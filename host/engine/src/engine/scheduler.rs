@@ -89,8 +89,8 @@ struct Seq {
     prompt: usize,
     /// Whether it lost its pages once: it then waits until the free pages
     /// hold all of it, rather than start again on the few left free and
-    /// lose them again to the streams that took its own, and other prompts
-    /// give their pages up to the streams before it does.
+    /// lose them again to the streams that took its own, and its tenant's
+    /// other sequences are preempted before it.
     preempted: bool,
 }
 
@@ -239,23 +239,30 @@ impl Scheduler {
         here + self.elsewhere.get(&tenant).copied().unwrap_or(0)
     }
 
-    /// The running sequence to preempt: the newest one of the tenant with
-    /// the most running sequences for its weight, skipping the `protected`
-    /// (those already in this step).
+    /// The running sequence to preempt: one of the tenant with the most
+    /// running sequences for its weight, the newest of those that never
+    /// lost their pages before (a sequence preempted again would throw
+    /// away its recomputation too), skipping the `protected` (those
+    /// already in this step).
     fn victim(&self, protected: impl Fn(&SeqId) -> bool) -> Option<SeqId> {
-        // (running, weight, index): n / w compared as n * bw >= bn * w.
-        let mut best: Option<(usize, usize, usize)> = None;
+        // (running, weight, never preempted, index): n / w compared as
+        // n * bw against bn * w; at equal shares the fresh, then the newest.
+        let mut best: Option<(usize, usize, bool, usize)> = None;
         for (i, r) in self.running.iter().enumerate() {
             if protected(r) {
                 continue;
             }
-            let tenant = self.seqs[r].tenant;
-            let (n, w) = (self.running_of(tenant), self.weight(tenant));
-            if best.is_none_or(|(bn, bw, _)| n * bw >= bn * w) {
-                best = Some((n, w, i));
+            let seq = &self.seqs[r];
+            let (n, w) = (self.running_of(seq.tenant), self.weight(seq.tenant));
+            let fresh = !seq.preempted;
+            let better = best.is_none_or(|(bn, bw, bfresh, _)| {
+                (n * bw).cmp(&(bn * w)).then(fresh.cmp(&bfresh)).is_ge()
+            });
+            if better {
+                best = Some((n, w, fresh, i));
             }
         }
-        best.map(|(_, _, i)| self.running[i])
+        best.map(|(_, _, _, i)| self.running[i])
     }
 
     fn preempt(&mut self, seq: SeqId, kv: &mut KvCacheManager, out: &mut SchedulerOutput) {

@@ -164,15 +164,10 @@ impl Scheduler {
             if count == 0 {
                 // Decode first: while the streams are due more pages than
                 // are free, prompts not in this step give theirs up (the
-                // busiest tenant's newest first; those that gave theirs up
-                // once, last).
+                // busiest tenant's newest first).
                 while kv.num_free() < self.reserve {
                     let spare = |v: &SeqId| step.planned.contains(v) || self.is_stream(*v);
-                    let again = |v: &SeqId| self.seqs[v].preempted;
-                    match self
-                        .victim(|v| spare(v) || again(v))
-                        .or_else(|| self.victim(spare))
-                    {
+                    match self.victim(spare) {
                         Some(v) => self.preempt(v, kv, &mut step.out),
                         None => break,
                     }

@@ -564,3 +564,24 @@ fn a_blocked_prompt_of_a_tenant_over_its_share_holds_no_pages_back() {
     let out = s.schedule(&mut kv, StepCaps::NONE);
     assert!(out.scheduled.iter().any(|x| x.seq == 4), "{out:?}");
 }
+
+#[test]
+fn the_busiest_tenants_sequences_preempted_before_go_last_within_it() {
+    let mut kv = KvCacheManager::new(64, 16);
+    let mut s = Scheduler::new(cfg(256, 8));
+    for (id, tenant) in [(1, 0), (2, 0), (3, 0), (4, 1)] {
+        s.add(id, TenantId(tenant), 16, Vec::new());
+    }
+    s.schedule(&mut kv, StepCaps::NONE);
+    assert_eq!(s.running(), 4);
+    assert_eq!(s.victim(|_| false), Some(3), "the busiest tenant's newest");
+    let mut lost = |id: SeqId| s.seqs.get_mut(&id).unwrap().preempted = true;
+    lost(3);
+    lost(2);
+    // Tenant 0 is still the one over its share: its one sequence that
+    // never lost its pages goes, not tenant 1's.
+    assert_eq!(s.victim(|_| false), Some(1));
+    s.seqs.get_mut(&1).unwrap().preempted = true;
+    assert_eq!(s.victim(|_| false), Some(3), "all lost theirs: the newest");
+    assert_eq!(s.victim(|id| *id != 4), Some(4));
+}
