@@ -152,13 +152,16 @@ impl EngineArgs {
 
     /// The devices `--device` names (`cuda:all` counted) and the engine
     /// settings of the first (`ServedModels::start_on` places each pool);
-    /// fails at once when any of them cannot be used.
+    /// fails at once when any of them cannot be used. With a `prefill_pool`
+    /// of its own the decode pools only recompute what they preempt, so
+    /// `--pd auto` leaves them one lane.
     pub(crate) fn devices(
         &self,
+        prefill_pool: bool,
     ) -> anyhow::Result<(Vec<kiln_kernels::Device>, kiln_host::engine::EngineConfig)> {
         let count = || kiln_kernels::cuda::Gpu::count().map_err(|e| e.to_string());
         let devices = self.device.resolve(count).map_err(anyhow::Error::msg)?;
-        let config = self.config_on(&devices, true)?;
+        let config = self.config_on(&devices, !prefill_pool)?;
         Ok((devices, config))
     }
 
@@ -369,7 +372,11 @@ mod tests {
         assert!(!config(&[]).unwrap().pd);
         assert!(config(&["--pd", "on"]).unwrap().pd);
         let argv = ["kiln", "--device", "cpu"];
-        let (_, serving) = Cli::try_parse_from(argv).unwrap().engine.devices().unwrap();
+        let (_, serving) = Cli::try_parse_from(argv)
+            .unwrap()
+            .engine
+            .devices(false)
+            .unwrap();
         assert!(!serving.pd, "a server on the CPU");
     }
 }

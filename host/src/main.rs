@@ -288,7 +288,7 @@ fn model_backend(
             model::DEFAULT_MODEL.to_owned(),
         )]
     };
-    let (devices, config) = args.engine.devices()?;
+    let (devices, config) = args.engine.devices(args.prefill_device.is_some())?;
     if let Some(kiln_kernels::Device::Cuda(n)) = args.prefill_device {
         kiln_kernels::cuda::Gpu::probe(n)?;
     }
