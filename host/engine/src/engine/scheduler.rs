@@ -285,6 +285,9 @@ pub use plan::fair_shares;
 pub use turns::Activity;
 
 #[cfg(test)]
+#[path = "scheduler_pages_tests.rs"]
+mod pages_tests;
+#[cfg(test)]
 #[path = "scheduler_tests.rs"]
 pub(super) mod tests;
 #[cfg(test)]

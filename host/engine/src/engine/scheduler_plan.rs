@@ -258,7 +258,9 @@ impl Scheduler {
         let room = !s.preempted || kv.tokens_leaving(id, leave) >= s.len;
         if count == 0 || !room || !kv.allocate_leaving(id, s.tenant, s.computed + count, leave) {
             kv.free(id);
-            if self.blocked.is_none_or(|(b, _)| !self.heads_its_queue(b)) {
+            // A blocked sequence that holds nothing back (its tenant at
+            // its share) gives its place to this one.
+            if self.blocked.is_none_or(|(b, _)| !self.holds_pages(b)) {
                 self.blocked = Some((id, chunk_pages));
             }
             return false;
