@@ -165,13 +165,13 @@ impl EngineArgs {
         Ok((devices, config))
     }
 
-    /// The settings for engines on `devices` (one or more, all probed),
-    /// `serving` requests as they arrive (`serve`) rather than a command's
-    /// fixed batch.
+    /// The settings for engines on `devices` (one or more, all probed);
+    /// `auto_pd`: whether `--pd auto` may disaggregate them (a server's
+    /// pools that prefill their own prompts, not a command's fixed batch).
     fn config_on(
         &self,
         devices: &[kiln_kernels::Device],
-        serving: bool,
+        auto_pd: bool,
     ) -> anyhow::Result<kiln_host::engine::EngineConfig> {
         anyhow::ensure!(
             devices.len() <= 1 || self.tensor_parallel == 1,
@@ -238,7 +238,7 @@ impl EngineArgs {
             cuda_bf16_mlp: self.cuda_bf16_mlp == OnOff::On,
             cuda_bf16_mlp_decode: self.cuda_bf16_mlp_decode == OnOff::On,
             pd: self.pd.on(
-                serving && gpu,
+                auto_pd && gpu,
                 self.tensor_parallel,
                 self.cuda_graphs == OnOff::On,
             ),

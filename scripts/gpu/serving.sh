@@ -60,8 +60,8 @@ mode_pd_goals() {
     # Issue 18's PD goals in one call (carry .gpu, .gpu-bench/kiln.xz,
     # .gpu-bench/kiln-base.xz): the CUDA-graph and device-fault tests
     # and the engine's working-buffer tests first, then the neighbour at
-    # target 1.3 with
-    # `--pd on` and `--pd off` (PD_ARGS overrides, ";" apart), then 256
+    # target 1.3 with `--pd on` and `--pd off` (PD_ARGS overrides, ";"
+    # apart), then 256
     # clients of one tenant with PD on and off (PD_CLIENTS overrides; empty
     # skips them). Fails if a test fails.
     prepare

@@ -275,9 +275,10 @@ fn a_prompt_short_of_pages_keeps_them_until_the_streams_are_due_pages_it_holds()
 #[test]
 fn a_prompt_that_gave_its_pages_up_starts_over_once_and_finishes() {
     // As above, the 200-token prompt gives its pages up to the streams.
-    // Then it waits for pages for all of it rather than start over on the
-    // one page its next chunk needs, which the streams would take back
-    // (again and again while they run). Once they end it runs whole.
+    // Then it waits until the free pages hold all of it rather than start
+    // over on the one page its next chunk needs, which the streams would
+    // take back (again and again while they run). Once they end it runs
+    // whole.
     let (mut l, mut kv) = two_tenants_streaming();
     l.add(3, TenantId(2), 200, Vec::new());
     let (mut starts, mut computed) = (0, 0);
@@ -300,32 +301,4 @@ fn a_prompt_that_gave_its_pages_up_starts_over_once_and_finishes() {
         }
     }
     panic!("the prompt never finished: {starts} starts, {computed} tokens computed");
-}
-
-#[test]
-fn prompts_that_never_gave_their_pages_up_give_them_to_the_streams_first() {
-    // Prompts 1 (tenant 0) and 2 (tenant 1) in a pool of eight pages.
-    let mut kv = KvCacheManager::new(8, 16);
-    let mut s = Scheduler::new(cfg(32, 8));
-    s.add(1, TenantId(0), 48, Vec::new());
-    s.add(2, TenantId(1), 48, Vec::new());
-    let plan = |out: &SchedulerOutput| seqs(&out.scheduled);
-    assert_eq!(
-        plan(&s.schedule(&mut kv, StepCaps::NONE)),
-        vec![(1, 0, 16), (2, 0, 16)]
-    );
-    // The other lane's streams are due a page more than is free: the newer
-    // prompt gives its page up, then comes back once all of it fits.
-    s.set_reserve(kv.num_free() + 1);
-    let out = s.schedule(&mut kv, StepCaps::NONE);
-    assert_eq!(out.preempted, vec![2]);
-    s.set_reserve(0);
-    let out = s.schedule(&mut kv, StepCaps::NONE);
-    assert!(plan(&out).contains(&(2, 0, 16)), "{out:?}");
-    // Short again: the prompt that never lost its pages gives them up,
-    // though prompt 2 is newer.
-    s.set_reserve(kv.num_free() + 1);
-    let out = s.schedule(&mut kv, StepCaps::NONE);
-    assert_eq!(out.preempted, vec![1], "{out:?}");
-    assert_eq!(plan(&out), vec![(2, 16, 16)]);
 }

@@ -291,3 +291,35 @@ fn a_prompt_refused_while_the_blocked_one_holds_nothing_back_keeps_its_pages_fro
     let ran: Vec<SeqId> = out.scheduled.iter().map(|x| x.seq).collect();
     assert_eq!(ran, vec![4]);
 }
+
+#[test]
+fn prompts_that_never_gave_their_pages_up_give_them_to_the_streams_first() {
+    // Prompts 1 (tenant 0) and 2 (tenant 1) in a pool of eight pages.
+    let mut kv = KvCacheManager::new(8, 16);
+    let mut s = Scheduler::new(cfg(32, 8));
+    s.add(1, TenantId(0), 48, Vec::new());
+    s.add(2, TenantId(1), 48, Vec::new());
+    let plan = |out: &SchedulerOutput| -> Vec<(SeqId, usize, usize)> {
+        (out.scheduled.iter())
+            .map(|x| (x.seq, x.start, x.count))
+            .collect()
+    };
+    assert_eq!(
+        plan(&s.schedule(&mut kv, StepCaps::NONE)),
+        vec![(1, 0, 16), (2, 0, 16)]
+    );
+    // The other lane's streams are due a page more than is free: the newer
+    // prompt gives its page up, then comes back once all of it fits.
+    s.set_reserve(kv.num_free() + 1);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    assert_eq!(out.preempted, vec![2]);
+    s.set_reserve(0);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    assert!(plan(&out).contains(&(2, 0, 16)), "{out:?}");
+    // Short again: the prompt that never lost its pages gives them up,
+    // though prompt 2 is newer.
+    s.set_reserve(kv.num_free() + 1);
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    assert_eq!(out.preempted, vec![1], "{out:?}");
+    assert_eq!(plan(&out), vec![(2, 16, 16)]);
+}

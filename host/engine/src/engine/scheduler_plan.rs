@@ -246,7 +246,7 @@ impl Scheduler {
         } else {
             s.computed + count
         };
-        let chunk_pages = wants.div_ceil(kv.page_size());
+        let wanted_pages = wants.div_ceil(kv.page_size());
         let leave = match self.blocked {
             Some((b, pages)) if b != id && self.holds_pages(b) => self.reserve + pages,
             _ => self.reserve,
@@ -255,13 +255,13 @@ impl Scheduler {
             let fit = kv.tokens_leaving(id, leave).saturating_sub(s.computed);
             count = count.min(fit);
         }
-        let room = !s.preempted || kv.tokens_leaving(id, leave) >= s.len;
+        let room = !s.preempted || kv.tokens_leaving(id, leave) >= wants;
         if count == 0 || !room || !kv.allocate_leaving(id, s.tenant, s.computed + count, leave) {
             kv.free(id);
             // A blocked sequence that holds nothing back (its tenant at
             // its share) gives its place to this one.
             if self.blocked.is_none_or(|(b, _)| !self.holds_pages(b)) {
-                self.blocked = Some((id, chunk_pages));
+                self.blocked = Some((id, wanted_pages));
             }
             return false;
         }
