@@ -5,6 +5,13 @@
 use super::tests::cfg;
 use super::*;
 
+/// Each sequence `out` plans, with its first token and its count.
+fn plan(out: &SchedulerOutput) -> Vec<(SeqId, usize, usize)> {
+    (out.scheduled.iter())
+        .map(|x| (x.seq, x.start, x.count))
+        .collect()
+}
+
 #[test]
 fn a_chunk_short_of_pages_kept_for_another_lanes_streams_waits_and_the_newest_prompt_gives_its_up()
 {
@@ -45,12 +52,7 @@ fn a_chunk_beside_pages_kept_for_another_lanes_streams_runs_as_far_as_the_rest_t
     assert!(kv.allocate(99, TenantId(3), 16));
     s.set_reserve(1);
     let out = s.schedule(&mut kv, StepCaps::NONE);
-    let plan: Vec<_> = out
-        .scheduled
-        .iter()
-        .map(|x| (x.seq, x.start, x.count))
-        .collect();
-    assert_eq!(plan, vec![(1, 32, 16)]);
+    assert_eq!(plan(&out), vec![(1, 32, 16)]);
     assert!(out.preempted.is_empty());
     assert_eq!(kv.num_free(), 1, "the kept page stays free");
 }
@@ -87,12 +89,7 @@ fn a_chunk_short_of_pages_runs_what_fits_instead_of_giving_up_its_own() {
     s.append_token(1);
     let out = s.schedule(&mut kv, StepCaps::NONE);
     assert!(out.preempted.is_empty(), "{:?}", out.preempted);
-    let planned: Vec<_> = out
-        .scheduled
-        .iter()
-        .map(|x| (x.seq, x.start, x.count))
-        .collect();
-    assert_eq!(planned, vec![(1, 32, 1), (2, 32, 16)]);
+    assert_eq!(plan(&out), vec![(1, 32, 1), (2, 32, 16)]);
 }
 
 #[test]
@@ -299,11 +296,6 @@ fn prompts_that_never_gave_their_pages_up_give_them_to_the_streams_first() {
     let mut s = Scheduler::new(cfg(32, 8));
     s.add(1, TenantId(0), 48, Vec::new());
     s.add(2, TenantId(1), 48, Vec::new());
-    let plan = |out: &SchedulerOutput| -> Vec<(SeqId, usize, usize)> {
-        (out.scheduled.iter())
-            .map(|x| (x.seq, x.start, x.count))
-            .collect()
-    };
     assert_eq!(
         plan(&s.schedule(&mut kv, StepCaps::NONE)),
         vec![(1, 0, 16), (2, 0, 16)]
