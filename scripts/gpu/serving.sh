@@ -128,6 +128,7 @@ mode_clients() {
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     device_env
+    unpack_kiln
     timeout "${CLIENTS_TIMEOUT:-400}" python3 scripts/clients.py .gpu-bench/kiln .gpu-bench/kiln big \
         synthetic:llama-3-8b --device cuda --kv fp8-static --kv-memory 24GiB 2>&1 |
         grep -v INFO | tee "$out/clients.log"
