@@ -118,6 +118,26 @@ mode_trace() {
     scripts/step_trace.sh "$@" 2>&1 | tee -a "$out/trace.log"
 }
 
+mode_goal_traces() {
+    # Where each open decode goal's step goes, one call (carry .gpu-bench):
+    # the CUPTI trace of one sequence on FP8 rows, one on int4 tiles with
+    # an int4 head (issue 18), and 64 sequences of bf16 weights on bf16
+    # and fp8-static pages (issue 23), 512-token prompts. The H100's
+    # traces are in docs/perf.md (sessions 40-48); these say what does
+    # not shrink with the H200's bandwidth.
+    out="${OUT:-./gpu-out}"
+    mkdir -p "$out"
+    device_env
+    unpack_kiln
+    nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/goal-traces.log"
+    GEN=64 TAG=fp8rows FLAGS="--weights fp8" scripts/step_trace.sh fp8 1 512 2>&1 | tee -a "$out/goal-traces.log"
+    GEN=64 TAG=int4 FLAGS="--weights int4,head=int4" scripts/step_trace.sh fp8 1 512 2>&1 |
+        tee -a "$out/goal-traces.log"
+    for kv in bf16 fp8-static; do
+        scripts/step_trace.sh "$kv" 64 512 2>&1 | tee -a "$out/goal-traces.log"
+    done
+}
+
 mode_flash_builds() {
     # The flash attention kernel's builds (three and four blocks an SM)
     # and its fused merge: parity (which holds the builds to the plain
