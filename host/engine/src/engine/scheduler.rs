@@ -137,6 +137,15 @@ pub struct SchedulerOutput {
     pub prefix_hits: Vec<(SeqId, usize)>,
 }
 
+/// A tenant's sequence refused admission for pages, and the pages it waits
+/// for.
+#[derive(Debug, Clone, Copy)]
+struct Blocked {
+    tenant: TenantId,
+    seq: SeqId,
+    pages: usize,
+}
+
 /// Waiting queues per tenant (served round-robin) and the running set.
 #[derive(Debug, Default)]
 pub struct Scheduler {
@@ -154,10 +163,12 @@ pub struct Scheduler {
     elsewhere: HashMap<TenantId, usize>,
     /// Pages allocations leave free for other lanes.
     reserve: usize,
-    /// The sequence first refused admission for pages, and the pages it
-    /// waits for: other admissions leave them free until it is in, so
-    /// requests arriving later cannot take each page as it frees.
-    blocked: Option<(SeqId, usize)>,
+    /// Sequences refused admission for pages, one a tenant, in the order
+    /// their tenants were first refused: the first that holds pages back
+    /// (`holds_pages`) has the pages it waits for left free by admissions
+    /// after it, so requests arriving later cannot take each page as it
+    /// frees.
+    blocked: Vec<Blocked>,
 }
 
 impl Scheduler {

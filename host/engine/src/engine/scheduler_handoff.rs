@@ -40,9 +40,7 @@ impl Scheduler {
     /// here. Its KV pages are untouched.
     pub fn release(&mut self, seq: SeqId) -> Option<Handoff> {
         let s = self.seqs.remove(&seq)?;
-        if self.blocked.is_some_and(|(b, _)| b == seq) {
-            self.blocked = None;
-        }
+        self.blocked.retain(|b| b.seq != seq);
         self.running.retain(|r| *r != seq);
         if let Some(q) = self.waiting.get_mut(&s.tenant) {
             q.retain(|w| *w != seq);

@@ -270,8 +270,8 @@ fn a_prompt_refused_while_the_blocked_one_holds_nothing_back_keeps_its_pages_fro
     assert_eq!(kv.num_free(), 3);
     // Tenant 1's sequence, preempted once, waits for all its 49 tokens'
     // four pages. Tenant 0 is now at its share (two of four slots), so
-    // its blocked prompt holds no pages back, and tenant 1's takes its
-    // place.
+    // its blocked prompt holds no pages back, and tenant 1's, next in
+    // line, holds them.
     s.add(4, TenantId(1), 49, Vec::new());
     s.seqs.get_mut(&4).unwrap().preempted = true;
     let out = s.schedule(&mut kv, StepCaps::NONE);
@@ -281,12 +281,18 @@ fn a_prompt_refused_while_the_blocked_one_holds_nothing_back_keeps_its_pages_fro
     let out = s.schedule(&mut kv, StepCaps::NONE);
     assert!(!out.scheduled.iter().any(|x| x.seq == 5), "{out:?}");
     assert_eq!(kv.num_free(), 3);
-    // Once a page frees, tenant 1's sequence runs, ahead of the others.
+    // Once a page frees, tenant 0 is under its share again: its prompt,
+    // refused first, takes the four free pages.
     s.remove(2);
     kv.free(2);
-    let out = s.schedule(&mut kv, StepCaps::NONE);
-    let ran: Vec<SeqId> = out.scheduled.iter().map(|x| x.seq).collect();
-    assert_eq!(ran, vec![4]);
+    let ran =
+        |out: SchedulerOutput| -> Vec<SeqId> { out.scheduled.iter().map(|x| x.seq).collect() };
+    assert_eq!(ran(s.schedule(&mut kv, StepCaps::NONE)), vec![3]);
+    // When four pages free again, tenant 1's sequence is next, still
+    // ahead of the newcomer.
+    s.remove(1);
+    kv.free(1);
+    assert_eq!(ran(s.schedule(&mut kv, StepCaps::NONE)), vec![4]);
 }
 
 #[test]
@@ -314,4 +320,63 @@ fn prompts_that_never_gave_their_pages_up_give_them_to_the_streams_first() {
     let out = s.schedule(&mut kv, StepCaps::NONE);
     assert_eq!(out.preempted, vec![1], "{out:?}");
     assert_eq!(plan(&out), vec![(2, 16, 16)]);
+}
+
+#[test]
+fn a_preempted_prompt_whose_tenant_was_at_its_share_gets_its_place_back_when_under_it() {
+    // Tenant 0's share is two of sixteen slots, tenant 1's fourteen.
+    let mut kv = KvCacheManager::new(6, 16);
+    let mut s = Scheduler::new(cfg(256, 16));
+    s.set_weight(TenantId(1), 7);
+    s.add(1, TenantId(0), 8, Vec::new());
+    s.add(2, TenantId(0), 8, Vec::new());
+    s.schedule(&mut kv, StepCaps::NONE);
+    s.append_token(1);
+    s.append_token(2);
+    // Tenant 0's sequence 3, preempted once, waits for all its five pages
+    // (four are free): refused, it is the one blocked.
+    s.add(3, TenantId(0), 80, Vec::new());
+    s.seqs.get_mut(&3).unwrap().preempted = true;
+    s.schedule(&mut kv, StepCaps::NONE);
+    s.append_token(1);
+    s.append_token(2);
+    // Tenant 1 arrives: tenant 0 is at its share, so sequence 3 holds
+    // nothing back, and tenant 1's short prompts take the free pages.
+    for id in 10..30 {
+        s.add(id, TenantId(1), 8, Vec::new());
+    }
+    let mut running: VecDeque<SeqId> = VecDeque::new();
+    let out = s.schedule(&mut kv, StepCaps::NONE);
+    for x in &out.scheduled {
+        s.append_token(x.seq);
+        running.push_back(x.seq);
+    }
+    assert!(!out.scheduled.iter().any(|x| x.seq == 3), "{out:?}");
+    // Tenant 0's two finish: under its share again, its sequence must get
+    // in while tenant 1's requests come and go one by one.
+    for id in [1, 2] {
+        s.remove(id);
+        kv.free(id);
+        running.retain(|r| *r != id);
+    }
+    let mut admitted = false;
+    for next in 30..60 {
+        if let Some(old) = running.pop_front() {
+            s.remove(old);
+            kv.free(old);
+        }
+        s.add(next, TenantId(1), 8, Vec::new());
+        let out = s.schedule(&mut kv, StepCaps::NONE);
+        if out.scheduled.iter().any(|x| x.seq == 3) {
+            admitted = true;
+            break;
+        }
+        for x in &out.scheduled {
+            s.append_token(x.seq);
+            if !running.contains(&x.seq) {
+                running.push_back(x.seq);
+            }
+        }
+    }
+    assert!(admitted, "tenant 0's preempted prompt never got in");
 }

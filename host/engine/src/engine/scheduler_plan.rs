@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeSet, HashSet, VecDeque};
 
-use super::{Scheduler, SchedulerOutput, StepCaps, TenantId};
+use super::{Blocked, Scheduler, SchedulerOutput, StepCaps, TenantId};
 use crate::engine::kv_manager::{KvCacheManager, SeqId};
 
 impl Scheduler {
@@ -100,6 +100,36 @@ impl Scheduler {
         self.heads_its_queue(id) && self.may_admit(self.seqs[&id].tenant)
     }
 
+    /// Pages `id`'s admission leaves free for a sequence refused before:
+    /// the first blocked one (in the order tenants were refused) that
+    /// holds pages back, unless `id`'s own tenant was refused before it.
+    /// First come, first served among the tenants refused, so each gets
+    /// its pages in turn; a tenant at its share is passed over until it is
+    /// under it again, without losing its place.
+    fn held_back(&self, id: SeqId) -> usize {
+        let tenant = self.seqs[&id].tenant;
+        (self.blocked.iter())
+            .take_while(|b| b.tenant != tenant)
+            .find(|b| self.holds_pages(b.seq))
+            .map_or(0, |b| b.pages)
+    }
+
+    /// Records `tenant`'s sequence `id` refused for want of `pages` pages.
+    /// A tenant keeps its place in line while its head changes (one
+    /// requeued in front of it), and loses none while at its share: it
+    /// holds nothing back then, and takes its place again below it.
+    fn block(&mut self, tenant: TenantId, id: SeqId, pages: usize) {
+        let entry = Blocked {
+            tenant,
+            seq: id,
+            pages,
+        };
+        match self.blocked.iter_mut().find(|b| b.tenant == tenant) {
+            Some(b) => *b = entry,
+            None => self.blocked.push(entry),
+        }
+    }
+
     /// Whether `id` is a stream: its prompt computed, its next token to
     /// decode (a prompt's last token is not one, though it too is left
     /// alone).
@@ -143,9 +173,11 @@ impl Scheduler {
         }
     }
 
-    /// Plans `count` tokens of running sequence `id`, preempting the busiest
-    /// tenant's newest sequences if its pages do not fit (or `id` itself
-    /// when nothing else frees enough), unless pages are kept for another
+    /// Plans `count` tokens of running sequence `id`, preempting others as
+    /// `victim` orders them (the busiest tenant's, those that never lost
+    /// their pages first, then the newest) if its pages do not fit, until
+    /// `id` itself comes up or none is left: then a stream gives its own
+    /// pages up and a prompt runs what fits. Unless pages are kept for another
     /// lane's streams: then it runs what fits above them, and prompts give
     /// their pages up while the streams are short of theirs.
     fn run_chunk(&mut self, id: SeqId, count: usize, kv: &mut KvCacheManager, step: &mut Planning) {
@@ -163,8 +195,8 @@ impl Scheduler {
             );
             if count == 0 {
                 // Decode first: while the streams are due more pages than
-                // are free, prompts not in this step give theirs up (the
-                // busiest tenant's newest first).
+                // are free, prompts not in this step give theirs up (in
+                // `victim`'s order).
                 while kv.num_free() < self.reserve {
                     let spare = |v: &SeqId| step.planned.contains(v) || self.is_stream(*v);
                     match self.victim(spare) {
@@ -218,8 +250,9 @@ impl Scheduler {
     /// than start again on a chunk's worth and lose them again part-way
     /// (each restart throws away what it computed) while the streams are
     /// still there. It takes them chunk by chunk as any prompt, leaving
-    /// the other lane's reserve. The first sequence refused is `blocked`:
-    /// later admissions leave the pages it waits for.
+    /// the other lane's reserve. A sequence refused is `blocked` (one a
+    /// tenant, in the order tenants were refused): admissions after it
+    /// leave the pages it waits for while it holds them back.
     fn admit(
         &mut self,
         tenant: TenantId,
@@ -247,10 +280,7 @@ impl Scheduler {
             s.computed + count
         };
         let wanted_pages = wants.div_ceil(kv.page_size());
-        let leave = match self.blocked {
-            Some((b, pages)) if b != id && self.holds_pages(b) => self.reserve + pages,
-            _ => self.reserve,
-        };
+        let leave = self.reserve + self.held_back(id);
         if !s.preempted && self.running_of(tenant) == 0 {
             let fit = kv.tokens_leaving(id, leave).saturating_sub(s.computed);
             count = count.min(fit);
@@ -258,16 +288,10 @@ impl Scheduler {
         let room = !s.preempted || kv.tokens_leaving(id, leave) >= wants;
         if count == 0 || !room || !kv.allocate_leaving(id, s.tenant, s.computed + count, leave) {
             kv.free(id);
-            // A blocked sequence that holds nothing back (its tenant at
-            // its share) gives its place to this one.
-            if self.blocked.is_none_or(|(b, _)| !self.holds_pages(b)) {
-                self.blocked = Some((id, wanted_pages));
-            }
+            self.block(tenant, id, wanted_pages);
             return false;
         }
-        if self.blocked.is_some_and(|(b, _)| b == id) {
-            self.blocked = None;
-        }
+        self.blocked.retain(|b| b.seq != id);
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.present = s.present;
         }
