@@ -115,6 +115,13 @@ pub trait TokenStream: Send {
     fn take_unread(&mut self) -> Unread {
         Unread::Deltas(0)
     }
+
+    /// The prompt's tokens as the model counts them, where the source knows
+    /// them (default: it does not), so that a stream that ends without its
+    /// usage pays for its real prompt rather than an estimate.
+    fn prompt_tokens(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// What a stream's source produced beyond what its reader took.

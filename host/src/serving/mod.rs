@@ -327,6 +327,7 @@ impl ServedModels {
             .get(tenant)
             .copied()
             .unwrap_or(1);
+        let prompt = ids.len();
         let sent = pool.tx.send(Msg::Submit(Box::new(Submit {
             tenant: tenant.into(),
             weight,
@@ -356,6 +357,7 @@ impl ServedModels {
             rxs,
             tools: tools.is_some(),
             first_token: (first_token, arrived),
+            prompt,
         })
     }
 }
@@ -366,12 +368,18 @@ struct Submitted {
     rxs: Vec<outlet::Inlet>,
     tools: bool,
     first_token: (Histogram, Instant),
+    /// The prompt's tokens.
+    prompt: usize,
 }
 
 impl Submitted {
     fn streams(self) -> impl Iterator<Item = Stream> {
-        let (tools, first) = (self.tools, self.first_token);
-        (self.rxs.into_iter()).map(move |rx| Stream::new(rx, tools, Some(first.clone())))
+        let (tools, first, prompt) = (self.tools, self.first_token, self.prompt);
+        (self.rxs.into_iter()).map(move |rx| {
+            let mut s = Stream::new(rx, tools, Some(first.clone()));
+            s.prompt = Some(prompt);
+            s
+        })
     }
 
     fn one(self) -> Result<Stream, AiError> {
@@ -429,6 +437,8 @@ struct Stream {
     aborted: Option<Usage>,
     /// Where the first token's latency goes, and when the call arrived.
     first_token: Option<(Histogram, Instant)>,
+    /// The prompt's tokens, where known.
+    prompt: Option<usize>,
 }
 
 impl Stream {
@@ -440,6 +450,7 @@ impl Stream {
             end: None,
             aborted: None,
             first_token,
+            prompt: None,
         }
     }
 
@@ -512,6 +523,10 @@ impl TokenStream for Stream {
             }
         }
         kiln_runtime::Unread::Deltas(deltas)
+    }
+
+    fn prompt_tokens(&self) -> Option<u64> {
+        self.prompt.map(|p| p as u64)
     }
 }
 

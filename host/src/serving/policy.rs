@@ -158,13 +158,19 @@ impl Permit {
     /// Settles a call that failed with `e`: refused before any work, it is
     /// free; otherwise its prompt was read.
     fn settle_error(&mut self, e: &AiError) {
-        match e {
-            AiError::ModelNotFound(_) | AiError::InvalidInput(_) | AiError::Overloaded(_) => {
-                self.settle(0, 0)
-            }
-            _ => self.settle(self.cost.prompt, 0),
+        match refused_up_front(e) {
+            true => self.settle(0, 0),
+            false => self.settle(self.cost.prompt, 0),
         }
     }
+}
+
+/// Whether `e` refuses a call before the model does any work for it.
+fn refused_up_front(e: &AiError) -> bool {
+    matches!(
+        e,
+        AiError::ModelNotFound(_) | AiError::InvalidInput(_) | AiError::Overloaded(_)
+    )
 }
 
 impl Drop for Permit {
@@ -285,12 +291,7 @@ impl Gateway {
             ));
             return Err(self.reject(tenant, "model_not_allowed", e));
         }
-        // A call never generates past its model's context, so it reserves
-        // no more than that whatever max-tokens it gives.
-        let mut cost = cost;
-        if let Some(m) = (self.inner.list_models(tenant).iter()).find(|m| m.id == model) {
-            cost.completion = cost.completion.min(u64::from(m.context_length));
-        }
+        let cost = self.capped(tenant, model, cost);
         let cap = policy.max_concurrent.unwrap_or(self.default_concurrency);
         let (_, remote_inflight) = *state.remote.lock().unwrap_or_else(|p| p.into_inner());
         if state.inflight.fetch_add(1, Ordering::AcqRel) + remote_inflight >= cap {
@@ -317,6 +318,16 @@ impl Gateway {
         })
     }
 
+    /// `cost` of a call to `model`: a call never generates past its model's
+    /// context, so it reserves no more than that whatever max-tokens it
+    /// gives.
+    fn capped(&self, tenant: &str, model: &str, mut cost: Cost) -> Cost {
+        if let Some(m) = (self.inner.list_models(tenant).iter()).find(|m| m.id == model) {
+            cost.completion = cost.completion.min(u64::from(m.context_length));
+        }
+        cost
+    }
+
     /// Reserves `cost`: always without a quota, and with one (`tpm`) if
     /// the tokens charged in the last minute, those reserved by calls in
     /// flight and `cost` fit in it.
@@ -333,14 +344,8 @@ impl Gateway {
         if let Some(tpm) = tpm {
             // Tokens other nodes charged or hold count as used here.
             let used = q.used(now) + remote;
-            if need > tpm {
-                return Err(AiError::QuotaExceeded(format!(
-                    "this call may use {need} tokens (about {} of prompt and max-tokens {}), more \
-                     than tenant `{tenant}`'s whole quota of {tpm} tokens per minute; ask for fewer \
-                     tokens, or ask the operator to raise `tokens_per_minute` \
-                     (PUT /v1/tenants/{tenant}/policy)",
-                    cost.prompt, cost.completion
-                )));
+            if let Some(e) = past_whole_quota(tenant, tpm, cost, 1) {
+                return Err(e);
             }
             if used + q.reserved + need > tpm {
                 return Err(AiError::QuotaExceeded(format!(
@@ -460,20 +465,31 @@ impl TokenStream for Guarded {
             match &ev {
                 Ok(StreamEvent::Delta(_)) => self.deltas += 1,
                 Ok(StreamEvent::Done(end)) => self.permit.settle_usage(&end.usage),
-                // Refused before any token (a schema the engine cannot
-                // compile): as a call refused up front, free.
-                Err(e) if self.deltas == 0 => self.permit.settle_error(e),
-                // Ended part-way: what it used, if the engine said (an
-                // abort does), else its prompt and what waited to be read.
-                Err(_) => match self.inner.take_unread() {
+                // Ended: what it used, if the engine said (an abort after
+                // its prompt ran does, text or none); refused before any
+                // token (a schema the engine cannot compile), as a call
+                // refused up front; else its prompt and what waited to be
+                // read.
+                Err(e) => match self.inner.take_unread() {
                     Unread::Done(usage) => self.permit.settle_usage(&usage),
-                    Unread::Deltas(n) => {
-                        (self.permit).settle(self.permit.cost.prompt, self.deltas + n)
+                    Unread::Deltas(0) if self.deltas == 0 && refused_up_front(e) => {
+                        self.permit.settle(0, 0)
                     }
+                    Unread::Deltas(n) => self.settle_cut(n),
                 },
             }
             ev
         })
+    }
+}
+
+impl Guarded {
+    /// Settles a stream cut part-way, `unread` deltas left waiting: its
+    /// prompt (as the model counted it, where the stream knows) and every
+    /// delta generated.
+    fn settle_cut(&mut self, unread: u64) {
+        let prompt = (self.inner.prompt_tokens()).unwrap_or(self.permit.cost.prompt);
+        self.permit.settle(prompt, self.deltas + unread);
     }
 }
 
@@ -483,7 +499,7 @@ impl Drop for Guarded {
         // went out and those the engine left waiting unread.
         match self.inner.take_unread() {
             Unread::Done(usage) => self.permit.settle_usage(&usage),
-            Unread::Deltas(n) => (self.permit).settle(self.permit.cost.prompt, self.deltas + n),
+            Unread::Deltas(n) => self.settle_cut(n),
         }
     }
 }
@@ -516,12 +532,21 @@ impl Inference for Gateway {
             // more samples than slots can never run), and the first pays
             // the prompt they share.
             let cap = self.concurrency_cap(&call.tenant);
-            if n > cap as usize {
+            // A tenant of no calls in flight (suspended) is refused as a
+            // single call is, by `admit`.
+            if cap > 0 && n > cap as usize {
                 return Err(AiError::InvalidInput(format!(
                     "n = {n} samples need {n} model calls in flight, and tenant `{}` may have \
                      {cap}: ask for at most {cap}",
                     call.tenant
                 )));
+            }
+            // The samples together must fit the whole quota: one by one,
+            // the last would be told to retry a call that never fits.
+            let whole = self.capped(&call.tenant, &call.model, Cost::of_call(&call));
+            let tpm = self.policy(&call.tenant).tokens_per_minute;
+            if let Some(e) = tpm.and_then(|tpm| past_whole_quota(&call.tenant, tpm, whole, n)) {
+                return Err(self.reject(&call.tenant, "tokens_per_minute", e));
             }
             let mut permits = Vec::with_capacity(n);
             for i in 0..n {
@@ -577,6 +602,29 @@ impl Inference for Gateway {
     }
 }
 
+/// The refusal of a call of `n` samples, each of `cost` (the prompt paid
+/// once), that would use more than tenant `tenant`'s whole quota of `tpm`
+/// tokens a minute; none if it fits.
+fn past_whole_quota(tenant: &str, tpm: u64, cost: Cost, n: usize) -> Option<AiError> {
+    let n = n.max(1) as u64;
+    let need = cost.prompt + n * cost.completion;
+    if need <= tpm {
+        return None;
+    }
+    let samples = if n > 1 {
+        format!(" for each of n = {n} samples")
+    } else {
+        String::new()
+    };
+    Some(AiError::QuotaExceeded(format!(
+        "this call may use {need} tokens (about {} of prompt and max-tokens {}{samples}), more \
+         than tenant `{tenant}`'s whole quota of {tpm} tokens per minute; ask for fewer tokens \
+         or samples, or ask the operator to raise `tokens_per_minute` \
+         (PUT /v1/tenants/{tenant}/policy)",
+        cost.prompt, cost.completion
+    )))
+}
+
 /// The longest model name a call may give.
 pub const MAX_MODEL_NAME: usize = 256;
 
@@ -587,6 +635,9 @@ mod cost;
 use cost::Cost;
 pub(super) use cost::templated_bytes;
 
+#[cfg(test)]
+#[path = "policy_stream_tests.rs"]
+mod stream_tests;
 #[cfg(test)]
 #[path = "policy_tests.rs"]
 mod tests;

@@ -4,9 +4,9 @@ use kiln_runtime::{FinishReason, Message, Params, Prompt, Role};
 /// Answers every call with `tokens` completion tokens (after `gate`
 /// opens, when there is one): a stream of that many one-token deltas,
 /// then its end.
-struct Fixed {
-    tokens: u32,
-    gate: Option<Arc<tokio::sync::Semaphore>>,
+pub(super) struct Fixed {
+    pub(super) tokens: u32,
+    pub(super) gate: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 /// `Fixed`'s stream.
@@ -40,7 +40,7 @@ impl TokenStream for Counted {
 }
 
 /// `backend`'s call as the engine makes it: its stream read to the end.
-fn streamed(
+pub(super) fn streamed(
     backend: &dyn Inference,
     call: ModelCall,
 ) -> BoxFuture<'_, Result<Completion, AiError>> {
@@ -72,7 +72,7 @@ impl Inference for Fixed {
     }
 }
 
-fn req(tenant: &str, model: &str) -> ModelCall {
+pub(super) fn req(tenant: &str, model: &str) -> ModelCall {
     ModelCall {
         tenant: tenant.into(),
         model: model.into(),
@@ -81,12 +81,12 @@ fn req(tenant: &str, model: &str) -> ModelCall {
     }
 }
 
-fn with_max_tokens(mut r: ModelCall, n: u32) -> ModelCall {
+pub(super) fn with_max_tokens(mut r: ModelCall, n: u32) -> ModelCall {
     r.params.max_tokens = Some(n);
     r
 }
 
-fn quota(g: &Gateway, tenant: &str, tpm: u64) {
+pub(super) fn quota(g: &Gateway, tenant: &str, tpm: u64) {
     g.set_policy(
         tenant,
         TenantPolicy {
@@ -96,7 +96,7 @@ fn quota(g: &Gateway, tenant: &str, tpm: u64) {
     );
 }
 
-fn gateway(tokens: u32, cap: u32) -> Gateway {
+pub(super) fn gateway(tokens: u32, cap: u32) -> Gateway {
     Gateway::new(
         Arc::new(Fixed { tokens, gate: None }),
         Duration::from_secs(5),
@@ -488,101 +488,6 @@ async fn a_call_reserves_no_more_than_its_models_context_whatever_its_max_tokens
     let c = g.call(r).await.unwrap();
     assert_eq!(c.usage.completion_tokens, 1);
     assert_eq!(g.usage("a").tokens_last_minute, 1);
-}
-
-/// Serves each call as an engine that ran ahead of its reader: `texts`
-/// deltas waiting in the call's channel, then, if `done`, its end (12
-/// prompt tokens), or if `aborted` an abort after ten more tokens that
-/// made no text.
-struct RanAhead {
-    texts: usize,
-    done: bool,
-    aborted: bool,
-}
-
-impl Inference for RanAhead {
-    fn call(&self, call: ModelCall) -> BoxFuture<'_, Result<Completion, AiError>> {
-        streamed(self, call)
-    }
-    fn stream(&self, _: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
-        use super::super::{Out, Stream};
-        let (mut txs, mut rxs) = super::super::outlet::outlets(1, usize::MAX);
-        let (tx, rx) = (txs.remove(0), rxs.remove(0));
-        for _ in 0..self.texts {
-            let _ = tx.send(Out::Text("x".into(), Vec::new()));
-        }
-        if self.done || self.aborted {
-            use kiln_engine::engine::Finish;
-            let (finish, silent) = match self.aborted {
-                true => (Finish::Aborted("cut".into()), 10),
-                false => (Finish::Length, 0),
-            };
-            let (prompt, completion, cached) = (12, self.texts + silent, 0);
-            let _ = tx.send(Out::Done {
-                finish,
-                prompt,
-                completion,
-                cached,
-            });
-        }
-        let s = Stream::new(rx, false, None);
-        Box::pin(async { Ok(Box::new(s) as Box<dyn TokenStream>) })
-    }
-    fn list_models(&self, _: &str) -> Vec<ModelInfo> {
-        Fixed {
-            tokens: 0,
-            gate: None,
-        }
-        .list_models("")
-    }
-}
-
-#[tokio::test]
-async fn a_stream_dropped_unread_pays_for_every_token_the_engine_generated() {
-    for done in [true, false] {
-        let backend = Arc::new(RanAhead {
-            texts: 40,
-            done,
-            aborted: false,
-        });
-        let g = Gateway::new(backend, Duration::from_secs(5), 8, EngineMetrics::default());
-        let r = with_max_tokens(req("a", "a"), 100);
-        let prompt = Cost::of_call(&r).prompt;
-        let mut s = g.stream(r).await.unwrap();
-        for _ in 0..2 {
-            assert!(matches!(s.next().await, Ok(StreamEvent::Delta(_))));
-        }
-        drop(s);
-        let u = g.usage("a");
-        let (paid, why) = match done {
-            true => (12 + 40, "the usage of the end it left unread"),
-            false => (prompt + 40, "its prompt and the 2 + 38 deltas generated"),
-        };
-        assert_eq!(u.tokens_last_minute, paid, "{why}");
-        assert_eq!((u.tokens_reserved, u.calls_in_flight), (0, 0));
-    }
-}
-
-#[tokio::test]
-async fn an_aborted_stream_pays_for_what_the_engine_says_it_generated() {
-    let backend = Arc::new(RanAhead {
-        texts: 40,
-        done: false,
-        aborted: true,
-    });
-    let g = Gateway::new(backend, Duration::from_secs(5), 8, EngineMetrics::default());
-    let mut s = g.stream(with_max_tokens(req("a", "a"), 100)).await.unwrap();
-    let mut deltas = 0;
-    let end = loop {
-        match s.next().await {
-            Ok(StreamEvent::Delta(_)) => deltas += 1,
-            other => break other,
-        }
-    };
-    assert!(matches!(end, Err(AiError::Aborted(_))), "{end:?}");
-    assert_eq!(deltas, 40);
-    // The 40 tokens read and the 10 that made no text, and the prompt.
-    assert_eq!(g.usage("a").tokens_last_minute, 12 + 50);
 }
 
 #[tokio::test]
