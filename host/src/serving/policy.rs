@@ -9,8 +9,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use kiln_runtime::{
-    AiError, BoxFuture, Completion, Inference, ModelCall, ModelInfo, StreamEvent, TokenStream,
-    Unread, Usage,
+    AiError, BoxFuture, Completion, Inference, ModelCall, ModelInfo, TokenStream, Usage,
 };
 
 use crate::metrics::{EngineMetrics, RejectLabels, TokenLabels};
@@ -434,73 +433,7 @@ impl Gateway {
         permit: Permit,
         until: tokio::time::Instant,
     ) -> Box<dyn TokenStream> {
-        Box::new(Guarded {
-            inner,
-            permit,
-            until,
-            expired: self.deadline_error(),
-            deltas: 0,
-        })
-    }
-}
-
-/// A stream under its call's deadline, holding the call's permit.
-struct Guarded {
-    inner: Box<dyn TokenStream>,
-    permit: Permit,
-    until: tokio::time::Instant,
-    expired: AiError,
-    /// Deltas seen (each carries at least one token): what an unfinished
-    /// stream is charged for besides its prompt.
-    deltas: u64,
-}
-
-impl TokenStream for Guarded {
-    fn next(&mut self) -> BoxFuture<'_, Result<StreamEvent, AiError>> {
-        Box::pin(async move {
-            let ev = tokio::time::timeout_at(self.until, self.inner.next())
-                .await
-                .map_err(|_| self.expired.clone())
-                .and_then(|ev| ev);
-            match &ev {
-                Ok(StreamEvent::Delta(_)) => self.deltas += 1,
-                Ok(StreamEvent::Done(end)) => self.permit.settle_usage(&end.usage),
-                // Ended: what it used, if the engine said (an abort after
-                // its prompt ran does, text or none); refused before any
-                // token (a schema the engine cannot compile), as a call
-                // refused up front; else its prompt and what waited to be
-                // read.
-                Err(e) => match self.inner.take_unread() {
-                    Unread::Done(usage) => self.permit.settle_usage(&usage),
-                    Unread::Deltas(0) if self.deltas == 0 && refused_up_front(e) => {
-                        self.permit.settle(0, 0)
-                    }
-                    Unread::Deltas(n) => self.settle_cut(n),
-                },
-            }
-            ev
-        })
-    }
-}
-
-impl Guarded {
-    /// Settles a stream cut part-way, `unread` deltas left waiting: its
-    /// prompt (as the model counted it, where the stream knows) and every
-    /// delta generated.
-    fn settle_cut(&mut self, unread: u64) {
-        let prompt = (self.inner.prompt_tokens()).unwrap_or(self.permit.cost.prompt);
-        self.permit.settle(prompt, self.deltas + unread);
-    }
-}
-
-impl Drop for Guarded {
-    fn drop(&mut self) {
-        // Ended early: the prompt and every token generated, those that
-        // went out and those the engine left waiting unread.
-        match self.inner.take_unread() {
-            Unread::Done(usage) => self.permit.settle_usage(&usage),
-            Unread::Deltas(n) => self.settle_cut(n),
-        }
+        Box::new(Guarded::new(inner, permit, until, self.deadline_error()))
     }
 }
 
@@ -602,29 +535,6 @@ impl Inference for Gateway {
     }
 }
 
-/// The refusal of a call of `n` samples, each of `cost` (the prompt paid
-/// once), that would use more than tenant `tenant`'s whole quota of `tpm`
-/// tokens a minute; none if it fits.
-fn past_whole_quota(tenant: &str, tpm: u64, cost: Cost, n: usize) -> Option<AiError> {
-    let n = n.max(1) as u64;
-    let need = cost.prompt + n * cost.completion;
-    if need <= tpm {
-        return None;
-    }
-    let samples = if n > 1 {
-        format!(" for each of n = {n} samples")
-    } else {
-        String::new()
-    };
-    Some(AiError::QuotaExceeded(format!(
-        "this call may use {need} tokens (about {} of prompt and max-tokens {}{samples}), more \
-         than tenant `{tenant}`'s whole quota of {tpm} tokens per minute; ask for fewer tokens \
-         or samples, or ask the operator to raise `tokens_per_minute` \
-         (PUT /v1/tenants/{tenant}/policy)",
-        cost.prompt, cost.completion
-    )))
-}
-
 /// The longest model name a call may give.
 pub const MAX_MODEL_NAME: usize = 256;
 
@@ -632,8 +542,11 @@ pub const MAX_MODEL_NAME: usize = 256;
 mod cluster;
 #[path = "policy_cost.rs"]
 mod cost;
-use cost::Cost;
+use cost::{Cost, past_whole_quota};
+#[path = "policy_guard.rs"]
+mod guard;
 pub(super) use cost::templated_bytes;
+use guard::Guarded;
 
 #[cfg(test)]
 #[path = "policy_stream_tests.rs"]

@@ -1,7 +1,7 @@
 //! What a model call may cost against its tenant's quota, estimated
 //! before it runs.
 
-use kiln_runtime::{ModelCall, Prompt};
+use kiln_runtime::{AiError, ModelCall, Prompt};
 
 use crate::engine::GenerateParams;
 
@@ -80,6 +80,29 @@ pub(in crate::serving) fn templated_bytes(call: &ModelCall) -> usize {
         Prompt::Text(_) => 0,
     };
     prompt_bytes(call) + AROUND * (pieces + call.params.tools.len())
+}
+
+/// The refusal of a call of `n` samples, each of `cost` (the prompt paid
+/// once), that would use more than tenant `tenant`'s whole quota of `tpm`
+/// tokens a minute; none if it fits.
+pub(super) fn past_whole_quota(tenant: &str, tpm: u64, cost: Cost, n: usize) -> Option<AiError> {
+    let n = n.max(1) as u64;
+    let need = cost.prompt + n * cost.completion;
+    if need <= tpm {
+        return None;
+    }
+    let samples = if n > 1 {
+        format!(" for each of n = {n} samples")
+    } else {
+        String::new()
+    };
+    Some(AiError::QuotaExceeded(format!(
+        "this call may use {need} tokens (about {} of prompt and max-tokens {}{samples}), more \
+         than tenant `{tenant}`'s whole quota of {tpm} tokens per minute; ask for fewer tokens \
+         or samples, or ask the operator to raise `tokens_per_minute` \
+         (PUT /v1/tenants/{tenant}/policy)",
+        cost.prompt, cost.completion
+    )))
 }
 
 #[cfg(test)]

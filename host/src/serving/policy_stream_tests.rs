@@ -3,6 +3,7 @@
 
 use super::tests::{Fixed, gateway, quota, req, streamed, with_max_tokens};
 use super::*;
+use kiln_runtime::StreamEvent;
 
 /// Serves each call as an engine that ran ahead of its reader: `texts`
 /// deltas waiting in the call's channel, then, if `done`, its end (12

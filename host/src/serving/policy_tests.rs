@@ -1,5 +1,5 @@
 use super::*;
-use kiln_runtime::{FinishReason, Message, Params, Prompt, Role};
+use kiln_runtime::{FinishReason, Message, Params, Prompt, Role, StreamEvent};
 
 /// Answers every call with `tokens` completion tokens (after `gate`
 /// opens, when there is one): a stream of that many one-token deltas,
