@@ -5,8 +5,8 @@
 //! its own pool tagged for the tenant, and streams the rest. A sequence
 //! its engine cannot hand on yet (in a step in flight, preempted, or other
 //! samples about to start from its prompt) is tried again after the next
-//! step; one it never will (pages that fail their tags) stays and decodes
-//! where it is. A decode pool takes what it is handed
+//! step; one it never will (pages that fail their tags) stays, and its
+//! next step's tag check aborts it. A decode pool takes what it is handed
 //! as it would admit a request: while a running slot and the pages are
 //! free, the rest waiting, fairly among tenants; one it still cannot take
 //! fails with a clear error.

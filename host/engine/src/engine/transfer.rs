@@ -5,8 +5,9 @@
 //! and frees its pages there; [`Engine::adopt`] gives it pages of the
 //! other engine's pool, tagged for its tenant by that pool as any page it
 //! hands out, writes their contents, and decodes it from the next step.
-//! The pages' contents travel through the host; a peer copy between two
-//! GPUs' pages is the next step (docs/architecture.md).
+//! Between two GPUs the pages' contents stay on the devices (a peer copy,
+//! `PageBytes::Device`); on the CPU they are host bytes
+//! (docs/architecture.md).
 
 use super::kv_manager::SeqId;
 use super::request::Request;
