@@ -34,6 +34,9 @@ pub(super) struct Lanes {
     decode: Option<Scheduler>,
     /// Sequences moved to the decode lane so far.
     handoffs: u64,
+    /// The prefill lane's sequences in its last step planned, until it
+    /// lands (`hand_off`): its kernels may still write their pages.
+    flying: Vec<SeqId>,
 }
 
 impl Lanes {
@@ -43,6 +46,7 @@ impl Lanes {
             prefill: Scheduler::new(config),
             decode: pd.then(|| Scheduler::new(config)),
             handoffs: 0,
+            flying: Vec::new(),
         }
     }
 
@@ -50,24 +54,30 @@ impl Lanes {
     /// lane counts the decode lane's streams against its running slots and
     /// leaves a page free for each that will soon need one (and waits for
     /// those pages rather than preempt); the decode lane computes no prompt,
-    /// picks its victims by what each tenant runs on both lanes, and what
-    /// it preempts goes to the front of the prefill queue.
+    /// picks its victims by what each tenant runs on both lanes (taking a
+    /// landed prompt's pages before a stream's, `free_for_streams`), and
+    /// what it preempts goes to the front of the prefill queue.
     pub fn schedule(
         &mut self,
         lane: Lane,
         kv: &mut KvCacheManager,
         caps: StepCaps,
     ) -> SchedulerOutput {
+        let taken = match lane {
+            Lane::Decode => self.free_for_streams(kv),
+            Lane::Prefill => Vec::new(),
+        };
         match (lane, &mut self.decode) {
             (Lane::Decode, Some(decode)) => {
                 let no_prompt = StepCaps { prompt: 0, ..caps };
                 decode.set_elsewhere(self.prefill.running_by_tenant());
-                let out = decode.schedule(kv, no_prompt);
+                let mut out = decode.schedule(kv, no_prompt);
                 for seq in &out.preempted {
                     if let Some(h) = decode.release(*seq) {
                         self.prefill.requeue_front(*seq, h);
                     }
                 }
+                out.preempted.extend(taken);
                 out
             }
             (_, decode) => {
@@ -76,14 +86,49 @@ impl Lanes {
                     self.prefill
                         .set_reserve(d.pages_due(kv.page_size(), PAGE_HORIZON));
                 }
-                self.prefill.schedule(kv, caps)
+                let out = self.prefill.schedule(kv, caps);
+                if decode.is_some() {
+                    self.flying = out.scheduled.iter().map(|s| s.seq).collect();
+                }
+                out
             }
         }
     }
 
+    /// Streams due a page now that none is free for: while the busiest
+    /// tenant (on both lanes, for its weight) runs a prompt on the prefill
+    /// lane outside the step in flight, that prompt gives its pages up
+    /// rather than a stream of a tenant no busier (decode first; the
+    /// prefill lane's reserve makes this rare). The prompts preempted.
+    fn free_for_streams(&mut self, kv: &mut KvCacheManager) -> Vec<SeqId> {
+        let mut taken = Vec::new();
+        let Some(decode) = &mut self.decode else {
+            return taken;
+        };
+        let due = decode.pages_due(kv.page_size(), 1);
+        while kv.num_free() < due {
+            decode.set_elsewhere(self.prefill.running_by_tenant());
+            self.prefill.set_elsewhere(decode.running_by_tenant());
+            let flying = &self.flying;
+            let Some((p, pn, pw)) = self.prefill.victim_load(|s| flying.contains(s)) else {
+                break;
+            };
+            let stream = decode.victim_load(|_| false);
+            // A stream's tenant busier than the prompt's: its own go first.
+            if stream.is_some_and(|(_, dn, dw)| dn * pw > pn * dw) {
+                break;
+            }
+            self.prefill.preempt_for_lane(p, kv);
+            taken.push(p);
+        }
+        taken
+    }
+
     /// Moves every prefill-lane sequence whose prompt is computed (its next
-    /// token is a decode) to the decode lane, when there is one.
+    /// token is a decode) to the decode lane, when there is one; the
+    /// prefill step in flight has landed.
     pub fn hand_off(&mut self) {
+        self.flying.clear();
         let Some(decode) = &mut self.decode else {
             return;
         };

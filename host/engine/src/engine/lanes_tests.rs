@@ -302,3 +302,28 @@ fn a_prompt_that_gave_its_pages_up_starts_over_once_and_finishes() {
     }
     panic!("the prompt never finished: {starts} starts, {computed} tokens computed");
 }
+
+#[test]
+fn the_decode_lane_takes_a_landed_prompts_pages_before_a_stream_of_a_tenant_no_busier() {
+    // As above, but the prompt's step has landed: when the streams outgrow
+    // the full pool, tenant 0's prompt gives its page up (its tenant runs
+    // two to tenant 1's one), and no stream loses its pages.
+    let (mut l, mut kv) = two_tenants_streaming();
+    l.add(3, TenantId(0), 400, Vec::new());
+    let out = l.schedule(Lane::Prefill, &mut kv, StepCaps::NONE);
+    assert_eq!(seqs(&out.scheduled), vec![(3, 0, 16)]);
+    l.hand_off();
+    assert!(kv.allocate(99, TenantId(2), kv.num_free() * 16));
+    for _ in 0..40 {
+        let out = l.schedule(Lane::Decode, &mut kv, StepCaps::NONE);
+        let decoded: Vec<SeqId> = out.scheduled.iter().map(|s| s.seq).collect();
+        decoded.iter().for_each(|s| l.append_token(*s));
+        if !out.preempted.is_empty() {
+            assert_eq!(out.preempted, vec![3], "{decoded:?}");
+            assert!(!decoded.is_empty());
+            assert!(kv.table(1).is_some() && kv.table(2).is_some());
+            return;
+        }
+    }
+    panic!("the pool was meant to force a preemption");
+}

@@ -6,8 +6,8 @@
 
 use std::collections::HashMap;
 
-use super::{Scheduler, Seq, TenantId};
-use crate::engine::kv_manager::SeqId;
+use super::{Scheduler, SchedulerOutput, Seq, TenantId};
+use crate::engine::kv_manager::{KvCacheManager, SeqId};
 
 /// A sequence's scheduling state between two lanes: only
 /// [`Scheduler::release`] makes one.
@@ -117,6 +117,21 @@ impl Scheduler {
     /// decode lane's next pages while a prefill lane admits).
     pub fn set_reserve(&mut self, pages: usize) {
         self.reserve = pages;
+    }
+
+    /// The running sequence preemption would take here first, skipping
+    /// the `protected`, with its tenant's running sequences (on every lane)
+    /// and weight: for another lane to weigh against its own.
+    pub fn victim_load(&self, protected: impl Fn(&SeqId) -> bool) -> Option<(SeqId, usize, usize)> {
+        let v = self.victim(protected)?;
+        let tenant = self.seqs[&v].tenant;
+        Some((v, self.running_of(tenant), self.weight(tenant)))
+    }
+
+    /// Preempts running `seq` for another lane's pages: they go, and it
+    /// waits at the front of its tenant's queue to be recomputed.
+    pub fn preempt_for_lane(&mut self, seq: SeqId, kv: &mut KvCacheManager) {
+        self.preempt(seq, kv, &mut SchedulerOutput::default());
     }
 
     /// Whether another lane runs sequences (whose pages come free as they
