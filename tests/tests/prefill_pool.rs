@@ -116,6 +116,18 @@ async fn within(secs: u64, done: impl Fn() -> bool) -> bool {
     done()
 }
 
+/// A request that holds a decode pool's one slot for hundreds of tokens,
+/// read up to its first text.
+async fn holding_the_slot(served: &ServedModels) -> Box<dyn TokenStream> {
+    let mut long = chat(PROMPTS[0], 4000);
+    let schema = r#"{"type": "array", "minItems": 60,
+        "items": {"type": "string", "minLength": 24}}"#;
+    long.params.format = Some(OutputFormat::JsonSchema(schema.into()));
+    let mut a = served.stream(long).await.unwrap();
+    first_text(&mut a).await;
+    a
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handed_on_request_whose_caller_left_is_dropped_while_it_waits_for_a_slot() {
     let config = one_slot();
@@ -128,12 +140,7 @@ async fn a_handed_on_request_whose_caller_left_is_dropped_while_it_waits_for_a_s
             .requests
     };
     // a holds the decode pool's one slot for hundreds of tokens.
-    let mut long = chat(PROMPTS[0], 4000);
-    let schema = r#"{"type": "array", "minItems": 60,
-        "items": {"type": "string", "minLength": 24}}"#;
-    long.params.format = Some(OutputFormat::JsonSchema(schema.into()));
-    let mut a = served.stream(long).await.unwrap();
-    first_text(&mut a).await;
+    let a = holding_the_slot(&served).await;
     // b is handed on, and waits for that slot; then its caller leaves.
     let mut b = served.stream(chat(PROMPTS[1], 50)).await.unwrap();
     first_text(&mut b).await;
@@ -148,4 +155,41 @@ async fn a_handed_on_request_whose_caller_left_is_dropped_while_it_waits_for_a_s
     );
     drop(a);
     assert!(within(5, || requests() == 0).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_pool_keeps_what_a_full_decode_pool_has_no_room_to_wait_for() {
+    let config = one_slot();
+    let metrics = Metrics::default();
+    let served = std::sync::Arc::new(with_prefill(config, 1, &metrics));
+    // a holds the decode pool's one slot for hundreds of tokens.
+    let a = holding_the_slot(&served).await;
+    // Four more short requests than may wait for that slot: the prefill
+    // pool hands on as many as may wait and decodes the rest itself.
+    let extra = 4;
+    let n = kiln_host::serving::MAX_HANDED_WAITING + extra;
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let calls: Vec<_> = (0..n)
+        .map(|i| {
+            let (served, done) = (served.clone(), done.clone());
+            tokio::spawn(async move {
+                let r = served.call(chat(PROMPTS[i % PROMPTS.len()], 6)).await;
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                r
+            })
+        })
+        .collect();
+    let finished = || done.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        within(30, || finished() >= extra).await,
+        "{} of {n} finished while a holds the slot",
+        finished()
+    );
+    let handed = pool_count(&metrics.engine.transfers, 1);
+    assert_eq!(handed, 1 + kiln_host::serving::MAX_HANDED_WAITING as u64);
+    // Once a ends, the ones waiting run in the decode pool.
+    drop(a);
+    for c in calls {
+        assert!(c.await.unwrap().is_ok());
+    }
 }

@@ -63,6 +63,33 @@ pub(super) struct Submit {
 pub(super) struct Forward {
     pub(super) tx: mpsc::Sender<Msg>,
     pub(super) load: Arc<AtomicUsize>,
+    /// Sequences handed to the pool and not yet adopted.
+    pub(super) handed: Arc<AtomicUsize>,
+}
+
+/// Sequences a decode pool may hold handed on and not yet adopted: each
+/// holds its KV outside any pool's pages (on a GPU, device memory of the
+/// prefill pool's), so past these a prefill pool keeps the next ones and
+/// decodes them itself, within its own pages, until the decode pool
+/// takes some.
+pub const MAX_HANDED_WAITING: usize = 8;
+
+/// One sequence counted in its decode pool's `handed` while it waits there
+/// (adopted, failed or dropped, it counts no more).
+pub(super) struct Handed(Arc<AtomicUsize>);
+
+impl Handed {
+    /// Counts one more sequence waiting in `to`.
+    pub(super) fn new(to: &Forward) -> Self {
+        to.handed.fetch_add(1, Ordering::Relaxed);
+        Self(Arc::clone(&to.handed))
+    }
+}
+
+impl Drop for Handed {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// A sequence a prefill pool computed the prompt of, for a decode pool to
@@ -73,6 +100,8 @@ pub(super) struct Adopt {
     tenant: Arc<str>,
     weight: u32,
     restarts: u32,
+    /// Counted as waiting in the decode pool until this goes.
+    handed: Handed,
 }
 
 /// Messages to a pool's thread.
@@ -111,6 +140,8 @@ pub(super) struct PoolHandle {
     pub(super) load: Arc<AtomicUsize>,
     /// Requests the pool runs at once before it counts as saturated.
     pub(super) capacity: usize,
+    /// Sequences a prefill pool handed to this pool, not yet adopted.
+    handed: Arc<AtomicUsize>,
     /// Page hashes the pool holds in its prefix cache, mirrored for routing.
     pub(super) prefixes: Arc<RwLock<HashSet<PageHash>>>,
     /// Free (cached included), cached and total pages, and integrity
@@ -132,6 +163,7 @@ impl PoolHandle {
         Forward {
             tx: self.tx.clone(),
             load: self.load.clone(),
+            handed: self.handed.clone(),
         }
     }
 
@@ -219,6 +251,7 @@ pub(super) fn spawn(
         tx,
         load: Arc::default(),
         capacity: config.scheduler.max_running,
+        handed: Arc::default(),
         prefixes: Arc::default(),
         figures: Arc::default(),
         thread: Mutex::new(None),

@@ -16,18 +16,27 @@ use std::sync::atomic::Ordering;
 
 use kiln_runtime::AiError;
 
-use super::{Adopt, Live, Msg, Out, PoolThread};
+use super::{Adopt, Handed, Live, MAX_HANDED_WAITING, Msg, Out, PoolThread};
 use crate::engine::{Engine, SeqId, TenantId};
 use crate::metrics::PoolLabels;
 
 impl PoolThread {
-    /// In a prefill pool: hands on every sequence that has its first token.
+    /// In a prefill pool: hands on every sequence that has its first token,
+    /// while its decode pool holds fewer than `MAX_HANDED_WAITING` not yet
+    /// adopted (the others stay and decode here, tried again after the
+    /// next step).
     pub(super) fn hand_on(&mut self, engine: &mut Engine) {
         let ready: Vec<SeqId> = (self.outs.iter())
             .filter(|(_, l)| l.then.is_some() && l.sampled)
             .map(|(s, _)| *s)
             .collect();
         for seq in ready {
+            let full = (self.outs.get(&seq))
+                .and_then(|l| l.then.as_ref())
+                .is_some_and(|to| to.handed.load(Ordering::Relaxed) >= MAX_HANDED_WAITING);
+            if full {
+                continue;
+            }
             let transfer = match engine.export(seq) {
                 Ok(t) => t,
                 // Preempted, or in a step in flight: after a later step.
@@ -58,6 +67,7 @@ impl PoolThread {
                 tenant,
                 weight,
                 restarts,
+                handed: Handed::new(&to),
             };
             match to.tx.send(Msg::Adopt(Box::new(adopt))) {
                 Ok(()) => {
@@ -123,7 +133,10 @@ impl PoolThread {
             tenant,
             weight,
             restarts,
+            handed,
         } = a;
+        // No longer waiting: the next may be handed on.
+        drop(handed);
         let id = self.tenant_id(&tenant);
         self.admitting = vec![Live {
             out,

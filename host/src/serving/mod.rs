@@ -28,6 +28,7 @@ use rand::RngCore;
 use crate::engine::{EngineConfig, Finish, Formats, OutputFormat, PAGE_SIZE, Salt, prefix};
 use crate::metrics::{EngineMetrics, ModelLabels, PoolLabels, TenantModelLabels};
 use crate::model::Loaded;
+pub use engine_thread::MAX_HANDED_WAITING;
 use engine_thread::{Msg, Out, PoolHandle, Submit};
 use prometheus_client::metrics::histogram::Histogram;
 use router::{PoolLoad, Route};
