@@ -54,8 +54,8 @@ impl Lanes {
     /// lane counts the decode lane's streams against its running slots and
     /// leaves a page free for each that will soon need one (and waits for
     /// those pages rather than preempt); the decode lane computes no prompt,
-    /// picks its victims by what each tenant runs on both lanes (taking a
-    /// landed prompt's pages before a stream's, `free_for_streams`), and
+    /// picks its victims by what each tenant runs on both lanes (after
+    /// landed prompts, which give their pages up first, `free_for_streams`), and
     /// what it preempts goes to the front of the prefill queue.
     pub fn schedule(
         &mut self,
@@ -95,11 +95,11 @@ impl Lanes {
         }
     }
 
-    /// Streams due a page now that none is free for: while the busiest
-    /// tenant (on both lanes, for its weight) runs a prompt on the prefill
-    /// lane outside the step in flight, that prompt gives its pages up
-    /// rather than a stream of a tenant no busier (decode first; the
-    /// prefill lane's reserve makes this rare). The prompts preempted.
+    /// Streams due a page now that none is free for: prompts of the
+    /// prefill lane outside the step in flight give theirs up first (in
+    /// that lane's victim order), as they do for the pages it keeps for
+    /// the streams (decode first; that reserve makes this rare), rather
+    /// than a stream. The prompts preempted.
     fn free_for_streams(&mut self, kv: &mut KvCacheManager) -> Vec<SeqId> {
         let mut taken = Vec::new();
         let Some(decode) = &mut self.decode else {
@@ -107,17 +107,11 @@ impl Lanes {
         };
         let due = decode.pages_due(kv.page_size(), 1);
         while kv.num_free() < due {
-            decode.set_elsewhere(self.prefill.running_by_tenant());
             self.prefill.set_elsewhere(decode.running_by_tenant());
             let flying = &self.flying;
-            let Some((p, pn, pw)) = self.prefill.victim_load(|s| flying.contains(s)) else {
+            let Some(p) = self.prefill.victim_among(|s| flying.contains(s)) else {
                 break;
             };
-            let stream = decode.victim_load(|_| false);
-            // A stream's tenant busier than the prompt's: its own go first.
-            if stream.is_some_and(|(_, dn, dw)| dn * pw > pn * dw) {
-                break;
-            }
             self.prefill.preempt_for_lane(p, kv);
             taken.push(p);
         }

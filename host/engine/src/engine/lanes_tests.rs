@@ -327,3 +327,38 @@ fn the_decode_lane_takes_a_landed_prompts_pages_before_a_stream_of_a_tenant_no_b
     }
     panic!("the pool was meant to force a preemption");
 }
+
+#[test]
+fn a_landed_prompt_gives_its_pages_up_before_a_stream_even_of_a_busier_tenant() {
+    // Tenant 1 streams three older sequences; tenant 0 one newer stream
+    // and a prompt whose step has landed. When a stream outgrows the full
+    // pool the prompt gives its pages up, not tenant 0's stream (the
+    // older streams, planned first, are out of the decode lane's reach).
+    let mut kv = KvCacheManager::new(32, 16);
+    let mut l = Lanes::new(cfg(16, 8), true);
+    for id in 1..=3 {
+        l.add(id, TenantId(1), 17, Vec::new());
+    }
+    while l.handoffs() < 3 {
+        step(&mut l, &mut kv);
+    }
+    l.add(4, TenantId(0), 17, Vec::new());
+    while l.handoffs() < 4 {
+        step(&mut l, &mut kv);
+    }
+    l.add(5, TenantId(0), 400, Vec::new());
+    let out = l.schedule(Lane::Prefill, &mut kv, StepCaps::NONE);
+    assert!(seqs(&out.scheduled).contains(&(5, 0, 16)), "{out:?}");
+    l.hand_off();
+    assert!(kv.allocate(99, TenantId(2), kv.num_free() * 16));
+    for _ in 0..40 {
+        let out = l.schedule(Lane::Decode, &mut kv, StepCaps::NONE);
+        out.scheduled.iter().for_each(|s| l.append_token(s.seq));
+        if !out.preempted.is_empty() {
+            assert_eq!(out.preempted, vec![5], "{out:?}");
+            assert!((1..=4).all(|s| kv.table(s).is_some()));
+            return;
+        }
+    }
+    panic!("the pool was meant to force a preemption");
+}

@@ -120,12 +120,9 @@ impl Scheduler {
     }
 
     /// The running sequence preemption would take here first, skipping
-    /// the `protected`, with its tenant's running sequences (on every lane)
-    /// and weight: for another lane to weigh against its own.
-    pub fn victim_load(&self, protected: impl Fn(&SeqId) -> bool) -> Option<(SeqId, usize, usize)> {
-        let v = self.victim(protected)?;
-        let tenant = self.seqs[&v].tenant;
-        Some((v, self.running_of(tenant), self.weight(tenant)))
+    /// the `protected`: for another lane short of pages.
+    pub fn victim_among(&self, protected: impl Fn(&SeqId) -> bool) -> Option<SeqId> {
+        self.victim(protected)
     }
 
     /// Preempts running `seq` for another lane's pages: they go, and it
