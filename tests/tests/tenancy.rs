@@ -229,3 +229,44 @@ async fn without_a_session_key_a_request_goes_to_the_pool_holding_its_prefix() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_its_client_leaves_pays_the_prompt_the_model_counted() {
+    use futures::StreamExt;
+    let s = TestServer::start_with_models().await;
+    let a = s.tenant("a").await;
+    let b = s.tenant("b").await;
+    // The same prompt run whole: what the model counts (the chat
+    // template's ~30 tokens, against an estimate of 11).
+    let (st, whole) = s.openai(&b, "/v1/chat/completions", None, &ask(1)).await;
+    assert_eq!(st, 200, "{whole}");
+    let prompt = whole["usage"]["prompt_tokens"].as_u64().unwrap();
+    let mut body = ask(200);
+    body["stream"] = json!(true);
+    let resp = s
+        .http
+        .post(format!("{}/v1/chat/completions", s.url))
+        .bearer_auth(&a)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut chunks = resp.bytes_stream();
+    assert!(chunks.next().await.is_some());
+    drop(chunks);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let usage = loop {
+        let u = s.get_json(&a, "/v1/usage").await;
+        if u["usage"]["calls_in_flight"] == 0 || Instant::now() > deadline {
+            break u;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(usage["usage"]["calls_in_flight"], 0, "{usage}");
+    let model = (usage["usage"]["models"].as_array().unwrap().iter())
+        .find(|m| m["model"] == DEFAULT_MODEL)
+        .cloned()
+        .unwrap();
+    assert_eq!(model["prompt_tokens"], prompt, "{usage}");
+}

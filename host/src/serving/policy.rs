@@ -265,7 +265,9 @@ impl Gateway {
         policy.max_concurrent.unwrap_or(self.default_concurrency)
     }
 
-    fn admit(&self, tenant: &str, model: &str, cost: Cost) -> Result<Permit, AiError> {
+    /// Refuses a call to `model` that no quota need weigh: a name past
+    /// [`MAX_MODEL_NAME`], or a model `policy` does not allow.
+    fn check_model(&self, tenant: &str, model: &str, policy: &TenantPolicy) -> Result<(), AiError> {
         if model.len() > MAX_MODEL_NAME {
             let e = AiError::InvalidInput(format!(
                 "the model's name is {} bytes; a model's name has at most {MAX_MODEL_NAME} \
@@ -274,12 +276,6 @@ impl Gateway {
             ));
             return Err(self.reject(tenant, "model_name", e));
         }
-        let state = self.state(tenant);
-        let policy = state
-            .policy
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
         if let Some(allowed) = &policy.allowed_models
             && !allowed.iter().any(|m| m == model)
         {
@@ -290,6 +286,17 @@ impl Gateway {
             ));
             return Err(self.reject(tenant, "model_not_allowed", e));
         }
+        Ok(())
+    }
+
+    fn admit(&self, tenant: &str, model: &str, cost: Cost) -> Result<Permit, AiError> {
+        let state = self.state(tenant);
+        let policy = state
+            .policy
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        self.check_model(tenant, model, &policy)?;
         let cost = self.capped(tenant, model, cost);
         let cap = policy.max_concurrent.unwrap_or(self.default_concurrency);
         let (_, remote_inflight) = *state.remote.lock().unwrap_or_else(|p| p.into_inner());
@@ -476,8 +483,10 @@ impl Inference for Gateway {
             }
             // The samples together must fit the whole quota: one by one,
             // the last would be told to retry a call that never fits.
+            let policy = self.policy(&call.tenant);
+            self.check_model(&call.tenant, &call.model, &policy)?;
             let whole = self.capped(&call.tenant, &call.model, Cost::of_call(&call));
-            let tpm = self.policy(&call.tenant).tokens_per_minute;
+            let tpm = policy.tokens_per_minute;
             if let Some(e) = tpm.and_then(|tpm| past_whole_quota(&call.tenant, tpm, whole, n)) {
                 return Err(self.reject(&call.tenant, "tokens_per_minute", e));
             }

@@ -176,3 +176,22 @@ async fn a_tenant_of_no_calls_in_flight_streaming_is_refused_as_over_its_cap() {
     let e = g.call(req("a", "a")).await.unwrap_err();
     assert!(matches!(&e, AiError::QuotaExceeded(_)), "{e:?}");
 }
+
+#[tokio::test]
+async fn samples_of_a_model_the_tenant_may_not_call_are_refused_for_that_before_the_quota() {
+    let g = gateway(1, 8);
+    g.set_policy(
+        "a",
+        TenantPolicy {
+            tokens_per_minute: Some(100),
+            allowed_models: Some(vec!["b".into()]),
+            ..Default::default()
+        },
+    );
+    let e = g
+        .stream_samples(with_max_tokens(req("a", "a"), 40), 3)
+        .await
+        .err()
+        .expect("refused");
+    assert!(matches!(&e, AiError::ModelNotFound(_)), "{e:?}");
+}
