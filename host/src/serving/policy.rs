@@ -471,6 +471,8 @@ impl Inference for Gateway {
             // Each sample holds a slot of the tenant's calls in flight (so
             // more samples than slots can never run), and the first pays
             // the prompt they share.
+            let policy = self.policy(&call.tenant);
+            self.check_model(&call.tenant, &call.model, &policy)?;
             let cap = self.concurrency_cap(&call.tenant);
             // A tenant of no calls in flight (suspended) is refused as a
             // single call is, by `admit`.
@@ -483,8 +485,6 @@ impl Inference for Gateway {
             }
             // The samples together must fit the whole quota: one by one,
             // the last would be told to retry a call that never fits.
-            let policy = self.policy(&call.tenant);
-            self.check_model(&call.tenant, &call.model, &policy)?;
             let whole = self.capped(&call.tenant, &call.model, Cost::of_call(&call));
             let tpm = policy.tokens_per_minute;
             if let Some(e) = tpm.and_then(|tpm| past_whole_quota(&call.tenant, tpm, whole, n)) {

@@ -188,10 +188,14 @@ async fn samples_of_a_model_the_tenant_may_not_call_are_refused_for_that_before_
             ..Default::default()
         },
     );
-    let e = g
-        .stream_samples(with_max_tokens(req("a", "a"), 40), 3)
-        .await
-        .err()
-        .expect("refused");
-    assert!(matches!(&e, AiError::ModelNotFound(_)), "{e:?}");
+    // More samples than whole quota, or than calls in flight (8): the
+    // model is what is wrong.
+    for n in [3, 20] {
+        let e = g
+            .stream_samples(with_max_tokens(req("a", "a"), 40), n)
+            .await
+            .err()
+            .expect("refused");
+        assert!(matches!(&e, AiError::ModelNotFound(_)), "n = {n}: {e:?}");
+    }
 }
