@@ -11,6 +11,7 @@ mod engine_thread;
 mod outlet;
 pub mod policy;
 pub mod router;
+mod stream;
 mod tools;
 mod validate;
 
@@ -20,19 +21,19 @@ use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Instant;
 
 use kiln_runtime::{
-    AiError, Completion, FinishReason, Inference, ModelCall, ModelInfo, OutputFormat as Format,
-    Prompt, StreamEnd, StreamEvent, TextDelta, TokenStream, ToolCall, Usage,
+    AiError, Completion, Inference, ModelCall, ModelInfo, OutputFormat as Format, Prompt,
+    TokenStream,
 };
 use rand::RngCore;
 
-use crate::engine::{EngineConfig, Finish, Formats, OutputFormat, PAGE_SIZE, Salt, prefix};
+use crate::engine::{EngineConfig, Formats, OutputFormat, PAGE_SIZE, Salt, prefix};
 use crate::metrics::{EngineMetrics, ModelLabels, PoolLabels, TenantModelLabels};
 use crate::model::Loaded;
 pub use engine_thread::MAX_HANDED_WAITING;
-use engine_thread::{Msg, Out, PoolHandle, Submit};
-use prometheus_client::metrics::histogram::Histogram;
+use engine_thread::{Msg, PoolHandle, Submit};
 use router::{PoolLoad, Route};
-use tools::{CallFilter, Tools};
+use stream::{Submitted, collect};
+use tools::Tools;
 use validate::{check_prompt, generate_params};
 
 /// A snapshot of one model's engines, summed over its pools.
@@ -363,49 +364,6 @@ impl ServedModels {
     }
 }
 
-/// A call handed to a pool: a channel per sample, whether replies may be
-/// tool calls, and the histogram its first tokens' latency goes to.
-struct Submitted {
-    rxs: Vec<outlet::Inlet>,
-    tools: bool,
-    first_token: (Histogram, Instant),
-    /// The prompt's tokens.
-    prompt: usize,
-}
-
-impl Submitted {
-    fn streams(self) -> impl Iterator<Item = Stream> {
-        let (tools, first, prompt) = (self.tools, self.first_token, self.prompt);
-        (self.rxs.into_iter()).map(move |rx| {
-            let mut s = Stream::new(rx, tools, Some(first.clone()));
-            s.prompt = Some(prompt);
-            s
-        })
-    }
-
-    fn one(self) -> Result<Stream, AiError> {
-        self.streams().next().ok_or_else(dropped)
-    }
-}
-
-/// Why a generation ended; tool calls when it stopped after making any.
-fn finish_reason(f: &Finish, calls: &[ToolCall]) -> Result<FinishReason, AiError> {
-    match f {
-        Finish::Aborted(why) => Err(AiError::Aborted(why.clone())),
-        Finish::Length => Ok(FinishReason::Length),
-        Finish::Stop if calls.is_empty() => Ok(FinishReason::Stop),
-        Finish::Stop => Ok(FinishReason::ToolCalls),
-    }
-}
-
-fn usage(prompt: usize, completion: usize, cached: usize) -> Usage {
-    Usage {
-        prompt_tokens: prompt as u32,
-        completion_tokens: completion as u32,
-        cached_prompt_tokens: cached as u32,
-    }
-}
-
 /// The code that starts the message of a call failed by an engine restart
 /// (the API answers it as its error code).
 pub const ENGINE_RESTARTED: &str = "engine_restarted";
@@ -417,118 +375,6 @@ fn engine_restarted(why: &str) -> AiError {
         "{ENGINE_RESTARTED}: the model's engine {why}; it has been restarted and this request \
          was stopped. Retry it; if it fails again, report it to the operator"
     ))
-}
-
-fn dropped() -> AiError {
-    AiError::RuntimeError("the engine dropped the request".into())
-}
-
-async fn collect(mut stream: Stream) -> Result<Completion, AiError> {
-    kiln_runtime::complete_stream(&mut stream).await
-}
-
-/// A request's results as they come; a reply that may be tool calls goes
-/// through a [`CallFilter`].
-struct Stream {
-    rx: outlet::Inlet,
-    calls: Option<CallFilter>,
-    /// The end, held while the text a filter held goes out first.
-    end: Option<StreamEnd>,
-    /// What an aborted request used (its end is an error).
-    aborted: Option<Usage>,
-    /// Where the first token's latency goes, and when the call arrived.
-    first_token: Option<(Histogram, Instant)>,
-    /// The prompt's tokens, where known.
-    prompt: Option<usize>,
-}
-
-impl Stream {
-    fn new(rx: outlet::Inlet, tools: bool, first_token: Option<(Histogram, Instant)>) -> Self {
-        let calls = tools.then(CallFilter::default);
-        Self {
-            rx,
-            calls,
-            end: None,
-            aborted: None,
-            first_token,
-            prompt: None,
-        }
-    }
-
-    async fn event(&mut self) -> Result<StreamEvent, AiError> {
-        if let Some(end) = self.end.take() {
-            return Ok(StreamEvent::Done(end));
-        }
-        match self.rx.recv().await {
-            Some(Out::Text(mut text, logprobs)) => {
-                if let Some((h, arrived)) = self.first_token.take() {
-                    h.observe(arrived.elapsed().as_secs_f64());
-                }
-                if let Some(f) = &mut self.calls {
-                    text = f.push(&text);
-                }
-                Ok(StreamEvent::Delta(TextDelta { text, logprobs }))
-            }
-            Some(Out::Error(e)) => Err(e),
-            Some(Out::Done {
-                finish,
-                prompt,
-                completion,
-                cached,
-            }) => {
-                let (held, tool_calls) = (self.calls.as_mut())
-                    .map(CallFilter::finish)
-                    .unwrap_or_default();
-                let used = usage(prompt, completion, cached);
-                let finish_reason = finish_reason(&finish, &tool_calls)
-                    .inspect_err(|_| self.aborted = Some(used))?;
-                let end = StreamEnd {
-                    finish_reason,
-                    usage: used,
-                    tool_calls,
-                };
-                if held.is_empty() {
-                    return Ok(StreamEvent::Done(end));
-                }
-                self.end = Some(end);
-                Ok(StreamEvent::Delta(TextDelta {
-                    text: held,
-                    logprobs: Vec::new(),
-                }))
-            }
-            None => Err(dropped()),
-        }
-    }
-}
-
-impl TokenStream for Stream {
-    fn next(&mut self) -> kiln_runtime::BoxFuture<'_, Result<StreamEvent, AiError>> {
-        Box::pin(self.event())
-    }
-
-    fn take_unread(&mut self) -> kiln_runtime::Unread {
-        if let Some(used) = self.end.as_ref().map(|e| e.usage).or(self.aborted) {
-            return kiln_runtime::Unread::Done(used);
-        }
-        let mut deltas = 0;
-        while let Ok(out) = self.rx.try_recv() {
-            match out {
-                Out::Text(..) => deltas += 1,
-                Out::Done {
-                    prompt,
-                    completion,
-                    cached,
-                    ..
-                } => return kiln_runtime::Unread::Done(usage(prompt, completion, cached)),
-                Out::Error(_) => break,
-            }
-        }
-        kiln_runtime::Unread::Deltas(deltas)
-    }
-
-    fn prompt_tokens(&self) -> Option<u64> {
-        self.prompt.map(|p| p as u64)
-    }
 }
 
 type Fut<'a, T> = kiln_runtime::BoxFuture<'a, Result<T, AiError>>;

@@ -21,7 +21,8 @@ impl Inference for RanAhead {
         streamed(self, call)
     }
     fn stream(&self, _: ModelCall) -> BoxFuture<'_, Result<Box<dyn TokenStream>, AiError>> {
-        use super::super::{Out, Stream};
+        use super::super::engine_thread::Out;
+        use super::super::stream::Stream;
         let (mut txs, mut rxs) = super::super::outlet::outlets(1, usize::MAX);
         let (tx, rx) = (txs.remove(0), rxs.remove(0));
         for _ in 0..self.texts {
@@ -41,8 +42,7 @@ impl Inference for RanAhead {
                 cached,
             });
         }
-        let mut s = Stream::new(rx, false, None);
-        s.prompt = self.prompt;
+        let s = Stream::new(rx, false, None, self.prompt);
         Box::pin(async { Ok(Box::new(s) as Box<dyn TokenStream>) })
     }
     fn list_models(&self, _: &str) -> Vec<ModelInfo> {

@@ -106,10 +106,12 @@ impl Lanes {
             return taken;
         };
         let due = decode.pages_due(kv.page_size(), 1);
-        while kv.num_free() < due {
+        if kv.num_free() < due {
             self.prefill.set_elsewhere(decode.running_by_tenant());
+        }
+        while kv.num_free() < due {
             let flying = &self.flying;
-            let Some(p) = self.prefill.victim_among(|s| flying.contains(s)) else {
+            let Some(p) = self.prefill.victim(|s| flying.contains(s)) else {
                 break;
             };
             self.prefill.preempt_for_lane(p, kv);

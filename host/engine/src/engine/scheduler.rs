@@ -254,8 +254,9 @@ impl Scheduler {
     /// running sequences for its weight, the newest of those that never
     /// lost their pages before (a sequence preempted again would throw
     /// away its recomputation too), skipping the `protected` (those
-    /// already in this step).
-    fn victim(&self, protected: impl Fn(&SeqId) -> bool) -> Option<SeqId> {
+    /// already in this step, or, for another lane short of pages, those
+    /// its step in flight still writes).
+    pub(in crate::engine) fn victim(&self, protected: impl Fn(&SeqId) -> bool) -> Option<SeqId> {
         // (running, weight, never preempted, index): n / w compared as
         // n * bw against bn * w; at equal shares the fresh, then the newest.
         let mut best: Option<(usize, usize, bool, usize)> = None;

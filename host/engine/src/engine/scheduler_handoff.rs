@@ -119,12 +119,6 @@ impl Scheduler {
         self.reserve = pages;
     }
 
-    /// The running sequence preemption would take here first, skipping
-    /// the `protected`: for another lane short of pages.
-    pub fn victim_among(&self, protected: impl Fn(&SeqId) -> bool) -> Option<SeqId> {
-        self.victim(protected)
-    }
-
     /// Preempts running `seq` for another lane's pages: they go, and it
     /// waits at the front of its tenant's queue to be recomputed.
     pub fn preempt_for_lane(&mut self, seq: SeqId, kv: &mut KvCacheManager) {
