@@ -20,7 +20,7 @@ import os
 import signal
 import subprocess
 
-from kiln_serve import call, routing, start_from_argv
+from kiln_serve import call, preemptions, routing, start_from_argv
 
 ADMIN = "clients-admin"
 CLIENTS = os.environ.get("CLIENTS", "1 64 128 256").split()
@@ -38,13 +38,14 @@ def main():
         load = f"{LOAD},sessions={n}" if PER_CLIENT else LOAD
         print(f"== {n} clients, {load}", flush=True)
         before, spilled = routing(srv.port, ADMIN)
+        preempted = preemptions(srv.port, ADMIN)
         subprocess.run([loadgen, "loadgen", "--server", f"http://127.0.0.1:{srv.port}",
                         "--model", model, "--duration-s", DURATION_S, "--warmup-s", WARMUP_S,
                         "--tenant", f"t={key},clients={n},{load}"], check=True)
         after, spills = routing(srv.port, ADMIN)
         took = {p: int(after[p] - before.get(p, 0.0)) for p in sorted(after)}
-        print(f"requests by decode pool: {took}; session requests spilled: {int(spills - spilled)}",
-              flush=True)
+        print(f"requests by decode pool: {took}; session requests spilled: {int(spills - spilled)}; "
+              f"preemptions: {int(preemptions(srv.port, ADMIN) - preempted)}", flush=True)
     srv.proc.send_signal(signal.SIGTERM)
     print(f"server exit {srv.proc.wait(timeout=60)}")
 

@@ -127,6 +127,14 @@ def step_times(port, admin):
     return steps, wall, device
 
 
+def preemptions(port, admin):
+    """Sequences the engines preempted so far, from /metrics, summed over
+    pools (0 from a build without the counter)."""
+    _, text = exchange(port, admin, "GET", "/metrics")
+    return sum(float(line.rsplit(" ", 1)[-1]) for line in text.decode(errors="replace").splitlines()
+               if line.startswith("kiln_engine_preemptions_total{"))
+
+
 def routing(port, admin):
     """Requests routed to each decode pool and session requests that
     spilled from a saturated pool, from /metrics: ({pool: requests},

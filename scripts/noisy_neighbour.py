@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 
-from kiln_serve import call, quantile, start_from_argv, step_times, step_walls
+from kiln_serve import call, preemptions, quantile, start_from_argv, step_times, step_walls
 
 ADMIN = "noisy-neighbour-admin"
 ALONE_S = int(os.environ.get("ALONE_S", "20"))
@@ -39,6 +39,7 @@ def main():
             args += ["--tenant", t]
         print(f"== {name}", flush=True)
         before, walls = step_times(port, ADMIN), step_walls(port, ADMIN)
+        preempted = preemptions(port, ADMIN)
         subprocess.run(args, check=True)
         steps, wall, device = (b - a for a, b in zip(before, step_times(port, ADMIN)))
         if steps:
@@ -47,7 +48,8 @@ def main():
             qs = [quantile(walls, after, q) for q in (0.5, 0.7, 0.9, 0.99)]
             spread = "" if None in qs else "; wall p50 / p70 / p90 / p99 " + " / ".join(f"{q:.2f}" for q in qs) + " ms"
             print(f"engine steps {steps:.0f}: wall {wall / steps * 1e3:.2f} ms, "
-                  f"device {device / steps * 1e3:.2f} ms a step{spread}", flush=True)
+                  f"device {device / steps * 1e3:.2f} ms a step{spread}; "
+                  f"preemptions {preemptions(port, ADMIN) - preempted:.0f}", flush=True)
     proc.send_signal(signal.SIGTERM)
     print(f"server exit {proc.wait(timeout=60)}")
 

@@ -187,6 +187,9 @@ pub struct EngineMetrics {
     /// Those steps' wall times, by pool: what the step time target holds
     /// (a stream's inter-token latency is a step).
     pub step_wall: Family<PoolLabels, Histogram, NewHistogram>,
+    /// Sequences preempted (their pages taken back, their work to be
+    /// recomputed), by pool.
+    pub preemptions: Family<PoolLabels, Counter>,
 }
 
 impl Default for EngineMetrics {
@@ -207,6 +210,7 @@ impl Default for EngineMetrics {
             steps: Family::default(),
             step_seconds: Family::default(),
             step_wall: Family::new_with_constructor(step_wall as NewHistogram),
+            preemptions: Family::default(),
         }
     }
 }
@@ -287,6 +291,11 @@ impl EngineMetrics {
             "engine_step_wall_seconds",
             "Wall time of engine steps that ran a forward pass, by pool",
             self.step_wall.clone(),
+        );
+        r.register(
+            "engine_preemptions",
+            "Sequences preempted (pages taken back, work to recompute), by pool",
+            self.preemptions.clone(),
         );
     }
 }

@@ -11,8 +11,9 @@ use kiln_host::engine::{EngineConfig, Fault, SchedulerConfig};
 use kiln_host::metrics::Metrics;
 use kiln_host::model::DEFAULT_MODEL;
 use kiln_host::serving::ServedModels;
+use kiln_kernels::kv::KvFormat;
 use kiln_runtime::{AiError, Inference};
-use kiln_tests::{TestServer, default_model, error_of, turns_beside};
+use kiln_tests::{PROMPTS, TestServer, default_model, error_of, turns_beside};
 use serde_json::json;
 
 #[path = "shared/pools.rs"]
@@ -83,6 +84,29 @@ async fn an_engine_panic_in_one_pool_leaves_the_other_pools_streams_running() {
         ServedModels::start(vec![(default_model(), config)], 2, metrics.engine.clone()).unwrap(),
     );
     pools::one_pool_fails_alone(&served, &metrics).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preemptions_are_counted_by_pool_and_every_preempted_call_completes() {
+    // Twelve pages of 16 tokens for six chats of up to 40 tokens: the pool
+    // must take pages back to finish them.
+    let page =
+        kiln_host::model::KvCache::page_bytes(&default_model().model.config, KvFormat::Fp8, 16);
+    let config = EngineConfig {
+        kv_format: KvFormat::Fp8,
+        kv_memory: 12 * page,
+        ..Default::default()
+    };
+    let metrics = Metrics::default();
+    let served =
+        ServedModels::start(vec![(default_model(), config)], 1, metrics.engine.clone()).unwrap();
+    let calls = PROMPTS[..6].iter().map(|p| served.call(chat(p, 40)));
+    for done in futures::future::join_all(calls).await {
+        let done = done.expect("a preempted call completes");
+        assert!(done.usage.completion_tokens > 0, "{done:?}");
+    }
+    let preempted = pool_count(&metrics.engine.preemptions, 0);
+    assert!(preempted > 0, "the pool was meant to force preemption");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,5 +1,6 @@
 //! What a pool's thread publishes after each step: page counts, integrity
-//! aborts, prefix-cache hits and the prefix hashes the router reads.
+//! aborts, preemptions, prefix-cache hits and the prefix hashes the router
+//! reads.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -19,6 +20,9 @@ pub(super) struct StepCounters {
     wall: Counter<f64, AtomicU64>,
     device: Counter<f64, AtomicU64>,
     walls: Histogram,
+    preemptions: Counter,
+    /// The engine's preemption count at the last step counted.
+    preemptions_seen: u64,
 }
 
 impl StepCounters {
@@ -41,6 +45,8 @@ impl StepCounters {
             wall: seconds("wall"),
             device: seconds("device"),
             walls: metrics.step_wall.get_or_create(&pool).clone(),
+            preemptions: metrics.preemptions.get_or_create(&pool).clone(),
+            preemptions_seen: 0,
         }
     }
 }
@@ -67,7 +73,11 @@ impl PoolThread {
             return;
         }
         self.steps_seen = stats.steps;
-        let c = &self.step_counters;
+        let c = &mut self.step_counters;
+        let seen = std::mem::replace(&mut c.preemptions_seen, stats.preemptions);
+        // A rebuilt engine counts from zero again.
+        let seen = if seen > stats.preemptions { 0 } else { seen };
+        c.preemptions.inc_by(stats.preemptions - seen);
         c.steps.inc();
         c.wall.inc_by(wall.as_secs_f64());
         c.walls.observe(wall.as_secs_f64());
