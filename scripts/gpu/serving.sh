@@ -39,19 +39,23 @@ mode_neighbour() {
     # TARGETS and SERVERS override (SERVERS="/tmp/kiln-base .gpu-bench/kiln"
     # after `unpack` for the base build beside this one); SERVE_ARGS adds
     # serve arguments (`--pd off`: one lane, where serve's default on a
-    # GPU is two).
+    # GPU is two). ROUNDS (default 1) repeats the whole set, servers taking
+    # turns: b's TTFT p95 is the second slowest of ~28 requests, so one
+    # round says little about it.
     out="${OUT:-./gpu-out}"
     mkdir -p "$out"
     device_env
     unpack_kiln
     export ALONE_S="${ALONE_S:-10}" BURST_S="${BURST_S:-20}"
-    for server in ${SERVERS:-.gpu-bench/kiln}; do
-        for target in ${TARGETS:-0 1.8}; do
-            echo "== $server --step-target $target ${SERVE_ARGS:-}" | tee -a "$out/neighbour.log"
-            # shellcheck disable=SC2086
-            timeout 150 python3 scripts/noisy_neighbour.py "$server" .gpu-bench/kiln big synthetic:llama-3-8b \
-                --device cuda --kv fp8-static --kv-memory 16GiB --step-target "$target" ${SERVE_ARGS:-} 2>&1 |
-                grep -v INFO | tee -a "$out/neighbour.log"
+    for round in $(seq "${ROUNDS:-1}"); do
+        for server in ${SERVERS:-.gpu-bench/kiln}; do
+            for target in ${TARGETS:-0 1.8}; do
+                echo "== round $round: $server --step-target $target ${SERVE_ARGS:-}" | tee -a "$out/neighbour.log"
+                # shellcheck disable=SC2086
+                timeout 150 python3 scripts/noisy_neighbour.py "$server" .gpu-bench/kiln big synthetic:llama-3-8b \
+                    --device cuda --kv fp8-static --kv-memory 16GiB --step-target "$target" ${SERVE_ARGS:-} 2>&1 |
+                    grep -v INFO | tee -a "$out/neighbour.log"
+            done
         done
     done
 }
