@@ -51,6 +51,13 @@ impl StepCounters {
     }
 }
 
+impl StepCounters {
+    /// A rebuilt engine counts its preemptions from zero.
+    pub(super) fn restarted(&mut self) {
+        self.preemptions_seen = 0;
+    }
+}
+
 impl PoolThread {
     pub(super) fn count_prefix(&self, tenant: &str, prompt: usize, cached: usize) {
         for (result, n) in [("hit", cached), ("miss", prompt.saturating_sub(cached))] {
@@ -75,9 +82,7 @@ impl PoolThread {
         self.steps_seen = stats.steps;
         let c = &mut self.step_counters;
         let seen = std::mem::replace(&mut c.preemptions_seen, stats.preemptions);
-        // A rebuilt engine counts from zero again.
-        let seen = if seen > stats.preemptions { 0 } else { seen };
-        c.preemptions.inc_by(stats.preemptions - seen);
+        c.preemptions.inc_by(stats.preemptions.saturating_sub(seen));
         c.steps.inc();
         c.wall.inc_by(wall.as_secs_f64());
         c.walls.observe(wall.as_secs_f64());

@@ -104,6 +104,7 @@ impl PoolThread {
             .clear();
         self.aborts_seen = 0;
         self.steps_seen = 0;
+        self.step_counters.restarted();
         loop {
             match Engine::new(self.loaded.clone(), self.config.clone()) {
                 Ok(engine) => {
