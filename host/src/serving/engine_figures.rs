@@ -49,9 +49,7 @@ impl StepCounters {
             preemptions_seen: 0,
         }
     }
-}
 
-impl StepCounters {
     /// A rebuilt engine counts its preemptions from zero.
     pub(super) fn restarted(&mut self) {
         self.preemptions_seen = 0;
