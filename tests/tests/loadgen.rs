@@ -24,6 +24,7 @@ async fn loadgen_reports_each_tenants_tokens_and_latencies() {
         ],
         duration_s: 2.0,
         warmup_s: 0.0,
+        prompt_run: None,
     };
     let reports = loadgen::run(args).await.unwrap();
     let names: Vec<_> = reports.iter().map(|r| r.name.as_str()).collect();
@@ -68,6 +69,7 @@ async fn loadgen_sessions_keep_their_requests_on_their_pool() {
         ],
         duration_s: 2.0,
         warmup_s: 0.0,
+        prompt_run: None,
     };
     let reports = loadgen::run(args).await.unwrap();
     let r = &reports[0];
@@ -84,4 +86,37 @@ async fn loadgen_sessions_keep_their_requests_on_their_pool() {
         "pools {zero} / {one}"
     );
     assert_eq!(s.metric(&["kiln_pool_spills_total"]).await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_share_no_cached_prompt_unless_one_names_anothers_prompts() {
+    let s = TestServer::start_with_models().await;
+    let a = s.tenant("a").await;
+    let load = |prompt_run: Option<&str>| LoadArgs {
+        server: s.url.clone(),
+        model: DEFAULT_MODEL.into(),
+        tenants: vec![format!("a={a},clients=2,prompt=64,max=2").parse().unwrap()],
+        duration_s: 1.0,
+        warmup_s: 0.0,
+        prompt_run: prompt_run.map(str::to_owned),
+    };
+    let hits = || s.metric(&["kiln_prefix_cache_tokens_total{", "result=\"hit\""]);
+    // Run by run: the prompt tokens served from the cache, and requests.
+    let mut seen = Vec::new();
+    for run in [None, None, Some("again"), Some("again")] {
+        let before = hits().await;
+        let r = loadgen::run(load(run)).await.unwrap();
+        assert!(r[0].requests >= 2 && r[0].errors == 0, "{:?}", r[0]);
+        seen.push((hits().await - before, r[0].requests as f64));
+    }
+    // The probe's hits alone (its long prompt on its short one: 64 words,
+    // about a token each on this model), run after run, a named run's
+    // first too.
+    for (hit, _) in &seen[..3] {
+        assert!(*hit <= 80.0, "a run sends prompts of its own: {seen:?}");
+    }
+    // The repeat's requests each hit their earlier run's three full pages
+    // (48 of 64 tokens), those it sent again.
+    let again = 48.0 * seen[2].1.min(seen[3].1);
+    assert!(seen[3].0 >= again, "{seen:?}");
 }

@@ -184,6 +184,12 @@ pub struct LoadArgs {
     /// output tok/s of the tokens that arrive after it.
     #[arg(long, default_value_t = 0.0)]
     pub warmup_s: f64,
+    /// Begins every prompt's tag, so that no prompt of this run shares a
+    /// cached prefix with an earlier run's on the same server; name an
+    /// earlier run's to send its prompts again (default: one drawn from the
+    /// clock).
+    #[arg(long)]
+    pub prompt_run: Option<String>,
 }
 
 /// A prompt of `words` words that begins with `tag`, so no two requests
@@ -288,13 +294,19 @@ async fn one(
 /// word and a fixed part (the tag, special tokens), from the
 /// `usage.prompt_tokens` of two calls (a byte-level tokenizer makes several
 /// tokens of a word, a trained one about one).
-async fn prompt_size(http: &reqwest::Client, args: &LoadArgs) -> anyhow::Result<(f64, f64)> {
+async fn prompt_size(
+    http: &reqwest::Client,
+    args: &LoadArgs,
+    run: &str,
+) -> anyhow::Result<(f64, f64)> {
     let (short, long) = (64, 320);
+    // A tag the length of a request's that no request has, so no request
+    // hits the probe's pages.
+    let tag = format!("{run}-p-0-0");
     for t in &args.tenants {
         let mut counts = Vec::new();
         for words in [short, long] {
-            let body =
-                json!({"model": args.model, "prompt": prompt("0-0-0", words), "max_tokens": 1});
+            let body = json!({"model": args.model, "prompt": prompt(&tag, words), "max_tokens": 1});
             let resp = completion(http, args, (&t.key, None), &body).await?;
             let ok = resp.status().is_success();
             let v: Value = resp
@@ -337,6 +349,8 @@ fn record(got: &mut Got, name: &str, result: anyhow::Result<Sample>) -> bool {
 struct Run {
     http: reqwest::Client,
     args: LoadArgs,
+    /// What begins every prompt's tag.
+    tag: String,
     per_word: f64,
     fixed: f64,
     start: Instant,
@@ -356,7 +370,7 @@ impl Run {
         Request {
             key: &t.key,
             session: (t.sessions > 0).then(|| format!("{}-{}", t.name, turn % t.sessions)),
-            tag: format!("{}-{}-{}", id.0, id.1, id.2),
+            tag: format!("{}-{}-{}-{}", self.tag, id.0, id.1, id.2),
             words: ((tokens as f64 - self.fixed) / self.per_word)
                 .round()
                 .max(1.0) as usize,
@@ -436,12 +450,17 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Vec<TenantReport>> {
         args.duration_s
     );
     let http = reqwest::Client::builder().build()?;
-    let (per_word, fixed) = prompt_size(&http, &args).await?;
+    let tag = args.prompt_run.clone().unwrap_or_else(|| {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        format!("{:08x}", now.unwrap_or_default().as_micros() as u32)
+    });
+    let (per_word, fixed) = prompt_size(&http, &args, &tag).await?;
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(args.duration_s);
     let run = Arc::new(Run {
         http,
         args,
+        tag,
         per_word,
         fixed,
         start,
