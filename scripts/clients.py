@@ -11,7 +11,9 @@ each report: output tok/s and TTFT p95 are issue 23's measures. Then the
 requests each decode pool took and the session requests that spilled from
 a saturated pool (with SESSIONS=per-client, each client keeps a session
 key of its own, `sessions=N` for N clients: none spilled means affinity
-held). The server is stopped with SIGTERM.
+held). PROMPT_RUN=TAG makes every run send the same prompts (by default
+each run's are its own, so no run finds another's in the prefix cache).
+The server is stopped with SIGTERM.
 
     scripts/clients.py SERVER LOADGEN NAME SOURCE [serve args...]
 """
@@ -28,6 +30,9 @@ DURATION_S = os.environ.get("DURATION_S", "40")
 WARMUP_S = os.environ.get("WARMUP_S", "10")
 LOAD = os.environ.get("LOAD", "prompt=1024,max=256")
 PER_CLIENT = os.environ.get("SESSIONS") == "per-client"
+# Every run sends the same prompts (each run's own otherwise): the later
+# runs find the earlier runs' prompts in the prefix cache.
+PROMPT_RUN = os.environ.get("PROMPT_RUN")
 
 
 def main():
@@ -41,7 +46,8 @@ def main():
         preempted = preemptions(srv.port, ADMIN)
         subprocess.run([loadgen, "loadgen", "--server", f"http://127.0.0.1:{srv.port}",
                         "--model", model, "--duration-s", DURATION_S, "--warmup-s", WARMUP_S,
-                        "--tenant", f"t={key},clients={n},{load}"], check=True)
+                        "--tenant", f"t={key},clients={n},{load}",
+                        *(["--prompt-run", PROMPT_RUN] if PROMPT_RUN else [])], check=True)
         after, spills = routing(srv.port, ADMIN)
         took = {p: int(after[p] - before.get(p, 0.0)) for p in sorted(after)}
         print(f"requests by decode pool: {took}; session requests spilled: {int(spills - spilled)}; "
