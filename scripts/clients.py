@@ -11,8 +11,9 @@ each report: output tok/s and TTFT p95 are issue 23's measures. Then the
 requests each decode pool took and the session requests that spilled from
 a saturated pool (with SESSIONS=per-client, each client keeps a session
 key of its own, `sessions=N` for N clients: none spilled means affinity
-held). PROMPT_RUN=TAG makes every run send the same prompts (by default
-each run's are its own, so no run finds another's in the prefix cache).
+held). PROMPT_RUN=TAG gives every run the same prompts for the same client
+and turn, so a run finds in the prefix cache those an earlier run sent
+(by default each run's are its own).
 The server is stopped with SIGTERM.
 
     scripts/clients.py SERVER LOADGEN NAME SOURCE [serve args...]
@@ -22,7 +23,7 @@ import os
 import signal
 import subprocess
 
-from kiln_serve import call, preemptions, routing, start_from_argv
+from kiln_serve import call, preemptions, routing, since, start_from_argv
 
 ADMIN = "clients-admin"
 CLIENTS = os.environ.get("CLIENTS", "1 64 128 256").split()
@@ -30,8 +31,8 @@ DURATION_S = os.environ.get("DURATION_S", "40")
 WARMUP_S = os.environ.get("WARMUP_S", "10")
 LOAD = os.environ.get("LOAD", "prompt=1024,max=256")
 PER_CLIENT = os.environ.get("SESSIONS") == "per-client"
-# Every run sends the same prompts (each run's own otherwise): the later
-# runs find the earlier runs' prompts in the prefix cache.
+# Every run's prompts by client and turn the same (each run's own
+# otherwise): a later run finds an earlier run's in the prefix cache.
 PROMPT_RUN = os.environ.get("PROMPT_RUN")
 
 
@@ -51,7 +52,7 @@ def main():
         after, spills = routing(srv.port, ADMIN)
         took = {p: int(after[p] - before.get(p, 0.0)) for p in sorted(after)}
         print(f"requests by decode pool: {took}; session requests spilled: {int(spills - spilled)}; "
-              f"preemptions: {int(preemptions(srv.port, ADMIN) - preempted)}", flush=True)
+              f"preemptions: {since(preempted, preemptions(srv.port, ADMIN))}", flush=True)
     srv.proc.send_signal(signal.SIGTERM)
     print(f"server exit {srv.proc.wait(timeout=60)}")
 

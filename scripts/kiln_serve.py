@@ -129,10 +129,17 @@ def step_times(port, admin):
 
 def preemptions(port, admin):
     """Sequences the engines preempted so far, from /metrics, summed over
-    pools (0 from a build without the counter)."""
+    pools (None from a build without the counter)."""
     _, text = exchange(port, admin, "GET", "/metrics")
-    return sum(float(line.rsplit(" ", 1)[-1]) for line in text.decode(errors="replace").splitlines()
-               if line.startswith("kiln_engine_preemptions_total{"))
+    counts = [float(line.rsplit(" ", 1)[-1]) for line in text.decode(errors="replace").splitlines()
+              if line.startswith("kiln_engine_preemptions_total{")]
+    return sum(counts) if counts else None
+
+
+def since(before, after):
+    """`after - before` of two `preemptions` readings, as text ("n/a"
+    without the counter)."""
+    return "n/a" if before is None or after is None else f"{after - before:.0f}"
 
 
 def routing(port, admin):

@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 
-from kiln_serve import call, preemptions, quantile, start_from_argv, step_times, step_walls
+from kiln_serve import call, preemptions, quantile, since, start_from_argv, step_times, step_walls
 
 ADMIN = "noisy-neighbour-admin"
 ALONE_S = int(os.environ.get("ALONE_S", "20"))
@@ -49,7 +49,7 @@ def main():
             spread = "" if None in qs else "; wall p50 / p70 / p90 / p99 " + " / ".join(f"{q:.2f}" for q in qs) + " ms"
             print(f"engine steps {steps:.0f}: wall {wall / steps * 1e3:.2f} ms, "
                   f"device {device / steps * 1e3:.2f} ms a step{spread}; "
-                  f"preemptions {preemptions(port, ADMIN) - preempted:.0f}", flush=True)
+                  f"preemptions {since(preempted, preemptions(port, ADMIN))}", flush=True)
     proc.send_signal(signal.SIGTERM)
     print(f"server exit {proc.wait(timeout=60)}")
 

@@ -359,7 +359,11 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve(args) => serve(*args).await,
         Command::Run(args) => tokio::task::spawn_blocking(move || run(args)).await?,
         Command::Bench(args) => tokio::task::spawn_blocking(move || bench(args)).await?,
-        Command::Loadgen(args) => {
+        Command::Loadgen(mut args) => {
+            let run = (args.prompt_run)
+                .get_or_insert_with(kiln_host::loadgen::fresh_prompt_run)
+                .clone();
+            println!("prompt run {run} (--prompt-run {run} sends these prompts again)");
             if args.warmup_s > 0.0 {
                 println!("the first {} s not counted", args.warmup_s);
             }

@@ -95,7 +95,13 @@ async fn runs_share_no_cached_prompt_unless_one_names_anothers_prompts() {
     let load = |prompt_run: Option<&str>| LoadArgs {
         server: s.url.clone(),
         model: DEFAULT_MODEL.into(),
-        tenants: vec![format!("a={a},clients=2,prompt=64,max=2").parse().unwrap()],
+        // Arrivals at a rate (the same times and ids, run after run) keep
+        // the requests few enough that none evicts an earlier one's pages.
+        tenants: vec![
+            format!("a={a},rate=8,clients=4,prompt=64,max=2")
+                .parse()
+                .unwrap(),
+        ],
         duration_s: 1.0,
         warmup_s: 0.0,
         prompt_run: prompt_run.map(str::to_owned),
@@ -106,7 +112,7 @@ async fn runs_share_no_cached_prompt_unless_one_names_anothers_prompts() {
     for run in [None, None, Some("again"), Some("again")] {
         let before = hits().await;
         let r = loadgen::run(load(run)).await.unwrap();
-        assert!(r[0].requests >= 2 && r[0].errors == 0, "{:?}", r[0]);
+        assert!(r[0].requests >= 1 && r[0].errors == 0, "{:?}", r[0]);
         seen.push((hits().await - before, r[0].requests as f64));
     }
     // The probe's hits alone (its long prompt on its short one: 64 words,
@@ -115,8 +121,8 @@ async fn runs_share_no_cached_prompt_unless_one_names_anothers_prompts() {
     for (hit, _) in &seen[..3] {
         assert!(*hit <= 80.0, "a run sends prompts of its own: {seen:?}");
     }
-    // The repeat's requests each hit their earlier run's three full pages
-    // (48 of 64 tokens), those it sent again.
+    // The repeat's requests each hit at least three full pages (48 of 64
+    // tokens) of the prompt the earlier run sent under the same id.
     let again = 48.0 * seen[2].1.min(seen[3].1);
     assert!(seen[3].0 >= again, "{seen:?}");
 }

@@ -110,6 +110,13 @@ async fn status_page_shows_the_metrics_figures_and_plots_them() {
             .any(|k| k.starts_with("kiln_kv_pages{") && k.contains(&format!("state=\"{state}\"")));
         assert!(found, "no KV pages {state} in {names:?}");
     }
+    // Each pool's preemptions, at 0 until one happens.
+    assert!(
+        names
+            .iter()
+            .any(|k| k.starts_with("kiln_engine_preemptions_total{")),
+        "no preemptions in {names:?}"
+    );
     for tenant in ["acme", "beta"] {
         for kind in ["prompt", "completion"] {
             let found = names.iter().any(|k| {

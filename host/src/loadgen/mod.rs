@@ -441,6 +441,13 @@ impl Run {
     }
 }
 
+/// A prompt run's tag drawn from the clock: a run that does not name one
+/// sends prompts no earlier run sent.
+pub fn fresh_prompt_run() -> String {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    format!("{:08x}", now.unwrap_or_default().as_micros() as u32)
+}
+
 /// Runs the load and reports per tenant, in the order given.
 pub async fn run(args: LoadArgs) -> anyhow::Result<Vec<TenantReport>> {
     anyhow::ensure!(
@@ -450,10 +457,7 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Vec<TenantReport>> {
         args.duration_s
     );
     let http = reqwest::Client::builder().build()?;
-    let tag = args.prompt_run.clone().unwrap_or_else(|| {
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
-        format!("{:08x}", now.unwrap_or_default().as_micros() as u32)
-    });
+    let tag = args.prompt_run.clone().unwrap_or_else(fresh_prompt_run);
     let (per_word, fixed) = prompt_size(&http, &args, &tag).await?;
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(args.duration_s);

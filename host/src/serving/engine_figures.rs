@@ -70,17 +70,25 @@ impl PoolThread {
         }
     }
 
-    /// Counts a step that ran a forward pass: its `wall` time and the
-    /// device time the engine reports for it.
+    /// Counts the preemptions `engine` made since the last count (a step
+    /// plans them before it knows whether anything runs).
+    pub(super) fn count_preemptions(&mut self, engine: &Engine) {
+        let c = &mut self.step_counters;
+        let now = engine.stats().preemptions;
+        let seen = std::mem::replace(&mut c.preemptions_seen, now);
+        c.preemptions.inc_by(now.saturating_sub(seen));
+    }
+
+    /// Counts a step's preemptions and, if it ran a forward pass, the step:
+    /// its `wall` time and the device time the engine reports for it.
     pub(super) fn count_step(&mut self, engine: &Engine, wall: Duration) {
+        self.count_preemptions(engine);
         let stats = engine.stats();
         if stats.steps == self.steps_seen {
             return;
         }
         self.steps_seen = stats.steps;
-        let c = &mut self.step_counters;
-        let seen = std::mem::replace(&mut c.preemptions_seen, stats.preemptions);
-        c.preemptions.inc_by(stats.preemptions.saturating_sub(seen));
+        let c = &self.step_counters;
         c.steps.inc();
         c.wall.inc_by(wall.as_secs_f64());
         c.walls.observe(wall.as_secs_f64());

@@ -75,6 +75,8 @@ impl PoolThread {
             replayed = again.len(),
             "the engine {why}; failing the requests it concerns (sequence, tenant) and restarting it"
         );
+        // Those of the failed step too: the plan made them.
+        self.count_preemptions(&old);
         let labels = PoolLabels {
             model: self.model.clone(),
             pool: self.pool.clone(),

@@ -63,7 +63,7 @@ function tiles(by) {
 function poolsTable(by) {
   const table = document.getElementById("pools");
   const head = el("tr");
-  for (const h of ["model", "pool", "pages in use", "cached", "free", "requests routed", "integrity aborts"]) head.append(el("th", {}, h));
+  for (const h of ["model", "pool", "pages in use", "cached", "free", "requests routed", "preemptions", "integrity aborts"]) head.append(el("th", {}, h));
   table.replaceChildren(head);
   const keys = new Set((by.kiln_kv_pages || []).map((s) => `${s.labels.model}\u0000${s.labels.pool}`));
   for (const key of [...keys].sort()) {
@@ -72,6 +72,7 @@ function poolsTable(by) {
     row.append(el("td", {}, model), el("td", {}, pool));
     for (const state of ["in_use", "cached", "free"]) row.append(figure("td", find(by.kiln_kv_pages, { model, pool, state })));
     row.append(figure("td", find(by.kiln_pool_requests_total, { model, pool })));
+    row.append(figure("td", find(by.kiln_engine_preemptions_total, { model, pool })));
     row.append(figure("td", find(by.kiln_kv_integrity_aborts_total, { model, pool })));
     table.append(row);
   }
